@@ -1,0 +1,241 @@
+"""The command line of the staged LoRA trainer. Each stage runs in its own process.
+
+    python pipeline.py run --config configs/flux-dev.toml       # all stages, up-to-date ones skipped
+    python pipeline.py encode-captions --config configs/flux-dev.toml
+    python pipeline.py status demo
+
+Importing this file does not import torch: `--help` is instant, and stage modules are imported
+only inside the command that runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+ROOT = Path(__file__).resolve().parent
+STAGES = ("encode-captions", "cache-latents", "train", "export-lora")
+USER_ERRORS = ("ConfigError", "DatasetError", "BadImage", "ArtifactError", "ModelError", "StageLocked", "UserError")
+
+
+def _stage_module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"stages.{name.replace('-', '_')}")
+
+
+def _load(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> Any:
+    from stages.core.config import load_config, parse_override
+
+    overrides = dict(parse_override(s) for s in sets)
+    if run:
+        overrides["run"] = run
+    if model:
+        overrides["model"] = model
+    return load_config(config, overrides)
+
+
+def _remember_config(cfg: Any) -> None:
+    """Keep the resolved config beside the artifacts, so `status <run>` needs no --config."""
+    from stages.core.artifacts import atomic_write_json
+
+    atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
+
+
+def _fail(e: BaseException) -> None:
+    user_error = type(e).__name__ in USER_ERRORS or isinstance(e, FileNotFoundError)
+    if user_error and not os.environ.get("LORAPIPE_DEBUG"):
+        click.secho(f"error: {e}", fg="red", err=True)
+        sys.exit(2)
+    raise e
+
+
+def config_options(f: Any) -> Any:
+    f = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                     help="Override a config key, e.g. --set train.steps=200 (repeatable).")(f)
+    f = click.option("--model", help="Override 'model': a pipeline folder or hub id.")(f)
+    f = click.option("--run", help="Override the run name (artifact folder).")(f)
+    f = click.option("--config", "-c", type=click.Path(dir_okay=False), help="TOML preset (see configs/).")(f)
+    return f
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Staged LoRA training for diffusion models: encode-captions, cache-latents, train, export-lora."""
+
+
+def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
+    import shutil
+
+    from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
+
+    module = _stage_module(name)
+    if force and name in ("encode-captions", "cache-latents"):
+        shutil.rmtree(module.artifact_dir(cfg), ignore_errors=True)
+    _remember_config(cfg)
+    manifest = module.run(cfg, **kwargs)
+    summary = {k: manifest.get(k) for k in ("encoded_this_run", "step", "loss_first", "loss_last", "files", "seconds")
+               if manifest.get(k) is not None}
+    click.echo(f"{name}: done {summary}")
+
+
+@cli.command("encode-captions")
+@config_options
+@click.option("--force", is_flag=True, help="Re-encode every caption.")
+def encode_captions_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], force: bool) -> None:
+    """Encode captions with the text encoders only -> captions.zarr."""
+    try:
+        _run_stage("encode-captions", _load(config, run, model, sets), force)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+@cli.command("cache-latents")
+@config_options
+@click.option("--force", is_flag=True, help="Re-encode every image.")
+def cache_latents_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], force: bool) -> None:
+    """Encode crop/flip variants with the VAE only -> latents.zarr (posterior mean and logvar)."""
+    try:
+        _run_stage("cache-latents", _load(config, run, model, sets), force)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+@cli.command("train")
+@config_options
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
+def train_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], resume: bool) -> None:
+    """Train a LoRA on the caches, loading only the denoiser -> lora/."""
+    try:
+        _run_stage("train", _load(config, run, model, sets), resume=resume)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+@cli.command("export-lora")
+@config_options
+@click.option("--format", "fmt", type=click.Choice(["diffusers", "kohya"]), help="Also write a kohya/ComfyUI copy.")
+@click.option("--verify", is_flag=True, default=None, help="Load the file into the family's pipeline and check every key.")
+@click.option("--checkpoint", type=int, help="Export lora/checkpoint-N instead of lora/final.")
+def export_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], fmt: str | None,
+               verify: bool | None, checkpoint: int | None) -> None:
+    """Write the adapter as a diffusers LoRA file (no base weights loaded) -> export/."""
+    sets = sets + ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ())
+    try:
+        _run_stage("export-lora", _load(config, run, model, sets), checkpoint=checkpoint)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+def _child_args(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> list[str]:
+    args = (["--config", config] if config else []) + (["--run", run] if run else [])
+    args += (["--model", model] if model else [])
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+@cli.command("run")
+@config_options
+@click.option("--force", is_flag=True, help="Run every stage even if up to date.")
+@click.option("--only", multiple=True, type=click.Choice(STAGES), help="Run only these stages.")
+def run_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], force: bool,
+            only: tuple[str, ...]) -> None:
+    """Run all stages in order, each as a child process; stages whose manifest matches are skipped."""
+    try:
+        cfg = _load(config, run, model, sets)
+        from stages.core.events import EventLog
+        from stages.core.stage import staleness
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    for name in only or STAGES:
+        try:
+            ok, reasons = staleness(_stage_module(name), cfg)
+        except Exception as e:  # noqa: BLE001
+            _fail(e)
+        if ok and not force:
+            EventLog(cfg.run_dir, cfg.run, name).emit("up_to_date")
+            click.echo(f"{name}: up to date, skipped")
+            continue
+        click.echo(f"{name}: running ({'; '.join(reasons)[:200] or 'forced'})")
+        extra = ["--force"] if force and name in ("encode-captions", "cache-latents") else []
+        code = subprocess.call([sys.executable, str(ROOT / "pipeline.py"), name, *_child_args(config, run, model, sets), *extra])
+        if code != 0:
+            click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
+            sys.exit(code)
+
+
+@cli.command("status")
+@click.argument("run_name", required=False)
+@config_options
+def status_cmd(run_name: str | None, config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> None:
+    """Show each stage of a run as up to date or stale, and why."""
+    try:
+        cfg = _status_config(run_name, config, run, model, sets)
+        from stages.core.stage import staleness
+
+        for name in STAGES:
+            ok, reasons = staleness(_stage_module(name), cfg)
+            mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
+            click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({'; '.join(reasons)[:300]})"))
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+def _status_config(run_name: str | None, config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> Any:
+    if config or not run_name:
+        return _load(config, run or run_name, model, sets)
+    import json
+
+    from stages.core.config import build_config
+
+    saved = Path("artifacts") / run_name / "config.json"
+    if not saved.is_file():
+        raise FileNotFoundError(f"run '{run_name}' has no {saved}; pass --config <the run's preset>")
+    return build_config(json.loads(saved.read_text()), str(saved))
+
+
+@cli.command("stop")
+@click.argument("run_name")
+@click.option("--no-save", is_flag=True, help="Cancel without writing a checkpoint or adapter.")
+@click.option("--artifacts", default="artifacts", show_default=True, help="Artifact root.")
+def stop_cmd(run_name: str, no_save: bool, artifacts: str) -> None:
+    """Ask a running `train` of RUN_NAME to stop after its current step (saving unless --no-save)."""
+    from stages.train import request_stop
+
+    pid = request_stop(Path(artifacts) / run_name, save=not no_save)
+    if pid is None:
+        click.secho(f"no train stage is running for run '{run_name}'", fg="yellow", err=True)
+        sys.exit(1)
+    click.echo(f"asked train (pid {pid}) of run '{run_name}' to stop{' without saving' if no_save else ''}")
+
+
+@cli.command("keys")
+def keys_cmd() -> None:
+    """List every config key with its default and meaning."""
+    from stages.core.config import describe_keys
+
+    for key, default, doc in describe_keys():
+        click.echo(f"{key:34s} {default:18s} {doc}")
+
+
+@cli.command("demo")
+@click.option("--family", default="flux", show_default=True, help="Which tiny family to demo.")
+@click.option("--steps", type=int, help="Override train.steps.")
+def demo_cmd(family: str, steps: int | None) -> None:
+    """Build a tiny random-weight model and dataset, run every stage on CPU, render before/after."""
+    from stages.demo import run_demo
+
+    try:
+        run_demo(family, steps)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,366 @@
+"""Typed run configuration: TOML file -> dataclasses, validated before any model loads.
+
+    from stages.core.config import load_config
+    cfg = load_config("configs/flux-dev.toml", overrides={"train.steps": 200})
+
+Every key is declared here with its default and meaning. An unknown key is an error that names the
+nearest valid key; every error in a file is collected and reported at once (torchtune's habit), so a
+user fixes a config in one round trip instead of one GPU start per typo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A config problem a user caused; the message names the file and key and what to do."""
+
+
+@dataclass
+class DataConfig:
+    path: str = "data"
+    """Folder of images with same-stem .txt captions, or holding a metadata.jsonl (file_name, text)."""
+    resolution: int = 1024
+    """Target side: buckets have an area near resolution**2."""
+    bucket_step: int = 0
+    """Bucket sides are multiples of this (0: the family's own, e.g. 16 for FLUX)."""
+    max_aspect: float = 3.0
+    """Widest bucket aspect ratio (long side / short side)."""
+    cache_variants: int = 4
+    """Crop/flip variants cached per image; each training step samples one at random."""
+    random_flip: bool = True
+    """Odd-numbered variants are horizontally flipped."""
+    crop: Literal["random", "center"] = "random"
+    """Where each variant's crop box sits when the resized image overhangs its bucket."""
+    caption_ext: str = ".txt"
+    on_bad_image: Literal["error", "skip"] = "error"
+    """What cache-latents does with an unreadable image: stop with its name, or skip and list it."""
+    background: str = "white"
+    """Colour that transparency is composited on (a PIL colour name or #rrggbb)."""
+
+
+@dataclass
+class CaptionsConfig:
+    max_sequence_length: int = 512
+    """Text tokens kept per caption (FLUX's T5: 512 for dev, 256 for schnell; longer is truncated)."""
+    text_encoder_precision: Literal["auto", "fp32", "bf16", "nf4"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU. nf4 needs CUDA (bitsandbytes)."""
+    batch_size: int = 8
+
+
+@dataclass
+class LatentsConfig:
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """Storage dtype of the posterior mean and logvar (zarr has no bfloat16: stored as raw bits)."""
+    vae_precision: Literal["auto", "fp32", "bf16"] = "fp32"
+    batch_size: int = 4
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 1
+    """Samples per step, all from one aspect bucket, in one denoiser forward."""
+    learning_rate: float = 1e-4
+    lr_scheduler: Literal[
+        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
+    ] = "constant"
+    lr_warmup_steps: int = 0
+    lr_num_cycles: int = 1
+    lr_power: float = 1.0
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)
+    """Module names for LoRA (empty: the family's default, e.g. FLUX attention q/k/v/out)."""
+    timestep_density: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 1.0
+    """Flow-matching timestep shift s' = shift*s / (1 + (shift-1)*s); 1.0 leaves sigmas as drawn."""
+    dynamic_shift: bool = False
+    """Shift by image token count as FLUX's scheduler does at inference (overrides shift)."""
+    guidance_scale: float = 1.0
+    """FLUX-dev guidance embedding value during training (ignored by models without one)."""
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
+    """DDPM families only (SDXL): auto reads the scheduler config."""
+    snr_gamma: float = 5.0
+    """DDPM families only: min-SNR-gamma loss weighting; 0 turns it off."""
+    noise_offset: float = 0.0
+    """DDPM families only."""
+    gradient_checkpointing: bool = True
+    base_precision: Literal["auto", "nf4", "bf16", "fp32"] = "auto"
+    """auto: nf4 on CUDA, fp32 on CPU."""
+    nf4_double_quant: bool = True
+    compile_transformer: Literal["off", "on", "auto"] = "auto"
+    enable_tf32: bool = True
+    cudnn_benchmark: bool = False
+    checkpoint_every: int = 500
+    """Write a resumable checkpoint every N steps (0: only at the end or on stop)."""
+    keep_checkpoints: int = 2
+    resume: Literal["never", "auto"] = "never"
+    log_every: int = 1
+    warmup_steps_excluded: int = 3
+    """Steps left out of samples_per_second (first steps pay for allocation and compile)."""
+
+
+@dataclass
+class ExportConfig:
+    format: Literal["diffusers", "kohya"] = "diffusers"
+    verify: bool = False
+    """Load the exported file into the family's pipeline and fail on any missing/unexpected key."""
+
+
+@dataclass
+class Config:
+    run: str = "default"
+    """Run name: artifacts go to <artifacts>/<run>/."""
+    family: str = "flux"
+    model: str = ""
+    """A local diffusers pipeline folder or a hub id (e.g. black-forest-labs/FLUX.1-dev)."""
+    revision: str = ""
+    artifacts: str = "artifacts"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    captions: CaptionsConfig = field(default_factory=CaptionsConfig)
+    latents: LatentsConfig = field(default_factory=LatentsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.artifacts) / self.run
+
+    def section(self, dotted: str) -> Any:
+        obj: Any = self
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}  # type: ignore[arg-type]
+
+
+def all_keys() -> list[str]:
+    """Every valid dotted key, e.g. ``train.learning_rate``."""
+    keys = []
+    for f in dataclasses.fields(Config):
+        if f.name in SECTIONS:
+            keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(f.default_factory())]  # type: ignore[misc]
+        else:
+            keys.append(f.name)
+    return keys
+
+
+def _nearest(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in all_keys() if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.75)]
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert one value against its annotation; raise ConfigError naming the key."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        if value not in get_args(tp):
+            choices = ", ".join(repr(a) for a in get_args(tp))
+            raise ConfigError(f"'{key}' = {value!r} is not one of {choices}")
+        return value
+    if origin in (list, typing.List):
+        if not isinstance(value, list):
+            raise ConfigError(f"'{key}' must be a list, got {value!r}")
+        (item_tp,) = get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        for arg in get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"'{key}' = {value!r} has the wrong type ({tp})")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"'{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"'{key}' must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"'{key}' must be an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"'{key}' must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"'{key}' must be a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"'{key}' must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``train.steps=200`` -> ("train.steps", "200"); TOML literals ([..], true, 1e-4) are parsed."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key=value, e.g. train.steps=200")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def build_config(data: dict[str, Any], source: str = "<config>") -> Config:
+    """Validate a nested dict (as parsed from TOML) into a Config; all errors reported together."""
+    errors: list[str] = []
+    top_hints = _hints(Config)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                errors.append(f"'{key}' must be a table ([{key}])")
+                continue
+            section_cls = top_hints[key]
+            hints = _hints(section_cls)
+            sec_kwargs = {}
+            for sub, sub_value in value.items():
+                dotted = f"{key}.{sub}"
+                if sub not in hints:
+                    errors.append(f"unknown key '{dotted}'{_nearest(dotted)}")
+                    continue
+                try:
+                    sec_kwargs[sub] = _coerce(sub_value, hints[sub], dotted)
+                except ConfigError as e:
+                    errors.append(str(e))
+            kwargs[key] = section_cls(**sec_kwargs)
+        elif key in top_hints:
+            try:
+                kwargs[key] = _coerce(value, top_hints[key], key)
+            except ConfigError as e:
+                errors.append(str(e))
+        else:
+            errors.append(f"unknown key '{key}'{_nearest(key)}")
+    cfg = Config(**kwargs) if not errors else None
+    if cfg is not None:
+        errors += _check_values(cfg)
+    if errors:
+        raise ConfigError(f"{source}: " + ("\n  " if len(errors) > 1 else "") + "\n  ".join(errors))
+    assert cfg is not None
+    return cfg
+
+
+def _check_values(cfg: Config) -> list[str]:
+    from stages.families import FAMILIES
+
+    errors = []
+    if cfg.family not in FAMILIES:
+        errors.append(f"'family' = {cfg.family!r} is not one of {', '.join(sorted(FAMILIES))}")
+    positive = ["data.resolution", "data.cache_variants", "captions.max_sequence_length",
+                "captions.batch_size", "latents.batch_size", "train.steps", "train.batch_size", "train.rank"]
+    for key in positive:
+        if cfg.section(key) <= 0:
+            errors.append(f"'{key}' must be > 0, got {cfg.section(key)}")
+    if cfg.train.learning_rate <= 0:
+        errors.append(f"'train.learning_rate' must be > 0, got {cfg.train.learning_rate}")
+    if cfg.train.shift <= 0:
+        errors.append(f"'train.shift' must be > 0, got {cfg.train.shift}")
+    if not cfg.run or "/" in cfg.run or cfg.run.startswith("."):
+        errors.append(f"'run' = {cfg.run!r} must be a plain folder name")
+    if not cfg.model:
+        errors.append("'model' is empty: set it to a diffusers pipeline folder or a hub id")
+    return errors
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{key}': '{p}' is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a TOML preset (or none) and apply dotted-key overrides (CLI flags win over the file)."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist (presets are in configs/)")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        base = data.pop("include", None)
+        if base is not None:
+            parent = load_config(p.parent / base).to_dict()
+            data = _merge(parent, data)
+    if overrides:
+        data = _merge(data, _nested(overrides))
+    return build_config(data, source)
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every key; the README and `pipeline.py keys` use it."""
+    import ast
+    import inspect
+
+    rows = []
+    for cls, prefix in [(Config, "")] + [(_hints(Config)[s], f"{s}.") for s in sorted(SECTIONS)]:
+        docs: dict[str, str] = {}
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+        for f in dataclasses.fields(cls):
+            if f.name in SECTIONS:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((prefix + f.name, repr(default), docs.get(f.name, "")))
+    return rows

@@ -1,0 +1,93 @@
+"""Denoiser loading (dense or nf4) and the LoRA adapter: attach, save, load. Family-agnostic.
+
+The adapter folder (lora/final, lora/checkpoint-N) holds `adapter_model.safetensors` with peft's
+state-dict keys (no `base_model.model.` prefix) and `adapter_config.json` (LoraConfig.to_dict()),
+which export-lora turns into diffusers' LoRA file with the config in its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt: Any, double_quant: bool) -> torch.nn.Module:
+    """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration."""
+    kwargs: dict[str, Any] = {"torch_dtype": rt.dtype}
+    if precision == "nf4":
+        if not rt.is_cuda:
+            raise RuntimeError(
+                "train.base_precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit in diffusers refuses "
+                "without one); on CPU use base_precision = 'fp32' (or 'auto')"
+            )
+        from diffusers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=double_quant)
+    model = src.load(cls, subfolder, **kwargs)
+    if precision != "nf4":
+        model.to(rt.device)
+    model.requires_grad_(False)
+    return model
+
+
+def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...]) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
+                      target_modules=list(targets))
+
+
+def attach_lora(model: torch.nn.Module, config: Any) -> list[torch.nn.Parameter]:
+    """Add the adapter (diffusers' PeftAdapterMixin) and return its parameters, cast to fp32."""
+    model.add_adapter(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise RuntimeError(f"LoRA target modules {config.target_modules} matched no layer of {type(model).__name__}; "
+                           f"check train.target_modules")
+    for p in params:
+        p.data = p.data.float()  # fp32 master weights for the adapter, as diffusers' cast_training_params
+    return params
+
+
+def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def save_adapter(model: torch.nn.Module, config: Any, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state_dict(model), str(folder / ADAPTER_WEIGHTS))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config_dict(config), indent=2, sort_keys=True))
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    d = config.to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()}
+
+
+def load_adapter_files(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / ADAPTER_WEIGHTS)), json.loads((folder / ADAPTER_CONFIG).read_text())
+
+
+def load_adapter_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Copy a saved adapter into a model that already has the same adapter attached."""
+    from peft.utils import set_peft_model_state_dict
+
+    state, _ = load_adapter_files(folder)
+    result = set_peft_model_state_dict(model, state)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise RuntimeError(f"adapter in '{folder}' has keys this model lacks: {unexpected[:5]}")

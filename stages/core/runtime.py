@@ -1,0 +1,121 @@
+"""Device, dtypes and global torch state for one stage process.
+
+`stage_runtime(...)` is a context manager that sets TF32 / cuDNN flags for the stage and restores
+the previous values when it ends, guards against the cuDNN-attention backward crash seen on the
+H200 image, and measures peak VRAM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype  # compute dtype of frozen weights and activations
+    notes: list[str] = field(default_factory=list)  # what the runtime decided, for events
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device = 'cuda' but torch sees no CUDA GPU; set device = 'auto' or 'cpu'")
+    return torch.device(name)
+
+
+def precision_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """Dense compute dtype for a precision name ('auto': bf16 on CUDA, fp32 on CPU)."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "nf4": torch.bfloat16}[precision]
+
+
+def _flags() -> dict[str, Any]:
+    return {
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
+    }
+
+
+def _set_flags(flags: dict[str, Any]) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    torch.backends.cuda.enable_cudnn_sdp(flags["cudnn_sdp"])
+
+
+@contextlib.contextmanager
+def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attention: bool) -> Iterator[list[str]]:
+    """Set the stage's global torch flags; restore the previous values on exit (even on error)."""
+    saved = _flags()
+    notes = []
+    new = dict(saved)
+    if enable_tf32:
+        new.update(matmul_tf32=True, cudnn_tf32=True, float32_matmul_precision="high")
+    new["cudnn_benchmark"] = cudnn_benchmark
+    if disable_cudnn_attention and saved["cudnn_sdp"]:
+        # torch 2.11 + cu130 on H200: cuDNN attention crashed in the backward pass of a FLUX LoRA
+        # (illegal memory access / mha_graph.execute). Flash and memory-efficient SDPA are fine.
+        new["cudnn_sdp"] = False
+        notes.append("cuDNN SDPA disabled for training (backward crash seen on torch 2.11/cu130); flash/mem-efficient SDPA used")
+    _set_flags(new)
+    try:
+        yield notes
+    finally:
+        _set_flags(saved)
+
+
+def make_runtime(device: str, precision: str) -> Runtime:
+    dev = pick_device(device)
+    return Runtime(dev, precision_dtype(precision, dev))
+
+
+def reset_peak(rt: Runtime) -> None:
+    if rt.is_cuda:
+        torch.cuda.reset_peak_memory_stats(rt.device)
+
+
+def peak_vram_gb(rt: Runtime) -> dict[str, float]:
+    if not rt.is_cuda:
+        return {"allocated": 0.0, "reserved": 0.0}
+    return {"allocated": round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 3),
+            "reserved": round(torch.cuda.max_memory_reserved(rt.device) / 2**30, 3)}
+
+
+def install_model_trace() -> None:
+    """If LORAPIPE_TRACE_MODELS names a file, record every diffusers/transformers model class this
+    process constructs into it at exit (the stage-isolation tests read it)."""
+    path = os.environ.get("LORAPIPE_TRACE_MODELS")
+    if not path:
+        return
+    seen: list[str] = []
+    import diffusers
+    import transformers
+
+    for base in (diffusers.ModelMixin, transformers.PreTrainedModel):
+        original = base.__init__
+
+        def traced(self: Any, *args: Any, _orig: Any = original, **kwargs: Any) -> None:
+            seen.append(type(self).__name__)
+            _orig(self, *args, **kwargs)
+
+        base.__init__ = traced  # type: ignore[method-assign]
+    atexit.register(lambda: Path(path).write_text(json.dumps(sorted(set(seen)))))

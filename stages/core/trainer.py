@@ -1,0 +1,293 @@
+"""The training loop of the `train` stage: model + LoRA + optimizer + schedule, steps, checkpoints.
+
+All step randomness (variant choice, posterior eps, noise, timesteps) comes from one CPU generator
+seeded by `seed`, saved in every checkpoint with the sampler position, the optimizer, the LR
+scheduler and torch's global RNG (LoRA dropout), so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages import cache_latents, encode_captions
+from stages.core import dataset, lora
+from stages.core.artifacts import ArtifactError, fingerprint, read_manifest, replace_dir, write_manifest
+from stages.core.model_source import ModelSource
+from stages.core.runtime import make_runtime, peak_vram_gb, reset_peak, torch_flags
+from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
+from stages.families import get_family
+
+TRAINING_STATE = "training_state.pt"
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "nf4" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
+    cap_store, cap_manifest = encode_captions.load_captions(cfg)
+    lat_stores, lat_manifest = cache_latents.load_latents(cfg)
+    if cap_manifest["family"] != cfg.family or lat_manifest["family"] != cfg.family:
+        raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
+                            f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
+                            f"encode-captions and cache-latents with --force")
+    items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+    pairs = join_items(items, cap_manifest, lat_manifest, cfg.run)
+    return TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"]), lat_manifest
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, tcfg: Any) -> Any:
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(tcfg.lr_scheduler, optimizer, num_warmup_steps=tcfg.lr_warmup_steps,
+                         num_training_steps=tcfg.steps, num_cycles=tcfg.lr_num_cycles, power=tcfg.lr_power)
+
+
+def make_optimizer(params: list[torch.nn.Parameter], tcfg: Any, device: torch.device) -> torch.optim.Optimizer:
+    kwargs = dict(lr=tcfg.learning_rate, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_epsilon,
+                  weight_decay=tcfg.weight_decay)
+    if tcfg.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+
+
+class Trainer:
+    def __init__(self, cfg: Any, log: Any):
+        self.cfg, self.tcfg, self.log = cfg, cfg.train, log
+        self.family = get_family(cfg.family)
+        self.src = ModelSource(cfg.model, cfg.revision)
+        self.data, lat_manifest = build_data(cfg)
+        self.norm = lat_manifest["normalization"]
+        self.sampler = BucketSampler(self.data.buckets(), self.tcfg.batch_size, cfg.seed)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.parts = self._fingerprint_parts()
+        self.lora_dir = cfg.run_dir / "lora"
+
+    def _fingerprint_parts(self) -> dict[str, Any]:
+        from stages import train
+
+        return train.fingerprint_parts(self.cfg)
+
+    # ---- setup
+    def setup_model(self) -> None:
+        precision = self.precision = resolve_precision(self.tcfg.base_precision, make_runtime(self.cfg.device, "auto").device)
+        self.rt = make_runtime(self.cfg.device, "bf16" if precision == "nf4" else precision)
+        reset_peak(self.rt)
+        self.src.check(self.family.denoiser_components)
+        self.log.emit("loading", component=self.family.denoiser_class, precision=precision)
+        t = time.time()
+        self.model = self.family.load_denoiser(self.src, precision, self.rt, self.tcfg)
+        self.log.emit("loaded", component=self.family.denoiser_class, seconds=round(time.time() - t, 3))
+        targets = self.tcfg.target_modules or list(self.family.default_lora_targets)
+        self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets)
+        self.params = lora.attach_lora(self.model, self.lora_config)
+        if self.tcfg.gradient_checkpointing:
+            self.model.enable_gradient_checkpointing()
+        self.model.train()
+        self.optimizer = make_optimizer(self.params, self.tcfg, self.rt.device)
+        self.scheduler = make_scheduler(self.optimizer, self.tcfg)
+        self.compiled = self._maybe_compile()
+
+    def _maybe_compile(self) -> bool:
+        mode = self.tcfg.compile_transformer
+        if mode == "off" or (mode == "auto" and (self.precision == "nf4" or not self.rt.is_cuda)):
+            return False
+        try:
+            self.model.compile_repeated_blocks(fullgraph=False)
+            return True
+        except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
+            self.log.emit("warning", message=f"regional compile failed, running eager: {e}")
+            return False
+
+    def _uncompile(self, error: Exception) -> None:
+        for module in self.model.modules():
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                module._compiled_call_impl = None
+        self.compiled = False
+        self.log.emit("warning", message=f"compiled step failed, falling back to eager: {str(error)[:300]}")
+
+    # ---- one step
+    def draw(self, batch_indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read a batch and draw all its randomness from the step generator (CPU, reproducible)."""
+        g = self.generator
+        variants = torch.randint(self.data.variants, (len(batch_indices),), generator=g).tolist()
+        batch = self.data.load(batch_indices, variants)
+        eps = torch.randn(batch.mean.shape, generator=g)
+        noise = torch.randn(batch.mean.shape, generator=g)
+        t = self.family.sample_timesteps(len(batch_indices), tuple(batch.mean.shape[-2:]), g, self.tcfg)
+        return batch, eps, noise, t
+
+    def compute_loss(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        dev = self.rt.device
+        x0 = self.family.normalize_latents(sample_posterior(batch.mean.to(dev), batch.logvar.to(dev), eps.to(dev)), self.norm)
+        cond = {k: v.to(dev) for k, v in batch.cond.items()}
+        return self.family.loss(self.model, x0, noise.to(dev), t.to(dev), cond, batch.meta, self.tcfg).mean()
+
+    def step(self) -> tuple[float, float, int]:
+        _, indices = self.sampler.next()
+        batch, eps, noise, t = self.draw(indices)
+        lr = self.scheduler.get_last_lr()[0]
+        try:
+            loss = self.compute_loss(batch, eps, noise, t)
+            loss.backward()
+        except Exception as e:  # noqa: BLE001
+            if not self.compiled:
+                raise
+            self._uncompile(e)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.compute_loss(batch, eps, noise, t)
+            loss.backward()
+        if self.tcfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach()), lr, len(indices)
+
+    # ---- checkpoints
+    def training_state(self, step: int) -> dict[str, Any]:
+        state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                 "sampler": self.sampler.state_dict()}
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def save_checkpoint(self, step: int) -> Path:
+        final = self.lora_dir / f"checkpoint-{step}"
+        tmp = self.lora_dir / f".checkpoint-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        lora.save_adapter(self.model, self.lora_config, tmp)
+        torch.save(self.training_state(step), tmp / TRAINING_STATE)
+        write_manifest(tmp, "train", kind="checkpoint", step=step, fingerprint=fingerprint(self.parts),
+                       fingerprint_parts=self.parts, **self.export_info())
+        replace_dir(tmp, final)
+        self.log.emit("checkpoint", step=step, path=str(final))
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        ckpts = sorted(self.checkpoints(), key=lambda p: int(p.name.split("-")[1]))
+        for old in ckpts[:-self.tcfg.keep_checkpoints] if self.tcfg.keep_checkpoints > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def checkpoints(self) -> list[Path]:
+        if not self.lora_dir.exists():
+            return []
+        return [p for p in self.lora_dir.glob("checkpoint-*") if read_manifest(p) is not None]
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint made with this config; return its step (0 if none)."""
+        ckpts = sorted(self.checkpoints(), key=lambda p: int(p.name.split("-")[1]), reverse=True)
+        for path in ckpts:
+            m = read_manifest(path)
+            if m and m.get("fingerprint") == fingerprint(self.parts):
+                lora.load_adapter_weights(self.model, path)
+                state = torch.load(path / TRAINING_STATE, weights_only=False)
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.scheduler.load_state_dict(state["scheduler"])
+                self.generator.set_state(state["generator"])
+                torch.set_rng_state(state["torch_rng"])
+                if "cuda_rng" in state and torch.cuda.is_available():
+                    torch.cuda.set_rng_state_all(state["cuda_rng"])
+                self.sampler.load_state_dict(state["sampler"])
+                self.log.emit("warning", message=f"resumed from {path.name} at step {state['step']}")
+                return int(state["step"])
+        if ckpts:
+            self.log.emit("warning", message="no checkpoint matches this config (settings changed): starting at step 0")
+        return 0
+
+    def export_info(self) -> dict[str, Any]:
+        return {"family": self.cfg.family, "model": self.cfg.model, "pipeline_class": self.family.pipeline_class,
+                "lora_prefix": self.family.lora_prefix, "lora_config": lora.config_dict(self.lora_config)}
+
+    def save_final(self, step: int, complete: bool, summary: dict[str, Any]) -> dict[str, Any]:
+        final = self.lora_dir / "final"
+        tmp = self.lora_dir / ".final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        lora.save_adapter(self.model, self.lora_config, tmp)
+        extra = {} if complete else {"incomplete_reason": f"stopped at step {step} of {self.tcfg.steps}: run "
+                                                          f"`python pipeline.py train --resume` to finish"}
+        manifest = write_manifest(tmp, "train", kind="final", step=step, complete=complete,
+                                  fingerprint=fingerprint(self.parts), fingerprint_parts=self.parts,
+                                  **self.export_info(), **summary, **extra)
+        replace_dir(tmp, final)
+        return manifest
+
+    # ---- the loop
+    def fit(self, resume: bool, stop: Any, t0: float) -> dict[str, Any]:
+        torch.manual_seed(self.cfg.seed)
+        with torch_flags(self.tcfg.enable_tf32, self.tcfg.cudnn_benchmark, disable_cudnn_attention=True) as notes:
+            self.setup_model()
+            for note in notes:
+                self.log.emit("warning", message=note)
+            start = self.resume() if resume else 0
+            return self._loop(start, stop, t0)
+
+    def _loop(self, start: int, stop: Any, t0: float) -> dict[str, Any]:
+        from stages.core.events import Progress
+
+        tcfg, losses = self.tcfg, []
+        samples, steady_t0, steady_samples = 0, None, 0
+        step = start
+        with Progress("train", tcfg.steps - start, "steps") as bar:
+            while step < tcfg.steps:
+                if stop.poll():
+                    return self._stopped(step, stop.save, losses, t0)
+                loss, lr, n = self.step()
+                step += 1
+                losses.append(loss)
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"loss became {loss} at step {step}; lower train.learning_rate")
+                if step - start == tcfg.warmup_steps_excluded:
+                    self._sync()
+                    steady_t0, steady_samples = time.time(), 0
+                elif steady_t0 is not None:
+                    steady_samples += n
+                samples += n
+                sps = steady_samples / (time.time() - steady_t0) if steady_t0 and steady_samples else None
+                if step % tcfg.log_every == 0 or step == tcfg.steps:
+                    self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n, samples_per_second=sps,
+                                  peak_vram_gb=peak_vram_gb(self.rt)["allocated"])
+                bar.advance(1, loss=loss, lr=lr)
+                if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < tcfg.steps:
+                    self.save_checkpoint(step)
+        summary = self._summary(step, losses, samples, steady_samples, steady_t0, t0)
+        self.save_checkpoint(step)
+        manifest = self.save_final(step, True, summary)
+        self.log.emit("done", seconds=round(time.time() - t0, 3), step=step, **{k: summary[k] for k in ("loss_first", "loss_last")})
+        return manifest
+
+    def _sync(self) -> None:
+        if self.rt.is_cuda:
+            torch.cuda.synchronize()
+
+    def _summary(self, step: int, losses: list[float], samples: int, steady: int, steady_t0: float | None,
+                 t0: float) -> dict[str, Any]:
+        self._sync()
+        k = max(1, min(10, len(losses) // 4))
+        sps = steady / (time.time() - steady_t0) if steady_t0 and steady else None
+        return {"loss_first": sum(losses[:k]) / k if losses else None,
+                "loss_last": sum(losses[-k:]) / k if losses else None,
+                "samples": samples, "samples_per_second": sps, "precision": self.precision,
+                "compiled": self.compiled, "seconds": round(time.time() - t0, 3), "peak_vram_gb": peak_vram_gb(self.rt),
+                "device": str(self.rt.device)}
+
+    def _stopped(self, step: int, save: bool, losses: list[float], t0: float) -> dict[str, Any]:
+        if not save:
+            self.log.emit("stopped", step=step, saved=False)
+            return {"stage": "train", "stopped": True, "saved": False, "step": step}
+        self.save_checkpoint(step)
+        manifest = self.save_final(step, False, self._summary(step, losses, 0, 0, None, t0))
+        self.log.emit("stopped", step=step, saved=True)
+        return manifest

@@ -1,0 +1,88 @@
+"""The model-family protocol: everything the stages need to know about one architecture.
+
+A family is a small object with no state beyond caches of shape-dependent tensors. The stages call
+only these methods, so adding a family never touches a stage. No implementation inheritance: shared
+math lives in plain functions (`stages.core.flow`), which families call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from stages.core.config import CaptionsConfig, TrainConfig
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import Runtime
+
+
+@dataclass
+class BatchMeta:
+    """Per-sample geometry of a training batch, read from the latent cache (pixels, int64 (B, 2))."""
+
+    original_size: "torch.Tensor"  # (height, width) of the source image
+    crop_top_left: "torch.Tensor"  # (top, left) of the variant's crop in the resized image
+    target_size: "torch.Tensor"  # (height, width) of the bucket
+
+
+class TextEncoder(Protocol):
+    def encode(self, texts: list[str]) -> dict[str, "torch.Tensor"]:
+        """Per-caption conditioning, every tensor shaped (len(texts), ...) with fixed trailing dims."""
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        """Tokens each caption needs before truncation (to report captions that get cut)."""
+
+
+class Family(Protocol):
+    name: str
+    pipeline_class: str
+    """diffusers pipeline class that loads the exported LoRA (e.g. "FluxPipeline")."""
+    lora_prefix: str
+    """Top-level key of the denoiser in diffusers LoRA files: "transformer" or "unet"."""
+    denoiser_class: str
+    default_lora_targets: tuple[str, ...]
+    text_component_classes: tuple[str, ...]
+    """Model classes encode-captions constructs (the stage-isolation test checks the others don't)."""
+    text_components: tuple[str, ...]
+    """Pipeline subfolders each stage reads; they define the model identity in its fingerprint."""
+    vae_components: tuple[str, ...]
+    denoiser_components: tuple[str, ...]
+
+    # encode-captions
+    def load_text_encoder(self, src: "ModelSource", cfg: "CaptionsConfig", rt: "Runtime") -> TextEncoder: ...
+
+    # cache-latents
+    def load_vae(self, src: "ModelSource", rt: "Runtime") -> "torch.nn.Module": ...
+
+    def pixel_multiple(self, src: "ModelSource") -> int:
+        """Bucket sides must be multiples of this (VAE downsampling x latent patch size)."""
+
+    def encode_posterior(self, vae: "torch.nn.Module", pixels: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Pixels in [-1, 1], (B, 3, H, W) -> posterior (mean, logvar), each (B, C, h, w)."""
+
+    def latent_normalization(self, vae: "torch.nn.Module") -> dict[str, Any]:
+        """JSON-able constants that `normalize_latents` needs; stored in the latents manifest."""
+
+    # train
+    def normalize_latents(self, z: "torch.Tensor", norm: dict[str, Any]) -> "torch.Tensor": ...
+
+    def denormalize_latents(self, x: "torch.Tensor", norm: dict[str, Any]) -> "torch.Tensor": ...
+
+    def load_denoiser(self, src: "ModelSource", precision: str, rt: "Runtime", tcfg: "TrainConfig") -> "torch.nn.Module": ...
+
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: "torch.Generator", tcfg: "TrainConfig") -> "torch.Tensor":
+        """Training timesteps for n samples (flow families: sigmas in (0, 1])."""
+
+    def loss(
+        self,
+        denoiser: "torch.nn.Module",
+        x0: "torch.Tensor",
+        noise: "torch.Tensor",
+        t: "torch.Tensor",
+        cond: dict[str, "torch.Tensor"],
+        meta: BatchMeta,
+        tcfg: "TrainConfig",
+    ) -> "torch.Tensor":
+        """Per-sample training loss (B,), from one denoiser forward over the whole batch."""

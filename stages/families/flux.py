@@ -1,0 +1,138 @@
+"""FLUX.1 (dev and schnell): CLIP pooled + T5 text conditioning, 16-channel VAE, 2x2-packed flow DiT.
+
+Checked against diffusers 0.42 `pipelines/flux/pipeline_flux.py`:
+- prompt: CLIP `pooler_output` (77 tokens, padded to max length) and T5 `last_hidden_state`
+  (padded to max_sequence_length); text ids are zeros.
+- latents: `(z - shift_factor) * scaling_factor`, packed 2x2 into tokens; image ids (0, row, col).
+- transformer: timestep = sigma (the model multiplies by 1000), guidance = guidance_scale for dev
+  (`guidance_embeds=True`), none for schnell. Flow target noise - x0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stages.core import flow
+from stages.core.lora import load_denoiser_weights
+from stages.families.base import BatchMeta
+
+
+class FluxTextEncoder:
+    def __init__(self, src: Any, cfg: Any, rt: Any):
+        from transformers import AutoTokenizer, BitsAndBytesConfig, CLIPTextModel, T5EncoderModel
+
+        from stages.core.runtime import precision_dtype
+
+        dtype = precision_dtype(cfg.text_encoder_precision, rt.device)
+        self.device, self.max_len = rt.device, cfg.max_sequence_length
+        self.clip_tok = src.load(AutoTokenizer, "tokenizer")
+        self.t5_tok = src.load(AutoTokenizer, "tokenizer_2")
+        self.clip = src.load(CLIPTextModel, "text_encoder", dtype=dtype).to(rt.device).eval()
+        t5_kwargs: dict[str, Any] = {"dtype": dtype}
+        if cfg.text_encoder_precision == "nf4":
+            if not rt.is_cuda:
+                raise RuntimeError("captions.text_encoder_precision = 'nf4' needs a CUDA GPU; use 'auto' on CPU")
+            t5_kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        self.t5 = src.load(T5EncoderModel, "text_encoder_2", **t5_kwargs)
+        if cfg.text_encoder_precision != "nf4":
+            self.t5.to(rt.device)
+        self.t5.eval()
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        clip_ids = self.clip_tok(texts, padding="max_length", max_length=self.clip_tok.model_max_length,
+                                 truncation=True, return_tensors="pt").input_ids
+        pooled = self.clip(clip_ids.to(self.device), output_hidden_states=False).pooler_output
+        t5_ids = self.t5_tok(texts, padding="max_length", max_length=self.max_len, truncation=True,
+                             return_tensors="pt").input_ids
+        embeds = self.t5(t5_ids.to(self.device), output_hidden_states=False)[0]
+        return {"prompt_embeds": embeds.to(self.t5.dtype), "pooled": pooled.to(self.clip.dtype)}
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self.t5_tok(texts, truncation=False).input_ids]
+
+
+class Flux:
+    name = "flux"
+    pipeline_class = "FluxPipeline"
+    lora_prefix = "transformer"
+    denoiser_class = "FluxTransformer2DModel"
+    default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
+    text_component_classes = ("CLIPTextModel", "T5EncoderModel")
+    text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
+    vae_components = ("vae",)
+    denoiser_components = ("transformer",)
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple, torch.Tensor] = {}
+
+    # ---- encode-captions
+    def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> FluxTextEncoder:
+        return FluxTextEncoder(src, cfg, rt)
+
+    # ---- cache-latents
+    def load_vae(self, src: Any, rt: Any) -> torch.nn.Module:
+        from diffusers import AutoencoderKL
+
+        return src.load(AutoencoderKL, "vae", torch_dtype=rt.dtype).to(rt.device).eval()
+
+    def pixel_multiple(self, src: Any) -> int:
+        blocks = src.component_config("vae")["block_out_channels"]
+        return 2 ** (len(blocks) - 1) * 2  # VAE downsampling x 2x2 packing
+
+    @torch.no_grad()
+    def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
+
+    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
+        return {"shift_factor": float(vae.config.shift_factor or 0.0), "scaling_factor": float(vae.config.scaling_factor)}
+
+    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
+        return (z - norm["shift_factor"]) * norm["scaling_factor"]
+
+    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
+        return x / norm["scaling_factor"] + norm["shift_factor"]
+
+    # ---- train
+    def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        return load_denoiser_weights(FluxTransformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
+
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
+        return flow.sample_flow_sigmas(n, (latent_hw[0] // 2) * (latent_hw[1] // 2), generator, tcfg)
+
+    def image_ids(self, h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(h/2 * w/2, 3) ids (0, row, col), built once per bucket shape."""
+        key = (h, w, device, dtype)
+        if key not in self._ids:
+            ids = torch.zeros(h // 2, w // 2, 3)
+            ids[..., 1] += torch.arange(h // 2)[:, None]
+            ids[..., 2] += torch.arange(w // 2)[None, :]
+            self._ids[key] = ids.reshape(-1, 3).to(device, dtype)
+        return self._ids[key]
+
+    def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+             cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
+        b, _, h, w = x0.shape
+        dtype, device = denoiser.dtype, x0.device
+        x_t = flow.noisy_latents(x0, noise, t)
+        text = cond["prompt_embeds"].to(device, dtype)
+        guidance = None
+        if denoiser.config.guidance_embeds:
+            guidance = torch.full((b,), tcfg.guidance_scale, device=device, dtype=torch.float32)
+        pred = denoiser(
+            hidden_states=flow.pack_2x2(x_t).to(dtype),
+            timestep=t.to(device, dtype),
+            guidance=guidance,
+            pooled_projections=cond["pooled"].to(device, dtype),
+            encoder_hidden_states=text,
+            txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
+            img_ids=self.image_ids(h, w, device, dtype),
+            return_dict=False,
+        )[0]
+        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise))

@@ -1,0 +1,128 @@
+"""A small synthetic caption data set of drawn shapes (PIL only), for fast CPU runs.
+
+``make_demo_dataset(folder)`` writes ``shape_000.png`` + ``shape_000.txt`` pairs: one circle,
+square or triangle in one of six colours, small or large, at one of five places, on a plain
+background of one of four colours; the caption says exactly that, e.g.
+``"a large red circle at the left on a white background"``.  Every caption is different (the
+combinations are drawn without replacement), shapes, colours and backgrounds are balanced, image
+sizes are taken in turn from ``sizes`` (several aspect ratios), and the output depends only on
+the arguments.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+__all__ = ["SHAPES", "COLOURS", "BACKGROUNDS", "PLACES", "SIZES_WORDS", "make_demo_dataset"]
+
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 60),
+    "blue": (30, 70, 220),
+    "yellow": (240, 210, 20),
+    "purple": (140, 50, 180),
+    "orange": (245, 140, 20),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "white": (255, 255, 255),
+    "black": (0, 0, 0),
+    "gray": (128, 128, 128),
+    "pink": (250, 200, 215),
+}
+PLACES: tuple[str, ...] = ("in the center", "at the left", "at the right", "at the top", "at the bottom")
+SIZES_WORDS: dict[str, float] = {"small": 0.3, "large": 0.6}  # shape extent / shorter image side
+
+MAX_SIDE = 128
+
+
+def _draw(draw, shape: str, box: tuple[float, float, float, float], fill) -> None:
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "triangle":
+        draw.polygon([((x0 + x1) / 2, y0), (x0, y1), (x1, y1)], fill=fill)
+    else:  # pragma: no cover - guarded by SHAPES
+        raise ValueError(shape)
+
+
+def _centre(place: str, w: int, h: int, r: float, margin: float) -> tuple[float, float]:
+    cx, cy = w / 2, h / 2
+    if place == "at the left":
+        cx = r + margin
+    elif place == "at the right":
+        cx = w - r - margin
+    elif place == "at the top":
+        cy = r + margin
+    elif place == "at the bottom":
+        cy = h - r - margin
+    return cx, cy
+
+
+def make_demo_dataset(
+    folder: str | Path,
+    n: int = 12,
+    seed: int = 0,
+    sizes: tuple[tuple[int, int], ...] = ((96, 64), (64, 96), (80, 80)),
+) -> Path:
+    """Write ``n`` images ``shape_NNN.png`` (sizes taken in turn from ``sizes``, as (width,
+    height)) with same-stem ``.txt`` captions into ``folder`` (created if missing); return the folder.
+
+    Captions are distinct (at most ``3*6*4*2*5 = 720`` combinations); deterministic in
+    ``(n, seed, sizes)``.  Sides must be 16..128 px so CPU runs stay fast.
+    """
+    from PIL import Image, ImageDraw
+
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    if not sizes:
+        raise ValueError("sizes must not be empty")
+    for w, h in sizes:
+        if not (16 <= w <= MAX_SIDE and 16 <= h <= MAX_SIDE):
+            raise ValueError(f"image sides must be within 16..{MAX_SIDE} px, got {(w, h)}")
+    combos = [
+        (size_word, colour, shape, place, bg)
+        for shape in SHAPES
+        for colour in COLOURS
+        for bg in BACKGROUNDS
+        for size_word in SIZES_WORDS
+        for place in PLACES
+    ]
+    if n > len(combos):
+        raise ValueError(f"at most {len(combos)} distinct captions, asked for {n}")
+    rng = random.Random(seed)
+    rng.shuffle(combos)
+    # Balance the set: shapes cycle, colours and backgrounds follow shuffled cycles, each shape
+    # meets every image size; the shuffled order decides the rest (and ties).
+    colour_cycle, bg_cycle = list(COLOURS), list(BACKGROUNDS)
+    rng.shuffle(colour_cycle)
+    rng.shuffle(bg_cycle)
+    chosen = []
+    for i in range(n):
+        want = {2: SHAPES[i % len(SHAPES)], 1: colour_cycle[i % len(colour_cycle)], 4: bg_cycle[i % len(bg_cycle)]}
+        for keys in ((2, 1, 4), (2, 1), (2,), ()):  # relax the wish until a combination is left
+            pick = next((c for c in combos if all(c[k] == want[k] for k in keys)), None)
+            if pick is not None:
+                break
+        combos.remove(pick)
+        chosen.append(pick)
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (size_word, colour, shape, place, bg) in enumerate(chosen):
+        w, h = sizes[(i + i // len(SHAPES)) % len(sizes)]
+        image = Image.new("RGB", (w, h), BACKGROUNDS[bg])
+        r = SIZES_WORDS[size_word] * min(w, h) / 2
+        margin = max(2.0, 0.06 * min(w, h))
+        cx, cy = _centre(place, w, h, r, margin)
+        jitter = max(1.0, margin / 2)
+        cx += rng.uniform(-jitter, jitter) if place in ("at the top", "at the bottom", "in the center") else 0.0
+        cy += rng.uniform(-jitter, jitter) if place in ("at the left", "at the right", "in the center") else 0.0
+        _draw(ImageDraw.Draw(image), shape, (cx - r, cy - r, cx + r, cy + r), COLOURS[colour])
+        stem = f"shape_{i:03d}"
+        image.save(folder / f"{stem}.png")
+        (folder / f"{stem}.txt").write_text(f"a {size_word} {colour} {shape} {place} on a {bg} background")
+    return folder
