@@ -229,8 +229,11 @@ def test_demo_dataset(tmp_path):
         words = caption.split()
         colour, bg = words[2], words[-2]
         pixels = np.asarray(Image.open(png))
-        assert tuple(pixels[0, 0]) == BACKGROUNDS[bg]
-        assert (pixels.reshape(-1, 3) == np.array(COLOURS[colour])).all(axis=1).any()
+        # images carry film grain (sigma 10): compare neighbourhood means, not exact pixels
+        corner = pixels[:6, :6].reshape(-1, 3).mean(axis=0)
+        assert np.abs(corner - np.array(BACKGROUNDS[bg])).max() < 12, (png, corner, bg)
+        near = (np.abs(pixels.reshape(-1, 3).astype(int) - np.array(COLOURS[colour])) < 30).all(axis=1)
+        assert near.mean() > 0.01, (png, colour)
 
     again = make_demo_dataset(tmp_path / "again", n=12, seed=0)
     assert [p.read_bytes() for p in sorted(again.glob("*"))] == [p.read_bytes() for p in sorted(folder.glob("*"))]

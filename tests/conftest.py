@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny real-architecture pipelines, the drawn-shapes dataset, built runs.
+
+Every family test is parametrized over FAMILIES; a family joins the suite by adding itself here
+(and shipping configs/demo-<family>.toml).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LORAPIPE_PLAIN", "1")
+
+# family -> tiny variant built for it
+FAMILIES: dict[str, str] = {
+    "flux": "flux-dev",
+}
+
+
+def demo_config_path(family: str) -> Path:
+    from stages.demo import demo_config
+
+    return demo_config(family)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("assets")
+
+
+@pytest.fixture(scope="session")
+def demo_data(assets: Path) -> Path:
+    from stages.tiny.shapes import make_demo_dataset
+
+    return make_demo_dataset(assets / "data", n=12, seed=0)
+
+
+_MODELS: dict[str, Path] = {}
+
+
+def tiny_model(assets: Path, variant: str) -> Path:
+    if variant not in _MODELS:
+        from stages.tiny.models import build_tiny_pipeline
+
+        _MODELS[variant] = build_tiny_pipeline(variant, assets / variant, seed=0)
+    return _MODELS[variant]
+
+
+def make_cfg(family: str, assets: Path, data: Path, root: Path, **overrides):
+    """The family's demo config pointed at test assets, with dotted-key overrides."""
+    from stages.core.config import load_config
+
+    base = {"model": str(tiny_model(assets, FAMILIES[family])), "data.path": str(data),
+            "artifacts": str(root), "device": "cpu"}
+    base.update(overrides)
+    return load_config(demo_config_path(family), base)
+
+
+_RUNS: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def built_run(request: pytest.FixtureRequest, assets: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """All four stages run in-process once per family (the demo config, fewer steps)."""
+    family = request.param
+    if family not in _RUNS:
+        from stages import cache_latents, encode_captions, export_lora, train
+
+        cfg = make_cfg(family, assets, demo_data, tmp_path_factory.mktemp(f"run-{family}"), **{"train.steps": 8})
+        for module in (encode_captions, cache_latents, train, export_lora):
+            module.run(cfg)
+        _RUNS[family] = cfg
+    return _RUNS[family]
