@@ -40,6 +40,8 @@ class DataConfig:
     """Odd-numbered variants are horizontally flipped."""
     crop: Literal["random", "center"] = "random"
     """Where each variant's crop box sits when the resized image overhangs its bucket."""
+    crop_zoom: float = 0.1
+    """Variants after the first are resized up to this much larger than needed, then cropped."""
     caption_ext: str = ".txt"
     on_bad_image: Literal["error", "skip"] = "error"
     """What cache-latents does with an unreadable image: stop with its name, or skip and list it."""
@@ -75,7 +77,9 @@ class TrainConfig:
     ] = "constant"
     lr_warmup_steps: int = 0
     lr_num_cycles: int = 1
+    """Hard restarts of cosine_with_restarts ("cosine" is always one half cosine)."""
     lr_power: float = 1.0
+    """Exponent of the polynomial schedule."""
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

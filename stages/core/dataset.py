@@ -8,12 +8,14 @@ only its own rows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
@@ -125,6 +127,23 @@ def bucket_name(bucket: tuple[int, int]) -> str:
     return f"{bucket[0]}x{bucket[1]}"
 
 
+def size_notes(key: str, size: tuple[int, int], bucket: tuple[int, int], max_aspect: float) -> list[str]:
+    """Warnings for an image that trains but loses something: too small for its bucket (upscaled,
+    blurred) or with an aspect beyond max_aspect (a bucket crop cuts much of it away)."""
+    (w, h), (bw, bh) = size, bucket
+    notes = []
+    aspect = max(w / h, h / w)
+    if aspect > max_aspect + 1e-6:
+        scale = max(bw / w, bh / h)
+        kept = bw * bh / (w * scale * h * scale)
+        notes.append(f"image '{key}' is {w}x{h}, aspect {aspect:.1f}:1 beyond data.max_aspect = {max_aspect}: "
+                     f"cropped to bucket {bw}x{bh}, keeping {kept:.0%} of it (crop it yourself or raise data.max_aspect)")
+    if w < bw or h < bh:
+        notes.append(f"image '{key}' is {w}x{h}, smaller than its bucket {bw}x{bh}: upscaled "
+                     f"{max(bw / w, bh / h):.1f}x, which blurs it (use a larger image or a lower data.resolution)")
+    return notes
+
+
 @dataclass(frozen=True)
 class Variant:
     """How one cached variant is cut from the source image (all in pixels)."""
@@ -136,18 +155,20 @@ class Variant:
 
 
 def plan_variants(image_id: str, size: tuple[int, int], bucket: tuple[int, int], n: int, seed: int,
-                  random_flip: bool, crop: str) -> list[Variant]:
-    """The seeded crop/flip plan: resize to cover the bucket, then n crops; odd variants flipped.
-
-    Seeded by (seed, image id, variant), so the plan never depends on scan order or process count.
+                  random_flip: bool, crop: str, zoom: float = 0.0) -> list[Variant]:
+    """The seeded crop/flip plan: resize to cover the bucket (variant k > 0 zoomed in by up to
+    `zoom`, so an image whose aspect already fits its bucket still gets distinct crops), then crop;
+    odd variants are flipped. Seeded by (seed, image id, variant): independent of scan order and
+    of how many processes share the work.
     """
     w, h = size
     bw, bh = bucket
-    scale = max(bw / w, bh / h)
-    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    cover = max(bw / w, bh / h)
     out = []
     for k in range(n):
         rng = random.Random(f"{seed}:{image_id}:{k}")
+        scale = cover * (1.0 + zoom * rng.random()) if k > 0 else cover
+        rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
         if crop == "center":
             left, top = (rw - bw) // 2, (rh - bh) // 2
         else:
@@ -159,30 +180,45 @@ def plan_variants(image_id: str, size: tuple[int, int], bucket: tuple[int, int],
 # ---- images ----------------------------------------------------------------------------------
 
 
+BAD_IMAGE_HINT = 'replace or remove the file, or set data.on_bad_image = "skip" to skip such files'
+
+
+@contextlib.contextmanager
+def _open_image(path: Path) -> Iterator[Any]:
+    """PIL's Image.open, with every way a file can fail to be an image raised as a BadImage that
+    names the file, the reason and what to do."""
+    from PIL import Image, UnidentifiedImageError
+
+    if path.stat().st_size == 0:
+        raise BadImage(f"image '{path}' is an empty (zero-byte) file: {BAD_IMAGE_HINT}")
+    try:
+        with Image.open(path) as im:
+            yield im
+    except UnidentifiedImageError:
+        raise BadImage(f"'{path}' is not an image PIL can read (not an image file, or a format PIL "
+                       f"lacks): {BAD_IMAGE_HINT}") from None
+    except (OSError, SyntaxError, ValueError) as e:
+        raise BadImage(f"image '{path}' is truncated or corrupt ({e}): {BAD_IMAGE_HINT}") from None
+
+
 def load_image(path: Path, background: str = "white"):
     """Open an image as 8-bit RGB: EXIF orientation applied, alpha composited on `background`,
     16-bit, palette, grayscale and CMYK converted. Raises BadImage naming the file and the reason."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps
 
-    if path.stat().st_size == 0:
-        raise BadImage(f"image '{path}' is an empty (zero-byte) file")
-    try:
-        with Image.open(path) as im:
-            im.load()
-            im = ImageOps.exif_transpose(im)
-    except UnidentifiedImageError:
-        raise BadImage(f"'{path}' is not an image PIL can read (wrong extension or not an image file)") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise BadImage(f"image '{path}' is truncated or corrupt ({e})") from None
+    with _open_image(path) as im:
+        im.load()
+        im = ImageOps.exif_transpose(im)
     if im.mode in ("I;16", "I;16B", "I;16L", "I"):
         import numpy as np
 
         arr = np.asarray(im, dtype=np.float64)
-        peak = 65535.0 if arr.max() > 255 else 255.0
+        # I;16 is 16-bit by definition; mode I (32-bit ints) is judged by its values
+        peak = 65535.0 if im.mode.startswith("I;16") or arr.max() > 255 else 255.0
         im = Image.fromarray((arr / peak * 255.0).round().clip(0, 255).astype("uint8"), "L")
-    if im.mode == "P":
+    if im.mode == "P" or "transparency" in im.info:  # palette, or a tRNS colour key on L/RGB
         im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "RGB" and "transparency" in im.info):
+    if im.mode in ("RGBA", "LA", "PA"):
         im = im.convert("RGBA")
         bg = Image.new("RGBA", im.size, background)
         im = Image.alpha_composite(bg, im)
@@ -191,9 +227,7 @@ def load_image(path: Path, background: str = "white"):
 
 def image_size(path: Path) -> tuple[int, int]:
     """(width, height) after EXIF orientation, read from the header only."""
-    from PIL import Image
-
-    with Image.open(path) as im:
+    with _open_image(path) as im:
         w, h = im.size
         orientation = im.getexif().get(0x0112, 1)
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
