@@ -43,6 +43,7 @@ class DataConfig:
     crop_zoom: float = 0.1
     """Variants after the first are resized up to this much larger than needed, then cropped."""
     caption_ext: str = ".txt"
+    """Extension of the same-stem caption files."""
     on_bad_image: Literal["error", "skip"] = "error"
     """What cache-latents does with an unreadable image: stop with its name, or skip and list it."""
     background: str = "white"
@@ -56,6 +57,7 @@ class CaptionsConfig:
     text_encoder_precision: Literal["auto", "fp32", "bf16", "nf4"] = "auto"
     """auto: bf16 on CUDA, fp32 on CPU. nf4 needs CUDA (bitsandbytes)."""
     batch_size: int = 8
+    """Captions per text-encoder forward."""
 
 
 @dataclass
@@ -63,35 +65,44 @@ class LatentsConfig:
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     """Storage dtype of the posterior mean and logvar (zarr has no bfloat16: stored as raw bits)."""
     vae_precision: Literal["auto", "fp32", "bf16"] = "fp32"
-    batch_size: int = 4
+    """VAE dtype while caching (fp32 default: SDXL's VAE overflows in fp16)."""
 
 
 @dataclass
 class TrainConfig:
     steps: int = 1000
+    """Optimizer steps."""
     batch_size: int = 1
     """Samples per step, all from one aspect bucket, in one denoiser forward."""
     learning_rate: float = 1e-4
+    """Peak LR of the LoRA parameters."""
     lr_scheduler: Literal[
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = "constant"
     lr_warmup_steps: int = 0
+    """Linear warmup steps of the LR schedule (diffusers get_scheduler)."""
     lr_num_cycles: int = 1
     """Hard restarts of cosine_with_restarts ("cosine" is always one half cosine)."""
     lr_power: float = 1.0
     """Exponent of the polynomial schedule."""
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+    """adamw: torch AdamW (fused on CUDA); adamw8bit: bitsandbytes AdamW8bit."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
+    """Gradient clipping of the LoRA parameters (0: off)."""
     rank: int = 16
+    """LoRA rank r."""
     alpha: float = 16.0
+    """LoRA alpha (scale = alpha / rank); stored in the exported file's metadata."""
     dropout: float = 0.0
+    """LoRA dropout."""
     target_modules: list[str] = field(default_factory=list)
     """Module names for LoRA (empty: the family's default, e.g. FLUX attention q/k/v/out)."""
     timestep_density: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
+    """Flow families: how training timesteps are drawn (SD3 paper, sec. 3.1)."""
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
@@ -108,17 +119,25 @@ class TrainConfig:
     noise_offset: float = 0.0
     """DDPM families only."""
     gradient_checkpointing: bool = True
+    """Recompute activations in backward: much less memory, ~30% more compute."""
     base_precision: Literal["auto", "nf4", "bf16", "fp32"] = "auto"
     """auto: nf4 on CUDA, fp32 on CPU."""
     nf4_double_quant: bool = True
+    """bitsandbytes double quantization of the nf4 scales."""
     compile_transformer: Literal["off", "on", "auto"] = "auto"
+    """Regional torch.compile of the repeated blocks; auto: on for bf16/fp32 on CUDA, off over nf4."""
     enable_tf32: bool = True
+    """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
     cudnn_benchmark: bool = False
+    """cuDNN autotuning; off by default (it doubled the fp32 VAE's peak VRAM)."""
     checkpoint_every: int = 500
     """Write a resumable checkpoint every N steps (0: only at the end or on stop)."""
     keep_checkpoints: int = 2
+    """Newest checkpoints kept (0: keep all)."""
     resume: Literal["never", "auto"] = "never"
+    """auto: continue from the newest matching checkpoint (as train --resume)."""
     log_every: int = 1
+    """Emit a step event every N steps."""
     warmup_steps_excluded: int = 3
     """Steps left out of samples_per_second (first steps pay for allocation and compile)."""
 
@@ -126,6 +145,7 @@ class TrainConfig:
 @dataclass
 class ExportConfig:
     format: Literal["diffusers", "kohya"] = "diffusers"
+    """kohya also writes a kohya/ComfyUI-keyed copy."""
     verify: bool = False
     """Load the exported file into the family's pipeline and fail on any missing/unexpected key."""
 
@@ -135,12 +155,17 @@ class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
     family: str = "flux"
+    """Model family: flux, qwen-image, z-image or sdxl."""
     model: str = ""
     """A local diffusers pipeline folder or a hub id (e.g. black-forest-labs/FLUX.1-dev)."""
     revision: str = ""
+    """Hub revision (branch, tag or commit) when model is a hub id."""
     artifacts: str = "artifacts"
+    """Root folder of all runs' artifacts."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when torch sees a GPU, else CPU."""
     seed: int = 0
+    """Seeds the crop/flip plan, the batch order and every training draw."""
     data: DataConfig = field(default_factory=DataConfig)
     captions: CaptionsConfig = field(default_factory=CaptionsConfig)
     latents: LatentsConfig = field(default_factory=LatentsConfig)
@@ -292,7 +317,7 @@ def _check_values(cfg: Config) -> list[str]:
     if cfg.family not in FAMILIES:
         errors.append(f"'family' = {cfg.family!r} is not one of {', '.join(sorted(FAMILIES))}")
     positive = ["data.resolution", "data.cache_variants", "captions.max_sequence_length",
-                "captions.batch_size", "latents.batch_size", "train.steps", "train.batch_size", "train.rank"]
+                "captions.batch_size", "train.steps", "train.batch_size", "train.rank"]
     for key in positive:
         if cfg.section(key) <= 0:
             errors.append(f"'{key}' must be > 0, got {cfg.section(key)}")
