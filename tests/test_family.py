@@ -33,7 +33,7 @@ def _on_the_fly(cfg, family, vae, item, bucket: str, k: int):
     b = tuple(int(x) for x in bucket.split("x"))
     size = dataset.image_size(item.image_path)
     variants = dataset.plan_variants(item.image_id, size, b, cfg.data.cache_variants, cfg.seed,
-                                     cfg.data.random_flip, cfg.data.crop)
+                                     cfg.data.random_flip, cfg.data.crop, cfg.data.crop_zoom)
     pixels = cache_latents._pixels(dataset.load_image(item.image_path, cfg.data.background), [variants[k]], b)
     with torch.no_grad():
         return family.encode_posterior(vae, pixels)
