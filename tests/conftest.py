@@ -20,6 +20,9 @@ os.environ.setdefault("LORAPIPE_PLAIN", "1")
 # family -> tiny variant built for it
 FAMILIES: dict[str, str] = {
     "flux": "flux-dev",
+    "qwen-image": "qwen-image",
+    "z-image": "z-image",
+    "sdxl": "sdxl",
 }
 
 

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, str] = {
     "flux": "stages.families.flux:Flux",
+    "qwen-image": "stages.families.qwen_image:QwenImage",
+    "z-image": "stages.families.z_image:ZImage",
+    "sdxl": "stages.families.sdxl:SDXL",
 }
 
 

@@ -23,7 +23,7 @@ class FluxTextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
         from transformers import AutoTokenizer, BitsAndBytesConfig, CLIPTextModel, T5EncoderModel
 
-        from stages.core.runtime import precision_dtype
+        from stages.core.runtime import precision_dtype, require_cuda_for_nf4
 
         dtype = precision_dtype(cfg.text_encoder_precision, rt.device)
         self.device, self.max_len = rt.device, cfg.max_sequence_length
@@ -32,8 +32,7 @@ class FluxTextEncoder:
         self.clip = src.load(CLIPTextModel, "text_encoder", dtype=dtype).to(rt.device).eval()
         t5_kwargs: dict[str, Any] = {"dtype": dtype}
         if cfg.text_encoder_precision == "nf4":
-            if not rt.is_cuda:
-                raise RuntimeError("captions.text_encoder_precision = 'nf4' needs a CUDA GPU; use 'auto' on CPU")
+            require_cuda_for_nf4("captions.text_encoder_precision", "nf4", rt)
             t5_kwargs["quantization_config"] = BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
         self.t5 = src.load(T5EncoderModel, "text_encoder_2", **t5_kwargs)
@@ -67,7 +66,7 @@ class Flux:
     denoiser_components = ("transformer",)
 
     def __init__(self) -> None:
-        self._ids: dict[tuple, torch.Tensor] = {}
+        self._ids: dict[tuple, torch.Tensor] = {}  # image/text ids and guidance, per shape
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> FluxTextEncoder:
@@ -116,6 +115,14 @@ class Flux:
             self._ids[key] = ids.reshape(-1, 3).to(device, dtype)
         return self._ids[key]
 
+    def _constant(self, kind: str, shape: tuple[int, ...], value: float, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """Text ids (zeros) and the guidance vector, built once per shape instead of every step."""
+        key = (kind, shape, value, device, dtype)
+        if key not in self._ids:
+            self._ids[key] = torch.full(shape, value, device=device, dtype=dtype)
+        return self._ids[key]
+
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, _, h, w = x0.shape
@@ -124,14 +131,14 @@ class Flux:
         text = cond["prompt_embeds"].to(device, dtype)
         guidance = None
         if denoiser.config.guidance_embeds:
-            guidance = torch.full((b,), tcfg.guidance_scale, device=device, dtype=torch.float32)
+            guidance = self._constant("guidance", (b,), tcfg.guidance_scale, device, torch.float32)
         pred = denoiser(
             hidden_states=flow.pack_2x2(x_t).to(dtype),
             timestep=t.to(device, dtype),
             guidance=guidance,
             pooled_projections=cond["pooled"].to(device, dtype),
             encoder_hidden_states=text,
-            txt_ids=torch.zeros(text.shape[1], 3, device=device, dtype=dtype),
+            txt_ids=self._constant("txt_ids", (text.shape[1], 3), 0.0, device, dtype),
             img_ids=self.image_ids(h, w, device, dtype),
             return_dict=False,
         )[0]

@@ -1,0 +1,119 @@
+"""Z-Image (Turbo and base): Qwen3 text states, FLUX's 16-channel VAE, single-stream DiT on lists.
+
+Checked against diffusers 0.42.1:
+- `pipelines/z_image/pipeline_z_image.py` `_encode_prompt`: each caption goes through the
+  tokenizer's chat template (`add_generation_prompt=True, enable_thinking=True`), is padded to
+  `max_sequence_length` (template included), Qwen3Model runs with the mask and
+  `hidden_states[-2]` is kept at the unmasked tokens only: one variable-length tensor per caption.
+- `__call__`: latents (B, C, h, w) as a list of (C, 1, h, w); the transformer gets
+  `timestep = (1000 - t) / 1000`, i.e. 1 - sigma, and its output is negated before
+  `scheduler.step` (which steps `x + (sigma_next - sigma) * v` with v = noise - x0), so the model
+  predicts x0 - noise. Decode `z = x / scaling_factor + shift_factor` (FLUX's VAE normalization).
+- `models/transformers/transformer_z_image.py`: every caption and image is padded to a multiple
+  of 32 tokens with learned pad tokens and the batch is masked per sample, so an item sees the
+  same sequence alone or in a batch as long as its caption has no foreign padding: we pass each
+  caption cut to its stored length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stages.core import flow
+from stages.core.lora import load_denoiser_weights
+from stages.families.base import BatchMeta
+from stages.families.qwen_image import load_text_model, pad_valid_tokens
+
+
+class ZImageTextEncoder:
+    def __init__(self, src: Any, cfg: Any, rt: Any):
+        from transformers import AutoTokenizer, Qwen3Model
+
+        self.device, self.max_len = rt.device, cfg.max_sequence_length
+        self.tokenizer = src.load(AutoTokenizer, "tokenizer")
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the tokenizer of '{src.ref}' has no chat template, which Z-Image's prompts need")
+        self.model = load_text_model(Qwen3Model, src, "text_encoder", cfg, rt)
+
+    def _templated(self, texts: list[str]) -> list[str]:
+        return [self.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                   add_generation_prompt=True, enable_thinking=True) for t in texts]
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        tokens = self.tokenizer(self._templated(texts), padding="max_length", max_length=self.max_len,
+                                truncation=True, return_tensors="pt").to(self.device)
+        out = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask.bool(),
+                         output_hidden_states=True)
+        return pad_valid_tokens(out.hidden_states[-2], tokens.attention_mask, 0, self.max_len)
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        return [len(ids) for ids in self.tokenizer(self._templated(texts), truncation=False).input_ids]
+
+
+class ZImage:
+    name = "z-image"
+    pipeline_class = "ZImagePipeline"
+    lora_prefix = "transformer"
+    denoiser_class = "ZImageTransformer2DModel"
+    # Self-attention of the noise refiner, context refiner and main layers.
+    default_lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
+    text_component_classes = ("Qwen3Model",)
+    text_components = ("tokenizer", "text_encoder")
+    vae_components = ("vae",)
+    denoiser_components = ("transformer",)
+
+    # ---- encode-captions
+    def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> ZImageTextEncoder:
+        return ZImageTextEncoder(src, cfg, rt)
+
+    # ---- cache-latents
+    def load_vae(self, src: Any, rt: Any) -> torch.nn.Module:
+        from diffusers import AutoencoderKL
+
+        return src.load(AutoencoderKL, "vae", torch_dtype=rt.dtype).to(rt.device).eval()
+
+    def pixel_multiple(self, src: Any) -> int:
+        blocks = src.component_config("vae")["block_out_channels"]
+        return 2 ** (len(blocks) - 1) * 2  # ZImagePipeline.vae_scale_factor x the transformer's 2x2 patches
+
+    @torch.no_grad()
+    def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
+
+    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
+        return {"shift_factor": float(vae.config.shift_factor or 0.0), "scaling_factor": float(vae.config.scaling_factor)}
+
+    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
+        return (z - norm["shift_factor"]) * norm["scaling_factor"]
+
+    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
+        return x / norm["scaling_factor"] + norm["shift_factor"]
+
+    # ---- train
+    def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
+        from diffusers import ZImageTransformer2DModel
+
+        return load_denoiser_weights(ZImageTransformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
+
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
+        return flow.sample_flow_sigmas(n, (latent_hw[0] // 2) * (latent_hw[1] // 2), generator, tcfg)
+
+    def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+             cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
+        dtype = denoiser.dtype
+        x_t = flow.noisy_latents(x0, noise, t).to(dtype)
+        embeds, lengths = cond["prompt_embeds"].to(x0.device, dtype), cond["prompt_length"].tolist()
+        if min(lengths) == 0:
+            raise ValueError("a caption in this batch encoded to 0 tokens; re-run encode-captions with --force")
+        out = denoiser(
+            list(x_t.unsqueeze(2).unbind(0)),  # one (C, 1, h, w) tensor per sample
+            1.0 - t.float(),  # the pipeline passes (1000 - t) / 1000
+            [e[:n] for e, n in zip(embeds, lengths)],  # each caption without padding, as the pipeline does
+            return_dict=False,
+        )[0]
+        pred = -torch.stack(out).squeeze(2)  # the pipeline negates the output to get noise - x0
+        return flow.per_sample_mse(pred, flow.flow_target(x0, noise))
