@@ -15,8 +15,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset
-from stages.core.artifacts import RowStore, dir_bytes, fingerprint, write_manifest
+from stages.core import dataset, distributed
+from stages.core import faults
+from stages.core.artifacts import (RowStore, dir_bytes, fingerprint, invalidate_manifest, remove_dir, sweep_leftovers,
+                                   write_manifest)
 from stages.core.model_source import ModelSource
 from stages.core.stage import running_stage
 
@@ -35,7 +37,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     return {"family": cfg.family, "model": src.identity(family.vae_components), "resolution": d.resolution,
             "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "cache_variants": d.cache_variants,
-            "random_flip": d.random_flip, "crop": d.crop, "background": d.background, "seed": cfg.seed,
+            "random_flip": d.random_flip, "crop": d.crop, "crop_zoom": d.crop_zoom, "background": d.background, "seed": cfg.seed,
             "dtype": cfg.latents.dtype, "vae_precision": cfg.latents.vae_precision}
 
 
@@ -68,6 +70,8 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: list[tuple[int, in
     for it in items:
         if it.image_id in plan:
             duplicates[it.image_id].append(it.key)
+            log.emit("warning", item=it.key, message=f"image '{it.key}' has the same bytes as "
+                     f"'{plan[it.image_id][0].key}': cached once, both items train on it with their own captions")
             continue
         try:
             size = dataset.image_size(it.image_path)
@@ -80,6 +84,8 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: list[tuple[int, in
             log.emit("skipped", item=it.key, reason=str(err))
             continue
         plan[it.image_id] = (it, size, dataset.assign_bucket(size, buckets))
+        for note in dataset.size_notes(it.key, size, plan[it.image_id][2], cfg.data.max_aspect):
+            log.emit("warning", item=it.key, message=note)
     return plan, skipped, dict(duplicates)
 
 
@@ -91,43 +97,69 @@ def _open_store(path: Path, bucket: tuple[int, int], layout_fp: str) -> RowStore
     return store if store.group.attrs.get("layout") == layout_fp else None
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    import torch
+def _prepare_stores(out: Path, layout_fp: str, by_bucket: dict[tuple[int, int], list[str]],
+                    writer: bool) -> tuple[dict[tuple[int, int], RowStore | None], list[tuple[tuple[int, int], str]]]:
+    """Each bucket's store (None: not made yet) and the (bucket, image id) pairs still to encode.
+    The writer (rank 0) rebuilds the root when settings changed and grows stores by new images."""
     import zarr
 
-    from stages.core.events import Progress
+    if writer:
+        root = zarr.open_group(str(out), mode="a")
+        if root.attrs.get("layout") != layout_fp:
+            # Settings changed: the manifest goes now, so nothing here looks valid until rebuilt;
+            # each bucket store made with other settings is replaced when its first new row is
+            # ready (RowStore.create), so a model path that fails to load deletes nothing.
+            invalidate_manifest(out)
+            root.attrs["layout"] = layout_fp
+    stores: dict[tuple[int, int], RowStore | None] = {}
+    todo: list[tuple[tuple[int, int], str]] = []
+    for bucket, ids in sorted(by_bucket.items()):
+        store = _open_store(out, bucket, layout_fp)
+        if store is not None and writer:
+            new = [i for i in ids if i not in set(store.ids)]
+            if new:
+                store.append_rows(new)
+        stores[bucket] = store
+        done = set() if store is None else {i for i, ok in zip(store.ids, store.written_mask()) if ok}
+        todo += [(bucket, i) for i in ids if i not in done]
+    return stores, todo
+
+
+def _seed_stores(todo: list, stores: dict, encode_image: Any) -> list:
+    """Encode images of each bucket without a store until one is written (a bad image is skipped),
+    which creates the store; returns the (bucket, image id) pairs handled."""
+    handled = []
+    for bucket, image_id in todo:
+        if stores[bucket] is None:
+            handled.append((bucket, image_id))
+            encode_image(bucket, image_id)
+    return handled
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    import torch
+
     from stages.core.runtime import install_model_trace, make_runtime, peak_vram_gb, reset_peak
     from stages.families import get_family
 
-    install_model_trace()
+    install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
         family = get_family(cfg.family)
         src = ModelSource(cfg.model, cfg.revision)
+        src.check(family.vae_components)  # a mistyped model path fails here, before the cache is touched
         items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
         buckets, multiple = buckets_for(cfg, family, src)
         layout = layout_parts(cfg)
         layout_fp = fingerprint(layout)
         out = artifact_dir(cfg)
-        root = zarr.open_group(str(out), mode="a")
-        if root.attrs.get("layout") != layout_fp:
-            root = zarr.open_group(str(out), mode="w")  # settings changed: rebuild every bucket
-            root.attrs["layout"] = layout_fp
+        dist = ctx.dist
         plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log)
 
         by_bucket: dict[tuple[int, int], list[str]] = defaultdict(list)
         for image_id, (_, _, bucket) in sorted(plan.items()):
             by_bucket[bucket].append(image_id)
-        stores: dict[tuple[int, int], RowStore] = {}
-        todo: list[tuple[tuple[int, int], str]] = []
-        for bucket, ids in sorted(by_bucket.items()):
-            store = _open_store(out, bucket, layout_fp)
-            if store is not None:
-                new = [i for i in ids if i not in set(store.ids)]
-                if new:
-                    store.append_rows(new)
-            stores[bucket] = store  # type: ignore[assignment]
-            done = set() if store is None else {i for i, ok in zip(store.ids, store.written_mask()) if ok}
-            todo += [(bucket, i) for i in ids if i not in done]
+        with distributed.main_first(dist):  # rank 0 (re)makes the root and grows stores first
+            stores, todo = _prepare_stores(out, layout_fp, by_bucket, writer=dist.is_main)
         ctx.log.emit("preparing", done=len(plan) - len(todo), total=len(plan), encoded=0)
 
         rt = make_runtime(cfg.device, cfg.latents.vae_precision)
@@ -144,39 +176,73 @@ def run(cfg: Any) -> dict[str, Any]:
 
             norm = read_manifest(out)["normalization"]
         n_var = cfg.data.cache_variants
-        with Progress("cache-latents", len(todo), "images") as bar:
-            for k, (bucket, image_id) in enumerate(todo):
-                item, size, _ = plan[image_id]
-                try:
-                    image = dataset.load_image(item.image_path, cfg.data.background)
-                except dataset.BadImage as e:
-                    if cfg.data.on_bad_image == "error":
-                        e.item = item.key  # type: ignore[attr-defined]
-                        raise
-                    skipped.append((item.key, str(e)))
-                    ctx.log.emit("skipped", item=item.key, reason=str(e))
-                    continue
-                variants = dataset.plan_variants(image_id, size, bucket, n_var, cfg.seed, cfg.data.random_flip, cfg.data.crop)
-                with torch.no_grad():
-                    mean, logvar = family.encode_posterior(vae, _pixels(image, variants, bucket).to(rt.device))
-                store = stores[bucket]
-                if store is None:
-                    fields = {"mean": ((n_var, *mean.shape[1:]), cfg.latents.dtype),
-                              "logvar": ((n_var, *logvar.shape[1:]), cfg.latents.dtype),
-                              "crop_top_left": ((n_var, 2), "int64"), "flip": ((n_var,), "uint8"),
-                              "original_size": ((2,), "int64")}
-                    store = stores[bucket] = RowStore.create(out / dataset.bucket_name(bucket), by_bucket[bucket], fields)
-                    store.group.attrs["layout"] = layout_fp
-                    store.group.attrs["bucket"] = list(bucket)
-                row = store.ids.index(image_id)
-                store.write_row(row, {
-                    "mean": mean.float(), "logvar": logvar.float(),
-                    # (top, left) in the resized image, as diffusers' SDXL training script computes it
-                    "crop_top_left": [[v.crop_top, v.crop_left] for v in variants],
-                    "flip": [int(v.flip) for v in variants], "original_size": [size[1], size[0]]})
-                bar.advance(1)
-                ctx.log.emit("preparing", done=len(plan) - len(todo) + k + 1, total=len(plan), encoded=k + 1)
+        load_skipped: list[tuple[int, str, str]] = []  # (position in todo, item, reason)
+        position = {t: k for k, t in enumerate(todo)}
+        encoded_here = 0
+
+        def encode_image(bucket: tuple[int, int], image_id: str) -> None:
+            nonlocal encoded_here
+            item, size, _ = plan[image_id]
+            encoded_here += 1
+            bar.advance(1)
+            est = min(len(todo), encoded_here * dist.world_size)  # rank 0 reports for the job
+            ctx.log.emit("preparing", done=len(plan) - len(todo) + est, total=len(plan), encoded=est)
+            try:
+                image = dataset.load_image(item.image_path, cfg.data.background)
+            except dataset.BadImage as e:
+                if cfg.data.on_bad_image == "error":
+                    e.item = item.key  # type: ignore[attr-defined]
+                    raise
+                load_skipped.append((position[(bucket, image_id)], item.key, str(e)))
+                ctx.log.emit("skipped", item=item.key, reason=str(e))
+                return
+            variants = dataset.plan_variants(image_id, size, bucket, n_var, cfg.seed, cfg.data.random_flip,
+                                                 cfg.data.crop, cfg.data.crop_zoom)
+            with torch.no_grad():
+                mean, logvar = family.encode_posterior(vae, _pixels(image, variants, bucket).to(rt.device))
+            store = stores[bucket]
+            if store is None:
+                fields = {"mean": ((n_var, *mean.shape[1:]), cfg.latents.dtype),
+                          "logvar": ((n_var, *logvar.shape[1:]), cfg.latents.dtype),
+                          "crop_top_left": ((n_var, 2), "int64"), "flip": ((n_var,), "uint8"),
+                          "original_size": ((2,), "int64")}
+                store = stores[bucket] = RowStore.create(out / dataset.bucket_name(bucket), by_bucket[bucket], fields)
+                store.group.attrs["layout"] = layout_fp
+                store.group.attrs["bucket"] = list(bucket)
+            row = store.ids.index(image_id)
+            store.write_row(row, {
+                "mean": mean.float(), "logvar": logvar.float(),
+                # (top, left) of the crop in the image the model sees: for a flipped variant that
+                # is the mirrored image, where the box starts at resized_width - left - bucket_width
+                "crop_top_left": [[v.crop_top, v.resized[0] - v.crop_left - bucket[0] if v.flip else v.crop_left]
+                                  for v in variants],
+                "flip": [int(v.flip) for v in variants], "original_size": [size[1], size[0]]})
+            faults.hit(NAME)
+
+        with distributed.progress(dist, "cache-latents", -(-len(todo) // dist.world_size), "images") as bar:
+            # A bucket's store is created from its first encoded image (the latent shape comes from
+            # the VAE): under torchrun rank 0 does that for every new bucket before the others write.
+            seeded: list[tuple[tuple[int, int], str]] = []
+            with distributed.main_first(dist):
+                if dist.is_main and dist.is_distributed:
+                    seeded = _seed_stores(todo, stores, encode_image)
+            seeded = distributed.broadcast(seeded, dist)
+            for bucket, _ in seeded:
+                stores[bucket] = stores[bucket] or _open_store(out, bucket, layout_fp)
+            done_first = set(seeded)
+            rest = [t for t in todo if t not in done_first]
+            for bucket, image_id in distributed.shard(rest, dist, first=len(seeded)):
+                encode_image(bucket, image_id)
+        distributed.barrier(dist)  # every rank's rows are on disk: rank 0 writes the manifest
+        gathered = distributed.all_gather(load_skipped, dist)
+        for part in gathered[1:]:
+            for _, key, reason in part:
+                ctx.log.emit("skipped", item=key, reason=reason)
+        skipped += [(key, reason) for _, key, reason in sorted(s for part in gathered for s in part)]
+        if not dist.is_main:
+            return {"stage": NAME, "rank": dist.rank, "encoded_this_run": len(todo)}
         skipped_keys = {key for key, _ in skipped}
+        encoded = len(todo) - sum(len(part) for part in gathered)  # images that failed to load were not encoded
         index = {}
         for bucket, ids in sorted(by_bucket.items()):
             store = stores[bucket]
@@ -187,7 +253,9 @@ def run(cfg: Any) -> dict[str, Any]:
             for image_id in ids:
                 if plan[image_id][0].key not in skipped_keys and written[rows[image_id]]:
                     index[image_id] = {"bucket": dataset.bucket_name(bucket), "row": rows[image_id]}
-        parts = {**layout, "images": sorted(index)}
+        # Every scanned image counts as an input, skipped ones too (they are listed as skipped):
+        # otherwise a run with a skipped image would never be up to date.
+        parts = {**layout, "images": sorted({it.image_id for it in items})}
         manifest = write_manifest(
             out, NAME, family=cfg.family, model=cfg.model, fingerprint=fingerprint(parts), fingerprint_parts=parts,
             index=index, items={it.key: it.image_id for it in items if it.image_id in index},
@@ -195,9 +263,23 @@ def run(cfg: Any) -> dict[str, Any]:
             normalization=norm, variants=n_var, bucket_multiple=multiple, dtype=cfg.latents.dtype,
             latent_shapes={dataset.bucket_name(b): list(s.group["mean"].shape[2:]) for b, s in stores.items() if s},
             skipped=[{"item": k, "reason": r} for k, r in skipped], duplicates=duplicates,
-            encoded_this_run=len(todo), bytes_on_disk=dir_bytes(out), seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(rt))
-        ctx.log.emit("done", seconds=ctx.elapsed(), encoded=len(todo), total=len(plan), skipped=len(skipped))
+            warnings=[{"item": it.key, "message": note} for it, size, bucket in plan.values()
+                      for note in dataset.size_notes(it.key, size, bucket, cfg.data.max_aspect)],
+            encoded_this_run=encoded, bytes_on_disk=dir_bytes(out), seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(rt),
+            world_size=dist.world_size)
+        _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
+        ctx.log.emit("done", seconds=ctx.elapsed(), encoded=encoded, total=len(plan), skipped=len(skipped))
         return manifest
+
+
+def _tidy(out: Path, by_bucket: dict[tuple[int, int], list[str]]) -> None:
+    """Once the manifest is written: drop bucket stores no image uses any more (settings changed)
+    and the temp files of killed writers. Only space is freed; nothing the manifest uses is touched."""
+    keep = {dataset.bucket_name(b) for b in by_bucket}
+    for group in out.iterdir() if out.is_dir() else []:
+        if group.is_dir() and not group.name.startswith(".") and group.name not in keep:
+            remove_dir(group)
+    sweep_leftovers(out)
 
 
 def load_latents(cfg: Any) -> tuple[dict[str, RowStore], dict[str, Any]]:

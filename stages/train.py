@@ -25,7 +25,7 @@ from stages.core.model_source import ModelSource
 NAME = "train"
 # Settings that change how a run is logged or saved, not what it learns: not in the fingerprint.
 NOT_FINGERPRINTED = {"log_every", "checkpoint_every", "keep_checkpoints", "resume", "warmup_steps_excluded",
-                     "compile_transformer", "enable_tf32", "cudnn_benchmark"}
+                     "compile_transformer", "enable_tf32", "cudnn_benchmark", "cuda_graphs"}
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -46,16 +46,27 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
             "train": train, "seed": cfg.seed, "captions": cap and cap["fingerprint"], "latents": lat and lat["fingerprint"]}
 
 
+def partial_state(cfg: Any) -> str | None:
+    """For `status`: a run killed before lora/final was written, and where --resume picks it up."""
+    steps = sorted(int(p.name.split("-")[1]) for p in (cfg.run_dir / "lora").glob("checkpoint-*")
+                   if read_manifest(p) is not None)
+    if not steps:
+        return None
+    return (f"interrupted: no lora/final yet, newest complete checkpoint is checkpoint-{steps[-1]}; "
+            f"`python pipeline.py train --resume` (or `run`) continues from the newest one made with this config")
+
+
 def check_upstream(cfg: Any) -> None:
     """Refuse to train on missing or stale caches, saying which stage to rerun and why."""
     from stages.core.stage import staleness
 
-    for module in (encode_captions, cache_latents):
-        ok, reasons = staleness(module, cfg)
-        if not ok:
-            raise ArtifactError(f"{module.artifact_dir(cfg).name} is not up to date for this config "
-                                f"({'; '.join(reasons)[:400]}): run `python pipeline.py {module.NAME} "
-                                f"--config <your config>` first (run '{cfg.run}')")
+    stale = [(module, reasons) for module in (encode_captions, cache_latents)
+             for ok, reasons in [staleness(module, cfg)] if not ok]
+    if stale:
+        why = "; ".join(f"{m.artifact_dir(cfg).name}: {'; '.join(r)[:300]}" for m, r in stale)
+        rerun = " and ".join(f"`python pipeline.py {m.NAME} --config <your config>`" for m, _ in stale)
+        raise ArtifactError(f"the caches of run '{cfg.run}' were not made for this config ({why}): run {rerun} "
+                            f"first (or `python pipeline.py run`, which reruns exactly the stale stages)")
 
 
 def run(cfg: Any, resume: bool = False) -> dict[str, Any]:
@@ -63,33 +74,45 @@ def run(cfg: Any, resume: bool = False) -> dict[str, Any]:
     from stages.core.stage import running_stage
     from stages.core.trainer import Trainer
 
-    install_model_trace()
-    with running_stage(cfg, NAME) as ctx:
+    install_model_trace(NAME)
+    with running_stage(cfg, NAME) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg)
-        trainer = Trainer(cfg, ctx.log)
-        stop_file(cfg.run_dir).unlink(missing_ok=True)
-        handler = _StopRequests(stop_file(cfg.run_dir))
-        return trainer.fit(resume=resume or cfg.train.resume == "auto", stop=handler, t0=ctx.t0)
+        trainer = Trainer(cfg, ctx.log, ctx.dist)
+        return trainer.fit(resume=resume or cfg.train.resume == "auto", stop=stop, t0=ctx.t0)
 
 
 class _StopRequests:
-    """SIGINT/SIGTERM or a stop file (from `pipeline.py stop`) ask the loop to stop after this step."""
+    """SIGINT/SIGTERM or a stop file (from `pipeline.py stop`) ask the loop to stop after this step.
 
-    def __init__(self, path: Path):
-        self.path, self.requested, self.save = path, False, True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+    Signals only set a flag, which the loop reads between steps, so a signal can never cut a step
+    or a save in half; a second signal during the save changes nothing (SIGKILL still kills, and
+    the temp-folder-then-rename saves make that safe too). The previous handlers come back on exit.
+    """
+
+    def __init__(self, path: Path, since: float):
+        self.path, self.since, self.requested, self.save, self.signals = path, since, False, True, 0
+
+    def __enter__(self) -> "_StopRequests":
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self.path.unlink(missing_ok=True)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.requested = True  # a second signal while saving changes nothing: the save completes
+        self.requested, self.signals = True, self.signals + 1
 
     def poll(self) -> bool:
         if not self.requested and self.path.exists():
             try:
-                self.save = bool(json.loads(self.path.read_text() or "{}").get("save", True))
+                request = json.loads(self.path.read_text() or "{}")
             except json.JSONDecodeError:
-                self.save = True
-            self.requested = True
+                request = {}
+            # a stop file left from an earlier run (older than this one) is not a request to this run
+            if request.get("requested_at", self.since) >= self.since:
+                self.save, self.requested = bool(request.get("save", True)), True
         return self.requested
 
 

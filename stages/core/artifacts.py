@@ -14,6 +14,7 @@ fingerprint differs) is never mistaken for a finished artifact.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -37,6 +38,39 @@ class ArtifactError(RuntimeError):
     """An artifact is missing, stale or made for something else; the message names the stage to rerun."""
 
 
+class DiskFull(OSError):
+    """The disk (or quota) filled up while writing; the message names the file and the free space."""
+
+
+def disk_full(error: BaseException, path: Path, detail: str = "") -> DiskFull | None:
+    """A DiskFull naming `path` when `error` is ENOSPC/EDQUOT (and not one already), else None."""
+    if isinstance(error, DiskFull) or not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    return DiskFull(error.errno, f"disk full while writing '{path}'{detail} ({_free_space(path)} free): free some "
+                                 f"space and rerun the same command; everything written before is intact and is kept")
+
+
+@contextlib.contextmanager
+def naming_full_disk(path: Path, detail: str = "") -> Iterator[None]:
+    """Turn a bare "No space left on device" inside the block into a DiskFull that names `path`."""
+    try:
+        yield
+    except OSError as e:
+        full = disk_full(e, path, detail)
+        if full is None:
+            raise
+        raise full from e
+
+
+def _free_space(path: Path) -> str:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.0f} MiB"
+    except OSError:
+        return "unknown"
+
+
 # ---- atomic files ----------------------------------------------------------------------------
 
 
@@ -44,7 +78,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with naming_full_disk(path), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -91,6 +125,12 @@ def read_manifest(artifact_dir: Path) -> dict[str, Any] | None:
     return m if m.get("schema_version") == SCHEMA_VERSION else None
 
 
+def invalidate_manifest(artifact_dir: Path) -> None:
+    """Remove a manifest before its artifact is rebuilt in place, so a kill midway never leaves an
+    old manifest vouching for new, half-written contents."""
+    manifest_path(artifact_dir).unlink(missing_ok=True)
+
+
 def require_manifest(artifact_dir: Path, command: str) -> dict[str, Any]:
     m = read_manifest(artifact_dir)
     if m is None:
@@ -120,6 +160,7 @@ class RowStore:
     def create(cls, path: Path, ids: list[str], fields: dict[str, tuple[tuple[int, ...], str]]) -> "RowStore":
         import zarr
 
+        remove_dir(path)  # atomically gone (manifest too), never half-deleted under a valid manifest
         group = zarr.open_group(str(path), mode="w")
         n = len(ids)
         for name, (shape, dtype) in fields.items():
@@ -157,14 +198,21 @@ class RowStore:
         return np.asarray(self.group["written"][:], dtype=bool)
 
     def write_row(self, row: int, values: dict[str, Any]) -> None:
-        for name, value in values.items():
-            arr = self.group[name]
-            if arr.attrs.get("logical_dtype") == "bfloat16":
-                value = _bf16_bits(value)
-            else:
-                value = _to_numpy(value).astype(arr.dtype, copy=False)
-            arr[row] = value
-        self.group["written"][row] = 1
+        """Write every array of a row, then its `written` flag. Each zarr chunk is replaced
+        atomically (temp file + rename), and one chunk holds one row, so a kill at any moment
+        leaves the row either flagged and complete or unflagged (and redone by the next run)."""
+        from stages.core import faults
+
+        with naming_full_disk(Path(str(self.group.store.root)), f", row {row}"):
+            for name, value in values.items():
+                arr = self.group[name]
+                if arr.attrs.get("logical_dtype") == "bfloat16":
+                    value = _bf16_bits(value)
+                else:
+                    value = _to_numpy(value).astype(arr.dtype, copy=False)
+                arr[row] = value
+            faults.hit("mid-row")
+            self.group["written"][row] = 1
 
     def read_rows(self, rows: list[int], names: list[str] | None = None) -> dict[str, np.ndarray]:
         """Arrays for the given rows, in order (bfloat16 rows come back as float32)."""
@@ -261,6 +309,33 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a folder so that it disappears at once: rename it to a hidden name, then delete that.
+    (rmtree alone, killed midway, can leave a manifest beside half its files.)"""
+    if not path.exists():
+        return
+    trash = path.with_name(f".{path.name}.trash.{os.getpid()}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def sweep_leftovers(folder: Path) -> int:
+    """Delete what killed writers leave behind: zarr's `*.partial` chunk files and our hidden
+    `.<name>.tmp` / `.trash.` / `.old.` files and folders. None of them is ever read as valid;
+    this only frees their space. Returns how many were removed."""
+    if not folder.is_dir():
+        return 0
+    found = [p for p in folder.rglob("*") if p.name.endswith(".partial")
+             or (p.name.startswith(".") and any(t in p.name for t in (".tmp", ".trash.", ".old.")))]
+    for p in found:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return len(found)
 
 
 def dir_bytes(path: Path) -> int:

@@ -127,6 +127,9 @@ def bucket_name(bucket: tuple[int, int]) -> str:
     return f"{bucket[0]}x{bucket[1]}"
 
 
+UPSCALE_WARNING = 1.5  # covering a bucket often needs a few % of upscaling; 1.5x and more visibly blurs
+
+
 def size_notes(key: str, size: tuple[int, int], bucket: tuple[int, int], max_aspect: float) -> list[str]:
     """Warnings for an image that trains but loses something: too small for its bucket (upscaled,
     blurred) or with an aspect beyond max_aspect (a bucket crop cuts much of it away)."""
@@ -138,7 +141,7 @@ def size_notes(key: str, size: tuple[int, int], bucket: tuple[int, int], max_asp
         kept = bw * bh / (w * scale * h * scale)
         notes.append(f"image '{key}' is {w}x{h}, aspect {aspect:.1f}:1 beyond data.max_aspect = {max_aspect}: "
                      f"cropped to bucket {bw}x{bh}, keeping {kept:.0%} of it (crop it yourself or raise data.max_aspect)")
-    if w < bw or h < bh:
+    if max(bw / w, bh / h) > UPSCALE_WARNING:
         notes.append(f"image '{key}' is {w}x{h}, smaller than its bucket {bw}x{bh}: upscaled "
                      f"{max(bw / w, bh / h):.1f}x, which blurs it (use a larger image or a lower data.resolution)")
     return notes
@@ -195,10 +198,22 @@ def _open_image(path: Path) -> Iterator[Any]:
         with Image.open(path) as im:
             yield im
     except UnidentifiedImageError:
-        raise BadImage(f"'{path}' is not an image PIL can read (not an image file, or a format PIL "
-                       f"lacks): {BAD_IMAGE_HINT}") from None
+        kind = _signature(path)
+        what = f"starts like a {kind} but is corrupt" if kind else "is not an image (or in a format PIL cannot read)"
+        raise BadImage(f"'{path}' {what}: {BAD_IMAGE_HINT}") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise BadImage(f"image '{path}' is truncated or corrupt ({e}): {BAD_IMAGE_HINT}") from None
+
+
+_SIGNATURES = {b"\xff\xd8\xff": "JPEG", b"\x89PNG": "PNG", b"GIF8": "GIF", b"BM": "BMP", b"II*\x00": "TIFF",
+               b"MM\x00*": "TIFF", b"RIFF": "WebP"}
+
+
+def _signature(path: Path) -> str | None:
+    """The image format a file's first bytes claim, if any (tells 'corrupt' from 'not an image')."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return next((kind for magic, kind in _SIGNATURES.items() if head.startswith(magic)), None)
 
 
 def load_image(path: Path, background: str = "white"):

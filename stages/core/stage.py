@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from stages.core.artifacts import fingerprint, read_manifest, stage_lock
+from stages.core.artifacts import disk_full, fingerprint, read_manifest, stage_lock
 from stages.core.events import EventLog
 
 
@@ -29,6 +29,7 @@ class StageContext:
     stage: str
     log: EventLog
     t0: float = field(default_factory=time.time)
+    dist: Any = None  # stages.core.distributed.Dist: this process's rank in a torchrun job
 
     @property
     def run_dir(self) -> Path:
@@ -40,18 +41,40 @@ class StageContext:
 
 @contextlib.contextmanager
 def running_stage(cfg: Any, stage: str) -> Iterator[StageContext]:
-    """Hold the stage lock and log start / error for the body."""
-    with stage_lock(cfg.run_dir, stage):
-        ctx = StageContext(cfg, stage, EventLog(cfg.run_dir, cfg.run, stage))
-        ctx.log.emit("start", pid=os.getpid())
-        try:
-            yield ctx
-        except KeyboardInterrupt:
-            ctx.log.emit("error", message="interrupted")
-            raise
-        except Exception as e:
-            ctx.log.emit("error", message=str(e), item=getattr(e, "item", None), type=type(e).__name__)
-            raise
+    """Join the torchrun job if any, hold the stage lock and log start / error for the body.
+
+    Under torchrun only rank 0 takes the lock and writes events; the others wait at a barrier until
+    it holds the lock (if it cannot, it exits and torchrun stops them). On success all ranks leave
+    together, after rank 0 has written its outputs."""
+    from stages.core import distributed
+
+    with distributed.process_group(cfg.device) as dist:
+        with stage_lock(cfg.run_dir, stage) if dist.is_main else contextlib.nullcontext():
+            distributed.barrier(dist)
+            with _logged(cfg, stage, dist) as ctx:
+                yield ctx
+                distributed.barrier(dist)
+
+
+@contextlib.contextmanager
+def _logged(cfg: Any, stage: str, dist: Any) -> Iterator[StageContext]:
+    ctx = StageContext(cfg, stage, EventLog(cfg.run_dir, cfg.run, stage, enabled=dist.is_main), dist=dist)
+    ctx.log.emit("start", pid=os.getpid(), world_size=dist.world_size)
+    # Errors are logged by whichever rank meets them (an unreadable image may be in rank 1's share).
+    errors = ctx.log if dist.is_main else EventLog(cfg.run_dir, cfg.run, stage)
+    rank = {"rank": dist.rank} if dist.is_distributed else {}
+    try:
+        yield ctx
+    except KeyboardInterrupt:
+        errors.emit("error", message="interrupted", **rank)
+        raise
+    except Exception as e:
+        full = disk_full(e, cfg.run_dir, f" ({stage})")  # a bare ENOSPC from a library write gets named
+        err = full or e
+        errors.emit("error", message=str(err), item=getattr(e, "item", None), type=type(err).__name__, **rank)
+        if full is not None:
+            raise full from e
+        raise
 
 
 def describe_change(key: str, old: Any, new: Any) -> str:
@@ -66,7 +89,14 @@ def describe_change(key: str, old: Any, new: Any) -> str:
 
 def staleness(stage_module: Any, cfg: Any) -> tuple[bool, list[str]]:
     """(up_to_date, reasons) for one stage, from its manifest and its current fingerprint parts."""
-    manifest = read_manifest(stage_module.artifact_dir(cfg))
+    folder = stage_module.artifact_dir(cfg)
+    manifest = read_manifest(folder)
+    partial = getattr(stage_module, "partial_state", lambda cfg: None)(cfg) if manifest is None else None
+    if partial:
+        return False, [partial]
+    if manifest is None and folder.exists():
+        return False, [f"incomplete: '{folder}' has no manifest (its last run was interrupted or failed); "
+                       f"rerun it to finish (caches continue where they stopped; train continues with --resume)"]
     if manifest is None:
         return False, ["never built (no manifest)"]
     if not manifest.get("complete", True):

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 
 from stages import cache_latents, encode_captions
-from stages.core import dataset, lora
-from stages.core.artifacts import ArtifactError, fingerprint, read_manifest, replace_dir, write_manifest
+from stages.core import dataset, distributed, fastpath, lora
+from stages.core import faults
+from stages.core.artifacts import (ArtifactError, fingerprint, naming_full_disk, read_manifest, remove_dir, replace_dir,
+                                   sweep_leftovers, write_manifest)
 from stages.core.model_source import ModelSource
-from stages.core.runtime import make_runtime, peak_vram_gb, reset_peak, torch_flags
+from stages.core.runtime import make_runtime, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
 
@@ -62,13 +64,17 @@ def make_optimizer(params: list[torch.nn.Parameter], tcfg: Any, device: torch.de
 
 
 class Trainer:
-    def __init__(self, cfg: Any, log: Any):
+    def __init__(self, cfg: Any, log: Any, dist: distributed.Dist | None = None):
         self.cfg, self.tcfg, self.log = cfg, cfg.train, log
+        self.dist = dist or distributed.Dist()
         self.family = get_family(cfg.family)
         self.src = ModelSource(cfg.model, cfg.revision)
         self.data, lat_manifest = build_data(cfg)
         self.norm = lat_manifest["normalization"]
-        self.sampler = BucketSampler(self.data.buckets(), self.tcfg.batch_size, cfg.seed)
+        # Under torchrun every rank walks the same order of global batches (batch_size per rank x
+        # ranks) and trains on its slice of each: the same items per step as one process would see.
+        self.global_batch = self.tcfg.batch_size * self.dist.world_size
+        self.sampler = BucketSampler(self.data.buckets(), self.global_batch, cfg.seed)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.parts = self._fingerprint_parts()
         self.lora_dir = cfg.run_dir / "lora"
@@ -82,6 +88,7 @@ class Trainer:
     def setup_model(self) -> None:
         precision = self.precision = resolve_precision(self.tcfg.base_precision, make_runtime(self.cfg.device, "auto").device)
         self.rt = make_runtime(self.cfg.device, "bf16" if precision == "nf4" else precision)
+        require_cuda_for_nf4("train.base_precision", precision, self.rt)
         reset_peak(self.rt)
         self.src.check(self.family.denoiser_components)
         self.log.emit("loading", component=self.family.denoiser_class, precision=precision)
@@ -92,11 +99,16 @@ class Trainer:
         self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets)
         self.params = lora.attach_lora(self.model, self.lora_config)
         if self.tcfg.gradient_checkpointing:
-            self.model.enable_gradient_checkpointing()
+            self.model.enable_gradient_checkpointing(fastpath.checkpoint_function(self.tcfg.dropout))
         self.model.train()
         self.optimizer = make_optimizer(self.params, self.tcfg, self.rt.device)
         self.scheduler = make_scheduler(self.optimizer, self.tcfg)
         self.compiled = self._maybe_compile()
+        distributed.broadcast_params(self.params, self.dist)
+        if self.dist.is_distributed:
+            torch.manual_seed(self.cfg.seed + self.dist.rank)  # LoRA dropout: other masks on each rank
+        # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
+        self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log)
 
     def _maybe_compile(self) -> bool:
         mode = self.tcfg.compile_transformer
@@ -118,60 +130,109 @@ class Trainer:
 
     # ---- one step
     def draw(self, batch_indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Read a batch and draw all its randomness from the step generator (CPU, reproducible)."""
-        g = self.generator
-        variants = torch.randint(self.data.variants, (len(batch_indices),), generator=g).tolist()
-        batch = self.data.load(batch_indices, variants)
-        eps = torch.randn(batch.mean.shape, generator=g)
-        noise = torch.randn(batch.mean.shape, generator=g)
-        t = self.family.sample_timesteps(len(batch_indices), tuple(batch.mean.shape[-2:]), g, self.tcfg)
+        """Read a batch and draw all its randomness from the step generator (CPU, reproducible).
+
+        Under torchrun every rank draws the randomness of the whole global batch, as one process
+        would, and keeps its own slice; it reads only its slice's items. A rank whose slice is empty
+        (a bucket's short last batch) takes the first item, which `step` weights by 0."""
+        g, n = self.generator, len(batch_indices)
+        part = distributed.batch_slice(n, self.dist)
+        if part.start == part.stop:
+            part = slice(0, 1)
+        variants = torch.randint(self.data.variants, (n,), generator=g)[part].tolist()
+        batch = self.data.load(batch_indices[part], variants)
+        shape = (n, *batch.mean.shape[1:])
+        eps = torch.randn(shape, generator=g)[part]
+        noise = torch.randn(shape, generator=g)[part]
+        t = self.family.sample_timesteps(n, tuple(batch.mean.shape[-2:]), g, self.tcfg)[part]
         return batch, eps, noise, t
 
     def compute_loss(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         dev = self.rt.device
         x0 = self.family.normalize_latents(sample_posterior(batch.mean.to(dev), batch.logvar.to(dev), eps.to(dev)), self.norm)
         cond = {k: v.to(dev) for k, v in batch.cond.items()}
-        return self.family.loss(self.model, x0, noise.to(dev), t.to(dev), cond, batch.meta, self.tcfg).mean()
+        return self.family.loss(self.denoiser, x0, noise.to(dev), t.to(dev), cond, batch.meta, self.tcfg).mean()
+
+    def draw_next(self) -> tuple[list[int], tuple[Any, ...]]:
+        """The next batch and its randomness; remembers the sampler/generator state from before it,
+        which is what a checkpoint saves while this batch is pending (resume draws it again)."""
+        self._state_before_pending = {"generator": self.generator.get_state(), "sampler": self.sampler.state_dict()}
+        _, indices = self.sampler.next()
+        return indices, self.draw(indices)
 
     def step(self) -> tuple[float, float, int]:
-        _, indices = self.sampler.next()
-        batch, eps, noise, t = self.draw(indices)
+        pending, self._pending = getattr(self, "_pending", None), None
+        indices, (batch, eps, noise, t) = pending or self.draw_next()
         lr = self.scheduler.get_last_lr()[0]
+        weight = distributed.loss_weight(len(indices), self.dist)
         try:
-            loss = self.compute_loss(batch, eps, noise, t)
+            loss = self._weighted(self.compute_loss(batch, eps, noise, t), weight)
             loss.backward()
         except Exception as e:  # noqa: BLE001
             if not self.compiled:
                 raise
             self._uncompile(e)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.compute_loss(batch, eps, noise, t)
+            loss = self._weighted(self.compute_loss(batch, eps, noise, t), weight)
             loss.backward()
+        distributed.average_gradients(self.params, self.dist)
         if self.tcfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach()), lr, len(indices)
+        # Read the next batch while the GPU still runs this one (float(loss) below waits for it).
+        # Its random draws come in the same order as without read-ahead, so the run is unchanged.
+        self._pending = self.draw_next()
+        return float(distributed.mean_over_ranks(loss.detach(), self.dist)), lr, len(indices)
+
+    @staticmethod
+    def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
+        return loss if weight == 1.0 else loss * weight
 
     # ---- checkpoints
     def training_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
                  "sampler": self.sampler.state_dict()}
+        if getattr(self, "_pending", None) is not None:  # the next batch was read ahead: save the state before it
+            state.update(self._state_before_pending)
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if self.dist.is_distributed:  # collective: every rank's dropout RNG, so each resumes its own
+            state["world_size"] = self.dist.world_size
+            state["torch_rng_ranks"] = distributed.all_gather(torch.get_rng_state(), self.dist)
         return state
 
-    def save_checkpoint(self, step: int) -> Path:
-        final = self.lora_dir / f"checkpoint-{step}"
-        tmp = self.lora_dir / f".checkpoint-{step}.tmp"
+    def _write_folder(self, name: str, write: Any) -> Path:
+        """Let `write(tmp)` fill a hidden lora/.<name>.tmp, manifest last, then rename it to lora/<name>.
+        A kill, a second signal or a full disk midway leaves the previous folder, never a half one."""
+        final, tmp = self.lora_dir / name, self.lora_dir / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        lora.save_adapter(self.model, self.lora_config, tmp)
-        torch.save(self.training_state(step), tmp / TRAINING_STATE)
-        write_manifest(tmp, "train", kind="checkpoint", step=step, fingerprint=fingerprint(self.parts),
-                       fingerprint_parts=self.parts, **self.export_info())
+        try:
+            with naming_full_disk(final):
+                write(tmp)
+        except Exception:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         replace_dir(tmp, final)
+        return final
+
+    def save_checkpoint(self, step: int) -> Path:
+        state = self.training_state(step)  # on every rank (it gathers their RNG states)
+        if not self.dist.is_main:  # replicas are identical: rank 0 alone writes
+            self.saved_step = step
+            return self.lora_dir / f"checkpoint-{step}"
+
+        def write(tmp: Path) -> None:
+            lora.save_adapter(self.model, self.lora_config, tmp)
+            torch.save(state, tmp / TRAINING_STATE)
+            faults.hit("mid-save")
+            write_manifest(tmp, "train", kind="checkpoint", step=step, fingerprint=fingerprint(self.parts),
+                           fingerprint_parts=self.parts, **self.export_info(), **self.launch_info())
+
+        final = self._write_folder(f"checkpoint-{step}", write)
+        self.saved_step = step
         self.log.emit("checkpoint", step=step, path=str(final))
         self._prune()
         return final
@@ -179,7 +240,7 @@ class Trainer:
     def _prune(self) -> None:
         ckpts = sorted(self.checkpoints(), key=lambda p: int(p.name.split("-")[1]))
         for old in ckpts[:-self.tcfg.keep_checkpoints] if self.tcfg.keep_checkpoints > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_dir(old)  # renamed away first: a kill mid-delete never leaves a manifest over missing files
 
     def checkpoints(self) -> list[Path]:
         if not self.lora_dir.exists():
@@ -192,58 +253,91 @@ class Trainer:
         for path in ckpts:
             m = read_manifest(path)
             if m and m.get("fingerprint") == fingerprint(self.parts):
-                lora.load_adapter_weights(self.model, path)
-                state = torch.load(path / TRAINING_STATE, weights_only=False)
+                self._check_world_size(path, m)
+                try:
+                    state = torch.load(path / TRAINING_STATE, weights_only=False)
+                    lora.load_adapter_weights(self.model, path)
+                except Exception as e:  # noqa: BLE001 - damaged on disk after it was written: try an older one
+                    self.log.emit("warning", message=f"cannot load {path} ({e}); trying an older checkpoint")
+                    continue
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.scheduler.load_state_dict(state["scheduler"])
                 self.generator.set_state(state["generator"])
-                torch.set_rng_state(state["torch_rng"])
+                torch.set_rng_state(self._rank_rng(state))
                 if "cuda_rng" in state and torch.cuda.is_available():
                     torch.cuda.set_rng_state_all(state["cuda_rng"])
                 self.sampler.load_state_dict(state["sampler"])
+                self._pending = None
+                self.saved_step = int(state["step"])
                 self.log.emit("warning", message=f"resumed from {path.name} at step {state['step']}")
                 return int(state["step"])
         if ckpts:
             self.log.emit("warning", message="no checkpoint matches this config (settings changed): starting at step 0")
         return 0
 
+    def _rank_rng(self, state: dict[str, Any]) -> torch.Tensor:
+        ranks = state.get("torch_rng_ranks")
+        return ranks[self.dist.rank] if ranks and len(ranks) == self.dist.world_size else state["torch_rng"]
+
+    def _check_world_size(self, path: Path, manifest: dict[str, Any]) -> None:
+        """The sampler position counts global batches: resuming with another number of processes
+        would walk a different batch order from a position that means something else."""
+        saved = manifest.get("world_size", 1)
+        if saved != self.dist.world_size:
+            raise ArtifactError(
+                f"{path} was written by {saved} process(es) (global batch {saved * self.tcfg.batch_size}), this "
+                f"train runs {self.dist.world_size}: resume with --nproc-per-node/--gpus {saved}, or start over "
+                f"(train without --resume, train.resume = 'never')")
+
+    def launch_info(self) -> dict[str, Any]:
+        return {"world_size": self.dist.world_size, "global_batch_size": self.global_batch}
+
     def export_info(self) -> dict[str, Any]:
         return {"family": self.cfg.family, "model": self.cfg.model, "pipeline_class": self.family.pipeline_class,
                 "lora_prefix": self.family.lora_prefix, "lora_config": lora.config_dict(self.lora_config)}
 
     def save_final(self, step: int, complete: bool, summary: dict[str, Any]) -> dict[str, Any]:
-        final = self.lora_dir / "final"
-        tmp = self.lora_dir / ".final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        lora.save_adapter(self.model, self.lora_config, tmp)
         extra = {} if complete else {"incomplete_reason": f"stopped at step {step} of {self.tcfg.steps}: run "
                                                           f"`python pipeline.py train --resume` to finish"}
-        manifest = write_manifest(tmp, "train", kind="final", step=step, complete=complete,
-                                  fingerprint=fingerprint(self.parts), fingerprint_parts=self.parts,
-                                  **self.export_info(), **summary, **extra)
-        replace_dir(tmp, final)
+        manifest: dict[str, Any] = {}
+        if not self.dist.is_main:
+            return {"stage": "train", "rank": self.dist.rank, "step": step, "complete": complete}
+
+        def write(tmp: Path) -> None:
+            lora.save_adapter(self.model, self.lora_config, tmp)
+            faults.hit("mid-save")
+            manifest.update(write_manifest(tmp, "train", kind="final", step=step, complete=complete,
+                                           fingerprint=fingerprint(self.parts), fingerprint_parts=self.parts,
+                                           **self.export_info(), **self.launch_info(), **summary, **extra))
+
+        self._write_folder("final", write)
         return manifest
 
     # ---- the loop
     def fit(self, resume: bool, stop: Any, t0: float) -> dict[str, Any]:
         torch.manual_seed(self.cfg.seed)
+        sweep_leftovers(self.lora_dir)  # temp folders of a killed save: never read, space only
+        self.saved_step: int | None = None  # the step of the newest checkpoint on disk
         with torch_flags(self.tcfg.enable_tf32, self.tcfg.cudnn_benchmark, disable_cudnn_attention=True) as notes:
             self.setup_model()
-            for note in notes:
+            self.attention = notes[0] if notes and self.rt.is_cuda else "default SDPA"
+            for note in notes if self.rt.is_cuda else []:
                 self.log.emit("warning", message=note)
             start = self.resume() if resume else 0
+            steps = distributed.all_gather(start, self.dist)
+            if len(set(steps)) > 1:
+                raise ArtifactError(f"ranks resumed from different steps {steps}: do all hosts see the same "
+                                    f"{self.lora_dir}? (multi-host runs need a shared artifacts folder)")
             return self._loop(start, stop, t0)
 
     def _loop(self, start: int, stop: Any, t0: float) -> dict[str, Any]:
-        from stages.core.events import Progress
-
         tcfg, losses = self.tcfg, []
         samples, steady_t0, steady_samples = 0, None, 0
         step = start
-        with Progress("train", tcfg.steps - start, "steps") as bar:
+        with distributed.progress(self.dist, "train", tcfg.steps - start, "steps") as bar:
             while step < tcfg.steps:
-                if stop.poll():
-                    return self._stopped(step, stop.save, losses, t0)
+                if self._stop_requested(stop):
+                    return self._stopped(step, stop.save and step > start, losses, t0)  # no step: nothing new
                 loss, lr, n = self.step()
                 step += 1
                 losses.append(loss)
@@ -258,15 +352,25 @@ class Trainer:
                 sps = steady_samples / (time.time() - steady_t0) if steady_t0 and steady_samples else None
                 if step % tcfg.log_every == 0 or step == tcfg.steps:
                     self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n, samples_per_second=sps,
-                                  peak_vram_gb=peak_vram_gb(self.rt)["allocated"])
+                                  peak_vram_gb=peak_vram_gb(self.rt)["allocated"], world_size=self.dist.world_size)
                 bar.advance(1, loss=loss, lr=lr)
+                faults.hit("train")
                 if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < tcfg.steps:
                     self.save_checkpoint(step)
         summary = self._summary(step, losses, samples, steady_samples, steady_t0, t0)
-        self.save_checkpoint(step)
+        if self.saved_step != step:
+            self.save_checkpoint(step)
         manifest = self.save_final(step, True, summary)
         self.log.emit("done", seconds=round(time.time() - t0, 3), step=step, **{k: summary[k] for k in ("loss_first", "loss_last")})
         return manifest
+
+    def _stop_requested(self, stop: Any) -> bool:
+        """A stop seen by any rank (a signal, or rank 0's stop file) stops every rank before the same
+        step; one that cancels (--no-save) cancels everywhere. One tiny all-reduce per step."""
+        requested = stop.poll()
+        requested, cancel = distributed.any_rank([requested, requested and not stop.save], self.dist)
+        stop.save = not cancel
+        return requested
 
     def _sync(self) -> None:
         if self.rt.is_cuda:
@@ -281,13 +385,25 @@ class Trainer:
                 "loss_last": sum(losses[-k:]) / k if losses else None,
                 "samples": samples, "samples_per_second": sps, "precision": self.precision,
                 "compiled": self.compiled, "seconds": round(time.time() - t0, 3), "peak_vram_gb": peak_vram_gb(self.rt),
-                "device": str(self.rt.device)}
+                "device": str(self.rt.device), "runtime": self._runtime_summary(),
+                # collective: each rank's own peak (rank 0's above), for per-GPU memory under torchrun
+                "peak_vram_gb_per_rank": distributed.all_gather(peak_vram_gb(self.rt), self.dist)}
+
+    def _runtime_summary(self) -> dict[str, Any]:
+        graphs = self.denoiser.summary() if isinstance(self.denoiser, fastpath.GraphedDenoiser) else {}
+        return {"attention": getattr(self, "attention", ""), "cuda_graphs": {"plan": self.graphs_plan, **graphs},
+                "enable_tf32": self.tcfg.enable_tf32, "cudnn_benchmark": self.tcfg.cudnn_benchmark,
+                "gradient_checkpointing": self.tcfg.gradient_checkpointing, "optimizer": type(self.optimizer).__name__,
+                "fused_adamw": bool(self.optimizer.defaults.get("fused"))}
 
     def _stopped(self, step: int, save: bool, losses: list[float], t0: float) -> dict[str, Any]:
+        """After a stop request, between steps: a resumable checkpoint and the adapter (lora/final,
+        complete=false), or with --no-save nothing new at all (earlier checkpoints stay as they are)."""
         if not save:
             self.log.emit("stopped", step=step, saved=False)
             return {"stage": "train", "stopped": True, "saved": False, "step": step}
-        self.save_checkpoint(step)
+        if self.saved_step != step:
+            self.save_checkpoint(step)
         manifest = self.save_final(step, False, self._summary(step, losses, 0, 0, None, t0))
-        self.log.emit("stopped", step=step, saved=True)
-        return manifest
+        self.log.emit("stopped", step=step, saved=True, checkpoint=f"checkpoint-{step}")
+        return {**manifest, "stopped": True, "saved": True}
