@@ -7,6 +7,7 @@ which export-lora turns into diffusers' LoRA file with the config in its metadat
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,13 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt: Any, double_quant: bool) -> torch.nn.Module:
     """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration."""
+    from stages.core.runtime import require_cuda_for_nf4
+
     kwargs: dict[str, Any] = {"torch_dtype": rt.dtype}
+    require_cuda_for_nf4("train.base_precision", precision, rt)
+    if precision != "nf4" and rt.is_cuda and importlib.util.find_spec("accelerate") is not None:
+        kwargs["device_map"] = {"": rt.device}  # weights go straight to the GPU (no CPU copy of 24 GB)
     if precision == "nf4":
-        if not rt.is_cuda:
-            raise RuntimeError(
-                "train.base_precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit in diffusers refuses "
-                "without one); on CPU use base_precision = 'fp32' (or 'auto')"
-            )
         from diffusers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(

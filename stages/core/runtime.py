@@ -62,6 +62,15 @@ def _set_flags(flags: dict[str, Any]) -> None:
     torch.backends.cuda.enable_cudnn_sdp(flags["cudnn_sdp"])
 
 
+ATTENTION_NOTE = ("attention: cuDNN SDPA is off for this stage (its backward pass crashed on torch 2.11 + "
+                  "CUDA 13.0 on an H200); PyTorch uses flash or memory-efficient SDPA instead")
+
+
+def global_flags() -> dict[str, Any]:
+    """The global torch settings a stage may change (the restore test compares these)."""
+    return _flags()
+
+
 @contextlib.contextmanager
 def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attention: bool) -> Iterator[list[str]]:
     """Set the stage's global torch flags; restore the previous values on exit (even on error)."""
@@ -71,16 +80,26 @@ def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attentio
     if enable_tf32:
         new.update(matmul_tf32=True, cudnn_tf32=True, float32_matmul_precision="high")
     new["cudnn_benchmark"] = cudnn_benchmark
-    if disable_cudnn_attention and saved["cudnn_sdp"]:
+    if disable_cudnn_attention:
         # torch 2.11 + cu130 on H200: cuDNN attention crashed in the backward pass of a FLUX LoRA
         # (illegal memory access / mha_graph.execute). Flash and memory-efficient SDPA are fine.
         new["cudnn_sdp"] = False
-        notes.append("cuDNN SDPA disabled for training (backward crash seen on torch 2.11/cu130); flash/mem-efficient SDPA used")
+        notes.append(ATTENTION_NOTE)
     _set_flags(new)
     try:
         yield notes
     finally:
         _set_flags(saved)
+
+
+def require_cuda_for_nf4(key: str, value: str, rt: Runtime) -> None:
+    """nf4 on a machine without CUDA is an error, not a silent fallback: the user asked for 4-bit
+    weights (memory), and fp32 on CPU would need ~8x the memory they planned for."""
+    if value == "nf4" and not rt.is_cuda:
+        from stages.core.stage import UserError
+
+        raise UserError(f"{key} = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit weights), but this stage runs on "
+                        f"{rt.device.type}. Set {key} = 'auto' (bf16 on CUDA, fp32 on CPU) or 'fp32'.")
 
 
 def make_runtime(device: str, precision: str) -> Runtime:
@@ -100,12 +119,13 @@ def peak_vram_gb(rt: Runtime) -> dict[str, float]:
             "reserved": round(torch.cuda.max_memory_reserved(rt.device) / 2**30, 3)}
 
 
-def install_model_trace() -> None:
-    """If LORAPIPE_TRACE_MODELS names a file, record every diffusers/transformers model class this
-    process constructs into it at exit (the stage-isolation tests read it)."""
-    path = os.environ.get("LORAPIPE_TRACE_MODELS")
-    if not path:
+def install_model_trace(stage: str) -> None:
+    """If LORAPIPE_TRACE_MODELS names a folder, record every diffusers/transformers model class this
+    process constructs into <folder>/<stage>.json at exit (the stage-isolation tests read it)."""
+    folder = os.environ.get("LORAPIPE_TRACE_MODELS")
+    if not folder:
         return
+    path = Path(folder) / f"{stage}.json"
     seen: list[str] = []
     import diffusers
     import transformers

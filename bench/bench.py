@@ -1,0 +1,395 @@
+"""The product's benchmark: full-size random-weight pipelines, trained by the product's own stages.
+
+    python bench/bench.py run --out $OUT/bench.json            # on the H200 machine (all families present)
+    python bench/bench.py run --tiny --out /tmp/bench.json     # the same plumbing on tiny models, on CPU
+    python bench/bench.py report bench/results/*.json --write bench/RESULTS.md
+
+`run` builds each family's full-size pipeline from bench/full_configs.py (random bf16 weights, made
+on the GPU, saved as an ordinary diffusers folder on local disk or /dev/shm), writes a synthetic
+dataset, and runs `pipeline.py encode-captions / cache-latents / train / export-lora` as child
+processes with `--set` overrides, in priority order (PLAN) until `--budget-s` is spent. After each
+item it rewrites --out, so a cut-off call keeps what it measured; `--skip-done FILE` continues a
+plan in a later call. The family's model folder is deleted at the end (64 GB disk: one at a time).
+`report` turns result files into bench/RESULTS.md (tables, targets, MFU, what was not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PRESET = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.toml",
+          "z-image": "configs/z-image.toml", "sdxl": "configs/sdxl.toml"}
+TRAIN_STEPS, WARMUP = 8, 3  # 3 steps excluded from samples/s (first step, graph capture, one replay)
+CAPTION_TOKENS = 77
+BUILD_S = {"flux": 70, "z-image": 60, "sdxl": 40, "qwen-image": 200}  # build + save on the H200, estimated
+
+
+@dataclass
+class Item:
+    id: str  # e.g. "flux/train/nf4-512-b4"
+    kind: str  # encode | latents | train | export | verify | profile | pytest
+    res: int = 512
+    sets: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    est_s: float = 60.0  # expected seconds on the H200, to decide what still fits the budget
+    run: str = ""  # run name (default bench-<family>-<res>)
+
+
+def _train(fam: str, precision: str, res: int, batch: int, est: float, tag: str = "", **extra: Any) -> Item:
+    env = extra.pop("env", {})
+    sets = {"train.base_precision": precision, "train.batch_size": batch, **extra}
+    return Item(f"{fam}/train/{precision}-{res}-b{batch}{tag}", "train", res, sets, env, est)
+
+
+def plan(fam: str) -> list[Item]:
+    """Everything measured for one family, most important first (the issue's targets lead)."""
+    eager = {"LORAPIPE_CUDA_GRAPHS": "off"}
+    return [
+        Item(f"{fam}/encode/nf4", "encode", 512, est_s=35),  # the 1024 run gets a copy (same fingerprint)
+        Item(f"{fam}/latents/512", "latents", 512, est_s=25),
+        Item(f"{fam}/profile/nf4-512-b4", "profile", 512, {"train.base_precision": "nf4", "train.batch_size": 4}, est_s=60),
+        _train(fam, "nf4", 512, 4, 45),
+        Item(f"{fam}/export/nf4-512-b4", "export", 512, est_s=15),
+        _train(fam, "bf16", 512, 4, 35),
+        Item(f"{fam}/verify/nf4-512-b4", "verify", 512, est_s=40),
+        _train(fam, "nf4", 512, 1, 40),
+        _train(fam, "bf16", 512, 1, 35),
+        Item(f"{fam}/latents/1024", "latents", 1024, est_s=30),
+        _train(fam, "bf16", 1024, 4, 50),
+        _train(fam, "nf4", 1024, 4, 60),
+        _train(fam, "bf16", 512, 4, 120, "-compile", **{"train.compile_transformer": "on"}),
+        _train(fam, "nf4", 1024, 1, 45),
+        _train(fam, "bf16", 1024, 1, 40),
+        _train(fam, "bf16", 1024, 4, 60, "-nockpt", **{"train.gradient_checkpointing": False}),
+        _train(fam, "bf16", 512, 4, 35, "-eager", env=eager),
+        _train(fam, "nf4", 512, 4, 45, "-eager", env=eager),
+        _train(fam, "bf16", 1024, 4, 150, "-compile", **{"train.compile_transformer": "on"}),
+        Item(f"{fam}/encode/bf16", "encode", 512, {"captions.text_encoder_precision": "bf16"}, est_s=35,
+             run=f"bench-{fam}-t5bf16"),
+        Item(f"{fam}/pytest/cuda", "pytest", est_s=90),
+    ]
+
+
+# ---- the machine and its software ------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "python": platform.python_version(),
+                            "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node()}
+    for mod in ("diffusers", "transformers", "peft", "bitsandbytes", "zarr", "accelerate", "safetensors"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001 - a missing package is itself a fact to record
+            info[mod] = f"missing ({type(e).__name__})"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        info["driver"] = smi.stdout.strip()
+    return info
+
+
+def model_dir(args: argparse.Namespace, fam: str) -> Path:
+    """/dev/shm when it can hold the pipeline (no disk reads), else the work folder on disk."""
+    if args.models:
+        return Path(args.models) / fam
+    shm = Path("/dev/shm")
+    if not args.tiny and shm.is_dir() and shutil.disk_usage(shm).free > 45 * 2**30:
+        return shm / "lorapipe-bench" / fam
+    return Path(args.work) / "models" / fam
+
+
+# ---- the runner ----------------------------------------------------------------------------------
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.work = args, Path(args.work)
+        self.deadline = time.time() + args.budget_s
+        prior = json.loads(Path(args.skip_done).read_text()) if args.skip_done else {}
+        self.done = {r["id"] for r in prior.get("items", []) if r.get("status") == "ok"}
+        self.results: dict[str, Any] = {"meta": {**machine_info(), "command": " ".join(sys.argv), "tiny": args.tiny},
+                                        "items": [], "builds": {}}
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.broken: set[tuple[str, int]] = set()
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self) -> None:
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        tmp.replace(out)
+
+    def record(self, item: Item, status: str, **fields: Any) -> dict[str, Any]:
+        row = {"id": item.id, "kind": item.kind, "res": item.res, "sets": item.sets, "env": item.env,
+               "status": status, **fields}
+        self.results["items"].append(row)
+        self.save()
+        print(f"[bench] {item.id}: {status} {json.dumps({k: v for k, v in fields.items() if k in ('wall_s', 'summary', 'reason')}, default=str)[:400]}", flush=True)
+        return row
+
+    # -- setup
+    def built(self, fam: str) -> bool:
+        return (model_dir(self.args, fam) / "model_index.json").exists()
+
+    def ensure_model(self, fam: str) -> Path:
+        folder = model_dir(self.args, fam)
+        if (folder / "model_index.json").exists():
+            return folder
+        counts_file = self.work / f"build-{fam}.json"
+        cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "build", "--family", fam, "--folder", str(folder),
+               "--counts", str(counts_file)] + (["--tiny"] if self.args.tiny else [])
+        rc, wall, tail = self.call(cmd, {}, f"{fam}/build")
+        if rc != 0:
+            raise RuntimeError(f"building the {fam} pipeline failed: {tail[-800:]}")
+        counts = json.loads(counts_file.read_text())
+        self.results["builds"][fam] = {"seconds": wall, "params_b": counts, "folder": str(folder),
+                                       "bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())}
+        self.save()
+        print(f"[bench] built {fam} in {wall:.0f}s at {folder}", flush=True)
+        return folder
+
+    def ensure_data(self) -> Path:
+        data = self.work / "data"
+        if not data.exists():
+            make_dataset(data, n=8, side=96 if self.args.tiny else 1024)
+        return data
+
+    def base_sets(self, fam: str, res: int) -> dict[str, Any]:
+        tiny = self.args.tiny
+        return {"artifacts": str(self.work / "artifacts"), "data.path": str(self.ensure_data()),
+                "data.resolution": 64 if tiny else res, "data.cache_variants": 1, "captions.batch_size": 8,
+                "captions.text_encoder_precision": "nf4",  # every run's train reads captions made this way
+                "captions.max_sequence_length": CAPTION_TOKENS,
+                "train.steps": 4 if tiny else TRAIN_STEPS, "train.warmup_steps_excluded": 1 if tiny else WARMUP,
+                "train.checkpoint_every": 0, "train.log_every": 1, "train.lr_warmup_steps": 0,
+                "train.gradient_checkpointing": True}
+
+    def stage_cmd(self, fam: str, item: Item, stage: str, model: Path, extra: list[str] = ()) -> list[str]:
+        sets = {**self.base_sets(fam, item.res), **item.sets}
+        if self.args.tiny:  # nf4/bf16 need CUDA: the tiny run checks the plumbing in fp32
+            sets = {k: ("fp32" if v in ("nf4", "bf16") else v) for k, v in sets.items()}
+        cmd = [sys.executable, str(ROOT / "pipeline.py"), stage, "--config", str(ROOT / PRESET[fam]),
+               "--model", str(model), "--run", item.run or f"bench-{fam}-{item.res}"]
+        for k, v in sets.items():
+            cmd += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
+        return cmd + list(extra)
+
+    def run_dir(self, fam: str, res: int) -> Path:
+        return self.work / "artifacts" / f"bench-{fam}-{res}"
+
+    def call(self, cmd: list[str], env: dict[str, str], name: str) -> tuple[int, float, str]:
+        log = self.work / "logs" / f"{name.replace('/', '_')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "LORAPIPE_PLAIN": "1", **env}
+        t = time.time()
+        with log.open("w") as fh:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, env=full_env, stdout=fh, stderr=subprocess.STDOUT,
+                                    timeout=max(30.0, self.left())).returncode
+            except subprocess.TimeoutExpired:
+                rc = -9
+        tail = log.read_text()[-2500:] if rc != 0 else ""
+        return rc, round(time.time() - t, 2), tail
+
+    # -- items
+    def caches_ready(self, fam: str, res: int) -> bool:
+        rd = self.run_dir(fam, res)
+        return (rd / "captions.zarr" / "manifest.json").exists() and (rd / "latents.zarr" / "manifest.json").exists()
+
+    def ensure_caches(self, fam: str, res: int, items: list[Item]) -> None:
+        if self.caches_ready(fam, res):
+            return
+        caps = self.run_dir(fam, res) / "captions.zarr"
+        donor = next((self.run_dir(fam, r) / "captions.zarr" for r in (512, 1024)
+                      if (self.run_dir(fam, r) / "captions.zarr" / "manifest.json").exists()), None)
+        if not (caps / "manifest.json").exists() and donor is not None:
+            shutil.copytree(donor, caps, dirs_exist_ok=True)  # captions do not depend on the resolution
+            if self.caches_ready(fam, res):
+                return
+        if (fam, res) in self.broken:
+            raise RuntimeError(f"the {res} px caches could not be built (see the encode/latents rows)")
+        self.broken.add((fam, res))
+        for item in items:  # caches missing (a failed or cold earlier call): build them, recorded as a rerun
+            if (item.kind == "latents" and item.res == res) or (item.kind == "encode" and not item.run
+                                                                   and not (caps / "manifest.json").exists()):
+                self.execute(fam, Item(item.id + "#rerun", item.kind, res, item.sets, item.env, item.est_s))
+        if not self.caches_ready(fam, res):
+            raise RuntimeError(f"the {res} px caches could not be built (see the encode/latents rows)")
+        self.broken.discard((fam, res))
+
+    def execute(self, fam: str, item: Item) -> dict[str, Any]:
+        model = self.ensure_model(fam)
+        kind = item.kind
+        if kind in ("encode", "latents", "train", "export"):
+            stage = {"encode": "encode-captions", "latents": "cache-latents", "train": "train", "export": "export-lora"}[kind]
+            extra = ["--verify"] if kind == "export" else (["--force"] if kind in ("encode", "latents") else [])
+            cmd = self.stage_cmd(fam, item, stage, model, extra)
+            t0 = time.time()
+            rc, wall, tail = self.call(cmd, item.env, item.id)
+            fields = {"cmd": _shell(cmd, item.env), "rc": rc, "wall_s": wall}
+            if rc != 0:
+                return self.record(item, "failed", **fields, log_tail=tail)
+            run_dir = self.work / "artifacts" / item.run if item.run else self.run_dir(fam, item.res)
+            return self.record(item, "ok", **fields, summary=collect(run_dir, kind, t0))
+        if kind in ("verify", "profile"):
+            script = "verify_export.py" if kind == "verify" else "profile_step.py"
+            out = self.work / f"{item.id.replace('/', '_')}.json"
+            cmd = [sys.executable, str(ROOT / "bench" / script), "--out", str(out)]
+            cmd += self.stage_cmd(fam, item, "train", model)[3:]  # the same --config/--model/--run/--set
+            rc, wall, tail = self.call(cmd, item.env, item.id)
+            fields = {"cmd": _shell(cmd, item.env), "rc": rc, "wall_s": wall}
+            if rc != 0 or not out.exists():
+                return self.record(item, "failed", **fields, log_tail=tail)
+            return self.record(item, "ok", **fields, summary=json.loads(out.read_text()))
+        if kind == "pytest":
+            cmd = [sys.executable, "-m", "pytest", "-q", "-x", str(ROOT / "tests" / "test_gpu_plumbing.py"), "-k", "cuda"]
+            rc, wall, tail = self.call(cmd, {}, item.id)
+            log = (self.work / "logs" / f"{item.id.replace('/', '_')}.log").read_text()
+            return self.record(item, "ok" if rc == 0 else "failed", cmd=" ".join(cmd[1:]), rc=rc, wall_s=wall,
+                               summary={"last_line": log.strip().splitlines()[-1] if log.strip() else ""})
+        raise ValueError(kind)
+
+    def run_family(self, fam: str) -> None:
+        items = plan(fam)
+        for item in items:
+            if item.id in self.done:
+                continue
+            need = (item.est_s + (0 if self.built(fam) else BUILD_S.get(fam, 300))) * (0.05 if self.args.tiny else 1.0)
+            if self.left() < need:
+                self.record(item, "skipped", reason=f"device-time budget: {self.left():.0f}s left, needs ~{item.est_s:.0f}s")
+                continue
+            try:
+                if item.kind in ("train", "export", "verify", "profile"):
+                    self.ensure_caches(fam, item.res, items)
+                self.execute(fam, item)
+            except Exception as e:  # noqa: BLE001 - one broken item must not lose the others' numbers
+                self.record(item, "failed", reason=f"{type(e).__name__}: {e}")
+        if not self.args.keep:
+            shutil.rmtree(model_dir(self.args, fam), ignore_errors=True)
+
+
+def build(fam: str, folder: Path, counts_file: Path, tiny: bool) -> None:
+    from bench.full_configs import VARIANT, build_full_pipeline
+
+    if tiny:
+        from stages.tiny.models import build_tiny_pipeline
+
+        build_tiny_pipeline(VARIANT[fam], folder, seed=0)
+        counts: dict[str, float] = {}
+    else:
+        counts = build_full_pipeline(fam, folder, device="cuda")
+    counts_file.write_text(json.dumps(counts))
+
+
+def _shell(cmd: list[str], env: dict[str, str]) -> str:
+    pre = " ".join(f"{k}={v}" for k, v in env.items())
+    args = [Path(c).name if c == sys.executable else c for c in cmd]
+    args = ["python" if a.startswith("python") else a for a in args]
+    return (pre + " " if pre else "") + " ".join(str(a).replace(str(ROOT) + "/", "") for a in args)
+
+
+def make_dataset(folder: Path, n: int, side: int) -> Path:
+    """n synthetic images (smooth colour fields with a shape) and ~77-token captions."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    words = ("a photograph of a {c} {s} on a {b} background, soft studio light, shallow depth of field, "
+             "high detail, 35mm film grain, centered composition, muted palette, gentle shadows, "
+             "a quiet morning scene with a wooden table, linen cloth, ceramic cup and a small plant")
+    colours, shapes, backs = ["red", "blue", "green", "amber"], ["circle", "square", "triangle", "star"], ["white", "grey"]
+    yy, xx = np.mgrid[0:side, 0:side] / side
+    for i in range(n):
+        base = rng.uniform(0, 255, 3)
+        img = np.stack([base[c] * (0.5 + 0.5 * np.sin(6 * xx * (c + 1) + 4 * yy + i)) for c in range(3)], -1)
+        im = Image.fromarray(img.clip(0, 255).astype("uint8"))
+        r = side // 4
+        ImageDraw.Draw(im).ellipse((side // 2 - r, side // 2 - r, side // 2 + r, side // 2 + r),
+                                   fill=tuple(int(v) for v in rng.uniform(0, 255, 3)))
+        im.save(folder / f"img_{i:03d}.png")
+        caption = words.format(c=colours[i % 4], s=shapes[(i // 4) % 4], b=backs[i % 2]) + f", variant {i}"
+        (folder / f"img_{i:03d}.txt").write_text(caption)
+    return folder
+
+
+def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
+    """What one stage call produced: its manifest's timings and memory, and (train) its step events."""
+    where = {"encode": "captions.zarr", "latents": "latents.zarr", "train": "lora/final", "export": "export"}[kind]
+    m = json.loads((run_dir / where / "manifest.json").read_text())
+    keep = ("seconds", "peak_vram_gb", "samples_per_second", "loss_first", "loss_last", "precision", "compiled",
+            "runtime", "step", "encoded_this_run", "files", "tensors", "verified", "verify", "fields", "latent_shapes")
+    out = {k: m[k] for k in keep if k in m}
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    mine = [e for e in events if e["ts"] >= since - 1 and e.get("stage") == {"encode": "encode-captions", "latents":
+            "cache-latents", "train": "train", "export": "export-lora"}[kind]]
+    out["warnings"] = [e["message"] for e in mine if e["event"] == "warning"][:8]
+    out["loaded_s"] = [e.get("seconds") for e in mine if e["event"] == "loaded"]
+    if kind == "train":
+        steps = [e for e in mine if e["event"] == "step"]
+        out["steps"] = [{"step": e["step"], "ts": e["ts"], "loss": e["loss"], "peak": e.get("peak_vram_gb")} for e in steps]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="build, run the stages, write results JSON")
+    r.add_argument("--out", required=True)
+    r.add_argument("--families", default="", help="comma list (default: every registered family, FLUX first)")
+    r.add_argument("--work", default="/tmp/lorapipe-bench")
+    r.add_argument("--models", default="", help="where the pipelines go (default /dev/shm if it has room)")
+    r.add_argument("--budget-s", type=float, default=1e9, help="stop starting items after this many seconds")
+    r.add_argument("--skip-done", default="", help="a results JSON of an earlier call: skip its ok items")
+    r.add_argument("--tiny", action="store_true", help="tiny models on CPU (plumbing check)")
+    r.add_argument("--keep", action="store_true", help="keep the model folder afterwards")
+    b = sub.add_parser("build", help="build one family's pipeline (run by `run` as a child process)")
+    b.add_argument("--family", required=True)
+    b.add_argument("--folder", required=True)
+    b.add_argument("--counts", required=True)
+    b.add_argument("--tiny", action="store_true")
+    p = sub.add_parser("report", help="results JSON files -> bench/RESULTS.md")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--write", default="")
+    args = ap.parse_args()
+    if args.cmd == "build":
+        build(args.family, Path(args.folder), Path(args.counts), args.tiny)
+        return
+    if args.cmd == "report":
+        from bench.report import write_report
+
+        text = write_report([Path(f) for f in args.files])
+        Path(args.write).write_text(text) if args.write else print(text)
+        return
+    from stages.families import FAMILIES
+
+    families = [f for f in args.families.split(",") if f] or ["flux"] + sorted(set(FAMILIES) - {"flux"})
+    runner = Runner(args)
+    for fam in families:
+        runner.run_family(fam)
+    runner.save()
+
+
+if __name__ == "__main__":
+    main()

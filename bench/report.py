@@ -1,0 +1,337 @@
+"""bench results JSON -> bench/RESULTS.md (used by `python bench/bench.py report ... --write`).
+
+Every number in the tables comes from a result file; bench/analysis.md (hand-written reading of
+the profile) is appended as it is. MFU: useful FLOPs / step time / 790e12 (the bf16 matmul rate
+measured on this H200), useful = 2 x forward (forward + input gradients; frozen weights get no
+gradient, activation recompute is not useful) computed two ways: the issue's rule
+4 x params x tokens + attention, and the Linear FLOPs counted on the meta device + attention.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+PEAK_FLOPS = 790e12
+VAE_DOWN = {"flux": 8, "qwen-image": 8, "z-image": 8, "sdxl": 8}
+TARGETS = """| target (issue 8) | measured | met? |
+|---|---|---|
+{rows}"""
+
+
+def load(files: list[Path]) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """(meta of the first file, item id -> its latest ok/failed row, every meta) across calls."""
+    metas, items = [], {}
+    for f in files:
+        data = json.loads(f.read_text())
+        metas.append({**data["meta"], "file": f.name, "builds": data.get("builds", {})})
+        for row in data["items"]:
+            rid = row["id"].split("#")[0]
+            if row["status"] == "ok" or rid not in items or items[rid]["status"] != "ok":
+                items[rid] = row
+    return metas[0], items, metas
+
+
+def step_time(row: dict[str, Any], warmup: int = 3) -> float | None:
+    """Median time between consecutive steady steps (event timestamps, steps after the warm-up)."""
+    steps = row.get("summary", {}).get("steps", [])
+    ts = [s["ts"] for s in steps if s["step"] > warmup]
+    diffs = [b - a for a, b in zip(ts, ts[1:])]
+    return statistics.median(diffs) if diffs else None
+
+
+def _flops(fam: str, res: int, batch: int, cache: dict) -> dict[str, float] | None:
+    key = (fam, res, batch)
+    if key not in cache:
+        try:
+            from bench.full_configs import denoiser_flops
+
+            lat = res // VAE_DOWN[fam]
+            cache[key] = denoiser_flops(fam, batch, (lat, lat), 77)
+        except Exception:  # noqa: BLE001 - MFU is optional in a report made without diffusers
+            cache[key] = None
+    return cache[key]
+
+
+def train_rows(items: dict[str, dict[str, Any]], flops_cache: dict) -> list[dict[str, Any]]:
+    rows = []
+    for rid, row in sorted(items.items()):
+        if row["kind"] != "train":
+            continue
+        fam, _, name = rid.split("/")
+        sets, s = row["sets"], row.get("summary", {})
+        r = {"id": rid, "family": fam, "name": name, "status": row["status"], "precision": sets["train.base_precision"],
+             "res": row["res"], "batch": sets["train.batch_size"], "cmd": row.get("cmd", ""),
+             "compile": sets.get("train.compile_transformer", "auto"), "ckpt": sets.get("train.gradient_checkpointing", True),
+             "graphs": row.get("env", {}).get("LORAPIPE_CUDA_GRAPHS", "auto"), "reason": row.get("reason", "")}
+        if row["status"] == "ok":
+            st = step_time(row)
+            rt = s.get("runtime", {})
+            r.update(step_s=st, sps=s.get("samples_per_second"), peak=s.get("peak_vram_gb", {}), compiled=s.get("compiled"),
+                     graphs_used=rt.get("cuda_graphs", {}).get("graphs", 0), wall=row.get("wall_s"),
+                     loss=(s.get("loss_first"), s.get("loss_last")), load_s=(s.get("loaded_s") or [None])[0])
+            f = _flops(fam, r["res"], r["batch"], flops_cache)
+            if f and st:
+                r["mfu_rule"] = (4 * f["params"] * f["tokens"] + 3 * f["attention_fwd"]) / st / PEAK_FLOPS
+                r["mfu_counted"] = (2 * f["linear_fwd"] + 3 * f["attention_fwd"]) / st / PEAK_FLOPS
+        rows.append(r)
+    return rows
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _pct(x: Any) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def table_train(rows: list[dict[str, Any]]) -> str:
+    head = ("| family | run | base | px | batch | compile | CUDA graphs | step s (median) | samples/s | peak GB alloc / reserved "
+            "| MFU (issue rule) | MFU (counted) | model load s | loss first → last |\n|" + "---|" * 14)
+    lines = [head]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['family']} | {r['name']} | {r['precision']} | {r['res']} | {r['batch']} | {r['compile']} | "
+                         f"{r['graphs']} | **{r['status']}** | | | | | | {r['reason'][:80]} |")
+            continue
+        peak = r["peak"]
+        graphs = f"{r['graphs']} ({r['graphs_used']} captured)"
+        lines.append(f"| {r['family']} | {r['name']} | {r['precision']} | {r['res']} | {r['batch']} | "
+                     f"{r['compile']}{' (compiled)' if r['compiled'] else ''}{'' if r['ckpt'] else ', no ckpt'} | {graphs} | "
+                     f"{_f(r['step_s'])} | {_f(r['sps'], 2)} | {_f(peak.get('allocated'), 2)} / {_f(peak.get('reserved'), 2)} | "
+                     f"{_pct(r.get('mfu_rule'))} | {_pct(r.get('mfu_counted'))} | {_f(r['load_s'], 1)} | "
+                     f"{_f(r['loss'][0], 3)} → {_f(r['loss'][1], 3)} |")
+    return "\n".join(lines)
+
+
+def table_stages(items: dict[str, dict[str, Any]]) -> str:
+    lines = ["| stage call | status | process wall s | stage seconds (manifest) | model load s | peak GB allocated / reserved |",
+             "|---|---|---|---|---|---|"]
+    for rid, row in sorted(items.items()):
+        if row["kind"] not in ("encode", "latents", "train", "export"):
+            continue
+        s = row.get("summary", {})
+        peak = s.get("peak_vram_gb", {}) or {}
+        lines.append(f"| {rid} | {row['status']} | {_f(row.get('wall_s'), 1)} | {_f(s.get('seconds'), 1)} | "
+                     f"{_f((s.get('loaded_s') or [None])[0], 1)} | {_f(peak.get('allocated'), 2)} / {_f(peak.get('reserved'), 2)} |")
+    return "\n".join(lines)
+
+
+def _by(rows: list[dict[str, Any]], fam: str, name: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["family"] == fam and r["name"] == name and r["status"] == "ok"), None)
+
+
+def comparisons(rows: list[dict[str, Any]]) -> str:
+    out = ["| family | comparison | values | ratio |", "|---|---|---|---|"]
+    fams = sorted({r["family"] for r in rows})
+    for fam in fams:
+        for p in ("nf4", "bf16"):
+            for res in (512, 1024):
+                b1, b4 = _by(rows, fam, f"{p}-{res}-b1"), _by(rows, fam, f"{p}-{res}-b4")
+                if b1 and b4 and b1["sps"] and b4["sps"]:
+                    out.append(f"| {fam} | batch-4 gain, {p} {res} px | {b1['sps']:.2f} → {b4['sps']:.2f} samples/s | "
+                               f"{b4['sps'] / b1['sps']:.2f}x |")
+        for res in (512, 1024):
+            for b in (1, 4):
+                n, d = _by(rows, fam, f"nf4-{res}-b{b}"), _by(rows, fam, f"bf16-{res}-b{b}")
+                if n and d and n["step_s"] and d["step_s"]:
+                    out.append(f"| {fam} | nf4 / bf16 step, {res} px b{b} | {n['step_s']:.3f} s / {d['step_s']:.3f} s | "
+                               f"{n['step_s'] / d['step_s']:.2f}x |")
+        for base, other, what in (("bf16-512-b4", "bf16-512-b4-compile", "compile off → on, bf16 512 b4"),
+                                  ("bf16-1024-b4", "bf16-1024-b4-compile", "compile off → on, bf16 1024 b4"),
+                                  ("nf4-512-b4-eager", "nf4-512-b4", "CUDA graphs off → on, nf4 512 b4 (train stage)"),
+                                  ("bf16-512-b4-eager", "bf16-512-b4", "CUDA graphs off → on, bf16 512 b4 (train stage)"),
+                                  ("bf16-1024-b4", "bf16-1024-b4-nockpt", "checkpointing on → off, bf16 1024 b4")):
+            a, b = _by(rows, fam, base), _by(rows, fam, other)
+            if a and b and a["step_s"] and b["step_s"]:
+                out.append(f"| {fam} | {what} | {a['step_s']:.3f} s → {b['step_s']:.3f} s | {a['step_s'] / b['step_s']:.2f}x faster |")
+    return "\n".join(out)
+
+
+def targets(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]]) -> str:
+    t = []
+    r = _by(rows, "flux", "nf4-512-b4")
+    if r:
+        peak = r["peak"].get("allocated")
+        ok = r["sps"] and r["sps"] >= 6.0 and peak is not None and peak <= 11.4
+        t.append(f"| FLUX.1-dev nf4 512 px b4, 77-token captions: ≥ 6.0 samples/s at ≤ 11.4 GB | "
+                 f"{_f(r['sps'], 2)} samples/s, {_f(peak, 2)} GB allocated ({_f(r['peak'].get('reserved'), 2)} reserved) | "
+                 f"{'yes' if ok else 'no'} |")
+    for res in (512, 1024):
+        for b in (1, 4):
+            n, d = _by(rows, "flux", f"nf4-{res}-b{b}"), _by(rows, "flux", f"bf16-{res}-b{b}")
+            if n and d and n["step_s"] and d["step_s"]:
+                ratio = n["step_s"] / d["step_s"]
+                t.append(f"| FLUX nf4 step ≤ 1.3x bf16 step ({res} px b{b}) | {ratio:.2f}x | {'yes' if ratio <= 1.3 else 'no'} |")
+    d = _by(rows, "flux", "bf16-1024-b4")
+    if d and d.get("mfu_rule") is not None:
+        t.append(f"| FLUX bf16 1024 px b4 ≥ 60 % MFU | {_pct(d['mfu_rule'])} (issue rule), {_pct(d['mfu_counted'])} (counted) "
+                 f"| {'yes' if d['mfu_rule'] >= 0.6 else 'no'} |")
+    nock = _by(rows, "flux", "bf16-1024-b4-nockpt")
+    if nock and nock.get("mfu_rule") is not None:
+        t.append(f"| (same, gradient checkpointing off) | {_pct(nock['mfu_rule'])} (issue rule), {_pct(nock['mfu_counted'])} "
+                 f"(counted), {_f(nock['peak'].get('allocated'), 1)} GB | {'yes' if nock['mfu_rule'] >= 0.6 else 'no'} |")
+    stages = [items.get(f"flux/{k}") for k in ("encode/nf4", "latents/512", "train/nf4-512-b1")]
+    if all(s and s["status"] == "ok" for s in stages):
+        peak = max(s["summary"]["peak_vram_gb"]["allocated"] for s in stages)
+        t.append(f"| FLUX max-over-stages peak at 512 px b1 nf4 (T5 in nf4) ≤ 10.4 GB | {peak:.2f} GB allocated | "
+                 f"{'yes' if peak <= 10.4 else 'no'} |")
+    return TARGETS.format(rows="\n".join(t))
+
+
+def profile_section(items: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for rid, row in sorted(items.items()):
+        if row["kind"] != "profile" or row["status"] != "ok":
+            continue
+        s = row["summary"]
+        out.append(f"### {rid}\n\nCommand: `{row['cmd']}`\n")
+        sm = s.get("same_math", {})
+        out.append(f"- same math, one batch before any update: loss eager {sm.get('eager_loss')} vs graphed "
+                   f"{sm.get('graphed_loss')} (equal: {sm.get('loss_equal')}); LoRA gradients bit-equal: "
+                   f"{sm.get('grads_equal')} (max |diff| {sm.get('grad_max_abs_diff')}); eager repeat equal: "
+                   f"{sm.get('eager_repeat_equal')}")
+        lines = ["| path | median step s | samples/s | peak GB alloc / reserved | profiled wall ms/step | GPU kernel ms/step | "
+                 "host op ms/step | kernel launches/step |", "|---|---|---|---|---|---|---|---|"]
+        for path in ("eager", "graphs"):
+            p = s.get(path)
+            if not p:
+                continue
+            pr = p["profile"]
+            lines.append(f"| {path} | {p['median_s']} | {p['samples_per_second']} | {p.get('peak_allocated_gb')} / "
+                         f"{p.get('peak_reserved_gb')} | {pr['wall_ms_per_step_profiled']} | {pr['gpu_kernel_ms_per_step']} | "
+                         f"{pr['host_op_ms_per_step']} | {pr['launches_per_step']} |")
+        out.append("\n".join(lines))
+        if s.get("speedup"):
+            out.append(f"\nSpeed-up of the step from CUDA graphs: **{s['speedup']}x**.\n")
+        for path in ("eager", "graphs"):
+            p = s.get(path)
+            if not p:
+                continue
+            pr = p["profile"]
+            out.append(f"\n{path}, host time by namespace (ms/step): {pr['host_ms_by_namespace']}\n")
+            out.append(f"| {path}: top operators by GPU time | calls/step | GPU ms/step | self CPU ms/step |\n|---|---|---|---|")
+            out.extend(f"| `{r['name']}` | {r['calls']} | {r['gpu_ms']} | {r['self_cpu_ms']} |" for r in pr["top_gpu"][:10])
+            out.append(f"\n| {path}: top operators by host time | calls/step | self CPU ms/step | GPU ms/step |\n|---|---|---|---|")
+            out.extend(f"| `{r['name']}` | {r['calls']} | {r['self_cpu_ms']} | {r['gpu_ms']} |" for r in pr["top_host"][:10])
+    return "\n".join(out) or "(no profile ran)"
+
+
+def verify_section(items: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for rid, row in sorted(items.items()):
+        if row["kind"] == "export":
+            out.append(f"- `{rid}`: {row['status']}; `{row.get('cmd', '')}`; product verify: "
+                       f"{row.get('summary', {}).get('verified', row.get('summary', {}).get('verify', 'see manifest'))}")
+        if row["kind"] == "verify":
+            s = row.get("summary", {})
+            out.append(f"- `{rid}`: {row['status']}; `{row.get('cmd', '')}`\n  - {s.get('pipeline_class')}.from_pretrained "
+                       f"(real {s.get('denoiser')} weights, {s.get('device')}) + `load_lora_weights`: "
+                       f"{s.get('tensors_in_file')} tensors in the file, {s.get('lora_tensors_loaded')} LoRA tensors in the "
+                       f"model; missing {s.get('missing')}, unexpected {s.get('unexpected')}; warnings about keys: "
+                       f"{s.get('key_warnings')}; max |loaded − file| = {s.get('max_abs_diff_vs_file')}; **ok: {s.get('ok')}**")
+    return "\n".join(out) or "(not run)"
+
+
+def not_run(items: dict[str, dict[str, Any]]) -> str:
+    rows = [f"- `{rid}`: {row['status']} — {row.get('reason') or (row.get('log_tail') or '')[-300:]}"
+            for rid, row in sorted(items.items()) if row["status"] != "ok"]
+    return "\n".join(rows) or "(everything in the plan ran)"
+
+
+def probe_section(probes: list[dict[str, Any]]) -> str:
+    """bench/block_probe.py results: measured per precision, and the 57-block projection (labelled)."""
+    out = []
+    for p in probes:
+        blocks = f"{p['double_blocks']} double + {p['single_blocks']} single blocks"
+        scale = 19 / p["double_blocks"] if p["double_blocks"] * 2 == p["single_blocks"] else None
+        out.append(f"### FLUX.1-dev width, {blocks} ({p['params'] / 1e9:.2f} B parameters), {p['px']} px, batch "
+                   f"{p['batch']}, {p['text_tokens']} text tokens — {p['gpu']}, torch {p['torch']}\n\n"
+                   f"Command: `python {p['command']}`\n")
+        out.append("| base | eager step s | CUDA graphs step s | speed-up | loss eager = graphed | LoRA grads max abs diff "
+                   "(eager vs graphed) | eager run twice bit-equal | peak GB allocated (eager) |"
+                   + (" projected 57-block step s, eager → graphs (x{:.1f}) | projected samples/s, eager → graphs |".format(scale)
+                      if scale else "") + "\n|" + "---|" * (8 + (2 if scale else 0)))
+        for prec in ("nf4", "bf16"):
+            r = p.get(prec, {})
+            if "error" in r or not r:
+                out.append(f"| {prec} | failed: {r.get('error', 'not run')} |")
+                continue
+            sm, e, g = r["same_math"], r["eager"]["median_s"], r["graphs"]["median_s"]
+            row = (f"| {prec} | {e:.4f} | {g:.4f} | {e / g:.2f}x | {sm['loss_equal']} ({sm['loss_eager']:.6f}) | "
+                   f"{sm['grad_max_abs_diff']:.2g} | {sm['eager_repeat_equal']} | {r['eager']['peak_allocated_gb']} |")
+            if scale:
+                row += (f" {e * scale:.3f} → {g * scale:.3f} | {p['batch'] / (e * scale):.2f} → {p['batch'] / (g * scale):.2f} |")
+            out.append(row)
+        n, b = p.get("nf4", {}), p.get("bf16", {})
+        if "eager" in n and "eager" in b:
+            out.append(f"\nnf4 / bf16 step time at these shapes: eager {n['eager']['median_s'] / b['eager']['median_s']:.2f}x, "
+                       f"with CUDA graphs {n['graphs']['median_s'] / b['graphs']['median_s']:.2f}x.\n")
+    return "\n".join(out) or "(no probe ran)"
+
+
+def meta_export_section(checks: list[dict[str, Any]]) -> str:
+    rows = ["| family | pipeline | denoiser params (B) | LoRA tensors in file | loaded by the pipeline's loader | ok |",
+            "|---|---|---|---|---|---|"]
+    rows += [f"| {c['family']} | {c['pipeline_class']} | {c['denoiser_params_b']} | {c['tensors_in_file']} | "
+             f"{c['lora_tensors_loaded']} | {c['ok']} |" for c in checks]
+    return "\n".join(rows)
+
+
+def write_report(files: list[Path]) -> str:
+    kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": []}
+    for f in files:
+        data = json.loads(f.read_text())
+        kind = "probe" if "double_blocks" in data else "meta" if "checked_with" in data else "bench"
+        kinds[kind].append(f if kind == "bench" else data)
+    extra = ["## Probe: full-width FLUX blocks, eager against CUDA graphs\n\n" + probe_section(kinds["probe"]) + "\n",
+             "## Export key layout at full size (CPU, meta device)\n\n`python bench/verify_export.py --meta <family> "
+             "--out bench/results/export-meta-<family>.json`\n\n" + meta_export_section(kinds["meta"]) + "\n"]
+    analysis = Path(__file__).with_name("analysis.md")
+    if not kinds["bench"]:
+        head = ["# Benchmark results\n", "The full-size benchmark (`bench/bench.py run`) has not run yet: see below.\n"]
+        return "\n".join(head + extra + ([analysis.read_text()] if analysis.exists() else []))
+    return _full_report(kinds["bench"], analysis) + "\n" + "\n".join(extra)
+
+
+def _full_report(files: list[Path], analysis: Path) -> str:
+    meta, items, metas = load(files)
+    rows = train_rows(items, {})
+    versions = ", ".join(f"{k} {meta.get(k)}" for k in ("python", "torch", "cuda", "diffusers", "transformers", "peft",
+                                                         "bitsandbytes", "zarr", "accelerate"))
+    calls = "\n".join(f"- `{m['command']}` — {m['date_utc']} UTC, {m.get('gpu', 'CPU')} (driver {m.get('driver', '–')}), "
+                      f"file `{m['file']}`" for m in metas)
+    builds = "\n".join(f"- {fam}: built in {b['seconds']} s, {b['bytes'] / 1e9:.1f} GB on disk, parameters (B): "
+                       f"{ {k: round(v, 3) for k, v in b['params_b'].items()} }" for m in metas for fam, b in m["builds"].items())
+    sections = [
+        "# Benchmark: full-size random-weight architectures on one H200\n",
+        "Made by `bench/bench.py` (the product's own stage commands as child processes) and written by "
+        "`python bench/bench.py report bench/results/*.json --write bench/RESULTS.md`. Random weights, real "
+        "architectures (bench/full_configs.py), synthetic images with 77-token T5 captions, LoRA r16 on the "
+        "family's default attention targets, fp32 LoRA weights, fused AdamW, gradient checkpointing on unless "
+        "said, 8 steps of which the first 3 are excluded from samples/s.\n",
+        f"## Runs\n\n{calls}\n\nSoftware: {versions}.\n\n{builds}\n",
+        "## Targets\n\n" + targets(rows, items) + "\n",
+        "## Train stage\n\nStep time is the median gap between steady `step` events; samples/s is the stage's own "
+        "steady-state figure from its manifest; peak VRAM is torch's max allocated / reserved over the stage (model "
+        "load included). MFU = useful FLOPs / step time / 790 TFLOP/s; useful = forward + input gradients "
+        "(2 x forward), the issue's rule (4 x params x tokens + attention) and the counted one (Linear FLOPs from "
+        "a meta-device forward + attention) side by side; recompute not counted.\n\n" + table_train(rows) + "\n",
+        "Commands (each run with `python pipeline.py ...` from the repo root on the GPU machine):\n\n" +
+        "\n".join(f"- {r['id']}: `{r['cmd']}`" for r in rows if r["cmd"]) + "\n",
+        "## Comparisons\n\n" + comparisons(rows) + "\n",
+        "## Every stage: wall time and peak VRAM\n\n" + table_stages(items) + "\n",
+        "## Profile: where an nf4 step's time goes\n\n" + profile_section(items) + "\n",
+        "## Exported LoRA loads into the real pipeline\n\n" + verify_section(items) + "\n",
+        "## Not run or failed\n\n" + not_run(items) + "\n",
+    ]
+    if analysis.exists():
+        sections.append(analysis.read_text())
+    return "\n".join(sections)

@@ -1,0 +1,176 @@
+"""The denoiser's forward and backward replayed as CUDA graphs, one per batch shape.
+
+    LORAPIPE_CUDA_GRAPHS=off python pipeline.py train --config ...   # the eager path, to compare
+
+Why: at FLUX's LoRA shapes the step is bound by host work, not by the GPU. A FLUX step with
+gradient checkpointing runs ~500 Linears three times (forward, recompute, backward), each one a
+chain of Python in diffusers, peft and bitsandbytes (nf4: a dequantize op plus a matmul per pass),
+and the GPU waits between those launches. A CUDA graph replays the same kernels with no Python
+between them: on an H200, full-width FLUX blocks at 512 px, batch 4 ran 1.19x faster in nf4 and
+1.05x in bf16, which brought nf4 from 1.18x to 1.05x the bf16 step (bench/RESULTS.md).
+
+The math is unchanged: a graph replays the kernels the eager step launched (bitsandbytes' ops,
+cuBLAS, SDPA) on copies of the same inputs, so the loss is the same for the same inputs
+(tests/test_gpu_plumbing.py compares the two on the GPU). What a graph needs, and what happens
+otherwise:
+
+- Static shapes: one graph per input signature (shapes, dtypes, non-tensor arguments), captured the
+  second time that signature is seen (a shape seen once, such as an epoch's short last batch, stays
+  eager), at most MAX_GRAPHS of them, all in one memory pool.
+- No random numbers inside the denoiser: a LoRA with dropout > 0 runs eager.
+- Gradient checkpointing without RNG state bookkeeping (`checkpoint_function`): the blocks draw no
+  random numbers when dropout is 0, so saving and restoring the RNG state around each block is
+  pure host overhead, and reading the CUDA RNG state is not allowed while a graph is captured.
+- Any capture failure falls back to eager for that signature, with a warning event.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+ENV = "LORAPIPE_CUDA_GRAPHS"
+MODES = ("auto", "on", "off")
+MAX_GRAPHS = 8
+CAPTURE_AT = 2  # capture a signature the second time it is seen
+WARMUP_ITERS = 1  # one forward+backward on a side stream before capture (lazy inits stay out of the graph)
+
+
+def graphs_mode(configured: str = "auto") -> str:
+    """train.cuda_graphs, unless the LORAPIPE_CUDA_GRAPHS environment variable overrides it."""
+    mode = os.environ.get(ENV, "").strip().lower() or configured
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
+def _checkpoint_no_rng(module: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False,
+                                             preserve_rng_state=False, **kwargs)
+
+
+def checkpoint_function(dropout: float) -> Callable[..., Any] | None:
+    """The gradient-checkpointing function for `enable_gradient_checkpointing`: without RNG state
+    bookkeeping when nothing in the blocks is random (dropout 0), else diffusers' default (None)."""
+    return _checkpoint_no_rng if dropout == 0 else None
+
+
+def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None) -> tuple[bool, str]:
+    """(use graphs?, why) for this run."""
+    mode = mode or graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
+    if mode == "off":
+        return False, f"off (train.cuda_graphs or {ENV} = off)"
+    if not rt.is_cuda:
+        return False, "off (no CUDA device)"
+    if tcfg.dropout > 0:
+        return False, f"off (train.dropout = {tcfg.dropout}: random numbers inside the denoiser)"
+    return True, f"on (mode {mode}): one graph per batch shape, captured at its second step"
+
+
+_LEAF_TYPES = (type(None), bool, int, float, str)
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any], Any] | None:
+    """(hashable key, flat leaves, tree spec) of a call, or None if it cannot be graphed."""
+    leaves, spec = tree_flatten((args, kwargs))
+    parts: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype, str(leaf.device), leaf.requires_grad))
+        elif isinstance(leaf, _LEAF_TYPES):
+            parts.append(("value", leaf))
+        else:
+            return None
+    return (str(spec), tuple(parts)), leaves, spec
+
+
+def _cuda_capture(fn: Callable[..., Any], sample_args: tuple[torch.Tensor, ...], pool: Any) -> Callable[..., Any]:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the eager steps' cached blocks are not usable by the graph's pool
+    return torch.cuda.make_graphed_callables(fn, sample_args, num_warmup_iters=WARMUP_ITERS,
+                                             allow_unused_input=True, pool=pool)
+
+
+class GraphedDenoiser:
+    """Called like the denoiser; replays a CUDA graph per call signature.
+
+    Attribute reads (`dtype`, `config`, ...) go to the model, so a family's `loss()` takes this
+    object where it takes the model. Gradients reach the LoRA parameters through the graph's
+    backward, which autograd accumulates into `.grad` as usual.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], log: Any,
+                 capture: Callable[..., Callable[..., Any]] | None = None, max_graphs: int = MAX_GRAPHS):
+        self.model, self.params, self.log = model, tuple(params), log
+        self.max_graphs = max_graphs
+        self._capture = capture or _cuda_capture
+        self._pool: Any = None
+        self._seen: Counter = Counter()
+        self._graphs: dict[Any, Callable[..., Any]] = {}
+        self._failed: set[Any] = set()
+        self.replays = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sig = signature(args, kwargs) if torch.is_grad_enabled() else None
+        if sig is None:
+            return self.model(*args, **kwargs)
+        key, leaves, spec = sig
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._seen[key] += 1
+            if self._seen[key] < CAPTURE_AT or key in self._failed or len(self._graphs) >= self.max_graphs:
+                return self.model(*args, **kwargs)
+            graph = self._make(key, leaves, spec)
+            if graph is None:
+                return self.model(*args, **kwargs)
+        self.replays += 1
+        return graph(leaves)
+
+    def _make(self, key: Any, leaves: list[Any], spec: Any) -> Callable[..., Any] | None:
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        static = tuple(leaves[i].detach().clone().requires_grad_(leaves[i].requires_grad) for i in at)
+        template = [None if i in at else leaf for i, leaf in enumerate(leaves)]  # the key fixes the rest
+
+        def forward(*tensors: torch.Tensor) -> Any:
+            full = list(template)
+            for i, t in zip(at, tensors[:len(at)]):
+                full[i] = t
+            args, kwargs = tree_unflatten(full, spec)
+            return self.model(*args, **kwargs)
+
+        try:
+            if self._pool is None and torch.cuda.is_available():
+                self._pool = torch.cuda.graph_pool_handle()
+            graphed = self._capture(forward, static + self.params, self._pool)
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+            self._failed.add(key)
+            self.log.emit("warning", message=f"CUDA graph capture failed for input shapes "
+                                             f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager: "
+                                             f"{type(e).__name__}: {str(e)[:300]}")
+            return None
+        self._graphs[key] = functools.partial(_replay, graphed, at, self.params)
+        return self._graphs[key]
+
+    def summary(self) -> dict[str, Any]:
+        return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays}
+
+
+def _replay(graphed: Callable[..., Any], at: list[int], params: tuple[torch.Tensor, ...], leaves: list[Any]) -> Any:
+    return graphed(*(leaves[i] for i in at), *params)
+
+
+def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: Any, tcfg: Any,
+                  log: Any) -> tuple[Any, str]:
+    """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself."""
+    use, why = graphs_plan(rt, tcfg)
+    return (GraphedDenoiser(model, params, log) if use else model), why
