@@ -20,7 +20,9 @@ import click
 
 ROOT = Path(__file__).resolve().parent
 STAGES = ("encode-captions", "cache-latents", "train", "export-lora")
-USER_ERRORS = ("ConfigError", "DatasetError", "BadImage", "ArtifactError", "ModelError", "StageLocked", "UserError")
+OPTIONAL_STAGES = ("sample",)  # `run` adds it when sample.after_train is set
+USER_ERRORS = ("ConfigError", "DatasetError", "BadImage", "ArtifactError", "ModelError", "StageLocked", "UserError",
+               "DiskFull", "KohyaError", "VerifyError", "InspectError")
 
 
 def _stage_module(name: str) -> Any:
@@ -70,17 +72,26 @@ def cli() -> None:
 
 
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
-    import shutil
-
+    from stages.core.artifacts import remove_dir
     from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
 
     module = _stage_module(name)
-    if force and name in ("encode-captions", "cache-latents"):
-        shutil.rmtree(module.artifact_dir(cfg), ignore_errors=True)
-    _remember_config(cfg)
+    # Under torchrun only rank 0 deletes and writes here; the others cannot get ahead of it, since
+    # the stage's first act is the process-group rendezvous, which waits for every rank.
+    main = _launcher_rank() == 0
+    if force and name in ("encode-captions", "cache-latents") and main:
+        remove_dir(module.artifact_dir(cfg))  # renamed away first: never half-deleted under its manifest
+    if main:
+        _remember_config(cfg)
     manifest = module.run(cfg, **kwargs)
+    if not main:
+        return
     summary = {k: manifest.get(k) for k in ("encoded_this_run", "step", "loss_first", "loss_last", "files", "seconds")
                if manifest.get(k) is not None}
+    if manifest.get("stopped"):
+        saved = "checkpoint and lora/final (complete=false) written" if manifest.get("saved") else "nothing new written"
+        click.echo(f"{name}: stopped at step {manifest.get('step')}, {saved}; continue with `train --resume`")
+        return
     click.echo(f"{name}: done {summary}")
 
 
@@ -132,6 +143,21 @@ def export_cmd(config: str | None, run: str | None, model: str | None, sets: tup
         _fail(e)
 
 
+def _launcher_rank() -> int:
+    """This process's global rank when torchrun or `accelerate launch` started it (else 0)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
+    """The child command of one stage: plain, or through torchrun with one process per GPU.
+    export-lora reads one small adapter and needs no GPU: it always runs as one process."""
+    script = [str(ROOT / "pipeline.py"), name, *args]
+    if gpus <= 1 or name == "export-lora":
+        return [sys.executable, *script]
+    # --standalone: a local rendezvous on a free port, so two runs on one host never collide.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *script]
+
+
 def _child_args(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> list[str]:
     args = (["--config", config] if config else []) + (["--run", run] if run else [])
     args += (["--model", model] if model else [])
@@ -143,9 +169,11 @@ def _child_args(config: str | None, run: str | None, model: str | None, sets: tu
 @cli.command("run")
 @config_options
 @click.option("--force", is_flag=True, help="Run every stage even if up to date.")
-@click.option("--only", multiple=True, type=click.Choice(STAGES), help="Run only these stages.")
+@click.option("--only", multiple=True, type=click.Choice(STAGES + OPTIONAL_STAGES), help="Run only these stages.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes per stage, one per GPU, launched through torchrun (on CPU: gloo processes).")
 def run_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], force: bool,
-            only: tuple[str, ...]) -> None:
+            only: tuple[str, ...], gpus: int) -> None:
     """Run all stages in order, each as a child process; stages whose manifest matches are skipped."""
     try:
         cfg = _load(config, run, model, sets)
@@ -153,7 +181,7 @@ def run_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[
         from stages.core.stage import staleness
     except Exception as e:  # noqa: BLE001
         _fail(e)
-    for name in only or STAGES:
+    for name in only or STAGES + (("sample",) if cfg.sample.after_train else ()):
         try:
             ok, reasons = staleness(_stage_module(name), cfg)
         except Exception as e:  # noqa: BLE001
@@ -164,10 +192,32 @@ def run_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[
             continue
         click.echo(f"{name}: running ({'; '.join(reasons)[:200] or 'forced'})")
         extra = ["--force"] if force and name in ("encode-captions", "cache-latents") else []
-        code = subprocess.call([sys.executable, str(ROOT / "pipeline.py"), name, *_child_args(config, run, model, sets), *extra])
+        # A stopped or killed train continues from its newest checkpoint made with this same config
+        # (and ends bit-identical to an uninterrupted run); after a config change none matches.
+        extra += ["--resume"] if name == "train" and not force else []
+        code = _call_child(stage_command(name, [*_child_args(config, run, model, sets), *extra],
+                                         1 if name in OPTIONAL_STAGES else gpus))
         if code != 0:
             click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
             sys.exit(code)
+        if name == "train" and not staleness(_stage_module(name), cfg)[0]:
+            click.echo("train was stopped before its last step; later stages not run (run again to continue)")
+            return
+
+
+def _call_child(command: list[str]) -> int:
+    """Run one stage as a child and wait. SIGINT/SIGTERM sent to this parent are passed on to the
+    child, which stops cleanly (train saves a checkpoint first); subprocess.call would SIGKILL it."""
+    import signal
+
+    child = subprocess.Popen(command)
+    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @cli.command("status")
@@ -177,12 +227,15 @@ def status_cmd(run_name: str | None, config: str | None, run: str | None, model:
     """Show each stage of a run as up to date or stale, and why."""
     try:
         cfg = _status_config(run_name, config, run, model, sets)
+        from stages.core.artifacts import lock_holder_pid
         from stages.core.stage import staleness
 
         for name in STAGES:
             ok, reasons = staleness(_stage_module(name), cfg)
             mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
-            click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({'; '.join(reasons)[:300]})"))
+            pid = lock_holder_pid(cfg.run_dir, name)
+            running = f"  [running now, pid {pid}]" if pid else ""
+            click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({'; '.join(reasons)[:300]})") + running)
     except Exception as e:  # noqa: BLE001
         _fail(e)
 
@@ -213,6 +266,78 @@ def stop_cmd(run_name: str, no_save: bool, artifacts: str) -> None:
         click.secho(f"no train stage is running for run '{run_name}'", fg="yellow", err=True)
         sys.exit(1)
     click.echo(f"asked train (pid {pid}) of run '{run_name}' to stop{' without saving' if no_save else ''}")
+
+
+@cli.command("sample")
+@config_options
+def sample_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> None:
+    """Render [sample] prompts with the base model and the LoRA (several seeds) -> samples/grid.png."""
+    try:
+        _run_stage("sample", _load(config, run, model, sets))
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+@cli.command("inspect")
+@click.argument("run_name")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--rows", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Rows read per store for statistics and NaN/Inf counts (evenly spaced).")
+@click.option("--decode", "item", metavar="ITEM", help="Decode a cached variant of ITEM (dataset key or image id).")
+@click.option("--variant", type=int, default=0, show_default=True, help="Which cached crop/flip variant to decode.")
+@click.option("--sample", "draw", is_flag=True, help="Decode a posterior sample instead of the mean.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --sample draw.")
+@click.option("--out", type=click.Path(dir_okay=False), help="PNG to write (default artifacts/<run>/inspect/...).")
+@click.option("--artifacts", default="artifacts", show_default=True, help="Artifact root.")
+@click.option("--config", "-c", type=click.Path(dir_okay=False), help="Use this preset instead of the run's config.json.")
+def inspect_cmd(run_name: str, as_json: bool, rows: int, item: str | None, variant: int, draw: bool, seed: int,
+                out: str | None, artifacts: str, config: str | None) -> None:
+    """Report every artifact of RUN_NAME offline; or --decode one cached latent with the VAE alone."""
+    try:
+        from stages import inspect as inspect_stage
+
+        run_dir = Path(artifacts) / run_name
+        cfg = _load(config, run_name, None, (f"artifacts={artifacts}",)) if config else None
+        if item is None:
+            report = inspect_stage.inspect_run(run_dir, cfg, rows)
+            if as_json:
+                click.echo(inspect_stage.to_json(report))
+            else:
+                from rich.console import Console
+
+                inspect_stage.render(report, Console(width=None if sys.stdout.isatty() else 160))
+            return
+        cfg = inspect_stage.run_config(run_dir, cfg)
+        if cfg is None:
+            raise FileNotFoundError(f"run '{run_name}' has no config.json beside its artifacts; pass --config")
+        stem = Path(item).stem or item
+        target = Path(out) if out else run_dir / "inspect" / f"{stem}-v{variant}-{'sample' if draw else 'mean'}.png"
+        path, info = inspect_stage.decode(cfg, item, variant, target, sample=draw, seed=seed)
+        click.echo(inspect_stage.to_json(info) if as_json else f"decoded {item} variant {variant} -> {path} {info}")
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+
+
+@cli.command("report")
+@click.argument("run_name")
+@click.option("--out", type=click.Path(dir_okay=False), help="PNG to write (default artifacts/<run>/report.png).")
+@click.option("--smooth", type=float, default=0.9, show_default=True, help="EMA weight of the smoothed loss, in [0, 1).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--artifacts", default="artifacts", show_default=True, help="Artifact root.")
+def report_cmd(run_name: str, out: str | None, smooth: float, as_json: bool, artifacts: str) -> None:
+    """Plot loss (raw + smoothed), LR and samples/s over steps from events.jsonl; print a summary."""
+    try:
+        import json
+
+        from stages import report
+
+        png, summary = report.run(Path(artifacts) / run_name, Path(out) if out else None, smooth)
+        if as_json:
+            click.echo(json.dumps({"png": str(png), **summary}, indent=2))
+        else:
+            click.echo("\n".join(report.format_summary(summary)) + f"\nplot: {png}")
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
 
 
 @cli.command("keys")

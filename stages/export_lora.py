@@ -55,7 +55,10 @@ def run(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]:
     import shutil
 
     from stages.core import lora
+    from stages.core.runtime import install_model_trace
     from stages.core.stage import running_stage
+
+    install_model_trace(NAME)
 
     with running_stage(cfg, NAME) as ctx:
         folder, manifest = source_manifest(cfg, checkpoint)

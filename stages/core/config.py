@@ -126,6 +126,9 @@ class TrainConfig:
     """bitsandbytes double quantization of the nf4 scales."""
     compile_transformer: Literal["off", "on", "auto"] = "auto"
     """Regional torch.compile of the repeated blocks; auto: on for bf16/fp32 on CUDA, off over nf4."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Replay the denoiser's forward+backward as CUDA graphs per batch shape (same kernels, less
+    host overhead); auto: on CUDA when train.dropout is 0. LORAPIPE_CUDA_GRAPHS overrides it."""
     enable_tf32: bool = True
     """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
     cudnn_benchmark: bool = False
@@ -151,6 +154,32 @@ class ExportConfig:
 
 
 @dataclass
+class SampleConfig:
+    prompts: list[str] = field(default_factory=list)
+    """Prompts the `sample` stage renders (empty: the first 3 captions of the dataset)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    """One image per prompt and seed, the same seeds for the base model and for the LoRA."""
+    steps: int = 28
+    """Inference steps per image."""
+    guidance_scale: float = -1.0
+    """Passed to the pipeline; negative: the pipeline's own default."""
+    width: int = 0
+    """Image width (0: data.resolution)."""
+    height: int = 0
+    """Image height (0: data.resolution)."""
+    lora_scale: float = 1.0
+    """Adapter strength when rendering with the LoRA."""
+    every_n_checkpoints: int = 0
+    """Also render every Nth kept checkpoint (lora/checkpoint-<step>) as its own column (0: final only)."""
+    after_train: bool = False
+    """`run` renders samples after export-lora (off: only `pipeline.py sample` does)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 on CUDA, fp32 on CPU."""
+    cpu_offload: bool = False
+    """diffusers' enable_model_cpu_offload: one component on the GPU at a time (CUDA only)."""
+
+
+@dataclass
 class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
@@ -171,6 +200,7 @@ class Config:
     latents: LatentsConfig = field(default_factory=LatentsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
 
     @property
     def run_dir(self) -> Path:

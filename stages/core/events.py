@@ -30,7 +30,75 @@ EVENT_TYPES = {
     "done": "stage finished (seconds, plus stage summary fields)",
     "up_to_date": "stage skipped because its manifest matches (fingerprint)",
     "error": "stage failed (message, item when one input caused it)",
+    "sample": "a sample grid was rendered, base vs LoRA (path, prompts, seeds, adapter)",
 }
+
+# The stable schema of events.jsonl: JSON type names per field (a list allows several). `ts`, `run`,
+# `stage` and `event` are on every line. A field not listed here is a violation, except on `done`,
+# which carries each stage's summary. tests/test_events_schema.py validates real runs against it and
+# the README's events table is printed from it (`describe_events`); change all three together.
+COMMON_FIELDS: dict[str, Any] = {"ts": "number", "run": "string", "stage": "string", "event": "string"}
+EVENT_SCHEMA: dict[str, dict[str, Any]] = {
+    "start": {"required": {"pid": "integer"}, "optional": {"world_size": "integer"}},
+    "loading": {"required": {"component": "string"}, "optional": {"precision": "string", "class": "string"}},
+    "loaded": {"required": {"component": "string", "seconds": "number"}, "optional": {}},
+    "preparing": {"required": {"done": "integer", "total": "integer", "encoded": "integer"}, "optional": {}},
+    "skipped": {"required": {"item": "string", "reason": "string"}, "optional": {}},
+    "warning": {"required": {"message": "string"}, "optional": {"item": ["string", "null"]}},
+    "step": {"required": {"step": "integer", "loss": "number", "lr": "number", "batch_size": "integer",
+                          "samples_per_second": ["number", "null"], "peak_vram_gb": "number"},
+             "optional": {"world_size": "integer"}},
+    "checkpoint": {"required": {"step": "integer", "path": "string"}, "optional": {}},
+    "stopped": {"required": {"step": "integer", "saved": "boolean"}, "optional": {"checkpoint": "string"}},
+    "done": {"required": {"seconds": "number"}, "extra": True,
+             "optional": {"encoded": "integer", "total": "integer", "skipped": "integer", "step": "integer",
+                          "loss_first": ["number", "null"], "loss_last": ["number", "null"], "files": "array",
+                          "images": "integer"}},
+    "up_to_date": {"required": {}, "optional": {"fingerprint": "string"}},
+    "error": {"required": {"message": "string"},
+              "optional": {"item": ["string", "null"], "type": "string", "rank": "integer"}},
+    "sample": {"required": {"path": "string", "prompts": "array", "seeds": "array", "adapter": "string"},
+               "optional": {"seconds": "number"}},
+}
+_JSON_TYPES: dict[str, Any] = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
+                               "null": type(None), "array": list, "object": dict}
+
+
+def _type_ok(value: Any, spec: str | list[str]) -> bool:
+    names = [spec] if isinstance(spec, str) else spec
+    if isinstance(value, bool):  # bool is an int in Python, not in JSON
+        return "boolean" in names
+    return any(isinstance(value, _JSON_TYPES[n]) for n in names)
+
+
+def validate_event(record: dict[str, Any]) -> list[str]:
+    """Every way one events.jsonl record breaks EVENT_SCHEMA (empty when it conforms)."""
+    event = record.get("event")
+    if event not in EVENT_SCHEMA:
+        return [f"unknown event {event!r}"]
+    spec = EVENT_SCHEMA[event]
+    fields = {**COMMON_FIELDS, **spec["required"]}
+    problems = [f"{event}: missing field '{k}'" for k in fields if k not in record]
+    allowed = {**fields, **spec["optional"]}
+    for key, value in record.items():
+        if key in allowed:
+            if not _type_ok(value, allowed[key]):
+                problems.append(f"{event}: field '{key}' = {value!r} is not {allowed[key]}")
+        elif not spec.get("extra"):
+            problems.append(f"{event}: undocumented field '{key}' (add it to EVENT_SCHEMA and the README)")
+    return problems
+
+
+def describe_events() -> list[tuple[str, str, str]]:
+    """(event, meaning, fields) rows for the README table."""
+    def fmt(fields: dict[str, Any], optional: bool) -> list[str]:
+        return [f"{k}{'?' if optional else ''}: {' or '.join([t] if isinstance(t, str) else t)}" for k, t in fields.items()]
+
+    rows = []
+    for event, spec in EVENT_SCHEMA.items():
+        fields = fmt(spec["required"], False) + fmt(spec["optional"], True) + (["...summary"] if spec.get("extra") else [])
+        rows.append((event, EVENT_TYPES[event], ", ".join(fields)))
+    return rows
 
 
 def _clean(v: Any) -> Any:

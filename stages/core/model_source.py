@@ -1,7 +1,14 @@
-"""Where a model comes from: a local diffusers pipeline folder or a hub id (+ revision).
+"""Where a model comes from: a local diffusers pipeline folder, a hub id (+ revision), or a
+single-file checkpoint of the denoiser.
 
 Each stage loads only its own components (`subfolder=`), through the same `from_pretrained` call a
 user's real model takes. `identity()` is cheap (no weights read) and feeds the stage fingerprints.
+
+A single file (`model = "/ckpts/my-flux-finetune.safetensors"`) replaces the denoiser only
+(`transformer` or `unet`), loaded with diffusers' `from_single_file`, which reads the original
+(BFL, SGM, ...) or diffusers key layout; every other component and all configs come from a base
+pipeline: `base` when given, else the repo diffusers infers from the checkpoint's keys (e.g.
+black-forest-labs/FLUX.1-dev), which must then be in the local Hugging Face cache when offline.
 """
 
 from __future__ import annotations
@@ -18,14 +25,32 @@ class ModelError(RuntimeError):
     """The model path or id cannot be used; the message says what to do."""
 
 
+SINGLE_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")
+# The components a single-file checkpoint replaces: the denoiser. Text encoders and the VAE come from
+# the base pipeline (a full SDXL checkpoint holds them too, but fine-tunes ship changed denoisers).
+SINGLE_FILE_COMPONENTS = ("transformer", "unet")
+
+
 @dataclass(frozen=True)
 class ModelSource:
     ref: str
     revision: str = ""
+    base: str = ""
+    """For a single-file `ref`: the diffusers folder or hub id that supplies everything else."""
 
     @property
     def is_local(self) -> bool:
         return Path(self.ref).exists() or self.ref.startswith((".", "/", "~"))
+
+    @property
+    def is_single_file(self) -> bool:
+        return self.ref.lower().endswith(SINGLE_FILE_SUFFIXES)
+
+    def base_source(self) -> "ModelSource":
+        """The pipeline that supplies configs and non-denoiser components of a single file."""
+        if self.base:
+            return ModelSource(self.base, self.revision)
+        return ModelSource(_inferred_base(str(self.path)))
 
     @property
     def path(self) -> Path:
@@ -33,6 +58,11 @@ class ModelSource:
 
     def check(self, components: tuple[str, ...]) -> None:
         """Fail early, naming the folder, when a local model lacks a component a stage needs."""
+        if self.is_single_file:
+            if not self.path.is_file():
+                raise ModelError(f"single-file checkpoint '{self.ref}' does not exist")
+            self.base_source().check(tuple(c for c in components if c not in SINGLE_FILE_COMPONENTS))
+            return
         if not self.is_local:
             return
         if not self.path.is_dir():
@@ -51,33 +81,64 @@ class ModelSource:
 
     def load(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
         """`cls.from_pretrained(ref, subfolder=...)`; a hub id that is not cached gives a clear error."""
+        if self.is_single_file:
+            if subfolder in SINGLE_FILE_COMPONENTS:
+                return self._load_single_file(cls, subfolder, **kwargs)
+            return self.base_source().load(cls, subfolder, **kwargs)
         if self.revision:
             kwargs["revision"] = self.revision
         try:
             return cls.from_pretrained(str(self.path) if self.is_local else self.ref, subfolder=subfolder, **kwargs)
         except OSError as e:
-            if self.is_local:
-                raise ModelError(f"cannot load '{subfolder}' from '{self.ref}': {e}") from e
-            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
-            hint = (
-                "HF_HUB_OFFLINE=1 is set and no cached copy exists: run `huggingface-cli download "
-                f"{self.ref}` on a machine with network, or point 'model' at a local folder"
-                if offline
-                else f"check the id, your network and `huggingface-cli login` (gated models need access)"
-            )
-            raise ModelError(f"cannot load '{subfolder}' of '{self.ref}': {hint}. ({e})") from e
+            where = "from" if self.is_local else "of"
+            raise ModelError(f"cannot load '{subfolder}' {where} '{self.ref}': {_offline_hint(self.ref, e)}") from e
+
+    def _load_single_file(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
+        if not hasattr(cls, "from_single_file"):
+            raise ModelError(f"'{self.ref}' is a single-file checkpoint, but diffusers 0.42 has no from_single_file "
+                             f"for {cls.__name__}: convert it to a diffusers folder and point 'model' at that")
+        base = self.base_source()
+        config = str(base.path) if base.is_local else base.ref
+        try:
+            return cls.from_single_file(str(self.path), config=config, subfolder=subfolder, **kwargs)
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelError(f"cannot load the {subfolder} of single-file checkpoint '{self.ref}' with the configs of "
+                             f"'{config}': {_offline_hint(config, e)}") from e
+
+    def load_pipeline(self, cls: Any, **kwargs: Any) -> Any:
+        """The whole pipeline (the sample stage): `cls.from_pretrained`, with a single-file denoiser
+        loaded first and passed in."""
+        if self.is_single_file:
+            base = self.base_source()
+            index = base.component_config("", "model_index.json")
+            for sub in SINGLE_FILE_COMPONENTS:
+                if sub in index:
+                    import diffusers
+
+                    kwargs[sub] = self._load_single_file(getattr(diffusers, index[sub][1]), sub,
+                                                         torch_dtype=kwargs.get("torch_dtype"))
+            return base.load_pipeline(cls, **kwargs)
+        if self.revision:
+            kwargs["revision"] = self.revision
+        try:
+            return cls.from_pretrained(str(self.path) if self.is_local else self.ref, **kwargs)
+        except OSError as e:
+            raise ModelError(f"cannot load the {cls.__name__} of '{self.ref}': {_offline_hint(self.ref, e)}") from e
 
     def component_config(self, subfolder: str, name: str = "config.json") -> dict[str, Any]:
         """A component's JSON config without loading weights (local folders or the hub cache)."""
+        if self.is_single_file:
+            return self.base_source().component_config(subfolder, name)
         if self.is_local:
             path = self.path / subfolder / name
         else:
             from huggingface_hub import hf_hub_download
 
             try:
-                path = Path(hf_hub_download(self.ref, f"{subfolder}/{name}", revision=self.revision or None))
+                path = Path(hf_hub_download(self.ref, f"{subfolder}/{name}" if subfolder else name,
+                                            revision=self.revision or None))
             except Exception as e:  # noqa: BLE001 - hub errors come in many types
-                raise ModelError(f"cannot read {subfolder}/{name} of '{self.ref}': {e}") from e
+                raise ModelError(f"cannot read {subfolder}/{name} of '{self.ref}': {_offline_hint(self.ref, e)}") from e
         try:
             return json.loads(path.read_text())
         except FileNotFoundError:
@@ -85,6 +146,11 @@ class ModelSource:
 
     def identity(self, components: tuple[str, ...]) -> str:
         """Content identity of the named components (configs, weight sizes and edges; not the path)."""
+        if self.is_single_file:
+            own = [c for c in components if c in SINGLE_FILE_COMPONENTS]
+            rest = tuple(c for c in components if c not in SINGLE_FILE_COMPONENTS)
+            h = hashlib.sha256(_file_edges(self.path).encode() if own else b"")
+            return f"file:{h.hexdigest()[:16]}+{self.base_source().identity(rest) if rest else ''}"
         if not self.is_local:
             return f"hub:{self.ref}@{self.revision or 'main'}"
         h = hashlib.sha256()
@@ -107,3 +173,57 @@ class ModelSource:
                         fh.seek(max(0, size - (1 << 20)))
                         h.update(fh.read(1 << 20))
         return f"local:{h.hexdigest()[:16]}"
+
+
+def _file_edges(path: Path) -> str:
+    """Size plus the first and last MiB: tells two checkpoints apart without reading 20 GB."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as fh:
+        h.update(fh.read(1 << 20))
+        fh.seek(max(0, size - (1 << 20)))
+        h.update(fh.read(1 << 20))
+    return h.hexdigest()
+
+
+def _offline_hint(ref: str, error: BaseException) -> str:
+    if Path(ref).exists() or ref.startswith((".", "/", "~")):
+        return str(error)
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return (f"HF_HUB_OFFLINE=1 is set and '{ref}' is not in the Hugging Face cache: run "
+                f"`huggingface-cli download {ref}` on a machine with network (then copy ~/.cache/huggingface), "
+                f"or point 'model' at a local diffusers folder. ({error})")
+    return (f"check the id and `huggingface-cli login` (gated models need access); with no network, download it "
+            f"elsewhere (`huggingface-cli download {ref}`), copy ~/.cache/huggingface here and set HF_HUB_OFFLINE=1, "
+            f"or point 'model' at a local diffusers folder. ({error})")
+
+
+class _LazyCheckpoint(dict):
+    """Keys of a .safetensors file; a tensor is read only when asked for (diffusers' model-type
+    inference reads a handful of shapes, not 20 GB)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self._file = safe_open(path, "pt")
+        super().__init__({k: None for k in self._file.keys()})
+
+    def __getitem__(self, key: str) -> Any:
+        if super().__getitem__(key) is None:
+            super().__setitem__(key, self._file.get_tensor(key))
+        return super().__getitem__(key)
+
+
+def _inferred_base(path: str) -> str:
+    """The hub repo diffusers' from_single_file would take configs from for this checkpoint."""
+    from diffusers.loaders.single_file_utils import fetch_diffusers_config
+
+    if not path.endswith((".safetensors", ".sft")):
+        raise ModelError(f"cannot tell which model '{path}' is without loading it: use a .safetensors file, or "
+                         f"give the base pipeline explicitly (ModelSource(..., base=<folder or hub id>))")
+    try:
+        return fetch_diffusers_config(_LazyCheckpoint(path))["pretrained_model_name_or_path"]
+    except Exception as e:  # noqa: BLE001 - inference fails with KeyError/IndexError on unknown layouts
+        raise ModelError(f"diffusers does not recognise the architecture of '{path}' ({type(e).__name__}: {e}); "
+                         f"convert it to a diffusers folder and point 'model' at that") from e

@@ -1,0 +1,383 @@
+"""Offline report of a run's artifacts; no GPU and no model weights needed.
+
+    python pipeline.py inspect demo                     # rich tables
+    python pipeline.py inspect demo --json              # the same report for machines
+    python pipeline.py inspect demo --decode shapes/03.png --variant 2 [--sample --seed 1] --out x.png
+
+Reads the manifests and zarr stores of artifacts/<run>/: items, buckets, variants, shapes and
+dtypes, bytes on disk, per-channel latent statistics beside the family's normalization (after which
+a well-matched VAE gives mean ~0 and std ~1 per channel), NaN/Inf counts, orphaned rows (in a store,
+referenced by no manifest: left behind by edited captions or removed images) and missing ones, stale
+stages and why, the caption text of each caption row, the train manifest's hyper-parameters.
+Statistics read at most `--rows` rows per store (evenly spaced) so a large cache reports quickly.
+
+`--decode` is the one part that loads weights: the VAE alone (on CPU if no GPU), to turn one cached
+variant (its posterior mean, or with --sample a draw mean + exp(logvar/2) * eps) back into pixels.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.core.artifacts import RowStore, dir_bytes, read_json, read_manifest
+from stages.core.events import read_events
+
+STAGE_MODULES = ("encode_captions", "cache_latents", "train", "export_lora", "sample")
+
+
+class InspectError(RuntimeError):
+    """A run, item or variant the user named does not exist; the message lists what does."""
+
+
+def run_config(run_dir: Path, config: Any = None) -> Any:
+    """The run's resolved config: as given, or as saved beside the artifacts (config.json)."""
+    if config is not None:
+        return config
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        return None
+    from stages.core.config import build_config
+
+    return build_config(read_json(saved), str(saved))
+
+
+def sample_rows(n: int, limit: int) -> list[int]:
+    """At most `limit` row indices, evenly spaced over n (all of them when n <= limit)."""
+    if n <= limit:
+        return list(range(n))
+    return sorted({int(round(i * (n - 1) / (limit - 1))) for i in range(limit)})
+
+
+def nonfinite(array: np.ndarray) -> dict[str, int]:
+    return {"nan": int(np.isnan(array).sum()), "inf": int(np.isinf(array).sum())}
+
+
+# ---- sections ------------------------------------------------------------------------------------
+
+
+def stages_section(cfg: Any) -> dict[str, Any]:
+    import importlib
+
+    from stages.core.stage import staleness
+
+    out = {}
+    for name in STAGE_MODULES:
+        module = importlib.import_module(f"stages.{name}")
+        try:
+            ok, reasons = staleness(module, cfg)
+            out[module.NAME] = {"up_to_date": ok, "reasons": reasons}
+        except Exception as e:  # noqa: BLE001 - a missing dataset or model must not hide the rest
+            out[module.NAME] = {"up_to_date": False, "reasons": [f"cannot check: {e}"]}
+    return out
+
+
+def captions_section(run_dir: Path, limit: int) -> dict[str, Any]:
+    path = run_dir / "captions.zarr"
+    manifest = read_manifest(path)
+    if manifest is None:
+        return {"present": path.exists(), "complete": False, "hint": "run `pipeline.py encode-captions`"}
+    store = RowStore.open(path)
+    ids, written = store.ids, store.written_mask()
+    rows = manifest["rows"]
+    used = {cid: sorted(k for k, c in manifest["items"].items() if c == cid) for cid in rows}
+    checked = sample_rows(len(ids), limit)
+    fields = {}
+    for name in store.fields:
+        data = store.read_rows(checked, [name])[name] if checked else np.zeros(0)
+        info = manifest["fields"].get(name, {})
+        fields[name] = {"shape": info.get("shape"), "dtype": info.get("dtype"), "stored_dtype": str(store.group[name].dtype),
+                        **nonfinite(data.astype(np.float32) if data.dtype.kind == "f" else data)}
+    return {
+        "present": True, "complete": True, "family": manifest["family"], "rows": len(ids),
+        "written": int(written.sum()), "referenced": len(rows), "items": len(manifest["items"]),
+        "orphaned_rows": sorted(set(ids) - set(rows)),
+        "missing_rows": sorted(cid for cid, r in rows.items() if r >= len(written) or not written[r]),
+        "fields": fields, "rows_checked": len(checked), "bytes_on_disk": dir_bytes(path),
+        "truncated": manifest.get("truncated", {}),
+        "captions": [{"caption_id": cid, "row": rows[cid], "items": used[cid], "text": manifest["texts"].get(cid, "")}
+                     for cid in sorted(rows, key=rows.get)],
+    }
+
+
+def channel_stats(mean: np.ndarray, logvar: np.ndarray, family: Any, norm: dict[str, Any]) -> dict[str, Any]:
+    """Per-channel statistics of cached posteriors (N, variants, C, h, w), raw and normalized."""
+    import torch
+
+    c = mean.shape[2]
+    z = mean.reshape(-1, *mean.shape[2:]).astype(np.float32)
+    per_channel = z.transpose(1, 0, 2, 3).reshape(c, -1)
+    normed = family.normalize_latents(torch.from_numpy(z), norm).numpy().transpose(1, 0, 2, 3).reshape(c, -1)
+    std = np.exp(0.5 * logvar.astype(np.float32)).transpose(2, 0, 1, 3, 4).reshape(c, -1)
+    return {"mean": per_channel.mean(1).tolist(), "std": per_channel.std(1).tolist(),
+            "min": per_channel.min(1).tolist(), "max": per_channel.max(1).tolist(),
+            "normalized_mean": normed.mean(1).tolist(), "normalized_std": normed.std(1).tolist(),
+            "posterior_std": std.mean(1).tolist()}
+
+
+def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
+    from stages.families import get_family
+
+    path = run_dir / "latents.zarr"
+    manifest = read_manifest(path)
+    if manifest is None:
+        return {"present": path.exists(), "complete": False, "hint": "run `pipeline.py cache-latents`"}
+    family = get_family(manifest["family"])
+    index = manifest["index"]
+    buckets, means, logvars = {}, [], []
+    for name in manifest["buckets"]:
+        if not (path / name / "zarr.json").exists():
+            buckets[name] = {"rows": 0, "missing_store": True}
+            continue
+        store = RowStore.open(path / name)
+        ids, written = store.ids, store.written_mask()
+        referenced = {i for i, v in index.items() if v["bucket"] == name}
+        row_of = {image_id: r for r, image_id in enumerate(ids)}
+        checked = sample_rows(len(ids), limit)
+        data = store.read_rows(checked, ["mean", "logvar"]) if checked else {}
+        if checked:
+            means.append(data["mean"])
+            logvars.append(data["logvar"])
+        buckets[name] = {
+            "rows": len(ids), "written": int(written.sum()), "items": len(referenced),
+            "shape": list(store.group["mean"].shape[1:]), "dtype": store.group["mean"].attrs.get("logical_dtype"),
+            "stored_dtype": str(store.group["mean"].dtype), "bytes_on_disk": dir_bytes(path / name),
+            "orphaned_rows": sorted(set(ids) - referenced),
+            "missing_rows": sorted(i for i in referenced if i not in row_of or not written[row_of[i]]),
+            "mean": nonfinite(data["mean"]) if checked else {}, "logvar": nonfinite(data["logvar"]) if checked else {},
+            "rows_checked": len(checked)}
+    stats = None
+    if means:  # buckets differ in h, w but share C: pool per channel over every checked pixel
+        pooled = [channel_stats(m, lv, family, manifest["normalization"]) for m, lv in zip(means, logvars)]
+        weights = np.array([m.size for m in means], dtype=np.float64)
+        stats = {k: np.average(np.array([p[k] for p in pooled]), axis=0, weights=weights).round(4).tolist() for k in pooled[0]}
+    return {"present": True, "complete": True, "family": manifest["family"], "images": len(index),
+            "items": len(manifest["items"]), "variants": manifest["variants"], "buckets": buckets,
+            "normalization": manifest["normalization"], "channel_stats": stats,
+            "expected_after_normalization": {"mean": 0.0, "std": 1.0},
+            "skipped": manifest.get("skipped", []), "duplicates": manifest.get("duplicates", {}),
+            "bytes_on_disk": dir_bytes(path)}
+
+
+def lora_section(run_dir: Path) -> dict[str, Any]:
+    folder = run_dir / "lora"
+    checkpoints = []
+    for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]) if p.name[11:].isdigit() else -1):
+        m = read_manifest(p)
+        checkpoints.append({"name": p.name, "step": m and m.get("step"), "complete": m is not None,
+                            "bytes_on_disk": dir_bytes(p)})
+    final = read_manifest(folder / "final")
+    out: dict[str, Any] = {"checkpoints": checkpoints, "final": None}
+    if final is not None:
+        keys = ("step", "complete", "incomplete_reason", "loss_first", "loss_last", "samples_per_second", "seconds",
+                "precision", "device", "peak_vram_gb", "pipeline_class")
+        out["final"] = {k: final.get(k) for k in keys if k in final}
+        out["final"]["lora_config"] = {k: final.get("lora_config", {}).get(k) for k in ("r", "lora_alpha", "target_modules")}
+        out["final"]["hyper_parameters"] = final.get("fingerprint_parts", {}).get("train", {})
+        out["final"]["bytes_on_disk"] = dir_bytes(folder / "final")
+    return out
+
+
+def export_section(run_dir: Path, name: str) -> dict[str, Any] | None:
+    manifest = read_manifest(run_dir / name)
+    if manifest is None:
+        return None
+    files = {f: (run_dir / name / f).stat().st_size for f in manifest.get("files", []) if (run_dir / name / f).exists()}
+    return {"files": files, **{k: manifest[k] for k in ("step", "columns", "prompts", "seeds") if k in manifest}}
+
+
+def events_section(run_dir: Path) -> dict[str, Any]:
+    events = read_events(run_dir)
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e["event"]] = counts.get(e["event"], 0) + 1
+    errors = [e for e in events if e["event"] == "error"]
+    return {"lines": len(events), "counts": counts,
+            "last_error": {k: errors[-1].get(k) for k in ("stage", "message", "item")} if errors else None}
+
+
+def inspect_run(run_dir: Path, config: Any = None, rows: int = 64) -> dict[str, Any]:
+    """The whole report as one JSON-able dict."""
+    if not run_dir.is_dir():
+        known = sorted(p.name for p in run_dir.parent.iterdir() if p.is_dir()) if run_dir.parent.is_dir() else []
+        raise InspectError(f"no run folder '{run_dir}' (runs under {run_dir.parent}: {', '.join(known) or 'none'})")
+    cfg = run_config(run_dir, config)
+    return {
+        "run": run_dir.name, "path": str(run_dir), "bytes_on_disk": dir_bytes(run_dir),
+        "config": None if cfg is None else {"family": cfg.family, "model": cfg.model, "data": cfg.data.path},
+        "stages": None if cfg is None else stages_section(cfg),
+        "captions": captions_section(run_dir, rows), "latents": latents_section(run_dir, rows),
+        "lora": lora_section(run_dir), "export": export_section(run_dir, "export"),
+        "samples": export_section(run_dir, "samples"), "events": events_section(run_dir),
+    }
+
+
+def to_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2, default=str)
+
+
+# ---- decode ----------------------------------------------------------------------------------------
+
+
+def find_image(manifest: dict[str, Any], item: str) -> str:
+    """An image id from a dataset key ("cats/01.png"), an image id, or a unique prefix of one."""
+    if item in manifest["items"]:
+        return manifest["items"][item]
+    matches = [i for i in manifest["index"] if i.startswith(item)]
+    if len(matches) == 1:
+        return matches[0]
+    keys = sorted(manifest["items"])
+    raise InspectError(f"item '{item}' is not in the latent cache ({len(matches)} image ids match); "
+                       f"known items: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
+
+
+def cached_variant(run_dir: Path, item: str, variant: int) -> dict[str, Any]:
+    """mean, logvar (C, h, w) and the crop/flip/size of one cached variant."""
+    path = run_dir / "latents.zarr"
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise InspectError(f"run '{run_dir.name}' has no complete latent cache: run `pipeline.py cache-latents` first")
+    image_id = find_image(manifest, item)
+    where = manifest["index"][image_id]
+    if not 0 <= variant < manifest["variants"]:
+        raise InspectError(f"variant {variant} does not exist: item '{item}' has variants 0..{manifest['variants'] - 1}")
+    store = RowStore.open(path / where["bucket"])
+    row = where["row"]
+    return {"image_id": image_id, "bucket": where["bucket"], "mean": store.read("mean", (row, variant)),
+            "logvar": store.read("logvar", (row, variant)), "crop_top_left": store.read("crop_top_left", (row, variant)).tolist(),
+            "flip": bool(store.read("flip", (row, variant))), "original_size": store.read("original_size", row).tolist(),
+            "family": manifest["family"]}
+
+
+def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, seed: int = 0) -> tuple[Path, dict[str, Any]]:
+    """Decode one cached variant to a PNG with the VAE alone (the cache holds raw posterior
+    latents, before the family's normalization, which is what `vae.decode` takes)."""
+    import torch
+    from PIL import Image
+
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import make_runtime
+    from stages.families import get_family
+
+    info = cached_variant(cfg.run_dir, item, variant)
+    z = torch.from_numpy(info["mean"].astype(np.float32))[None]
+    if sample:
+        eps = torch.randn(z.shape, generator=torch.Generator().manual_seed(seed))
+        z = z + torch.exp(0.5 * torch.from_numpy(info["logvar"].astype(np.float32))[None]) * eps
+    family = get_family(info["family"])
+    rt = make_runtime(cfg.device, cfg.latents.vae_precision)
+    src = ModelSource(cfg.model, cfg.revision)
+    src.check(family.vae_components)
+    vae = family.load_vae(src, rt)
+    video = any(p.dim() == 5 for p in vae.decoder.parameters())  # Qwen-Image's VAE decodes (B, C, T, H, W)
+    with torch.no_grad():
+        z = z.to(rt.device, vae.dtype)
+        pixels = vae.decode(z.unsqueeze(2) if video else z).sample
+    pixels = pixels.squeeze(2) if video else pixels
+    image = ((pixels[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(out)
+    meta = {k: info[k] for k in ("image_id", "bucket", "crop_top_left", "flip", "original_size")}
+    return out, {**meta, "variant": variant, "latent_shape": list(info["mean"].shape), "sampled": sample,
+                 "size": list(Image.open(out).size)}
+
+
+# ---- rich rendering -----------------------------------------------------------------------------------
+
+
+def _num(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def render(report: dict[str, Any], console: Any) -> None:
+    """Print the report as rich tables (plain text when not a terminal)."""
+    from rich.table import Table
+
+    console.print(f"[bold]run {report['run']}[/bold]  {report['path']}  {_mb(report['bytes_on_disk'])}"
+                  + (f"  family {report['config']['family']}, model {report['config']['model']}" if report["config"] else ""))
+    if report["stages"]:
+        t = Table("stage", "state", "why", title="stages")
+        for name, s in report["stages"].items():
+            t.add_row(name, "[green]up to date[/green]" if s["up_to_date"] else "[yellow]stale[/yellow]",
+                      "; ".join(s["reasons"])[:120])
+        console.print(t)
+    _render_captions(report["captions"], console)
+    _render_latents(report["latents"], console)
+    _render_lora(report["lora"], report["export"], report["samples"], console)
+    ev = report["events"]
+    console.print(f"events: {ev['lines']} lines " + ", ".join(f"{k} {v}" for k, v in sorted(ev["counts"].items()))
+                  + (f"; last error ({ev['last_error']['stage']}): {ev['last_error']['message']}" if ev["last_error"] else ""))
+
+
+def _render_captions(c: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    if not c.get("complete"):
+        console.print(f"captions.zarr: [yellow]missing or incomplete[/yellow] ({c.get('hint')})")
+        return
+    console.print(f"captions.zarr: {c['rows']} rows ({c['written']} written, {c['referenced']} referenced by "
+                  f"{c['items']} items), {len(c['orphaned_rows'])} orphaned, {len(c['missing_rows'])} missing, "
+                  f"{_mb(c['bytes_on_disk'])}")
+    t = Table("field", "shape", "dtype (stored)", "NaN", "Inf", title=f"caption fields ({c['rows_checked']} rows checked)")
+    for name, f in c["fields"].items():
+        t.add_row(name, str(f["shape"]), f"{f['dtype']} ({f['stored_dtype']})", str(f["nan"]), str(f["inf"]))
+    console.print(t)
+    t = Table("row", "caption id", "items", "text", title="captions")
+    for row in c["captions"][:40]:
+        t.add_row(str(row["row"]), row["caption_id"][:12], str(len(row["items"])), row["text"][:90])
+    console.print(t)
+    if len(c["captions"]) > 40:
+        console.print(f"  ... {len(c['captions']) - 40} more (--json lists all)")
+
+
+def _render_latents(lat: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    if not lat.get("complete"):
+        console.print(f"latents.zarr: [yellow]missing or incomplete[/yellow] ({lat.get('hint')})")
+        return
+    console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {lat['variants']} variants each, "
+                  f"{len(lat['skipped'])} skipped, {len(lat['duplicates'])} duplicated, {_mb(lat['bytes_on_disk'])}; "
+                  f"normalization {lat['normalization']}")
+    t = Table("bucket WxH", "rows", "variants, C, h, w", "dtype (stored)", "orphaned", "missing",
+              "NaN/Inf mean", "NaN/Inf logvar", "size", title="buckets")
+    for name, b in lat["buckets"].items():
+        if b.get("missing_store"):
+            t.add_row(name, "0", "[red]store missing[/red]", "", "", "", "", "", "")
+            continue
+        t.add_row(name, str(b["rows"]), str(b["shape"]), f"{b['dtype']} ({b['stored_dtype']})",
+                  str(len(b["orphaned_rows"])), str(len(b["missing_rows"])),
+                  f"{b['mean'].get('nan', 0)}/{b['mean'].get('inf', 0)}", f"{b['logvar'].get('nan', 0)}/{b['logvar'].get('inf', 0)}",
+                  _mb(b["bytes_on_disk"]))
+    console.print(t)
+    s = lat["channel_stats"]
+    if s:
+        t = Table("ch", "mean", "std", "min", "max", "posterior std", "normalized mean (~0)", "normalized std (~1)",
+                  title="per-channel latent statistics (posterior means)")
+        for ch in range(len(s["mean"])):
+            t.add_row(str(ch), *(f"{s[k][ch]:.3f}" for k in ("mean", "std", "min", "max", "posterior_std",
+                                                           "normalized_mean", "normalized_std")))
+        console.print(t)
+
+
+def _render_lora(lora: dict[str, Any], export: dict[str, Any] | None, samples: dict[str, Any] | None, console: Any) -> None:
+    ckpts = ", ".join(f"{c['name']}{'' if c['complete'] else ' (incomplete)'}" for c in lora["checkpoints"]) or "none"
+    console.print(f"lora: checkpoints {ckpts}")
+    final = lora["final"]
+    if final:
+        lc = final["lora_config"]
+        console.print(f"lora/final: step {final.get('step')}, complete {final.get('complete')}, rank {lc['r']}, alpha "
+                      f"{lc['lora_alpha']}, targets {lc['target_modules']}; loss {_num(final.get('loss_first'))} -> "
+                      f"{_num(final.get('loss_last'))}; {_num(final.get('samples_per_second'))} samples/s on "
+                      f"{final.get('device')}")
+        hp = final["hyper_parameters"]
+        console.print("  hyper-parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(hp.items()) if k != "target_modules"))
+    console.print(f"export: {export['files'] if export else 'none'}; samples: "
+                  f"{samples['files'] if samples else 'none'}")

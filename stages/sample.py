@@ -1,0 +1,234 @@
+"""Stage 5 (optional): render prompts with the base model and with the trained LoRA -> samples/grid.png.
+
+    python pipeline.py sample --config configs/flux-dev.toml      # its own process, after export-lora
+    python pipeline.py run --config ... --set sample.after_train=true
+
+Loads the whole pipeline (text encoders, VAE, denoiser: the one stage that needs them together, so
+it runs alone, after training has freed the GPU), renders every `sample.prompts` x `sample.seeds`
+with the base model, then with the exported LoRA (export/pytorch_lora_weights.safetensors, the file
+users ship) and, with `sample.every_n_checkpoints`, with kept checkpoints too. The same seed gives
+the same starting noise in every column, so a column differs from the base only by the adapter.
+
+Rows are prompt x seed, columns base | checkpoints... | final; written with its manifest
+(prompts, seeds, adapters, settings) to artifacts/<run>/samples/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from stages import export_lora
+from stages.core.artifacts import ArtifactError, fingerprint, read_manifest, replace_dir, write_manifest
+from stages.core.model_source import ModelSource
+
+NAME = "sample"
+GRID = "grid.png"
+MIN_CELL = 128  # tiny demo images (64 px) are upscaled so a grid stays readable
+
+
+def artifact_dir(cfg: Any) -> Path:
+    return cfg.run_dir / "samples"
+
+
+def prompts_of(cfg: Any) -> list[str]:
+    if cfg.sample.prompts:
+        return list(cfg.sample.prompts)
+    from stages.core import dataset
+
+    return sorted({it.caption for it in dataset.scan(cfg.data.path, cfg.data.caption_ext)})[:3]
+
+
+def fingerprint_parts(cfg: Any) -> dict[str, Any]:
+    from stages.families import get_family
+
+    family = get_family(cfg.family)
+    components = family.text_components + family.vae_components + family.denoiser_components
+    export = read_manifest(export_lora.artifact_dir(cfg))
+    settings = {k: v for k, v in dataclasses.asdict(cfg.sample).items() if k not in ("after_train", "cpu_offload")}
+    return {"family": cfg.family, "model": ModelSource(cfg.model, cfg.revision).identity(components),
+            "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts_of(cfg),
+            "checkpoints": [p.name for p in chosen_checkpoints(cfg)], "resolution": cfg.data.resolution}
+
+
+def check_settings(cfg: Any) -> None:
+    from stages.core.stage import UserError
+
+    s = cfg.sample
+    problems = [msg for bad, msg in [
+        (s.steps <= 0, f"'sample.steps' must be > 0, got {s.steps}"),
+        (not s.seeds, "'sample.seeds' is empty: give at least one seed"),
+        (s.width < 0 or s.height < 0, "'sample.width'/'sample.height' must be >= 0 (0: data.resolution)"),
+        (s.every_n_checkpoints < 0, "'sample.every_n_checkpoints' must be >= 0"),
+    ] if bad]
+    if not prompts_of(cfg):
+        problems.append(f"no prompts: set sample.prompts, or give the dataset at '{cfg.data.path}' captions")
+    if problems:
+        raise UserError("sample: " + "; ".join(problems))
+
+
+def chosen_checkpoints(cfg: Any) -> list[Path]:
+    """Kept checkpoints whose step is a multiple of every_n_checkpoints x train.checkpoint_every,
+    except the one at the final step (the exported LoRA is that column already)."""
+    n, every = cfg.sample.every_n_checkpoints, cfg.train.checkpoint_every
+    folder = cfg.run_dir / "lora"
+    if n <= 0 or every <= 0 or not folder.is_dir():
+        return []
+    final = read_manifest(folder / "final")
+    found = [p for p in folder.glob("checkpoint-*") if p.name[11:].isdigit() and read_manifest(p) is not None]
+    steps = sorted((int(p.name[11:]), p) for p in found)
+    return [p for step, p in steps if step % (n * every) == 0 and step != (final or {}).get("step")]
+
+
+def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
+    """(column label, diffusers LoRA file) for each column after the base: checkpoints, then final.
+
+    Checkpoints are written to `tmp` with export-lora's own writer, so every column loads through
+    the same `load_lora_weights` call the exported file does."""
+    from stages.core import lora
+
+    final = export_lora.artifact_dir(cfg)
+    export = read_manifest(final)
+    if export is None:
+        raise ArtifactError(f"'{final}' has no exported LoRA: run `python pipeline.py export-lora --config "
+                            f"<your config>` for run '{cfg.run}' first")
+    out = []
+    for ckpt in chosen_checkpoints(cfg):
+        manifest = read_manifest(ckpt)
+        state, lora_cfg = lora.load_adapter_files(ckpt)
+        folder = tmp / ckpt.name
+        folder.mkdir()
+        out.append((ckpt.name, export_lora.write_diffusers(state, lora_cfg, manifest, folder)))
+    out.append((f"LoRA (step {export.get('step')})", final / export_lora.DIFFUSERS_FILE))
+    return out
+
+
+def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any]:
+    import time
+
+    import diffusers
+
+    from stages.core.runtime import make_runtime
+    from stages.families import get_family
+
+    family = get_family(cfg.family)
+    src = ModelSource(cfg.model, cfg.revision)
+    src.check(family.text_components + family.vae_components + family.denoiser_components)
+    rt = make_runtime(cfg.device, cfg.sample.precision)
+    log.emit("loading", component="pipeline", **{"class": family.pipeline_class})
+    t = time.time()
+    pipe = src.load_pipeline(getattr(diffusers, family.pipeline_class), torch_dtype=rt.dtype)
+    if cfg.sample.cpu_offload and rt.is_cuda:
+        pipe.enable_model_cpu_offload()
+    else:
+        pipe.to(rt.device)
+    pipe.set_progress_bar_config(disable=True)
+    log.emit("loaded", component="pipeline", seconds=round(time.time() - t, 3))
+    return pipe, rt
+
+
+def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int], bar: Any) -> list[Any]:
+    """One image per (prompt, seed), in row order. Noise is drawn on the CPU so a seed gives the same
+    image on any device."""
+    import torch
+
+    s = cfg.sample
+    kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil"}
+    if s.guidance_scale >= 0:
+        kwargs["guidance_scale"] = s.guidance_scale
+    images = []
+    for prompt in prompts:
+        for seed in s.seeds:
+            with torch.no_grad():
+                images.append(pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs).images[0])
+            bar.advance(1)
+    return images
+
+
+def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts: list[str],
+                   size: tuple[int, int]) -> tuple[list[str], list[list[Any]]]:
+    """The base column, then one per adapter file, each made the only active adapter in turn."""
+    from stages.core.events import Progress
+
+    labels, cells = ["base"], []
+    with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar:
+        cells.append(render_column(pipe, cfg, prompts, size, bar))
+        for i, (label, file) in enumerate(columns):
+            pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}")
+            pipe.set_adapters([f"col{i}"], [cfg.sample.lora_scale])
+            cells.append(render_column(pipe, cfg, prompts, size, bar))
+            labels.append(label)
+    return labels, cells
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    from stages.core.runtime import install_model_trace, peak_vram_gb, reset_peak
+    from stages.core.stage import running_stage
+
+    install_model_trace(NAME)
+    check_settings(cfg)
+    with running_stage(cfg, NAME) as ctx:
+        prompts, parts = prompts_of(cfg), fingerprint_parts(cfg)
+        size = (cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution)
+        out = artifact_dir(cfg)
+        tmp = out.with_name(".samples.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        with tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
+            columns = adapters(cfg, Path(scratch))
+            pipe, rt = load_pipeline(cfg, ctx.log)
+            reset_peak(rt)
+            labels, cells = render_columns(pipe, cfg, columns, prompts, size)
+        rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
+        grid = draw_grid(labels, rows, cells, tmp / GRID)
+        ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),
+                     adapter=columns[-1][1].name, seconds=ctx.elapsed())
+        manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=[GRID], columns=labels,
+                                  prompts=prompts, seeds=list(cfg.sample.seeds), size=list(size),
+                                  settings=dataclasses.asdict(cfg.sample), grid_size=list(grid),
+                                  fingerprint=fingerprint(parts), fingerprint_parts=parts, seconds=ctx.elapsed(),
+                                  peak_vram_gb=peak_vram_gb(rt))
+        replace_dir(tmp, out)
+        ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(labels), files=[str(out / GRID)])
+        return manifest
+
+
+# ---- the grid ------------------------------------------------------------------------------------
+
+
+def _wrap(draw: Any, text: str, font: Any, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split():
+        trial = f"{line} {word}".strip()
+        if draw.textlength(trial, font=font) <= width or not line:
+            line = trial
+        else:
+            lines.append(line)
+            line = word
+    return lines + ([line] if line else [])
+
+
+def draw_grid(labels: list[str], rows: list[tuple[str, int]], cells: list[list[Any]], out: Path) -> tuple[int, int]:
+    """Columns `labels`, rows (prompt, seed); cells[column][row] are PIL images. Returns (w, h)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default(size=13)
+    w, h = cells[0][0].size
+    scale = max(1, -(-MIN_CELL // max(w, h)))  # integer upscale, NEAREST keeps pixels honest
+    cw, ch, left, top, pad = w * scale, h * scale, 200, 28, 4
+    grid = Image.new("RGB", (left + len(labels) * (cw + pad), top + len(rows) * (ch + pad)), "white")
+    draw = ImageDraw.Draw(grid)
+    for c, label in enumerate(labels):
+        draw.text((left + c * (cw + pad) + cw // 2, top // 2), label, fill="#222222", font=font, anchor="mm")
+    for r, (prompt, seed) in enumerate(rows):
+        y = top + r * (ch + pad)
+        lines = _wrap(draw, prompt, font, left - 12)[: max(1, ch // 16 - 1)] + [f"seed {seed}"]
+        for i, line in enumerate(lines):
+            draw.text((6, y + 4 + i * 16), line, fill="#555555" if i == len(lines) - 1 else "#222222", font=font)
+        for c, column in enumerate(cells):
+            grid.paste(column[r].convert("RGB").resize((cw, ch), Image.Resampling.NEAREST), (left + c * (cw + pad), y))
+    grid.save(out, optimize=True)
+    return grid.size
