@@ -23,6 +23,7 @@ import torch
 
 from stages.core import flow
 from stages.core.lora import load_denoiser_weights
+from stages.families import kl_vae
 from stages.families.base import BatchMeta
 from stages.families.qwen_image import load_text_model, pad_valid_tokens
 
@@ -70,28 +71,12 @@ class ZImage:
         return ZImageTextEncoder(src, cfg, rt)
 
     # ---- cache-latents
-    def load_vae(self, src: Any, rt: Any) -> torch.nn.Module:
-        from diffusers import AutoencoderKL
-
-        return src.load(AutoencoderKL, "vae", torch_dtype=rt.dtype).to(rt.device).eval()
-
-    def pixel_multiple(self, src: Any) -> int:
-        blocks = src.component_config("vae")["block_out_channels"]
-        return 2 ** (len(blocks) - 1) * 2  # ZImagePipeline.vae_scale_factor x the transformer's 2x2 patches
-
-    @torch.no_grad()
-    def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
-
-    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
-        return {"shift_factor": float(vae.config.shift_factor or 0.0), "scaling_factor": float(vae.config.scaling_factor)}
-
-    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        return (z - norm["shift_factor"]) * norm["scaling_factor"]
-
-    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        return x / norm["scaling_factor"] + norm["shift_factor"]
+    load_vae = kl_vae.load_vae
+    pixel_multiple = kl_vae.pixel_multiple
+    encode_posterior = kl_vae.encode_posterior
+    latent_normalization = kl_vae.latent_normalization
+    normalize_latents = kl_vae.normalize_latents
+    denormalize_latents = kl_vae.denormalize_latents
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
