@@ -43,7 +43,8 @@ def _load(config: str | None, run: str | None, model: str | None, sets: tuple[st
 
 
 def _remember_config(cfg: Any) -> None:
-    """Keep the resolved config beside the artifacts, so `status <run>` needs no --config."""
+    """Keep the config of the last stage that ran beside the artifacts, so `status <run>` needs no
+    --config."""
     from stages.core.artifacts import atomic_write_json
 
     atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
@@ -81,11 +82,10 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     main = _launcher_rank() == 0
     if force and name in ("encode-captions", "cache-latents") and main:
         remove_dir(module.artifact_dir(cfg))  # renamed away first: never half-deleted under its manifest
-    if main:
-        _remember_config(cfg)
     manifest = module.run(cfg, **kwargs)
     if not main:
         return
+    _remember_config(cfg)  # after the stage ran: a failed attempt must not change what `status <run>` compares
     summary = {k: manifest.get(k) for k in ("encoded_this_run", "step", "loss_first", "loss_last", "files", "seconds")
                if manifest.get(k) is not None}
     if manifest.get("stopped"):
