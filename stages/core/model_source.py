@@ -163,15 +163,7 @@ class ModelSource:
                 h.update(f.name.encode())
                 if f.is_dir():
                     continue
-                if f.suffix == ".json":
-                    h.update(f.read_bytes())
-                else:  # weights: size plus the first and last MiB tell two checkpoints apart cheaply
-                    size = f.stat().st_size
-                    h.update(str(size).encode())
-                    with f.open("rb") as fh:
-                        h.update(fh.read(1 << 20))
-                        fh.seek(max(0, size - (1 << 20)))
-                        h.update(fh.read(1 << 20))
+                h.update(f.read_bytes() if f.suffix == ".json" else _file_edges(f).encode())
         return f"local:{h.hexdigest()[:16]}"
 
 
