@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> None:
     work, out = Path(args.work), Path(args.out)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s
-    results: dict[str, Any] = {"meta": machine(), "items": []}
+    results: dict[str, Any] = {"meta": {**machine(), "command": "python bench/multigpu.py " + " ".join(
+        a for i, a in enumerate(sys.argv[1:]) if a != "--out" and sys.argv[i] != "--out")}, "items": []}
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,6 +131,8 @@ def run(args: argparse.Namespace) -> None:
     if rc:
         raise SystemExit(f"caches failed:\n{tail}")
     for precision, gpus in PLAN:
+        if precision not in args.precisions.split(","):
+            continue
         if time.time() > deadline:
             results["items"].append({"id": f"train-{precision}-{gpus}gpu", "status": "not run: --budget-s spent"})
             continue
@@ -162,14 +165,23 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def report(path: Path) -> str:
-    """The bench/RESULTS.md section, from one results file."""
-    data = json.loads(path.read_text())
-    rows = {(r["precision"], r["gpus"]): r for r in data["items"] if r.get("gpus") and r.get("rc") == 0}
-    status = {r["id"]: r.get("status") or f"failed (exit {r.get('rc')})" for r in data["items"]}
+def report(paths: list[Path]) -> str:
+    """The bench/RESULTS.md section, from one or more results files (a later file's row wins)."""
+    files = [json.loads(p.read_text()) for p in paths]
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    status: dict[str, str] = {}
+    runs = []
+    for data in files:
+        rows.update({(r["precision"], r["gpus"]): r for r in data["items"] if r.get("gpus") and r.get("rc") == 0})
+        status.update({r["id"]: r.get("status") or f"failed (exit {r.get('rc')})" for r in data["items"] if "precision" in r
+                       or r.get("status")})
+        ran = sorted({r["precision"] for r in data["items"] if r.get("gpus")})
+        cmd = data["meta"].get("command", "python bench/multigpu.py run")
+        runs.append(f"{', '.join(ran) or 'caches only'}: `{cmd}` on {data['meta'].get('gpus')} x "
+                    f"{data['meta'].get('gpu')}, torch {data['meta'].get('torch')}, {data['meta'].get('date_utc')} UTC")
+    data = files[-1]
     lines = ["## Several GPUs: 1 vs 2 H200 (issue 7)", "",
-             f"`python bench/multigpu.py run` on {data['meta'].get('gpus')} x {data['meta'].get('gpu')}, torch "
-             f"{data['meta'].get('torch')}, {data['meta'].get('date_utc')} UTC. FLUX.1-dev full-size transformer "
+             "; ".join(runs) + ". FLUX.1-dev full-size transformer "
              f"(random bf16 weights), LoRA r16 on attention q/k/v/out, {RES} px, {TOKENS} text tokens, per-GPU "
              f"batch {BATCH}, gradient checkpointing, {STEPS} steps ({WARMUP} excluded from samples/s). 2 GPUs: "
              "`torchrun --standalone --nproc-per-node 2 pipeline.py train`, NCCL.", "",
@@ -187,7 +199,7 @@ def report(path: Path) -> str:
             step = f"{r['step_s_median']:.3f}" if r.get("step_s_median") else ""
             lines.append(f"| {precision} | {gpus} | {r['global_batch_size']} | {r['samples_per_second']:.3f} | {scale} | "
                          f"{step} | {peaks} |")
-    caches = next((r for r in data["items"] if r["id"] == "caches-2gpu"), {})
+    caches = next((r for d in files for r in d["items"] if r["id"] == "caches-2gpu"), {})
     lines += ["", f"Caches (encode-captions + cache-latents, 8 images, `run --gpus 2`): {caches.get('wall_s')} s wall, "
               f"exit {caches.get('rc')}. Target: scaling >= 1.9x."]
     return "\n".join(lines) + "\n"
@@ -202,11 +214,12 @@ def main() -> None:
     r.add_argument("--models", default="/dev/shm" if Path("/dev/shm").is_dir() else "/tmp")
     r.add_argument("--budget-s", type=float, default=1e9, help="start no training config after this many seconds")
     r.add_argument("--tiny", action="store_true", help="tiny model on CPU, 2 gloo processes (plumbing check)")
+    r.add_argument("--precisions", default="bf16,nf4", help="comma list of base precisions to train")
     p = sub.add_parser("report")
-    p.add_argument("file")
+    p.add_argument("files", nargs="+")
     args = ap.parse_args()
     if args.cmd == "report":
-        print(report(Path(args.file)), end="")
+        print(report([Path(f) for f in args.files]), end="")
         return
     run(args)
 
