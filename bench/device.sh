@@ -6,6 +6,7 @@
 #   A: FLUX on GPU 0 and Qwen-Image on GPU 1, side by side (one process per GPU)
 #   B: the nf4 1-vs-2-GPU FLUX run (both GPUs), then FLUX (cont.) on GPU 0 and Z-Image on GPU 1
 #   C: FLUX (cont.) on GPU 0, SDXL then Z-Image (cont.) on GPU 1
+#   D: what A-C left (items ok in bench/results/ are skipped): FLUX on GPU 0, SDXL then Qwen-Image on GPU 1
 set -u
 phase=$1; secs=${2:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -15,7 +16,8 @@ start=$(date +%s)
 left() { echo $(( secs - ($(date +%s) - start) )); }
 bench() {  # gpu families tag budget [--keep]
   local gpu=$1 fams=$2 tag=$3 budget=$4; shift 4
-  local skip=(); for f in "$keep"/bench-"${fams%%,*}"-*.json; do [ -e "$f" ] && skip+=(--skip-done "$f"); done
+  local skip=(); for f in bench/results/bench-"${fams%%,*}"-*.json "$keep"/bench-"${fams%%,*}"-*.json; do
+    [ -e "$f" ] && skip+=(--skip-done "$f"); done
   CUDA_VISIBLE_DEVICES=$gpu python3 bench/bench.py run --families "$fams" --work /tmp/lorapipe-bench-$gpu \
     --out "$OUT/bench-${fams%%,*}-$tag.json" --budget-s "$budget" "${skip[@]}" "$@" > "$OUT/bench-${fams%%,*}-$tag.log" 2>&1
   cp "$OUT/bench-${fams%%,*}-$tag.json" "$keep/" 2>/dev/null
@@ -27,6 +29,7 @@ case $phase in
      tail -3 "$OUT/multigpu.log"; cp "$OUT/multigpu-flux-nf4.json" "$keep/" 2>/dev/null
      b=$(( $(left) - 40 )); bench 0 flux B $b --keep & bench 1 z-image B $b --keep & wait ;;
   C) b=$(( $(left) - 40 )); bench 0 flux C $b --keep & { bench 1 sdxl C $(( b / 2 )); bench 1 z-image C $(( $(left) - 40 )); } & wait ;;
+  D) b=$(( $(left) - 40 )); bench 0 flux D $b --keep & { bench 1 sdxl D $(( b * 2 / 3 )); bench 1 qwen-image D $(( $(left) - 40 )); } & wait ;;
 esac
 grep -h "^\[bench\]" "$OUT"/bench-*.log | cut -c1-300
 ls -la "$OUT"

@@ -76,6 +76,19 @@ def _device_us(e: Any) -> float:
     return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
 
 
+def _kernel_kind(name: str) -> str:
+    n = name.lower()
+    for kind, marks in (("nf4 dequantize", ("dequantize",)), ("nf4 gemv/gemm (bitsandbytes)", ("kgemm_4bit", "gemm_4bit")),
+                        ("matmul", ("nvjet", "gemm", "cutlass", "cublas", "sm90_xmma", "wgmma")),
+                        ("attention", ("flash", "fmha", "attention", "efficient")),
+                        ("copy / dtype cast", ("copy", "memcpy", "memset")),
+                        ("norm", ("norm",)), ("optimizer", ("adam", "foreach", "multi_tensor")),
+                        ("triton (compiled)", ("triton",)), ("elementwise", ("elementwise", "reduce"))):
+        if any(m in n for m in marks):
+            return kind
+    return "other"
+
+
 def profiled(tr: Any, n: int = 2) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -89,14 +102,21 @@ def profiled(tr: Any, n: int = 2) -> dict[str, Any]:
     events = prof.key_averages()
     rows = [{"name": e.key[:90], "calls": e.count // n, "self_cpu_ms": round(e.self_cpu_time_total / 1e3 / n, 2),
              "gpu_ms": round(_device_us(e) / 1e3 / n, 2)} for e in events]
-    gpu_ms = sum(r["gpu_ms"] for r in rows)
+    # GPU time = the device-side events only (kernels, copies); a host op's or a replayed graph's own
+    # "device time" is the same kernels again
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    gpu_ms = sum(_device_us(e) for e in kernels) / 1e3 / n
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = _kernel_kind(e.key)
+        by_kind[kind] = round(by_kind.get(kind, 0.0) + _device_us(e) / 1e3 / n, 2)
     cpu_ms = sum(r["self_cpu_ms"] for r in rows)
     groups: dict[str, float] = {}
     for r in rows:
         key = r["name"].split("::")[0] if "::" in r["name"] else ("cuda runtime" if r["name"].startswith("cuda") else "other")
         groups[key] = round(groups.get(key, 0.0) + r["self_cpu_ms"], 2)
     return {"wall_ms_per_step_profiled": round(wall * 1e3, 1), "gpu_kernel_ms_per_step": round(gpu_ms, 1),
-            "host_op_ms_per_step": round(cpu_ms, 1), "host_ms_by_namespace": groups,
+            "host_op_ms_per_step": round(cpu_ms, 1), "host_ms_by_namespace": groups, "gpu_ms_by_kernel_kind": by_kind,
             "launches_per_step": sum(r["calls"] for r in rows if r["name"].startswith(("cudaLaunchKernel", "cuLaunchKernel"))),
             "top_host": sorted(rows, key=lambda r: -r["self_cpu_ms"])[:18],
             "top_gpu": sorted(rows, key=lambda r: -r["gpu_ms"])[:18]}

@@ -32,9 +32,23 @@ def load(files: list[Path]) -> tuple[dict[str, Any], dict[str, dict[str, Any]], 
         metas.append({**data["meta"], "file": f.name, "builds": data.get("builds", {})})
         for row in data["items"]:
             rid = row["id"].split("#")[0]
+            if row["status"] == "failed" and row.get("rc") == -9:  # killed at the --budget-s deadline
+                row = {**row, "status": "cut off (budget)"}
             if row["status"] == "ok" or rid not in items or items[rid]["status"] != "ok":
                 items[rid] = row
+    planned = _planned()
+    if planned:  # an item dropped from the plan since is shown only where it ran
+        items = {k: v for k, v in items.items() if v["status"] == "ok" or k in planned}
     return metas[0], items, metas
+
+
+def _planned() -> set[str]:
+    try:
+        from bench.bench import plan
+        from stages.families import FAMILIES
+    except Exception:  # noqa: BLE001 - a report without the package still lists every row
+        return set()
+    return {it.id for fam in FAMILIES for it in plan(fam)}
 
 
 def step_time(row: dict[str, Any], warmup: int = 3) -> float | None:
@@ -147,12 +161,15 @@ def comparisons(rows: list[dict[str, Any]]) -> str:
                 if n and d and n["step_s"] and d["step_s"]:
                     out.append(f"| {fam} | nf4 / bf16 step, {res} px b{b} | {n['step_s']:.3f} s / {d['step_s']:.3f} s | "
                                f"{n['step_s'] / d['step_s']:.2f}x |")
-        for base, other, what in (("bf16-512-b4", "bf16-512-b4-compile", "compile off → on, bf16 512 b4"),
-                                  ("bf16-1024-b4", "bf16-1024-b4-compile", "compile off → on, bf16 1024 b4"),
+        for base, other, what in (("bf16-512-b4-nocompile", "bf16-512-b4", "compile off → on (auto), bf16 512 b4"),
+                                  ("bf16-1024-b4-nocompile", "bf16-1024-b4", "compile off → on (auto), bf16 1024 b4"),
+                                  ("nf4-512-b4", "nf4-512-b4-compile", "compile off (auto) → on, nf4 512 b4"),
                                   ("nf4-512-b4-eager", "nf4-512-b4", "CUDA graphs off → on, nf4 512 b4 (train stage)"),
                                   ("bf16-512-b4-eager", "bf16-512-b4", "CUDA graphs off → on, bf16 512 b4 (train stage)"),
                                   ("bf16-1024-b4", "bf16-1024-b4-nockpt", "checkpointing on → off, bf16 1024 b4")):
             a, b = _by(rows, fam, base), _by(rows, fam, other)
+            if "compile" in what and a and b and a["compiled"] == b["compiled"]:
+                continue  # both sides compiled (or neither): not a compile comparison
             if a and b and a["step_s"] and b["step_s"]:
                 out.append(f"| {fam} | {what} | {a['step_s']:.3f} s → {b['step_s']:.3f} s | {a['step_s'] / b['step_s']:.2f}x faster |")
     return "\n".join(out)
@@ -217,7 +234,8 @@ def profile_section(items: dict[str, dict[str, Any]]) -> str:
                 continue
             pr = p["profile"]
             lines.append(f"| {path} | {p['median_s']} | {p['samples_per_second']} | {p.get('peak_allocated_gb')} / "
-                         f"{p.get('peak_reserved_gb')} | {pr['wall_ms_per_step_profiled']} | {pr['gpu_kernel_ms_per_step']} | "
+                         f"{p.get('peak_reserved_gb')} | {pr['wall_ms_per_step_profiled']} | {pr['gpu_kernel_ms_per_step']}"
+                         f"{'' if 'gpu_ms_by_kernel_kind' in pr else ' (kernels counted twice: see the reading below)'} | "
                          f"{pr['host_op_ms_per_step']} | {pr['launches_per_step']} |")
         out.append("\n".join(lines))
         if s.get("speedup"):
@@ -228,6 +246,8 @@ def profile_section(items: dict[str, dict[str, Any]]) -> str:
                 continue
             pr = p["profile"]
             out.append(f"\n{path}, host time by namespace (ms/step): {pr['host_ms_by_namespace']}\n")
+            if pr.get("gpu_ms_by_kernel_kind"):
+                out.append(f"{path}, GPU time by kernel kind (ms/step): {pr['gpu_ms_by_kernel_kind']}\n")
             out.append(f"| {path}: top operators by GPU time | calls/step | GPU ms/step | self CPU ms/step |\n|---|---|---|---|")
             out.extend(f"| `{r['name']}` | {r['calls']} | {r['gpu_ms']} | {r['self_cpu_ms']} |" for r in pr["top_gpu"][:10])
             out.append(f"\n| {path}: top operators by host time | calls/step | self CPU ms/step | GPU ms/step |\n|---|---|---|---|")
@@ -252,8 +272,13 @@ def verify_section(items: dict[str, dict[str, Any]]) -> str:
 
 
 def not_run(items: dict[str, dict[str, Any]]) -> str:
-    rows = [f"- `{rid}`: {row['status']} — {row.get('reason') or (row.get('log_tail') or '')[-300:]}"
-            for rid, row in sorted(items.items()) if row["status"] != "ok"]
+    def why(row: dict[str, Any]) -> str:
+        text = row.get("reason") or (row.get("log_tail") or "").strip()[-300:]
+        return " ".join(text.split())  # one line per item
+    rows = [f"- `{rid}`: {row['status']} — {why(row)}" for rid, row in sorted(items.items()) if row["status"] != "ok"]
+    families = {rid.split("/")[0] for rid in items}
+    rows += [f"- `{rid}`: not run yet (in the plan, in no result file)" for rid in sorted(_planned() - set(items))
+             if rid.split("/")[0] in families]
     return "\n".join(rows) or "(everything in the plan ran)"
 
 
@@ -297,12 +322,18 @@ def meta_export_section(checks: list[dict[str, Any]]) -> str:
 
 
 def write_report(files: list[Path]) -> str:
-    kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": []}
+    kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": []}
     for f in files:
         data = json.loads(f.read_text())
-        kind = "probe" if "double_blocks" in data else "meta" if "checked_with" in data else "bench"
-        kinds[kind].append(f if kind == "bench" else data)
-    extra = ["## Probe: full-width FLUX blocks, eager against CUDA graphs\n\n" + probe_section(kinds["probe"]) + "\n",
+        kind = ("probe" if "double_blocks" in data else "meta" if "checked_with" in data
+                else "multigpu" if any(r["id"] == "caches-2gpu" for r in data.get("items", [])) else "bench")
+        kinds[kind].append(f if kind in ("bench", "multigpu") else data)
+    extra = []
+    if kinds["multigpu"]:
+        from bench.multigpu import report as multigpu_report
+
+        extra.append(multigpu_report(kinds["multigpu"]))
+    extra += ["## Probe: full-width FLUX blocks, eager against CUDA graphs\n\n" + probe_section(kinds["probe"]) + "\n",
              "## Export key layout at full size (CPU, meta device)\n\n`python bench/verify_export.py --meta <family> "
              "--out bench/results/export-meta-<family>.json`\n\n" + meta_export_section(kinds["meta"]) + "\n"]
     analysis = Path(__file__).with_name("analysis.md")
@@ -317,18 +348,20 @@ def _full_report(files: list[Path], analysis: Path) -> str:
     rows = train_rows(items, {})
     versions = ", ".join(f"{k} {meta.get(k)}" for k in ("python", "torch", "cuda", "diffusers", "transformers", "peft",
                                                          "bitsandbytes", "zarr", "accelerate"))
-    calls = "\n".join(f"- `{m['command']}` — {m['date_utc']} UTC, {m.get('gpu', 'CPU')} (driver {m.get('driver', '–')}), "
+    calls = "\n".join(f"- `{m['command']}` — {m['date_utc']} UTC, {m.get('gpu', 'CPU')} (driver {(m.get('driver') or '–').splitlines()[0]}), "
                       f"file `{m['file']}`" for m in metas)
     builds = "\n".join(f"- {fam}: built in {b['seconds']} s, {b['bytes'] / 1e9:.1f} GB on disk, parameters (B): "
                        f"{ {k: round(v, 3) for k, v in b['params_b'].items()} }" for m in metas for fam, b in m["builds"].items())
     sections = [
-        "# Benchmark: full-size random-weight architectures on one H200\n",
+        "# Benchmark: full-size random-weight architectures on the H200\n",
         "Made by `bench/bench.py` (the product's own stage commands as child processes) and written by "
         "`python bench/bench.py report bench/results/*.json --write bench/RESULTS.md`. Random weights, real "
         "architectures (bench/full_configs.py), synthetic images with 77-token T5 captions, LoRA r16 on the "
         "family's default attention targets, fp32 LoRA weights, fused AdamW, gradient checkpointing on unless "
         "said, 8 steps of which the first 3 are excluded from samples/s.\n",
-        f"## Runs\n\n{calls}\n\nSoftware: {versions}.\n\n{builds}\n",
+        f"## Runs\n\nEach family ran on one GPU; `bash bench/device.sh A|B|C` ran two families side by side, one "
+        "per GPU of a 2 x H200 host (their host-side work shares its 32 CPU cores).\n\n"
+        f"{calls}\n\nSoftware: {versions}.\n\n{builds}\n",
         "## Targets\n\n" + targets(rows, items) + "\n",
         "## Train stage\n\nStep time is the median gap between steady `step` events; samples/s is the stage's own "
         "steady-state figure from its manifest; peak VRAM is torch's max allocated / reserved over the stage (model "

@@ -39,7 +39,9 @@ def verify(model: str, export: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     manifest = json.loads((export / "manifest.json").read_text())
-    pipeline_cls, prefix = getattr(diffusers, manifest["pipeline_class"]), manifest.get("lora_prefix", "transformer")
+    from stages.families import get_family
+
+    pipeline_cls, prefix = getattr(diffusers, manifest["pipeline_class"]), get_family(manifest["family"]).lora_prefix
     index = json.loads((Path(model) / "model_index.json").read_text())
     skip = {k: None for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and k not in (prefix, "scheduler")}
     device = "cuda" if torch.cuda.is_available() else "cpu"
