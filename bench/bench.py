@@ -69,7 +69,11 @@ def plan(fam: str) -> list[Item]:
         if it.id in renamed:
             it.id, it.sets = renamed[it.id], {**it.sets, "train.batch_size": 1} if it.sets else {}
     by_id = {it.id: it for it in items}
-    return [by_id[i] for i in first] + [it for it in items if it.id not in first and it.kind != "pytest"]  # pytest: once
+    ordered = [by_id[i] for i in first] + [it for it in items if it.id not in first and it.kind != "pytest"]  # pytest: once
+    if fam == "sdxl":  # SDXL's CLIPs are encoded in bf16 (base_sets): one encode item, named for what it does
+        ordered = [it for it in ordered if not (it.kind == "encode" and it.run)]
+        ordered[0].id = f"{fam}/encode/bf16"
+    return ordered
 
 
 def _full_plan(fam: str) -> list[Item]:
