@@ -16,8 +16,8 @@ import torch
 
 from stages.core import flow
 from stages.core.lora import load_denoiser_weights
-from stages.families import kl_vae
 from stages.families.base import BatchMeta
+from stages.families.kl_vae import KLVAELatents
 
 
 class FluxTextEncoder:
@@ -55,7 +55,7 @@ class FluxTextEncoder:
         return [len(ids) for ids in self.t5_tok(texts, truncation=False).input_ids]
 
 
-class Flux:
+class Flux(KLVAELatents):
     name = "flux"
     pipeline_class = "FluxPipeline"
     lora_prefix = "transformer"
@@ -73,22 +73,13 @@ class Flux:
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> FluxTextEncoder:
         return FluxTextEncoder(src, cfg, rt)
 
-    # ---- cache-latents
-    load_vae = kl_vae.load_vae
-    pixel_multiple = kl_vae.pixel_multiple
-    encode_posterior = kl_vae.encode_posterior
-    latent_normalization = kl_vae.latent_normalization
-    normalize_latents = kl_vae.normalize_latents
-    denormalize_latents = kl_vae.denormalize_latents
+    # ---- cache-latents and sample_timesteps: KLVAELatents
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
         from diffusers import FluxTransformer2DModel
 
         return load_denoiser_weights(FluxTransformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
-
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
-        return flow.sample_flow_sigmas(n, (latent_hw[0] // 2) * (latent_hw[1] // 2), generator, tcfg)
 
     def image_ids(self, h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """(h/2 * w/2, 3) ids (0, row, col), built once per bucket shape."""

@@ -23,8 +23,8 @@ import torch
 
 from stages.core import flow
 from stages.core.lora import load_denoiser_weights
-from stages.families import kl_vae
 from stages.families.base import BatchMeta
+from stages.families.kl_vae import KLVAELatents
 from stages.families.qwen_image import load_text_model, pad_valid_tokens
 
 
@@ -54,7 +54,7 @@ class ZImageTextEncoder:
         return [len(ids) for ids in self.tokenizer(self._templated(texts), truncation=False).input_ids]
 
 
-class ZImage:
+class ZImage(KLVAELatents):
     name = "z-image"
     pipeline_class = "ZImagePipeline"
     lora_prefix = "transformer"
@@ -70,22 +70,13 @@ class ZImage:
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> ZImageTextEncoder:
         return ZImageTextEncoder(src, cfg, rt)
 
-    # ---- cache-latents
-    load_vae = kl_vae.load_vae
-    pixel_multiple = kl_vae.pixel_multiple
-    encode_posterior = kl_vae.encode_posterior
-    latent_normalization = kl_vae.latent_normalization
-    normalize_latents = kl_vae.normalize_latents
-    denormalize_latents = kl_vae.denormalize_latents
+    # ---- cache-latents and sample_timesteps: KLVAELatents
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
         from diffusers import ZImageTransformer2DModel
 
         return load_denoiser_weights(ZImageTransformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
-
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
-        return flow.sample_flow_sigmas(n, (latent_hw[0] // 2) * (latent_hw[1] // 2), generator, tcfg)
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
