@@ -33,6 +33,7 @@ PRESET = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.tom
           "z-image": "configs/z-image.toml", "sdxl": "configs/sdxl.toml"}
 TRAIN_STEPS, WARMUP = 8, 3  # 3 steps excluded from samples/s (first step, graph capture, one replay)
 CAPTION_TOKENS = 77
+TEXT_PRECISION = {"sdxl": "bf16"}  # captions for every train run; nf4 elsewhere (SDXL's CLIPs are not offered in nf4)
 BUILD_S = {"flux": 70, "z-image": 60, "sdxl": 40, "qwen-image": 200}  # build + save on the H200, estimated
 
 
@@ -61,7 +62,7 @@ def plan(fam: str) -> list[Item]:
     items = _full_plan(fam)
     if fam == "flux":
         return items
-    first = [f"{fam}/encode/nf4", f"{fam}/latents/512", f"{fam}/train/nf4-512-b1", f"{fam}/export/nf4-512-b1",
+    first = [f"{fam}/encode/{_text_precision(fam)}", f"{fam}/latents/512", f"{fam}/train/nf4-512-b1", f"{fam}/export/nf4-512-b1",
              f"{fam}/verify/nf4-512-b1", f"{fam}/train/bf16-512-b1", f"{fam}/train/nf4-512-b4", f"{fam}/profile/nf4-512-b1"]
     renamed = {f"{fam}/export/nf4-512-b4": first[3], f"{fam}/verify/nf4-512-b4": first[4],
                f"{fam}/profile/nf4-512-b4": first[7]}
@@ -69,17 +70,20 @@ def plan(fam: str) -> list[Item]:
         if it.id in renamed:
             it.id, it.sets = renamed[it.id], {**it.sets, "train.batch_size": 1} if it.sets else {}
     by_id = {it.id: it for it in items}
-    ordered = [by_id[i] for i in first] + [it for it in items if it.id not in first and it.kind != "pytest"]  # pytest: once
-    if fam == "sdxl":  # SDXL's CLIPs are encoded in bf16 (base_sets): one encode item, named for what it does
-        ordered = [it for it in ordered if not (it.kind == "encode" and it.run)]
-        ordered[0].id = f"{fam}/encode/bf16"
-    return ordered
+    return [by_id[i] for i in first] + [it for it in items if it.id not in first and it.kind != "pytest"]  # pytest: once
+
+
+def _text_precision(fam: str) -> str:
+    return TEXT_PRECISION.get(fam, "nf4")
 
 
 def _full_plan(fam: str) -> list[Item]:
     eager = {"LORAPIPE_CUDA_GRAPHS": "off"}
+    bf16_captions = [] if _text_precision(fam) == "bf16" else [  # the text encoder's bf16 peak, beside nf4's
+        Item(f"{fam}/encode/bf16", "encode", 512, {"captions.text_encoder_precision": "bf16"}, est_s=35,
+             run=f"bench-{fam}-t5bf16")]
     return [
-        Item(f"{fam}/encode/nf4", "encode", 512, est_s=35),  # the 1024 run gets a copy (same fingerprint)
+        Item(f"{fam}/encode/{_text_precision(fam)}", "encode", 512, est_s=35),  # the 1024 run gets a copy (same fingerprint)
         Item(f"{fam}/latents/512", "latents", 512, est_s=25),
         Item(f"{fam}/profile/nf4-512-b4", "profile", 512, {"train.base_precision": "nf4", "train.batch_size": 4}, est_s=60),
         _train(fam, "nf4", 512, 4, 45),
@@ -100,8 +104,7 @@ def _full_plan(fam: str) -> list[Item]:
         _train(fam, "nf4", 512, 4, 45, "-eager", env=eager),
         _train(fam, "bf16", 1024, 4, 60, "-nocompile", **{"train.compile_transformer": "off"}),
         _train(fam, "nf4", 512, 4, 120, "-compile", **{"train.compile_transformer": "on"}),  # auto is off over nf4
-        Item(f"{fam}/encode/bf16", "encode", 512, {"captions.text_encoder_precision": "bf16"}, est_s=35,
-             run=f"bench-{fam}-t5bf16"),
+        *bf16_captions,
     ]
 
 
@@ -202,8 +205,7 @@ class Runner:
         tiny = self.args.tiny
         return {"artifacts": str(self.work / "artifacts"), "data.path": str(self.ensure_data()),
                 "data.resolution": 64 if tiny else res, "data.cache_variants": 1, "captions.batch_size": 8,
-                # every run's train reads captions made this way; SDXL's CLIPs are not offered in nf4
-                "captions.text_encoder_precision": "bf16" if fam == "sdxl" else "nf4",
+                "captions.text_encoder_precision": _text_precision(fam),  # every train run reads these captions
                 "captions.max_sequence_length": CAPTION_TOKENS,
                 "train.steps": 4 if tiny else TRAIN_STEPS, "train.warmup_steps_excluded": 1 if tiny else WARMUP,
                 "train.checkpoint_every": 0, "train.log_every": 1, "train.lr_warmup_steps": 0,

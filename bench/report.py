@@ -9,6 +9,7 @@ gradient, activation recompute is not useful) computed two ways: the issue's rul
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -42,13 +43,14 @@ def load(files: list[Path]) -> tuple[dict[str, Any], dict[str, dict[str, Any]], 
     return metas[0], items, metas
 
 
-def _planned() -> set[str]:
+@functools.cache
+def _planned() -> frozenset[str]:
     try:
         from bench.bench import plan
         from stages.families import FAMILIES
     except Exception:  # noqa: BLE001 - a report without the package still lists every row
-        return set()
-    return {it.id for fam in FAMILIES for it in plan(fam)}
+        return frozenset()
+    return frozenset(it.id for fam in FAMILIES for it in plan(fam))
 
 
 def step_time(row: dict[str, Any], warmup: int = 3) -> float | None:
