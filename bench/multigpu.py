@@ -109,8 +109,9 @@ def run(args: argparse.Namespace) -> None:
     work, out = Path(args.work), Path(args.out)
     (work / "logs").mkdir(parents=True, exist_ok=True)
     deadline = time.time() + args.budget_s
-    results: dict[str, Any] = {"meta": {**machine(), "command": "python bench/multigpu.py " + " ".join(
-        a for i, a in enumerate(sys.argv[1:]) if a != "--out" and sys.argv[i] != "--out")}, "items": []}
+    argv = sys.argv[1:]  # the command, less `--out PATH` (a path on the machine that ran it)
+    shown = [a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")]
+    results: dict[str, Any] = {"meta": {**machine(), "command": "python bench/multigpu.py " + " ".join(shown)}, "items": []}
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,8 +174,7 @@ def report(paths: list[Path]) -> str:
     runs = []
     for data in files:
         rows.update({(r["precision"], r["gpus"]): r for r in data["items"] if r.get("gpus") and r.get("rc") == 0})
-        status.update({r["id"]: r.get("status") or f"failed (exit {r.get('rc')})" for r in data["items"] if "precision" in r
-                       or r.get("status")})
+        status.update({r["id"]: r.get("status") or f"failed (exit {r.get('rc')})" for r in data["items"]})
         ran = sorted({r["precision"] for r in data["items"] if r.get("gpus")})
         cmd = data["meta"].get("command", "python bench/multigpu.py run")
         runs.append(f"{', '.join(ran) or 'caches only'}: `{cmd}` on {data['meta'].get('gpus')} x "
