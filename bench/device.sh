@@ -6,7 +6,8 @@
 #   A: FLUX on GPU 0 and Qwen-Image on GPU 1, side by side (one process per GPU)
 #   B: the nf4 1-vs-2-GPU FLUX run (both GPUs), then FLUX (cont.) on GPU 0 and Z-Image on GPU 1
 #   C: FLUX (cont.) on GPU 0, SDXL then Z-Image (cont.) on GPU 1
-#   D: what A-C left (items ok in bench/results/ are skipped): FLUX on GPU 0, SDXL then Qwen-Image on GPU 1
+#   D: what A-C left (items ok in bench/results/ are skipped): FLUX then Z-Image on GPU 0, SDXL on GPU 1
+#   E: what A-D left: Qwen-Image on GPU 0, SDXL (cont.) then Z-Image (cont.) on GPU 1
 set -u
 phase=$1; secs=${2:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -29,7 +30,10 @@ case $phase in
      tail -3 "$OUT/multigpu.log"; cp "$OUT/multigpu-flux-nf4.json" "$keep/" 2>/dev/null
      b=$(( $(left) - 40 )); bench 0 flux B $b --keep & bench 1 z-image B $b --keep & wait ;;
   C) b=$(( $(left) - 40 )); bench 0 flux C $b --keep & { bench 1 sdxl C $(( b / 2 )); bench 1 z-image C $(( $(left) - 40 )); } & wait ;;
-  D) b=$(( $(left) - 40 )); bench 0 flux D $b --keep & { bench 1 sdxl D $(( b * 2 / 3 )); bench 1 qwen-image D $(( $(left) - 40 )); } & wait ;;
+  D) b=$(( $(left) - 40 )); { bench 0 flux D $(( b * 3 / 4 )) --keep; bench 0 z-image D $(( $(left) - 40 )) --keep; } &
+     bench 1 sdxl D $b --keep & wait ;;
+  E) b=$(( $(left) - 40 )); bench 0 qwen-image E $b --keep &
+     { bench 1 sdxl E $(( b * 2 / 3 )) --keep; bench 1 z-image E $(( $(left) - 40 )) --keep; } & wait ;;
 esac
 grep -h "^\[bench\]" "$OUT"/bench-*.log | cut -c1-300
 ls -la "$OUT"
