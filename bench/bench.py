@@ -16,6 +16,7 @@ plan in a later call. The family's model folder is deleted at the end (64 GB dis
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -103,7 +104,9 @@ def _full_plan(fam: str) -> list[Item]:
         _train(fam, "bf16", 512, 4, 35, "-eager", env=eager),
         _train(fam, "nf4", 512, 4, 45, "-eager", env=eager),
         _train(fam, "bf16", 1024, 4, 60, "-nocompile", **{"train.compile_transformer": "off"}),
-        _train(fam, "nf4", 512, 4, 120, "-compile", **{"train.compile_transformer": "on"}),  # auto is off over nf4
+        _train(fam, "nf4", 512, 4, 90, "-compile", **{"train.compile_transformer": "on"}),  # auto was off over nf4
+        _train(fam, "nf4", 512, 1, 80, "-compile", **{"train.compile_transformer": "on"}),
+        _train(fam, "nf4", 1024, 4, 100, "-compile", **{"train.compile_transformer": "on"}),
         *bf16_captions,
     ]
 
@@ -299,7 +302,7 @@ class Runner:
     def run_family(self, fam: str) -> None:
         items = plan(fam)
         for item in items:
-            if item.id in self.done:
+            if item.id in self.done or (self.args.only and not any(fnmatch.fnmatch(item.id, p) for p in self.args.only)):
                 continue
             need = (item.est_s + (0 if self.built(fam) else BUILD_S.get(fam, 300))) * (0.05 if self.args.tiny else 1.0)
             if self.left() < need:
@@ -393,6 +396,8 @@ def main() -> None:
     r.add_argument("--budget-s", type=float, default=1e9, help="stop starting items after this many seconds")
     r.add_argument("--skip-done", action="append", default=[], help="results JSON of an earlier call: skip its ok items "
                    "(repeatable)")
+    r.add_argument("--only", action="append", default=[], help="run only the items whose id matches this glob, "
+                   "e.g. '*/train/nf4-*-compile' (repeatable; caches they need are built anyway)")
     r.add_argument("--tiny", action="store_true", help="tiny models on CPU (plumbing check)")
     r.add_argument("--keep", action="store_true", help="keep the model folder afterwards")
     b = sub.add_parser("build", help="build one family's pipeline (run by `run` as a child process)")

@@ -7,6 +7,7 @@
 #   B: the nf4 1-vs-2-GPU FLUX run (both GPUs), then FLUX (cont.) on GPU 0 and Z-Image on GPU 1
 #   C: FLUX (cont.) on GPU 0, SDXL then Z-Image (cont.) on GPU 1
 #   D: what A-C left (items ok in bench/results/ are skipped): FLUX then Z-Image on GPU 0, SDXL on GPU 1
+#   F: nf4 with compile forced on, every family (Qwen-Image then FLUX on GPU 0, Z-Image then SDXL on GPU 1)
 #   E: what A-D left: Qwen-Image on GPU 0, SDXL (cont.) then Z-Image (cont.) on GPU 1
 set -u
 phase=$1; secs=${2:-520}
@@ -34,6 +35,9 @@ case $phase in
      bench 1 sdxl D $b --keep & wait ;;
   E) b=$(( $(left) - 40 )); bench 0 qwen-image E $b --keep &
      { bench 1 sdxl E $(( b * 2 / 3 )) --keep; bench 1 z-image E $(( $(left) - 40 )) --keep; } & wait ;;
+  F) o=(--only '*/train/nf4-*-compile'); b=$(( $(left) - 40 ))
+     { bench 0 qwen-image F $(( b * 3 / 5 )) --keep "${o[@]}"; bench 0 flux F $(( $(left) - 40 )) --keep "${o[@]}"; } &
+     { bench 1 z-image F $(( b / 2 )) --keep "${o[@]}"; bench 1 sdxl F $(( $(left) - 40 )) --keep "${o[@]}"; } & wait ;;
 esac
 grep -h "^\[bench\]" "$OUT"/bench-*.log | cut -c1-300
 ls -la "$OUT"
