@@ -123,11 +123,17 @@ def table_train(rows: list[dict[str, Any]]) -> str:
         peak = r["peak"]
         graphs = f"{r['graphs']} ({r['graphs_used']} captured)"
         lines.append(f"| {r['family']} | {r['name']} | {r['precision']} | {r['res']} | {r['batch']} | "
-                     f"{r['compile']}{' (compiled)' if r['compiled'] else ''}{'' if r['ckpt'] else ', no ckpt'} | {graphs} | "
+                     f"{r['compile']}{_compile_note(r)}{'' if r['ckpt'] else ', no ckpt'} | {graphs} | "
                      f"{_f(r['step_s'])} | {_f(r['sps'], 2)} | {_f(peak.get('allocated'), 2)} / {_f(peak.get('reserved'), 2)} | "
                      f"{_pct(r.get('mfu_rule'))} | {_pct(r.get('mfu_counted'))} | {_f(r['load_s'], 1)} | "
                      f"{_f(r['loss'][0], 3)} → {_f(r['loss'][1], 3)} |")
     return "\n".join(lines)
+
+
+def _compile_note(r: dict[str, Any]) -> str:
+    if r["compiled"]:
+        return " (compiled)"
+    return " (then off over nf4)" if r["compile"] == "auto" and r["precision"] == "nf4" else ""
 
 
 def table_stages(items: dict[str, dict[str, Any]]) -> str:
@@ -147,25 +153,41 @@ def _by(rows: list[dict[str, Any]], fam: str, name: str) -> dict[str, Any] | Non
     return next((r for r in rows if r["family"] == fam and r["name"] == name and r["status"] == "ok"), None)
 
 
+def _default(rows: list[dict[str, Any]], fam: str, name: str) -> dict[str, Any] | None:
+    """The row that stands for today's defaults at this shape. `compile_transformer = auto` compiles
+    an nf4 base too since the compiled nf4 rows were measured faster on every family; runs made
+    before that left nf4 uncompiled, so an nf4 shape's `-compile` row (if it did compile) is the default."""
+    if name.startswith("nf4-"):
+        c = _by(rows, fam, name + "-compile")
+        if c and c["compiled"]:
+            return c
+    return _by(rows, fam, name)
+
+
 def comparisons(rows: list[dict[str, Any]]) -> str:
     out = ["| family | comparison | values | ratio |", "|---|---|---|---|"]
     fams = sorted({r["family"] for r in rows})
     for fam in fams:
         for p in ("nf4", "bf16"):
             for res in (512, 1024):
-                b1, b4 = _by(rows, fam, f"{p}-{res}-b1"), _by(rows, fam, f"{p}-{res}-b4")
+                b1, b4 = _default(rows, fam, f"{p}-{res}-b1"), _default(rows, fam, f"{p}-{res}-b4")
+                if b1 and b4 and b1["compiled"] != b4["compiled"]:  # compare like with like
+                    b1, b4 = _by(rows, fam, f"{p}-{res}-b1"), _by(rows, fam, f"{p}-{res}-b4")
                 if b1 and b4 and b1["sps"] and b4["sps"]:
-                    out.append(f"| {fam} | batch-4 gain, {p} {res} px | {b1['sps']:.2f} → {b4['sps']:.2f} samples/s | "
-                               f"{b4['sps'] / b1['sps']:.2f}x |")
+                    out.append(f"| {fam} | batch-4 gain, {p} {res} px{' (compiled)' if b1['compiled'] else ''} | "
+                               f"{b1['sps']:.2f} → {b4['sps']:.2f} samples/s | {b4['sps'] / b1['sps']:.2f}x |")
         for res in (512, 1024):
             for b in (1, 4):
-                n, d = _by(rows, fam, f"nf4-{res}-b{b}"), _by(rows, fam, f"bf16-{res}-b{b}")
-                if n and d and n["step_s"] and d["step_s"]:
-                    out.append(f"| {fam} | nf4 / bf16 step, {res} px b{b} | {n['step_s']:.3f} s / {d['step_s']:.3f} s | "
-                               f"{n['step_s'] / d['step_s']:.2f}x |")
+                for n in {id(r): r for r in (_by(rows, fam, f"nf4-{res}-b{b}"), _default(rows, fam, f"nf4-{res}-b{b}")) if r}.values():
+                    d = _by(rows, fam, f"bf16-{res}-b{b}")
+                    if d and n["step_s"] and d["step_s"]:
+                        out.append(f"| {fam} | nf4 / bf16 step, {res} px b{b} | {n['name']} {n['step_s']:.3f} s / "
+                                   f"{d['name']} {d['step_s']:.3f} s | {n['step_s'] / d['step_s']:.2f}x |")
         for base, other, what in (("bf16-512-b4-nocompile", "bf16-512-b4", "compile off → on (auto), bf16 512 b4"),
                                   ("bf16-1024-b4-nocompile", "bf16-1024-b4", "compile off → on (auto), bf16 1024 b4"),
-                                  ("nf4-512-b4", "nf4-512-b4-compile", "compile off (auto) → on, nf4 512 b4"),
+                                  ("nf4-512-b1", "nf4-512-b1-compile", "compile off → on, nf4 512 b1"),
+                                  ("nf4-512-b4", "nf4-512-b4-compile", "compile off → on, nf4 512 b4"),
+                                  ("nf4-1024-b4", "nf4-1024-b4-compile", "compile off → on, nf4 1024 b4"),
                                   ("nf4-512-b4-eager", "nf4-512-b4", "CUDA graphs off → on, nf4 512 b4 (train stage)"),
                                   ("bf16-512-b4-eager", "bf16-512-b4", "CUDA graphs off → on, bf16 512 b4 (train stage)"),
                                   ("bf16-1024-b4", "bf16-1024-b4-nockpt", "checkpointing on → off, bf16 1024 b4")):
@@ -179,24 +201,24 @@ def comparisons(rows: list[dict[str, Any]]) -> str:
 
 def targets(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]]) -> str:
     t = []
-    r = _by(rows, "flux", "nf4-512-b4")
+    r = _default(rows, "flux", "nf4-512-b4")
     if r:
         peak = r["peak"].get("allocated")
         ok = r["sps"] and r["sps"] >= 6.0 and peak is not None and peak <= 11.4
         t.append(f"| FLUX.1-dev nf4 512 px b4, 77-token captions: ≥ 6.0 samples/s at ≤ 11.4 GB | "
-                 f"{_f(r['sps'], 2)} samples/s, {_f(peak, 2)} GB allocated ({_f(r['peak'].get('reserved'), 2)} reserved) | "
-                 f"{'yes' if ok else 'no'} |")
-    q = _by(rows, "qwen-image", "nf4-512-b1")
+                 f"{_f(r['sps'], 2)} samples/s, {_f(peak, 2)} GB allocated ({_f(r['peak'].get('reserved'), 2)} reserved)"
+                 f"{_run(r)} | {'yes' if ok else 'no'} |")
+    q = _default(rows, "qwen-image", "nf4-512-b1")
     if q and q["step_s"]:
         t.append(f"| Qwen-Image nf4 512 px b1: ≤ 0.5 s per step | {q['step_s']:.3f} s ({_f(q['peak'].get('allocated'), 2)} GB "
-                 f"allocated) | {'yes' if q['step_s'] <= 0.5 else 'no'} |")
+                 f"allocated){_run(q)} | {'yes' if q['step_s'] <= 0.5 else 'no'} |")
     for fam in FAMILY_ORDER:
         for res in (512, 1024):
             for b in (1, 4):
-                n, d = _by(rows, fam, f"nf4-{res}-b{b}"), _by(rows, fam, f"bf16-{res}-b{b}")
+                n, d = _default(rows, fam, f"nf4-{res}-b{b}"), _by(rows, fam, f"bf16-{res}-b{b}")
                 if n and d and n["step_s"] and d["step_s"]:
                     ratio = n["step_s"] / d["step_s"]
-                    t.append(f"| {NAMES[fam]} nf4 step ≤ 1.3x bf16 step ({res} px b{b}) | {ratio:.2f}x | "
+                    t.append(f"| {NAMES[fam]} nf4 step ≤ 1.3x bf16 step ({res} px b{b}) | {ratio:.2f}x{_run(n)} | "
                              f"{'yes' if ratio <= 1.3 else 'no'} |")
     d = _by(rows, "flux", "bf16-1024-b4")
     if d and d.get("mfu_rule") is not None:
@@ -207,13 +229,21 @@ def targets(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]]) -> str
         t.append(f"| (same, gradient checkpointing off) | {_pct(nock['mfu_rule'])} (issue rule), {_pct(nock['mfu_counted'])} "
                  f"(counted), {_f(nock['peak'].get('allocated'), 1)} GB | {'yes' if nock['mfu_rule'] >= 0.6 else 'no'} |")
     for fam, limit in MAX_STAGE_PEAK.items():
-        stages = [items.get(f"{fam}/{k}") for k in ("encode/nf4", "latents/512", "train/nf4-512-b1")]
+        train = _default(rows, fam, "nf4-512-b1")
+        stages = [items.get(f"{fam}/{k}") for k in ("encode/nf4", "latents/512", f"train/{train['name'] if train else 'nf4-512-b1'}")]
         if all(s and s["status"] == "ok" for s in stages):
             peaks = [s["summary"]["peak_vram_gb"]["allocated"] for s in stages]
             t.append(f"| {NAMES[fam]} max-over-stages peak at 512 px b1 nf4 (text encoder in nf4) ≤ {limit} GB | "
                      f"{max(peaks):.2f} GB allocated (encode {peaks[0]:.2f}, latents {peaks[1]:.2f}, train {peaks[2]:.2f}) | "
                      f"{'yes' if max(peaks) <= limit else 'no'} |")
     return TARGETS.format(rows="\n".join(t))
+
+
+def _run(r: dict[str, Any]) -> str:
+    """Names the run where it is not the plain one (the compiled nf4 row stands for the default)."""
+    if r["name"].endswith("-compile"):
+        return f" (run {r['name']}, compiled)"
+    return " (nf4 uncompiled: run before `auto` compiled nf4)" if r["precision"] == "nf4" and not r["compiled"] else ""
 
 
 def profile_section(items: dict[str, dict[str, Any]]) -> str:
@@ -361,7 +391,7 @@ def _full_report(files: list[Path], analysis: Path) -> str:
         "architectures (bench/full_configs.py), synthetic images with 77-token T5 captions, LoRA r16 on the "
         "family's default attention targets, fp32 LoRA weights, fused AdamW, gradient checkpointing on unless "
         "said, 8 steps of which the first 3 are excluded from samples/s.\n",
-        f"## Runs\n\nEach family ran on one GPU; `bash bench/device.sh A|B|C` ran two families side by side, one "
+        f"## Runs\n\nEach family ran on one GPU; `bash bench/device.sh A`-`F` ran two families side by side, one "
         "per GPU of a 2 x H200 host (their host-side work shares its 32 CPU cores).\n\n"
         f"{calls}\n\nSoftware: {versions}.\n\n{builds}\n",
         "## Targets\n\n" + targets(rows, items) + "\n",

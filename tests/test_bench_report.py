@@ -41,16 +41,33 @@ def test_compile_comparison_needs_one_compiled_side(tmp_path: Path) -> None:
     _, items, _ = report.load([_write(tmp_path, rows)])
     text = report.comparisons(report.train_rows(items, NO_MFU))
     assert "compile off → on (auto), bf16 512 b4 | 0.500 s → 0.420 s | 1.19x faster" in text
-    assert "compile off (auto) → on, nf4" not in text  # the forced compile fell back: neither side compiled
-    assert "nf4 / bf16 step, 512 px b4 | 0.620 s / 0.420 s | 1.48x" in text
+    assert "compile off → on, nf4" not in text  # the forced compile fell back: neither side compiled
+    assert "nf4 / bf16 step, 512 px b4 | nf4-512-b4 0.620 s / bf16-512-b4 0.420 s | 1.48x" in text
+    assert "nf4-512-b4-compile 0.620 s" not in text  # a fallen-back compile row never stands for the default
+
+
+def test_compiled_nf4_row_stands_for_the_default(tmp_path: Path) -> None:
+    """`auto` compiles nf4 now: where an nf4 shape's -compile row compiled, targets use it and name it;
+    the comparisons show the old uncompiled row beside it."""
+    rows = [_train_row("flux", "bf16-512-b4", 0.40, True), _train_row("flux", "nf4-512-b4", 0.60, False),
+            _train_row("flux", "nf4-512-b4-compile", 0.48, True, **{"train.compile_transformer": "on"})]
+    _, items, _ = report.load([_write(tmp_path, rows)])
+    train = report.train_rows(items, NO_MFU)
+    text = report.targets(train, items)
+    assert "| FLUX nf4 step ≤ 1.3x bf16 step (512 px b4) | 1.20x (run nf4-512-b4-compile, compiled) | yes |" in text
+    assert "8.33 samples/s, 8.00 GB allocated (9.00 reserved) (run nf4-512-b4-compile, compiled) | yes |" in text
+    comp = report.comparisons(train)
+    assert "| nf4-512-b4 0.600 s / bf16-512-b4 0.400 s | 1.50x |" in comp
+    assert "| nf4-512-b4-compile 0.480 s / bf16-512-b4 0.400 s | 1.20x |" in comp
+    assert "compile off → on, nf4 512 b4 | 0.600 s → 0.480 s | 1.25x faster" in comp
 
 
 def test_targets_say_missed_with_the_ratio(tmp_path: Path) -> None:
     rows = [_train_row("flux", "bf16-512-b4", 0.40, True), _train_row("flux", "nf4-512-b4", 0.60, False)]
     _, items, _ = report.load([_write(tmp_path, rows)])
     text = report.targets(report.train_rows(items, NO_MFU), items)
-    assert "| FLUX nf4 step ≤ 1.3x bf16 step (512 px b4) | 1.50x | no |" in text
-    assert "6.67 samples/s, 8.00 GB allocated (9.00 reserved) | yes |" in text
+    assert "| FLUX nf4 step ≤ 1.3x bf16 step (512 px b4) | 1.50x (nf4 uncompiled: run before `auto` compiled nf4) | no |" in text
+    assert "6.67 samples/s, 8.00 GB allocated (9.00 reserved) (nf4 uncompiled: run before `auto` compiled nf4) | yes |" in text
 
 
 def test_killed_at_budget_is_cut_off_and_unplanned_failures_drop_out(tmp_path: Path) -> None:

@@ -148,6 +148,13 @@ def test_nf4_text_encoder_on_cpu_is_a_clear_error(cached):
         get_family("flux").load_text_encoder(ModelSource(cfg.model), cfg.captions, make_runtime("cpu", "auto"))
 
 
+def test_compile_auto_means_cuda_whatever_the_base():
+    from stages.core.trainer import compile_wanted
+
+    assert [compile_wanted(m, True) for m in ("auto", "on", "off")] == [True, True, False]
+    assert [compile_wanted(m, False) for m in ("auto", "on", "off")] == [False, True, False]
+
+
 def test_compile_setup_failure_falls_back_to_eager(cached, monkeypatch):
     import diffusers
 
