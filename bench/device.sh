@@ -7,8 +7,8 @@
 #   B: the nf4 1-vs-2-GPU FLUX run (both GPUs), then FLUX (cont.) on GPU 0 and Z-Image on GPU 1
 #   C: FLUX (cont.) on GPU 0, SDXL then Z-Image (cont.) on GPU 1
 #   D: what A-C left (items ok in bench/results/ are skipped): FLUX then Z-Image on GPU 0, SDXL on GPU 1
-#   F: nf4 with compile forced on, every family (Qwen-Image then FLUX on GPU 0, Z-Image then SDXL on GPU 1)
 #   E: what A-D left: Qwen-Image on GPU 0, SDXL (cont.) then Z-Image (cont.) on GPU 1
+#   F: nf4 with compile forced on, every family (= auto since then) (Qwen-Image then FLUX on GPU 0, Z-Image then SDXL on GPU 1)
 set -u
 phase=$1; secs=${2:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
