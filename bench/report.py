@@ -130,10 +130,15 @@ def table_train(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _predates_nf4_compile(r: dict[str, Any]) -> bool:
+    """An nf4 row that `auto` left uncompiled: it ran before `auto` compiled nf4."""
+    return r["precision"] == "nf4" and r["compile"] == "auto" and not r["compiled"]
+
+
 def _compile_note(r: dict[str, Any]) -> str:
     if r["compiled"]:
         return " (compiled)"
-    return " (then off over nf4)" if r["compile"] == "auto" and r["precision"] == "nf4" else ""
+    return " (then off over nf4)" if _predates_nf4_compile(r) else ""
 
 
 def table_stages(items: dict[str, dict[str, Any]]) -> str:
@@ -178,9 +183,10 @@ def comparisons(rows: list[dict[str, Any]]) -> str:
                                f"{b1['sps']:.2f} → {b4['sps']:.2f} samples/s | {b4['sps'] / b1['sps']:.2f}x |")
         for res in (512, 1024):
             for b in (1, 4):
-                for n in {id(r): r for r in (_by(rows, fam, f"nf4-{res}-b{b}"), _default(rows, fam, f"nf4-{res}-b{b}")) if r}.values():
-                    d = _by(rows, fam, f"bf16-{res}-b{b}")
-                    if d and n["step_s"] and d["step_s"]:
+                plain, default = _by(rows, fam, f"nf4-{res}-b{b}"), _default(rows, fam, f"nf4-{res}-b{b}")
+                d = _by(rows, fam, f"bf16-{res}-b{b}")
+                for n in [plain] + ([default] if default is not plain else []):  # the old uncompiled row beside today's
+                    if n and d and n["step_s"] and d["step_s"]:
                         out.append(f"| {fam} | nf4 / bf16 step, {res} px b{b} | {n['name']} {n['step_s']:.3f} s / "
                                    f"{d['name']} {d['step_s']:.3f} s | {n['step_s'] / d['step_s']:.2f}x |")
         for base, other, what in (("bf16-512-b4-nocompile", "bf16-512-b4", "compile off → on (auto), bf16 512 b4"),
@@ -243,7 +249,7 @@ def _run(r: dict[str, Any]) -> str:
     """Names the run where it is not the plain one (the compiled nf4 row stands for the default)."""
     if r["name"].endswith("-compile"):
         return f" (run {r['name']}, compiled)"
-    return " (nf4 uncompiled: run before `auto` compiled nf4)" if r["precision"] == "nf4" and not r["compiled"] else ""
+    return " (nf4 uncompiled: run before `auto` compiled nf4)" if _predates_nf4_compile(r) else ""
 
 
 def profile_section(items: dict[str, dict[str, Any]]) -> str:
