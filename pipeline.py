@@ -21,8 +21,6 @@ import click
 ROOT = Path(__file__).resolve().parent
 STAGES = ("encode-captions", "cache-latents", "train", "export-lora")
 OPTIONAL_STAGES = ("sample",)  # `run` adds it when sample.after_train is set
-USER_ERRORS = ("ConfigError", "DatasetError", "BadImage", "ArtifactError", "ModelError", "StageLocked", "UserError",
-               "DiskFull", "KohyaError", "VerifyError", "InspectError")
 
 
 def _stage_module(name: str) -> Any:
@@ -51,7 +49,9 @@ def _remember_config(cfg: Any) -> None:
 
 
 def _fail(e: BaseException) -> None:
-    user_error = type(e).__name__ in USER_ERRORS or isinstance(e, FileNotFoundError)
+    from stages.core.errors import UserError
+
+    user_error = isinstance(e, (UserError, FileNotFoundError))
     if user_error and not os.environ.get("LORAPIPE_DEBUG"):
         click.secho(f"error: {e}", fg="red", err=True)
         sys.exit(2)

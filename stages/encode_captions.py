@@ -25,12 +25,11 @@ def artifact_dir(cfg: Any) -> Path:
     return cfg.run_dir / "captions.zarr"
 
 
-def resolved_precision(precision: str) -> str:
-    if precision != "auto":
-        return precision
-    import torch
+def resolved_precision(cfg: Any) -> str:
+    """The text encoders' precision as this stage will run them (on cfg.device, not merely any GPU)."""
+    from stages.core.runtime import pick_device, resolve_precision
 
-    return "bf16" if torch.cuda.is_available() else "fp32"
+    return resolve_precision(cfg.captions.text_encoder_precision, pick_device(cfg.device), "text_encoder")
 
 
 def layout_parts(cfg: Any) -> dict[str, Any]:
@@ -41,7 +40,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
     src = ModelSource(cfg.model, cfg.revision)
     return {"family": cfg.family, "model": src.identity(family.text_components),
             "max_sequence_length": cfg.captions.max_sequence_length,
-            "precision": resolved_precision(cfg.captions.text_encoder_precision)}
+            "precision": resolved_precision(cfg)}
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:

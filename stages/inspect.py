@@ -23,13 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from stages.core.errors import UserError
 from stages.core.artifacts import RowStore, dir_bytes, read_json, read_manifest
 from stages.core.events import read_events
 
 STAGE_MODULES = ("encode_captions", "cache_latents", "train", "export_lora", "sample")
 
 
-class InspectError(RuntimeError):
+class InspectError(UserError):
     """A run, item or variant the user named does not exist; the message lists what does."""
 
 

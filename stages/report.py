@@ -212,7 +212,7 @@ def draw_report(curve: Curve, weight: float, title: str, out: Path) -> Path:
 
 def run(run_dir: Path, out: Path | None = None, weight: float = 0.9) -> tuple[Path, dict[str, Any]]:
     """Draw the report PNG for one run folder; returns (png path, summary)."""
-    from stages.core.stage import UserError
+    from stages.core.errors import UserError
 
     events = read_events(run_dir)
     if not events:

@@ -55,7 +55,7 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
 
 
 def check_settings(cfg: Any) -> None:
-    from stages.core.stage import UserError
+    from stages.core.errors import UserError
 
     s = cfg.sample
     problems = [msg for bad, msg in [

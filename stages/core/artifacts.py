@@ -27,6 +27,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from stages.core.errors import ArtifactError, StageLocked, UserError
+
 SCHEMA_VERSION = 1
 CODE_VERSION = "0.1.0"
 
@@ -34,11 +36,7 @@ CODE_VERSION = "0.1.0"
 warnings.filterwarnings("ignore", message="Object at manifest.json is not recognized")
 
 
-class ArtifactError(RuntimeError):
-    """An artifact is missing, stale or made for something else; the message names the stage to rerun."""
-
-
-class DiskFull(OSError):
+class DiskFull(UserError, OSError):
     """The disk (or quota) filled up while writing; the message names the file and the free space."""
 
 
@@ -253,10 +251,6 @@ def _bf16_bits(value: Any) -> np.ndarray:
 # ---- locks and folders -----------------------------------------------------------------------
 
 
-class StageLocked(RuntimeError):
-    pass
-
-
 @contextlib.contextmanager
 def stage_lock(run_dir: Path, stage: str) -> Iterator[None]:
     """Exclusive per-(run, stage) lock; a second process refuses at once, naming the holder."""
@@ -298,6 +292,25 @@ def lock_holder_pid(run_dir: Path, stage: str) -> int | None:
             return int(text.split()[-1]) if text.startswith("pid ") else None
         fcntl.flock(fh, fcntl.LOCK_UN)
     return None
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Fill a hidden temporary folder beside `final` (yielded), then rename it to `final` in one step.
+
+    A kill, a second signal or a full disk midway leaves the previous `final` (or none), never a
+    half-written one; the temporary folder is deleted on failure, and a killed writer's is swept by
+    `sweep_leftovers`. Write the folder's manifest last inside the block."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with naming_full_disk(final):
+            yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, final)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

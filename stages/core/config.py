@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-
-class ConfigError(ValueError):
-    """A config problem a user caused; the message names the file and key and what to do."""
+from stages.core.errors import ConfigError
 
 
 @dataclass

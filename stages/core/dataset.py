@@ -17,11 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from stages.core.errors import DatasetError
+
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-
-
-class DatasetError(ValueError):
-    """A problem with the user's images or captions; the message names the file."""
 
 
 class BadImage(DatasetError):

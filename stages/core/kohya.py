@@ -27,11 +27,13 @@ from typing import Any, Callable
 
 import torch
 
+from stages.core.errors import UserError
+
 KOHYA_FILE = "lora_kohya.safetensors"
 PREFIX = "lora_unet_"
 
 
-class KohyaError(ValueError):
+class KohyaError(UserError, ValueError):
     """The adapter cannot be written in kohya format; the message says why and what to change."""
 
 

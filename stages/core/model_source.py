@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-class ModelError(RuntimeError):
-    """The model path or id cannot be used; the message says what to do."""
+from stages.core.errors import ModelError
 
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pth", ".bin", ".gguf")

@@ -16,11 +16,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from stages.core.artifacts import disk_full, fingerprint, read_manifest, stage_lock
+from stages.core.errors import UserError
 from stages.core.events import EventLog
-
-
-class UserError(RuntimeError):
-    """Raised for problems the user can fix; pipeline.py prints the message without a traceback."""
 
 
 @dataclass

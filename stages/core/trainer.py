@@ -21,17 +21,11 @@ from stages.core import faults
 from stages.core.artifacts import (ArtifactError, fingerprint, naming_full_disk, read_manifest, remove_dir, replace_dir,
                                    sweep_leftovers, write_manifest)
 from stages.core.model_source import ModelSource
-from stages.core.runtime import make_runtime, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
+from stages.core.runtime import make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
 
 TRAINING_STATE = "training_state.pt"
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        return "nf4" if device.type == "cuda" else "fp32"
-    return precision
 
 
 def compile_wanted(mode: str, is_cuda: bool) -> bool:
@@ -93,7 +87,7 @@ class Trainer:
 
     # ---- setup
     def setup_model(self) -> None:
-        precision = self.precision = resolve_precision(self.tcfg.base_precision, make_runtime(self.cfg.device, "auto").device)
+        precision = self.precision = resolve_precision(self.tcfg.base_precision, pick_device(self.cfg.device), "denoiser")
         self.rt = make_runtime(self.cfg.device, "bf16" if precision == "nf4" else precision)
         require_cuda_for_nf4("train.base_precision", precision, self.rt)
         reset_peak(self.rt)

@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-class VerifyError(RuntimeError):
+from stages.core.errors import UserError
+
+class VerifyError(UserError):
     """The exported file does not load cleanly; the message names the file and the keys."""
 
 
