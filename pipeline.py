@@ -1,26 +1,34 @@
 """The command line of the staged LoRA trainer. Each stage runs in its own process.
 
-    python pipeline.py run --config configs/flux-dev.toml       # all stages, up-to-date ones skipped
-    python pipeline.py encode-captions --config configs/flux-dev.toml
-    python pipeline.py status demo
+    lorapipe run --config configs/flux-dev.toml        # all stages, up-to-date ones skipped
+    lorapipe encode-captions --config configs/flux-dev.toml
+    lorapipe status my-lora                            # a run by name: its saved config.json
 
-Importing this file does not import torch: `--help` is instant, and stage modules are imported
-only inside the command that runs them.
+(`lorapipe` is installed in the venv; `.venv/bin/python pipeline.py ...` is the same.) Every command
+that names a run takes it the same way: a run name, or `--config`, plus `--artifacts` (see
+`stages.core.runspec`). Importing this file does not import torch: `--help` is instant, and stage
+modules are imported only inside the command that runs them.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
+
+from stages.core.runspec import RunSpec
+from stages.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parent
 STAGES = ("encode-captions", "cache-latents", "train", "export-lora")
 OPTIONAL_STAGES = ("sample",)  # `run` adds it when sample.after_train is set
+# what each stage reads from the others, and what its rerun changes for the stages below it
+UPSTREAM = {"train": ("encode-captions", "cache-latents"), "export-lora": ("train",), "sample": ("export-lora",)}
+PRODUCES = {"encode-captions": "captions", "cache-latents": "latents", "train": "the LoRA", "export-lora": "the export"}
 
 
 def _stage_module(name: str) -> Any:
@@ -29,118 +37,103 @@ def _stage_module(name: str) -> Any:
     return importlib.import_module(f"stages.{name.replace('-', '_')}")
 
 
-def _load(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> Any:
-    from stages.core.config import load_config, parse_override
-
-    overrides = dict(parse_override(s) for s in sets)
-    if run:
-        overrides["run"] = run
-    if model:
-        overrides["model"] = model
-    return load_config(config, overrides)
-
-
-def _remember_config(cfg: Any) -> None:
-    """Keep the config of the last stage that ran beside the artifacts, so `status <run>` needs no
-    --config."""
-    from stages.core.artifacts import atomic_write_json
-
-    atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
-
-
 def _fail(e: BaseException) -> None:
+    """A user's mistake or an OS refusal (permissions, a read-only disk, a name too long) is one red
+    line and exit 2; anything else is a bug and keeps its traceback."""
     from stages.core.errors import UserError
+    from stages.core.fsaccess import os_error_message
 
-    user_error = isinstance(e, (UserError, FileNotFoundError))
-    if user_error and not os.environ.get("LORAPIPE_DEBUG"):
-        click.secho(f"error: {e}", fg="red", err=True)
-        sys.exit(2)
-    raise e
-
-
-def config_options(f: Any) -> Any:
-    f = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                     help="Override a config key, e.g. --set train.steps=200 (repeatable).")(f)
-    f = click.option("--model", help="Override 'model': a pipeline folder or hub id.")(f)
-    f = click.option("--run", help="Override the run name (artifact folder).")(f)
-    f = click.option("--config", "-c", type=click.Path(dir_okay=False), help="TOML preset (see configs/).")(f)
-    return f
+    if os.environ.get("LORAPIPE_DEBUG"):
+        raise e
+    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) or isinstance(e, FileNotFoundError) and e.filename:
+        message = os_error_message(e)
+    elif isinstance(e, (UserError, FileNotFoundError)):
+        message = str(e)
+    else:
+        raise e
+    click.secho(f"error: {message}", fg="red", err=True)
+    sys.exit(2)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _guarded(f: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            f(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - _fail re-raises what is not the user's
+            _fail(e)
+    return wrapper
+
+
+def _verbose(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        os.environ["LORAPIPE_VERBOSE"] = "1"  # read by each stage when it quiets library logs; children inherit it
+
+
+def run_options(f: Callable[..., None]) -> Callable[..., None]:
+    """RUN / --config / --artifacts / --model / --set / --verbose, handed to the command as `spec`."""
+    @functools.wraps(f)
+    def wrapper(run_name: str | None, run: str | None, config: str | None, artifacts: str | None, model: str | None,
+                sets: tuple[str, ...], **kwargs: Any) -> None:
+        if run_name and run and run_name != run:
+            raise click.UsageError(f"run named twice: '{run_name}' and --run '{run}'")
+        f(spec=RunSpec(run_name or run, config, artifacts, model, sets), **kwargs)
+
+    wrapper = click.option("--verbose", is_flag=True, expose_value=False, callback=_verbose,
+                           help="Show the libraries' own warnings and loading bars (also LORAPIPE_DEBUG=1).")(wrapper)
+    wrapper = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                           help="Override a config key, e.g. --set train.steps=200 (repeatable).")(wrapper)
+    wrapper = click.option("--model", help="Override 'model': a pipeline folder or hub id.")(wrapper)
+    wrapper = click.option("--artifacts", metavar="DIR",
+                           help="Root folder of the runs [default: the config's 'artifacts', else ./artifacts].")(wrapper)
+    wrapper = click.option("--run", help="Same as RUN (renames the run when given with --config).")(wrapper)
+    wrapper = click.option("--config", "-c", type=click.Path(dir_okay=False), help="TOML preset (see configs/).")(wrapper)
+    return click.argument("run_name", metavar="[RUN]", required=False)(wrapper)
+
+
+def examples(*lines: str) -> str:
+    """A command's --help epilog: example invocations, kept on their own lines."""
+    return "\b\nExamples:\n" + "\n".join(f"  lorapipe {line}" for line in lines) + "\n"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=examples(
+    "run --config configs/flux-dev.toml", "status my-lora", "train my-lora --resume"))
 def cli() -> None:
-    """Staged LoRA training for diffusion models: encode-captions, cache-latents, train, export-lora."""
+    """Staged LoRA training for diffusion models: encode-captions, cache-latents, train, export-lora.
+
+    Every command that names a run takes RUN (read from <artifacts>/RUN/config.json) or --config
+    PRESET, plus --artifacts DIR."""
+    from stages.core.proc import die_with_parent_if_asked
+
+    die_with_parent_if_asked()
 
 
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
-    from stages.core.artifacts import remove_dir
+    from stages.core.artifacts import atomic_write_json, remove_dir
+    from stages.core.fsaccess import ensure_writable
     from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
 
     module = _stage_module(name)
     # Under torchrun only rank 0 deletes and writes here; the others cannot get ahead of it, since
     # the stage's first act is the process-group rendezvous, which waits for every rank.
     main = _launcher_rank() == 0
+    if main:
+        ensure_writable(cfg.run_dir)
     if force and name in ("encode-captions", "cache-latents") and main:
         remove_dir(module.artifact_dir(cfg))  # renamed away first: never half-deleted under its manifest
     manifest = module.run(cfg, **kwargs)
     if not main:
         return
-    _remember_config(cfg)  # after the stage ran: a failed attempt must not change what `status <run>` compares
+    # after the stage ran: a failed attempt must not change what `status <run>` compares
+    atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
     summary = {k: manifest.get(k) for k in ("encoded_this_run", "step", "loss_first", "loss_last", "files", "seconds")
                if manifest.get(k) is not None}
     if manifest.get("stopped"):
         saved = "checkpoint and lora/final (complete=false) written" if manifest.get("saved") else "nothing new written"
-        click.echo(f"{name}: stopped at step {manifest.get('step')}, {saved}; continue with `train --resume`")
+        click.echo(f"{name}: stopped at step {manifest.get('step')}, {saved}; continue with "
+                   f"`lorapipe train {cfg.run} --artifacts {cfg.artifacts} --resume`")
         return
     click.echo(f"{name}: done {summary}")
-
-
-@cli.command("encode-captions")
-@config_options
-@click.option("--force", is_flag=True, help="Re-encode every caption.")
-def encode_captions_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], force: bool) -> None:
-    """Encode captions with the text encoders only -> captions.zarr."""
-    try:
-        _run_stage("encode-captions", _load(config, run, model, sets), force)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
-
-
-@cli.command("cache-latents")
-@config_options
-@click.option("--force", is_flag=True, help="Re-encode every image.")
-def cache_latents_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], force: bool) -> None:
-    """Encode crop/flip variants with the VAE only -> latents.zarr (posterior mean and logvar)."""
-    try:
-        _run_stage("cache-latents", _load(config, run, model, sets), force)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
-
-
-@cli.command("train")
-@config_options
-@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
-def train_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], resume: bool) -> None:
-    """Train a LoRA on the caches, loading only the denoiser -> lora/."""
-    try:
-        _run_stage("train", _load(config, run, model, sets), resume=resume)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
-
-
-@cli.command("export-lora")
-@config_options
-@click.option("--format", "fmt", type=click.Choice(["diffusers", "kohya"]), help="Also write a kohya/ComfyUI copy.")
-@click.option("--verify", is_flag=True, default=None, help="Load the file into the family's pipeline and check every key.")
-@click.option("--checkpoint", type=int, help="Export lora/checkpoint-N instead of lora/final.")
-def export_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], fmt: str | None,
-               verify: bool | None, checkpoint: int | None) -> None:
-    """Write the adapter as a diffusers LoRA file (no base weights loaded) -> export/."""
-    sets = sets + ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ())
-    try:
-        _run_stage("export-lora", _load(config, run, model, sets), checkpoint=checkpoint)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
 
 
 def _launcher_rank() -> int:
@@ -148,9 +141,67 @@ def _launcher_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+@cli.command("encode-captions", epilog=examples("encode-captions --config configs/flux-dev.toml",
+                                                "encode-captions my-lora --force"))
+@run_options
+@click.option("--force", is_flag=True, help="Re-encode every caption.")
+@_guarded
+def encode_captions_cmd(spec: RunSpec, force: bool) -> None:
+    """Encode captions with the text encoders only -> captions.zarr."""
+    _run_stage("encode-captions", spec.load(), force)
+
+
+@cli.command("cache-latents", epilog=examples("cache-latents --config configs/flux-dev.toml",
+                                              "cache-latents my-lora --set data.resolution=768"))
+@run_options
+@click.option("--force", is_flag=True, help="Re-encode every image.")
+@_guarded
+def cache_latents_cmd(spec: RunSpec, force: bool) -> None:
+    """Encode crop/flip variants with the VAE only -> latents.zarr (posterior mean and logvar)."""
+    _run_stage("cache-latents", spec.load(), force)
+
+
+@cli.command("train", epilog=examples("train --config configs/flux-dev.toml", "train my-lora --resume",
+                                      "train my-lora --force        # start over; old checkpoints set aside"))
+@run_options
+@click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
+@click.option("--force", "--restart", "restart", is_flag=True,
+              help="Start over from step 0; the old checkpoints are set aside, not deleted.")
+@_guarded
+def train_cmd(spec: RunSpec, resume: bool, restart: bool) -> None:
+    """Train a LoRA on the caches, loading only the denoiser -> lora/."""
+    if resume and restart:
+        raise click.UsageError("--resume and --force/--restart exclude each other")
+    _run_stage("train", spec.load(), resume=resume, **({"restart": True} if restart else {}))
+
+
+@cli.command("export-lora", epilog=examples("export-lora my-lora --format kohya --verify",
+                                            "export-lora my-lora --checkpoint 400"))
+@run_options
+@click.option("--format", "fmt", type=click.Choice(["diffusers", "kohya"]), help="Also write a kohya/ComfyUI copy.")
+@click.option("--verify", is_flag=True, default=None, help="Load the file into the family's pipeline and check every key.")
+@click.option("--checkpoint", type=int, help="Export lora/checkpoint-N instead of lora/final.")
+@click.option("--force", is_flag=True, help="Rewrite the export even when it is up to date.")
+@_guarded
+def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: int | None, force: bool) -> None:
+    """Write the adapter as a diffusers LoRA file (no base weights loaded) -> export/."""
+    sets = ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ())
+    spec = RunSpec(spec.name, spec.config, spec.artifacts, spec.model, spec.sets + sets)
+    _run_stage("export-lora", spec.load(), checkpoint=checkpoint, **({"force": True} if force else {}))
+
+
+@cli.command("sample", epilog=examples("sample my-lora", "sample --config configs/flux-dev.toml"))
+@run_options
+@_guarded
+def sample_cmd(spec: RunSpec) -> None:
+    """Render [sample] prompts with the base model and the LoRA (several seeds) -> samples/grid.png."""
+    _run_stage("sample", spec.load())
+
+
 def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
     """The child command of one stage: plain, or through torchrun with one process per GPU.
-    export-lora reads one small adapter and needs no GPU: it always runs as one process."""
+    export-lora reads one small adapter and needs no GPU: it always runs as one process.
+    `args` come after the script path, where torchrun passes them on (RunSpec.child_args)."""
     script = [str(ROOT / "pipeline.py"), name, *args]
     if gpus <= 1 or name == "export-lora":
         return [sys.executable, *script]
@@ -158,45 +209,35 @@ def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *script]
 
 
-def _child_args(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> list[str]:
-    args = (["--config", config] if config else []) + (["--run", run] if run else [])
-    args += (["--model", model] if model else [])
-    for s in sets:
-        args += ["--set", s]
-    return args
-
-
-@cli.command("run")
-@config_options
-@click.option("--force", is_flag=True, help="Run every stage even if up to date.")
+@cli.command("run", epilog=examples("run --config configs/flux-dev.toml", "run my-lora --only train --gpus 2"))
+@run_options
+@click.option("--force", is_flag=True, help="Run every stage even if up to date (train starts over).")
 @click.option("--only", multiple=True, type=click.Choice(STAGES + OPTIONAL_STAGES), help="Run only these stages.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes per stage, one per GPU, launched through torchrun (on CPU: gloo processes).")
-def run_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...], force: bool,
-            only: tuple[str, ...], gpus: int) -> None:
-    """Run all stages in order, each as a child process; stages whose manifest matches are skipped."""
-    try:
-        cfg = _load(config, run, model, sets)
-        from stages.core.events import EventLog
-        from stages.core.stage import staleness
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+@_guarded
+def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int) -> None:
+    """Run all stages in order, each as a child process; stages whose manifest matches are skipped.
+    A child stage dies with this process (SIGTERM when it is killed)."""
+    from stages.core.events import EventLog
+    from stages.core.proc import call_child
+    from stages.core.fsaccess import ensure_writable
+    from stages.core.stage import staleness
+
+    cfg = spec.load()
+    ensure_writable(cfg.run_dir)
     for name in only or STAGES + (("sample",) if cfg.sample.after_train else ()):
-        try:
-            ok, reasons = staleness(_stage_module(name), cfg)
-        except Exception as e:  # noqa: BLE001
-            _fail(e)
+        ok, reasons = staleness(_stage_module(name), cfg)
         if ok and not force:
             EventLog(cfg.run_dir, cfg.run, name).emit("up_to_date")
             click.echo(f"{name}: up to date, skipped")
             continue
         click.echo(f"{name}: running ({'; '.join(reasons)[:200] or 'forced'})")
-        extra = ["--force"] if force and name in ("encode-captions", "cache-latents") else []
+        extra = ["--force"] if force and name != "train" else []
         # A stopped or killed train continues from its newest checkpoint made with this same config
         # (and ends bit-identical to an uninterrupted run); after a config change none matches.
-        extra += ["--resume"] if name == "train" and not force else []
-        code = _call_child(stage_command(name, [*_child_args(config, run, model, sets), *extra],
-                                         1 if name in OPTIONAL_STAGES else gpus))
+        extra += (["--restart"] if force else ["--resume"]) if name == "train" else []
+        code = call_child(stage_command(name, [*spec.child_args(), *extra], 1 if name in OPTIONAL_STAGES else gpus))
         if code != 0:
             click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
             sys.exit(code)
@@ -205,81 +246,64 @@ def run_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[
             return
 
 
-def _call_child(command: list[str]) -> int:
-    """Run one stage as a child and wait. SIGINT/SIGTERM sent to this parent are passed on to the
-    child, which stops cleanly (train saves a checkpoint first); subprocess.call would SIGKILL it."""
-    import signal
+@cli.command("status", epilog=examples("status my-lora", "status --config configs/flux-dev.toml --artifacts /data/runs"))
+@run_options
+@_guarded
+def status_cmd(spec: RunSpec) -> None:
+    """Show each stage of a run as up to date or stale, and why (read-only: works on a read-only folder)."""
+    from stages.core.artifacts import lock_holder_pid, read_manifest
+    from stages.core.stage import staleness
 
-    child = subprocess.Popen(command)
-    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@cli.command("status")
-@click.argument("run_name", required=False)
-@config_options
-def status_cmd(run_name: str | None, config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> None:
-    """Show each stage of a run as up to date or stale, and why."""
-    try:
-        cfg = _status_config(run_name, config, run, model, sets)
-        from stages.core.artifacts import lock_holder_pid
-        from stages.core.stage import staleness
-
-        for name in STAGES:
-            ok, reasons = staleness(_stage_module(name), cfg)
-            mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
-            pid = lock_holder_pid(cfg.run_dir, name)
-            running = f"  [running now, pid {pid}]" if pid else ""
-            click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({'; '.join(reasons)[:300]})") + running)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    cfg = spec.load()
+    changing: list[str] = []  # stages that will rerun, whose outputs the stages below them read
+    for name in STAGES + OPTIONAL_STAGES:
+        ok, reasons = staleness(_stage_module(name), cfg)
+        upstream = [PRODUCES[u] for u in UPSTREAM.get(name, ()) if u in changing]
+        if upstream:
+            ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
+        if not ok:
+            changing.append(name)
+        mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
+        pid = lock_holder_pid(cfg.run_dir, name)
+        running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
+        click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({'; '.join(reasons)[:300]})") + running)
+    sizes = (read_manifest(_stage_module("train").artifact_dir(cfg)) or {}).get("batch_sizes")
+    if sizes:
+        steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
+        click.echo(f"{'':16s} realised batch sizes (train.batch_size = {cfg.train.batch_size}): {steps}")
 
 
-def _status_config(run_name: str | None, config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> Any:
-    if config or not run_name:
-        return _load(config, run or run_name, model, sets)
-    import json
+@cli.command("stop", epilog=examples("stop my-lora", "stop my-lora --no-save --artifacts /data/runs"))
+@run_options
+@click.option("--no-save", is_flag=True, help="train: cancel without writing a checkpoint or adapter.")
+@_guarded
+def stop_cmd(spec: RunSpec, no_save: bool) -> None:
+    """Stop whatever stage of the run is running. train stops after its current step and saves a
+    resumable checkpoint (unless --no-save); any other stage gets SIGTERM: a cache keeps the rows it
+    wrote and its rerun continues from there."""
+    from stages.core.artifacts import lock_holder_pid
+    from stages.core.proc import signal_group
 
-    from stages.core.config import build_config
-
-    saved = Path("artifacts") / run_name / "config.json"
-    if not saved.is_file():
-        raise FileNotFoundError(f"run '{run_name}' has no {saved}; pass --config <the run's preset>")
-    return build_config(json.loads(saved.read_text()), str(saved))
-
-
-@cli.command("stop")
-@click.argument("run_name")
-@click.option("--no-save", is_flag=True, help="Cancel without writing a checkpoint or adapter.")
-@click.option("--artifacts", default="artifacts", show_default=True, help="Artifact root.")
-def stop_cmd(run_name: str, no_save: bool, artifacts: str) -> None:
-    """Ask a running `train` of RUN_NAME to stop after its current step (saving unless --no-save)."""
-    from stages.train import request_stop
-
-    pid = request_stop(Path(artifacts) / run_name, save=not no_save)
-    if pid is None:
-        click.secho(f"no train stage is running for run '{run_name}'", fg="yellow", err=True)
+    run_dir = spec.run_dir()
+    stopped = []
+    for name in STAGES + OPTIONAL_STAGES:
+        pid = lock_holder_pid(run_dir, name)
+        if pid is None:
+            continue
+        if name == "train":
+            _stage_module("train").request_stop(run_dir, save=not no_save)
+            stopped.append(f"asked train (pid {pid}) to stop after its step{' without saving' if no_save else ''}")
+        else:
+            signal_group(pid)
+            stopped.append(f"sent SIGTERM to {name} (pid {pid}); its written rows are kept, a rerun continues")
+    if not stopped:
+        click.secho(f"no stage of run '{run_dir.name}' is running (looked in '{run_dir}')", fg="yellow", err=True)
         sys.exit(1)
-    click.echo(f"asked train (pid {pid}) of run '{run_name}' to stop{' without saving' if no_save else ''}")
+    click.echo("\n".join(stopped))
 
 
-@cli.command("sample")
-@config_options
-def sample_cmd(config: str | None, run: str | None, model: str | None, sets: tuple[str, ...]) -> None:
-    """Render [sample] prompts with the base model and the LoRA (several seeds) -> samples/grid.png."""
-    try:
-        _run_stage("sample", _load(config, run, model, sets))
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
-
-
-@cli.command("inspect")
-@click.argument("run_name")
+@cli.command("inspect", epilog=examples("inspect my-lora --json", "inspect my-lora --decode cat.png --variant 1"))
+@run_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--rows", type=click.IntRange(min=1), default=64, show_default=True,
               help="Rows read per store for statistics and NaN/Inf counts (evenly spaced).")
@@ -288,78 +312,87 @@ def sample_cmd(config: str | None, run: str | None, model: str | None, sets: tup
 @click.option("--sample", "draw", is_flag=True, help="Decode a posterior sample instead of the mean.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --sample draw.")
 @click.option("--out", type=click.Path(dir_okay=False), help="PNG to write (default artifacts/<run>/inspect/...).")
-@click.option("--artifacts", default="artifacts", show_default=True, help="Artifact root.")
-@click.option("--config", "-c", type=click.Path(dir_okay=False), help="Use this preset instead of the run's config.json.")
-def inspect_cmd(run_name: str, as_json: bool, rows: int, item: str | None, variant: int, draw: bool, seed: int,
-                out: str | None, artifacts: str, config: str | None) -> None:
-    """Report every artifact of RUN_NAME offline; or --decode one cached latent with the VAE alone."""
-    try:
-        from stages import inspect as inspect_stage
+@_guarded
+def inspect_cmd(spec: RunSpec, as_json: bool, rows: int, item: str | None, variant: int, draw: bool, seed: int,
+                out: str | None) -> None:
+    """Report every artifact of the run offline; or --decode one cached latent with the VAE alone.
+    Uses the run's config.json unless --config names a preset."""
+    from stages import inspect as inspect_stage
 
-        run_dir = Path(artifacts) / run_name
-        cfg = _load(config, run_name, None, (f"artifacts={artifacts}",)) if config else None
-        if item is None:
-            report = inspect_stage.inspect_run(run_dir, cfg, rows)
-            if as_json:
-                click.echo(inspect_stage.to_json(report))
-            else:
-                from rich.console import Console
+    run_dir = spec.run_dir()
+    cfg = spec.load() if spec.config else None
+    if item is None:
+        report = inspect_stage.inspect_run(run_dir, cfg, rows)
+        if as_json:
+            click.echo(inspect_stage.to_json(report))
+        else:
+            from rich.console import Console
 
-                inspect_stage.render(report, Console(width=None if sys.stdout.isatty() else 160))
-            return
-        cfg = inspect_stage.run_config(run_dir, cfg)
-        if cfg is None:
-            raise FileNotFoundError(f"run '{run_name}' has no config.json beside its artifacts; pass --config")
-        stem = Path(item).stem or item
-        target = Path(out) if out else run_dir / "inspect" / f"{stem}-v{variant}-{'sample' if draw else 'mean'}.png"
-        path, info = inspect_stage.decode(cfg, item, variant, target, sample=draw, seed=seed)
-        click.echo(inspect_stage.to_json(info) if as_json else f"decoded {item} variant {variant} -> {path} {info}")
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+            inspect_stage.render(report, Console(width=None if sys.stdout.isatty() else 160))
+        return
+    cfg = inspect_stage.run_config(run_dir, cfg)
+    if cfg is None:
+        raise FileNotFoundError(f"run '{run_dir.name}' has no config.json beside its artifacts; pass --config")
+    from stages.core.fsaccess import short_name
+
+    name = short_name(f"{Path(item).stem or item}-v{variant}", f"-{'sample' if draw else 'mean'}.png")
+    target = Path(out) if out else run_dir / "inspect" / name
+    path, info = inspect_stage.decode(cfg, item, variant, target, sample=draw, seed=seed)
+    click.echo(inspect_stage.to_json(info) if as_json else f"decoded {item} variant {variant} -> {path}: {describe_decoded(info)}")
 
 
-@cli.command("report")
-@click.argument("run_name")
+def describe_decoded(info: dict[str, Any]) -> str:
+    """Every image size as W×H, whatever order the stored arrays use (original_size is H, W)."""
+    (top, left), (height, width) = info["crop_top_left"], info["original_size"]
+    return (f"{info['size'][0]}×{info['size'][1]} px (W×H), bucket {info['bucket'].replace('x', '×')}, "
+            f"original {width}×{height}, crop at x={left} y={top}{', flipped' if info['flip'] else ''}, "
+            f"latent {'×'.join(map(str, info['latent_shape']))}, {'posterior sample' if info['sampled'] else 'posterior mean'}")
+
+
+@cli.command("report", epilog=examples("report my-lora", "report my-lora --out loss.png --json"))
+@run_options
 @click.option("--out", type=click.Path(dir_okay=False), help="PNG to write (default artifacts/<run>/report.png).")
 @click.option("--smooth", type=float, default=0.9, show_default=True, help="EMA weight of the smoothed loss, in [0, 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@click.option("--artifacts", default="artifacts", show_default=True, help="Artifact root.")
-def report_cmd(run_name: str, out: str | None, smooth: float, as_json: bool, artifacts: str) -> None:
-    """Plot loss (raw + smoothed), LR and samples/s over steps from events.jsonl; print a summary."""
-    try:
-        import json
+@_guarded
+def report_cmd(spec: RunSpec, out: str | None, smooth: float, as_json: bool) -> None:
+    """Plot loss (raw + smoothed), LR and samples/s over steps from events.jsonl; print a summary.
+    On a read-only run folder the plot goes to the temp folder (or --out)."""
+    import json
 
-        from stages import report
+    from stages import report
+    from stages.core.fsaccess import writable_or_temp
 
-        png, summary = report.run(Path(artifacts) / run_name, Path(out) if out else None, smooth)
-        if as_json:
-            click.echo(json.dumps({"png": str(png), **summary}, indent=2))
-        else:
-            click.echo("\n".join(report.format_summary(summary)) + f"\nplot: {png}")
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    run_dir = spec.run_dir()
+    png, summary = report.run(run_dir, Path(out) if out else writable_or_temp(run_dir, "report.png"), smooth)
+    if as_json:
+        click.echo(json.dumps({"png": str(png), **summary}, indent=2))
+    else:
+        click.echo("\n".join(report.format_summary(summary)) + f"\nplot: {png}")
 
 
-@cli.command("keys")
+@cli.command("keys", epilog=examples("keys", "keys | grep train."))
 def keys_cmd() -> None:
-    """List every config key with its default and meaning."""
+    """List every config key with its default, its valid choices and its meaning."""
     from stages.core.config import describe_keys
+    from stages.core.runspec import key_choices
 
-    for key, default, doc in describe_keys():
+    for key, default, *rest in describe_keys():
+        choices = rest[0] if len(rest) == 2 else key_choices(key)
+        doc = rest[-1] + (f" [choices: {', '.join(map(str, choices))}]" if choices else "")
         click.echo(f"{key:34s} {default:18s} {doc}")
 
 
-@cli.command("demo")
-@click.option("--family", default="flux", show_default=True, help="Which tiny family to demo.")
+@cli.command("demo", epilog=examples("demo", "demo --family sdxl --steps 20"))
+@click.option("--family", type=click.Choice(sorted(FAMILIES)), default="flux", show_default=True,
+              help="Which tiny family to demo.")
 @click.option("--steps", type=int, help="Override train.steps.")
+@_guarded
 def demo_cmd(family: str, steps: int | None) -> None:
     """Build a tiny random-weight model and dataset, run every stage on CPU, render before/after."""
     from stages.demo import run_demo
 
-    try:
-        run_demo(family, steps)
-    except Exception as e:  # noqa: BLE001
-        _fail(e)
+    run_demo(family, steps)
 
 
 if __name__ == "__main__":

@@ -265,7 +265,7 @@ def stage_lock(run_dir: Path, stage: str) -> Iterator[None]:
         fh.close()
         raise StageLocked(
             f"stage '{stage}' of run '{run_dir.name}' is already running ({holder}); wait for it, "
-            f"or stop it with `python pipeline.py stop {run_dir.name}`"
+            f"or stop it with `lorapipe stop {run_dir.name} --artifacts {run_dir.parent}`"
         ) from None
     fh.seek(0)
     fh.truncate()
@@ -283,7 +283,7 @@ def lock_holder_pid(run_dir: Path, stage: str) -> int | None:
     path = run_dir / f".{stage}.lock"
     if not path.exists():
         return None
-    with open(path, "a+") as fh:
+    with open(path) as fh:  # read-only: `status` works on a read-only artifacts folder; flock needs no write access
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -182,10 +182,10 @@ def _offline_hint(ref: str, error: BaseException) -> str:
         return str(error)
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return (f"HF_HUB_OFFLINE=1 is set and '{ref}' is not in the Hugging Face cache: run "
-                f"`huggingface-cli download {ref}` on a machine with network (then copy ~/.cache/huggingface), "
+                f"`hf download {ref}` on a machine with network (then copy ~/.cache/huggingface), "
                 f"or point 'model' at a local diffusers folder. ({error})")
-    return (f"check the id and `huggingface-cli login` (gated models need access); with no network, download it "
-            f"elsewhere (`huggingface-cli download {ref}`), copy ~/.cache/huggingface here and set HF_HUB_OFFLINE=1, "
+    return (f"check the id and `hf auth login` (gated models need access); with no network, download it "
+            f"elsewhere (`hf download {ref}`), copy ~/.cache/huggingface here and set HF_HUB_OFFLINE=1, "
             f"or point 'model' at a local diffusers folder. ({error})")
 
 

@@ -63,6 +63,18 @@ def _param_name(key: str, adapter: str) -> str:
     return key.replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}.")
 
 
+def _what_failed(e: BaseException) -> str:
+    """The error's text; for a bare `assert` in diffusers' converters, which has none, the check
+    that failed: its function, file and line."""
+    if str(e):
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    import traceback
+
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return (f"{type(e).__name__} in {frame.name} ({Path(frame.filename).name}:{frame.lineno}: "
+            f"{(frame.line or '').strip()[:200]})")
+
+
 def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str, adapter: str) -> dict[str, torch.Tensor]:
     """Load one exported file into the skeleton as `adapter`; VerifyError on any key problem.
     Returns the weights as loaded, in peft keys (the skeleton itself keeps them on the meta device)."""
@@ -70,9 +82,9 @@ def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str
         state, alphas, metadata = pipeline_state_dict(pipeline_cls, file)
     except Exception as e:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
         raise VerifyError(f"{file.name}: {pipeline_cls.__name__}.lora_state_dict cannot read it "
-                          f"({type(e).__name__}: {str(e)[:300] or 'no message'}). diffusers' kohya converters have "
-                          f"known limits (README, 'kohya export'); ComfyUI may still read the file: export without "
-                          f"--verify to keep it, or drop the layers it names from train.target_modules") from e
+                          f"({_what_failed(e)}). diffusers' kohya converters have known limits (README, "
+                          f"'Export formats'); ComfyUI may still read the file: export without --verify to keep "
+                          f"it, or drop the layers it names from train.target_modules") from e
     others = sorted({k.split(".", 1)[0] for k in state if not k.startswith(f"{prefix}.")})
     if others:
         raise VerifyError(f"{file.name}: keys outside '{prefix}' after {pipeline_cls.__name__}'s conversion "
