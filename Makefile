@@ -1,10 +1,16 @@
-# make demo | make test | make encode-captions CONFIG=configs/flux-dev.toml | make train ... (README "Using make")
+# make demo | make test | make encode-captions CONFIG=configs/flux-dev.toml | make train RUN=my-lora (README "Using make")
 PY      ?= .venv/bin/python
 CONFIG  ?= configs/demo.toml
 FAMILY  ?= flux
 ARGS    ?=
 RUN     ?=
 ARTIFACTS ?= artifacts
+
+# How a target names its run: RUN=<name> alone reads artifacts/<name>/config.json; CONFIG=<preset>
+# (with RUN, renamed) otherwise. The default CONFIG (the demo) applies only when neither is given;
+# ARTIFACTS overrides the preset's `artifacts` only when given.
+RUN_ARGS = $(if $(and $(RUN),$(filter file,$(origin CONFIG))),$(RUN),--config $(CONFIG) $(RUN)) \
+           $(if $(filter file,$(origin ARTIFACTS)),,--artifacts $(ARTIFACTS))
 
 .PHONY: demo test venv encode-captions cache-latents train export-lora run status stop clean-latents clean-captions clean-lora
 .PHONY: sample inspect report clean-samples docs-images
@@ -25,31 +31,32 @@ test: venv
 	$(PY) -m pytest -q tests
 
 run: venv
-	$(PY) pipeline.py run --config $(CONFIG) $(ARGS)
+	$(PY) pipeline.py run $(RUN_ARGS) $(ARGS)
 
 # One target per stage; a target depends on the stages it reads. Freshness comes from the manifests
 # (content fingerprints of inputs, config keys, model and schema), not from file times: every target
 # is phony and `pipeline.py run --only <stage>` skips a stage whose manifest matches. So `make train`
 # re-encodes only changed captions/images, then trains only if anything it depends on changed.
 encode-captions cache-latents: venv
-	$(PY) pipeline.py run --config $(CONFIG) --only $@ $(ARGS)
+	$(PY) pipeline.py run $(RUN_ARGS) --only $@ $(ARGS)
 
 train: encode-captions cache-latents
-	$(PY) pipeline.py run --config $(CONFIG) --only $@ $(ARGS)
+	$(PY) pipeline.py run $(RUN_ARGS) --only $@ $(ARGS)
 
 export-lora: train
-	$(PY) pipeline.py run --config $(CONFIG) --only $@ $(ARGS)
+	$(PY) pipeline.py run $(RUN_ARGS) --only $@ $(ARGS)
 
 status: venv
-	$(PY) pipeline.py status --config $(CONFIG)
+	$(PY) pipeline.py status $(RUN_ARGS) $(ARGS)
 
-# make stop RUN=<run> [ARGS=--no-save]
+# make stop RUN=<run> [ARGS=--no-save]: stops whatever stage of the run is running
 stop: venv
-	$(PY) pipeline.py stop $(RUN) $(ARGS)
+	$(if $(RUN),,$(error set RUN=<run name>, e.g. make stop RUN=demo))
+	$(PY) pipeline.py stop $(RUN) --artifacts $(ARTIFACTS) $(ARGS)
 
 # make sample CONFIG=...: base vs LoRA grid (artifacts/<run>/samples/grid.png), skipped when up to date
 sample: export-lora
-	$(PY) pipeline.py run --config $(CONFIG) --only $@ $(ARGS)
+	$(PY) pipeline.py run $(RUN_ARGS) --only $@ $(ARGS)
 
 # make inspect RUN=<run> [ARGS=--json | ARGS="--decode <item> --variant 1"]: offline artifact report
 inspect: venv

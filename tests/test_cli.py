@@ -1,0 +1,242 @@
+"""The command surface (`pipeline.py`): shared options, the torchrun child command line, read-only
+folders and OS errors as messages, child stages that die with their parent, make's RUN.
+
+In-process through click's CliRunner where possible; one small subprocess for the orphan test.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import pipeline
+from conftest import ROOT, make_cfg
+from stages.core.runspec import RunSpec
+
+NAMES_A_RUN = {name for name in pipeline.cli.commands if name not in ("keys", "demo")}
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(pipeline.cli, list(args))
+
+
+# ---- one command surface ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", sorted(pipeline.cli.commands))
+def test_every_command_help_has_examples_and_the_shared_options(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Examples:" in result.output and f"lorapipe {command}" in result.output
+    if command in NAMES_A_RUN:
+        for shared in ("[RUN]", "--config", "--artifacts", "--set", "--verbose"):
+            assert shared in result.output, f"{command} --help lacks {shared}"
+
+
+@pytest.mark.parametrize("command", ["encode-captions", "cache-latents", "train", "export-lora"])
+def test_every_stage_that_redoes_work_takes_force(command):
+    assert "--force" in invoke(command, "--help").output
+
+
+def test_torchrun_passes_the_child_options_on_untouched():
+    """`run --gpus 2 --run NAME` crashed in torchrun ("ambiguous option: --run could match --run-path"):
+    torchrun's own parser must hand every child option to pipeline.py, and click must read them back."""
+    from torch.distributed.run import get_args_parser
+
+    spec = RunSpec("my-run", "configs/flux-dev.toml", "/data/runs", "/models/flux", ("train.steps=3", "run=x"))
+    args = [*spec.child_args(), "--resume"]
+    command = pipeline.stage_command("train", args, gpus=2)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    parsed = get_args_parser().parse_args(command[3:])
+    assert parsed.training_script == str(ROOT / "pipeline.py") and parsed.training_script_args == ["train", *args]
+    params = pipeline.cli.commands["train"].make_context("train", list(args)).params
+    assert (params["run_name"], params["config"], params["artifacts"], params["model"], params["sets"], params["resume"]) == \
+        ("my-run", "configs/flux-dev.toml", "/data/runs", "/models/flux", ("train.steps=3", "run=x"), True)
+
+
+def test_demo_family_is_a_choice_of_the_registry():
+    from stages.families import FAMILIES
+
+    result = invoke("demo", "--family", "flx")
+    assert result.exit_code == 2 and "Traceback" not in result.output and "KeyError" not in result.output
+    assert all(name in result.output for name in FAMILIES), result.output
+
+
+def test_keys_lists_the_choices_of_enumerated_keys():
+    lines = {line.split()[0]: line for line in invoke("keys").output.splitlines()}
+    assert "[choices: auto, cpu, cuda]" in lines["device"]
+    assert "[choices: random, center]" in lines["data.crop"]
+    assert "choices" not in lines["train.steps"]
+
+
+def test_train_force_and_resume_exclude_each_other():
+    result = invoke("train", "some-run", "--resume", "--force")
+    assert result.exit_code == 2 and "exclude each other" in result.output
+
+
+# ---- a run by name; status -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_run(assets, demo_data, tmp_path):
+    """A run that exists only as its saved config.json (no stage has run), under tmp_path/runs."""
+    from stages.core.artifacts import atomic_write_json
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path / "runs", run="named-run")
+    atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
+    return cfg
+
+
+def test_a_run_name_reads_the_saved_config_under_artifacts(saved_run):
+    cfg = RunSpec("named-run", artifacts=saved_run.artifacts, sets=("train.steps=3",)).load()
+    assert (cfg.run_dir, cfg.model, cfg.train.steps) == (saved_run.run_dir, saved_run.model, 3)
+    missing = invoke("status", "named-run")  # looks in ./artifacts, where this run is not
+    assert missing.exit_code == 2 and "artifacts/named-run/config.json" in missing.output and "--artifacts" in missing.output
+
+
+def test_status_passes_staleness_downstream_and_lists_sample(saved_run):
+    result = invoke("status", "named-run", "--artifacts", saved_run.artifacts)
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines()}
+    assert "because captions and latents will change" in lines["train"]
+    assert "because the LoRA will change" in lines["export-lora"]
+    assert "because the export will change" in lines["sample"]
+
+
+def test_status_shows_the_realised_batch_sizes(saved_run):
+    from stages import train
+    from stages.core.artifacts import SCHEMA_VERSION, atomic_write_json, manifest_path
+
+    final = train.artifact_dir(saved_run)
+    final.mkdir(parents=True)
+    atomic_write_json(manifest_path(final), {"schema_version": SCHEMA_VERSION, "batch_sizes": {"4": 10, "1": 2}})
+    output = invoke("status", "named-run", "--artifacts", saved_run.artifacts).output
+    assert "10 steps at batch 4, 2 steps at batch 1" in output
+
+
+# ---- read-only artifacts and OS errors -------------------------------------------------------------
+
+
+def _writing(mode: str | int) -> bool:
+    if isinstance(mode, int):
+        return bool(mode & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    return any(c in mode for c in "wax+")
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make a folder read-only for this process: root ignores chmod, so writes under it fail as on a
+    read-only mount (EROFS), at the OS calls every write goes through."""
+    def make(root: Path) -> None:
+        root = str(root.resolve())
+
+        def refuse(path: object) -> None:
+            if str(Path(os.fsdecode(path)).resolve()).startswith(root):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))
+
+        real_open, real_os_open, real_mkdir = builtins.open, os.open, Path.mkdir
+
+        def fake_open(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, bytes, os.PathLike)) and _writing(mode):
+                refuse(file)
+            return real_open(file, mode, *args, **kwargs)
+
+        def fake_os_open(path, flags, *args, **kwargs):
+            if _writing(flags):
+                refuse(path)
+            return real_os_open(path, flags, *args, **kwargs)
+
+        def fake_mkdir(self, *args, **kwargs):
+            refuse(self)
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        monkeypatch.setattr(os, "open", fake_os_open)
+        monkeypatch.setattr(Path, "mkdir", fake_mkdir)
+    return make
+
+
+def test_a_read_only_artifacts_folder_allows_status_and_refuses_train_in_one_line(saved_run, read_only):
+    for stage in ("train", "cache-latents"):  # status probes the locks: it must not open them for writing
+        (saved_run.run_dir / f".{stage}.lock").write_text("pid 1")
+    read_only(Path(saved_run.artifacts))
+    status = invoke("status", "named-run", "--artifacts", saved_run.artifacts)
+    assert status.exit_code == 0 and "encode-captions" in status.output, status.output
+    train = invoke("train", "named-run", "--artifacts", saved_run.artifacts)
+    assert train.exit_code == 2, train.output
+    assert train.stderr.count("\n") == 1 and "not writable" in train.stderr and str(Path(saved_run.artifacts).resolve()) in train.stderr
+
+
+def test_os_errors_reaching_the_cli_are_one_line_naming_the_path(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        pipeline._fail(PermissionError(errno.EACCES, "Permission denied", "/runs/x/config.json"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "Permission denied: '/runs/x/config.json'; make it writable, or pass --artifacts" in err
+
+
+def test_long_item_names_get_a_file_name_that_fits():
+    from stages.core.fsaccess import NAME_MAX, short_name
+
+    long_name = short_name("x" * 245 + "-v0", "-mean.png")
+    assert len(long_name.encode()) <= NAME_MAX and long_name.endswith("-mean.png")
+    assert short_name("x" * 245 + "-v1", "-mean.png") != long_name and short_name("cat-v0", ".png") == "cat-v0.png"
+
+
+def test_decoded_sizes_are_printed_width_by_height():
+    info = {"size": [96, 64], "bucket": "96x64", "original_size": [80, 120], "crop_top_left": [3, 5], "flip": True,
+            "latent_shape": [16, 8, 12], "sampled": False}
+    text = pipeline.describe_decoded(info)
+    assert "96×64 px (W×H), bucket 96×64, original 120×80, crop at x=5 y=3, flipped" in text
+
+
+# ---- child stages die with their parent; make ------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has exited, waiting to be reaped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_run_parent_takes_its_child_stage_with_it(tmp_path):
+    """SIGKILL `run`'s process (it cannot pass anything on) -> its child stage exits within seconds."""
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                               f"from stages.core.proc import call_child; call_child([sys.executable, '-c', {child!r}])"])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+    assert os.getpgid(child_pid) == child_pid  # its own process group: `stop` can reach all of it
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while _alive(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child_pid)
+    if alive:
+        os.kill(child_pid, signal.SIGKILL)
+    assert not alive, "the child stage outlived its killed parent"
+
+
+@pytest.mark.parametrize("target", ["status", "train", "run", "inspect", "report", "stop"])
+def test_make_targets_honour_run_and_artifacts(target):
+    out = subprocess.run(["make", "-n", target, "RUN=my-lora", "ARTIFACTS=/data/runs"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    commands = [line for line in out.splitlines() if "pipeline.py" in line]
+    assert commands and all(" my-lora " in c and "--artifacts /data/runs" in c and "configs/demo.toml" not in c
+                            for c in commands), out
