@@ -45,10 +45,10 @@ def _fail(e: BaseException) -> None:
 
     if os.environ.get("LORAPIPE_DEBUG"):
         raise e
-    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) or isinstance(e, FileNotFoundError) and e.filename:
+    if isinstance(e, UserError) or isinstance(e, FileNotFoundError) and not e.filename:
+        message = str(e)  # ours: it already names the file and what to do
+    elif isinstance(e, OSError):
         message = os_error_message(e)
-    elif isinstance(e, (UserError, FileNotFoundError)):
-        message = str(e)
     else:
         raise e
     click.secho(f"error: {message}", fg="red", err=True)
@@ -297,7 +297,8 @@ def stop_cmd(spec: RunSpec, no_save: bool) -> None:
             signal_group(pid)
             stopped.append(f"sent SIGTERM to {name} (pid {pid}); its written rows are kept, a rerun continues")
     if not stopped:
-        click.secho(f"no stage of run '{run_dir.name}' is running (looked in '{run_dir}')", fg="yellow", err=True)
+        click.secho(f"no train stage is running for run '{run_dir.name}', nor any other stage (looked in '{run_dir}')",
+                    fg="yellow", err=True)
         sys.exit(1)
     click.echo("\n".join(stopped))
 
