@@ -240,3 +240,37 @@ def test_make_targets_honour_run_and_artifacts(target):
     commands = [line for line in out.splitlines() if "pipeline.py" in line]
     assert commands and all(" my-lora " in c and "--artifacts /data/runs" in c and "configs/demo.toml" not in c
                             for c in commands), out
+
+
+# ---- hints that work when pasted -------------------------------------------------------------------
+
+
+def test_kohya_verify_failure_names_the_failed_check_and_a_readme_section_that_exists(monkeypatch):
+    """diffusers' kohya converters fail with a bare `assert`: the message said "AssertionError: no
+    message" and pointed at a README section that did not exist."""
+    from stages.core import verify
+
+    namespace: dict = {}  # compiled here: pytest would give an assert in this file a message
+    exec(compile("def converter(state):\n    assert len(state) == 3\n", "lora_conversion_utils.py", "exec"), namespace)
+    with pytest.raises(AssertionError) as bare:
+        namespace["converter"]({})
+    assert str(bare.value) == ""
+
+    def conversion_fails(pipeline_cls, file):
+        raise bare.value
+
+    monkeypatch.setattr(verify, "pipeline_state_dict", conversion_fails)
+    with pytest.raises(verify.VerifyError) as failed:
+        verify.load_into(None, type("FluxPipeline", (), {}), Path("lora_kohya.safetensors"), "transformer", "check")
+    message = str(failed.value)
+    assert "AssertionError in converter (lora_conversion_utils.py:2)" in message and "no message" not in message
+    section = message.split("(README, '")[1].split("'")[0]
+    assert f"## {section}" in (ROOT / "README.md").read_text().splitlines()
+
+
+def test_the_offline_hint_names_a_command_the_venv_has():
+    from stages.core.model_source import _offline_hint
+
+    hint = _offline_hint("black-forest-labs/FLUX.1-dev", OSError("no network"))
+    assert "`hf download black-forest-labs/FLUX.1-dev`" in hint and "huggingface-cli" not in hint
+    assert (Path(sys.executable).parent / "hf").exists()

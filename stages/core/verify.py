@@ -71,8 +71,8 @@ def _what_failed(e: BaseException) -> str:
     import traceback
 
     frame = traceback.extract_tb(e.__traceback__)[-1]
-    return (f"{type(e).__name__} in {frame.name} ({Path(frame.filename).name}:{frame.lineno}: "
-            f"{(frame.line or '').strip()[:200]})")
+    check = f": {frame.line.strip()[:200]}" if frame.line else ""
+    return f"{type(e).__name__} in {frame.name} ({Path(frame.filename).name}:{frame.lineno}{check})"
 
 
 def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str, adapter: str) -> dict[str, torch.Tensor]:
