@@ -274,3 +274,20 @@ def test_the_offline_hint_names_a_command_the_venv_has():
     hint = _offline_hint("black-forest-labs/FLUX.1-dev", OSError("no network"))
     assert "`hf download black-forest-labs/FLUX.1-dev`" in hint and "huggingface-cli" not in hint
     assert (Path(sys.executable).parent / "hf").exists()
+
+
+def test_stop_reaches_a_running_cache_stage(tmp_path):
+    """`stop` handled only train; a cache stage (here: a process holding cache-latents' lock, as the
+    stage does while it encodes) now gets SIGTERM and ends."""
+    run_dir = tmp_path / "runs" / "caching"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from stages.core.artifacts import "
+         "stage_lock\nwith stage_lock(Path(sys.argv[1]), 'cache-latents'):\n print('locked', flush=True); "
+         "time.sleep(120)", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = invoke("stop", "caching", "--artifacts", str(tmp_path / "runs"))
+        assert result.exit_code == 0 and f"SIGTERM to cache-latents (pid {holder.pid})" in result.output
+        assert holder.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        holder.kill()
