@@ -129,16 +129,17 @@ class _Dropped:
     }
 
     def __init__(self) -> None:
-        self.files: dict[str, list[str]] = defaultdict(list)
+        self.files: dict[str, list[tuple[str, str]]] = defaultdict(list)  # kind -> [(item key, how it is named)]
 
-    def add(self, kind: str, text: str) -> None:
-        self.files[kind].append(text)
+    def add(self, kind: str, key: str, named: str | None = None) -> None:
+        self.files[kind].append((key, named or f"'{key}'"))
 
     def report(self, warn: Warn | None) -> None:
-        exts = ", ".join(sorted({Path(f).suffix.lower() for f in self.files["format"]}))
+        exts = ", ".join(sorted({Path(key).suffix.lower() for key, _ in self.files["format"]}))
         for kind, files in self.files.items():
             if warn is not None and files:
-                warn(self.MESSAGES[kind].format(exts=exts, files=listing(files)), files[0] if len(files) == 1 else None)
+                message = self.MESSAGES[kind].format(exts=exts, files=listing([named for _, named in files]))
+                warn(message, files[0][0] if len(files) == 1 else None)
 
 
 def _metadata_path(root: Path, name: Any, where: str) -> Path:
@@ -187,15 +188,15 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path
             if problem is None:
                 images.append(path)
             elif problem != "is a folder":
-                dropped.add("special", f"'{key}' ({problem.removeprefix('is ')})")
+                dropped.add("special", key, f"'{key}' ({problem.removeprefix('is ')})")
         elif suffix in UNREAD_IMAGE_EXTS and os.path.lexists(path.with_suffix(caption_ext)):
-            dropped.add("format", f"'{key}'")
+            dropped.add("format", key)
     by_caption = defaultdict(list)
     for path in images:
         by_caption[path.with_suffix(caption_ext)].append(path.relative_to(root).as_posix())
     for cap, keys in by_caption.items():
         if len(keys) > 1 and os.path.lexists(cap):
-            dropped.add("shared", " and ".join(f"'{k}'" for k in keys) + f" ('{cap.name}')")
+            dropped.add("shared", keys[0], " and ".join(f"'{k}'" for k in keys) + f" ('{cap.name}')")
     return images
 
 
