@@ -44,7 +44,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+    items = dataset.scan_data(cfg.data)
     return {**layout_parts(cfg), "captions": sorted({it.caption_id for it in items})}
 
 
@@ -65,7 +65,7 @@ def run(cfg: Any) -> dict[str, Any]:
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
         family = get_family(cfg.family)
-        items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+        items = dataset.scan_data(cfg.data, ctx.log)
         texts = {it.caption_id: it.caption for it in items}
         parts = {**layout_parts(cfg), "captions": sorted(texts)}
         out = artifact_dir(cfg)

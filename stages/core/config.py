@@ -46,6 +46,11 @@ class DataConfig:
     """What cache-latents does with an unreadable image: stop with its name, or skip and list it."""
     background: str = "white"
     """Colour that transparency is composited on (a PIL colour name or #rrggbb)."""
+    follow_symlinks_outside: bool = False
+    """Read images and captions that are symlinks to files outside data.path (off: such a file is an error)."""
+    bucket_merge: bool = False
+    """Move the images of aspect buckets holding fewer than train.batch_size images to the nearest bucket
+    that holds enough, so batches fill (those images are cropped more); rebuilds latents.zarr."""
 
 
 @dataclass

@@ -42,7 +42,7 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"encode-captions and cache-latents with --force")
-    items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+    items = dataset.scan_data(cfg.data)
     pairs = join_items(items, cap_manifest, lat_manifest, cfg.run)
     return TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"]), lat_manifest
 
@@ -76,6 +76,8 @@ class Trainer:
         # ranks) and trains on its slice of each: the same items per step as one process would see.
         self.global_batch = self.tcfg.batch_size * self.dist.world_size
         self.sampler = BucketSampler(self.data.buckets(), self.global_batch, cfg.seed)
+        if note := self.sampler.fill_warning(cfg.data.bucket_merge):
+            log.emit("warning", message=note)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.parts = self._fingerprint_parts()
         self.lora_dir = cfg.run_dir / "lora"
