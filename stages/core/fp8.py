@@ -138,9 +138,9 @@ def fp8_bytes(module: nn.Module) -> int:
                for m in module.modules() if isinstance(m, Fp8Linear))
 
 
-def fp8_eligible(linear: nn.Linear) -> bool:
+def fp8_eligible(linear: nn.Linear, min_width: int = MIN_WIDTH) -> bool:
     out_f, in_f = linear.weight.shape
-    return min(out_f, in_f) >= MIN_WIDTH and out_f % 16 == 0 and in_f % 16 == 0
+    return min(out_f, in_f) >= min_width and out_f % 16 == 0 and in_f % 16 == 0
 
 
 def inside_repeated_blocks(model: nn.Module) -> Keep:
@@ -155,13 +155,15 @@ def inside_repeated_blocks(model: nn.Module) -> Keep:
     return lambda name, linear: name not in inside
 
 
-def quantize_denoiser_fp8(model: nn.Module, keep: Keep, device: torch.device | str) -> nn.Module:
+def quantize_denoiser_fp8(model: nn.Module, keep: Keep, device: torch.device | str,
+                          min_width: int = MIN_WIDTH) -> nn.Module:
     """Replace every eligible Linear that `keep(name, linear)` rejects by an Fp8Linear, layer by layer
-    on `device`, then move the rest there: the dense model never sits whole on the GPU."""
+    on `device`, then move the rest there: the dense model never sits whole on the GPU. Works on a
+    model with LoRA attached too (it replaces the wrapped `base_layer`)."""
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is nn.Linear and fp8_eligible(child) and not keep(name, child):
+            if type(child) is nn.Linear and fp8_eligible(child, min_width) and not keep(name, child):
                 setattr(parent, child_name, Fp8Linear.from_linear(child, device))
     model.to(device)
     model.requires_grad_(False)
