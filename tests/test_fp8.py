@@ -17,8 +17,10 @@ from stages.core.errors import ResourceError
 from stages.core.fp8 import (FP8_MAX, Fp8Linear, fp8_bytes, inside_repeated_blocks, quantize_denoiser_fp8,
                              require_fp8_device)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-                          reason="needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9)")
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+cuda = pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9)")
+# where the fp8 matmuls run: torch 2.13's CPU build has `_scaled_mm`, torch 2.11's (the GPU machine) has not
+MATMUL_DEVICE = "cuda" if FP8_GPU else "cpu"
 
 
 def _linear(out_f: int = 96, in_f: int = 64, seed: int = 0) -> nn.Linear:
@@ -63,10 +65,10 @@ def test_memory_is_one_byte_per_weight_plus_a_scale_per_row():
 
 
 def test_forward_and_input_gradient_match_dense():
-    lin = _linear(96, 64).to(torch.bfloat16)
-    fp8 = Fp8Linear.from_linear(lin, "cpu")
+    lin = _linear(96, 64).to(MATMUL_DEVICE, torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(lin, MATMUL_DEVICE)
     for rows in (40, 3):  # fp8 matmul, and the dequantized path for a handful of rows (modulation layers)
-        x = torch.randn(2, rows, 64, dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(2, rows, 64, dtype=torch.bfloat16, device=MATMUL_DEVICE, requires_grad=True)
         y, ref = fp8(x), lin(x)
         grad = torch.randn_like(ref)
         (dx,), (dx_ref,) = torch.autograd.grad(y, x, grad), torch.autograd.grad(ref, x, grad)
@@ -118,18 +120,20 @@ def test_lora_wraps_fp8_base_and_trains(assets):
     for precision in ("bf16", "fp8"):
         model = _flux(assets)
         if precision == "fp8":
-            quantize_denoiser_fp8(model, inside_repeated_blocks(model), "cpu", min_width=16)
-        model.requires_grad_(False)
+            quantize_denoiser_fp8(model, inside_repeated_blocks(model), MATMUL_DEVICE, min_width=16)
+        model.to(MATMUL_DEVICE).requires_grad_(False)
         torch.manual_seed(0)
         params = lora.attach_lora(model, lora.lora_config(4, 4, 0.0, list(Flux.default_lora_targets)))
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
-                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
         g = torch.Generator().manual_seed(1)
         x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
         cond = {"prompt_embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
-        loss = Flux().loss(model, x0, noise, torch.full((2,), 0.5), cond, None, SimpleNamespace(guidance_scale=1.0))
+        x0, noise, cond = x0.to(MATMUL_DEVICE), noise.to(MATMUL_DEVICE), {k: v.to(MATMUL_DEVICE) for k, v in cond.items()}
+        t = torch.full((2,), 0.5, device=MATMUL_DEVICE)
+        loss = Flux().loss(model, x0, noise, t, cond, None, SimpleNamespace(guidance_scale=1.0))
         loss.mean().backward()
         losses[precision] = float(loss.mean())
         assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0 for p in params)
