@@ -221,7 +221,8 @@ def test_fp8_scaled_reader_refuses_pickles(tmp_path):
 
 @cuda
 def test_tiny_flux_trains_in_fp8_like_bf16(assets):
-    """20 AdamW steps of a tiny FLUX from the same LoRA and batches: fp8 losses within 3 % of bf16's."""
+    """20 AdamW steps of a tiny FLUX from the same LoRA and batches: fp8 losses within 1 % of bf16's (the
+    issue's fidelity bound; the same loop on the CPU differed by 0.009 % at most)."""
     from stages.core import lora
     from stages.families.flux import Flux
 
@@ -245,4 +246,4 @@ def test_tiny_flux_trains_in_fp8_like_bf16(assets):
             opt.zero_grad()
             losses.append(float(loss))
         runs[precision] = torch.tensor(losses)
-    assert ((runs["fp8"] - runs["bf16"]).abs() / runs["bf16"]).max() < 0.03
+    assert ((runs["fp8"] - runs["bf16"]).abs() / runs["bf16"]).max() < 0.01
