@@ -59,7 +59,7 @@ def precision_dtype(precision: str, device: torch.device) -> torch.dtype:
     """Dense compute dtype for a precision name ('auto': bf16 on CUDA, fp32 on CPU)."""
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "nf4": torch.bfloat16}[precision]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "nf4": torch.bfloat16, "fp8": torch.bfloat16}[precision]
 
 
 def _flags() -> dict[str, Any]:
