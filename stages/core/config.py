@@ -179,6 +179,12 @@ class SampleConfig:
 
 
 @dataclass
+class GpuConfig:  # memory: issue 16 (stages/core/memory.py)
+    vram_budget_gb: Literal["auto"] | float = "auto"
+    """GPU memory each stage may use: auto (free memory at stage start less a margin) or GB (a hard cap)."""
+
+
+@dataclass
 class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
@@ -200,6 +206,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)  # memory: issue 16
 
     @property
     def run_dir(self) -> Path:
@@ -356,6 +363,8 @@ def _check_values(cfg: Config) -> list[str]:
         errors.append(f"'train.shift' must be > 0, got {cfg.train.shift}")
     if not cfg.run or "/" in cfg.run or cfg.run.startswith("."):
         errors.append(f"'run' = {cfg.run!r} must be a plain folder name")
+    if cfg.gpu.vram_budget_gb != "auto" and cfg.gpu.vram_budget_gb <= 0:  # memory: issue 16
+        errors.append(f"'gpu.vram_budget_gb' must be 'auto' or > 0 GB, got {cfg.gpu.vram_budget_gb}")
     if not cfg.model:
         errors.append("'model' is empty: set it to a diffusers pipeline folder or a hub id")
     return errors
