@@ -145,12 +145,14 @@ def _seed_stores(todo: list, stores: dict, encode_image: Any) -> list:
 def run(cfg: Any) -> dict[str, Any]:
     import torch
 
+    from stages.core import memory
     from stages.core.runtime import install_model_trace, make_runtime, peak_vram_gb, reset_peak
     from stages.families import get_family
 
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
         family = get_family(cfg.family)
+        cfg, memory_plan = memory.plan_stage(cfg, family, NAME, ctx.log)  # the budget's VAE settings
         src = ModelSource(cfg.model, cfg.revision)
         src.check(family.vae_components)  # a mistyped model path fails here, before the cache is touched
         items = dataset.scan_data(cfg.data, ctx.log)
@@ -175,6 +177,7 @@ def run(cfg: Any) -> dict[str, Any]:
             src.check(family.vae_components)
             ctx.log.emit("loading", component="vae")
             vae = family.load_vae(src, rt)
+            memory.apply_vae_plan(vae, memory_plan)  # sliced/tiled encode when the plan needs it
             norm = family.latent_normalization(vae)
             ctx.log.emit("loaded", component="vae", seconds=ctx.elapsed())
         else:

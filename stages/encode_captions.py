@@ -59,12 +59,14 @@ def _open_store(path: Path, layout: dict[str, Any]) -> RowStore | None:
 def run(cfg: Any) -> dict[str, Any]:
     import torch
 
+    from stages.core import memory
     from stages.core.runtime import install_model_trace, make_runtime, peak_vram_gb, reset_peak
     from stages.families import get_family
 
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
         family = get_family(cfg.family)
+        cfg, _ = memory.plan_stage(cfg, family, NAME, ctx.log)  # the budget's precision and batch size
         items = dataset.scan_data(cfg.data, ctx.log)
         texts = {it.caption_id: it.caption for it in items}
         parts = {**layout_parts(cfg), "captions": sorted(texts)}

@@ -195,6 +195,12 @@ class SampleConfig:
 
 
 @dataclass
+class GpuConfig:  # read by stages/core/memory.py
+    vram_budget_gb: Literal["auto"] | float = "auto"
+    """GPU memory each stage may use: auto (free memory at stage start less a margin) or GB (a hard cap)."""
+
+
+@dataclass
 class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
@@ -216,6 +222,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -95,6 +95,8 @@ def value_errors(cfg: Any) -> list[str]:
               if cfg.section(key) not in valid]
     errors += [f"'sample.seeds[{i}]' = {seed!r} must be {RANGES['seed']}"
                for i, seed in enumerate(cfg.sample.seeds) if seed not in RANGES["seed"]]
+    if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
+        errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
     return errors + _data_errors(cfg.data) + _name_errors(cfg) + _family_errors(cfg)
 
 

@@ -32,6 +32,7 @@ EVENT_TYPES = {
     "done": "stage finished (seconds, plus stage summary fields)",
     "up_to_date": "stage skipped because its manifest matches (fingerprint)",
     "error": "stage failed (message, item when one input caused it)",
+    "plan": "a stage's memory plan (budget, chosen settings, predicted peak; stages/core/memory.py)",
     "sample": "a sample grid was rendered, base vs LoRA (path, prompts, seeds, adapter)",
 }
 
@@ -59,6 +60,9 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
     "up_to_date": {"required": {}, "optional": {"fingerprint": "string"}},
     "error": {"required": {"message": "string"},
               "optional": {"item": ["string", "null"], "type": "string", "rank": "integer"}},
+    "plan": {"required": {"budget_gb": ["number", "null"], "budget_source": "string", "settings": "object",
+                          "predicted_peak_gb": "number", "fits": "boolean"},
+             "optional": {"note": "string"}},
     "sample": {"required": {"path": "string", "prompts": "array", "seeds": "array", "adapter": "string"},
                "optional": {"seconds": "number"}},
 }

@@ -22,7 +22,7 @@ def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt
     """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration."""
     from stages.core.runtime import require_cuda_for_nf4
 
-    if precision == "fp8":  # issue 17: e4m3 base weights (stages/core/fp8.py)
+    if precision == "fp8":  # e4m3 base weights (stages/core/fp8.py)
         from stages.core.fp8 import load_fp8_denoiser
 
         return load_fp8_denoiser(cls, src, subfolder, rt.device)
