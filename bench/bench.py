@@ -56,7 +56,7 @@ def _train(fam: str, precision: str, res: int, batch: int, est: float, tag: str 
 
 
 def plan(fam: str) -> list[Item]:
-    """Everything measured for one family, most important first (the issue's targets lead).
+    """Everything measured for one family, most important first (the targets lead).
 
     FLUX's targets are at batch 4; the other families' (Qwen-Image's step time, every family's
     peak VRAM) at batch 1, so for them the batch-1 nf4 run, its export and its load check lead."""
@@ -405,7 +405,7 @@ def main() -> None:
     b.add_argument("--folder", required=True)
     b.add_argument("--counts", required=True)
     b.add_argument("--tiny", action="store_true")
-    p = sub.add_parser("report", help="results JSON files -> bench/RESULTS.md")
+    p = sub.add_parser("report", help="results JSON files -> bench/RESULTS.md and bench/APPENDIX.md")
     p.add_argument("files", nargs="+")
     p.add_argument("--write", default="")
     args = ap.parse_args()
@@ -415,8 +415,9 @@ def main() -> None:
     if args.cmd == "report":
         from bench.report import write_report
 
-        text = write_report([Path(f) for f in args.files])
-        Path(args.write).write_text(text) if args.write else print(text)
+        docs = write_report([Path(f) for f in args.files])
+        for name, text in docs.items():  # RESULTS.md at --write, the appendix beside it
+            Path(args.write).with_name(name).write_text(text) if args.write else print(text)
         return
     from stages.families import FAMILIES
 

@@ -1,4 +1,4 @@
-"""1 GPU against 2: FLUX LoRA training throughput and per-GPU peak memory through torchrun (issue 7).
+"""1 GPU against 2: FLUX LoRA training throughput and per-GPU peak memory through torchrun.
 
     python bench/multigpu.py run --out $OUT/multigpu.json            # on the 2-GPU machine
     python bench/multigpu.py run --tiny --out /tmp/multigpu.json     # the same plumbing on CPU (gloo)
@@ -180,7 +180,7 @@ def report(paths: list[Path]) -> str:
         runs.append(f"{', '.join(ran) or 'caches only'}: `{cmd}` on {data['meta'].get('gpus')} x "
                     f"{data['meta'].get('gpu')}, torch {data['meta'].get('torch')}, {data['meta'].get('date_utc')} UTC")
     data = files[-1]
-    lines = ["## Several GPUs: 1 vs 2 H200 (issue 7)", "",
+    lines = ["## Several GPUs: 1 vs 2 H200", "",
              "; ".join(runs) + ". FLUX.1-dev full-size transformer "
              f"(random bf16 weights), LoRA r16 on attention q/k/v/out, {RES} px, {TOKENS} text tokens, per-GPU "
              f"batch {BATCH}, gradient checkpointing, {STEPS} steps ({WARMUP} excluded from samples/s). 2 GPUs: "

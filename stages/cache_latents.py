@@ -38,11 +38,13 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
     return {"family": cfg.family, "model": src.identity(family.vae_components), "resolution": d.resolution,
             "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "cache_variants": d.cache_variants,
             "random_flip": d.random_flip, "crop": d.crop, "crop_zoom": d.crop_zoom, "background": d.background, "seed": cfg.seed,
-            "dtype": cfg.latents.dtype, "vae_precision": cfg.latents.vae_precision}
+            "dtype": cfg.latents.dtype, "vae_precision": cfg.latents.vae_precision,
+            # merged buckets depend on the batch they fill; off adds no key, so older caches stay valid
+            **({"bucket_merge": cfg.train.batch_size} if d.bucket_merge else {})}
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+    items = dataset.scan_data(cfg.data)
     return {**layout_parts(cfg), "images": sorted({it.image_id for it in items})}
 
 
@@ -65,13 +67,13 @@ def _pixels(image: Any, variants: list[dataset.Variant], bucket: tuple[int, int]
 
 def plan_images(cfg: Any, items: list[dataset.Item], buckets: list[tuple[int, int]], log: Any) -> tuple[dict, list, dict]:
     """image id -> (item, size, bucket) for readable images; skipped [(key, reason)]; duplicates."""
-    plan: dict[str, tuple[dataset.Item, tuple[int, int], tuple[int, int]]] = {}
+    found: dict[str, tuple[dataset.Item, tuple[int, int]]] = {}
     skipped, duplicates = [], defaultdict(list)
     for it in items:
-        if it.image_id in plan:
+        if it.image_id in found:
             duplicates[it.image_id].append(it.key)
             log.emit("warning", item=it.key, message=f"image '{it.key}' has the same bytes as "
-                     f"'{plan[it.image_id][0].key}': cached once, both items train on it with their own captions")
+                     f"'{found[it.image_id][0].key}': cached once, both items train on it with their own captions")
             continue
         try:
             size = dataset.image_size(it.image_path)
@@ -83,9 +85,13 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: list[tuple[int, in
             skipped.append((it.key, str(err)))
             log.emit("skipped", item=it.key, reason=str(err))
             continue
-        plan[it.image_id] = (it, size, dataset.assign_bucket(size, buckets))
-        for note in dataset.size_notes(it.key, size, plan[it.image_id][2], cfg.data.max_aspect):
-            log.emit("warning", item=it.key, message=note)
+        found[it.image_id] = (it, size)
+    fill = cfg.train.batch_size if cfg.data.bucket_merge else 0
+    assigned, notes = dataset.bucket_plan({i: (it.key, size) for i, (it, size) in found.items()}, buckets, fill,
+                                          cfg.data.max_aspect)
+    for key, note in notes:
+        log.emit("warning", item=key, message=note)
+    plan = {i: (it, size, assigned[i]) for i, (it, size) in found.items()}
     return plan, skipped, dict(duplicates)
 
 
@@ -139,15 +145,17 @@ def _seed_stores(todo: list, stores: dict, encode_image: Any) -> list:
 def run(cfg: Any) -> dict[str, Any]:
     import torch
 
+    from stages.core import memory
     from stages.core.runtime import install_model_trace, make_runtime, peak_vram_gb, reset_peak
     from stages.families import get_family
 
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
         family = get_family(cfg.family)
+        cfg, memory_plan = memory.plan_stage(cfg, family, NAME, ctx.log)  # the budget's VAE settings
         src = ModelSource(cfg.model, cfg.revision)
         src.check(family.vae_components)  # a mistyped model path fails here, before the cache is touched
-        items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+        items = dataset.scan_data(cfg.data, ctx.log)
         buckets, multiple = buckets_for(cfg, family, src)
         layout = layout_parts(cfg)
         layout_fp = fingerprint(layout)
@@ -169,6 +177,7 @@ def run(cfg: Any) -> dict[str, Any]:
             src.check(family.vae_components)
             ctx.log.emit("loading", component="vae")
             vae = family.load_vae(src, rt)
+            memory.apply_vae_plan(vae, memory_plan)  # sliced/tiled encode when the plan needs it
             norm = family.latent_normalization(vae)
             ctx.log.emit("loaded", component="vae", seconds=ctx.elapsed())
         else:

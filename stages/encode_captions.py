@@ -44,7 +44,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+    items = dataset.scan_data(cfg.data)
     return {**layout_parts(cfg), "captions": sorted({it.caption_id for it in items})}
 
 
@@ -59,13 +59,15 @@ def _open_store(path: Path, layout: dict[str, Any]) -> RowStore | None:
 def run(cfg: Any) -> dict[str, Any]:
     import torch
 
+    from stages.core import memory
     from stages.core.runtime import install_model_trace, make_runtime, peak_vram_gb, reset_peak
     from stages.families import get_family
 
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
         family = get_family(cfg.family)
-        items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+        cfg, _ = memory.plan_stage(cfg, family, NAME, ctx.log)  # the budget's precision and batch size
+        items = dataset.scan_data(cfg.data, ctx.log)
         texts = {it.caption_id: it.caption for it in items}
         parts = {**layout_parts(cfg), "captions": sorted(texts)}
         out = artifact_dir(cfg)

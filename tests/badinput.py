@@ -7,11 +7,17 @@ Images are drawn with PIL in the modes and containers real datasets contain: CMY
 PNG, palette and RGBA PNGs with transparency, grayscale, an EXIF-rotated JPEG, an image smaller
 than any bucket, an extreme aspect ratio, a byte-identical duplicate, a very long caption; and the
 broken ones: truncated, corrupt, zero-byte, not an image at all. Every image gets a caption file.
+
+Dataset-level cases (issue 14): paths that leave the dataset folder (symlinks to files outside,
+`../` and absolute metadata.jsonl names), files the scan leaves out or merges (a FIFO, a broken
+symlink, an unread format, two images sharing one caption), captions with a BOM or NUL bytes.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -143,7 +149,8 @@ def write_image_cases(folder: Path, long_caption_words: int = 120) -> dict[str, 
 
 def write_caption_case(folder: Path, case: str) -> Path:
     """One good image plus one image with a caption problem; returns the problem image's path.
-    case: 'missing' (no caption file), 'empty' (blank caption), 'not_utf8' (Latin-1 bytes)."""
+    case: 'missing' (no caption file), 'empty' (blank caption), 'not_utf8' (Latin-1 bytes),
+    'bom' (UTF-8 with a byte-order mark), 'nul' (a NUL byte inside the text)."""
     write_good_images(folder, 1)
     image = folder / f"{case}.png"
     image.write_bytes(png_bytes(quadrant_image(64, 64)))
@@ -152,6 +159,63 @@ def write_caption_case(folder: Path, case: str) -> Path:
         caption.write_text("  \n")
     elif case == "not_utf8":
         caption.write_bytes("une photo prise à l'été".encode("latin-1"))
+    elif case == "bom":
+        caption.write_bytes(b"\xef\xbb\xbf" + BOM_CAPTION.encode())
+    elif case == "nul":
+        caption.write_bytes(b"a red card\x00\x00 with a hidden tail")
     elif case != "missing":
         raise ValueError(case)
     return image
+
+
+BOM_CAPTION = "a card saved by Notepad"
+OUTSIDE_TEXT = "text of a file outside the dataset"
+# path cases: symlinks leaving the folder (allowed by data.follow_symlinks_outside) and metadata.jsonl
+# names leaving it (refused whatever the key says)
+SYMLINK_CASES = ("caption_symlink", "image_symlink")
+METADATA_CASES = ("metadata_parent", "metadata_absolute")
+
+
+def write_path_case(folder: Path, case: str) -> Path:
+    """One good image plus one whose image or caption lies outside `folder` (beside it); returns
+    the path the scan must name (the symlink, or metadata.jsonl)."""
+    write_good_images(folder, 1)
+    outside = folder.parent / f"outside-{folder.name}"
+    outside.mkdir(exist_ok=True)
+    secret, picture = outside / "secret.txt", outside / "x.png"
+    secret.write_text(OUTSIDE_TEXT)
+    picture.write_bytes(png_bytes(quadrant_image(64, 60)))
+    if case == "caption_symlink":
+        (folder / "x.png").write_bytes(png_bytes(quadrant_image(60, 60)))
+        (folder / "x.txt").symlink_to(secret)
+        return folder / "x.txt"
+    if case == "image_symlink":
+        (folder / "x.png").symlink_to(picture)
+        (folder / "x.txt").write_text("a picture that lives elsewhere")
+        return folder / "x.png"
+    name = {"metadata_parent": f"../{outside.name}/x.png", "metadata_absolute": str(picture)}[case]
+    rows = [{"file_name": "good_00.png", "text": "a good card"}, {"file_name": name, "text": "escaped"}]
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder / "metadata.jsonl"
+
+
+# files the scan leaves out or merges, each kind with the file names its warning must list
+DROPPED_CASES = {
+    "special": ("fifo.png", "broken.png"),
+    "format": ("anim.gif", "phone.heic"),
+    "shared": ("twin.png", "twin.jpg"),
+}
+
+
+def write_dropped_cases(folder: Path) -> dict[str, tuple[str, ...]]:
+    """Two good images plus every kind of DROPPED_CASES, each with a caption; returns DROPPED_CASES."""
+    write_good_images(folder, 2)
+    os.mkfifo(folder / "fifo.png")  # reading it would block: the scan must not open it
+    (folder / "broken.png").symlink_to(folder / "no-such-file.png")
+    (folder / "anim.gif").write_bytes(b"GIF89a" + bytes(32))
+    (folder / "phone.heic").write_bytes(bytes(32))
+    (folder / "twin.png").write_bytes(png_bytes(quadrant_image(64, 64)))
+    (folder / "twin.jpg").write_bytes(_jpeg(quadrant_image(64, 64)))
+    for stem in ("fifo", "broken", "anim", "phone", "twin"):
+        (folder / f"{stem}.txt").write_text(f"caption of {stem}")
+    return DROPPED_CASES

@@ -292,7 +292,7 @@ def test_single_file_offline_without_cached_base_says_how_to_get_it(tmp_path, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     src = ModelSource(str(tmp_path / "flux1-dev-tuned.safetensors"))
     assert src.base_source().ref == "black-forest-labs/FLUX.1-dev"
-    with pytest.raises(ModelError, match="hf download black-forest-labs/FLUX.1-dev"):
+    with pytest.raises(ModelError, match="`hf download black-forest-labs/FLUX.1-dev`"):
         src.load(FluxTransformer2DModel, "transformer")
     with pytest.raises(ModelError, match="not in the Hugging Face cache"):
         src.component_config("vae")

@@ -43,6 +43,7 @@ def test_types_and_choices_are_checked(tmp_path):
     msg = str(e.value)
     assert "'train.steps' must be an integer" in msg
     assert "'train.lr_scheduler' = 'cosinus' is not one of" in msg
+    assert "'train.batch_size' = 0 must be >= 1" in msg  # value errors are not hidden by the type errors
 
 
 def test_cli_overrides_win_over_the_file(tmp_path):
@@ -51,12 +52,6 @@ def test_cli_overrides_win_over_the_file(tmp_path):
     assert cfg.train.steps == 7 and cfg.train.target_modules == ["a", "b"] and cfg.run == "r2"
     with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
         load_config(p, {"train.step": 3})
-
-
-@pytest.mark.parametrize("preset", sorted(p.name for p in (ROOT / "configs").glob("*.toml")))
-def test_every_shipped_config_validates(preset):
-    cfg = load_config(ROOT / "configs" / preset)
-    assert cfg.model and cfg.run
 
 
 def test_help_does_not_import_torch():

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import re
 import tomllib
 import types
 import typing
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from stages.core.config_values import RANGES, value_errors
 from stages.core.errors import ConfigError
 
 
@@ -46,6 +49,11 @@ class DataConfig:
     """What cache-latents does with an unreadable image: stop with its name, or skip and list it."""
     background: str = "white"
     """Colour that transparency is composited on (a PIL colour name or #rrggbb)."""
+    follow_symlinks_outside: bool = False
+    """Read images and captions that are symlinks to files outside data.path (off: such a file is an error)."""
+    bucket_merge: bool = False
+    """Move the images of aspect buckets holding fewer than train.batch_size images to the nearest bucket
+    that holds enough, so batches fill (those images are cropped more); rebuilds latents.zarr."""
 
 
 @dataclass
@@ -77,6 +85,7 @@ class TrainConfig:
     lr_scheduler: Literal[
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = "constant"
+    """LR schedule after warmup (diffusers get_scheduler)."""
     lr_warmup_steps: int = 0
     """Linear warmup steps of the LR schedule (diffusers get_scheduler)."""
     lr_num_cycles: int = 1
@@ -86,9 +95,13 @@ class TrainConfig:
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     """adamw: torch AdamW (fused on CUDA); adamw8bit: bitsandbytes AdamW8bit."""
     adam_beta1: float = 0.9
+    """AdamW first-moment decay."""
     adam_beta2: float = 0.999
+    """AdamW second-moment decay."""
     adam_epsilon: float = 1e-8
+    """AdamW denominator epsilon."""
     weight_decay: float = 1e-4
+    """AdamW decoupled weight decay of the LoRA parameters."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the LoRA parameters (0: off)."""
     rank: int = 16
@@ -102,8 +115,11 @@ class TrainConfig:
     timestep_density: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
     """Flow families: how training timesteps are drawn (SD3 paper, sec. 3.1)."""
     logit_mean: float = 0.0
+    """logit_normal density: mean of the normal before the sigmoid."""
     logit_std: float = 1.0
+    """logit_normal density: standard deviation of the normal before the sigmoid."""
     mode_scale: float = 1.29
+    """mode density: how strongly timesteps gather at mid-range (SD3's default 1.29)."""
     shift: float = 1.0
     """Flow-matching timestep shift s' = shift*s / (1 + (shift-1)*s); 1.0 leaves sigmas as drawn."""
     dynamic_shift: bool = False
@@ -118,8 +134,8 @@ class TrainConfig:
     """DDPM families only."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward: much less memory, ~30% more compute."""
-    base_precision: Literal["auto", "nf4", "bf16", "fp32"] = "auto"
-    """auto: nf4 on CUDA, fp32 on CPU."""
+    base_precision: Literal["auto", "nf4", "bf16", "fp32", "fp8"] = "auto"
+    """auto: nf4 on CUDA, fp32 on CPU. fp8: e4m3 weights, fp8 matmuls (CUDA, compute capability >= 8.9)."""
     nf4_double_quant: bool = True
     """bitsandbytes double quantization of the nf4 scales."""
     compile_transformer: Literal["off", "on", "auto"] = "auto"
@@ -179,6 +195,12 @@ class SampleConfig:
 
 
 @dataclass
+class GpuConfig:  # read by stages/core/memory.py
+    vram_budget_gb: Literal["auto"] | float = "auto"
+    """GPU memory each stage may use: auto (free memory at stage start less a margin) or GB (a hard cap)."""
+
+
+@dataclass
 class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
@@ -200,6 +222,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -301,7 +324,10 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def build_config(data: dict[str, Any], source: str = "<config>") -> Config:
-    """Validate a nested dict (as parsed from TOML) into a Config; all errors reported together."""
+    """Validate a nested dict (as parsed from TOML) into a Config; type and value errors reported together.
+
+    A key whose type is wrong keeps its default while the values are checked, so every other key's
+    value error is still reported (and the wrong one only once)."""
     errors: list[str] = []
     top_hints = _hints(Config)
     kwargs: dict[str, Any] = {}
@@ -310,55 +336,31 @@ def build_config(data: dict[str, Any], source: str = "<config>") -> Config:
             if not isinstance(value, dict):
                 errors.append(f"'{key}' must be a table ([{key}])")
                 continue
-            section_cls = top_hints[key]
-            hints = _hints(section_cls)
-            sec_kwargs = {}
-            for sub, sub_value in value.items():
-                dotted = f"{key}.{sub}"
-                if sub not in hints:
-                    errors.append(f"unknown key '{dotted}'{_nearest(dotted)}")
-                    continue
-                try:
-                    sec_kwargs[sub] = _coerce(sub_value, hints[sub], dotted)
-                except ConfigError as e:
-                    errors.append(str(e))
-            kwargs[key] = section_cls(**sec_kwargs)
+            kwargs[key] = top_hints[key](**_coerced(value, _hints(top_hints[key]), f"{key}.", errors))
         elif key in top_hints:
-            try:
-                kwargs[key] = _coerce(value, top_hints[key], key)
-            except ConfigError as e:
-                errors.append(str(e))
+            kwargs.update(_coerced({key: value}, top_hints, "", errors))
         else:
             errors.append(f"unknown key '{key}'{_nearest(key)}")
-    cfg = Config(**kwargs) if not errors else None
-    if cfg is not None:
-        errors += _check_values(cfg)
+    cfg = Config(**kwargs)
+    errors += value_errors(cfg)
     if errors:
         raise ConfigError(f"{source}: " + ("\n  " if len(errors) > 1 else "") + "\n  ".join(errors))
-    assert cfg is not None
     return cfg
 
 
-def _check_values(cfg: Config) -> list[str]:
-    from stages.families import FAMILIES
-
-    errors = []
-    if cfg.family not in FAMILIES:
-        errors.append(f"'family' = {cfg.family!r} is not one of {', '.join(sorted(FAMILIES))}")
-    positive = ["data.resolution", "data.cache_variants", "captions.max_sequence_length",
-                "captions.batch_size", "train.steps", "train.batch_size", "train.rank"]
-    for key in positive:
-        if cfg.section(key) <= 0:
-            errors.append(f"'{key}' must be > 0, got {cfg.section(key)}")
-    if cfg.train.learning_rate <= 0:
-        errors.append(f"'train.learning_rate' must be > 0, got {cfg.train.learning_rate}")
-    if cfg.train.shift <= 0:
-        errors.append(f"'train.shift' must be > 0, got {cfg.train.shift}")
-    if not cfg.run or "/" in cfg.run or cfg.run.startswith("."):
-        errors.append(f"'run' = {cfg.run!r} must be a plain folder name")
-    if not cfg.model:
-        errors.append("'model' is empty: set it to a diffusers pipeline folder or a hub id")
-    return errors
+def _coerced(values: dict[str, Any], hints: dict[str, Any], prefix: str, errors: list[str]) -> dict[str, Any]:
+    """The values that pass their type check, converted; each failure appended to `errors`."""
+    out = {}
+    for name, value in values.items():
+        dotted = prefix + name
+        if name not in hints:
+            errors.append(f"unknown key '{dotted}'{_nearest(dotted)}")
+            continue
+        try:
+            out[name] = _coerce(value, hints[name], dotted)
+        except ConfigError as e:
+            errors.append(str(e))
+    return out
 
 
 def _nested(flat: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +384,10 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read a TOML preset (or none) and apply dotted-key overrides (CLI flags win over the file)."""
+    """Read a TOML preset (or none) and apply dotted-key overrides (CLI flags win over the file).
+
+    A relative `model` or `data.path` in the file is relative to the file's folder (so a config runs
+    the same from any working directory); overrides stay relative to the working directory."""
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -394,6 +399,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        _resolve_paths(data, p.parent)
         base = data.pop("include", None)
         if base is not None:
             parent = load_config(p.parent / base).to_dict()
@@ -403,22 +409,57 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     return build_config(data, source)
 
 
-def describe_keys() -> list[tuple[str, str, str]]:
-    """(dotted key, default, doc) for every key; the README and `pipeline.py keys` use it."""
-    import ast
-    import inspect
+# A hub repo id: "name" or "namespace/name" (huggingface_hub's validate_repo_id allows [\w.-]).
+HUB_ID = re.compile(r"^[\w][\w.-]*(/[\w.-]+)?$")
 
+
+def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
+    """Make the file's relative `data.path` and local `model` absolute, from the file's folder."""
+    model = data.get("model")
+    if isinstance(model, str) and model:
+        local = _absolute(model, folder)
+        # a relative ref that is no folder beside the config and reads as a repo id stays a hub id
+        is_hub = not Path(local).exists() and not model.startswith((".", "~")) and HUB_ID.match(model)
+        data["model"] = model if is_hub else local
+    section = data.get("data")
+    if isinstance(section, dict) and isinstance(section.get("path"), str) and section["path"]:
+        section["path"] = _absolute(section["path"], folder)
+
+
+def _absolute(path: str, folder: Path) -> str:
+    p = Path(path).expanduser()
+    return p.as_posix() if p.is_absolute() else os.path.abspath(folder / p)
+
+
+def describe_keys() -> list[tuple[str, str, str, str]]:
+    """(dotted key, default, choices, meaning) for every key: `choices` lists an enumerated key's
+    values ('a' | 'b') or a number's valid range (>= 1), else ''. `pipeline.py keys` prints it."""
     rows = []
     for cls, prefix in [(Config, "")] + [(_hints(Config)[s], f"{s}.") for s in sorted(SECTIONS)]:
-        docs: dict[str, str] = {}
-        tree = ast.parse(inspect.getsource(cls))
-        body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:] + [None]):
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)  # type: ignore[union-attr]
+        docs = _field_docs(cls)
+        hints = _hints(cls)
         for f in dataclasses.fields(cls):
             if f.name in SECTIONS:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            rows.append((prefix + f.name, repr(default), docs.get(f.name, "")))
+            rows.append((prefix + f.name, repr(default), _choices(prefix + f.name, hints[f.name]), docs.get(f.name, "")))
     return rows
+
+
+def _choices(key: str, tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return str(RANGES[key]) if key in RANGES else ""
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (the string literal that follows it)."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return docs

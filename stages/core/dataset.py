@@ -4,6 +4,12 @@ An item is one (image, caption) pair. Its ids are content hashes: `image_id` of 
 `caption_id` of the caption text. Caches are keyed by these ids, never by position, so a shuffled
 loader can never pair a latent with the wrong caption, and an edited caption or added image touches
 only its own rows.
+
+Reads stay inside the dataset folder: every image and caption path must resolve inside it (a
+metadata.jsonl `file_name` must be relative and may not climb out with `..`); a symlink to a file
+elsewhere is refused unless `data.follow_symlinks_outside = true`. Files the scan leaves out or
+merges (an unread format, a FIFO, a broken symlink, two images sharing one caption) are reported
+through `warn`, one warning per kind that names the files.
 """
 
 from __future__ import annotations
@@ -12,14 +18,27 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import random
+import stat
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from stages.core.errors import DatasetError
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+# Image formats that are not read (GIF is mostly animation; HEIC, AVIF and JPEG XL need PIL plugins;
+# the rest are raw, vector or layered): such a file with a caption beside it is left out with a warning.
+UNREAD_IMAGE_EXTS = (".gif", ".heic", ".heif", ".avif", ".jxl", ".svg", ".ico", ".psd", ".tga", ".jp2",
+                     ".exr", ".hdr", ".dng", ".cr2", ".nef", ".arw")
+OUTSIDE_HINT = "move the file into the dataset folder, or set data.follow_symlinks_outside = true to read it there"
+# An image whose bytes cannot be read gets this id instead of a content hash, so that cache-latents
+# meets the read error again and applies data.on_bad_image to it like any other broken image.
+UNREADABLE_ID_PREFIX = "unreadable-"
+
+Warn = Callable[[str, "str | None"], None]  # (message, item key or None when it names several files)
 
 
 class BadImage(DatasetError):
@@ -43,59 +62,184 @@ def caption_id(text: str) -> str:
     return content_id(text.encode("utf-8"))
 
 
-def _read_caption(path: Path) -> str:
+def _image_id(path: Path) -> str:
     try:
-        text = path.read_bytes().decode("utf-8")
+        return content_id(path.read_bytes())
+    except OSError:
+        return UNREADABLE_ID_PREFIX + content_id(str(path).encode())[:13]
+
+
+def _file_problem(path: Path) -> str | None:
+    """Why `path` is not a readable regular file ("does not exist", "is a FIFO", ...), or None.
+    Only stats the path: opening a FIFO would block the scan."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    if stat.S_ISLNK(mode):
+        if not path.exists():
+            return f"is a broken symlink (to '{os.readlink(path)}')"
+        mode = path.stat().st_mode
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    return None if stat.S_ISREG(mode) else "is not a regular file (a FIFO, socket or device)"
+
+
+def _check_inside(root: Path, path: Path, follow_outside: bool) -> None:
+    real = path.resolve()
+    if not follow_outside and not real.is_relative_to(root.resolve()):
+        raise DatasetError(f"'{path}' resolves to '{real}', outside the dataset folder '{root}': {OUTSIDE_HINT}")
+
+
+def _decode(data: bytes, what: str) -> str:
+    """UTF-8 text with a leading BOM stripped; NUL bytes (a binary file, or UTF-16) refused."""
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DatasetError(f"caption '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); re-save it as UTF-8") from None
-    text = text.strip()
+        raise DatasetError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start}); re-save it as UTF-8") from None
+    if "\x00" in text:
+        raise DatasetError(f"{what} contains NUL bytes at offset {text.index(chr(0))} (binary, or UTF-16 text); "
+                           f"re-save it as UTF-8 text")
+    return text.removeprefix("\ufeff")
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DatasetError(f"{what} cannot be read ({e.strerror or e}): fix its permissions or remove it") from None
+    return _decode(data, what)
+
+
+def _read_caption(path: Path) -> str:
+    text = _read_text(path, f"caption '{path}'").strip()
     if not text:
         raise DatasetError(f"caption '{path}' is empty; write a caption or remove the image")
     return text
 
 
-def _from_metadata(root: Path, meta: Path) -> list[tuple[Path, str]]:
+class _Dropped:
+    """Files the scan leaves out or merges, by kind: one warning per kind, naming the files."""
+
+    MESSAGES = {
+        "format": "images in a format that is not read ({exts}) have captions and are left out: {files}; "
+                  "convert them to PNG, JPEG or WebP",
+        "special": "image names that are not readable files are left out: {files}",
+        "shared": "images share one caption file and both train with it: {files}; give each image its own caption",
+    }
+
+    def __init__(self) -> None:
+        self.files: dict[str, list[tuple[str, str]]] = defaultdict(list)  # kind -> [(item key, how it is named)]
+
+    def add(self, kind: str, key: str, named: str | None = None) -> None:
+        self.files[kind].append((key, named or f"'{key}'"))
+
+    def report(self, warn: Warn | None) -> None:
+        exts = ", ".join(sorted({Path(key).suffix.lower() for key, _ in self.files["format"]}))
+        for kind, files in self.files.items():
+            if warn is not None and files:
+                message = self.MESSAGES[kind].format(exts=exts, files=listing([named for _, named in files]))
+                warn(message, files[0][0] if len(files) == 1 else None)
+
+
+def _metadata_path(root: Path, name: Any, where: str) -> Path:
+    """root / file_name, refusing a name that is not a relative path inside the root."""
+    if not isinstance(name, str) or not name.strip():
+        raise DatasetError(f"{where}: 'file_name' must be a non-empty string (a path relative to '{root}')")
+    rel = os.path.normpath(name)
+    if os.path.isabs(name) or rel == ".." or rel.startswith(".." + os.sep):
+        raise DatasetError(f"{where}: file_name '{name}' is not inside the dataset folder '{root}': write it relative "
+                           f"to that folder; for a file elsewhere, symlink it into the folder and set "
+                           f"data.follow_symlinks_outside = true")
+    return root / rel
+
+
+def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> list[tuple[Path, str]]:
+    _check_inside(root, meta, follow_outside)
     pairs = []
-    for n, line in enumerate(meta.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_read_text(meta, f"metadata file '{meta}'").splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{meta}:{n}"
         try:
             row = json.loads(line)
             name, text = row["file_name"], row["text"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DatasetError(f"{meta}:{n}: each line must be a JSON object with 'file_name' and 'text' ({e})") from None
+            raise DatasetError(f"{where}: each line must be a JSON object with 'file_name' and 'text' ({e})") from None
         if not isinstance(text, str) or not text.strip():
-            raise DatasetError(f"{meta}:{n}: empty caption for '{name}'")
-        path = root / name
-        if not path.is_file():
-            raise DatasetError(f"{meta}:{n}: image '{path}' does not exist")
-        pairs.append((path, text.strip()))
+            raise DatasetError(f"{where}: empty caption for '{name}'")
+        path = _metadata_path(root, name, where)
+        problem = _file_problem(path)
+        if problem:
+            raise DatasetError(f"{where}: image '{path}' {problem}")
+        _check_inside(root, path, follow_outside)
+        pairs.append((path, _decode(text.encode("utf-8"), f"{where}: the caption of '{name}'").strip()))
     return pairs
 
 
-def _from_folder(root: Path, caption_ext: str) -> list[tuple[Path, str]]:
+def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path]:
+    """Regular files with an image extension under root; the left-out ones go to `dropped`."""
+    images = []
+    for path in sorted(root.rglob("*")):
+        suffix = path.suffix.lower()
+        key = path.relative_to(root).as_posix()
+        if suffix in IMAGE_EXTS:
+            problem = _file_problem(path)
+            if problem is None:
+                images.append(path)
+            elif problem != "is a folder":
+                dropped.add("special", key, f"'{key}' ({problem.removeprefix('is ')})")
+        elif suffix in UNREAD_IMAGE_EXTS and os.path.lexists(path.with_suffix(caption_ext)):
+            dropped.add("format", key)
+    by_caption = defaultdict(list)
+    for path in images:
+        by_caption[path.with_suffix(caption_ext)].append(path.relative_to(root).as_posix())
+    for cap, keys in by_caption.items():
+        if len(keys) > 1 and os.path.lexists(cap):
+            dropped.add("shared", keys[0], " and ".join(f"'{k}'" for k in keys) + f" ('{cap.name}')")
+    return images
+
+
+def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _Dropped) -> list[tuple[Path, str]]:
     pairs = []
-    for path in sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS and p.is_file()):
+    for path in _listed_images(root, caption_ext, dropped):
+        _check_inside(root, path, follow_outside)
         cap = path.with_suffix(caption_ext)
-        if not cap.is_file():
+        problem = _file_problem(cap)
+        if problem == "does not exist":
             raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")
+        if problem:
+            raise DatasetError(f"caption '{cap}' {problem}; make it a text file or move the image out")
+        _check_inside(root, cap, follow_outside)
         pairs.append((path, _read_caption(cap)))
     return pairs
 
 
-def scan(root: str | Path, caption_ext: str = ".txt") -> list[Item]:
-    """All items under root, sorted by key: metadata.jsonl if present, else image + same-stem caption."""
+def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside: bool = False,
+         warn: Warn | None = None) -> list[Item]:
+    """All items under root, sorted by key: metadata.jsonl if present, else image + same-stem caption.
+    `warn(message, item)` hears of files left out or merged, once per kind."""
     root = Path(root)
     if not root.is_dir():
         raise DatasetError(f"dataset folder '{root}' does not exist (set data.path)")
     meta = root / "metadata.jsonl"
-    pairs = _from_metadata(root, meta) if meta.is_file() else _from_folder(root, caption_ext)
+    dropped = _Dropped()
+    if meta.is_file():
+        pairs = _from_metadata(root, meta, follow_symlinks_outside)
+    else:
+        pairs = _from_folder(root, caption_ext, follow_symlinks_outside, dropped)
+    dropped.report(warn)
     if not pairs:
         raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) with captions")
-    items = []
-    for path, text in pairs:
-        items.append(Item(path.relative_to(root).as_posix(), path, text, content_id(path.read_bytes()), caption_id(text)))
+    items = [Item(path.relative_to(root).as_posix(), path, text, _image_id(path), caption_id(text))
+             for path, text in pairs]
     return sorted(items, key=lambda it: it.key)
+
+
+def scan_data(data: Any, log: Any = None) -> list[Item]:
+    """scan() with a run's DataConfig; warnings go to the stage's event log when one is given."""
+    warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
+    return scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn)
 
 
 # ---- buckets ---------------------------------------------------------------------------------
@@ -115,10 +259,67 @@ def make_buckets(resolution: int, multiple: int, max_aspect: float) -> list[tupl
     return sorted(b for b in buckets if b[0] * b[1] >= 0.8 * area)
 
 
+def _log_aspect(size: tuple[int, int]) -> float:
+    return math.log(size[0] / size[1])
+
+
 def assign_bucket(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
     """Bucket whose aspect ratio is nearest (in log space) to the image's (width, height)."""
-    ar = math.log(size[0] / size[1])
-    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - ar), -b[0] * b[1]))
+    ar = _log_aspect(size)
+    return min(buckets, key=lambda b: (abs(_log_aspect(b) - ar), -b[0] * b[1]))
+
+
+def merge_buckets(sizes: dict[str, tuple[int, int]], buckets: list[tuple[int, int]],
+                  fill: int) -> dict[str, tuple[int, int]]:
+    """image id -> bucket such that every used bucket can fill a batch of `fill` (data.bucket_merge).
+
+    Images first go to their nearest bucket. While no bucket holds `fill` images, the emptiest
+    occupied bucket is folded into the occupied bucket nearest its aspect. Then every image of a
+    bucket holding fewer than `fill` moves to the bucket nearest its own aspect among those holding at
+    least `fill`. Pure and ordered: the same sizes give the same plan. With fewer than `fill` images
+    in all nothing can fill a batch, and images stay in their nearest bucket."""
+    assigned = {i: assign_bucket(s, buckets) for i, s in sorted(sizes.items())}
+    if fill <= 1 or len(assigned) < fill:
+        return assigned
+    counts = Counter(assigned.values())
+    while max(counts.values()) < fill:
+        emptiest = min(counts, key=lambda b: (counts[b], b))
+        n = counts.pop(emptiest)
+        target = assign_bucket(emptiest, sorted(counts))
+        counts[target] += n
+        assigned = {i: target if b == emptiest else b for i, b in assigned.items()}
+    full = sorted(b for b, c in counts.items() if c >= fill)
+    return {i: b if counts[b] >= fill else assign_bucket(sizes[i], full) for i, b in assigned.items()}
+
+
+def bucket_plan(images: dict[str, tuple[str, tuple[int, int]]], buckets: list[tuple[int, int]], fill: int,
+                max_aspect: float) -> tuple[dict[str, tuple[int, int]], list[tuple[str | None, str]]]:
+    """image id -> bucket for images {id: (key, size)}, merged so buckets fill batches of `fill`
+    when fill > 1 (0: nearest bucket only); and the (item key, warning) pairs: size notes and, after
+    a merge, which images moved and how much of each the crop keeps."""
+    assigned = merge_buckets({i: size for i, (_, size) in images.items()}, buckets, fill)
+    notes: list[tuple[str | None, str]] = [
+        (key, note) for i, (key, size) in sorted(images.items(), key=lambda kv: kv[1][0])
+        for note in size_notes(key, size, assigned[i], max_aspect)]
+    moved = [f"'{key}' {size[0]}x{size[1]} to {bucket_name(assigned[i])} (keeps {kept_fraction(size, assigned[i]):.0%})"
+             for i, (key, size) in sorted(images.items(), key=lambda kv: kv[1][0])
+             if assigned[i] != assign_bucket(size, buckets)]
+    if moved:
+        notes.append((None, f"data.bucket_merge moved {len(moved)} images into buckets holding at least {fill}, "
+                            f"cropping more of them: {listing(moved)}"))
+    return assigned, notes
+
+
+def kept_fraction(size: tuple[int, int], bucket: tuple[int, int]) -> float:
+    """Share of an image that a crop to `bucket` keeps (the image is first resized to cover it)."""
+    (w, h), (bw, bh) = size, bucket
+    scale = max(bw / w, bh / h)
+    return bw * bh / (w * scale * h * scale)
+
+
+def listing(names: list[str], most: int = 8) -> str:
+    """'a, b, c' or 'a, ..., h and 4 more': a warning names files without growing without bound."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def bucket_name(bucket: tuple[int, int]) -> str:
@@ -135,8 +336,7 @@ def size_notes(key: str, size: tuple[int, int], bucket: tuple[int, int], max_asp
     notes = []
     aspect = max(w / h, h / w)
     if aspect > max_aspect + 1e-6:
-        scale = max(bw / w, bh / h)
-        kept = bw * bh / (w * scale * h * scale)
+        kept = kept_fraction(size, bucket)
         notes.append(f"image '{key}' is {w}x{h}, aspect {aspect:.1f}:1 beyond data.max_aspect = {max_aspect}: "
                      f"cropped to bucket {bw}x{bh}, keeping {kept:.0%} of it (crop it yourself or raise data.max_aspect)")
     if max(bw / w, bh / h) > UPSCALE_WARNING:
@@ -190,27 +390,32 @@ def _open_image(path: Path) -> Iterator[Any]:
     names the file, the reason and what to do."""
     from PIL import Image, UnidentifiedImageError
 
-    if path.stat().st_size == 0:
-        raise BadImage(f"image '{path}' is an empty (zero-byte) file: {BAD_IMAGE_HINT}")
     try:
-        with Image.open(path) as im:
-            yield im
-    except UnidentifiedImageError:
-        kind = _signature(path)
-        what = f"starts like a {kind} but is corrupt" if kind else "is not an image (or in a format PIL cannot read)"
-        raise BadImage(f"'{path}' {what}: {BAD_IMAGE_HINT}") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise BadImage(f"image '{path}' is truncated or corrupt ({e}): {BAD_IMAGE_HINT}") from None
+        f = open(path, "rb")
+    except OSError as e:  # permission denied, removed since the scan, ...
+        raise BadImage(f"image '{path}' cannot be read ({e.strerror or e}): fix its permissions, {BAD_IMAGE_HINT}") from None
+    with f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise BadImage(f"image '{path}' is an empty (zero-byte) file: {BAD_IMAGE_HINT}")
+        try:
+            with Image.open(f) as im:
+                yield im
+        except UnidentifiedImageError:
+            kind = _signature(f)
+            what = f"starts like a {kind} but is corrupt" if kind else "is not an image (or in a format PIL cannot read)"
+            raise BadImage(f"'{path}' {what}: {BAD_IMAGE_HINT}") from None
+        except (OSError, SyntaxError, ValueError) as e:
+            raise BadImage(f"image '{path}' is truncated or corrupt ({e}): {BAD_IMAGE_HINT}") from None
 
 
 _SIGNATURES = {b"\xff\xd8\xff": "JPEG", b"\x89PNG": "PNG", b"GIF8": "GIF", b"BM": "BMP", b"II*\x00": "TIFF",
                b"MM\x00*": "TIFF", b"RIFF": "WebP"}
 
 
-def _signature(path: Path) -> str | None:
-    """The image format a file's first bytes claim, if any (tells 'corrupt' from 'not an image')."""
-    with open(path, "rb") as f:
-        head = f.read(8)
+def _signature(f: Any) -> str | None:
+    """The image format an open file's first bytes claim, if any (tells 'corrupt' from 'not an image')."""
+    f.seek(0)
+    head = f.read(8)
     return next((kind for magic, kind in _SIGNATURES.items() if head.startswith(magic)), None)
 
 

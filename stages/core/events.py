@@ -5,6 +5,8 @@ Every stage appends one JSON object per line to artifacts/<run>/events.jsonl, ea
 `write` on an O_APPEND file, so concurrent stages never interleave inside a line.
 
 Progress: a rich bar with rate and ETA on a terminal; plain periodic lines otherwise (CI, logs).
+Warnings and skipped inputs are printed to stderr as they happen (above a live bar), and a stage's
+`done` event ends with a one-line summary (counts, warnings, where the output is).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ EVENT_TYPES = {
     "done": "stage finished (seconds, plus stage summary fields)",
     "up_to_date": "stage skipped because its manifest matches (fingerprint)",
     "error": "stage failed (message, item when one input caused it)",
+    "plan": "a stage's memory plan (budget, chosen settings, predicted peak; stages/core/memory.py)",
     "sample": "a sample grid was rendered, base vs LoRA (path, prompts, seeds, adapter)",
 }
 
@@ -57,6 +60,9 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
     "up_to_date": {"required": {}, "optional": {"fingerprint": "string"}},
     "error": {"required": {"message": "string"},
               "optional": {"item": ["string", "null"], "type": "string", "rank": "integer"}},
+    "plan": {"required": {"budget_gb": ["number", "null"], "budget_source": "string", "settings": "object",
+                          "predicted_peak_gb": "number", "fits": "boolean"},
+             "optional": {"note": "string"}},
     "sample": {"required": {"path": "string", "prompts": "array", "seeds": "array", "adapter": "string"},
                "optional": {"seconds": "number"}},
 }
@@ -108,9 +114,13 @@ def _clean(v: Any) -> Any:
 
 
 class EventLog:
+    """Appends events to <run_dir>/events.jsonl; warnings, skipped inputs and the stage's end are also
+    shown on stderr as they happen (`terminal_line`)."""
+
     def __init__(self, run_dir: Path, run: str, stage: str, enabled: bool = True):
-        self.path = run_dir / "events.jsonl"
+        self.run_dir, self.path = run_dir, run_dir / "events.jsonl"
         self.run, self.stage, self.enabled = run, stage, enabled
+        self.warnings = 0  # warning and skipped events so far, for the end-of-stage summary
         run_dir.mkdir(parents=True, exist_ok=True)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
@@ -124,7 +134,70 @@ class EventLog:
                 os.write(fd, line)
             finally:
                 os.close(fd)
+            self.warnings += event in ("warning", "skipped")
+            shown = terminal_line(record, self.warnings, self.run_dir)
+            if shown is not None:
+                from rich.text import Text
+
+                stderr_console().print(Text(*shown))
         return record
+
+
+_STYLES = {"warning": "yellow", "skipped": "yellow", "done": "green", "error": "red"}
+
+
+def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple[str, str] | None:
+    """(text, rich style) of what stderr shows for an event, or None: warnings and skipped inputs as
+    they happen; at the end, a summary built from the `done` event's fields (or the failure; its
+    message is the CLI's one error line)."""
+    event, stage = record["event"], record["stage"]
+    if event == "warning":
+        text = f"warning: {record['message']}"
+    elif event == "skipped":
+        text = f"skipped '{record['item']}': {record['reason']}"
+    elif event == "done":
+        text = f"{stage} done in {record['seconds']:.1f} s: " + "; ".join(_summary_parts(record, warnings, run_dir))
+    elif event == "error":
+        text = f"{stage} failed ({_count(warnings, 'warning')} before it; events in {run_dir / 'events.jsonl'})"
+    else:
+        return None
+    return text, _STYLES[event]
+
+
+def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[str]:
+    parts = []
+    if "total" in done:
+        parts.append(f"{done.get('encoded', 0)} of {done['total']} encoded this run")
+    if done.get("skipped"):
+        parts.append(f"{_count(done['skipped'], 'input')} skipped")
+    if "step" in done:
+        loss = (f", loss {done['loss_first']:.4g} -> {done['loss_last']:.4g}"
+                if isinstance(done.get("loss_first"), float) and isinstance(done.get("loss_last"), float) else "")
+        parts.append(f"step {done['step']}{loss}")
+    if "images" in done:
+        parts.append(_count(done["images"], "image"))
+    parts.append(_count(warnings, "warning") + (" (above, and in events.jsonl)" if warnings else ""))
+    files = done.get("files") or []
+    parts.append(f"output: {', '.join(map(str, files))}" if files else f"output in {run_dir}")
+    return parts
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+_CONSOLE: Any = None
+
+
+def stderr_console() -> Any:
+    """The one rich console on stderr: progress bars draw on it, and event lines printed through it
+    appear above a live bar. Never wraps (log files keep one event per line)."""
+    global _CONSOLE
+    if _CONSOLE is None:
+        from rich.console import Console
+
+        _CONSOLE = Console(stderr=True, highlight=False, soft_wrap=True)
+    return _CONSOLE
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
@@ -151,7 +224,7 @@ class Progress:
 
             self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                     TextColumn("{task.fields[info]}"), transient=False)
+                                     TextColumn("{task.fields[info]}"), transient=False, console=stderr_console())
             self._bar.start()
             self._task = self._bar.add_task(self.label, total=self.total, rate="", info="")
         else:

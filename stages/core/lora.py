@@ -22,6 +22,10 @@ def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt
     """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration."""
     from stages.core.runtime import require_cuda_for_nf4
 
+    if precision == "fp8":  # e4m3 base weights (stages/core/fp8.py)
+        from stages.core.fp8 import load_fp8_denoiser
+
+        return load_fp8_denoiser(cls, src, subfolder, rt.device)
     kwargs: dict[str, Any] = {"torch_dtype": rt.dtype}
     require_cuda_for_nf4("train.base_precision", precision, rt)
     if precision != "nf4" and rt.is_cuda and importlib.util.find_spec("accelerate") is not None:

@@ -62,6 +62,7 @@ class ModelSource:
             self.base_source().check(tuple(c for c in components if c not in SINGLE_FILE_COMPONENTS))
             return
         if not self.is_local:
+            require_hub(self.ref)
             return
         if not self.path.is_dir():
             raise ModelError(
@@ -85,6 +86,8 @@ class ModelSource:
             return self.base_source().load(cls, subfolder, **kwargs)
         if self.revision:
             kwargs["revision"] = self.revision
+        if not self.is_local:
+            require_hub(self.ref)
         try:
             return cls.from_pretrained(str(self.path) if self.is_local else self.ref, subfolder=subfolder, **kwargs)
         except OSError as e:
@@ -118,6 +121,8 @@ class ModelSource:
             return base.load_pipeline(cls, **kwargs)
         if self.revision:
             kwargs["revision"] = self.revision
+        if not self.is_local:
+            require_hub(self.ref)
         try:
             return cls.from_pretrained(str(self.path) if self.is_local else self.ref, **kwargs)
         except OSError as e:
@@ -132,6 +137,7 @@ class ModelSource:
         else:
             from huggingface_hub import hf_hub_download
 
+            require_hub(self.ref)
             try:
                 path = Path(hf_hub_download(self.ref, f"{subfolder}/{name}" if subfolder else name,
                                             revision=self.revision or None))
@@ -175,6 +181,42 @@ def _file_edges(path: Path) -> str:
         fh.seek(max(0, size - (1 << 20)))
         h.update(fh.read(1 << 20))
     return h.hexdigest()
+
+
+# Without a network, huggingface_hub retries each file 5 times with backoff (~30-50 s per stage);
+# one HEAD request with this timeout tells first. Seconds; LORAPIPE_HUB_TIMEOUT overrides it.
+HUB_PROBE_TIMEOUT_S = 5.0
+_hub_problem: dict[str, str] = {}  # endpoint -> why it is unreachable ("" when reachable): one probe a process
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (1/ON/YES/TRUE)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def require_hub(ref: str) -> None:
+    """Fail at once, naming the way offline, when hub id `ref` would be fetched from an unreachable hub
+    (nothing to do when HF_HUB_OFFLINE is set: then the library reads only its cache)."""
+    if hub_offline():
+        return
+    from huggingface_hub import constants, get_session, try_to_load_from_cache
+
+    endpoint = constants.ENDPOINT
+    if endpoint not in _hub_problem:
+        timeout = float(os.environ.get("LORAPIPE_HUB_TIMEOUT", HUB_PROBE_TIMEOUT_S))
+        try:
+            get_session().head(endpoint, timeout=timeout)
+            _hub_problem[endpoint] = ""
+        except Exception as e:  # noqa: BLE001 - connect errors and timeouts come in many types
+            _hub_problem[endpoint] = f"{type(e).__name__}: {e}"
+    if not _hub_problem[endpoint]:
+        return
+    cached = isinstance(try_to_load_from_cache(ref, "model_index.json"), str)
+    fix = (f"'{ref}' is in the local Hugging Face cache: set HF_HUB_OFFLINE=1 to use it"
+           if cached else f"download it on a machine with network (`hf download {ref}`), copy "
+           f"~/.cache/huggingface here and set HF_HUB_OFFLINE=1")
+    raise ModelError(f"model '{ref}' is a hub id, but {endpoint} cannot be reached ({_hub_problem[endpoint]}): {fix}; "
+                     f"or point 'model' at a local diffusers folder")
 
 
 def _offline_hint(ref: str, error: BaseException) -> str:

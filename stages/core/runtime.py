@@ -10,12 +10,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from stages.core.errors import ResourceError
 
 
 @dataclass
@@ -33,7 +37,8 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device = 'cuda' but torch sees no CUDA GPU; set device = 'auto' or 'cpu'")
+        raise ResourceError("device = 'cuda' but torch sees no CUDA GPU (check `nvidia-smi` and that torch is a "
+                            "CUDA build); set device = 'auto' or 'cpu'")
     return torch.device(name)
 
 
@@ -54,7 +59,7 @@ def precision_dtype(precision: str, device: torch.device) -> torch.dtype:
     """Dense compute dtype for a precision name ('auto': bf16 on CUDA, fp32 on CPU)."""
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "nf4": torch.bfloat16}[precision]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "nf4": torch.bfloat16, "fp8": torch.bfloat16}[precision]
 
 
 def _flags() -> dict[str, Any]:
@@ -109,9 +114,7 @@ def require_cuda_for_nf4(key: str, value: str, rt: Runtime) -> None:
     """nf4 on a machine without CUDA is an error, not a silent fallback: the user asked for 4-bit
     weights (memory), and fp32 on CPU would need ~8x the memory they planned for."""
     if value == "nf4" and not rt.is_cuda:
-        from stages.core.errors import UserError
-
-        raise UserError(f"{key} = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit weights), but this stage runs on "
+        raise ResourceError(f"{key} = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit weights), but this stage runs on "
                         f"{rt.device.type}. Set {key} = 'auto' (bf16 on CUDA, fp32 on CPU) or 'fp32'.")
 
 
@@ -132,9 +135,76 @@ def peak_vram_gb(rt: Runtime) -> dict[str, float]:
             "reserved": round(torch.cuda.max_memory_reserved(rt.device) / 2**30, 3)}
 
 
+# Library messages a user of this tool cannot act on, silenced at the logger that emits them.
+QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
+    # the optional `kernels` package (a faster CPU 4-bit gemm); bitsandbytes' own CPU path runs instead
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+    # image processors of pipelines we never run on images; the PIL fallback is what we would use
+    "transformers.utils.import_utils": ("requires torchvision (not installed); falling back",),
+    "transformers.modeling_utils": ("`torch_dtype` is deprecated",),
+    # encode-captions tokenizes untruncated to count tokens, then truncates (and warns itself)
+    "transformers.tokenization_utils_base": ("Token indices sequence length is longer",),
+    # an exported FLUX/SDXL LoRA trains only the denoiser, so the text encoders have no keys by design
+    "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
+    "diffusers.loaders.peft": ("No LoRA keys associated to",),
+    "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
+}
+# (message regex, category, module regex) of Python warnings silenced the same way.
+QUIET_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    (r"`torch_dtype` is deprecated", FutureWarning, r"diffusers\."),
+    # the sample stage adds the trained adapter beside the base pipeline's; that is the point
+    (r"Already found a `peft_config` attribute", UserWarning, r"peft\."),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, fragments: tuple[str, ...]):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
+
+
+def verbose_requested() -> bool:
+    """`--verbose` (the CLI sets LORAPIPE_VERBOSE=1) or LORAPIPE_DEBUG=1."""
+    return any(os.environ.get(k, "") not in ("", "0") for k in ("LORAPIPE_VERBOSE", "LORAPIPE_DEBUG"))
+
+
+def quiet_libraries(verbose: bool | None = None) -> None:
+    """Silence the libraries' messages listed above and their loading bars, at their sources (the
+    loggers, warning filters and progress switches of bitsandbytes, transformers, diffusers, peft,
+    huggingface_hub and autograd); `verbose` (default: `verbose_requested()`) restores them all."""
+    import diffusers.utils.logging as diffusers_logging
+    import huggingface_hub.utils as hub_utils
+    import transformers.utils.logging as transformers_logging
+
+    verbose = verbose_requested() if verbose is None else verbose
+    for name, fragments in QUIET_LOG_MESSAGES.items():
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _DropMessages)]:
+            logger.removeFilter(old)
+        if not verbose:
+            logger.addFilter(_DropMessages(fragments))
+    patterns = {message for message, _, _ in QUIET_WARNINGS}
+    warnings.filters[:] = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] is not None and f[1].pattern in patterns)]
+    for message, category, module in () if verbose else QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    bars = [(diffusers_logging.enable_progress_bar, diffusers_logging.disable_progress_bar),
+            (transformers_logging.enable_progress_bar, transformers_logging.disable_progress_bar),
+            (hub_utils.enable_progress_bars, hub_utils.disable_progress_bars)]
+    for enable, disable in bars:
+        (enable if verbose else disable)()
+    # GPU: LoRA grads made on the compute stream, accumulated on the default one (harmless here)
+    torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(verbose)
+
+
 def install_model_trace(stage: str) -> None:
-    """If LORAPIPE_TRACE_MODELS names a folder, record every diffusers/transformers model class this
+    """Called at each stage's start: quiets the libraries (`quiet_libraries`), and if
+    LORAPIPE_TRACE_MODELS names a folder, records every diffusers/transformers model class this
     process constructs into <folder>/<stage>.json at exit (the stage-isolation tests read it)."""
+    quiet_libraries()
     folder = os.environ.get("LORAPIPE_TRACE_MODELS")
     if not folder:
         return

@@ -66,7 +66,9 @@ def _logged(cfg: Any, stage: str, dist: Any) -> Iterator[StageContext]:
         errors.emit("error", message="interrupted", **rank)
         raise
     except Exception as e:
-        full = disk_full(e, cfg.run_dir, f" ({stage})")  # a bare ENOSPC from a library write gets named
+        from stages.core.memory import translate_oom  # a CUDA OOM becomes a ResourceError (exit 2)
+
+        full = translate_oom(e, cfg, stage) or disk_full(e, cfg.run_dir, f" ({stage})")  # a bare ENOSPC gets named
         err = full or e
         errors.emit("error", message=str(err), item=getattr(e, "item", None), type=type(err).__name__, **rank)
         if full is not None:

@@ -56,6 +56,27 @@ class BucketSampler:
         self.index += 1
         return batch
 
+    def fill_warning(self, bucket_merge: bool) -> str | None:
+        """A warning with the numbers when some bucket holds fewer items than a batch: its batches are
+        always smaller than batch_size (not only an epoch's last one), which a user would not notice."""
+        sizes = {name: len(members) for name, members in sorted(self.buckets.items())}
+        size, short = self.batch_size, [name for name, n in sizes.items() if n < self.batch_size]
+        if not short:
+            return None
+        total, batches = sum(sizes.values()), sum(-(-n // size) for n in sizes.values())
+        held = ", ".join(f"{name}: {n}" for name, n in sizes.items())
+        if total < size:
+            fix = f"The dataset has only {total} trainable images: lower train.batch_size to {total} or add images"
+        elif bucket_merge:
+            fix = ("data.bucket_merge fills buckets to train.batch_size images, and a batch over several "
+                   "processes is larger: add images, or train on fewer processes")
+        else:
+            fix = (f"Set data.bucket_merge = true (cache-latents then reruns) to move images into the nearest "
+                   f"bucket holding at least {size}, or lower train.batch_size")
+        return (f"batches of {size} cannot be filled: a batch comes from one aspect bucket, and {len(short)} of the "
+                f"{len(sizes)} buckets hold fewer than {size} images ({held}); a step trains {total / batches:.2f} "
+                f"images on average. {fix}")
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from stages import cache_latents, encode_captions
-from stages.core import dataset, distributed, fastpath, lora
+from stages.core import dataset, distributed, fastpath, lora, memory
 from stages.core import faults
 from stages.core.artifacts import (ArtifactError, fingerprint, naming_full_disk, read_manifest, remove_dir, replace_dir,
                                    sweep_leftovers, write_manifest)
@@ -42,7 +42,7 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"encode-captions and cache-latents with --force")
-    items = dataset.scan(cfg.data.path, cfg.data.caption_ext)
+    items = dataset.scan_data(cfg.data)
     pairs = join_items(items, cap_manifest, lat_manifest, cfg.run)
     return TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"]), lat_manifest
 
@@ -76,6 +76,8 @@ class Trainer:
         # ranks) and trains on its slice of each: the same items per step as one process would see.
         self.global_batch = self.tcfg.batch_size * self.dist.world_size
         self.sampler = BucketSampler(self.data.buckets(), self.global_batch, cfg.seed)
+        if note := self.sampler.fill_warning(cfg.data.bucket_merge):
+            log.emit("warning", message=note)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.parts = self._fingerprint_parts()
         self.lora_dir = cfg.run_dir / "lora"
@@ -87,6 +89,8 @@ class Trainer:
 
     # ---- setup
     def setup_model(self) -> None:
+        self.cfg, self.plan = memory.plan_stage(self.cfg, self.family, "train", self.log)
+        self.tcfg = self.cfg.train
         precision = self.precision = resolve_precision(self.tcfg.base_precision, pick_device(self.cfg.device), "denoiser")
         self.rt = make_runtime(self.cfg.device, "bf16" if precision == "nf4" else precision)
         require_cuda_for_nf4("train.base_precision", precision, self.rt)
@@ -94,13 +98,14 @@ class Trainer:
         self.src.check(self.family.denoiser_components)
         self.log.emit("loading", component=self.family.denoiser_class, precision=precision)
         t = time.time()
-        self.model = self.family.load_denoiser(self.src, precision, self.rt, self.tcfg)
+        self.model = self.family.load_denoiser(self.src, precision, memory.load_device(self.plan, self.rt), self.tcfg)
         self.log.emit("loaded", component=self.family.denoiser_class, seconds=round(time.time() - t, 3))
         targets = self.tcfg.target_modules or list(self.family.default_lora_targets)
         self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets)
         self.params = lora.attach_lora(self.model, self.lora_config)
         if self.tcfg.gradient_checkpointing:
             self.model.enable_gradient_checkpointing(fastpath.checkpoint_function(self.tcfg.dropout))
+        self.swap = memory.apply_train_plan(self.model, self.plan, self.rt)  # block swap
         self.model.train()
         self.optimizer = make_optimizer(self.params, self.tcfg, self.rt.device)
         self.scheduler = make_scheduler(self.optimizer, self.tcfg)

@@ -1,0 +1,151 @@
+"""Value checks of a typed Config: every key's valid range, checked before any stage deletes or loads.
+
+    from stages.core.config_values import value_errors
+    problems = value_errors(cfg)     # [] when every value is usable; each message names its key
+
+`stages.core.config.build_config` runs these after the type checks and reports both kinds together.
+A value that failed its type check is left at its (valid) default here, so it is reported once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# train seeds its batch-order generator with seed * 1_000_003 + epoch; torch.Generator.manual_seed
+# takes at most 2**64 - 1, so seeds stay below 2**32 (also numpy's legacy seed range).
+SEED_MAX = 2**32 - 1
+# The largest pixel multiple of the shipped families (VAE x8, 2x2 patches): no bucket fits below it.
+MIN_RESOLUTION = 16
+
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or half-open interval of valid numbers; `str()` is how messages state it."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _number(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_ONE = Range(1)
+FRACTION = Range(0, 1, high_open=True)
+
+RANGES: dict[str, Range] = {
+    "seed": Range(0, SEED_MAX),
+    "data.resolution": Range(MIN_RESOLUTION),
+    "data.bucket_step": NON_NEGATIVE,
+    "data.max_aspect": Range(1),
+    "data.cache_variants": AT_LEAST_ONE,
+    "data.crop_zoom": NON_NEGATIVE,
+    "captions.max_sequence_length": AT_LEAST_ONE,
+    "captions.batch_size": AT_LEAST_ONE,
+    "train.steps": AT_LEAST_ONE,
+    "train.batch_size": AT_LEAST_ONE,
+    "train.learning_rate": POSITIVE,
+    "train.lr_warmup_steps": NON_NEGATIVE,
+    "train.lr_num_cycles": AT_LEAST_ONE,
+    "train.lr_power": POSITIVE,
+    "train.adam_beta1": FRACTION,
+    "train.adam_beta2": FRACTION,
+    "train.adam_epsilon": POSITIVE,
+    "train.weight_decay": NON_NEGATIVE,
+    "train.max_grad_norm": NON_NEGATIVE,
+    "train.rank": AT_LEAST_ONE,
+    "train.alpha": POSITIVE,
+    "train.dropout": FRACTION,
+    "train.logit_std": POSITIVE,
+    "train.mode_scale": NON_NEGATIVE,
+    "train.shift": POSITIVE,
+    "train.guidance_scale": NON_NEGATIVE,
+    "train.snr_gamma": NON_NEGATIVE,
+    "train.noise_offset": NON_NEGATIVE,
+    "train.checkpoint_every": NON_NEGATIVE,
+    "train.keep_checkpoints": NON_NEGATIVE,
+    "train.log_every": AT_LEAST_ONE,
+    "train.warmup_steps_excluded": NON_NEGATIVE,
+    "sample.steps": AT_LEAST_ONE,
+    "sample.width": NON_NEGATIVE,
+    "sample.height": NON_NEGATIVE,
+    "sample.every_n_checkpoints": NON_NEGATIVE,
+}
+
+
+def value_errors(cfg: Any) -> list[str]:
+    """Every value of `cfg` outside its valid range or form, each message naming the key and the fix."""
+    errors = [f"'{key}' = {cfg.section(key)!r} must be {valid}" for key, valid in RANGES.items()
+              if cfg.section(key) not in valid]
+    errors += [f"'sample.seeds[{i}]' = {seed!r} must be {RANGES['seed']}"
+               for i, seed in enumerate(cfg.sample.seeds) if seed not in RANGES["seed"]]
+    if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
+        errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
+    return errors + _data_errors(cfg.data) + _name_errors(cfg) + _family_errors(cfg)
+
+
+def _data_errors(data: Any) -> list[str]:
+    from PIL import ImageColor
+
+    errors = []
+    try:
+        ImageColor.getrgb(data.background)
+    except ValueError:
+        errors.append(f"'data.background' = {data.background!r} is not a colour: use a name such as 'white' or "
+                      f"'black', or '#rrggbb'")
+    ext = data.caption_ext
+    if not ext.startswith(".") or len(ext) < 2 or "/" in ext:
+        hint = f"did you mean '.{ext}'?" if ext.isalnum() else "e.g. '.txt'"
+        errors.append(f"'data.caption_ext' = {ext!r} must be a file extension starting with a dot: {hint}")
+    if data.bucket_step > data.resolution:
+        errors.append(f"'data.bucket_step' = {data.bucket_step} is larger than 'data.resolution' = {data.resolution}: "
+                      f"no bucket fits; use 0 (the family's own step) or a smaller step")
+    return errors
+
+
+def _name_errors(cfg: Any) -> list[str]:
+    from stages.families import FAMILIES
+
+    errors = []
+    if cfg.family not in FAMILIES:
+        errors.append(f"'family' = {cfg.family!r} is not one of {', '.join(sorted(FAMILIES))}")
+    if not cfg.run or "/" in cfg.run or cfg.run.startswith("."):
+        errors.append(f"'run' = {cfg.run!r} must be a plain folder name")
+    if not cfg.model:
+        errors.append("'model' is empty: set it to a diffusers pipeline folder or a hub id")
+    if not cfg.artifacts:
+        errors.append("'artifacts' is empty: set it to the folder that holds the runs (default 'artifacts')")
+    errors += [f"'train.target_modules[{i}]' is empty: give a module name such as 'to_q'"
+               for i, name in enumerate(cfg.train.target_modules) if not name.strip()]
+    return errors
+
+
+def _family_errors(cfg: Any) -> list[str]:
+    """The family's own limits (pixel multiple of data.bucket_step, token limits):
+    `stages.families.config_errors(cfg)` where the registry provides it."""
+    import stages.families as families
+    from stages.core.errors import UserError
+
+    check = getattr(families, "config_errors", None)
+    if check is None or cfg.family not in families.FAMILIES or not cfg.model:
+        return []
+    try:
+        return list(check(cfg))
+    except UserError as e:  # e.g. the model folder it reads the VAE config from does not exist
+        return [str(e)]

@@ -1,0 +1,297 @@
+"""The memory planner: every stage asks it, before loading weights, which settings fit its GPU budget.
+
+    cfg, plan = memory.plan_stage(cfg, family, "train", log)   # the budget applied, a `plan` event logged
+    python pipeline.py plan --config configs/flux-dev.toml --vram 8   # the same plans, as a table
+
+`gpu.vram_budget_gb`: "auto" is the free memory when the stage starts (`torch.cuda.mem_get_info`)
+less a safety margin; a number is a hard cap, enforced with `torch.cuda.set_per_process_memory_fraction`
+(so a big card can act as a small one). On CPU there is no budget and nothing changes.
+
+Sizes come from the meta device (each component built from its config.json, no weights read) and
+bytes per precision. Activations come from the small models below; their constants are ESTIMATES
+fitted to the figures in the H200 notes and bench/RESULTS.md until `bench/memory.py` measures them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stages.core import blockswap
+from stages.core.errors import ResourceError
+
+GB = 2**30
+AUTO_MARGIN_GB = 0.75  # "auto": left free for the CUDA context's growth and other processes' jitter
+FRAGMENTATION = 1.10  # the allocator reserves ~10 % above the peak it hands out (bench: reserved/allocated)
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64  # 4-bit codes + one 8-bit absmax per 64 weights (double quant)
+# Train activations of one DiT block, in units of tokens x width x 2 bytes (bf16). Estimates:
+# no checkpointing, FLUX.1-dev 512 px b1 needed 8.9 GB over bf16 weights for 57 blocks x 1536 tokens
+# x 3072 wide = 17 units per block; with checkpointing a block keeps its input (1 unit) and the block
+# being recomputed holds ~24 units (fits FLUX nf4 1024 px b1 at 8.3 GB).
+BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
+VAE_ELEMENTS_PER_PIXEL = 720  # SDXL's fp32 VAE encoding 4 variants at 1024 px peaked at 12.4 GB
+VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
+LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
+
+
+@dataclass
+class Budget:
+    gb: float | None  # None: no GPU budget (CPU)
+    source: str  # "auto" (free memory), "cap" (a number), "cpu"
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    budget: Budget
+    settings: dict[str, Any]
+    predicted_peak_gb: float
+    fits: bool
+    note: str = ""
+    tried: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "budget_gb": self.budget.gb, "budget_source": self.budget.source,
+                "settings": self.settings, "predicted_peak_gb": round(self.predicted_peak_gb, 3),
+                "fits": self.fits, "note": self.note}
+
+
+def parse_budget(value: Any) -> float | str:
+    """`--vram` / gpu.vram_budget_gb: "auto" or a positive number of GB."""
+    if value in (None, "auto"):
+        return "auto"
+    try:
+        gb = float(value)
+    except (TypeError, ValueError):
+        raise ResourceError(f"gpu.vram_budget_gb = {value!r} must be 'auto' or a number of GB, e.g. --vram 12") from None
+    if gb <= 0:
+        raise ResourceError(f"gpu.vram_budget_gb = {value!r} must be > 0 GB")
+    return gb
+
+
+def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> Budget:
+    """The stage's budget on `device`; a number is also enforced as the allocator's cap."""
+    if device.type != "cuda":
+        return Budget(None, "cpu")
+    value = parse_budget(setting)
+    free, total = torch.cuda.mem_get_info(device)
+    if value == "auto":
+        return Budget(round(max(free / GB - AUTO_MARGIN_GB, 0.0), 3), "auto")
+    if enforce:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * GB / total), device)
+    return Budget(float(value), "cap")
+
+
+# ---- sizes from the meta device
+def meta_component(src: Any, subfolder: str) -> torch.nn.Module:
+    """The component's module built from its config on the meta device (no weights, no memory)."""
+    import importlib
+
+    library, class_name = src.component_config("", "model_index.json")[subfolder]
+    cls = getattr(importlib.import_module(library), class_name)
+    config = src.component_config(subfolder)
+    with torch.device("meta"):
+        if library == "diffusers":
+            return cls.from_config(config)
+        return cls(cls.config_class.from_dict(config))
+
+
+def weight_bytes(module: torch.nn.Module, precision: str) -> float:
+    """Bytes of `module`'s weights at `precision` (nf4: every Linear weight 4-bit, the rest bf16)."""
+    if precision != "nf4":
+        return sum(p.numel() for p in module.parameters()) * (4 if precision == "fp32" else 2)
+    linear = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(p.numel() * (NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in module.parameters())
+
+
+def _width(module: torch.nn.Module) -> int:
+    return next(m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def lora_params(model: torch.nn.Module, targets: list[str], rank: int) -> int:
+    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+
+
+def _fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:
+    """The first candidate (settings, peak GB) that fits, else the smallest one, marked as not fitting."""
+    tried = [{**s, "predicted_peak_gb": p} for s, p in candidates]
+    for settings, peak in candidates:
+        if budget.gb is None or peak * FRAGMENTATION <= budget.gb:
+            return StagePlan(stage, budget, settings, peak, True, tried=tried)
+    settings, peak = min(candidates, key=lambda c: c[1])
+    note = (f"even the smallest {stage} plan needs {peak * FRAGMENTATION:.1f} GB, more than the "
+            f"{budget.gb:.1f} GB budget: give it --vram {math.ceil(peak * FRAGMENTATION)} or more, or {need}")
+    return StagePlan(stage, budget, settings, peak, False, note, tried)
+
+
+# ---- encode-captions
+def plan_captions(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    models = [meta_component(src, c) for c in family.text_components if not c.startswith("tokenizer")]
+    configured = cfg.captions.text_encoder_precision
+    precisions = ["bf16", "nf4"] if configured == "auto" else [configured]
+    tokens = cfg.captions.max_sequence_length + 77  # + the longest template/CLIP prefix
+    candidates = []
+    for precision in precisions:
+        weights = sum(weight_bytes(m, precision) for m in models)
+        for batch in _halvings(cfg.captions.batch_size):
+            work = max(batch * tokens * _width(m) * 2 * BLOCK_WORK_UNITS for m in models)
+            candidates.append(({"text_encoder_precision": precision, "batch_size": batch}, (weights + work) / GB))
+    return _fitting(budget, candidates, "encode-captions",
+                    "set captions.text_encoder_precision = 'nf4' and captions.batch_size = 1")
+
+
+def _halvings(n: int) -> list[int]:
+    out = [n]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+# ---- cache-latents
+def plan_latents(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    vae = meta_component(src, family.vae_components[0])
+    configured = "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
+    tile = VAE_TILE_PIXELS.get(type(vae).__name__)
+    options = [(configured, False, False), (configured, True, False), ("bf16", True, False),
+               (configured, True, True), ("bf16", True, True)]
+    candidates, seen = [], set()
+    for precision, sliced, tiled in options:
+        if (precision, sliced, tiled) in seen or (tiled and tile is None):
+            continue
+        seen.add((precision, sliced, tiled))
+        images = 1 if sliced else cfg.data.cache_variants
+        side = min(tile, cfg.data.resolution) if tiled else cfg.data.resolution
+        work = images * side * side * VAE_ELEMENTS_PER_PIXEL * (4 if precision == "fp32" else 2)
+        candidates.append(({"vae_precision": precision, "sliced": sliced, "tiled": tiled},
+                           (weight_bytes(vae, precision) + work) / GB))
+    return _fitting(budget, candidates, "cache-latents", "lower data.resolution")
+
+
+# ---- train
+def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    tcfg = cfg.train
+    model = meta_component(src, family.denoiser_components[0])
+    blocks = blockswap.repeated_blocks(model)
+    targets = tcfg.target_modules or list(family.default_lora_targets)
+    lora = lora_params(model, targets, tcfg.rank) * LORA_BYTES_PER_PARAM
+    side = cfg.data.resolution // 16  # VAE /8, then 2x2 patches
+    tokens = tcfg.batch_size * (side * side + cfg.captions.max_sequence_length)
+    unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
+    precisions = ["nf4", "bf16"] if tcfg.base_precision == "auto" else [tcfg.base_precision]
+    candidates = []
+    for precision in precisions:
+        total = weight_bytes(model, precision)
+        block = [weight_bytes(b, precision) for b in blocks]
+        # cheapest in speed first: as configured, then checkpointing, then more and more blocks swapped
+        options = [(0, tcfg.gradient_checkpointing), (0, True)] + [(k, True) for k in range(1, len(blocks) + 1)]
+        for swapped, checkpointing in dict.fromkeys(options):
+            saved = len(blocks) * unit * (CHECKPOINT_SAVED_UNITS if checkpointing else BLOCK_SAVED_UNITS)
+            resident = total - sum(block[len(block) - swapped:]) + 2 * max(block, default=0) * (swapped > 0)
+            peak = resident + lora + saved + unit * BLOCK_WORK_UNITS
+            if precision == "nf4":  # quantized on the GPU as it loads: the whole nf4 base is there once
+                peak = max(peak, total + lora)
+            candidates.append(({"base_precision": precision, "gradient_checkpointing": checkpointing,
+                                "swapped_blocks": swapped, "blocks": len(blocks)}, peak / GB))
+    return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
+
+
+PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train}
+
+
+def unplanned(cfg: Any, stage: str, budget: Budget) -> StagePlan:
+    """The configured settings as they are (CPU: no budget to plan for)."""
+    settings = {"encode-captions": {"text_encoder_precision": cfg.captions.text_encoder_precision,
+                                    "batch_size": cfg.captions.batch_size},
+                "cache-latents": {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
+                "train": {"base_precision": cfg.train.base_precision, "swapped_blocks": 0,
+                          "gradient_checkpointing": cfg.train.gradient_checkpointing}}[stage]
+    return StagePlan(stage, budget, settings, 0.0, True, "no GPU: settings as configured")
+
+
+def with_plan(cfg: Any, plan: StagePlan) -> Any:
+    """`cfg` with the plan's settings written into the stage's section."""
+    s = plan.settings
+    if plan.stage == "encode-captions":
+        return dataclasses.replace(cfg, captions=dataclasses.replace(
+            cfg.captions, text_encoder_precision=s["text_encoder_precision"], batch_size=s["batch_size"]))
+    if plan.stage == "cache-latents":
+        return dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"]))
+    train = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
+                                gradient_checkpointing=s["gradient_checkpointing"])
+    if s["swapped_blocks"]:
+        train = dataclasses.replace(train, cuda_graphs="off")  # blockswap.py: graphs would pin the swapped weights
+    return dataclasses.replace(cfg, train=train)
+
+
+def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StagePlan]:
+    """Resolve (and enforce) the budget, plan the stage, log a `plan` event; the config to run with."""
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import pick_device
+
+    budget = resolve_budget(cfg.gpu.vram_budget_gb, pick_device(cfg.device))
+    if budget.gb is None:
+        plan = unplanned(cfg, stage, budget)
+    else:
+        plan = PLANNERS[stage](cfg, family, ModelSource(cfg.model, cfg.revision), budget)
+    log.emit("plan", **plan.to_dict())
+    if not plan.fits:
+        log.emit("warning", message=plan.note)
+    return (with_plan(cfg, plan) if budget.gb is not None else cfg), plan
+
+
+# ---- applying a plan
+def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan) -> None:
+    if plan.settings.get("sliced") and hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+    if plan.settings.get("tiled") and hasattr(vae, "enable_tiling"):
+        vae.enable_tiling()
+        side = VAE_TILE_PIXELS.get(type(vae).__name__, 512)
+        if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL tiles at its sample_size (1024) by default
+            vae.tile_sample_min_size, vae.tile_latent_min_size = side, side // 8
+
+
+def load_device(plan: StagePlan, rt: Any) -> Any:
+    """Where train loads the base: host memory when blocks will be swapped out of a dense base (only
+    what stays resident then reaches the GPU), else the runtime's device."""
+    from stages.core.runtime import Runtime
+
+    if plan.settings.get("swapped_blocks") and plan.settings.get("base_precision") != "nf4":
+        return Runtime(torch.device("cpu"), rt.dtype)
+    return rt
+
+
+def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blockswap.BlockSwap | None:
+    """Install the plan's block swap (after LoRA is attached, before the optimizer is made)."""
+    swap = blockswap.install_block_swap(model, plan.settings.get("swapped_blocks", 0), rt.device)
+    blockswap.move_unswapped(model, swap, rt.device)
+    return swap
+
+
+# ---- out of memory
+SETTING_TO_CHANGE = {
+    "encode-captions": "captions.batch_size or captions.text_encoder_precision = 'nf4'",
+    "cache-latents": "latents.vae_precision = 'bf16' or data.resolution",
+    "train": "train.batch_size, data.resolution or train.base_precision = 'nf4'",
+}
+
+
+def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError | None:
+    """A CUDA out-of-memory error as a ResourceError that names the stage, the budget, the peak it
+    reached and what to change; None for any other error."""
+    import sys
+
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is None or not isinstance(error, torch_mod.cuda.OutOfMemoryError):
+        return None
+    peak = torch_mod.cuda.max_memory_reserved() / GB if torch_mod.cuda.is_available() else 0.0
+    budget = getattr(getattr(cfg, "gpu", None), "vram_budget_gb", "auto")
+    budget_text = "auto: the free memory at start" if budget == "auto" else f"{budget} GB"
+    return ResourceError(
+        f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB): rerun with a lower "
+        f"--vram (gpu.vram_budget_gb) so the planner picks smaller settings, or lower {SETTING_TO_CHANGE.get(stage, 'the batch size')}; "
+        f"everything already written is kept and the rerun continues from it")

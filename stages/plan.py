@@ -1,0 +1,78 @@
+"""`pipeline.py plan`: each stage's memory plan for a config and a GPU budget, without loading weights.
+
+    python pipeline.py plan --config configs/flux-dev.toml --vram 8          # a table
+    python pipeline.py plan --config configs/qwen-image.toml --vram 8 --json  # for scripts
+
+Sizes come from the meta device (each component built from its config.json) and the activation
+estimates in stages/core/memory.py. `--vram auto` (or none) plans for the free memory of this
+machine's GPU; without a GPU it needs a number.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+PLANNED_STAGES = ("encode-captions", "cache-latents", "train")
+SCHEMA_VERSION = 1
+
+
+def _budget(value: Any) -> Any:
+    import torch
+
+    from stages.core import memory
+    from stages.core.errors import ResourceError
+
+    parsed = memory.parse_budget(value)
+    if parsed != "auto":
+        return memory.Budget(float(parsed), "cap")
+    if not torch.cuda.is_available():
+        raise ResourceError("plan --vram auto needs a CUDA GPU to measure free memory: give a number, e.g. --vram 12")
+    return memory.resolve_budget("auto", torch.device("cuda"), enforce=False)
+
+
+def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
+    """The JSON-able plan of every GPU stage (schema: tests/test_memory.py::test_plan_json_schema)."""
+    from stages.core import memory
+    from stages.core.model_source import ModelSource
+    from stages.families import get_family
+
+    family, src, budget = get_family(cfg.family), ModelSource(cfg.model, cfg.revision), _budget(budget_gb)
+    stages = [memory.PLANNERS[name](cfg, family, src, budget) for name in PLANNED_STAGES]
+    fitting = [p for p in stages if p.fits]
+    return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.gb,
+            "budget_source": budget.source, "fits": len(fitting) == len(stages),
+            "peak_gb": round(max(p.predicted_peak_gb for p in stages), 3),
+            "stages": [p.to_dict() for p in stages]}
+
+
+def _settings_text(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items() if k != "blocks")
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"memory plan of run '{result['run']}' ({result['family']}), budget "
+                        f"{result['budget_gb']:.2f} GB ({result['budget_source']})")
+    for column in ("stage", "settings", "predicted peak GB", "fits"):
+        table.add_column(column)
+    for p in result["stages"]:
+        table.add_row(p["stage"], _settings_text(p["settings"]), f"{p['predicted_peak_gb']:.2f}",
+                      "yes" if p["fits"] else "[red]no[/red]")
+    console = Console()
+    console.print(table)
+    for p in result["stages"]:
+        if p["note"]:
+            console.print(f"[red]{p['stage']}[/red]: {p['note']}")
+    console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory.py).")
+
+
+def run(cfg: Any, budget_gb: Any, as_json: bool) -> dict[str, Any]:
+    result = plans(cfg, budget_gb if budget_gb is not None else cfg.gpu.vram_budget_gb)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return result

@@ -1,0 +1,249 @@
+"""fp8 base weights (stages/core/fp8.py) and fp8_scaled checkpoints (stages/core/fp8_checkpoint.py).
+
+torch's `_scaled_mm` runs on the CPU too, so the fp8 math is checked here; what needs fp8 tensor
+cores (a tiny family trained in fp8 against bf16) is the `cuda` test at the end.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model
+from stages.core.errors import ResourceError
+from stages.core.fp8 import (FP8_MAX, Fp8Linear, fp8_bytes, inside_repeated_blocks, quantize_denoiser_fp8,
+                             require_fp8_device)
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+cuda = pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9)")
+# where the fp8 matmuls run: torch 2.13's CPU build has `_scaled_mm`, torch 2.11's (the GPU machine) has not
+MATMUL_DEVICE = "cuda" if FP8_GPU else "cpu"
+
+
+def _linear(out_f: int = 96, in_f: int = 64, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(in_f, out_f)
+    with torch.no_grad():
+        lin.weight.mul_(torch.logspace(-3, 1, out_f)[:, None])  # rows 4 decades apart in magnitude
+    return lin
+
+
+def test_weights_round_trip_within_e4m3_error():
+    lin = _linear()
+    fp8 = Fp8Linear.from_linear(lin, "cpu")
+    w, back = lin.weight.detach(), fp8.dense_weight(torch.float32)
+    scale = fp8.weight_scale[:, None]
+    # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself; below
+    # the smallest normal (2^-6 * scale) the step is 2^-9 * scale, so at most half of that
+    bound = torch.maximum(w.abs() * 2**-4, scale * 2**-10)
+    assert ((back - w).abs() <= bound * 1.001).all()
+    assert (back - w).abs().max() > 0  # it is quantized, not a copy
+    assert fp8.weight.dtype == torch.float8_e4m3fn
+
+
+def test_one_scale_per_output_channel():
+    lin = _linear()
+    fp8 = Fp8Linear.from_linear(lin, "cpu")
+    assert fp8.weight_scale.shape == (96,) and fp8.weight_scale.dtype == torch.float32
+    torch.testing.assert_close(fp8.weight_scale, lin.weight.detach().abs().amax(dim=1) / FP8_MAX)
+    with torch.no_grad():
+        lin.weight[5] *= 10
+    again = Fp8Linear.from_linear(lin, "cpu")
+    changed = (again.weight_scale != fp8.weight_scale).nonzero().flatten().tolist()
+    assert changed == [5]
+    assert torch.equal(again.weight.view(torch.uint8), fp8.weight.view(torch.uint8))  # same codes, row 5 too
+
+
+def test_memory_is_one_byte_per_weight_plus_a_scale_per_row():
+    lin = _linear(96, 64)
+    fp8 = Fp8Linear.from_linear(lin, "cpu")
+    assert fp8_bytes(fp8) == 96 * 64 + 4 * 96
+    assert [n for n, _ in fp8.named_parameters()] == []  # frozen: buffers only, nothing for the optimizer
+
+
+def test_forward_and_input_gradient_match_dense():
+    lin = _linear(96, 64).to(MATMUL_DEVICE, torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(lin, MATMUL_DEVICE)
+    for rows in (40, 3):  # fp8 matmul, and the dequantized path for a handful of rows (modulation layers)
+        x = torch.randn(2, rows, 64, dtype=torch.bfloat16, device=MATMUL_DEVICE, requires_grad=True)
+        y, ref = fp8(x), lin(x)
+        grad = torch.randn_like(ref)
+        (dx,), (dx_ref,) = torch.autograd.grad(y, x, grad), torch.autograd.grad(ref, x, grad)
+        assert y.dtype == dx.dtype == torch.bfloat16
+        assert _rel(y, ref) < 0.06 and _rel(dx, dx_ref) < 0.06  # measured 0.037 (weights and rows both e4m3)
+
+
+def test_model_cast_keeps_fp8_weights():
+    fp8 = Fp8Linear.from_linear(_linear(), "cpu")
+    codes = fp8.weight.view(torch.uint8).clone()
+    fp8.to(torch.bfloat16)
+    assert fp8.weight.dtype == torch.float8_e4m3fn and fp8.weight_scale.dtype == torch.float32
+    assert torch.equal(fp8.weight.view(torch.uint8), codes)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ---- a tiny FLUX: which layers, LoRA on top, the error on a machine without fp8 ---------------------------
+
+
+def _flux(assets, dtype=torch.bfloat16):
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel.from_pretrained(str(tiny_model(assets, "flux-dev")), subfolder="transformer",
+                                                  torch_dtype=dtype)
+
+
+def test_only_linears_inside_repeated_blocks_become_fp8(assets):
+    model = quantize_denoiser_fp8(_flux(assets), inside_repeated_blocks(_flux(assets)), "cpu", min_width=16)
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert fp8 and all(n.startswith(("transformer_blocks.", "single_transformer_blocks.")) for n in fp8)
+    for kept in ("x_embedder", "context_embedder", "proj_out", "norm_out.linear"):
+        assert type(model.get_submodule(kept)) is nn.Linear
+    assert "transformer_blocks.0.attn.to_q" in fp8 and "transformer_blocks.0.norm1.linear" in fp8
+    assert model.dtype == torch.bfloat16  # diffusers' model.dtype (the family casts inputs to it)
+
+
+def test_lora_wraps_fp8_base_and_trains(assets):
+    """peft wraps an Fp8Linear as any Linear; the LoRA weights stay fp32 and get gradients, the base
+    none, and one loss is within a few percent of the bf16 base's with the same LoRA."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from stages.core import lora
+    from stages.families.flux import Flux
+
+    losses = {}
+    for precision in ("bf16", "fp8"):
+        model = _flux(assets)
+        if precision == "fp8":
+            quantize_denoiser_fp8(model, inside_repeated_blocks(model), MATMUL_DEVICE, min_width=16)
+        model.to(MATMUL_DEVICE).requires_grad_(False)
+        torch.manual_seed(0)
+        params = lora.attach_lora(model, lora.lora_config(4, 4, 0.0, list(Flux.default_lora_targets)))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
+        g = torch.Generator().manual_seed(1)
+        x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
+        cond = {"prompt_embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
+        x0, noise, cond = x0.to(MATMUL_DEVICE), noise.to(MATMUL_DEVICE), {k: v.to(MATMUL_DEVICE) for k, v in cond.items()}
+        t = torch.full((2,), 0.5, device=MATMUL_DEVICE)
+        loss = Flux().loss(model, x0, noise, t, cond, None, SimpleNamespace(guidance_scale=1.0))
+        loss.mean().backward()
+        losses[precision] = float(loss.mean())
+        assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+        if precision == "fp8":
+            to_q = model.transformer_blocks[0].attn.to_q
+            assert isinstance(to_q, LoraLinear) and isinstance(to_q.base_layer, Fp8Linear)
+    assert abs(losses["fp8"] - losses["bf16"]) / losses["bf16"] < 0.05
+
+
+def test_fp8_on_cpu_is_a_clear_error(assets):
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import make_runtime
+    from stages.families.flux import Flux
+
+    rt = make_runtime("cpu", "fp8")
+    with pytest.raises(ResourceError, match=r"train\.base_precision = 'fp8' needs a CUDA GPU of compute capability "
+                                            r"8\.9.*but this stage runs on cpu\. Set .*'nf4'.*'bf16'"):
+        Flux().load_denoiser(ModelSource(str(tiny_model(assets, "flux-dev"))), "fp8", rt,
+                             SimpleNamespace(nf4_double_quant=True))
+
+
+def test_fp8_on_an_older_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ResourceError, match=r"'NVIDIA A100-SXM4-80GB' is 8\.0\. Set train\.base_precision = 'nf4'"):
+        require_fp8_device(torch.device("cuda"))
+
+
+# ---- fp8_scaled single files ------------------------------------------------------------------------------
+
+
+def _save_fp8_scaled(model: nn.Module, path) -> dict[str, torch.Tensor]:
+    """`model`'s weights in ComfyUI's fp8_scaled layout: each 2-D weight as e4m3 with one fp32
+    scale per tensor (`.scale_weight`), a `scaled_fp8` marker; the rest bf16."""
+    from safetensors.torch import save_file
+
+    state, dense = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, {}
+    for k, v in model.state_dict().items():
+        if k.endswith(".weight") and v.dim() == 2:
+            scale = v.float().abs().max() / FP8_MAX
+            state[k] = (v.float() / scale).to(torch.float8_e4m3fn)
+            state[k.removesuffix(".weight") + ".scale_weight"] = scale.reshape(1)
+            dense[k] = state[k].float() * scale
+        else:
+            state[k] = dense[k] = v.to(torch.bfloat16)
+    save_file(state, str(path))
+    return dense
+
+
+def test_fp8_scaled_checkpoint_converts_once_and_loads(assets, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    from stages.core.fp8_checkpoint import dense_checkpoint, is_fp8_scaled
+
+    original = _flux(assets, torch.float32)
+    src = tmp_path / "flux-fp8_scaled.safetensors"
+    expected = _save_fp8_scaled(original, src)
+    assert is_fp8_scaled(src)
+    dense = dense_checkpoint(src, tmp_path / "cache")
+    assert dense.parent.parent == tmp_path / "cache" / "fp8_scaled" and not is_fp8_scaled(dense)
+    first = dense.stat().st_mtime_ns
+    assert dense_checkpoint(src, tmp_path / "cache") == dense and dense.stat().st_mtime_ns == first  # cached
+    folder = str(tiny_model(assets, "flux-dev"))
+    loaded = FluxTransformer2DModel.from_single_file(str(dense), config=folder, subfolder="transformer",
+                                                     torch_dtype=torch.bfloat16)
+    got = loaded.state_dict()
+    assert set(got) == set(expected)
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v.to(torch.bfloat16), rtol=0, atol=0)  # exactly weight * scale
+    assert _rel(got["transformer_blocks.0.attn.to_q.weight"], original.state_dict()["transformer_blocks.0.attn.to_q.weight"]) < 0.06
+
+
+def test_fp8_scaled_reader_refuses_pickles(tmp_path):
+    from stages.core.errors import ModelError
+    from stages.core.fp8_checkpoint import dense_checkpoint
+
+    bad = tmp_path / "model.ckpt"
+    torch.save({"w": torch.zeros(1)}, bad)
+    with pytest.raises(ModelError, match="model.ckpt' is not a safetensors file"):
+        dense_checkpoint(bad, tmp_path / "cache")
+
+
+# ---- on the GPU machine ----------------------------------------------------------------------------------
+
+
+@cuda
+def test_tiny_flux_trains_in_fp8_like_bf16(assets):
+    """20 AdamW steps of a tiny FLUX from the same LoRA and batches: fp8 losses within 1 % of bf16's (the
+    issue's fidelity bound; the same loop on the CPU differed by 0.009 % at most)."""
+    from stages.core import lora
+    from stages.families.flux import Flux
+
+    runs = {}
+    for precision in ("bf16", "fp8"):
+        model = _flux(assets)
+        if precision == "fp8":
+            quantize_denoiser_fp8(model, inside_repeated_blocks(model), "cuda", min_width=16)
+        model.to("cuda").requires_grad_(False)
+        torch.manual_seed(0)
+        params = lora.attach_lora(model, lora.lora_config(4, 4, 0.0, list(Flux.default_lora_targets)))
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        g, losses = torch.Generator().manual_seed(1), []
+        for _ in range(20):
+            x0, noise = torch.randn(4, 16, 16, 16, generator=g).cuda(), torch.randn(4, 16, 16, 16, generator=g).cuda()
+            cond = {"prompt_embeds": torch.randn(4, 32, 32, generator=g).cuda(), "pooled": torch.randn(4, 32, generator=g).cuda()}
+            t = torch.rand(4, generator=g).cuda()
+            loss = Flux().loss(model, x0, noise, t, cond, None, SimpleNamespace(guidance_scale=1.0)).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        runs[precision] = torch.tensor(losses)
+    assert ((runs["fp8"] - runs["bf16"]).abs() / runs["bf16"]).max() < 0.01

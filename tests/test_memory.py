@@ -1,0 +1,165 @@
+"""The memory planner (stages/core/memory.py), `plan --json`, and OOM as a clear error.
+
+Planner choices are checked by giving budgets just above / below a candidate's predicted peak, on
+the tiny families' real configs (meta-device sizes), so each option (precision, batch, slicing,
+tiling, swapped blocks) is picked when and only when the budget forces it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAMILIES, demo_config_path, make_cfg, tiny_model
+from stages.core import memory
+from stages.core.model_source import ModelSource
+from stages.families import get_family
+
+
+def _plan(stage: str, cfg, gb: float) -> memory.StagePlan:
+    family = get_family(cfg.family)
+    return memory.PLANNERS[stage](cfg, family, ModelSource(cfg.model, cfg.revision), memory.Budget(gb, "cap"))
+
+
+def _peak_of(plan: memory.StagePlan, **settings) -> float:
+    return next(t["predicted_peak_gb"] for t in plan.tried if all(t[k] == v for k, v in settings.items()))
+
+
+def _just_above(gb: float) -> float:
+    return gb * memory.FRAGMENTATION * 1.0001
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_meta_sizes_equal_the_loaded_models(family, assets):
+    """Predicted weight bytes come from configs alone and match the real loaded component."""
+    import importlib
+
+    src = ModelSource(str(tiny_model(assets, FAMILIES[family])))
+    fam = get_family(family)
+    for component in (fam.denoiser_components[0], fam.vae_components[0]):
+        library, name = src.component_config("", "model_index.json")[component]
+        real = src.load(getattr(importlib.import_module(library), name), component)
+        assert memory.weight_bytes(memory.meta_component(src, component), "fp32") == \
+            sum(p.numel() * 4 for p in real.parameters())
+
+
+def _deeper_flux(assets, tmp_path, layers: int, single_layers: int) -> str:
+    """The tiny FLUX's configs with more blocks: planning reads configs only, so no weights are needed."""
+    src = tiny_model(assets, FAMILIES["flux"])
+    folder = tmp_path / "deeper-flux"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text((src / "model_index.json").read_text())
+    config = json.loads((src / "transformer" / "config.json").read_text())
+    config.update(num_layers=layers, num_single_layers=single_layers)
+    (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_train_planner_checkpoints_then_swaps_blocks_only_when_forced(assets, demo_data, tmp_path):
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
+                                                            "train.gradient_checkpointing": False,
+                                                            "model": _deeper_flux(assets, tmp_path, 4, 8)})
+    roomy = _plan("train", cfg, 1000.0)
+    assert roomy.fits and roomy.settings["swapped_blocks"] == 0 and not roomy.settings["gradient_checkpointing"]
+    n = roomy.settings["blocks"]
+    assert n == 12
+    checkpointed = _peak_of(roomy, swapped_blocks=0, gradient_checkpointing=True)
+    assert checkpointed < _peak_of(roomy, swapped_blocks=0, gradient_checkpointing=False)
+    chosen = _plan("train", cfg, _just_above(checkpointed)).settings
+    assert chosen["gradient_checkpointing"] and chosen["swapped_blocks"] == 0
+    peaks = [_peak_of(roomy, swapped_blocks=k) for k in range(2, n + 1)]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]  # swapping more lowers the peak
+    tight = _plan("train", cfg, _just_above(peaks[-1]))
+    assert tight.fits and tight.settings["swapped_blocks"] == n and tight.settings["gradient_checkpointing"]
+    assert memory.with_plan(cfg, tight).train.cuda_graphs == "off"
+    hopeless = _plan("train", cfg, peaks[-1] / 10)
+    assert not hopeless.fits and "--vram" in hopeless.note and "train.batch_size" in hopeless.note
+
+
+def test_caption_planner_lowers_batch_then_precision(assets, demo_data, tmp_path):
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"captions.text_encoder_precision": "auto",
+                                                            "captions.batch_size": 8})
+    roomy = _plan("encode-captions", cfg, 1000.0)
+    assert roomy.settings == {"text_encoder_precision": "bf16", "batch_size": 8}
+    bf16_b1 = _peak_of(roomy, text_encoder_precision="bf16", batch_size=1)
+    assert _plan("encode-captions", cfg, _just_above(bf16_b1)).settings == {"text_encoder_precision": "bf16", "batch_size": 1}
+    nf4_b1 = _peak_of(roomy, text_encoder_precision="nf4", batch_size=1)
+    assert nf4_b1 < bf16_b1
+    assert _plan("encode-captions", cfg, _just_above(nf4_b1)).settings["text_encoder_precision"] == "nf4"
+
+
+def test_latent_planner_tiles_only_when_nothing_else_fits(assets, demo_data, tmp_path):
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"latents.vae_precision": "fp32", "data.resolution": 1024})
+    roomy = _plan("cache-latents", cfg, 1000.0)
+    assert roomy.settings == {"vae_precision": "fp32", "sliced": False, "tiled": False}
+    order = [(t["vae_precision"], t["sliced"], t["tiled"]) for t in roomy.tried]
+    assert order == [("fp32", False, False), ("fp32", True, False), ("bf16", True, False), ("fp32", True, True),
+                     ("bf16", True, True)]
+    bf16_sliced = _peak_of(roomy, vae_precision="bf16", sliced=True, tiled=False)
+    assert _plan("cache-latents", cfg, _just_above(bf16_sliced)).settings["tiled"] is False
+    assert _plan("cache-latents", cfg, bf16_sliced).settings["tiled"] is True
+
+
+def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
+    from stages import plan
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path)
+    result = plan.run(cfg, 0.5, as_json=True)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(result))
+    assert set(printed) == {"schema", "run", "family", "budget_gb", "budget_source", "fits", "peak_gb", "stages"}
+    assert printed["budget_gb"] == 0.5 and printed["budget_source"] == "cap"
+    assert [s["stage"] for s in printed["stages"]] == list(plan.PLANNED_STAGES)
+    for s in printed["stages"]:
+        assert set(s) == {"stage", "budget_gb", "budget_source", "settings", "predicted_peak_gb", "fits", "note"}
+    assert printed["peak_gb"] == max(s["predicted_peak_gb"] for s in printed["stages"])
+    with pytest.raises(memory.ResourceError, match="--vram"):
+        plan.run(cfg, "lots", as_json=True)
+
+
+def _oom_at(point: str, n: int):
+    from stages.core import faults
+
+    original = faults.hit
+    count = {"n": 0}
+
+    def hit(name: str) -> None:
+        original(name)
+        if name == point:
+            count["n"] += 1
+            if count["n"] == n:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return hit
+
+
+def test_oom_in_each_stage_is_one_clear_error_and_loses_nothing(assets, demo_data, tmp_path, monkeypatch):
+    """An OOM injected after some rows/steps: exit 2 with the stage, the budget and the setting to
+    change; what was written stays, and the rerun continues from it."""
+    from click.testing import CliRunner
+
+    from pipeline import cli
+    from stages.core.artifacts import read_manifest
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.steps": 4, "train.checkpoint_every": 1})
+    args = ["--config", str(demo_config_path("flux")), "--model", cfg.model, "--set", f"data.path={demo_data}",
+            "--set", f"artifacts={cfg.artifacts}", "--set", "device=cpu", "--set", "train.steps=4",
+            "--set", "train.checkpoint_every=1", "--set", "gpu.vram_budget_gb=6"]
+    for stage, point, rerun in [("encode-captions", "encode-captions", []), ("cache-latents", "cache-latents", []),
+                                ("train", "train", ["--resume"])]:
+        monkeypatch.setattr("stages.core.faults.hit", _oom_at(point, 2))
+        result = CliRunner().invoke(cli, [stage, *args])
+        assert result.exit_code == 2, result.output
+        assert f"{stage} ran out of GPU memory (budget 6.0 GB" in result.output
+        assert "--vram" in result.output and "Traceback" not in result.output
+        monkeypatch.undo()
+        result = CliRunner().invoke(cli, [stage, *args, *rerun])
+        assert result.exit_code == 0, result.output
+    final = read_manifest(cfg.run_dir / "lora" / "final")
+    assert final["step"] == 4 and final["complete"]
+    events = [json.loads(line) for line in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "warning" and "resumed from checkpoint-1" in e["message"]]
+    assert resumed, "the train rerun continues from the checkpoint written before the OOM"
+    captions = read_manifest(cfg.run_dir / "captions.zarr")
+    assert captions["encoded_this_run"] < len(captions["texts"])  # the rows written before the OOM were kept
