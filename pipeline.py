@@ -91,6 +91,16 @@ def run_options(f: Callable[..., None]) -> Callable[..., None]:
     return click.argument("run_name", metavar="[RUN]", required=False)(wrapper)
 
 
+def vram_option(f: Callable[..., None]) -> Callable[..., None]:
+    """--vram GB on the commands that load models: sets gpu.vram_budget_gb (see `lorapipe plan`)."""
+    @functools.wraps(f)
+    def wrapper(spec: RunSpec, vram: str | None, **kwargs: Any) -> None:
+        sets = spec.sets + ((f"gpu.vram_budget_gb={vram}",) if vram else ())
+        f(spec=RunSpec(spec.name, spec.config, spec.artifacts, spec.model, sets), **kwargs)
+
+    return click.option("--vram", metavar="GB|auto", help="GPU memory the stage may use (gpu.vram_budget_gb).")(wrapper)
+
+
 def examples(*lines: str) -> str:
     """A command's --help epilog: example invocations, kept on their own lines."""
     return "\b\nExamples:\n" + "\n".join(f"  lorapipe {line}" for line in lines) + "\n"
@@ -144,6 +154,7 @@ def _launcher_rank() -> int:
 @cli.command("encode-captions", epilog=examples("encode-captions --config configs/flux-dev.toml",
                                                 "encode-captions my-lora --force"))
 @run_options
+@vram_option
 @click.option("--force", is_flag=True, help="Re-encode every caption.")
 @_guarded
 def encode_captions_cmd(spec: RunSpec, force: bool) -> None:
@@ -154,6 +165,7 @@ def encode_captions_cmd(spec: RunSpec, force: bool) -> None:
 @cli.command("cache-latents", epilog=examples("cache-latents --config configs/flux-dev.toml",
                                               "cache-latents my-lora --set data.resolution=768"))
 @run_options
+@vram_option
 @click.option("--force", is_flag=True, help="Re-encode every image.")
 @_guarded
 def cache_latents_cmd(spec: RunSpec, force: bool) -> None:
@@ -164,6 +176,7 @@ def cache_latents_cmd(spec: RunSpec, force: bool) -> None:
 @cli.command("train", epilog=examples("train --config configs/flux-dev.toml", "train my-lora --resume",
                                       "train my-lora --force        # start over; old checkpoints set aside"))
 @run_options
+@vram_option
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
 @click.option("--force", "--restart", "restart", is_flag=True,
               help="Start over from step 0; the old checkpoints are set aside, not deleted.")
@@ -192,6 +205,7 @@ def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: 
 
 @cli.command("sample", epilog=examples("sample my-lora", "sample --config configs/flux-dev.toml"))
 @run_options
+@vram_option
 @_guarded
 def sample_cmd(spec: RunSpec) -> None:
     """Render [sample] prompts with the base model and the LoRA (several seeds) -> samples/grid.png."""
@@ -211,6 +225,7 @@ def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
 
 @cli.command("run", epilog=examples("run --config configs/flux-dev.toml", "run my-lora --only train --gpus 2"))
 @run_options
+@vram_option
 @click.option("--force", is_flag=True, help="Run every stage even if up to date (train starts over).")
 @click.option("--only", multiple=True, type=click.Choice(STAGES + OPTIONAL_STAGES), help="Run only these stages.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
@@ -372,16 +387,25 @@ def report_cmd(spec: RunSpec, out: str | None, smooth: float, as_json: bool) -> 
         click.echo("\n".join(report.format_summary(summary)) + f"\nplot: {png}")
 
 
+@cli.command("plan", epilog=examples("plan --config configs/flux-dev.toml --vram 8", "plan my-lora --vram 12 --json"))
+@run_options
+@click.option("--vram", metavar="GB|auto", help="Plan for this much GPU memory [default: gpu.vram_budget_gb].")
+@click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
+@_guarded
+def plan_cmd(spec: RunSpec, vram: str | None, as_json: bool) -> None:
+    """Show each GPU stage's memory plan (precision, batch, tiling, offload, block swap) without loading weights."""
+    from stages import plan
+
+    plan.run(spec.load(), vram, as_json)
+
+
 @cli.command("keys", epilog=examples("keys", "keys | grep train."))
 def keys_cmd() -> None:
-    """List every config key with its default, its valid choices and its meaning."""
+    """List every config key with its default, its meaning and its valid choices or range."""
     from stages.core.config import describe_keys
-    from stages.core.runspec import key_choices
 
-    for key, default, *rest in describe_keys():
-        choices = rest[0] if len(rest) == 2 else key_choices(key)
-        doc = rest[-1] + (f" [choices: {', '.join(map(str, choices))}]" if choices else "")
-        click.echo(f"{key:34s} {default:18s} {doc}")
+    for key, default, choices, meaning in describe_keys():
+        click.echo(f"{key:34s} {default:18s} {meaning}" + (f" [{choices}]" if choices else ""))
 
 
 @cli.command("demo", epilog=examples("demo", "demo --family sdxl --steps 20"))

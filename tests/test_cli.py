@@ -73,9 +73,8 @@ def test_demo_family_is_a_choice_of_the_registry():
 
 def test_keys_lists_the_choices_of_enumerated_keys():
     lines = {line.split()[0]: line for line in invoke("keys").output.splitlines()}
-    assert "[choices: auto, cpu, cuda]" in lines["device"]
-    assert "[choices: random, center]" in lines["data.crop"]
-    assert "choices" not in lines["train.steps"]
+    assert lines["device"].endswith("['auto' | 'cpu' | 'cuda']") and lines["data.crop"].endswith("['random' | 'center']")
+    assert all(len(line.split()) > 2 for line in lines.values()), "a key without a meaning"
 
 
 def test_train_force_and_resume_exclude_each_other():

@@ -97,16 +97,3 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
             out[f"{prefix}{key}"] = value
     return out
 
-
-def key_choices(key: str) -> tuple[Any, ...]:
-    """The valid values of an enumerated (Literal) config key, e.g. 'device' -> ('auto', 'cpu', 'cuda')."""
-    import typing
-
-    from stages.core.config import Config
-
-    cls: Any = Config
-    *sections, leaf = key.split(".")
-    for section in sections:
-        cls = typing.get_type_hints(cls)[section]
-    hint = typing.get_type_hints(cls)[leaf]
-    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else ()
