@@ -91,9 +91,6 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"train": {"steps": 5}} -> {"train.steps": 5}: a saved config as dotted overrides."""
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
 
