@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,6 +59,64 @@ def make_optimizer(params: list[torch.nn.Parameter], tcfg: Any, device: torch.de
 
         return bnb.optim.AdamW8bit(params, **kwargs)
     return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+
+
+def compile_model(model: torch.nn.Module, mode: str, is_cuda: bool, log: Any) -> bool:
+    """Regional compile (each repeated block) when `compile_wanted`; any failure runs eager."""
+    if not compile_wanted(mode, is_cuda):
+        return False
+    try:
+        model.compile_repeated_blocks(fullgraph=False)
+        return True
+    except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
+        log.emit("warning", message=f"regional compile failed, running eager: {e}")
+        return False
+
+
+def uncompile(model: torch.nn.Module, error: Exception, log: Any) -> bool:
+    """Back to eager after a compiled step failed; returns False (now not compiled)."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    log.emit("warning", message=f"compiled step failed, falling back to eager: {str(error)[:300]}")
+    return False
+
+
+def sync(rt: Any) -> None:
+    if rt.is_cuda:
+        torch.cuda.synchronize()
+
+
+@dataclass
+class RunStats:
+    """Losses and samples of this process's steps; samples/s counts only the steps after the first
+    `warmup` (compile, allocator growth and CUDA-graph capture happen there)."""
+
+    warmup: int
+    losses: list[float] = field(default_factory=list)
+    samples: int = 0
+    steady_samples: int = 0
+    steady_t0: float | None = None
+
+    def add(self, steps_run: int, n: int, loss: float, rt: Any) -> None:
+        self.losses.append(loss)
+        self.samples += n
+        if steps_run == self.warmup:
+            sync(rt)
+            self.steady_t0, self.steady_samples = time.time(), 0
+        elif self.steady_t0 is not None:
+            self.steady_samples += n
+
+    def samples_per_second(self) -> float | None:
+        if not (self.steady_t0 and self.steady_samples):
+            return None
+        return self.steady_samples / (time.time() - self.steady_t0)
+
+    def loss_means(self) -> dict[str, float | None]:
+        """Means of the first and last k losses, k = a quarter of the steps, 1 to 10."""
+        k = max(1, min(10, len(self.losses) // 4))
+        return {"loss_first": sum(self.losses[:k]) / k if self.losses else None,
+                "loss_last": sum(self.losses[-k:]) / k if self.losses else None}
 
 
 class Trainer:
@@ -110,29 +169,12 @@ class Trainer:
         self.model.train()
         self.optimizer = make_optimizer(self.params, self.tcfg, self.rt.device)
         self.scheduler = make_scheduler(self.optimizer, self.tcfg)
-        self.compiled = self._maybe_compile()
+        self.compiled = compile_model(self.model, self.tcfg.compile_transformer, self.rt.is_cuda, self.log)
         distributed.broadcast_params(self.params, self.dist)
         if self.dist.is_distributed:
             torch.manual_seed(self.cfg.seed + self.dist.rank)  # LoRA dropout: other masks on each rank
         # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
         self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log)
-
-    def _maybe_compile(self) -> bool:
-        if not compile_wanted(self.tcfg.compile_transformer, self.rt.is_cuda):
-            return False
-        try:
-            self.model.compile_repeated_blocks(fullgraph=False)
-            return True
-        except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
-            self.log.emit("warning", message=f"regional compile failed, running eager: {e}")
-            return False
-
-    def _uncompile(self, error: Exception) -> None:
-        for module in self.model.modules():
-            if getattr(module, "_compiled_call_impl", None) is not None:
-                module._compiled_call_impl = None
-        self.compiled = False
-        self.log.emit("warning", message=f"compiled step failed, falling back to eager: {str(error)[:300]}")
 
     # ---- one step
     def draw(self, batch_indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,7 +233,7 @@ class Trainer:
         except Exception as e:  # noqa: BLE001
             if not self.compiled:
                 raise
-            self._uncompile(e)
+            self.compiled = uncompile(self.model, e, self.log)
             self.optimizer.zero_grad(set_to_none=True)
             loss = self._weighted_loss(draws, weight)
             loss.backward()
@@ -291,34 +333,27 @@ class Trainer:
             if start == 0 and self.dist.is_main:
                 self.checkpoints.set_aside()  # a fresh start never mixes with (or overwrites) older checkpoints
             return self._loop(start, stop, t0)
+
     def _loop(self, start: int, stop: Any, t0: float) -> dict[str, Any]:
-        tcfg, losses = self.tcfg, []
-        samples, steady_t0, steady_samples = 0, None, 0
-        step = start
+        tcfg, stats, step = self.tcfg, RunStats(self.tcfg.warmup_steps_excluded), start
         with distributed.progress(self.dist, "train", tcfg.steps - start, "steps") as bar:
             while step < tcfg.steps:
                 if self._stop_requested(stop):
-                    return self._stopped(step, stop.save and step > start, losses, t0)  # no step: nothing new
+                    return self._stopped(step, stop.save and step > start, stats, t0)  # no step: nothing new
                 loss, lr, n = self.step()
                 step += 1
-                losses.append(loss)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower train.learning_rate")
-                if step - start == tcfg.warmup_steps_excluded:
-                    self._sync()
-                    steady_t0, steady_samples = time.time(), 0
-                elif steady_t0 is not None:
-                    steady_samples += n
-                samples += n
-                sps = steady_samples / (time.time() - steady_t0) if steady_t0 and steady_samples else None
+                stats.add(step - start, n, loss, self.rt)
                 if step % tcfg.log_every == 0 or step == tcfg.steps:
-                    self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n, samples_per_second=sps,
+                    self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n,
+                                  samples_per_second=stats.samples_per_second(),
                                   peak_vram_gb=peak_vram_gb(self.rt)["allocated"], world_size=self.dist.world_size)
                 bar.advance(1, loss=loss, lr=lr)
                 faults.hit("train")
                 if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < tcfg.steps:
                     self.save_checkpoint(step)
-        summary = self._summary(step, losses, samples, steady_samples, steady_t0, t0)
+        summary = self._summary(stats, t0)
         if self.saved_step != step:
             self.save_checkpoint(step)
         manifest = self.save_final(step, True, summary)
@@ -334,18 +369,10 @@ class Trainer:
         stop.save = not cancel
         return requested
 
-    def _sync(self) -> None:
-        if self.rt.is_cuda:
-            torch.cuda.synchronize()
-
-    def _summary(self, step: int, losses: list[float], samples: int, steady: int, steady_t0: float | None,
-                 t0: float) -> dict[str, Any]:
-        self._sync()
-        k = max(1, min(10, len(losses) // 4))
-        sps = steady / (time.time() - steady_t0) if steady_t0 and steady else None
-        return {"loss_first": sum(losses[:k]) / k if losses else None,
-                "loss_last": sum(losses[-k:]) / k if losses else None,
-                "samples": samples, "samples_per_second": sps, "precision": self.precision,
+    def _summary(self, stats: RunStats, t0: float) -> dict[str, Any]:
+        sync(self.rt)
+        return {**stats.loss_means(), "samples": stats.samples, "samples_per_second": stats.samples_per_second(),
+                "precision": self.precision,
                 # {batch size: steps} of the whole run (resumes included): buckets smaller than
                 # train.batch_size make smaller batches
                 "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items(), reverse=True)},
@@ -361,7 +388,7 @@ class Trainer:
                 "gradient_checkpointing": self.tcfg.gradient_checkpointing, "optimizer": type(self.optimizer).__name__,
                 "fused_adamw": bool(self.optimizer.defaults.get("fused"))}
 
-    def _stopped(self, step: int, save: bool, losses: list[float], t0: float) -> dict[str, Any]:
+    def _stopped(self, step: int, save: bool, stats: RunStats, t0: float) -> dict[str, Any]:
         """After a stop request, between steps: a resumable checkpoint and the adapter (lora/final,
         complete=false), or with --no-save nothing new at all (earlier checkpoints stay as they are)."""
         if not save:
@@ -369,6 +396,7 @@ class Trainer:
             return {"stage": "train", "stopped": True, "saved": False, "step": step}
         if self.saved_step != step:
             self.save_checkpoint(step)
-        manifest = self.save_final(step, False, self._summary(step, losses, 0, 0, None, t0))
+        # the losses so far; no sample counts or speed for a run cut short (as before the split)
+        manifest = self.save_final(step, False, self._summary(RunStats(stats.warmup, stats.losses), t0))
         self.log.emit("stopped", step=step, saved=True, checkpoint=f"checkpoint-{step}")
         return {**manifest, "stopped": True, "saved": True}
