@@ -140,7 +140,7 @@ class Checkpoints:
                 failures.append(str(e))
                 continue
             self.lineage = manifest.get("lineage", self.lineage)
-            self.next_index = 1 + max(self._index(p) for p in self._of_lineage())
+            self.next_index = 1 + max((self._index(p) for p in self._of_lineage()), default=-1)
             return path, state
         if failures:
             raise ArtifactError(f"cannot resume: {'; '.join(failures)}. Start over with --restart, which sets these "
