@@ -1,20 +1,23 @@
 """Stage 4: lora/final -> export/pytorch_lora_weights.safetensors. Loads no base weights.
 
-    python pipeline.py export-lora --config configs/flux-dev.toml [--format kohya] [--verify]
+    lorapipe export-lora <run> [--format kohya] [--verify] [--checkpoint N] [--force]
 
 The diffusers file is written by the family's own `<Pipeline>.save_lora_weights` with the adapter
 config in the header metadata, so `load_lora_weights()` restores lora_alpha != rank correctly.
 Everything it needs (family, pipeline class, LoRA config) is read from lora/final/manifest.json;
-if that is missing it refuses and names the command that makes it.
+if that is missing it refuses and names the command that makes it. `--checkpoint N` exports
+lora/checkpoint-N to export/checkpoint-N/, beside the final export, which it leaves as it is. An
+export that is up to date is not rewritten unless forced.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from stages import train
-from stages.core.artifacts import ArtifactError, fingerprint, read_manifest, replace_dir, write_manifest
+from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
 
 NAME = "export-lora"
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
@@ -24,20 +27,35 @@ def artifact_dir(cfg: Any) -> Path:
     return cfg.run_dir / "export"
 
 
-def fingerprint_parts(cfg: Any) -> dict[str, Any]:
+def export_dir(cfg: Any, checkpoint: int | None) -> Path:
+    """export/ for lora/final, export/checkpoint-N/ for lora/checkpoint-N."""
+    return artifact_dir(cfg) if checkpoint is None else artifact_dir(cfg) / f"checkpoint-{checkpoint}"
+
+
+def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]:
+    if checkpoint is not None:
+        source = read_manifest(cfg.run_dir / "lora" / f"checkpoint-{checkpoint}")
+        return {"checkpoint": checkpoint, "lora": source and source.get("fingerprint"),
+                "lineage": source and source.get("lineage"), "format": cfg.export.format}
     final = read_manifest(train.artifact_dir(cfg))
     return {"lora": final and final.get("fingerprint"), "lora_step": final and final.get("step"),
             "format": cfg.export.format}
 
 
 def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict[str, Any]]:
+    from stages.checkpoints import complete_checkpoints
+
     folder = train.artifact_dir(cfg) if checkpoint is None else cfg.run_dir / "lora" / f"checkpoint-{checkpoint}"
     manifest = read_manifest(folder)
-    if manifest is None:
-        what = "lora/final" if checkpoint is None else f"lora/checkpoint-{checkpoint}"
-        raise ArtifactError(f"'{folder}' has no complete adapter ({what} missing or unfinished): run "
-                            f"`python pipeline.py train --config <your config>` for run '{cfg.run}' first")
-    return folder, manifest
+    if manifest is not None:
+        return folder, manifest
+    if checkpoint is None:
+        raise ArtifactError(f"'{folder}' has no complete adapter (lora/final missing or unfinished): run "
+                            f"`{train.command(cfg, 'train')}` first")
+    steps = [p.name[11:] for p in complete_checkpoints(cfg.run_dir / "lora")]
+    there = (f"the checkpoints there are: {', '.join(steps)} (e.g. `{train.command(cfg, NAME, '--checkpoint', steps[-1])}`)"
+             if steps else "there are none (train.checkpoint_every and train.keep_checkpoints decide which are kept)")
+    raise ArtifactError(f"run '{cfg.run}' has no complete lora/checkpoint-{checkpoint}: {there}")
 
 
 def write_diffusers(state: dict[str, Any], lora_cfg: dict[str, Any], manifest: dict[str, Any], out: Path) -> Path:
@@ -51,37 +69,54 @@ def write_diffusers(state: dict[str, Any], lora_cfg: dict[str, Any], manifest: d
     return out / DIFFUSERS_FILE
 
 
-def run(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]:
-    import shutil
-
-    from stages.core import lora
+def run(cfg: Any, checkpoint: int | None = None, force: bool = False) -> dict[str, Any]:
     from stages.core.runtime import install_model_trace
     from stages.core.stage import running_stage
 
     install_model_trace(NAME)
-
     with running_stage(cfg, NAME) as ctx:
         folder, manifest = source_manifest(cfg, checkpoint)
-        state, lora_cfg = lora.load_adapter_files(folder)
-        out = artifact_dir(cfg)
-        tmp = out.with_name(".export.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        files = [write_diffusers(state, lora_cfg, manifest, tmp)]
-        if cfg.export.format == "kohya":
-            from stages.core.kohya import write_kohya
+        out, parts = export_dir(cfg, checkpoint), fingerprint_parts(cfg, checkpoint)
+        current = read_manifest(out)
+        if not force and current is not None and current.get("fingerprint") == fingerprint(parts):
+            if cfg.export.verify:
+                from stages.core.verify import verify_export
 
-            files.append(write_kohya(state, lora_cfg, manifest, tmp))
-        if cfg.export.verify:
-            from stages.core.verify import verify_export
-
-            verify_export(cfg, manifest, files[0])
-        parts = fingerprint_parts(cfg) if checkpoint is None else {"checkpoint": checkpoint, "format": cfg.export.format}
-        result = write_manifest(tmp, NAME, family=manifest["family"], pipeline_class=manifest["pipeline_class"],
-                                files=[f.name for f in files], source=str(folder), step=manifest.get("step"),
-                                complete=manifest.get("complete", True) if checkpoint is None else True,
-                                lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts,
-                                tensors=len(state), seconds=ctx.elapsed())
-        replace_dir(tmp, out)
-        ctx.log.emit("done", seconds=ctx.elapsed(), files=[str(out / f.name) for f in files])
+                verify_export(cfg, manifest, out / DIFFUSERS_FILE)
+            ctx.log.emit("up_to_date", fingerprint=current["fingerprint"])
+            return current
+        with atomic_dir(out) as tmp:
+            fields = write_export(cfg, folder, manifest, parts, tmp, complete=checkpoint is not None)
+            result = write_manifest(tmp, NAME, **fields, seconds=ctx.elapsed())
+            if checkpoint is None:
+                keep_checkpoint_exports(out, tmp)
+        ctx.log.emit("done", seconds=ctx.elapsed(), files=[str(out / f) for f in result["files"]])
         return result
+
+
+def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[str, Any], tmp: Path,
+                 complete: bool) -> dict[str, Any]:
+    """Write the export files into `tmp` (and verify them if asked); returns the manifest fields.
+    A checkpoint is complete by construction; lora/final says itself whether it is."""
+    from stages.core import lora
+
+    state, lora_cfg = lora.load_adapter_files(folder)
+    files = [write_diffusers(state, lora_cfg, manifest, tmp)]
+    if cfg.export.format == "kohya":
+        from stages.core.kohya import write_kohya
+
+        files.append(write_kohya(state, lora_cfg, manifest, tmp))
+    if cfg.export.verify:
+        from stages.core.verify import verify_export
+
+        verify_export(cfg, manifest, files[0])
+    return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[f.name for f in files],
+                source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
+                lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state))
+
+
+def keep_checkpoint_exports(out: Path, tmp: Path) -> None:
+    """The final export replaces export/ as a whole: carry its export/checkpoint-N/ folders over
+    (renames, just before the swap) so a new final export never drops them."""
+    for sub in out.glob("checkpoint-*") if out.is_dir() else []:
+        os.replace(sub, tmp / sub.name)

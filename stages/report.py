@@ -108,6 +108,7 @@ def summary(events: list[dict[str, Any]], curve: Curve, weight: float) -> dict[s
         "samples_per_second_median": statistics.median(speeds) if speeds else None,
         "peak_vram_gb": max(curve.vram) if n else None,
         "train_seconds": done[-1].get("seconds") if done else None,
+        "batch_sizes": done[-1].get("batch_sizes") if done else None,  # {size: steps}, from the train stage
         "checkpoints": sum(1 for e in events if e.get("stage") == "train" and e["event"] == "checkpoint"),
         "stops": sum(1 for e in events if e["event"] == "stopped"),
         "errors": [e.get("message") for e in events if e["event"] == "error"],
@@ -237,6 +238,15 @@ def format_summary(s: dict[str, Any]) -> list[str]:
              f"learning rate    max {f(s['lr_max'], '.3g')}, last {f(s['lr_last'], '.3g')}",
              f"samples/s        {f(s['samples_per_second_median'], '.3g')} (median, steady state)",
              f"peak VRAM        {f(s['peak_vram_gb'], '.3g')} GB;  train time {f(s['train_seconds'], '.1f')} s",
+             f"batch sizes      {batch_histogram(s.get('batch_sizes'))}",
              f"checkpoints      {s['checkpoints']} written; {s['stops']} stop(s); {len(s['errors'])} error(s)"]
     lines += [f"  error: {m}" for m in s["errors"][-3:]]
     return lines
+
+
+def batch_histogram(sizes: dict[str, int] | None) -> str:
+    """{"4": 10, "1": 2} -> "4 x 10 steps, 1 x 2 steps" (largest first); "-" before a finished train."""
+    if not sizes:
+        return "-"
+    return ", ".join(f"{size} x {steps} step{'s' * (steps != 1)}"
+                     for size, steps in sorted(sizes.items(), key=lambda kv: -int(kv[0])))

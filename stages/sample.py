@@ -16,13 +16,12 @@ Rows are prompt x seed, columns base | checkpoints... | final; written with its 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from stages import export_lora
-from stages.core.artifacts import ArtifactError, fingerprint, read_manifest, replace_dir, write_manifest
+from stages import export_lora, train
+from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
 from stages.core.model_source import ModelSource
 
 NAME = "sample"
@@ -93,8 +92,7 @@ def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
     final = export_lora.artifact_dir(cfg)
     export = read_manifest(final)
     if export is None:
-        raise ArtifactError(f"'{final}' has no exported LoRA: run `python pipeline.py export-lora --config "
-                            f"<your config>` for run '{cfg.run}' first")
+        raise ArtifactError(f"'{final}' has no exported LoRA: run `{train.command(cfg, export_lora.NAME)}` first")
     out = []
     for ckpt in chosen_checkpoints(cfg):
         manifest = read_manifest(ckpt)
@@ -174,24 +172,20 @@ def run(cfg: Any) -> dict[str, Any]:
         prompts, parts = prompts_of(cfg), fingerprint_parts(cfg)
         size = (cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution)
         out = artifact_dir(cfg)
-        tmp = out.with_name(".samples.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        with tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
+        with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
             pipe, rt = load_pipeline(cfg, ctx.log)
             reset_peak(rt)
             labels, cells = render_columns(pipe, cfg, columns, prompts, size)
-        rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
-        grid = draw_grid(labels, rows, cells, tmp / GRID)
-        ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),
-                     adapter=columns[-1][1].name, seconds=ctx.elapsed())
-        manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=[GRID], columns=labels,
-                                  prompts=prompts, seeds=list(cfg.sample.seeds), size=list(size),
-                                  settings=dataclasses.asdict(cfg.sample), grid_size=list(grid),
-                                  fingerprint=fingerprint(parts), fingerprint_parts=parts, seconds=ctx.elapsed(),
-                                  peak_vram_gb=peak_vram_gb(rt))
-        replace_dir(tmp, out)
+            rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
+            grid = draw_grid(labels, rows, cells, tmp / GRID)
+            ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),
+                         adapter=columns[-1][1].name, seconds=ctx.elapsed())
+            manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=[GRID], columns=labels,
+                                      prompts=prompts, seeds=list(cfg.sample.seeds), size=list(size),
+                                      settings=dataclasses.asdict(cfg.sample), grid_size=list(grid),
+                                      fingerprint=fingerprint(parts), fingerprint_parts=parts, seconds=ctx.elapsed(),
+                                      peak_vram_gb=peak_vram_gb(rt))
         ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(labels), files=[str(out / GRID)])
         return manifest
 

@@ -1,11 +1,13 @@
 """Stage 3: train a LoRA on the cached latents and captions. Loads only the denoiser.
 
-    python pipeline.py train --config configs/flux-dev.toml [--resume]
+    lorapipe train <run> [--resume | --restart]
 
 Each step: draw a batch from one bucket, pick a random cached variant per item, draw a fresh latent
 sample mean + exp(logvar/2) * eps, normalize it as the family's VAE does, and take one denoiser
 forward over the whole batch. Writes lora/checkpoint-<step>/ (resumable) and lora/final/.
-Stop with Ctrl-C, SIGTERM or `pipeline.py stop <run> [--no-save]`.
+Stop with Ctrl-C, SIGTERM or `lorapipe stop <run> [--no-save]`; `--resume` continues. A plain
+`train` refuses to start over an unfinished run of the same config (it names both commands);
+`--restart` starts over and sets the old checkpoints aside (stages/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -46,14 +49,34 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
             "train": train, "seed": cfg.seed, "captions": cap and cap["fingerprint"], "latents": lat and lat["fingerprint"]}
 
 
+def command(cfg: Any, name: str, *flags: str) -> str:
+    """A command line the user can paste: the run by name and its artifacts folder (the resolved
+    config is saved there as config.json)."""
+    return shlex.join(["lorapipe", name, cfg.run, "--artifacts", str(cfg.run_dir.parent), *flags])
+
+
 def partial_state(cfg: Any) -> str | None:
     """For `status`: a run killed before lora/final was written, and where --resume picks it up."""
-    steps = sorted(int(p.name.split("-")[1]) for p in (cfg.run_dir / "lora").glob("checkpoint-*")
-                   if read_manifest(p) is not None)
-    if not steps:
+    from stages.checkpoints import complete_checkpoints
+
+    found = complete_checkpoints(cfg.run_dir / "lora")
+    if not found:
         return None
-    return (f"interrupted: no lora/final yet, newest complete checkpoint is checkpoint-{steps[-1]}; "
-            f"`python pipeline.py train --resume` (or `run`) continues from the newest one made with this config")
+    return (f"interrupted: no lora/final yet, newest complete checkpoint is {found[-1].name}; "
+            f"`{command(cfg, NAME, '--resume')}` (or `run`) continues from the newest one made with this config")
+
+
+def refuse_unfinished(cfg: Any) -> None:
+    """A plain `train` over an unfinished run of this same config would start at step 0 unasked."""
+    from stages.checkpoints import Checkpoints, step_of
+
+    found = Checkpoints(cfg.run_dir / "lora", fingerprint(fingerprint_parts(cfg)), 0, None).unfinished()
+    if found is not None:
+        raise ArtifactError(
+            f"run '{cfg.run}' has an unfinished training made with this config ({found}, step {step_of(found)} of "
+            f"{cfg.train.steps}): continue it with `{command(cfg, NAME, '--resume')}`, or start over with "
+            f"`{command(cfg, NAME, '--restart')}` (the old checkpoints are moved to lora/.restarted-<time>/, "
+            f"nothing is deleted)")
 
 
 def check_upstream(cfg: Any) -> None:
@@ -64,21 +87,26 @@ def check_upstream(cfg: Any) -> None:
              for ok, reasons in [staleness(module, cfg)] if not ok]
     if stale:
         why = "; ".join(f"{m.artifact_dir(cfg).name}: {'; '.join(r)[:300]}" for m, r in stale)
-        rerun = " and ".join(f"`python pipeline.py {m.NAME} --config <your config>`" for m, _ in stale)
+        rerun = " and ".join(f"`{command(cfg, m.NAME)}`" for m, _ in stale)
         raise ArtifactError(f"the caches of run '{cfg.run}' were not made for this config ({why}): run {rerun} "
-                            f"first (or `python pipeline.py run`, which reruns exactly the stale stages)")
+                            f"first (or `{command(cfg, 'run')}`, which reruns exactly the stale stages)")
 
 
-def run(cfg: Any, resume: bool = False) -> dict[str, Any]:
+def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]:
+    """Train; `resume` continues the newest checkpoint of this config (also with train.resume =
+    'auto'), `restart` starts at step 0 over an unfinished run (its checkpoints are set aside)."""
     from stages.core.runtime import install_model_trace
     from stages.core.stage import running_stage
-    from stages.core.trainer import Trainer
+    from stages.trainer import Trainer
 
     install_model_trace(NAME)
+    resume = (resume or cfg.train.resume == "auto") and not restart
     with running_stage(cfg, NAME) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg)
+        if not resume and not restart:
+            refuse_unfinished(cfg)
         trainer = Trainer(cfg, ctx.log, ctx.dist)
-        return trainer.fit(resume=resume or cfg.train.resume == "auto", stop=stop, t0=ctx.t0)
+        return trainer.fit(resume=resume, stop=stop, t0=ctx.t0)
 
 
 class _StopRequests:

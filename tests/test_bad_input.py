@@ -192,7 +192,7 @@ def test_train_refuses_caches_made_for_another_model_or_resolution(built_run, tm
         return str(e.value)
 
     message = refusal(**{"data.resolution": 128})
-    assert "latents.zarr: resolution: 64 -> 128" in message and "`python pipeline.py cache-latents" in message
+    assert "latents.zarr: resolution: 64 -> 128" in message and "`lorapipe cache-latents demo --artifacts" in message
     assert "encode-captions" not in message  # captions do not depend on the resolution
 
     other = tmp_path / "other-model"
@@ -200,7 +200,7 @@ def test_train_refuses_caches_made_for_another_model_or_resolution(built_run, tm
     vae_config = json.loads((other / "vae" / "config.json").read_text())
     (other / "vae" / "config.json").write_text(json.dumps({**vae_config, "scaling_factor": 0.5}))
     message = refusal(model=str(other))
-    assert "latents.zarr: model: 'local:" in message and "`python pipeline.py cache-latents" in message
+    assert "latents.zarr: model: 'local:" in message and "`lorapipe cache-latents demo --artifacts" in message
     assert "encode-captions" not in message  # same text encoders
 
     another = next((f for f in sorted(FAMILIES) if f != built_run.family), None)
@@ -209,7 +209,7 @@ def test_train_refuses_caches_made_for_another_model_or_resolution(built_run, tm
     except (ImportError, AttributeError, TypeError):
         pytest.skip(f"family {another!r} is not importable yet")
     assert f"family: '{built_run.family}' -> '{another}'" in message
-    assert "`python pipeline.py encode-captions" in message and "`python pipeline.py cache-latents" in message
+    assert "`lorapipe encode-captions demo --artifacts" in message and "`lorapipe cache-latents demo --artifacts" in message
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

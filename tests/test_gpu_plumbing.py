@@ -107,7 +107,7 @@ def _events(cfg, event=None):
 
 def _trainer(cfg):
     """A Trainer with its model set up, seeded as `fit` seeds it (the LoRA init draws from torch's RNG)."""
-    from stages.core.trainer import Trainer
+    from stages.trainer import Trainer
 
     tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "train"))
     torch.manual_seed(cfg.seed)
@@ -149,7 +149,7 @@ def test_nf4_text_encoder_on_cpu_is_a_clear_error(cached):
 
 
 def test_compile_auto_means_cuda_whatever_the_base():
-    from stages.core.trainer import compile_wanted
+    from stages.trainer import compile_wanted
 
     assert [compile_wanted(m, True) for m in ("auto", "on", "off")] == [True, True, False]
     assert [compile_wanted(m, False) for m in ("auto", "on", "off")] == [False, True, False]

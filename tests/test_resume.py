@@ -1,9 +1,11 @@
-"""Stop, cancel and resume of `train` (issue 5), in-process on the tiny models.
+"""Stop, cancel, resume and restart of `train`, in-process on the tiny models.
 
 A run stopped at step k (a real SIGTERM the process sends itself, see stages/core/faults.py) and
 resumed with `--resume` must end with an adapter bit-identical to an uninterrupted run, with the
 same losses and learning rates for the steps after k. `stop --no-save` writes nothing new; a second
-signal during the save corrupts nothing; the CLI exits 0 with a `stopped` event.
+signal during the save corrupts nothing; the CLI exits 0 with a `stopped` event. A plain `train`
+over an unfinished run refuses; `--restart` sets the old checkpoints aside, and retention never
+prunes the checkpoint a stop just wrote.
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ def test_stop_no_save_writes_nothing_new(built_run):
     watcher.start()
     result = train.run(cfg)
     watcher.join()
+    assert len(seen) == 2, "the run logged no step >= 2 within 120 s, so no stop was requested"
     before, pid = seen
     assert pid is not None and result["stopped"] and not result["saved"]
     assert [e["saved"] for e in run_events(cfg, "stopped")] == [False]
@@ -204,3 +207,86 @@ def test_sigterm_to_pipeline_run_stops_train_cleanly(built_run):
     assert len(stopped) == 1 and stopped[0]["saved"]
     assert (cfg.run_dir / "lora" / f"checkpoint-{stopped[0]['step']}" / "manifest.json").is_file()
     assert not (cfg.run_dir / "export").exists()
+
+
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+def test_plain_train_refuses_then_restart_keeps_new_lineage(built_run, monkeypatch):
+    """Issue 15's lost work: a run stopped at step 5, then a plain `train`, a `--restart` stopped at
+    step 2, then `--resume`. The plain train refuses, naming both commands; the restart sets the
+    old checkpoints aside (not deleted); its checkpoint-2 survives retention although the abandoned
+    run reached step 5; the resume continues from it and ends bit-identical to an uninterrupted run,
+    with the batch-size histogram of all 6 steps."""
+    from collections import Counter
+
+    from stages import train
+    from stages.core import faults
+    from stages.core.errors import ArtifactError
+    from stages.core.events import read_events
+
+    want, _ = reference(built_run)
+    cfg = new_run(built_run, "restarted")
+    lora = cfg.run_dir / "lora"
+    monkeypatch.setenv(faults.ENV, "train:5:TERM")
+    assert train.run(cfg)["step"] == 5
+    before = sorted(p.name for p in lora.iterdir())
+    with pytest.raises(ArtifactError) as refused:
+        train.run(cfg)
+    message = str(refused.value)
+    assert "checkpoint-5" in message and "step 5 of 6" in message
+    for flag in ("--resume", "--restart"):
+        assert f"`lorapipe train {cfg.run} --artifacts {cfg.run_dir.parent} {flag}`" in message
+    assert sorted(p.name for p in lora.iterdir()) == before == ["checkpoint-4", "checkpoint-5", "final"]
+
+    monkeypatch.setenv(faults.ENV, "train:2:TERM")
+    assert train.run(cfg, restart=True)["step"] == 2
+    aside = [p for p in lora.iterdir() if p.name.startswith(".restarted-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == before
+    assert sorted(p.name for p in lora.iterdir() if p not in aside) == ["checkpoint-2", "final"]
+
+    monkeypatch.delenv(faults.ENV)
+    done = train.run(cfg, resume=True)
+    assert run_events(cfg, "warning")[0]["message"].startswith("resumed from checkpoint-2")
+    assert_same_adapter(adapter(lora / "final"), want)
+    assert sorted(p.name for p in lora.iterdir() if p not in aside) == ["checkpoint-4", "checkpoint-6", "final"]
+    uninterrupted = read_events(cfg.run_dir.parent / f"{built_run.family}-uninterrupted")
+    sizes = Counter(str(e["batch_size"]) for e in uninterrupted if e["event"] == "step")
+    assert sum(sizes.values()) == STEPS and done["batch_sizes"] == dict(sizes)  # steps 1-2 came from checkpoint-2
+    assert run_events(cfg, "done")[0]["batch_sizes"] == done["batch_sizes"]
+
+
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+def test_old_pickle_training_state_is_never_loaded(built_run, monkeypatch, tmp_path):
+    """A checkpoint from an older version holds training_state.pt, a pickle. Here it is a payload
+    that would create a file when unpickled: resume must not run it, and must say what to do."""
+    import pickle
+
+    from stages import train
+    from stages.checkpoints import STATE_JSON, STATE_TENSORS
+    from stages.core import faults
+    from stages.core.errors import ArtifactError
+
+    cfg = new_run(built_run, "old-pickle")
+    monkeypatch.setenv(faults.ENV, f"train:{STOP_AT}:TERM")
+    train.run(cfg)
+    monkeypatch.delenv(faults.ENV)
+    checkpoint = cfg.run_dir / "lora" / f"checkpoint-{STOP_AT}"
+    for name in (STATE_JSON, STATE_TENSORS):
+        (checkpoint / name).unlink()
+    marker = tmp_path / "payload-ran"
+    (checkpoint / "training_state.pt").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(ArtifactError) as refused:
+        train.run(cfg, resume=True)
+    assert not marker.exists()
+    message = str(refused.value)
+    assert f"checkpoint-{STOP_AT}' was written by an older lorapipe version" in message
+    assert "never loaded" in message and "--restart" in message
+
+
+class _Payload:
+    """Unpickling this calls open(path, "w"): the file appears if anything unpickles it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")

@@ -1,32 +1,29 @@
-"""The training loop of the `train` stage: model + LoRA + optimizer + schedule, steps, checkpoints.
+"""The training loop of the `train` stage: model + LoRA + optimizer + schedule, steps.
 
 All step randomness (variant choice, posterior eps, noise, timesteps) comes from one CPU generator
 seeded by `seed`, saved in every checkpoint with the sampler position, the optimizer, the LR
-scheduler and torch's global RNG (LoRA dropout), so a resumed run continues bit for bit.
+scheduler and torch's global RNG (LoRA dropout), so a resumed run continues bit for bit. Saving,
+loading and retention of checkpoints are `stages/checkpoints.py`'s.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import time
-from pathlib import Path
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from stages import cache_latents, encode_captions
-from stages.core import dataset, distributed, fastpath, lora, memory
-from stages.core import faults
-from stages.core.artifacts import (ArtifactError, fingerprint, naming_full_disk, read_manifest, remove_dir, replace_dir,
-                                   sweep_leftovers, write_manifest)
+from stages import cache_latents, encode_captions, train
+from stages.checkpoints import Checkpoints
+from stages.core import dataset, distributed, fastpath, faults, lora, memory
+from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
-
-TRAINING_STATE = "training_state.pt"
-
 
 def compile_wanted(mode: str, is_cuda: bool) -> bool:
     """train.compile_transformer: `auto` compiles on CUDA, over a bf16 and an nf4 base alike (on the
@@ -64,6 +61,64 @@ def make_optimizer(params: list[torch.nn.Parameter], tcfg: Any, device: torch.de
     return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
 
 
+def compile_model(model: torch.nn.Module, mode: str, is_cuda: bool, log: Any) -> bool:
+    """Regional compile (each repeated block) when `compile_wanted`; any failure runs eager."""
+    if not compile_wanted(mode, is_cuda):
+        return False
+    try:
+        model.compile_repeated_blocks(fullgraph=False)
+        return True
+    except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
+        log.emit("warning", message=f"regional compile failed, running eager: {e}")
+        return False
+
+
+def uncompile(model: torch.nn.Module, error: Exception, log: Any) -> bool:
+    """Back to eager after a compiled step failed; returns False (now not compiled)."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    log.emit("warning", message=f"compiled step failed, falling back to eager: {str(error)[:300]}")
+    return False
+
+
+def sync(rt: Any) -> None:
+    if rt.is_cuda:
+        torch.cuda.synchronize()
+
+
+@dataclass
+class RunStats:
+    """Losses and samples of this process's steps; samples/s counts only the steps after the first
+    `warmup` (compile, allocator growth and CUDA-graph capture happen there)."""
+
+    warmup: int
+    losses: list[float] = field(default_factory=list)
+    samples: int = 0
+    steady_samples: int = 0
+    steady_t0: float | None = None
+
+    def add(self, steps_run: int, n: int, loss: float, rt: Any) -> None:
+        self.losses.append(loss)
+        self.samples += n
+        if steps_run == self.warmup:
+            sync(rt)
+            self.steady_t0, self.steady_samples = time.time(), 0
+        elif self.steady_t0 is not None:
+            self.steady_samples += n
+
+    def samples_per_second(self) -> float | None:
+        if not (self.steady_t0 and self.steady_samples):
+            return None
+        return self.steady_samples / (time.time() - self.steady_t0)
+
+    def loss_means(self) -> dict[str, float | None]:
+        """Means of the first and last k losses, k = a quarter of the steps, 1 to 10."""
+        k = max(1, min(10, len(self.losses) // 4))
+        return {"loss_first": sum(self.losses[:k]) / k if self.losses else None,
+                "loss_last": sum(self.losses[-k:]) / k if self.losses else None}
+
+
 class Trainer:
     def __init__(self, cfg: Any, log: Any, dist: distributed.Dist | None = None):
         self.cfg, self.tcfg, self.log = cfg, cfg.train, log
@@ -79,13 +134,25 @@ class Trainer:
         if note := self.sampler.fill_warning(cfg.data.bucket_merge):
             log.emit("warning", message=note)
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.parts = self._fingerprint_parts()
+        self.parts = train.fingerprint_parts(cfg)
         self.lora_dir = cfg.run_dir / "lora"
-
-    def _fingerprint_parts(self) -> dict[str, Any]:
-        from stages import train
-
-        return train.fingerprint_parts(self.cfg)
+        self.checkpoints = Checkpoints(self.lora_dir, fingerprint(self.parts), self.tcfg.keep_checkpoints, log)
+        # set by setup_model
+        self.model: Any = None
+        self.rt: Any = None
+        self.lora_config: Any = None
+        self.params: list[torch.nn.Parameter] = []
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.denoiser: Any = None
+        self.precision, self.graphs_plan, self.attention, self.compiled = "", "", "default SDPA", False
+        # the next batch, read ahead while the GPU runs a step, and the generator/sampler state before it
+        self.pending: tuple[list[int], tuple[Any, ...]] | None = None
+        self.state_before_pending: dict[str, Any] = {}
+        self.saved_step: int | None = None  # the step of the newest checkpoint on disk
+        self.batch_sizes: Counter[int] = Counter()  # steps run at each batch size, over resumes too
+        self.plan: Any = None  # the memory planner's choice for this stage (stages/core/memory.py)
+        self.swap: Any = None  # block swap, when the plan swaps blocks
 
     # ---- setup
     def setup_model(self) -> None:
@@ -109,29 +176,12 @@ class Trainer:
         self.model.train()
         self.optimizer = make_optimizer(self.params, self.tcfg, self.rt.device)
         self.scheduler = make_scheduler(self.optimizer, self.tcfg)
-        self.compiled = self._maybe_compile()
+        self.compiled = compile_model(self.model, self.tcfg.compile_transformer, self.rt.is_cuda, self.log)
         distributed.broadcast_params(self.params, self.dist)
         if self.dist.is_distributed:
             torch.manual_seed(self.cfg.seed + self.dist.rank)  # LoRA dropout: other masks on each rank
         # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
         self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log)
-
-    def _maybe_compile(self) -> bool:
-        if not compile_wanted(self.tcfg.compile_transformer, self.rt.is_cuda):
-            return False
-        try:
-            self.model.compile_repeated_blocks(fullgraph=False)
-            return True
-        except Exception as e:  # noqa: BLE001 - any compile failure falls back to eager
-            self.log.emit("warning", message=f"regional compile failed, running eager: {e}")
-            return False
-
-    def _uncompile(self, error: Exception) -> None:
-        for module in self.model.modules():
-            if getattr(module, "_compiled_call_impl", None) is not None:
-                module._compiled_call_impl = None
-        self.compiled = False
-        self.log.emit("warning", message=f"compiled step failed, falling back to eager: {str(error)[:300]}")
 
     # ---- one step
     def draw(self, batch_indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,25 +211,15 @@ class Trainer:
     def draw_next(self) -> tuple[list[int], tuple[Any, ...]]:
         """The next batch and its randomness; remembers the sampler/generator state from before it,
         which is what a checkpoint saves while this batch is pending (resume draws it again)."""
-        self._state_before_pending = {"generator": self.generator.get_state(), "sampler": self.sampler.state_dict()}
+        self.state_before_pending = {"generator": self.generator.get_state(), "sampler": self.sampler.state_dict()}
         _, indices = self.sampler.next()
         return indices, self.draw(indices)
 
     def step(self) -> tuple[float, float, int]:
-        pending, self._pending = getattr(self, "_pending", None), None
-        indices, (batch, eps, noise, t) = pending or self.draw_next()
+        indices, draws = self.pending or self.draw_next()
+        self.pending = None
         lr = self.scheduler.get_last_lr()[0]
-        weight = distributed.loss_weight(len(indices), self.dist)
-        try:
-            loss = self._weighted(self.compute_loss(batch, eps, noise, t), weight)
-            loss.backward()
-        except Exception as e:  # noqa: BLE001
-            if not self.compiled:
-                raise
-            self._uncompile(e)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self._weighted(self.compute_loss(batch, eps, noise, t), weight)
-            loss.backward()
+        loss = self._backward(draws, distributed.loss_weight(len(indices), self.dist))
         distributed.average_gradients(self.params, self.dist)
         if self.tcfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm)
@@ -188,20 +228,35 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # Read the next batch while the GPU still runs this one (float(loss) below waits for it).
         # Its random draws come in the same order as without read-ahead, so the run is unchanged.
-        self._pending = self.draw_next()
+        self.pending = self.draw_next()
+        self.batch_sizes[len(indices)] += 1
         return float(distributed.mean_over_ranks(loss.detach(), self.dist)), lr, len(indices)
 
-    @staticmethod
-    def _weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    def _backward(self, draws: tuple[Any, ...], weight: float) -> torch.Tensor:
+        """The weighted loss, backpropagated; a compiled model that fails here is run eager instead."""
+        try:
+            loss = self._weighted_loss(draws, weight)
+            loss.backward()
+        except Exception as e:  # noqa: BLE001
+            if not self.compiled:
+                raise
+            self.compiled = uncompile(self.model, e, self.log)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._weighted_loss(draws, weight)
+            loss.backward()
+        return loss
+
+    def _weighted_loss(self, draws: tuple[Any, ...], weight: float) -> torch.Tensor:
+        loss = self.compute_loss(*draws)
         return loss if weight == 1.0 else loss * weight
 
-    # ---- checkpoints
+    # ---- checkpoints (stages/checkpoints.py writes and reads them)
     def training_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-                 "sampler": self.sampler.state_dict()}
-        if getattr(self, "_pending", None) is not None:  # the next batch was read ahead: save the state before it
-            state.update(self._state_before_pending)
+                 "sampler": self.sampler.state_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()}}
+        if self.pending is not None:  # the next batch was read ahead: save the state before it
+            state.update(self.state_before_pending)
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         if self.dist.is_distributed:  # collective: every rank's dropout RNG, so each resumes its own
@@ -209,82 +264,38 @@ class Trainer:
             state["torch_rng_ranks"] = distributed.all_gather(torch.get_rng_state(), self.dist)
         return state
 
-    def _write_folder(self, name: str, write: Any) -> Path:
-        """Let `write(tmp)` fill a hidden lora/.<name>.tmp, manifest last, then rename it to lora/<name>.
-        A kill, a second signal or a full disk midway leaves the previous folder, never a half one."""
-        final, tmp = self.lora_dir / name, self.lora_dir / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            with naming_full_disk(final):
-                write(tmp)
-        except Exception:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        replace_dir(tmp, final)
-        return final
+    def restore(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        ranks = state.get("torch_rng_ranks")
+        torch.set_rng_state(ranks[self.dist.rank] if ranks and len(ranks) == self.dist.world_size else state["torch_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.batch_sizes = Counter({int(k): v for k, v in state.get("batch_sizes", {}).items()})
+        self.pending, self.saved_step = None, int(state["step"])
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int) -> None:
         state = self.training_state(step)  # on every rank (it gathers their RNG states)
-        if not self.dist.is_main:  # replicas are identical: rank 0 alone writes
-            self.saved_step = step
-            return self.lora_dir / f"checkpoint-{step}"
-
-        def write(tmp: Path) -> None:
-            lora.save_adapter(self.model, self.lora_config, tmp)
-            torch.save(state, tmp / TRAINING_STATE)
-            faults.hit("mid-save")
-            write_manifest(tmp, "train", kind="checkpoint", step=step, fingerprint=fingerprint(self.parts),
-                           fingerprint_parts=self.parts, **self.export_info(), **self.launch_info())
-
-        final = self._write_folder(f"checkpoint-{step}", write)
+        if self.dist.is_main:  # replicas are identical: rank 0 alone writes
+            self.checkpoints.save(step, state, self._write_adapter, {"fingerprint_parts": self.parts, **self.info()})
         self.saved_step = step
-        self.log.emit("checkpoint", step=step, path=str(final))
-        self._prune()
-        return final
 
-    def _prune(self) -> None:
-        ckpts = sorted(self.checkpoints(), key=lambda p: int(p.name.split("-")[1]))
-        for old in ckpts[:-self.tcfg.keep_checkpoints] if self.tcfg.keep_checkpoints > 0 else []:
-            remove_dir(old)  # renamed away first: a kill mid-delete never leaves a manifest over missing files
-
-    def checkpoints(self) -> list[Path]:
-        if not self.lora_dir.exists():
-            return []
-        return [p for p in self.lora_dir.glob("checkpoint-*") if read_manifest(p) is not None]
+    def _write_adapter(self, folder: Any) -> None:
+        lora.save_adapter(self.model, self.lora_config, folder)
 
     def resume(self) -> int:
         """Load the newest complete checkpoint made with this config; return its step (0 if none)."""
-        ckpts = sorted(self.checkpoints(), key=lambda p: int(p.name.split("-")[1]), reverse=True)
-        for path in ckpts:
-            m = read_manifest(path)
-            if m and m.get("fingerprint") == fingerprint(self.parts):
-                self._check_world_size(path, m)
-                try:
-                    state = torch.load(path / TRAINING_STATE, weights_only=False)
-                    lora.load_adapter_weights(self.model, path)
-                except Exception as e:  # noqa: BLE001 - damaged on disk after it was written: try an older one
-                    self.log.emit("warning", message=f"cannot load {path} ({e}); trying an older checkpoint")
-                    continue
-                self.optimizer.load_state_dict(state["optimizer"])
-                self.scheduler.load_state_dict(state["scheduler"])
-                self.generator.set_state(state["generator"])
-                torch.set_rng_state(self._rank_rng(state))
-                if "cuda_rng" in state and torch.cuda.is_available():
-                    torch.cuda.set_rng_state_all(state["cuda_rng"])
-                self.sampler.load_state_dict(state["sampler"])
-                self._pending = None
-                self.saved_step = int(state["step"])
-                self.log.emit("warning", message=f"resumed from {path.name} at step {state['step']}")
-                return int(state["step"])
-        if ckpts:
-            self.log.emit("warning", message="no checkpoint matches this config (settings changed): starting at step 0")
-        return 0
+        loaded = self.checkpoints.load_newest(self._check_world_size, lambda p: lora.load_adapter_weights(self.model, p))
+        if loaded is None:
+            return 0
+        path, state = loaded
+        self.restore(state)
+        self.log.emit("warning", message=f"resumed from {path.name} at step {state['step']}")
+        return int(state["step"])
 
-    def _rank_rng(self, state: dict[str, Any]) -> torch.Tensor:
-        ranks = state.get("torch_rng_ranks")
-        return ranks[self.dist.rank] if ranks and len(ranks) == self.dist.world_size else state["torch_rng"]
-
-    def _check_world_size(self, path: Path, manifest: dict[str, Any]) -> None:
+    def _check_world_size(self, path: Any, manifest: dict[str, Any]) -> None:
         """The sampler position counts global batches: resuming with another number of processes
         would walk a different batch order from a position that means something else."""
         saved = manifest.get("world_size", 1)
@@ -292,37 +303,30 @@ class Trainer:
             raise ArtifactError(
                 f"{path} was written by {saved} process(es) (global batch {saved * self.tcfg.batch_size}), this "
                 f"train runs {self.dist.world_size}: resume with --nproc-per-node/--gpus {saved}, or start over "
-                f"(train without --resume, train.resume = 'never')")
+                f"with `{train.command(self.cfg, 'train', '--restart')}`")
 
-    def launch_info(self) -> dict[str, Any]:
-        return {"world_size": self.dist.world_size, "global_batch_size": self.global_batch}
-
-    def export_info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
+        """What export-lora needs (family, pipeline, LoRA config) and how the run was launched."""
         return {"family": self.cfg.family, "model": self.cfg.model, "pipeline_class": self.family.pipeline_class,
-                "lora_prefix": self.family.lora_prefix, "lora_config": lora.config_dict(self.lora_config)}
+                "lora_prefix": self.family.lora_prefix, "lora_config": lora.config_dict(self.lora_config),
+                "world_size": self.dist.world_size, "global_batch_size": self.global_batch}
 
     def save_final(self, step: int, complete: bool, summary: dict[str, Any]) -> dict[str, Any]:
-        extra = {} if complete else {"incomplete_reason": f"stopped at step {step} of {self.tcfg.steps}: run "
-                                                          f"`python pipeline.py train --resume` to finish"}
-        manifest: dict[str, Any] = {}
         if not self.dist.is_main:
             return {"stage": "train", "rank": self.dist.rank, "step": step, "complete": complete}
-
-        def write(tmp: Path) -> None:
-            lora.save_adapter(self.model, self.lora_config, tmp)
+        extra = {} if complete else {"incomplete_reason": f"stopped at step {step} of {self.tcfg.steps}: run "
+                                                          f"`{train.command(self.cfg, 'train', '--resume')}` to finish"}
+        with atomic_dir(self.lora_dir / "final") as tmp:
+            self._write_adapter(tmp)
             faults.hit("mid-save")
-            manifest.update(write_manifest(tmp, "train", kind="final", step=step, complete=complete,
-                                           fingerprint=fingerprint(self.parts), fingerprint_parts=self.parts,
-                                           **self.export_info(), **self.launch_info(), **summary, **extra))
-
-        self._write_folder("final", write)
-        return manifest
+            return write_manifest(tmp, "train", kind="final", step=step, complete=complete,
+                                  fingerprint=fingerprint(self.parts), fingerprint_parts=self.parts,
+                                  **self.info(), **summary, **extra)
 
     # ---- the loop
     def fit(self, resume: bool, stop: Any, t0: float) -> dict[str, Any]:
         torch.manual_seed(self.cfg.seed)
         sweep_leftovers(self.lora_dir)  # temp folders of a killed save: never read, space only
-        self.saved_step: int | None = None  # the step of the newest checkpoint on disk
         with torch_flags(self.tcfg.enable_tf32, self.tcfg.cudnn_benchmark, disable_cudnn_attention=True) as notes:
             self.setup_model()
             self.attention = notes[0] if notes and self.rt.is_cuda else "default SDPA"
@@ -333,40 +337,35 @@ class Trainer:
             if len(set(steps)) > 1:
                 raise ArtifactError(f"ranks resumed from different steps {steps}: do all hosts see the same "
                                     f"{self.lora_dir}? (multi-host runs need a shared artifacts folder)")
+            if start == 0 and self.dist.is_main:
+                self.checkpoints.set_aside()  # a fresh start never mixes with (or overwrites) older checkpoints
             return self._loop(start, stop, t0)
 
     def _loop(self, start: int, stop: Any, t0: float) -> dict[str, Any]:
-        tcfg, losses = self.tcfg, []
-        samples, steady_t0, steady_samples = 0, None, 0
-        step = start
+        tcfg, stats, step = self.tcfg, RunStats(self.tcfg.warmup_steps_excluded), start
         with distributed.progress(self.dist, "train", tcfg.steps - start, "steps") as bar:
             while step < tcfg.steps:
                 if self._stop_requested(stop):
-                    return self._stopped(step, stop.save and step > start, losses, t0)  # no step: nothing new
+                    return self._stopped(step, stop.save and step > start, stats, t0)  # no step: nothing new
                 loss, lr, n = self.step()
                 step += 1
-                losses.append(loss)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower train.learning_rate")
-                if step - start == tcfg.warmup_steps_excluded:
-                    self._sync()
-                    steady_t0, steady_samples = time.time(), 0
-                elif steady_t0 is not None:
-                    steady_samples += n
-                samples += n
-                sps = steady_samples / (time.time() - steady_t0) if steady_t0 and steady_samples else None
+                stats.add(step - start, n, loss, self.rt)
                 if step % tcfg.log_every == 0 or step == tcfg.steps:
-                    self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n, samples_per_second=sps,
+                    self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n,
+                                  samples_per_second=stats.samples_per_second(),
                                   peak_vram_gb=peak_vram_gb(self.rt)["allocated"], world_size=self.dist.world_size)
                 bar.advance(1, loss=loss, lr=lr)
                 faults.hit("train")
                 if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < tcfg.steps:
                     self.save_checkpoint(step)
-        summary = self._summary(step, losses, samples, steady_samples, steady_t0, t0)
+        summary = self._summary(stats, t0)
         if self.saved_step != step:
             self.save_checkpoint(step)
         manifest = self.save_final(step, True, summary)
-        self.log.emit("done", seconds=round(time.time() - t0, 3), step=step, **{k: summary[k] for k in ("loss_first", "loss_last")})
+        self.log.emit("done", seconds=round(time.time() - t0, 3), step=step,
+                      **{k: summary[k] for k in ("loss_first", "loss_last", "batch_sizes")})
         return manifest
 
     def _stop_requested(self, stop: Any) -> bool:
@@ -377,18 +376,13 @@ class Trainer:
         stop.save = not cancel
         return requested
 
-    def _sync(self) -> None:
-        if self.rt.is_cuda:
-            torch.cuda.synchronize()
-
-    def _summary(self, step: int, losses: list[float], samples: int, steady: int, steady_t0: float | None,
-                 t0: float) -> dict[str, Any]:
-        self._sync()
-        k = max(1, min(10, len(losses) // 4))
-        sps = steady / (time.time() - steady_t0) if steady_t0 and steady else None
-        return {"loss_first": sum(losses[:k]) / k if losses else None,
-                "loss_last": sum(losses[-k:]) / k if losses else None,
-                "samples": samples, "samples_per_second": sps, "precision": self.precision,
+    def _summary(self, stats: RunStats, t0: float) -> dict[str, Any]:
+        sync(self.rt)
+        return {**stats.loss_means(), "samples": stats.samples, "samples_per_second": stats.samples_per_second(),
+                "precision": self.precision,
+                # {batch size: steps} of the whole run (resumes included): buckets smaller than
+                # train.batch_size make smaller batches
+                "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items(), reverse=True)},
                 "compiled": self.compiled, "seconds": round(time.time() - t0, 3), "peak_vram_gb": peak_vram_gb(self.rt),
                 "device": str(self.rt.device), "runtime": self._runtime_summary(),
                 # collective: each rank's own peak (rank 0's above), for per-GPU memory under torchrun
@@ -396,12 +390,12 @@ class Trainer:
 
     def _runtime_summary(self) -> dict[str, Any]:
         graphs = self.denoiser.summary() if isinstance(self.denoiser, fastpath.GraphedDenoiser) else {}
-        return {"attention": getattr(self, "attention", ""), "cuda_graphs": {"plan": self.graphs_plan, **graphs},
+        return {"attention": self.attention, "cuda_graphs": {"plan": self.graphs_plan, **graphs},
                 "enable_tf32": self.tcfg.enable_tf32, "cudnn_benchmark": self.tcfg.cudnn_benchmark,
                 "gradient_checkpointing": self.tcfg.gradient_checkpointing, "optimizer": type(self.optimizer).__name__,
                 "fused_adamw": bool(self.optimizer.defaults.get("fused"))}
 
-    def _stopped(self, step: int, save: bool, losses: list[float], t0: float) -> dict[str, Any]:
+    def _stopped(self, step: int, save: bool, stats: RunStats, t0: float) -> dict[str, Any]:
         """After a stop request, between steps: a resumable checkpoint and the adapter (lora/final,
         complete=false), or with --no-save nothing new at all (earlier checkpoints stay as they are)."""
         if not save:
@@ -409,6 +403,7 @@ class Trainer:
             return {"stage": "train", "stopped": True, "saved": False, "step": step}
         if self.saved_step != step:
             self.save_checkpoint(step)
-        manifest = self.save_final(step, False, self._summary(step, losses, 0, 0, None, t0))
+        # the losses so far; no sample counts or speed for a run cut short (as before the split)
+        manifest = self.save_final(step, False, self._summary(RunStats(stats.warmup, stats.losses), t0))
         self.log.emit("stopped", step=step, saved=True, checkpoint=f"checkpoint-{step}")
         return {**manifest, "stopped": True, "saved": True}
