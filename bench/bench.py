@@ -29,6 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+CUDA_TESTS = ("test_trainer_paths.py", "test_runtime_flags.py", "test_fp8.py")  # their `cuda`-marked tests run in the bench
 
 PRESET = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.toml",
           "z-image": "configs/z-image.toml", "sdxl": "configs/sdxl.toml"}
@@ -292,7 +293,7 @@ class Runner:
                 return self.record(item, _failed(rc), **fields, log_tail=tail)
             return self.record(item, "ok", **fields, summary=json.loads(out.read_text()))
         if kind == "pytest":
-            cmd = [sys.executable, "-m", "pytest", "-q", "-x", str(ROOT / "tests" / "test_gpu_plumbing.py"), "-k", "cuda"]
+            cmd = [sys.executable, "-m", "pytest", "-q", "-x", *[str(ROOT / "tests" / f) for f in CUDA_TESTS], "-k", "cuda"]
             rc, wall, tail = self.call(cmd, {}, item.id)
             log = (self.work / "logs" / f"{item.id.replace('/', '_')}.log").read_text()
             return self.record(item, "ok" if rc == 0 else "failed", cmd=" ".join(cmd[1:]), rc=rc, wall_s=wall,

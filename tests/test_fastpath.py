@@ -1,0 +1,137 @@
+"""The CUDA-graph wrapper (`stages.core.fastpath`), on CPU with a stand-in for the capture: when it
+captures, what it replays, where it falls back to eager, and when the plan turns graphs on.
+
+    .venv/bin/python -m pytest -q tests/test_fastpath.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.core import fastpath
+
+
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def emit(self, event, **fields):
+        self.events.append((event, fields))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.lin.weight.requires_grad_(False)
+        self.lora = torch.nn.Parameter(torch.randn(4, 4))
+        self.calls = 0
+
+    @property
+    def dtype(self):
+        return self.lin.weight.dtype
+
+    def forward(self, x, scale=1.0, extra=None, return_dict=True):
+        self.calls += 1
+        y = (self.lin(x) + x @ self.lora) * scale
+        if extra is not None:
+            y = y + sum(e.sum() for e in extra)
+        return (y,)
+
+
+class _Half:
+    def __rmul__(self, y):
+        return y * 0.5
+
+
+def _fake_capture(record):
+    def capture(fn, sample_args, pool):
+        record.append([tuple(a.shape) for a in sample_args])
+        return fn  # "replay" runs the function itself: checks the argument plumbing, not CUDA
+    return capture
+
+
+def test_graphed_denoiser_captures_at_second_call_per_shape():
+    model, log, record = _Model(), _Log(), []
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record))
+    x = torch.randn(2, 4)
+    assert g.dtype == model.lin.weight.dtype  # attributes come from the model
+    out1 = g(x, scale=2.0, return_dict=False)[0]
+    assert record == [] and g.summary()["graphs"] == 0  # first sight of a shape: eager
+    out2 = g(x, scale=2.0, return_dict=False)[0]
+    assert record == [[(2, 4), (4, 4)]]  # inputs, then the LoRA parameter
+    assert torch.equal(out1, out2)
+    g(x, scale=2.0, return_dict=False)
+    assert len(record) == 1 and g.summary() == {"graphs": 1, "failed": 0, "replays": 2}
+    g(x, scale=3.0, return_dict=False)  # another non-tensor value is another signature: eager first
+    assert g.summary()["graphs"] == 1
+    g(torch.randn(3, 4), scale=2.0, return_dict=False)
+    assert g.summary()["graphs"] == 1
+
+
+def test_graphed_denoiser_gradients_reach_parameters():
+    model, log = _Model(), _Log()
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture([]))
+    x = torch.randn(2, 4)
+    grads = []
+    for _ in range(3):
+        model.lora.grad = None
+        g(x, extra=[torch.ones(1)], return_dict=False)[0].square().sum().backward()
+        grads.append(model.lora.grad.clone())
+    assert g.summary()["replays"] == 2
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[1], grads[2])
+
+
+def test_graphed_denoiser_capture_failure_runs_eager_with_warning():
+    model, log = _Model(), _Log()
+
+    def broken(fn, sample_args, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=broken)
+    x = torch.randn(2, 4)
+    for _ in range(4):
+        g(x, return_dict=False)
+    assert g.summary() == {"graphs": 0, "failed": 1, "replays": 0}
+    assert model.calls == 4
+    (event, fields), = log.events
+    assert event == "warning" and "CUDA graph capture failed" in fields["message"] and "eager" in fields["message"]
+
+
+def test_graphed_denoiser_skips_no_grad_and_odd_arguments():
+    model, log, record = _Model(), _Log(), []
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            g(x, return_dict=False)
+    for _ in range(3):
+        g(x, scale=_Half(), return_dict=False)  # not a tensor nor a plain value: cannot be part of a key
+    assert record == []
+
+
+def test_graphed_denoiser_respects_max_graphs():
+    model, log, record = _Model(), _Log(), []
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record), max_graphs=1)
+    for n in (2, 3):
+        x = torch.randn(n, 4)
+        for _ in range(3):
+            g(x, return_dict=False)
+    assert len(record) == 1
+
+
+def test_graphs_plan(monkeypatch):
+    from types import SimpleNamespace
+
+    cpu, gpu = SimpleNamespace(is_cuda=False), SimpleNamespace(is_cuda=True)
+    assert fastpath.graphs_plan(cpu, SimpleNamespace(dropout=0.0), "auto")[0] is False
+    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "auto")[0] is True
+    on, reason = fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.1), "on")  # even when asked for
+    assert on is False and "train.dropout = 0.1" in reason
+    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "off")[0] is False
+    monkeypatch.setenv(fastpath.ENV, "sometimes")
+    with pytest.raises(ValueError, match=fastpath.ENV):
+        fastpath.graphs_mode()
+
+

@@ -1,0 +1,229 @@
+"""The trainer's GPU-path plumbing, on a tiny cached FLUX run on CPU: torch state restored, clear
+errors for what needs a GPU, compile fallbacks, gradient checkpointing, read-ahead and resume.
+
+    .venv/bin/python -m pytest -q tests/test_trainer_paths.py
+
+What needs a GPU (nf4 weights, real CUDA graph capture) is in the tests marked `cuda`, which run on
+the GPU machine and are skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_cfg
+from stages.core import fastpath
+from stages.core.config import load_config
+from stages.core.errors import UserError
+from stages.core.events import EventLog
+from stages.core.runtime import global_flags, make_runtime, torch_flags
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# ---- a tiny cached run, shared by the training tests -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cached(assets, demo_data, tmp_path_factory):
+    """A tiny FLUX run with both caches built once (train tests reuse them)."""
+    from stages import cache_latents, encode_captions
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path_factory.mktemp("gpu-plumbing"), **{"run": "plumb"})
+    encode_captions.run(cfg)
+    cache_latents.run(cfg)
+    return cfg
+
+
+def _cfg(cached, **overrides):
+    base = {"model": cached.model, "data.path": cached.data.path, "artifacts": cached.artifacts, "device": "cpu",
+            "run": cached.run, "train.steps": 4, "train.checkpoint_every": 0, "train.warmup_steps_excluded": 1}
+    base.update(overrides)
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.toml", base)
+    shutil.rmtree(cfg.run_dir / "lora", ignore_errors=True)
+    return cfg
+
+
+def _events(cfg, event=None):
+    lines = [json.loads(line) for line in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
+    return [e for e in lines if event is None or e["event"] == event]
+
+
+def _trainer(cfg):
+    """A Trainer with its model set up, seeded as `fit` seeds it (the LoRA init draws from torch's RNG)."""
+    from stages.trainer import Trainer
+
+    tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "train"))
+    torch.manual_seed(cfg.seed)
+    tr.setup_model()
+    return tr
+
+
+def test_train_stage_restores_global_state(cached):
+    from stages import train
+
+    cfg = _cfg(cached, **{"train.enable_tf32": True, "train.cudnn_benchmark": True, "train.steps": 2})
+    torch.set_float32_matmul_precision("highest")
+    before = global_flags()
+    manifest = train.run(cfg)
+    assert manifest["step"] == 2
+    assert global_flags() == before
+    runtime = manifest["runtime"]
+    assert runtime["enable_tf32"] and runtime["cudnn_benchmark"] and runtime["cuda_graphs"]["plan"].startswith("off")
+
+
+def test_nf4_on_cpu_is_a_clear_error(cached):
+    from stages import train
+
+    cfg = _cfg(cached, **{"train.base_precision": "nf4"})
+    before = global_flags()
+    with pytest.raises(UserError, match=r"train\.base_precision = 'nf4' needs a CUDA GPU.*'auto'"):
+        train.run(cfg)
+    assert global_flags() == before
+    assert "needs a CUDA GPU" in _events(cfg, "error")[-1]["message"]
+
+
+def test_nf4_text_encoder_on_cpu_is_a_clear_error(cached):
+    from stages.core.model_source import ModelSource
+    from stages.families import get_family
+
+    cfg = _cfg(cached, **{"captions.text_encoder_precision": "nf4"})
+    with pytest.raises(UserError, match=r"captions\.text_encoder_precision = 'nf4' needs a CUDA GPU"):
+        get_family("flux").load_text_encoder(ModelSource(cfg.model), cfg.captions, make_runtime("cpu", "auto"))
+
+
+def test_compile_auto_stays_eager_on_cpu(cached):
+    """`auto` compiles on CUDA only: inductor's CPU build costs more than it gives on a CPU run."""
+    assert _trainer(_cfg(cached, **{"train.compile_transformer": "auto"})).compiled is False
+    assert _trainer(_cfg(cached, **{"train.compile_transformer": "off"})).compiled is False
+
+
+@cuda
+def test_compile_auto_compiles_an_nf4_base_on_cuda(cached):
+    tr = _trainer(_cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "train.compile_transformer": "auto"}))
+    assert tr.compiled is True
+
+
+def test_compile_setup_failure_falls_back_to_eager(cached, monkeypatch):
+    import diffusers
+
+    def broken(self, *a, **k):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(diffusers.ModelMixin, "compile_repeated_blocks", broken)
+    cfg = _cfg(cached, **{"train.compile_transformer": "on", "train.steps": 2})
+    from stages import train
+
+    manifest = train.run(cfg)
+    assert manifest["compiled"] is False and manifest["step"] == 2
+    warnings = [e["message"] for e in _events(cfg, "warning")]
+    assert any("regional compile failed, running eager: no compiler here" in m for m in warnings)
+
+
+def test_compiled_step_failure_falls_back_to_eager_with_same_loss(cached, monkeypatch):
+    """A compile error that only shows at the first call (as inductor's do) reruns the step eager."""
+    eager = _trainer(_cfg(cached))
+    expected = [eager.step()[0] for _ in range(2)]
+
+    def failing_compile(fn, *args, **kwargs):
+        def call(*a, **k):
+            raise RuntimeError("inductor exploded")
+        return call
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    cfg = _cfg(cached, **{"train.compile_transformer": "on"})
+    tr = _trainer(cfg)
+    assert tr.compiled
+    got = [tr.step()[0] for _ in range(2)]
+    assert not tr.compiled
+    assert got == expected
+    assert any("compiled step failed, falling back to eager" in e["message"] for e in _events(cfg, "warning"))
+
+
+# ---- gradient checkpointing without RNG bookkeeping ------------------------------------------
+
+
+def test_checkpointing_with_dropout_replays_its_random_masks(cached):
+    """With LoRA dropout the recompute must draw the same masks as the forward did: checkpointing on
+    gives the loss and LoRA gradients of checkpointing off (a checkpoint function that skips the
+    RNG bookkeeping would draw new masks in the recompute and change the gradients)."""
+    results = []
+    for ckpt in (False, True):
+        tr = _trainer(_cfg(cached, **{"train.dropout": 0.25, "train.gradient_checkpointing": ckpt}))
+        indices, (batch, eps, noise, t) = tr.draw_next()
+        loss = tr.compute_loss(batch, eps, noise, t)
+        loss.backward()
+        results.append((float(loss), [p.grad.clone() for p in tr.params]))
+    (l0, g0), (l1, g1) = results
+    assert l0 == l1
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_checkpoint_without_rng_state_same_gradients(cached):
+    """train.gradient_checkpointing with the fast checkpoint function: same loss and LoRA gradients."""
+    results = []
+    for fn in (None, fastpath.checkpoint_function(0.0)):
+        tr = _trainer(_cfg(cached, **{"train.gradient_checkpointing": True}))
+        tr.model.enable_gradient_checkpointing(fn)
+        indices, (batch, eps, noise, t) = tr.draw_next()
+        loss = tr.compute_loss(batch, eps, noise, t)
+        loss.backward()
+        results.append((float(loss), [p.grad.clone() for p in tr.params]))
+    (l0, g0), (l1, g1) = results
+    assert l0 == l1
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+# ---- read-ahead keeps resume exact ------------------------------------------------------------
+
+
+def test_resume_with_read_ahead_is_exact(cached):
+    from safetensors.torch import load_file
+
+    from stages import train
+
+    straight = train.run(_cfg(cached, **{"train.steps": 6, "train.checkpoint_every": 3, "run": cached.run}))
+    want = load_file(str(Path(cached.artifacts) / cached.run / "lora" / "final" / "adapter_model.safetensors"))
+    cfg = _cfg(cached, **{"train.steps": 6, "train.checkpoint_every": 3})
+    tr = _trainer(cfg)
+    for _ in range(3):
+        tr.step()
+    tr.save_checkpoint(3)  # a batch is pending (read ahead) at this point
+    del tr
+    resumed = train.run(cfg, resume=True)
+    got = load_file(str(cfg.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    assert resumed["loss_last"] is not None and straight["step"] == resumed["step"] == 6
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ---- on the GPU machine ----------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["nf4", "bf16"])
+def test_cuda_graphs_same_losses_as_eager(cached, precision, monkeypatch):
+    """The graphed steps compute what the eager ones do: the first loss (forward only) bit for bit,
+    and later losses and the LoRA weights as close as two eager runs are to each other (the
+    attention backward on a GPU need not be deterministic; where it is, this demands equality)."""
+    runs = []
+    for mode in ("off", "off", "on"):
+        monkeypatch.setenv(fastpath.ENV, mode)
+        cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": precision, "train.steps": 6,
+                              "train.gradient_checkpointing": True})
+        with torch_flags(True, False, True):
+            tr = _trainer(cfg)
+            losses = torch.tensor([tr.step()[0] for _ in range(6)], dtype=torch.float64)
+        weights = torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(tr.model.state_dict().items())
+                             if "lora" in k])
+        runs.append((losses, weights, tr.denoiser))
+    (l0, w0, _), (l1, w1, _), (l2, w2, graphed) = runs
+    assert isinstance(graphed, fastpath.GraphedDenoiser) and graphed.summary()["replays"] >= 4
+    assert l2[0] == l0[0]
+    assert (l2 - l0).abs().max() <= 10 * (l1 - l0).abs().max()
+    assert (w2 - w0).abs().max() <= 10 * (w1 - w0).abs().max()
+
+
