@@ -121,7 +121,8 @@ class RowStore:
         from stages.core import faults
 
         with naming_full_disk(self.root, f", row {row}"):
-            sums = {}
+            # a partial row keeps the checksums of the fields it does not rewrite
+            sums = dict(zip(self.fields, np.asarray(self.group[CHECKSUMS][row]).tolist()))
             for name, value in values.items():
                 arr = self.group[name]
                 stored = _stored(value, arr)
