@@ -1,4 +1,5 @@
-"""Artifact IO in one place: atomic files, manifests, fingerprints, zarr row stores and locks.
+"""Artifact IO in one place: atomic files, manifests, fingerprints, locks and folders (the zarr row
+stores are in stages/core/rowstore.py, the manifest schema in stages/core/schema.py).
 
 Layout of a run folder (artifacts/<run>/):
     captions.zarr/            one RowStore; rows keyed by caption id      + manifest.json
@@ -8,7 +9,7 @@ Layout of a run folder (artifacts/<run>/):
     events.jsonl
 
 A manifest is always written last and atomically, so a folder without one (or with one whose
-fingerprint differs) is never mistaken for a finished artifact.
+fingerprint differs, or one that does not parse) is never mistaken for a finished artifact.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from stages.core.events import _type_ok
 COMMON_FIELDS: dict[str, Any] = {"schema_version": "integer", "code_version": "string", "stage": "string",
                                  "written_at": "string"}
 _PROVENANCE = {"fingerprint": "string", "fingerprint_parts": "object"}
-_COST = {"seconds": "number", "peak_vram_gb": ["number", "object"], "world_size": "integer"}
+_COST = {"seconds": "number", "peak_vram_gb": ["number", "object", "null"], "world_size": "integer"}
 
 MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
     # captions.zarr: rows by caption id, dataset items -> caption id, caption lengths (not texts:
