@@ -119,18 +119,17 @@ def cli() -> None:
 
 
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
-    from stages.core.artifacts import atomic_write_json, remove_dir
+    from stages.core.artifacts import atomic_write_json
     from stages.core.fsaccess import ensure_writable
     from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
 
     module = _stage_module(name)
-    # Under torchrun only rank 0 deletes and writes here; the others cannot get ahead of it, since
-    # the stage's first act is the process-group rendezvous, which waits for every rank.
+    # Under torchrun only rank 0 writes here.
     main = _launcher_rank() == 0
     if main:
         ensure_writable(cfg.run_dir)
-    if force and name in ("encode-captions", "cache-latents") and main:
-        remove_dir(module.artifact_dir(cfg))  # renamed away first: never half-deleted under its manifest
+    if force and name in ("encode-captions", "cache-latents"):
+        kwargs["force"] = True  # the stage deletes its cache once it has checked the config, under its lock
     manifest = module.run(cfg, **kwargs)
     if not main:
         return

@@ -14,8 +14,10 @@ from typing import Any
 
 from stages.core import dataset, distributed
 from stages.core import faults
-from stages.core.artifacts import RowStore, dir_bytes, fingerprint, sweep_leftovers, write_manifest
+from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
+from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
 from stages.core.model_source import ModelSource
+from stages.core.rowstore import RowStore
 from stages.core.stage import running_stage
 
 NAME = "encode-captions"
@@ -49,118 +51,133 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
 
 
 def _open_store(path: Path, layout: dict[str, Any]) -> RowStore | None:
-    """The existing store if it was made with the same layout, else None (rebuild)."""
+    """The existing store if it was made with the same layout (and carries checksums), else None (rebuild)."""
     if not (path / "zarr.json").exists():
         return None
     store = RowStore.open(path, mode="a")
-    return store if store.group.attrs.get("layout") == fingerprint(layout) else None
+    return store if store.group.attrs.get("layout") == fingerprint(layout) and store.has_checksums else None
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    import torch
+def check(cfg: Any) -> None:
+    """Everything this stage needs that a config can get wrong, before it deletes or loads anything:
+    the model folder's text components and the encoders' precision on this device."""
+    from stages.core.runtime import make_runtime, require_cuda_for_nf4
+    from stages.families import get_family
 
+    ModelSource(cfg.model, cfg.revision).check(get_family(cfg.family).text_components)
+    require_cuda_for_nf4("captions.text_encoder_precision", resolved_precision(cfg), make_runtime(cfg.device, "auto"))
+
+
+def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     from stages.core import memory
-    from stages.core.runtime import install_model_trace, make_runtime, peak_vram_gb, reset_peak
+    from stages.core.runtime import install_model_trace
     from stages.families import get_family
 
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
-        family = get_family(cfg.family)
-        cfg, _ = memory.plan_stage(cfg, family, NAME, ctx.log)  # the budget's precision and batch size
+        cfg, _ = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's precision and batch size
+        check(cfg)
+        if force and ctx.dist.is_main:
+            remove_dir(artifact_dir(cfg))  # only now that the config is known to work
         items = dataset.scan_data(cfg.data, ctx.log)
         texts = {it.caption_id: it.caption for it in items}
-        parts = {**layout_parts(cfg), "captions": sorted(texts)}
+        layout = layout_parts(cfg)
         out = artifact_dir(cfg)
-        layout = {k: v for k, v in parts.items() if k != "captions"}
-        dist = ctx.dist
-        with distributed.main_first(dist):  # rank 0 grows the store before the others read it
+        with distributed.main_first(ctx.dist):  # rank 0 grows the store before the others read it
             store = _open_store(out, layout)
-            todo_ids = [cid for cid in sorted(texts)]
-            if store is not None:
-                done = {cid for cid, ok in zip(store.ids, store.written_mask()) if ok}
-                todo_ids = [cid for cid in todo_ids if cid not in done]
-                missing = [cid for cid in todo_ids if cid not in set(store.ids)]
-                if missing and dist.is_main:
-                    store.append_rows(missing)
+            todo_ids = rows_to_encode(store, sorted(texts), grow=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(texts) - len(todo_ids), total=len(texts), encoded=0)
-        # Ranks deal out whole batches, so each batch is encoded exactly as one process would
-        # (same composition and padding: byte-identical rows). With no store yet, rank 0 first
-        # encodes one batch alone to learn the field shapes and create the store.
-        bs = cfg.captions.batch_size
-        batches = [todo_ids[i:i + bs] for i in range(0, len(todo_ids), bs)]
-        seed = batches[:1] if store is None and dist.is_distributed else []
-        mine = (seed if dist.is_main else []) + distributed.shard(batches[len(seed):], dist, first=len(seed))
-
-        src = ModelSource(cfg.model, cfg.revision)
-        rt = make_runtime(cfg.device, "auto")
-        reset_peak(rt)
-        encoder = None
-        # with the same settings, captions truncated by earlier runs stay listed
-        earlier = _earlier_truncations(out) if store is not None else {}
-        truncated: dict[str, int] = {cid: n for cid, n in earlier.items() if cid in texts}
-        if mine:
-            src.check(family.text_components)
-            ctx.log.emit("loading", component="text encoders")
-            encoder = family.load_text_encoder(src, cfg.captions, rt)
-            ctx.log.emit("loaded", component="text encoders", seconds=ctx.elapsed())
-        encoded_here = 0
-
-        def encode_batch(batch: list[str], store: RowStore | None) -> RowStore:
-            nonlocal encoded_here
-            batch_texts = [texts[c] for c in batch]
-            with torch.no_grad():
-                encoded = encoder.encode(batch_texts)
-            if store is None:
-                fields = {k: (tuple(v.shape[1:]), _dtype_name(v.dtype)) for k, v in encoded.items()}
-                store = RowStore.create(out, sorted(texts), fields)
-                store.group.attrs["layout"] = fingerprint(layout)
-            row_of = {cid: r for r, cid in enumerate(store.ids)}
-            for i, cid in enumerate(batch):
-                store.write_row(row_of[cid], {k: v[i] for k, v in encoded.items()})
-                faults.hit(NAME)
-            for cid, n in zip(batch, encoder.token_counts(batch_texts)):
-                if n > cfg.captions.max_sequence_length:
-                    truncated[cid] = n
-            bar.advance(len(batch))
-            encoded_here += len(batch)
-            # Rank 0 reports for the job, assuming ranks keep the same pace.
-            est = min(len(todo_ids), encoded_here * dist.world_size)
-            ctx.log.emit("preparing", done=len(texts) - len(todo_ids) + est, total=len(texts), encoded=est)
-            return store
-
-        with distributed.progress(dist, "encode-captions", sum(map(len, mine)), "captions") as bar:
-            with distributed.main_first(dist):
-                for batch in mine[:len(seed)] if dist.is_main else []:
-                    store = encode_batch(batch, store)
-            if store is None and seed:
-                store = _open_store(out, layout)  # made by rank 0 just now
-            for batch in mine[len(seed) if dist.is_main else 0:]:
-                store = encode_batch(batch, store)
-        distributed.barrier(dist)  # every rank's rows are on disk: rank 0 writes the manifest
-        truncated = {c: n for part in distributed.all_gather(truncated, dist) for c, n in part.items()}
-        if not dist.is_main:
-            del encoder
-            return {"stage": NAME, "rank": dist.rank, "encoded_this_run": len(todo_ids)}
-        for cid, n in truncated.items():
-            keys = [it.key for it in items if it.caption_id == cid]
-            ctx.log.emit("warning", message=f"caption of '{keys[0]}' has {n} tokens; truncated to "
-                         f"{cfg.captions.max_sequence_length}, the rest is ignored: shorten it or raise "
-                         f"captions.max_sequence_length", item=keys[0])
-        assert store is not None
-        sweep_leftovers(out)  # temp files of killed writers: space only, never read
-        row_of = {cid: r for r, cid in enumerate(store.ids)}
-        manifest = write_manifest(
-            out, NAME, family=cfg.family, model=cfg.model, fingerprint=fingerprint(parts), fingerprint_parts=parts,
-            rows={cid: row_of[cid] for cid in sorted(texts)}, texts=texts,
-            items={it.key: it.caption_id for it in items},
-            fields={k: {"shape": list(store.group[k].shape[1:]), "dtype": store.group[k].attrs["logical_dtype"]}
-                    for k in store.fields},
-            encoded_this_run=len(todo_ids), world_size=dist.world_size,
-            truncated={it.key: truncated[it.caption_id] for it in items if it.caption_id in truncated},
-            bytes_on_disk=dir_bytes(out), seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(rt))
+        encoded = _encode(ctx, cfg, texts, todo_ids, store, layout)
+        if not ctx.dist.is_main:
+            return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
+        manifest = _write(ctx, cfg, items, encoded, len(todo_ids))
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=len(todo_ids), total=len(texts))
-        del encoder
         return manifest
+
+
+def _encode(ctx: Any, cfg: Any, texts: dict[str, str], todo_ids: list[str], store: RowStore | None,
+            layout: dict[str, Any]) -> dict[str, Any]:
+    """Encode the rows in `todo_ids` (ranks deal out whole batches); -> store, truncated, runtime."""
+    import torch
+
+    from stages.core.runtime import make_runtime, reset_peak
+    from stages.families import get_family
+
+    family, dist, out = get_family(cfg.family), ctx.dist, artifact_dir(cfg)
+    # Ranks deal out whole batches, so each batch is encoded exactly as one process would (same
+    # composition and padding: byte-identical rows).
+    bs = cfg.captions.batch_size
+    batches = [todo_ids[i:i + bs] for i in range(0, len(todo_ids), bs)]
+    rt = make_runtime(cfg.device, "auto")
+    reset_peak(rt)
+    # with the same settings, captions truncated by earlier runs stay listed
+    earlier = _earlier_truncations(out) if store is not None else {}
+    state = {"store": store, "encoder": None,
+             "truncated": {cid: n for cid, n in earlier.items() if cid in texts}}
+
+    def encode_batch(batch: list[str]) -> None:
+        if state["encoder"] is None:
+            ctx.log.emit("loading", component="text encoders")
+            state["encoder"] = family.load_text_encoder(ModelSource(cfg.model, cfg.revision), cfg.captions, rt)
+            ctx.log.emit("loaded", component="text encoders", seconds=ctx.elapsed())
+        batch_texts = [texts[c] for c in batch]
+        with torch.no_grad():
+            encoded = state["encoder"].encode(batch_texts)
+        if state["store"] is None:
+            fields = {k: (tuple(v.shape[1:]), _dtype_name(v.dtype)) for k, v in encoded.items()}
+            state["store"] = RowStore.create(out, sorted(texts), fields)
+            state["store"].group.attrs["layout"] = fingerprint(layout)
+        if "row_of" not in state:
+            state["row_of"] = state["store"].row_of()
+        row_of = state["row_of"]
+        for i, cid in enumerate(batch):
+            state["store"].write_row(row_of[cid], {k: v[i] for k, v in encoded.items()})
+            faults.hit(NAME)
+        for cid, n in zip(batch, state["encoder"].token_counts(batch_texts)):
+            if n > cfg.captions.max_sequence_length:
+                state["truncated"][cid] = n
+
+    def reopen() -> None:
+        state["store"] = state["store"] or _open_store(out, layout)  # made by rank 0 just now
+
+    encode_units(ctx, NAME, "captions", batches, encode_batch, size=len, needs_store=lambda b: state["store"] is None,
+                 reopen=reopen, done_before=len(texts) - len(todo_ids), total=len(texts))
+    truncated = {c: n for part in distributed.all_gather(state["truncated"], dist) for c, n in part.items()}
+    state.pop("encoder")
+    return {"store": state["store"], "truncated": truncated, "rt": rt}
+
+
+def _write(ctx: Any, cfg: Any, items: list[dataset.Item], encoded: dict[str, Any], n_encoded: int) -> dict[str, Any]:
+    """Warn about truncated captions and write the manifest (rank 0)."""
+    from stages.core.runtime import peak_vram_gb
+
+    store, truncated = encoded["store"], encoded["truncated"]
+    for cid, n in truncated.items():
+        key = next(it.key for it in items if it.caption_id == cid)
+        ctx.log.emit("warning", message=f"caption of '{key}' has {n} tokens; truncated to "
+                     f"{cfg.captions.max_sequence_length}, the rest is ignored: shorten it or raise "
+                     f"captions.max_sequence_length", item=key)
+    assert store is not None
+    out = artifact_dir(cfg)
+    sweep_leftovers(out)  # temp files of killed writers: space only, never read
+    parts = {**layout_parts(cfg), "captions": sorted({it.caption_id for it in items})}
+    row_of = store.row_of()
+    return write_manifest(
+        out, NAME, family=cfg.family, model=cfg.model, fingerprint=fingerprint(parts), fingerprint_parts=parts,
+        rows={cid: row_of[cid] for cid in parts["captions"]}, items={it.key: it.caption_id for it in items},
+        lengths={it.caption_id: len(it.caption) for it in items},
+        fields={k: {"shape": list(store.group[k].shape[1:]), "dtype": store.group[k].attrs["logical_dtype"]}
+                for k in store.fields},
+        encoded_this_run=n_encoded, world_size=ctx.dist.world_size,
+        truncated={it.key: truncated[it.caption_id] for it in items if it.caption_id in truncated},
+        seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(encoded["rt"]))
+
+
+def damaged_rows(cfg: Any, manifest: dict[str, Any]) -> list[str]:
+    """For `status`: rows of the manifest that are damaged (stat only), named, with the command."""
+    out = artifact_dir(cfg)
+    store = RowStore.open(out) if (out / "zarr.json").exists() else None
+    return damage_report(store, manifest["rows"], keys_by_id(manifest["items"]), out.name, NAME)
 
 
 def _earlier_truncations(out: Path) -> dict[str, int]:
@@ -168,8 +185,8 @@ def _earlier_truncations(out: Path) -> dict[str, int]:
     incremental run keeps listing them."""
     from stages.core.artifacts import read_manifest
 
-    m = read_manifest(out) or {}
-    return {m["items"][key]: n for key, n in m.get("truncated", {}).items() if key in m.get("items", {})}
+    m = read_manifest(out) or {"items": {}, "truncated": {}}
+    return {m["items"][key]: n for key, n in m["truncated"].items() if key in m["items"]}
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from stages.core.errors import UserError
-from stages.core.artifacts import RowStore, dir_bytes, read_json, read_manifest
+from stages.core.artifacts import dir_bytes, read_json, read_manifest
+from stages.core.rowstore import DamagedRows, RowStore
 from stages.core.events import read_events
 
 STAGE_MODULES = ("encode_captions", "cache_latents", "train", "export_lora", "sample")
@@ -53,6 +54,23 @@ def sample_rows(n: int, limit: int) -> list[int]:
     return sorted({int(round(i * (n - 1) / (limit - 1))) for i in range(limit)})
 
 
+def verified_rows(store: RowStore, limit: int, names: list[str]) -> tuple[list[int], dict[str, np.ndarray], list[str]]:
+    """Up to `limit` rows (evenly spaced), each checked against its checksum: (rows read, their
+    arrays of `names`, ids of every damaged row: not intact anywhere, or failing its checksum here)."""
+    ids, intact = store.ids, store.intact_mask()
+    damaged = [ids[r] for r in np.flatnonzero(~intact & store.written_mask())]
+    candidates = [int(r) for r in np.flatnonzero(intact)]
+    rows, read = [], []
+    for r in [candidates[k] for k in sample_rows(len(candidates), limit)]:
+        try:
+            read.append(store.read_row(r, names))
+            rows.append(r)
+        except DamagedRows:
+            damaged.append(ids[r])
+    data = {name: np.stack([row[name] for row in read]) for name in names} if read else {}
+    return rows, data, sorted(damaged)
+
+
 def nonfinite(array: np.ndarray) -> dict[str, int]:
     return {"nan": int(np.isnan(array).sum()), "inf": int(np.isinf(array).sum())}
 
@@ -76,7 +94,7 @@ def stages_section(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def captions_section(run_dir: Path, limit: int) -> dict[str, Any]:
+def captions_section(run_dir: Path, limit: int, cfg: Any = None) -> dict[str, Any]:
     path = run_dir / "captions.zarr"
     manifest = read_manifest(path)
     if manifest is None:
@@ -85,23 +103,40 @@ def captions_section(run_dir: Path, limit: int) -> dict[str, Any]:
     ids, written = store.ids, store.written_mask()
     rows = manifest["rows"]
     used = {cid: sorted(k for k, c in manifest["items"].items() if c == cid) for cid in rows}
-    checked = sample_rows(len(ids), limit)
+    checked, data, damaged = verified_rows(store, limit, store.fields)
     fields = {}
     for name in store.fields:
-        data = store.read_rows(checked, [name])[name] if checked else np.zeros(0)
+        values = data.get(name, np.zeros(0))
         info = manifest["fields"].get(name, {})
         fields[name] = {"shape": info.get("shape"), "dtype": info.get("dtype"), "stored_dtype": str(store.group[name].dtype),
-                        **nonfinite(data.astype(np.float32) if data.dtype.kind == "f" else data)}
+                        **nonfinite(values.astype(np.float32) if values.dtype.kind == "f" else values)}
+    texts = caption_texts(cfg)
     return {
         "present": True, "complete": True, "family": manifest["family"], "rows": len(ids),
         "written": int(written.sum()), "referenced": len(rows), "items": len(manifest["items"]),
         "orphaned_rows": sorted(set(ids) - set(rows)),
         "missing_rows": sorted(cid for cid, r in rows.items() if r >= len(written) or not written[r]),
+        "damaged_rows": damaged,
         "fields": fields, "rows_checked": len(checked), "bytes_on_disk": dir_bytes(path),
         "truncated": manifest.get("truncated", {}),
-        "captions": [{"caption_id": cid, "row": rows[cid], "items": used[cid], "text": manifest["texts"].get(cid, "")}
-                     for cid in sorted(rows, key=rows.get)],
+        "captions": [{"caption_id": cid, "row": rows[cid], "items": used[cid], "length": manifest["lengths"].get(cid),
+                      "text": texts.get(cid, CAPTION_GONE)} for cid in sorted(rows, key=rows.get)],
     }
+
+
+CAPTION_GONE = "(caption file changed or removed since it was encoded)"
+
+
+def caption_texts(cfg: Any) -> dict[str, str]:
+    """caption id -> text, read from the dataset now (manifests keep only ids and lengths)."""
+    from stages.core import dataset
+
+    if cfg is None:
+        return {}
+    try:
+        return {it.caption_id: it.caption for it in dataset.scan(cfg.data.path, cfg.data.caption_ext)}
+    except (UserError, OSError):  # a moved dataset must not hide the rest of the report
+        return {}
 
 
 def channel_stats(mean: np.ndarray, logvar: np.ndarray, family: Any, norm: dict[str, Any]) -> dict[str, Any]:
@@ -136,9 +171,8 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
         store = RowStore.open(path / name)
         ids, written = store.ids, store.written_mask()
         referenced = {i for i, v in index.items() if v["bucket"] == name}
-        row_of = {image_id: r for r, image_id in enumerate(ids)}
-        checked = sample_rows(len(ids), limit)
-        data = store.read_rows(checked, ["mean", "logvar"]) if checked else {}
+        row_of = store.row_of()
+        checked, data, damaged = verified_rows(store, limit, ["mean", "logvar"])
         if checked:
             means.append(data["mean"])
             logvars.append(data["logvar"])
@@ -148,6 +182,7 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
             "stored_dtype": str(store.group["mean"].dtype), "bytes_on_disk": dir_bytes(path / name),
             "orphaned_rows": sorted(set(ids) - referenced),
             "missing_rows": sorted(i for i in referenced if i not in row_of or not written[row_of[i]]),
+            "damaged_rows": damaged,
             "mean": nonfinite(data["mean"]) if checked else {}, "logvar": nonfinite(data["logvar"]) if checked else {},
             "rows_checked": len(checked)}
     stats = None
@@ -210,7 +245,7 @@ def inspect_run(run_dir: Path, config: Any = None, rows: int = 64) -> dict[str, 
         "run": run_dir.name, "path": str(run_dir), "bytes_on_disk": dir_bytes(run_dir),
         "config": None if cfg is None else {"family": cfg.family, "model": cfg.model, "data": cfg.data.path},
         "stages": None if cfg is None else stages_section(cfg),
-        "captions": captions_section(run_dir, rows), "latents": latents_section(run_dir, rows),
+        "captions": captions_section(run_dir, rows, cfg), "latents": latents_section(run_dir, rows),
         "lora": lora_section(run_dir), "export": export_section(run_dir, "export"),
         "samples": export_section(run_dir, "samples"), "events": events_section(run_dir),
     }
@@ -317,6 +352,10 @@ def render(report: dict[str, Any], console: Any) -> None:
                   + (f"; last error ({ev['last_error']['stage']}): {ev['last_error']['message']}" if ev["last_error"] else ""))
 
 
+def _damaged(ids: list[str]) -> str:
+    return f"[red]{len(ids)} damaged ({', '.join(i[:12] for i in ids[:4])})[/red]" if ids else "0 damaged"
+
+
 def _render_captions(c: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
@@ -325,6 +364,7 @@ def _render_captions(c: dict[str, Any], console: Any) -> None:
         return
     console.print(f"captions.zarr: {c['rows']} rows ({c['written']} written, {c['referenced']} referenced by "
                   f"{c['items']} items), {len(c['orphaned_rows'])} orphaned, {len(c['missing_rows'])} missing, "
+                  f"{_damaged(c['damaged_rows'])}, "
                   f"{_mb(c['bytes_on_disk'])}")
     t = Table("field", "shape", "dtype (stored)", "NaN", "Inf", title=f"caption fields ({c['rows_checked']} rows checked)")
     for name, f in c["fields"].items():
@@ -347,14 +387,14 @@ def _render_latents(lat: dict[str, Any], console: Any) -> None:
     console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {lat['variants']} variants each, "
                   f"{len(lat['skipped'])} skipped, {len(lat['duplicates'])} duplicated, {_mb(lat['bytes_on_disk'])}; "
                   f"normalization {lat['normalization']}")
-    t = Table("bucket WxH", "rows", "variants, C, h, w", "dtype (stored)", "orphaned", "missing",
+    t = Table("bucket WxH", "rows", "variants, C, h, w", "dtype (stored)", "orphaned", "missing", "damaged",
               "NaN/Inf mean", "NaN/Inf logvar", "size", title="buckets")
     for name, b in lat["buckets"].items():
         if b.get("missing_store"):
-            t.add_row(name, "0", "[red]store missing[/red]", "", "", "", "", "", "")
+            t.add_row(name, "0", "[red]store missing[/red]", "", "", "", "", "", "", "")
             continue
         t.add_row(name, str(b["rows"]), str(b["shape"]), f"{b['dtype']} ({b['stored_dtype']})",
-                  str(len(b["orphaned_rows"])), str(len(b["missing_rows"])),
+                  str(len(b["orphaned_rows"])), str(len(b["missing_rows"])), _damaged(b["damaged_rows"]),
                   f"{b['mean'].get('nan', 0)}/{b['mean'].get('inf', 0)}", f"{b['logvar'].get('nan', 0)}/{b['logvar'].get('inf', 0)}",
                   _mb(b["bytes_on_disk"]))
     console.print(t)

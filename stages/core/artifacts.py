@@ -1,4 +1,5 @@
-"""Artifact IO in one place: atomic files, manifests, fingerprints, zarr row stores and locks.
+"""Artifact IO in one place: atomic files, manifests, fingerprints, locks and folders (the zarr row
+stores are in stages/core/rowstore.py, the manifest schema in stages/core/schema.py).
 
 Layout of a run folder (artifacts/<run>/):
     captions.zarr/            one RowStore; rows keyed by caption id      + manifest.json
@@ -8,7 +9,7 @@ Layout of a run folder (artifacts/<run>/):
     events.jsonl
 
 A manifest is always written last and atomically, so a folder without one (or with one whose
-fingerprint differs) is never mistaken for a finished artifact.
+fingerprint differs, or one that does not parse) is never mistaken for a finished artifact.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-
 from stages.core.errors import ArtifactError, StageLocked, UserError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rows carry checksums, captions manifests store lengths, not texts
 CODE_VERSION = "0.1.0"
 
 # zarr warns about our manifest.json inside a store folder when it lists members; it is ours.
@@ -105,22 +104,48 @@ def manifest_path(artifact_dir: Path) -> Path:
     return artifact_dir / "manifest.json"
 
 
+class DamagedManifest(UserWarning):
+    """A manifest.json that does not parse or does not match the schema: read as missing."""
+
+
 def write_manifest(artifact_dir: Path, stage: str, **fields: Any) -> dict[str, Any]:
+    """Write an artifact's manifest, last and atomically, after checking it against MANIFEST_SCHEMA
+    (a violation is a bug in the stage that writes it: ValueError, nothing written)."""
+    from stages.core.schema import manifest_kind, validate_manifest
+
     manifest = {"schema_version": SCHEMA_VERSION, "code_version": CODE_VERSION, "stage": stage,
                 "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields}
+    problems = validate_manifest(manifest_kind(stage, fields), json.loads(json.dumps(manifest, default=str)))
+    if problems:
+        raise ValueError(f"manifest of '{artifact_dir}' breaks the schema: {'; '.join(problems)}")
     atomic_write_json(manifest_path(artifact_dir), manifest)
     return manifest
 
 
 def read_manifest(artifact_dir: Path) -> dict[str, Any] | None:
+    """The artifact's manifest, or None when there is none. One that does not parse, was written by
+    another schema version or breaks the schema is also None (the artifact counts as unfinished and
+    its stage rebuilds it), with a DamagedManifest warning naming the file: never a crash."""
+    from stages.core.schema import manifest_kind, validate_manifest
+
     path = manifest_path(artifact_dir)
     if not path.is_file():
         return None
     try:
         m = read_json(path)
-    except json.JSONDecodeError:
-        return None
-    return m if m.get("schema_version") == SCHEMA_VERSION else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return _damaged(path, f"it does not parse ({e})")
+    if not isinstance(m, dict) or m.get("schema_version") != SCHEMA_VERSION:
+        version = m.get("schema_version") if isinstance(m, dict) else None
+        return _damaged(path, f"it has schema version {version!r}, this code reads {SCHEMA_VERSION}")
+    problems = validate_manifest(manifest_kind(str(m.get("stage")), m), m)
+    return _damaged(path, "; ".join(problems[:3])) if problems else m
+
+
+def _damaged(path: Path, why: str) -> None:
+    warnings.warn(f"'{path}' is treated as missing: {why}; rerunning its stage rewrites it (cached rows "
+                  f"are kept)", DamagedManifest, stacklevel=3)
+    return None
 
 
 def invalidate_manifest(artifact_dir: Path) -> None:
@@ -138,114 +163,14 @@ def require_manifest(artifact_dir: Path, command: str) -> dict[str, Any]:
 
 # ---- zarr row stores -------------------------------------------------------------------------
 
-_LOGICAL = {"float16": np.float16, "float32": np.float32, "int64": np.int64, "int32": np.int32,
-            "uint8": np.uint8, "bool": np.bool_}
 
+def __getattr__(name: str) -> Any:
+    """`RowStore` lives in stages.core.rowstore; older imports from here keep working."""
+    if name == "RowStore":
+        from stages.core.rowstore import RowStore
 
-class RowStore:
-    """A zarr group of arrays shaped (rows, *item_shape), one chunk per row, plus an `ids` list and a
-    `written` flag per row that is set only after all of the row's arrays are on disk.
-
-    bfloat16 has no zarr dtype: it is stored as its raw uint16 bits with `logical_dtype` set.
-    Rows are written by row index from a plan; concurrent writers of different rows never share a
-    chunk (no sharding), so they cannot lose each other's data.
-    """
-
-    def __init__(self, group: Any):
-        self.group = group
-
-    @classmethod
-    def create(cls, path: Path, ids: list[str], fields: dict[str, tuple[tuple[int, ...], str]]) -> "RowStore":
-        import zarr
-
-        remove_dir(path)  # atomically gone (manifest too), never half-deleted under a valid manifest
-        group = zarr.open_group(str(path), mode="w")
-        n = len(ids)
-        for name, (shape, dtype) in fields.items():
-            store_dtype = "uint16" if dtype == "bfloat16" else dtype
-            arr = group.create_array(name, shape=(n, *shape), chunks=(1, *shape), dtype=store_dtype,
-                                     fill_value=0, compressors=None)
-            arr.attrs["logical_dtype"] = dtype
-        group.create_array("written", shape=(n,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None)
-        group.attrs["ids"] = list(ids)
-        return cls(group)
-
-    @classmethod
-    def open(cls, path: Path, mode: str = "r") -> "RowStore":
-        import zarr
-
-        return cls(zarr.open_group(str(path), mode=mode))
-
-    @property
-    def ids(self) -> list[str]:
-        return list(self.group.attrs["ids"])
-
-    @property
-    def fields(self) -> list[str]:
-        return sorted(k for k in self.group.array_keys() if k != "written")
-
-    def append_rows(self, new_ids: list[str]) -> None:
-        """Grow every array by len(new_ids) rows (new rows unwritten)."""
-        ids = self.ids + list(new_ids)
-        for name in list(self.group.array_keys()):
-            arr = self.group[name]
-            arr.resize((len(ids), *arr.shape[1:]))
-        self.group.attrs["ids"] = ids
-
-    def written_mask(self) -> np.ndarray:
-        return np.asarray(self.group["written"][:], dtype=bool)
-
-    def write_row(self, row: int, values: dict[str, Any]) -> None:
-        """Write every array of a row, then its `written` flag. Each zarr chunk is replaced
-        atomically (temp file + rename), and one chunk holds one row, so a kill at any moment
-        leaves the row either flagged and complete or unflagged (and redone by the next run)."""
-        from stages.core import faults
-
-        with naming_full_disk(Path(str(self.group.store.root)), f", row {row}"):
-            for name, value in values.items():
-                arr = self.group[name]
-                if arr.attrs.get("logical_dtype") == "bfloat16":
-                    value = _bf16_bits(value)
-                else:
-                    value = _to_numpy(value).astype(arr.dtype, copy=False)
-                arr[row] = value
-            faults.hit("mid-row")
-            self.group["written"][row] = 1
-
-    def read_rows(self, rows: list[int], names: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Arrays for the given rows, in order (bfloat16 rows come back as float32)."""
-        return {name: np.stack([self.read(name, r) for r in rows]) for name in names or self.fields}
-
-    def read(self, name: str, index: Any) -> np.ndarray:
-        """One zarr selection (e.g. ``(row, variant)``) of a field, bfloat16 returned as float32."""
-        arr = self.group[name]
-        data = np.asarray(arr[index])
-        if arr.attrs.get("logical_dtype") == "bfloat16":
-            data = (data.astype(np.uint32) << 16).view(np.float32)
-        return data
-
-    def nbytes_stored(self) -> int:
-        return sum(int(self.group[n].nbytes) for n in self.group.array_keys())
-
-
-def _to_numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "detach"):
-        value = value.detach().cpu()
-        if str(value.dtype) == "torch.bfloat16":
-            value = value.float()
-        return value.numpy()
-    return np.asarray(value)
-
-
-def _bf16_bits(value: Any) -> np.ndarray:
-    """Round-to-nearest-even float32 -> bfloat16 bits, as torch does."""
-    if hasattr(value, "detach") and str(value.dtype) == "torch.bfloat16":
-        import torch
-
-        return value.detach().cpu().view(torch.int16).numpy().view(np.uint16)
-    f = np.ascontiguousarray(_to_numpy(value), dtype=np.float32).view(np.uint32)
-    rounded = f + 0x7FFF + ((f >> 16) & 1)
-    return (rounded >> 16).astype(np.uint16)
+        return RowStore
+    raise AttributeError(name)
 
 
 # ---- locks and folders -----------------------------------------------------------------------

@@ -102,7 +102,8 @@ def staleness(stage_module: Any, cfg: Any) -> tuple[bool, list[str]]:
         return False, [manifest.get("incomplete_reason", "incomplete")]
     parts = stage_module.fingerprint_parts(cfg)
     if manifest.get("fingerprint") == fingerprint(parts):
-        return True, []
+        damaged = getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])(cfg, manifest)
+        return not damaged, damaged
     old = manifest.get("fingerprint_parts", {})
     reasons = [describe_change(k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
     return False, reasons or ["fingerprint changed"]

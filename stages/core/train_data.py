@@ -16,6 +16,8 @@ import torch
 
 from stages.core import dataset
 from stages.core.artifacts import ArtifactError
+from stages.core.rowstore import DamagedRows, RowStore
+from stages.core.schema import Bucket
 from stages.families.base import BatchMeta
 
 
@@ -24,7 +26,7 @@ class Pair:
     key: str
     image_id: str
     caption_id: str
-    bucket: str
+    bucket: Bucket
     latent_row: int
     caption_row: int
 
@@ -101,7 +103,8 @@ def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_mani
             raise ArtifactError(f"image '{it.key}' is not in latents.zarr (it changed or is new): "
                                 f"run `python pipeline.py cache-latents` for run '{run}'")
         loc = lat_index[it.image_id]
-        pairs.append(Pair(it.key, it.image_id, it.caption_id, loc["bucket"], loc["row"], cap_rows[it.caption_id]))
+        pairs.append(Pair(it.key, it.image_id, it.caption_id, Bucket.parse(loc["bucket"]), loc["row"],
+                          cap_rows[it.caption_id]))
     if not pairs:
         raise ArtifactError("no trainable items: every image was skipped or the caches are empty")
     return pairs
@@ -125,25 +128,34 @@ class TrainData:
     def buckets(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for i, p in enumerate(self.pairs):
-            out.setdefault(p.bucket, []).append(i)
+            out.setdefault(str(p.bucket), []).append(i)
         return out
 
     def load(self, indices: list[int], variant_choice: list[int]) -> Batch:
-        """Read the chosen variant of each item's latents and its caption rows -> stacked tensors."""
+        """Read each item's latent and caption rows, checked against their checksums, and stack the
+        chosen variants. A row that fails is unflagged (so its cache stage re-encodes it) and
+        training stops with an ArtifactError naming it and the command that repairs it."""
         ps = [self.pairs[i] for i in indices]
-        store = self.latents[ps[0].bucket]
         assert all(p.bucket == ps[0].bucket for p in ps), "a batch must come from one bucket"
-        mean = np.stack([store.read("mean", (p.latent_row, v)) for p, v in zip(ps, variant_choice)])
-        logvar = np.stack([store.read("logvar", (p.latent_row, v)) for p, v in zip(ps, variant_choice)])
-        crops = np.stack([store.read("crop_top_left", (p.latent_row, v)) for p, v in zip(ps, variant_choice)])
-        sizes = np.stack([store.read("original_size", p.latent_row) for p in ps])
-        bw, bh = (int(x) for x in ps[0].bucket.split("x"))
-        meta = BatchMeta(torch.from_numpy(sizes).long(), torch.from_numpy(crops).long(),
-                         torch.tensor([[bh, bw]] * len(ps)))
-        cond = {name: torch.from_numpy(np.stack([self.captions.read(name, p.caption_row) for p in ps]))
-                for name in self.caption_fields}
-        return Batch([p.key for p in ps], torch.from_numpy(mean.astype(np.float32)),
-                     torch.from_numpy(logvar.astype(np.float32)), cond, meta, [p.caption_id for p in ps])
+        store = self.latents[str(ps[0].bucket)]
+        lat = [_verified(store, p.latent_row, p.key, "cache-latents") for p in ps]
+        caps = [_verified(self.captions, p.caption_row, p.key, "encode-captions") for p in ps]
+        pick = lambda name: np.stack([row[name][v] for row, v in zip(lat, variant_choice)])  # noqa: E731
+        bw, bh = ps[0].bucket
+        meta = BatchMeta(torch.from_numpy(np.stack([row["original_size"] for row in lat])).long(),
+                         torch.from_numpy(pick("crop_top_left")).long(), torch.tensor([[bh, bw]] * len(ps)))
+        cond = {name: torch.from_numpy(np.stack([row[name] for row in caps])) for name in self.caption_fields}
+        return Batch([p.key for p in ps], torch.from_numpy(pick("mean").astype(np.float32)),
+                     torch.from_numpy(pick("logvar").astype(np.float32)), cond, meta, [p.caption_id for p in ps])
+
+
+def _verified(store: RowStore, row: int, key: str, stage: str) -> dict[str, np.ndarray]:
+    try:
+        return store.read_row(row)
+    except DamagedRows as e:
+        store.mark_unwritten(e.rows)
+        raise ArtifactError(f"{e}, item '{key}': the cache is damaged; run `python pipeline.py {stage} --config "
+                            f"<your config>` (it re-encodes exactly the damaged rows), then train again") from None
 
 
 def sample_posterior(mean: torch.Tensor, logvar: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""The skeleton both cache stages share: which rows are still to encode, and encoding them over the
+ranks of a torchrun job (seed, shard, write, barrier) with progress counted in global items."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, TypeVar
+
+from stages.core import distributed
+from stages.core.rowstore import RowStore
+
+T = TypeVar("T")
+
+
+def rows_to_encode(store: RowStore | None, ids: Sequence[str], grow: bool) -> list[str]:
+    """Those of `ids` without an intact row in `store` (all of them without a store): new ids, rows
+    a killed run left unflagged, and damaged rows (a chunk file missing or of the wrong size, or
+    unflagged by a reader whose checksum failed). `grow` (the writer, rank 0) appends rows for new ids."""
+    if store is None:
+        return list(ids)
+    row_of = store.row_of()
+    new = [i for i in ids if i not in row_of]
+    if new and grow:
+        store.append_rows(new)
+    intact = store.intact_mask()
+    return [i for i in ids if i not in row_of or not intact[row_of[i]]]
+
+
+def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encode: Callable[[T], None], *,
+                 size: Callable[[T], int], needs_store: Callable[[T], bool], reopen: Callable[[], None],
+                 done_before: int, total: int) -> None:
+    """Encode `units` over the ranks of ctx.dist, then wait until every rank's rows are on disk.
+
+    Under torchrun rank 0 first encodes alone each unit whose store does not exist yet (a store's
+    shapes come from the model's first output), everyone `reopen`s the stores, then each rank
+    encodes its round-robin share of the rest. Progress and `preparing` events count global items:
+    rank 0's own count times the world size (ranks keep about the same pace), capped at the total."""
+    dist = ctx.dist
+    todo = sum(size(u) for u in units)
+    counted = {"here": 0, "shown": 0}
+    with distributed.progress(dist, label, todo, unit_name) as bar:
+        def encode_one(unit: T) -> None:
+            encode(unit)
+            counted["here"] += size(unit)
+            estimate = min(todo, counted["here"] * dist.world_size)
+            bar.advance(estimate - counted["shown"])
+            counted["shown"] = estimate
+            ctx.log.emit("preparing", done=done_before + estimate, total=total, encoded=estimate)
+
+        seeded: list[int] = []
+        with distributed.main_first(dist):
+            if dist.is_main and dist.is_distributed:
+                for k, unit in enumerate(units):
+                    if needs_store(unit):
+                        seeded.append(k)
+                        encode_one(unit)
+        seeded = distributed.broadcast(seeded, dist)
+        if seeded:
+            reopen()
+        skip = set(seeded)
+        rest = [u for k, u in enumerate(units) if k not in skip]
+        for unit in distributed.shard(rest, dist, first=len(seeded)):
+            encode_one(unit)
+    distributed.barrier(dist)  # every rank's rows are on disk: rank 0 writes the manifest
+
+
+def damage_report(store: RowStore | None, referenced: dict[str, int], keys: dict[str, list[str]], where: str,
+                  command: str) -> list[str]:
+    """For `status`: the rows the manifest uses (id -> row) that are not intact, named by their
+    dataset items, and the command that re-encodes exactly them; empty when all are intact."""
+    intact = store.intact_mask() if store is not None else None
+    bad = sorted(i for i, row in referenced.items() if intact is None or row >= len(intact) or not intact[row])
+    if not bad:
+        return []
+    named = [k for i in bad for k in keys.get(i, [i])]
+    return [f"damaged: {len(bad)} row(s) of {where} ({', '.join(named[:8])}{' ...' if len(named) > 8 else ''}) have "
+            f"a chunk file missing or of the wrong size, or failed their checksum when read; "
+            f"`python pipeline.py {command} --config <your config>` re-encodes exactly those"]
+
+
+def keys_by_id(items: dict[str, str]) -> dict[str, list[str]]:
+    """A manifest's `items` (dataset key -> id) inverted: id -> its keys."""
+    out: dict[str, list[str]] = {}
+    for key, i in sorted(items.items()):
+        out.setdefault(i, []).append(key)
+    return out

@@ -1,0 +1,85 @@
+"""The artifact schema: which manifest each artifact has, its fields and their JSON types, and the
+`Bucket` type that names a latent store.
+
+Like EVENT_SCHEMA (stages/core/events.py) for events.jsonl. Every manifest also carries
+COMMON_FIELDS. `write_manifest` validates what it writes (a violation is a bug and raises);
+`read_manifest` validates what it reads (a violation means a damaged or foreign file, treated as
+missing with a warning). A kind with `extra` may carry more fields than listed (a stage summary).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from stages.core.events import _type_ok
+
+COMMON_FIELDS: dict[str, Any] = {"schema_version": "integer", "code_version": "string", "stage": "string",
+                                 "written_at": "string"}
+_PROVENANCE = {"fingerprint": "string", "fingerprint_parts": "object"}
+_COST = {"seconds": "number", "peak_vram_gb": ["number", "object", "null"], "world_size": "integer"}
+
+MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
+    # captions.zarr: rows by caption id, dataset items -> caption id, caption lengths (not texts:
+    # inspect reads those from the dataset), field shapes, truncated captions (item -> tokens)
+    "captions": {"required": {**_PROVENANCE, "family": "string", "model": "string", "rows": "object",
+                              "items": "object", "lengths": "object", "fields": "object", "truncated": "object",
+                              "encoded_this_run": "integer"},
+                 "optional": _COST},
+    # latents.zarr: image id -> {bucket, row}, items -> image id, images per bucket, the family's
+    # normalization, variants per image, skipped / duplicated items and size warnings
+    "latents": {"required": {**_PROVENANCE, "family": "string", "model": "string", "index": "object",
+                             "items": "object", "buckets": "object", "normalization": "object",
+                             "variants": "integer", "skipped": "array", "duplicates": "object",
+                             "warnings": "array", "encoded_this_run": "integer"},
+                "optional": _COST},
+    "checkpoint": {"required": {**_PROVENANCE, "kind": "string", "step": "integer"}, "optional": _COST, "extra": True},
+    "final": {"required": {**_PROVENANCE, "kind": "string", "step": "integer", "complete": "boolean"},
+              "optional": _COST, "extra": True},
+    "export": {"required": {**_PROVENANCE, "family": "string", "pipeline_class": "string", "files": "array"},
+               "optional": {**_COST, "step": ["integer", "null"]}, "extra": True},
+    "samples": {"required": {**_PROVENANCE, "files": "array"}, "optional": _COST, "extra": True},
+}
+_KIND_OF_STAGE = {"encode-captions": "captions", "cache-latents": "latents", "export-lora": "export",
+                  "sample": "samples"}
+
+
+def manifest_kind(stage: str, fields: dict[str, Any]) -> str | None:
+    """The schema kind of a manifest written by `stage` (train writes two: checkpoint and final)."""
+    return fields.get("kind") if stage == "train" else _KIND_OF_STAGE.get(stage)
+
+
+def validate_manifest(kind: str | None, manifest: Any) -> list[str]:
+    """Every way a manifest breaks MANIFEST_SCHEMA[kind] (empty when it conforms)."""
+    if not isinstance(manifest, dict):
+        return [f"a manifest is a JSON object, not {type(manifest).__name__}"]
+    if kind not in MANIFEST_SCHEMA:
+        return [f"unknown manifest kind {kind!r} (stage {manifest.get('stage')!r})"]
+    spec = MANIFEST_SCHEMA[kind]
+    fields = {**COMMON_FIELDS, **spec["required"]}
+    problems = [f"{kind}: missing field '{k}'" for k in fields if k not in manifest]
+    allowed = {**fields, **spec["optional"]}
+    for key, value in manifest.items():
+        if key in allowed:
+            if not _type_ok(value, allowed[key]):
+                problems.append(f"{kind}: field '{key}' = {str(value)[:60]!r} is not {allowed[key]}")
+        elif not spec.get("extra"):
+            problems.append(f"{kind}: undocumented field '{key}' (add it to MANIFEST_SCHEMA)")
+    return problems
+
+
+class Bucket(NamedTuple):
+    """An aspect bucket in pixels; `str()` is its store's folder name, "WxH"."""
+
+    width: int
+    height: int
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Bucket":
+        """"512x768" -> Bucket(512, 768); anything else is a ValueError naming it."""
+        width, sep, height = name.partition("x")
+        if not (sep and width.isdigit() and height.isdigit()):
+            raise ValueError(f"'{name}' is not a bucket name (WxH, e.g. 512x768)")
+        return cls(int(width), int(height))

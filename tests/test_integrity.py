@@ -1,0 +1,182 @@
+"""Damaged caches (issue 14 point 1) and the artifact schema (issue 13 point 3).
+
+Each damage (a deleted chunk, a truncated chunk, a flipped byte, a truncated manifest) is detected
+by `status` or by the first read, named, and repaired by the cache stage re-encoding exactly the
+damaged rows; after a repair the adapter equals the undamaged run's. A manifest that does not parse
+reads as missing with a warning. `--force` checks the config before it deletes anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ON_FLUX = pytest.mark.parametrize("built_run", ["flux"], indirect=True)  # one family: the row store is shared
+
+
+@pytest.fixture
+def run_copy(built_run, tmp_path):
+    """The built run copied, so a test may damage it freely."""
+    shutil.copytree(built_run.run_dir, tmp_path / built_run.run, ignore=shutil.ignore_patterns(".*.lock"))
+    return dataclasses.replace(built_run, artifacts=str(tmp_path))
+
+
+def chunk(store_dir: Path, field: str, row: int) -> Path:
+    """The chunk file of one row of one field (one chunk per row, zarr v3's default key layout)."""
+    from stages.core.rowstore import RowStore
+
+    arr = RowStore.open(store_dir).group[field]
+    return store_dir / field / arr.metadata.encode_chunk_key((row, *(0,) * (arr.ndim - 1)))
+
+
+def first_latent_row(cfg) -> tuple[Path, int, str]:
+    """(bucket store folder, row, item key) of one cached image."""
+    from stages.core.artifacts import read_manifest
+
+    manifest = read_manifest(cfg.run_dir / "latents.zarr")
+    key, image_id = sorted(manifest["items"].items())[0]
+    loc = manifest["index"][image_id]
+    return cfg.run_dir / "latents.zarr" / loc["bucket"], loc["row"], key
+
+
+def encoded(result: dict) -> int:
+    return result["encoded_this_run"]
+
+
+@ON_FLUX
+def test_deleted_and_truncated_chunks_are_named_by_status_and_reencoded(run_copy):
+    from stages import cache_latents, encode_captions, train
+    from stages.core.errors import ArtifactError
+    from stages.core.rowstore import RowStore
+    from stages.core.stage import staleness
+
+    store_dir, row, key = first_latent_row(run_copy)
+    chunk(store_dir, "mean", row).unlink()
+    cap_dir = run_copy.run_dir / "captions.zarr"
+    cap_chunk = chunk(cap_dir, RowStore.open(cap_dir).fields[0], 1)
+    cap_chunk.write_bytes(cap_chunk.read_bytes()[:10])
+
+    ok, reasons = staleness(cache_latents, run_copy)
+    assert not ok and "damaged: 1 row(s)" in reasons[0] and key in reasons[0] and "cache-latents" in reasons[0]
+    ok, reasons = staleness(encode_captions, run_copy)
+    assert not ok and "damaged: 1 row(s) of captions.zarr" in reasons[0]
+    with pytest.raises(ArtifactError, match="cache-latents"):
+        train.check_upstream(run_copy)
+
+    assert encoded(cache_latents.run(run_copy)) == 1 and encoded(encode_captions.run(run_copy)) == 1
+    assert staleness(cache_latents, run_copy) == (True, []) and staleness(encode_captions, run_copy) == (True, [])
+
+
+@ON_FLUX
+def test_flipped_byte_stops_train_and_one_rerun_repairs_it_to_the_same_adapter(run_copy, built_run):
+    from stages import cache_latents, encode_captions, train
+    from stages.core.errors import ArtifactError
+    from stages.core.stage import staleness
+
+    store_dir, row, key = first_latent_row(run_copy)
+    path = chunk(store_dir, "logvar", row)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    shutil.rmtree(run_copy.run_dir / "lora")
+
+    with pytest.raises(ArtifactError, match=f"item '{key}'.*cache-latents"):
+        train.run(run_copy)
+    assert not staleness(cache_latents, run_copy)[0]  # the read unflagged the row: status names it now
+    assert encoded(cache_latents.run(run_copy)) == 1 and encoded(encode_captions.run(run_copy)) == 0
+    train.run(run_copy)
+    repaired = load_file(run_copy.run_dir / "lora" / "final" / "adapter_model.safetensors")
+    reference = load_file(built_run.run_dir / "lora" / "final" / "adapter_model.safetensors")
+    assert repaired.keys() == reference.keys()
+    assert all(torch.equal(repaired[k], reference[k]) for k in reference)
+
+
+@ON_FLUX
+def test_truncated_manifest_reads_as_missing_with_a_warning_and_reencodes_nothing(run_copy):
+    from stages import cache_latents
+    from stages.core.artifacts import DamagedManifest, read_manifest
+    from stages.core.stage import staleness
+
+    path = run_copy.run_dir / "latents.zarr" / "manifest.json"
+    path.write_text(path.read_text()[:40])
+    with pytest.warns(DamagedManifest, match="manifest.json' is treated as missing"):
+        assert read_manifest(path.parent) is None
+    with pytest.warns(DamagedManifest):
+        assert "no manifest" in staleness(cache_latents, run_copy)[1][0]
+        assert encoded(cache_latents.run(run_copy)) == 0
+    assert read_manifest(path.parent)["index"]
+
+
+@ON_FLUX
+def test_force_checks_the_config_before_deleting_the_cache(run_copy):
+    from click.testing import CliRunner
+
+    import pipeline
+    from conftest import demo_config_path
+
+    cap_dir = run_copy.run_dir / "captions.zarr"
+    before = (cap_dir / "manifest.json").read_bytes()
+    sets = {"model": run_copy.model, "data.path": run_copy.data.path, "artifacts": run_copy.artifacts,
+            "device": "cpu", "captions.text_encoder_precision": "nf4"}
+    result = CliRunner().invoke(pipeline.cli, ["encode-captions", "--force", "--config", str(demo_config_path("flux")),
+                                               "--run", run_copy.run, *[a for k, v in sets.items()
+                                                                        for a in ("--set", f"{k}={v}")]])
+    assert result.exit_code == 2 and "captions.text_encoder_precision = 'nf4' needs a CUDA GPU" in result.output
+    assert (cap_dir / "manifest.json").read_bytes() == before and any((cap_dir / "written").rglob("*"))
+
+
+@ON_FLUX
+def test_caption_manifest_keeps_lengths_not_texts_and_inspect_reads_the_dataset(run_copy, tmp_path):
+    from stages import inspect as inspect_stage
+    from stages.core.artifacts import read_manifest
+    from stages.core.dataset import scan
+
+    manifest = read_manifest(run_copy.run_dir / "captions.zarr")
+    items = scan(run_copy.data.path)
+    assert "texts" not in manifest and manifest["lengths"] == {it.caption_id: len(it.caption) for it in items}
+    assert all(it.caption not in json.dumps(manifest) for it in items if len(it.caption) > 12)
+
+    data = tmp_path / "data"
+    shutil.copytree(run_copy.data.path, data)
+    edited = sorted(data.rglob("*.txt"))[0]
+    edited.write_text("a caption written after encoding")
+    moved = dataclasses.replace(run_copy, data=dataclasses.replace(run_copy.data, path=str(data)))
+    texts = [c["text"] for c in inspect_stage.captions_section(run_copy.run_dir, 4, moved)["captions"]]
+    assert texts.count(inspect_stage.CAPTION_GONE) == 1 and "a caption written after encoding" not in texts
+
+
+@ON_FLUX
+def test_inspect_reports_damaged_rows(run_copy):
+    from stages import inspect as inspect_stage
+    from stages.core.rowstore import RowStore
+
+    store_dir, row, _ = first_latent_row(run_copy)
+    path = chunk(store_dir, "mean", row)
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+    report = inspect_stage.latents_section(run_copy.run_dir, 64)
+    assert report["buckets"][store_dir.name]["damaged_rows"] == [RowStore.open(store_dir).ids[row]]
+    assert inspect_stage.captions_section(run_copy.run_dir, 64, run_copy)["damaged_rows"] == []
+
+
+def test_manifest_schema_rejects_bad_fields_and_bucket_parses_once():
+    from stages.core.artifacts import write_manifest
+    from stages.core.schema import Bucket, validate_manifest
+
+    assert str(Bucket.parse("512x768")) == "512x768" and Bucket.parse("512x768") == (512, 768)
+    with pytest.raises(ValueError, match="not a bucket name"):
+        Bucket.parse("512-768")
+    assert validate_manifest("latents", []) == ["a manifest is a JSON object, not list"]
+    problems = validate_manifest("captions", {"schema_version": 2, "code_version": "x", "stage": "encode-captions",
+                                              "written_at": "t", "rows": [], "texts": {}})
+    assert "captions: missing field 'lengths'" in problems and any("'rows'" in p and "object" in p for p in problems)
+    assert any("undocumented field 'texts'" in p for p in problems)
+    with pytest.raises(ValueError, match="missing field 'step'"):
+        write_manifest(Path("/nonexistent"), "train", kind="checkpoint", fingerprint="f", fingerprint_parts={})
