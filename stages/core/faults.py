@@ -44,6 +44,7 @@ def hit(point: str) -> None:
     global _seen_spec
     spec = os.environ.get(ENV, "")
     if not spec:
+        _seen_spec = ""  # unset in between: the same spec set again later counts afresh
         return
     if spec != _seen_spec:  # a new spec (tests set it per run) starts counting afresh
         _counts.clear()
