@@ -82,7 +82,8 @@ def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> 
     if value == "auto":
         return Budget(round(max(free / GB - AUTO_MARGIN_GB, 0.0), 3), "auto")
     if enforce:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * GB / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # it refuses a bare "cuda"
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * GB / total), index)
     return Budget(float(value), "cap")
 
 
@@ -240,6 +241,22 @@ def with_plan(cfg: Any, plan: StagePlan) -> Any:
     if s["swapped_blocks"]:
         train = dataclasses.replace(train, cuda_graphs="off")  # blockswap.py: graphs would pin the swapped weights
     return dataclasses.replace(cfg, train=train)
+
+
+def planned_caption_precision(cfg: Any, family: Any) -> str | None:
+    """The text-encoder precision encode-captions plans for `cfg` when it is "auto" on a GPU with a
+    budget (None otherwise), without measuring free memory, so the captions' fingerprint that train
+    checks is the one encode-captions wrote (the first GPU run: train refused nf4 captions as stale
+    because it resolved "auto" to bf16). Under "auto" it assumes the free memory exceeds train's peak."""
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import pick_device
+
+    if cfg.captions.text_encoder_precision != "auto" or pick_device(cfg.device).type != "cuda":
+        return None
+    value = parse_budget(cfg.gpu.vram_budget_gb)
+    budget = Budget(float("inf"), "auto") if value == "auto" else Budget(float(value), "cap")
+    plan = plan_for(cfg, family, ModelSource(cfg.model, cfg.revision), budget, "encode-captions")
+    return plan.settings["text_encoder_precision"]
 
 
 def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StagePlan]:
