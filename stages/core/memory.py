@@ -26,14 +26,14 @@ from stages.core.errors import ResourceError
 
 GB = 2**30
 AUTO_MARGIN_GB = 0.75  # "auto": left free for the CUDA context's growth and other processes' jitter
-FRAGMENTATION = 1.10  # the allocator reserves ~10 % above the peak it hands out (bench: reserved/allocated)
+FRAGMENTATION = 1.12  # reserved/allocated on the H200: FLUX nf4 train 9.00/8.10 = 1.11, fp32 VAE 3.90/3.36 = 1.16
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64  # 4-bit codes + one 8-bit absmax per 64 weights (double quant)
 # Train activations of one DiT block, in units of tokens x width x 2 bytes (bf16). Estimates:
 # no checkpointing, FLUX.1-dev 512 px b1 needed 8.9 GB over bf16 weights for 57 blocks x 1536 tokens
 # x 3072 wide = 17 units per block; with checkpointing a block keeps its input (1 unit) and the block
 # being recomputed holds ~24 units (fits FLUX nf4 1024 px b1 at 8.3 GB).
 BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
-VAE_ELEMENTS_PER_PIXEL = 720  # SDXL's fp32 VAE encoding 4 variants at 1024 px peaked at 12.4 GB
+VAE_ELEMENTS_PER_PIXEL = 780  # FLUX's fp32 VAE, 1 image at 1024 px: 3.36 GB allocated (H200; 720 predicted 3.12)
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
 LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 
@@ -105,7 +105,11 @@ def weight_bytes(module: torch.nn.Module, precision: str) -> float:
     """Bytes of `module`'s weights at `precision` (nf4: every Linear weight 4-bit, the rest bf16)."""
     if precision != "nf4":
         return sum(p.numel() for p in module.parameters()) * (4 if precision == "fp32" else 2)
-    linear = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    # transformers leaves `_keep_in_fp32_modules` unquantized (T5's `wo`: measured 4.41 GB for FLUX's
+    # nf4 text encoders on the H200 where all-4-bit predicted 2.81; bench/results/memory-flux-h200.json)
+    kept = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    linear = {id(m.weight) for name, m in module.named_modules()
+              if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)}
     return sum(p.numel() * (NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in module.parameters())
 
 
