@@ -38,7 +38,7 @@ def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
     from stages.families import get_family
 
     family, src, budget = get_family(cfg.family), ModelSource(cfg.model, cfg.revision), _budget(budget_gb)
-    stages = [memory.PLANNERS[name](cfg, family, src, budget) for name in PLANNED_STAGES]
+    stages = [memory.plan_for(cfg, family, src, budget, name) for name in PLANNED_STAGES]
     fitting = [p for p in stages if p.fits]
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.gb,
             "budget_source": budget.source, "fits": len(fitting) == len(stages),
@@ -65,7 +65,7 @@ def print_table(result: dict[str, Any]) -> None:
     console.print(table)
     for p in result["stages"]:
         if p["note"]:
-            console.print(f"[red]{p['stage']}[/red]: {p['note']}")
+            console.print(f"{p['stage']}: {p['note']}", style=None if p["fits"] else "red")
     console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory.py).")
 
 

@@ -26,14 +26,14 @@ from stages.core.errors import ResourceError
 
 GB = 2**30
 AUTO_MARGIN_GB = 0.75  # "auto": left free for the CUDA context's growth and other processes' jitter
-FRAGMENTATION = 1.10  # the allocator reserves ~10 % above the peak it hands out (bench: reserved/allocated)
+FRAGMENTATION = 1.12  # reserved/allocated on the H200: FLUX nf4 train 9.00/8.10 = 1.11, fp32 VAE 3.90/3.36 = 1.16
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64  # 4-bit codes + one 8-bit absmax per 64 weights (double quant)
 # Train activations of one DiT block, in units of tokens x width x 2 bytes (bf16). Estimates:
 # no checkpointing, FLUX.1-dev 512 px b1 needed 8.9 GB over bf16 weights for 57 blocks x 1536 tokens
 # x 3072 wide = 17 units per block; with checkpointing a block keeps its input (1 unit) and the block
 # being recomputed holds ~24 units (fits FLUX nf4 1024 px b1 at 8.3 GB).
 BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
-VAE_ELEMENTS_PER_PIXEL = 720  # SDXL's fp32 VAE encoding 4 variants at 1024 px peaked at 12.4 GB
+VAE_ELEMENTS_PER_PIXEL = 780  # FLUX's fp32 VAE, 1 image at 1024 px: 3.36 GB allocated (H200; 720 predicted 3.12)
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
 LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 
@@ -82,7 +82,8 @@ def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> 
     if value == "auto":
         return Budget(round(max(free / GB - AUTO_MARGIN_GB, 0.0), 3), "auto")
     if enforce:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * GB / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # it refuses a bare "cuda"
+        torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * GB / total), index)
     return Budget(float(value), "cap")
 
 
@@ -104,7 +105,11 @@ def weight_bytes(module: torch.nn.Module, precision: str) -> float:
     """Bytes of `module`'s weights at `precision` (nf4: every Linear weight 4-bit, the rest bf16)."""
     if precision != "nf4":
         return sum(p.numel() for p in module.parameters()) * (4 if precision == "fp32" else 2)
-    linear = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    # transformers leaves `_keep_in_fp32_modules` unquantized (T5's `wo`: measured 4.41 GB for FLUX's
+    # nf4 text encoders on the H200 where all-4-bit predicted 2.81; bench/results/memory-flux-h200.json)
+    kept = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    linear = {id(m.weight) for name, m in module.named_modules()
+              if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)}
     return sum(p.numel() * (NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in module.parameters())
 
 
@@ -203,6 +208,20 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train}
 
 
+def plan_for(cfg: Any, family: Any, src: Any, budget: Budget, stage: str) -> StagePlan:
+    """The stage's plan. Under "auto" the cheap stages plan for the train stage's predicted peak
+    when it is below the free memory, so they never set the run's memory (issue 16: on a free H200
+    "auto" gave Qwen-Image's text encoder bf16 at 15.95 GB against train's 10.96 GB)."""
+    if budget.source == "auto" and stage != "train":
+        train = plan_train(cfg, family, src, budget)
+        if train.fits and train.predicted_peak_gb * FRAGMENTATION < budget.gb:
+            plan = PLANNERS[stage](cfg, family, src, Budget(round(train.predicted_peak_gb * FRAGMENTATION, 3), "auto"))
+            if plan.fits:
+                plan.budget, plan.note = budget, "auto: planned for the train stage's predicted peak"
+                return plan
+    return PLANNERS[stage](cfg, family, src, budget)
+
+
 def unplanned(cfg: Any, stage: str, budget: Budget) -> StagePlan:
     """The configured settings as they are (CPU: no budget to plan for)."""
     settings = {"encode-captions": {"text_encoder_precision": cfg.captions.text_encoder_precision,
@@ -228,6 +247,22 @@ def with_plan(cfg: Any, plan: StagePlan) -> Any:
     return dataclasses.replace(cfg, train=train)
 
 
+def planned_caption_precision(cfg: Any, family: Any) -> str | None:
+    """The text-encoder precision encode-captions plans for `cfg` when it is "auto" on a GPU with a
+    budget (None otherwise), without measuring free memory, so the captions' fingerprint that train
+    checks is the one encode-captions wrote (the first GPU run: train refused nf4 captions as stale
+    because it resolved "auto" to bf16). Under "auto" it assumes the free memory exceeds train's peak."""
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import pick_device
+
+    if cfg.captions.text_encoder_precision != "auto" or pick_device(cfg.device).type != "cuda":
+        return None
+    value = parse_budget(cfg.gpu.vram_budget_gb)
+    budget = Budget(float("inf"), "auto") if value == "auto" else Budget(float(value), "cap")
+    plan = plan_for(cfg, family, ModelSource(cfg.model, cfg.revision), budget, "encode-captions")
+    return plan.settings["text_encoder_precision"]
+
+
 def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StagePlan]:
     """Resolve (and enforce) the budget, plan the stage, log a `plan` event; the config to run with."""
     from stages.core.model_source import ModelSource
@@ -237,7 +272,7 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StageP
     if budget.gb is None:
         plan = unplanned(cfg, stage, budget)
     else:
-        plan = PLANNERS[stage](cfg, family, ModelSource(cfg.model, cfg.revision), budget)
+        plan = plan_for(cfg, family, ModelSource(cfg.model, cfg.revision), budget, stage)
     log.emit("plan", **plan.to_dict())
     if not plan.fits:
         log.emit("warning", message=plan.note)

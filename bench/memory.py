@@ -1,0 +1,187 @@
+"""Memory budgets on the GPU (issue 16): each stage's plan, predicted and measured peak, and speed
+under simulated small cards, run through the product's own stage commands.
+
+    python bench/memory.py run --families flux,qwen-image --out $OUT/memory.json --budget-s 400
+    python bench/memory.py run --tiny --out /tmp/memory.json          # the plumbing, tiny models, CPU
+    python bench/memory.py report bench/results/memory-*.json         # markdown, one table per family
+
+For each family it builds the full-size random-weight pipeline (as `bench/bench.py build`, into
+/dev/shm) and runs `pipeline.py encode-captions / cache-latents / train` as child processes at
+1024 px, batch 1, with `--set gpu.vram_budget_gb=B` for B = auto (no cap) and 6/8/12/16/24 GB
+(a number is a cap the stage enforces with torch.cuda.set_per_process_memory_fraction). A budget
+whose plan for a stage equals one already measured (the planner is asked in-process first, from
+meta-device sizes) reuses that measurement instead of running it again. The JSON is rewritten
+after every row, so a call cut off keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench import PRESET, Item, Runner, collect, model_dir  # noqa: E402
+
+STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
+          ("train", "train", "lora/final"))
+BUDGETS = ("auto", "6", "8", "12", "16", "24")  # the targets' budgets first after the reference
+RESOLUTION = 1024
+EST_S = {"encode": 30, "latents": 25, "train": 75}  # seconds per stage call on the H200 (bench/results)
+
+
+def _items_per_s(manifest: dict[str, Any]) -> float | None:
+    n, s = manifest.get("encoded_this_run"), manifest.get("seconds")
+    return n / s if isinstance(n, int) and n and s else None
+
+
+class MemoryRunner(Runner):
+    def row_sets(self, budget: str) -> dict[str, Any]:
+        return {"gpu.vram_budget_gb": budget, "captions.text_encoder_precision": "auto",
+                "train.batch_size": 1, "train.checkpoint_every": 0}
+
+    def planned(self, fam: str, model: Path, budget: str) -> dict[str, Any]:
+        """stage -> settings the planner picks for a numeric budget (meta device, no CUDA); {} for auto."""
+        if budget == "auto" or self.args.tiny:
+            return {}
+        from stages.core.config import load_config
+        from stages.plan import plans
+
+        sets = {**self.base_sets(fam, RESOLUTION), **self.row_sets(budget), "model": str(model)}
+        cfg = load_config(ROOT / PRESET[fam], sets)
+        return {p["stage"]: p["settings"] for p in plans(cfg, float(budget))["stages"]}
+
+    def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str, where: str) -> dict[str, Any]:
+        run = f"mem-{fam}" if kind != "train" else f"mem-{fam}-train-{budget}"
+        run_dir = self.work / "artifacts" / run
+        if kind == "train":  # a fresh run per budget, on the captions and latents measured last
+            for store in ("captions.zarr", "latents.zarr"):
+                shutil.rmtree(run_dir / store, ignore_errors=True)
+                shutil.copytree(self.work / "artifacts" / f"mem-{fam}" / store, run_dir / store)
+        item = Item(f"{fam}/{kind}/{budget}", kind, RESOLUTION, self.row_sets(budget), run=run)
+        cmd = self.stage_cmd(fam, item, stage, model, ["--force"] if kind != "train" else [])
+        t0 = time.time()
+        rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
+        row: dict[str, Any] = {"family": fam, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
+                               "rc": rc, "wall_s": wall}
+        if rc != 0:
+            return {**row, "status": "failed", "log_tail": tail[-1500:]}
+        summary = collect(run_dir, kind, t0)
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        plan = [e for e in events if e["event"] == "plan" and e.get("stage") == stage and e["ts"] >= t0 - 1][-1:]
+        manifest = json.loads((run_dir / where / "manifest.json").read_text())
+        return {**row, "status": "ok", "plan": plan[0] if plan else None, "peak_vram_gb": summary.get("peak_vram_gb"),
+                "samples_per_second": summary.get("samples_per_second") or _items_per_s(manifest), "seconds": summary.get("seconds"),
+                "items": manifest.get("encoded_this_run"), "loaded_s": summary.get("loaded_s"),
+                "warnings": summary.get("warnings"), "steps": summary.get("steps")}
+
+    def run_family(self, fam: str) -> None:
+        model = self.ensure_model(fam)
+        measured: dict[tuple[str, str], dict[str, Any]] = {}  # (stage, settings) -> the row that measured it
+        for budget in self.args.budgets.split(","):
+            settings = self.planned(fam, model, budget)
+            for kind, stage, where in STAGES:
+                key = (stage, json.dumps(settings.get(stage), sort_keys=True))
+                if stage in settings and key in measured:
+                    self.add({"family": fam, "budget": budget, "stage": stage, "status": "same plan",
+                              "same_as_budget": measured[key]["budget"], "planned_settings": settings[stage]})
+                    continue
+                if self.left() < EST_S[kind] * (0.05 if self.args.tiny else 1.0):
+                    self.add({"family": fam, "budget": budget, "stage": stage, "status": "skipped",
+                              "reason": f"device-time budget: {self.left():.0f}s left"})
+                    continue
+                row = self.measure(fam, model, budget, kind, stage, where)
+                self.add(row)
+                if row["status"] == "ok" and row["plan"]:
+                    measured[(stage, json.dumps(row["plan"]["settings"], sort_keys=True))] = row
+        if not self.args.keep:
+            shutil.rmtree(model_dir(self.args, fam), ignore_errors=True)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.results["items"].append(row)
+        self.save()
+        brief = {k: row.get(k) for k in ("status", "peak_vram_gb", "samples_per_second", "wall_s", "same_as_budget")}
+        print(f"[memory] {row['family']} {row['stage']} @{row['budget']}: {json.dumps(brief)[:300]}", flush=True)
+
+
+# ---- report
+def _resolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with "same plan" ones filled in from the row that measured that plan."""
+    by = {(r["family"], r["budget"], r["stage"]): r for r in rows}
+    out = []
+    for r in rows:
+        if r["status"] == "same plan":
+            src = by[(r["family"], r["same_as_budget"], r["stage"])]
+            r = {**src, "budget": r["budget"], "status": f"same plan as {r['same_as_budget']}"}
+        out.append(r)
+    return out
+
+
+def _cell(r: dict[str, Any]) -> list[str]:
+    if not r["status"].startswith(("ok", "same")):
+        return [r["status"], "", "", "", ""]
+    plan = r.get("plan") or {}
+    settings = ", ".join(f"{k}={v}" for k, v in (plan.get("settings") or {}).items() if k != "blocks")
+    peak = (r.get("peak_vram_gb") or {}).get("reserved")
+    budget = plan.get("budget_gb")
+    within = "" if budget is None or peak is None else (" ok" if peak <= budget else f" OVER by {peak - budget:.2f}")
+    sps = r.get("samples_per_second")
+    return [settings + ("" if r["status"] == "ok" else f" ({r['status']})"), f"{plan.get('predicted_peak_gb', 0):.2f}",
+            f"{peak:.2f}{within}" if peak is not None else "", f"{sps:.3f}" if sps else "", f"{r.get('seconds') or 0:.1f}"]
+
+
+def report(files: list[Path]) -> str:
+    rows = _resolved([r for f in files for r in json.loads(f.read_text())["items"]])
+    lines = []
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == fam]
+        ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
+        lines += [f"### {fam}, {RESOLUTION} px, batch 1", "",
+                  "| budget GB | stage | plan | predicted GB | measured peak GB (reserved) | samples/s | x auto | stage s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            cells = _cell(r)
+            ratio = ""
+            if r["stage"] == "train" and ref and r.get("samples_per_second"):
+                ratio = f"{r['samples_per_second'] / ref['samples_per_second']:.2f}"
+            lines.append(f"| {r['budget']} | {r['stage']} | " + " | ".join(cells[:4] + [ratio, cells[4]]) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--families", default="flux,qwen-image")
+    r.add_argument("--budgets", default=",".join(BUDGETS))
+    r.add_argument("--work", default="/tmp/lorapipe-memory")
+    r.add_argument("--models", default="")
+    r.add_argument("--budget-s", type=float, default=1e9)
+    r.add_argument("--tiny", action="store_true")
+    r.add_argument("--keep", action="store_true")
+    p = sub.add_parser("report")
+    p.add_argument("files", nargs="+")
+    args = ap.parse_args()
+    if args.cmd == "report":
+        print(report([Path(f) for f in args.files]))
+        return
+    args.skip_done, args.only = [], []
+    runner = MemoryRunner(args)
+    for fam in args.families.split(","):
+        try:
+            runner.run_family(fam)
+        except Exception as e:  # noqa: BLE001 - one family failing must not lose the others' rows
+            runner.add({"family": fam, "budget": "-", "stage": "-", "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+    runner.save()
+
+
+if __name__ == "__main__":
+    main()
