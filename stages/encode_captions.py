@@ -33,7 +33,7 @@ def resolved_precision(cfg: Any) -> str:
     from stages.core.runtime import pick_device, resolve_precision
     from stages.families import get_family
 
-    planned = memory.planned_caption_precision(cfg, get_family(cfg.family))  # memory: "auto" under a GPU budget is the planner's choice
+    planned = memory.planned_caption_precision(cfg, get_family(cfg.family))  # "auto" under a GPU budget is the planner's choice
     return planned or resolve_precision(cfg.captions.text_encoder_precision, pick_device(cfg.device), "text_encoder")
 
 
