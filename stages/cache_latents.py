@@ -185,6 +185,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     """Encode every (bucket, image id) of `todo` over the ranks; -> stores, normalization, skipped, runtime."""
     import torch
 
+    from stages.core import memory
     from stages.core.runtime import make_runtime, reset_peak
     from stages.families import get_family
 
