@@ -226,7 +226,12 @@ def targets(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]]) -> str
                     ratio = n["step_s"] / d["step_s"]
                     t.append(f"| {NAMES[fam]} nf4 step ≤ 1.3x bf16 step ({res} px b{b}) | {ratio:.2f}x{_run(n)} | "
                              f"{'yes' if ratio <= 1.3 else 'no'} |")
-    d = _by(rows, "flux", "bf16-1024-b4")
+    e, d = _by(rows, "flux", "fp8-1024-b4"), _by(rows, "flux", "bf16-1024-b4")
+    if e and d and e["step_s"] and d["step_s"]:
+        step, peak = e["step_s"] / d["step_s"], e["peak"]["allocated"] / d["peak"]["allocated"]
+        t.append(f"| FLUX fp8 1024 px b4: step ≤ 0.8x bf16's, peak ≤ 0.6x bf16's | {step:.2f}x step ({e['step_s']:.3f} s / "
+                 f"{d['step_s']:.3f} s), {peak:.2f}x peak ({e['peak']['allocated']:.2f} / {d['peak']['allocated']:.2f} GB) | "
+                 f"{'yes' if step <= 0.8 and peak <= 0.6 else 'no'} |")
     if d and d.get("mfu_rule") is not None:
         t.append(f"| FLUX bf16 1024 px b4 ≥ 60 % MFU | {_pct(d['mfu_rule'])} (4·P·T rule), {_pct(d['mfu_counted'])} (counted) "
                  f"| {'yes' if d['mfu_rule'] >= 0.6 else 'no'} |")
@@ -425,7 +430,7 @@ def verify_table(items: dict[str, dict[str, Any]]) -> str:
 def headline_table(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]], fam: str) -> str:
     """Today's defaults per shape (compiled nf4 where it ran) and bf16 beside them, then each stage's peak."""
     lines = []
-    for p in ("nf4", "bf16"):
+    for p in ("nf4", "fp8", "bf16"):
         for res in (512, 1024):
             for b in (1, 4):
                 r = _default(rows, fam, f"{p}-{res}-b{b}")

@@ -140,3 +140,15 @@ def test_plan_puts_each_familys_targets_first() -> None:
     assert [i.id for i in sdxl if i.kind == "encode"] == ["sdxl/encode/bf16"]
     ids = [i.id for i in plan("z-image")]
     assert len(ids) == len(set(ids))
+
+
+def test_fp8_target_compares_step_and_peak_with_bf16_at_the_same_shape(tmp_path: Path) -> None:
+    rows = [_train_row("flux", "bf16-1024-b4", 2.0, True), _train_row("flux", "fp8-1024-b4", 1.5, True)]
+    rows[1]["summary"]["peak_vram_gb"] = {"allocated": 6.0, "reserved": 7.0}  # bf16's is 8.0
+    _, items, _ = report.load([_write(tmp_path, rows)])
+    target = table(report.targets(report.train_rows(items, NO_MFU), items), "target")
+    row = target["FLUX fp8 1024 px b4: step ≤ 0.8x bf16's, peak ≤ 0.6x bf16's"]
+    assert row["measured"].startswith("0.75x step") and "0.75x peak" in row["measured"]
+    assert row["met?"] == "no"  # the step is fast enough, the peak is not small enough
+    head = table(report.write_report([_write(tmp_path, rows)])["RESULTS.md"].split("## FLUX")[1], "base")
+    assert head["fp8"]["step s"] == "1.500"
