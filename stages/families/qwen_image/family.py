@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.lora import load_denoiser_weights
 from stages.core.errors import ConfigError
+from stages.core.kohya import GENERIC as KOHYA_LAYOUT
+from stages.core.lora import load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.qwen_image import PIPELINE_MAX_SEQUENCE_LENGTH
-from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
 
 PROMPT_TEMPLATE = (

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.lora import load_denoiser_weights
-from stages.families.base import BatchMeta
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
-from stages.families.kl_vae import KLVAELatents
+from stages.core.lora import load_denoiser_weights
 from stages.core.model_source import ModelError
+from stages.families.base import BatchMeta
+from stages.families.kl_vae import KLVAELatents
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_tokens
 
 
