@@ -31,12 +31,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 CUDA_TESTS = ("test_trainer_paths.py", "test_runtime_flags.py", "test_fp8.py")  # their `cuda`-marked tests run in the bench
 
-PRESET = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.toml",
-          "z-image": "configs/z-image.toml", "sdxl": "configs/sdxl.toml"}
 TRAIN_STEPS, WARMUP = 8, 3  # 3 steps excluded from samples/s (first step, graph capture, one replay)
 CAPTION_TOKENS = 77
-TEXT_PRECISION = {"sdxl": "bf16"}  # captions for every train run; nf4 elsewhere (SDXL's CLIPs are not offered in nf4)
-BUILD_S = {"flux": 70, "z-image": 55, "sdxl": 40, "qwen-image": 100}  # build + save on the H200 (measured 30-98 s)
+
+
+def family_full(fam: str) -> Any:
+    """The family's full-size facts (stages/families/<family>/full.py): PRESET, TEXT_PRECISION (of the
+    captions every train run reads), BUILD_SECONDS (build + save on the H200, measured 30-98 s)."""
+    from stages.families import family_part
+
+    return family_part(fam, "full")
 
 
 @dataclass
@@ -76,7 +80,7 @@ def plan(fam: str) -> list[Item]:
 
 
 def _text_precision(fam: str) -> str:
-    return TEXT_PRECISION.get(fam, "nf4")
+    return family_full(fam).TEXT_PRECISION
 
 
 def _full_plan(fam: str) -> list[Item]:
@@ -219,7 +223,7 @@ class Runner:
         sets = {**self.base_sets(fam, item.res), **item.sets}
         if self.args.tiny:  # nf4/bf16 need CUDA: the tiny run checks the plumbing in fp32
             sets = {k: ("fp32" if v in ("nf4", "bf16") else v) for k, v in sets.items()}
-        cmd = [sys.executable, str(ROOT / "pipeline.py"), stage, "--config", str(ROOT / PRESET[fam]),
+        cmd = [sys.executable, str(ROOT / "pipeline.py"), stage, "--config", str(ROOT / family_full(fam).PRESET),
                "--model", str(model), "--run", item.run or f"bench-{fam}-{item.res}"]
         for k, v in sets.items():
             cmd += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
@@ -305,7 +309,7 @@ class Runner:
         for item in items:
             if item.id in self.done or (self.args.only and not any(fnmatch.fnmatch(item.id, p) for p in self.args.only)):
                 continue
-            need = (item.est_s + (0 if self.built(fam) else BUILD_S.get(fam, 300))) * (0.05 if self.args.tiny else 1.0)
+            need = (item.est_s + (0 if self.built(fam) else family_full(fam).BUILD_SECONDS)) * (0.05 if self.args.tiny else 1.0)
             if self.left() < need:
                 self.record(item, "skipped", reason=f"device-time budget: {self.left():.0f}s left, needs ~{item.est_s:.0f}s")
                 continue
@@ -320,12 +324,13 @@ class Runner:
 
 
 def build(fam: str, folder: Path, counts_file: Path, tiny: bool) -> None:
-    from bench.full_configs import VARIANT, build_full_pipeline
+    from bench.full_configs import build_full_pipeline
 
     if tiny:
+        from stages.families import demo_variant
         from stages.tiny.models import build_tiny_pipeline
 
-        build_tiny_pipeline(VARIANT[fam], folder, seed=0)
+        build_tiny_pipeline(demo_variant(fam), folder, seed=0)
         counts: dict[str, float] = {}
     else:
         counts = build_full_pipeline(fam, folder, device="cuda")

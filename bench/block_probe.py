@@ -50,7 +50,7 @@ def one_precision(folder: Path, precision: str, batch: int, px: int) -> dict[str
     from stages.core import fastpath, lora
     from stages.core.model_source import ModelSource
     from stages.core.runtime import make_runtime, torch_flags
-    from stages.families.flux import Flux
+    from stages.families.flux.family import Flux
 
     fam = Flux()
     tcfg = SimpleNamespace(nf4_double_quant=True, guidance_scale=1.0, dropout=0.0)

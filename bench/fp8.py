@@ -148,7 +148,7 @@ class FluxBench:
 
         from bench.full_configs import FLUX_DEV_TRANSFORMER, default_dtype
         from stages.core import fastpath, lora
-        from stages.families.flux import Flux
+        from stages.families.flux.family import Flux
 
         self.device, self.fam, self.tcfg = device, Flux(), SimpleNamespace(guidance_scale=1.0, dropout=0.0)
         self.text_width = (SMOKE_FLUX if smoke else FLUX_DEV_TRANSFORMER)["joint_attention_dim"]

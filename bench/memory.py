@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import PRESET, Item, Runner, collect, model_dir  # noqa: E402
+from bench.bench import Item, Runner, collect, family_full, model_dir  # noqa: E402
 
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
@@ -54,7 +54,7 @@ class MemoryRunner(Runner):
         from stages.plan import plans
 
         sets = {**self.base_sets(fam, RESOLUTION), **self.row_sets(budget), "model": str(model)}
-        cfg = load_config(ROOT / PRESET[fam], sets)
+        cfg = load_config(ROOT / family_full(fam).PRESET, sets)
         return {p["stage"]: p["settings"] for p in plans(cfg, float(budget))["stages"]}
 
     def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str, where: str) -> dict[str, Any]:

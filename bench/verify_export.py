@@ -86,13 +86,13 @@ def meta_check(family: str, folder: Path) -> dict[str, Any]:
     import torch
     from peft.utils import get_peft_model_state_dict
 
-    from bench.full_configs import DENOISER, build_module
+    from bench.full_configs import build_module, denoiser_name
     from stages.core import lora, verify
     from stages.export_lora import write_diffusers
     from stages.families import get_family
 
     fam = get_family(family)
-    model = build_module(family, DENOISER[family], "meta")
+    model = build_module(family, denoiser_name(family), "meta")
     config = lora.lora_config(16, 16.0, 0.0, list(fam.default_lora_targets))
     model.add_adapter(config)
     state = {k: torch.randn(v.shape) for k, v in get_peft_model_state_dict(model).items()}
@@ -101,7 +101,7 @@ def meta_check(family: str, folder: Path) -> dict[str, Any]:
     file = write_diffusers(state, lora.config_dict(config), manifest, folder)
     import diffusers
 
-    skeleton = build_module(family, DENOISER[family], "meta")
+    skeleton = build_module(family, denoiser_name(family), "meta")
     verify.load_into(skeleton, getattr(diffusers, fam.pipeline_class), file, fam.lora_prefix, "diffusers")
     loaded = [n for n, _ in skeleton.named_parameters() if ".diffusers." in n and ".lora_" in n]
     return {"family": family, "pipeline_class": fam.pipeline_class, "denoiser_params_b": round(

@@ -21,21 +21,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = Path("artifacts/demo-assets")
-TINY_VARIANT = {"flux": "flux-dev", "qwen-image": "qwen-image", "z-image": "z-image", "sdxl": "sdxl"}
 
 
 def demo_config(family: str) -> Path:
-    return ROOT / "configs" / ("demo.toml" if family == "flux" else f"demo-{family}.toml")
+    """The family's demo config (its DEMO_CONFIG, under configs/)."""
+    from stages.families import family_part
+
+    return ROOT / "configs" / family_part(family).DEMO_CONFIG
 
 
 def build_assets(family: str) -> None:
+    from stages.families import demo_variant
     from stages.tiny.models import build_tiny_pipeline
     from stages.tiny.shapes import make_demo_dataset
 
-    model = ASSETS / TINY_VARIANT[family]
+    variant = demo_variant(family)
+    model = ASSETS / variant
     if not (model / "model_index.json").exists():
-        print(f"demo: building tiny {TINY_VARIANT[family]} pipeline in {model}", flush=True)
-        build_tiny_pipeline(TINY_VARIANT[family], model, seed=0)
+        print(f"demo: building tiny {variant} pipeline in {model}", flush=True)
+        build_tiny_pipeline(variant, model, seed=0)
     data = ASSETS / "data"
     if not data.exists():
         print(f"demo: drawing the shapes dataset in {data}", flush=True)

@@ -1,7 +1,8 @@
 """Shared fixtures: tiny real-architecture pipelines, the drawn-shapes dataset, built runs.
 
-Every family test is parametrized over FAMILIES; a family joins the suite by adding itself here
-(and shipping configs/demo-<family>.toml).
+Every family test is parametrized over FAMILIES, read from the registry (`stages.families`): a
+family joins the suite by registering itself and shipping its demo config. A test of wiring that
+is the same for every family runs once, on ONE_FAMILY's run (`@once`), instead of skipping the rest.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LORAPIPE_PLAIN", "1")
 
+from stages.families import FAMILIES as REGISTRY, demo_variant  # noqa: E402 - after sys.path
+
 # family -> tiny variant built for it
-FAMILIES: dict[str, str] = {
-    "flux": "flux-dev",
-    "qwen-image": "qwen-image",
-    "z-image": "z-image",
-    "sdxl": "sdxl",
-}
+FAMILIES: dict[str, str] = {name: demo_variant(name) for name in REGISTRY}
+ONE_FAMILY = next(iter(FAMILIES))
+once = pytest.mark.parametrize("built_run", [ONE_FAMILY], indirect=True)
+"""For family-independent wiring (CLI paths, signals): the test runs on one family's built run."""
 
 
 def demo_config_path(family: str) -> Path:

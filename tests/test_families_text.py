@@ -16,15 +16,17 @@ import diffusers
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import FAMILIES, tiny_model
 from stages.core import flow, lora
-from stages.core.config import CaptionsConfig, TrainConfig
+from stages.core.config import CaptionsConfig, ConfigError, TrainConfig
+from stages.core.errors import ArtifactError, UserError
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
 from stages.families import get_family
 from stages.families.base import BatchMeta
 
-VARIANTS = {"qwen-image": "qwen-image", "z-image": "z-image"}  # family -> tiny variant
+# The families whose captions are variable-length decoder states (stages.families.text_encoders) -> tiny variant
+VARIANTS = {name: FAMILIES[name] for name in ("qwen-image", "z-image")}
 CAPTIONS = ["a red circle", "a large blue square on a white background at the top left corner of the picture"]
 CPU = make_runtime("cpu", "fp32")
 
@@ -206,11 +208,40 @@ def test_qwen_dynamic_shift_uses_qwen_scheduler_range():
 def test_nf4_text_encoder_refused_on_cpu(name, assets):
     family = get_family(name)
     cfg = CaptionsConfig(max_sequence_length=32, text_encoder_precision="nf4")
-    with pytest.raises(RuntimeError, match="text_encoder_precision = 'nf4' needs a CUDA GPU"):
+    with pytest.raises(UserError, match="text_encoder_precision = 'nf4' needs a CUDA GPU"):
         family.load_text_encoder(ModelSource(str(tiny_model(assets, VARIANTS[name]))), cfg, CPU)
 
 
 def test_qwen_max_sequence_length_above_pipeline_limit_refused(assets):
     cfg = CaptionsConfig(max_sequence_length=2048)
-    with pytest.raises(ValueError, match="captions.max_sequence_length = 2048"):
+    with pytest.raises(ConfigError, match="captions.max_sequence_length = 2048"):
         get_family("qwen-image").load_text_encoder(ModelSource(str(tiny_model(assets, "qwen-image"))), cfg, CPU)
+
+
+def test_zero_token_caption_rows_are_an_artifact_error():
+    """A cached caption of 0 tokens can only be a damaged captions.zarr row: the message says how to rebuild."""
+    from stages.families.text_encoders import require_tokens, trim_to_longest
+
+    with pytest.raises(ArtifactError, match="encode-captions --force"):
+        require_tokens([5, 0])
+    with pytest.raises(ArtifactError, match="0 tokens in captions.zarr"):
+        trim_to_longest(torch.zeros(2, 4, 3), torch.tensor([0, 0]))
+    embeds, mask = trim_to_longest(torch.ones(2, 4, 3), torch.tensor([1, 3]))
+    assert embeds.shape == (2, 3, 3) and mask.tolist() == [[True, False, False], [True, True, True]]
+
+
+def test_z_image_tokenizer_without_chat_template_is_a_model_error(assets, tmp_path):
+    import shutil
+
+    from stages.core.model_source import ModelError
+
+    folder = tmp_path / "z-image"
+    shutil.copytree(tiny_model(assets, FAMILIES["z-image"]), folder)
+    for extra in (folder / "tokenizer").glob("chat_template*"):
+        extra.unlink()
+    config = folder / "tokenizer" / "tokenizer_config.json"
+    import json
+
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    with pytest.raises(ModelError, match="has no chat template"):
+        get_family("z-image").load_text_encoder(ModelSource(str(folder)), CaptionsConfig(max_sequence_length=32), CPU)

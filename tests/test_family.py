@@ -19,6 +19,7 @@ from stages.core.events import EventLog, read_events
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
 from stages.trainer import Trainer, build_data
+from conftest import FAMILIES, ROOT
 from stages.families import get_family
 
 
@@ -234,3 +235,52 @@ def _flat(d, prefix=""):
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+# ---- config checks, made from the config alone before any model loads -------------------------
+
+
+def _preset(name: str, **overrides):
+    from stages.core.config import load_config
+
+    return load_config(_demo(name), {"model": "unused", **overrides})
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_shipped_configs_pass_their_family_checks(name):
+    from pathlib import Path
+
+    from stages.core.config import load_config
+    from stages.families import config_errors
+
+    presets = [p for p in sorted(Path(_demo(name)).parent.glob("*.toml")) if load_config(p).family == name]
+    assert presets, f"no config of family {name} in configs/"
+    for path in presets:
+        assert config_errors(load_config(path)) == [], path
+
+
+@pytest.mark.parametrize("name, overrides, wanted", [
+    ("flux", {"captions.max_sequence_length": 513}, ["'captions.max_sequence_length' = 513", "1..512"]),
+    ("qwen-image", {"captions.max_sequence_length": 1025}, ["'captions.max_sequence_length' = 1025", "1..1024"]),
+    ("sdxl", {"captions.max_sequence_length": 76}, ["'captions.max_sequence_length' = 76", "set it to 77"]),
+    ("sdxl", {"captions.text_encoder_precision": "nf4"}, ["'captions.text_encoder_precision' = 'nf4'", "'bf16'"]),
+    ("z-image", {"data.bucket_step": 15}, ["'data.bucket_step' = 15", "multiple of 2"]),
+])
+def test_family_config_checks_name_key_value_and_range(name, overrides, wanted):
+    from stages.families import config_errors
+
+    errors = config_errors(_preset(name, **overrides))
+    assert len(errors) == 1 and all(w in errors[0] for w in wanted), errors
+    assert config_errors(_preset(name)) == []
+
+
+def test_config_checks_import_no_torch():
+    """The checks run while a config loads (also for `status`): the family folders' __init__ stay torch-free."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from stages.families import FAMILIES, config_errors, family_part, demo_variant; "
+            "[family_part(f).config_errors for f in FAMILIES]; [demo_variant(f) for f in FAMILIES]; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stderr

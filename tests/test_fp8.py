@@ -114,7 +114,7 @@ def test_lora_wraps_fp8_base_and_trains(assets):
     from peft.tuners.lora import Linear as LoraLinear
 
     from stages.core import lora
-    from stages.families.flux import Flux
+    from stages.families.flux.family import Flux
 
     losses = {}
     for precision in ("bf16", "fp8"):
@@ -146,7 +146,7 @@ def test_lora_wraps_fp8_base_and_trains(assets):
 def test_fp8_on_cpu_is_a_clear_error(assets):
     from stages.core.model_source import ModelSource
     from stages.core.runtime import make_runtime
-    from stages.families.flux import Flux
+    from stages.families.flux.family import Flux
 
     rt = make_runtime("cpu", "fp8")
     with pytest.raises(ResourceError, match=r"train\.base_precision = 'fp8' needs a CUDA GPU of compute capability "
@@ -224,7 +224,7 @@ def test_tiny_flux_trains_in_fp8_like_bf16(assets):
     """20 AdamW steps of a tiny FLUX from the same LoRA and batches: fp8 losses within 1 % of bf16's (the
     issue's fidelity bound; the same loop on the CPU differed by 0.009 % at most)."""
     from stages.core import lora
-    from stages.families.flux import Flux
+    from stages.families.flux.family import Flux
 
     runs = {}
     for precision in ("bf16", "fp8"):

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 import pipeline
-from conftest import ROOT, demo_config_path, tiny_model
+from conftest import ROOT, demo_config_path, once, tiny_model
 from stages import inspect as inspect_stage
 from stages import report, sample
 from stages.core.artifacts import RowStore, atomic_write_json, read_json, read_manifest
@@ -189,10 +189,9 @@ def test_sample_refuses_without_export_or_settings(run_copy):
 
 
 @pytest.mark.slow
+@once
 def test_run_renders_samples_after_train(run_copy):
     """`run` with sample.after_train: the four stages are up to date, sample runs in its own process."""
-    if run_copy.family != "flux":
-        pytest.skip("`run` starts the sample stage the same way for every family; rendering is tested per family")
     sets = ["--set", "sample.after_train=true", "--set", "sample.steps=2", "--set", f"sample.width={SIZE}",
             "--set", f"sample.height={SIZE}", "--set", "sample.seeds=[0]"]
     args = [sys.executable, str(ROOT / "pipeline.py"), "run", *cli_sets(run_copy), *sets]

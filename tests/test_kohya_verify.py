@@ -19,30 +19,27 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAMILIES, ROOT, demo_config_path, tiny_model
+from conftest import FAMILIES, ROOT, demo_config_path, once, tiny_model
 
 diffusers = pytest.importorskip("diffusers")
 
 from stages.core import kohya  # noqa: E402
 from stages.core.verify import VerifyError, verify_export  # noqa: E402
 from stages.export_lora import write_diffusers  # noqa: E402
-from stages.tiny.models import PIPELINE_CLASS_NAMES  # noqa: E402
+from stages.core.model_source import ModelSource  # noqa: E402
+from stages.families import get_family  # noqa: E402
 
 RANK, ALPHA = 4, 6.0  # alpha != rank: a file that loses the scale fails the comparison
-# Modules diffusers 0.42.1's kohya converters cannot bring back, per tiny variant:
+# Modules diffusers 0.42.1's kohya converters cannot bring back, per family (on its tiny model):
 # FLUX single_blocks linear1 (q, k, v, mlp fused): the converter hard-codes FLUX.1's widths
 #   (3072, 3072, 3072, 12288), so it asserts on the tiny model (it works at the real widths, below);
 # FLUX top-level layers (img_in, txt_in, time_in, vector_in, guidance_in, final_layer): the
 #   converter returns them without the `transformer.` prefix and the loader silently drops them.
 NOT_ROUND_TRIPPED = {
-    "flux-dev": r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)"
+    "flux": r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)"
                 r"|x_embedder|context_embedder|proj_out|norm_out\.linear|time_text_embed\..+",
 }
-DENOISER = {"sdxl": "unet"}
-
-
-def prefix_of(variant: str) -> str:
-    return DENOISER.get(variant, "transformer")
+FLUX_LAYOUT = get_family("flux").kohya_layout
 
 
 def attach_random_lora(model: torch.nn.Module, targets: list[str], seed: int = 1) -> dict:
@@ -69,19 +66,18 @@ def render(pipe, seed: int = 0):
                 output_type="np", generator=torch.Generator().manual_seed(seed)).images[0]
 
 
-@pytest.mark.parametrize("variant", ["flux-dev", "qwen-image", "z-image", "sdxl"])
-def test_kohya_file_loads_like_diffusers_file(variant, assets, tmp_path):
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_kohya_file_loads_like_diffusers_file(name, assets, tmp_path):
     from peft.utils import get_peft_model_state_dict
 
-    folder = tiny_model(assets, variant)
-    cls = getattr(diffusers, PIPELINE_CLASS_NAMES[variant])
-    prefix = prefix_of(variant)
+    family, folder = get_family(name), tiny_model(assets, FAMILIES[name])
+    cls, prefix = getattr(diffusers, family.pipeline_class), family.lora_prefix
     model = getattr(cls.from_pretrained(folder), prefix)
-    lora_cfg = attach_random_lora(model, linear_paths(model, NOT_ROUND_TRIPPED.get(variant)))
+    lora_cfg = attach_random_lora(model, linear_paths(model, NOT_ROUND_TRIPPED.get(name)))
     state = get_peft_model_state_dict(model)
-    manifest = {"pipeline_class": cls.__name__, "lora_prefix": prefix, "family": variant, "model": str(folder)}
+    manifest = {"pipeline_class": cls.__name__, "lora_prefix": prefix, "family": name, "model": str(folder)}
     write_diffusers(state, lora_cfg, manifest, tmp_path)
-    kohya_file = kohya.write_kohya(state, lora_cfg, manifest, tmp_path)
+    kohya_file = kohya.write_kohya(state, lora_cfg, manifest, tmp_path, family.kohya_layout, ModelSource(str(folder)))
 
     from safetensors import safe_open
 
@@ -157,7 +153,7 @@ def test_flux_kohya_deltas_match_fused_bfl_weights(targets, assets):
         paths = [p for p in paths if p.endswith(suffixes)]
     lora_cfg = attach_random_lora(model, paths)
     state = get_peft_model_state_dict(model)
-    tensors, sources = kohya.kohya_state(state, lora_cfg, "FluxPipeline", kohya.linear_out_dims(model))
+    tensors, sources = kohya.kohya_state(state, lora_cfg, FLUX_LAYOUT, kohya.linear_out_dims(model))
 
     deltas = {n: m.get_delta_weight("default") for n, m in model.named_modules() if hasattr(m, "get_delta_weight")
               and "default" in getattr(m, "lora_A", {})}
@@ -174,6 +170,18 @@ def test_flux_kohya_deltas_match_fused_bfl_weights(targets, assets):
     assert len(sources) == len({b for b, ms in FLUX_BFL.items() if any(m in deltas for m in ms)})
 
 
+def test_fused_widths_come_from_the_given_model_source(assets):
+    """write_kohya sizes untrained members of FLUX's fused layers from the denoiser config.json of the
+    ModelSource it is given (the config's model and revision): the widths of the built layers."""
+    from diffusers import FluxTransformer2DModel
+
+    folder = tiny_model(assets, FAMILIES["flux"])
+    widths = kohya._fused_widths(FLUX_LAYOUT, ModelSource(str(folder)), "transformer")
+    built = kohya.linear_out_dims(FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer"))
+    assert widths and {m: built[m] for m in widths} == widths
+    assert kohya._fused_widths(kohya.GENERIC, ModelSource(str(folder)), "transformer") == {}
+
+
 def test_flux_linear1_at_real_widths_splits_back_in_diffusers():
     """At FLUX.1's real widths diffusers' converter does split the fused block-diagonal linear1."""
     from diffusers import FluxPipeline
@@ -185,7 +193,7 @@ def test_flux_linear1_at_real_widths_splits_back_in_diffusers():
         state[f"{base}.{name}.lora_A.weight"] = torch.randn(RANK, inner, generator=g)
         state[f"{base}.{name}.lora_B.weight"] = torch.randn(width, RANK, generator=g)
     out_dims = {f"{base}.proj_mlp": mlp}
-    tensors, _ = kohya.kohya_state(state, {"r": RANK, "lora_alpha": ALPHA}, "FluxPipeline", out_dims)
+    tensors, _ = kohya.kohya_state(state, {"r": RANK, "lora_alpha": ALPHA}, FLUX_LAYOUT, out_dims)
     assert tensors["lora_unet_single_blocks_0_linear1.lora_up.weight"].shape == (3 * inner + mlp, 4 * RANK)
     converted = FluxPipeline.lora_state_dict(tensors)
     converted = converted[0] if isinstance(converted, tuple) else converted
@@ -199,15 +207,15 @@ def test_flux_linear1_at_real_widths_splits_back_in_diffusers():
 
 def test_kohya_refuses_what_it_cannot_hold():
     with pytest.raises(kohya.KohyaError, match="DoRA"):
-        kohya.kohya_state({}, {"use_dora": True}, "FluxPipeline")
+        kohya.kohya_state({}, {"use_dora": True}, FLUX_LAYOUT)
     with pytest.raises(kohya.KohyaError, match="lora_magnitude_vector"):
-        kohya.kohya_state({"blocks.0.to_q.lora_magnitude_vector": torch.ones(3)}, {}, "QwenImagePipeline")
+        kohya.kohya_state({"blocks.0.to_q.lora_magnitude_vector": torch.ones(3)}, {}, kohya.GENERIC)
     with pytest.raises(kohya.KohyaError, match="shape"):
-        kohya.kohya_state({"blocks.0.conv3d.lora_A.weight": torch.ones(2, 3, 1, 1, 1)}, {}, "QwenImagePipeline")
+        kohya.kohya_state({"blocks.0.conv3d.lora_A.weight": torch.ones(2, 3, 1, 1, 1)}, {}, kohya.GENERIC)
     partial = {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 8),
                "transformer_blocks.0.attn.to_q.lora_B.weight": torch.ones(8, 2)}
     with pytest.raises(kohya.KohyaError, match="double_blocks_0_img_attn_qkv"):
-        kohya.kohya_state(partial, {"r": 2, "lora_alpha": 2}, "FluxPipeline")  # k, v widths unknown
+        kohya.kohya_state(partial, {"r": 2, "lora_alpha": 2}, FLUX_LAYOUT)  # k, v widths unknown
 
 
 # ---- verify ---------------------------------------------------------------------------------
@@ -277,12 +285,13 @@ def test_verify_checks_the_kohya_copy_against_the_diffusers_file(run_copy):
     folder, manifest = source_manifest(run_copy)
     state, lora_cfg = lora.load_adapter_files(folder)
     out = artifact_dir(run_copy)
-    skip = NOT_ROUND_TRIPPED.get(FAMILIES[run_copy.family])
+    skip = NOT_ROUND_TRIPPED.get(run_copy.family)
     keep = {k: v for k, v in state.items() if re.search(r"(attn\d?|attention)\.to_(q|k|v|out)", k)
             and not (skip and re.fullmatch(skip, k.split(".lora_")[0]))}
     lora_cfg = {**lora_cfg, "target_modules": sorted({k.split(".lora_")[0] for k in keep})}
     write_diffusers(keep, lora_cfg, manifest, out)
-    kohya.write_kohya(keep, lora_cfg, manifest, out)
+    kohya.write_kohya(keep, lora_cfg, manifest, out, get_family(run_copy.family).kohya_layout,
+                      ModelSource(run_copy.model, run_copy.revision))
     summary = verify_export(run_copy, manifest, out / "pytorch_lora_weights.safetensors")
     assert summary[kohya.KOHYA_FILE]["modules"] == len(keep) // 2 > 0
 
@@ -295,12 +304,11 @@ def test_verify_checks_the_kohya_copy_against_the_diffusers_file(run_copy):
 
 
 @pytest.mark.slow
+@once
 def test_cli_export_verify(run_copy):
     """`export-lora --verify` as a user runs it, in its own process (family-independent wiring: once)."""
     import json
 
-    if run_copy.family != "flux":
-        pytest.skip("the CLI path is the same for every family; verify itself runs per family below")
     sets = {"model": run_copy.model, "data.path": run_copy.data.path, "artifacts": run_copy.artifacts,
             "device": run_copy.device, "train.steps": run_copy.train.steps}
     args = [sys.executable, str(ROOT / "pipeline.py"), "export-lora", "--config", str(demo_config_path(run_copy.family)),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, demo_config_path
+from conftest import ROOT, demo_config_path, once
 
 STEPS, STOP_AT = 6, 3
 TRAIN = {"train.steps": STEPS, "train.checkpoint_every": 4, "train.log_every": 1}
@@ -98,6 +98,7 @@ def test_stop_then_resume_is_bit_identical(built_run, monkeypatch):
     assert got_steps == {s: v for s, v in want_steps.items() if s > STOP_AT}  # same data order, LR, noise
 
 
+@once
 def test_second_signal_during_save_corrupts_nothing(built_run, monkeypatch):
     """SIGTERM after step 2, then another SIGTERM in the middle of writing the checkpoint: the save
     completes, the CLI exits 0 and says so, and resuming still ends bit-identical."""
@@ -107,8 +108,6 @@ def test_second_signal_during_save_corrupts_nothing(built_run, monkeypatch):
     from stages import train
     from stages.core import faults
 
-    if built_run.family != "flux":
-        pytest.skip("the CLI path is family-independent; checked once")
     want, _ = reference(built_run)
     cfg = new_run(built_run, "double-signal")
     monkeypatch.setenv(faults.ENV, "train:2:TERM,mid-save:1:TERM")
@@ -140,14 +139,13 @@ def _stop_when_training(cfg, save: bool, seen: list) -> None:
         time.sleep(0.05)
 
 
+@once
 def test_stop_no_save_writes_nothing_new(built_run):
     """`pipeline.py stop <run> --no-save` (its stop file, from another thread) cancels the run:
     a `stopped` event with saved=false, no lora/final, every checkpoint made before left as it was."""
     from stages import train
     from stages.core.artifacts import lock_holder_pid
 
-    if built_run.family != "flux":
-        pytest.skip("stop handling is family-independent; checked once")
     cfg = new_run(built_run, "cancelled", **{"train.steps": 400, "train.checkpoint_every": 1,
                                              "train.keep_checkpoints": 1000})
     seen: list = []
@@ -176,6 +174,7 @@ def test_stop_command_without_a_running_train(tmp_path):
 
 
 @pytest.mark.slow
+@once
 def test_sigterm_to_pipeline_run_stops_train_cleanly(built_run):
     """`pipeline.py run` passes SIGTERM (or a terminal's Ctrl-C) on to its train child, which saves
     and exits 0; the parent then stops without exporting the unfinished adapter."""
@@ -186,8 +185,6 @@ def test_sigterm_to_pipeline_run_stops_train_cleanly(built_run):
 
     from stages.core.events import read_events
 
-    if built_run.family != "flux":
-        pytest.skip("signal forwarding is family-independent; checked once")
     cfg = new_run(built_run, "run-sigterm", **{"train.steps": 400, "train.checkpoint_every": 0})
     sets = {"data.path": cfg.data.path, "artifacts": cfg.artifacts, "device": "cpu", "train.steps": 400,
             "train.checkpoint_every": 0}

@@ -20,7 +20,8 @@ from stages.core import dataset, lora
 from stages.core.config import ConfigError, load_config
 from stages.core.model_source import ModelError, ModelSource
 from stages.core.runtime import make_runtime
-from stages.families import get_family, sdxl
+from stages.families import get_family
+from stages.families.sdxl import family as sdxl
 from stages.families.base import BatchMeta
 
 GAMMA = 5.0

@@ -1,22 +1,30 @@
 """Model-family registry: family name -> "module:Class", imported only when asked for.
 
 Stages never branch on the family; they call the object `get_family(name)` returns, which follows
-the protocol in `stages.families.base`.
+the protocol in `stages.families.base`. Each family is a folder `stages/families/<family>/`:
+
+    __init__.py   torch-free facts: config checks (`config_errors`), demo hints (DEMO_VARIANT, DEMO_CONFIG)
+    family.py     the protocol class (the registry line points here), with its kohya layout
+    tiny.py       its tiny random-weight pipeline(s) for tests and the demo
+    full.py       its full-size architecture for bench/ (configs, text precision, FLOPs)
+
+Adding a family is that folder plus one line in FAMILIES.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stages.families.base import Family
 
 FAMILIES: dict[str, str] = {
-    "flux": "stages.families.flux:Flux",
-    "qwen-image": "stages.families.qwen_image:QwenImage",
-    "z-image": "stages.families.z_image:ZImage",
-    "sdxl": "stages.families.sdxl:SDXL",
+    "flux": "stages.families.flux.family:Flux",
+    "qwen-image": "stages.families.qwen_image.family:QwenImage",
+    "z-image": "stages.families.z_image.family:ZImage",
+    "sdxl": "stages.families.sdxl.family:SDXL",
 }
 
 
@@ -25,3 +33,28 @@ def get_family(name: str) -> "Family":
         raise KeyError(f"unknown family {name!r}; known: {', '.join(sorted(FAMILIES))}")
     module, cls = FAMILIES[name].split(":")
     return getattr(importlib.import_module(module), cls)()
+
+
+def family_part(name: str, part: str = "") -> ModuleType:
+    """A module of the family's folder ("" = the torch-free package itself, "tiny", "full")."""
+    package = FAMILIES[name].split(":")[0].rsplit(".", 1)[0]
+    return importlib.import_module(f"{package}.{part}" if part else package)
+
+
+def config_errors(cfg: Any) -> list[str]:
+    """The family's checks of a loaded config (token limits, bucket multiples), made before any
+    model loads; each message names the key, its value and the valid range. An unknown family
+    yields nothing here (the config validator reports it)."""
+    if cfg.family not in FAMILIES:
+        return []
+    return family_part(cfg.family).config_errors(cfg)
+
+
+def demo_variant(name: str) -> str:
+    """The tiny pipeline variant the demo and the tests build for this family."""
+    return family_part(name).DEMO_VARIANT
+
+
+def tiny_variants() -> dict[str, str]:
+    """Every tiny pipeline variant -> its family, in registry order."""
+    return {variant: name for name in FAMILIES for variant in family_part(name, "tiny").TINY_DIMS}

@@ -1,5 +1,9 @@
 """The model-family protocol: everything the stages need to know about one architecture.
 
+The class lives in `stages/families/<family>/family.py`; beside it the family's folder holds its
+torch-free config checks and demo hints (`__init__.py`), its tiny pipeline (`tiny.py`) and its
+full-size architecture for bench/ (`full.py`); `stages.families` lists what each must define.
+
 A family is a small object with no state beyond caches of shape-dependent tensors. The stages call
 only these methods, so adding a family never touches a stage. No implementation inheritance: shared
 math lives in plain functions (`stages.core.flow`), which families call.
@@ -14,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from stages.core.config import CaptionsConfig, TrainConfig
+    from stages.core.kohya import Layout
     from stages.core.model_source import ModelSource
     from stages.core.runtime import Runtime
 
@@ -42,6 +47,8 @@ class Family(Protocol):
     lora_prefix: str
     """Top-level key of the denoiser in diffusers LoRA files: "transformer" or "unet"."""
     denoiser_class: str
+    vae_class: str
+    """diffusers classes of the denoiser and the VAE (the stage-isolation test checks who builds them)."""
     default_lora_targets: tuple[str, ...]
     text_component_classes: tuple[str, ...]
     """Model classes encode-captions constructs (the stage-isolation test checks the others don't)."""
@@ -49,6 +56,8 @@ class Family(Protocol):
     """Pipeline subfolders each stage reads; they define the model identity in its fingerprint."""
     vae_components: tuple[str, ...]
     denoiser_components: tuple[str, ...]
+    kohya_layout: "Layout"
+    """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
 
     # encode-captions
     def load_text_encoder(self, src: "ModelSource", cfg: "CaptionsConfig", rt: "Runtime") -> TextEncoder: ...

@@ -15,6 +15,8 @@ from stages.core import flow
 
 
 class KLVAELatents:
+    vae_class = "AutoencoderKL"
+
     def load_vae(self, src: Any, rt: Any) -> torch.nn.Module:
         from diffusers import AutoencoderKL
 

@@ -7,7 +7,9 @@ Importing this package is cheap: torch / diffusers / transformers load on first 
 
 from __future__ import annotations
 
-from .models import PIPELINE_CLASS_NAMES, TINY_DIMS, VARIANTS, build_tiny_components, build_tiny_pipeline
+from typing import Any
+
+from .models import build_tiny_components, build_tiny_pipeline
 from .shapes import make_demo_dataset
 from .tokenizers import build_clip_tokenizer, build_qwen_tokenizer, build_t5_tokenizer
 
@@ -22,3 +24,10 @@ __all__ = [
     "build_t5_tokenizer",
     "build_qwen_tokenizer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """VARIANTS, PIPELINE_CLASS_NAMES, TINY_DIMS: gathered from the family registry on first use."""
+    from . import models
+
+    return getattr(models, name)

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 
 from stages.core import flow
+from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import load_denoiser_weights
+from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta
 from stages.families.kl_vae import KLVAELatents
-from stages.families.qwen_image import load_text_model, pad_valid_tokens
+from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_tokens
 
 
 class ZImageTextEncoder:
@@ -35,7 +37,8 @@ class ZImageTextEncoder:
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.tokenizer = src.load(AutoTokenizer, "tokenizer")
         if not self.tokenizer.chat_template:
-            raise ValueError(f"the tokenizer of '{src.ref}' has no chat template, which Z-Image's prompts need")
+            raise ModelError(f"'{src.ref}' tokenizer/ has no chat template, which Z-Image's prompts need: point "
+                             f"'model' at a Z-Image pipeline whose tokenizer_config.json has a chat_template")
         self.model = load_text_model(Qwen3Model, src, "text_encoder", cfg, rt)
 
     def _templated(self, texts: list[str]) -> list[str]:
@@ -65,6 +68,7 @@ class ZImage(KLVAELatents):
     text_components = ("tokenizer", "text_encoder")
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
+    kohya_layout = KOHYA_LAYOUT
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> ZImageTextEncoder:
@@ -83,8 +87,7 @@ class ZImage(KLVAELatents):
         dtype = denoiser.dtype
         x_t = flow.noisy_latents(x0, noise, t).to(dtype)
         embeds, lengths = cond["prompt_embeds"].to(x0.device, dtype), cond["prompt_length"].tolist()
-        if min(lengths) == 0:
-            raise ValueError("a caption in this batch encoded to 0 tokens; re-run encode-captions with --force")
+        require_tokens(lengths)
         out = denoiser(
             list(x_t.unsqueeze(2).unbind(0)),  # one (C, 1, h, w) tensor per sample
             1.0 - t.float(),  # the pipeline passes (1000 - t) / 1000

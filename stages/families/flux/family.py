@@ -17,6 +17,7 @@ import torch
 from stages.core import flow
 from stages.core.lora import load_denoiser_weights
 from stages.families.base import BatchMeta
+from stages.families.flux.kohya import LAYOUT as KOHYA_LAYOUT
 from stages.families.kl_vae import KLVAELatents
 
 
@@ -65,6 +66,7 @@ class Flux(KLVAELatents):
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
+    kohya_layout = KOHYA_LAYOUT
 
     def __init__(self) -> None:
         self._ids: dict[tuple, torch.Tensor] = {}  # image/text ids and guidance, per shape

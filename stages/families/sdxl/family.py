@@ -27,6 +27,7 @@ from stages.core.config import ConfigError
 from stages.core.lora import load_denoiser_weights
 from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta
+from stages.families.sdxl.kohya import LAYOUT as KOHYA_LAYOUT
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 # SDXL base 1.0's training schedule (its scheduler_config.json). The train stage replaces it with the
@@ -124,11 +125,13 @@ class SDXL:
     pipeline_class = "StableDiffusionXLPipeline"
     lora_prefix = "unet"
     denoiser_class = "UNet2DConditionModel"
+    vae_class = "AutoencoderKL"
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     text_component_classes = ("CLIPTextModel", "CLIPTextModelWithProjection")
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     vae_components = ("vae",)
     denoiser_components = ("unet", "scheduler")
+    kohya_layout = KOHYA_LAYOUT
 
     def __init__(self) -> None:
         self.scheduler: Any = None  # DDPMScheduler of the model, set by load_denoiser (config only)

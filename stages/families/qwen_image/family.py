@@ -25,8 +25,12 @@ from typing import Any
 import torch
 
 from stages.core import flow
+from stages.core.errors import ConfigError
+from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import load_denoiser_weights
 from stages.families.base import BatchMeta
+from stages.families.qwen_image import PIPELINE_MAX_SEQUENCE_LENGTH
+from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -34,53 +38,8 @@ PROMPT_TEMPLATE = (
     "<|im_start|>assistant\n"
 )
 DROP_IDX = 34  # QwenImagePipeline.prompt_template_encode_start_idx: the system prefix's token count
-PIPELINE_MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs refuses longer
 # FlowMatchEulerDiscreteScheduler config of Qwen/Qwen-Image: the resolution-dependent shift's range.
 SHIFT_BASE_SEQ_LEN, SHIFT_MAX_SEQ_LEN, SHIFT_BASE, SHIFT_MAX = 256, 8192, 0.5, 0.9
-
-
-# ---- helpers shared with z_image (padded variable-length captions) ---------------------------
-
-
-def load_text_model(cls: Any, src: Any, subfolder: str, cfg: Any, rt: Any) -> torch.nn.Module:
-    """A text encoder in fp32/bf16, or nf4 through transformers' bitsandbytes integration (CUDA)."""
-    from transformers import BitsAndBytesConfig
-
-    from stages.core.runtime import precision_dtype
-
-    kwargs: dict[str, Any] = {"dtype": precision_dtype(cfg.text_encoder_precision, rt.device)}
-    if cfg.text_encoder_precision == "nf4":
-        if not rt.is_cuda:
-            raise RuntimeError("captions.text_encoder_precision = 'nf4' needs a CUDA GPU; use 'auto' on CPU")
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-        kwargs["device_map"] = {"": rt.device}  # bitsandbytes places the weights; no .to() afterwards
-    model = src.load(cls, subfolder, **kwargs)
-    if cfg.text_encoder_precision != "nf4":
-        model.to(rt.device)
-    return model.eval()
-
-
-def pad_valid_tokens(hidden: torch.Tensor, mask: torch.Tensor, drop: int, max_len: int) -> dict[str, torch.Tensor]:
-    """Each row's unmasked hidden states (either padding side), minus the first `drop`, cut to
-    max_len and right-padded with zeros: {"prompt_embeds": (B, max_len, D), "prompt_length": (B,)}."""
-    rows = [h[m.bool()][drop:drop + max_len] for h, m in zip(hidden, mask)]
-    embeds = hidden.new_zeros(len(rows), max_len, hidden.shape[-1])
-    for i, row in enumerate(rows):
-        embeds[i, :len(row)] = row
-    return {"prompt_embeds": embeds, "prompt_length": torch.tensor([len(r) for r in rows], dtype=torch.int64)}
-
-
-def trim_to_longest(embeds: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut stored padding down to the batch's longest caption; (embeds (B, L, D), mask (B, L) bool)."""
-    longest = int(lengths.max())
-    if longest == 0:
-        raise ValueError("every caption in this batch encoded to 0 tokens; re-run encode-captions with --force")
-    mask = torch.arange(longest, device=embeds.device)[None, :] < lengths.to(embeds.device)[:, None]
-    return embeds[:, :longest], mask
-
-
-# ---- the family ------------------------------------------------------------------------------
 
 
 class QwenImageTextEncoder:
@@ -88,7 +47,7 @@ class QwenImageTextEncoder:
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
         if cfg.max_sequence_length > PIPELINE_MAX_SEQUENCE_LENGTH:
-            raise ValueError(f"captions.max_sequence_length = {cfg.max_sequence_length} is above Qwen-Image's "
+            raise ConfigError(f"captions.max_sequence_length = {cfg.max_sequence_length} is above Qwen-Image's "
                              f"{PIPELINE_MAX_SEQUENCE_LENGTH}; set it to {PIPELINE_MAX_SEQUENCE_LENGTH} or less")
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.tokenizer = src.load(AutoTokenizer, "tokenizer")
@@ -113,6 +72,7 @@ class QwenImage:
     pipeline_class = "QwenImagePipeline"
     lora_prefix = "transformer"
     denoiser_class = "QwenImageTransformer2DModel"
+    vae_class = "AutoencoderKLQwenImage"
     # Joint attention of the image and text streams (diffusers' Qwen-Image LoRA example uses the same four).
     default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
     # Qwen2_5_VLForConditionalGeneration builds its language and vision sub-models as PreTrainedModels too.
@@ -121,6 +81,7 @@ class QwenImage:
     text_components = ("tokenizer", "text_encoder")
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
+    kohya_layout = KOHYA_LAYOUT
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> QwenImageTextEncoder:

@@ -1,0 +1,43 @@
+"""Config checks that families share, made from the config alone (no torch, no model loaded).
+
+Each returns a list of messages naming the key, its value and the valid range; a family's
+`config_errors` adds up the ones that apply to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def max_tokens(cfg: Any, limit: int, why: str) -> list[str]:
+    """captions.max_sequence_length must not exceed what the family's pipeline accepts."""
+    n = cfg.captions.max_sequence_length
+    if n > limit:
+        return [f"'captions.max_sequence_length' = {n} is above {cfg.family}'s limit of {limit} ({why}); "
+                f"set it to 1..{limit}"]
+    return []
+
+
+def exact_tokens(cfg: Any, length: int, why: str) -> list[str]:
+    """captions.max_sequence_length must be exactly the length the encoders always read."""
+    n = cfg.captions.max_sequence_length
+    if n != length:
+        return [f"'captions.max_sequence_length' = {n}, but {cfg.family} always reads {length} tokens ({why}); "
+                f"set it to {length}"]
+    return []
+
+
+def bucket_step_multiple(cfg: Any, multiple: int, why: str) -> list[str]:
+    """data.bucket_step (0 = the family's own) must be a multiple of what every model of the family needs."""
+    step = cfg.data.bucket_step
+    if step and step % multiple:
+        return [f"'data.bucket_step' = {step} is not a multiple of {multiple} ({why}); set it to a multiple of "
+                f"{multiple}, or 0 for the model's own"]
+    return []
+
+
+def no_nf4_text_encoder(cfg: Any, why: str) -> list[str]:
+    if cfg.captions.text_encoder_precision == "nf4":
+        return [f"'captions.text_encoder_precision' = 'nf4' is not offered for {cfg.family} ({why}); "
+                f"use 'auto', 'fp32' or 'bf16'"]
+    return []
