@@ -112,6 +112,8 @@ def _full_plan(fam: str) -> list[Item]:
         _train(fam, "nf4", 512, 4, 90, "-compile", **{"train.compile_transformer": "on"}),  # = auto now; was off over nf4
         _train(fam, "nf4", 512, 1, 80, "-compile", **{"train.compile_transformer": "on"}),
         _train(fam, "nf4", 1024, 4, 100, "-compile", **{"train.compile_transformer": "on"}),
+        _train(fam, "fp8", 1024, 4, 70),  # fp8 base (Hopper/Ada), beside bf16-1024-b4
+        _train(fam, "fp8", 512, 1, 50),
         *bf16_captions,
     ]
 
