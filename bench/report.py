@@ -370,12 +370,10 @@ APPENDIX = "APPENDIX.md"
 def write_report(files: list[Path]) -> dict[str, str]:
     """{"RESULTS.md": targets and one headline table per family, "APPENDIX.md": every table, profile
     and run}; both from the result files alone (plus the hand-written bench/analysis.md)."""
-    kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": []}
+    kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": []}
     for f in files:
-        data = json.loads(f.read_text())
-        kind = ("probe" if "double_blocks" in data else "meta" if "checked_with" in data
-                else "multigpu" if any(r["id"] == "caches-2gpu" for r in data.get("items", [])) else "bench")
-        kinds[kind].append(f if kind in ("bench", "multigpu") else data)
+        kind = _kind(json.loads(f.read_text()))
+        kinds[kind].append(f if kind in ("bench", "multigpu", "memory") else json.loads(f.read_text()))
     extra = []
     if kinds["multigpu"]:
         from bench.multigpu import report as multigpu_report
@@ -390,8 +388,30 @@ def write_report(files: list[Path]) -> dict[str, str]:
         return {"RESULTS.md": head + "\n" + export, APPENDIX: "\n".join(extra)}
     meta, items, metas = load(kinds["bench"])
     rows = train_rows(items, {})
+    for name, files_of_kind in (("memory", kinds["memory"]), ("fp8", kinds["fp8"])):
+        written = Path(__file__).with_name(f"{name}.md")  # the hand-written reading of those result files
+        if files_of_kind and name == "memory":
+            from bench.memory import report as memory_report
+
+            export += "\n## Memory budgets\n\n" + memory_report(files_of_kind) + "\n"
+        if files_of_kind and written.exists():
+            export += "\n" + written.read_text()
     return {"RESULTS.md": _headline_report(rows, items, export),
             APPENDIX: _appendix(meta, items, metas, rows, analysis) + "\n" + "\n".join(extra)}
+
+
+def _kind(data: dict[str, Any]) -> str:
+    """Which benchmark wrote a result file (each has its own layout)."""
+    items = data.get("items", [])
+    if "double_blocks" in data:
+        return "probe"
+    if "checked_with" in data:
+        return "meta"
+    if "micro" in data:
+        return "fp8"
+    if items and "budget" in items[0]:
+        return "memory"
+    return "multigpu" if any(r["id"] == "caches-2gpu" for r in items) else "bench"
 
 
 INTRO = ("Full-size random-weight architectures on one H200, measured by `bench/bench.py` (the product's own "
