@@ -37,7 +37,7 @@ from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import load_denoiser_weights
 from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta
-from stages.families.text_encoders import load_text_model
+from stages.families.text_encoders import chat_prompts, load_chat_tokenizer, load_text_model
 
 HIDDEN_STATES_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
 SHIFT_STEPS = 50  # Flux2KleinPipeline.__call__'s default num_inference_steps, for the resolution shift
@@ -45,13 +45,10 @@ SHIFT_STEPS = 50  # Flux2KleinPipeline.__call__'s default num_inference_steps, f
 
 class Flux2KleinTextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
-        from transformers import AutoTokenizer, Qwen3Model
+        from transformers import Qwen3Model
 
         self.device, self.max_len = rt.device, cfg.max_sequence_length
-        self.tokenizer = src.load(AutoTokenizer, "tokenizer")
-        if not self.tokenizer.chat_template:
-            raise ModelError(f"'{src.ref}' tokenizer/ has no chat template, which FLUX.2 klein's prompts need: point "
-                             f"'model' at a Flux2KleinPipeline folder whose tokenizer_config.json has a chat_template")
+        self.tokenizer = load_chat_tokenizer(src, "FLUX.2 klein")
         # The pipeline's Qwen3ForCausalLM minus its lm_head: the hidden states are the same.
         self.model = load_text_model(Qwen3Model, src, "text_encoder", cfg, rt)
         layers = self.model.config.num_hidden_layers
@@ -60,8 +57,7 @@ class Flux2KleinTextEncoder:
                              f"{HIDDEN_STATES_LAYERS}: point 'model' at a FLUX.2 klein pipeline")
 
     def _templated(self, texts: list[str]) -> list[str]:
-        return [self.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                   add_generation_prompt=True, enable_thinking=False) for t in texts]
+        return chat_prompts(self.tokenizer, texts, enable_thinking=False)
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.full_parts import diffusers_model
+from stages.families.flux.full import attention_flops  # noqa: F401 - the same double/single-block layout
+from stages.families.full_parts import diffusers_model, qwen3
 from stages.families.z_image.full import QWEN3_4B
 
 PRESET = "configs/flux2-klein.toml"
@@ -34,24 +35,11 @@ VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D"
            patch_size=(2, 2))
 
 
-def _qwen3(tok: Any) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM(Qwen3Config(**QWEN3_4B, bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-
-
 COMPONENTS = {
     "transformer": diffusers_model("Flux2Transformer2DModel", TRANSFORMER),
     "vae": diffusers_model("AutoencoderKLFlux2", VAE),
-    "text_encoder": lambda c: _qwen3(c["tokenizer"]),
+    "text_encoder": lambda c: qwen3(c["tokenizer"], QWEN3_4B, causal_lm=True),
 }
-
-
-def attention_flops(cfg: Any, batch: int, img: int, txt: int) -> float:
-    """4 * S^2 * inner_dim per joint-attention layer (double and single blocks), S = image + text tokens."""
-    layers, inner = cfg.num_layers + cfg.num_single_layers, cfg.num_attention_heads * cfg.attention_head_dim
-    return 4.0 * (img + txt) ** 2 * inner * layers * batch
 
 
 def meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.tiny.parts import HEAD_DIM, HEADS, QWEN_HIDDEN, VAE_BLOCKS, seeded
+from stages.tiny.parts import HEAD_DIM, HEADS, QWEN_HIDDEN, VAE_BLOCKS, qwen3_text, seeded
 
 PIPELINE_CLASS = "Flux2KleinPipeline"
 PIPELINE_EXTRA: dict[str, Any] = {"is_distilled": True}
@@ -24,28 +24,6 @@ TINY_DIMS: dict[str, dict[str, Any]] = {"flux2-klein": {
     "max_sequence_length": {"tokenizer": 512},  # pipeline default; chat template included
     "transformer_in_channels": 4 * LATENT_CHANNELS,
 }}
-
-
-def _qwen3(tokenizer: Any) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=QWEN_HIDDEN,
-        intermediate_size=QWEN_HIDDEN * 2,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen3ForCausalLM(config).eval()
 
 
 def _vae() -> Any:
@@ -96,7 +74,7 @@ def build_components(variant: str, seed: int) -> dict[str, Any]:
     return {
         "scheduler": scheduler,
         "vae": vae,
-        "text_encoder": seeded(seed, lambda: _qwen3(tokenizer)),
+        "text_encoder": seeded(seed, lambda: qwen3_text(tokenizer, TEXT_LAYERS, causal_lm=True)),
         "tokenizer": tokenizer,
         "transformer": transformer,
     }
