@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import load_denoiser_weights
 from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta
+from stages.families.flux2_klein.kohya import LAYOUT as KOHYA_LAYOUT
 from stages.families.text_encoders import chat_prompts, load_chat_tokenizer, load_text_model
 
 HIDDEN_STATES_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
