@@ -141,7 +141,7 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
     for prompt in prompts:
         for seed in s.seeds:
             with torch.no_grad():
-                images.append(pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs).images[0])
+                images.append(pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs).images[0])
             bar.advance(1)
     return images
 

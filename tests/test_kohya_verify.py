@@ -38,6 +38,8 @@ RANK, ALPHA = 4, 6.0  # alpha != rank: a file that loses the scale fails the com
 NOT_ROUND_TRIPPED = {
     "flux": r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)"
                 r"|x_embedder|context_embedder|proj_out|norm_out\.linear|time_text_embed\..+",
+    # FLUX.2: the modulation layers have no BFL name the converter reads (the layout refuses them)
+    "flux2-klein": r"(double_stream_modulation_(img|txt)|single_stream_modulation|norm_out)\.linear",
 }
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
@@ -62,7 +64,7 @@ def linear_paths(model: torch.nn.Module, exclude: str | None = None) -> list[str
 
 
 def render(pipe, seed: int = 0):
-    return pipe("a red circle on a white background", height=32, width=32, num_inference_steps=2,
+    return pipe(prompt="a red circle on a white background", height=32, width=32, num_inference_steps=2,
                 output_type="np", generator=torch.Generator().manual_seed(seed)).images[0]
 
 

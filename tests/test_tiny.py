@@ -63,7 +63,7 @@ def test_generate_64(variant, loaded):
     assert pipe.vae_scale_factor == TINY_DIMS[variant]["vae_scale_factor"]
     kwargs = {"guidance_scale": 3.5} if variant == "flux-dev" else {}
     out = pipe(
-        PROMPT,
+        prompt=PROMPT,  # by name: Flux2KleinPipeline's first argument is `image`
         height=64,
         width=64,
         num_inference_steps=2,

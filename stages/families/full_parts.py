@@ -33,3 +33,13 @@ def diffusers_model(name: str, cfg: dict[str, Any]) -> Builder:
 
         return getattr(diffusers, name)(**cfg)
     return build
+
+
+def qwen3(tok: Any, cfg: dict[str, Any], causal_lm: bool) -> Any:
+    """A Qwen3 text model of config `cfg` with the tokenizer's special ids: Qwen3Model, or
+    Qwen3ForCausalLM where the pipeline declares it (FLUX.2 klein)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    config = Qwen3Config(**cfg, bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config)

@@ -1,5 +1,5 @@
 """Text-encoder helpers shared by the families whose captions are variable-length decoder states
-(Qwen-Image's Qwen2.5-VL, Z-Image's Qwen3): load in fp32/bf16/nf4, store padded with lengths, and
+(Qwen-Image's Qwen2.5-VL, Z-Image's and FLUX.2 klein's Qwen3): load in fp32/bf16/nf4, store padded with lengths, and
 cut a batch back to its longest caption.
 """
 
@@ -28,6 +28,25 @@ def load_text_model(cls: Any, src: Any, subfolder: str, cfg: Any, rt: Any) -> to
     if cfg.text_encoder_precision != "nf4":
         model.to(rt.device)
     return model.eval()
+
+
+def load_chat_tokenizer(src: Any, family: str) -> Any:
+    """The pipeline's tokenizer, which must carry the chat template the family's prompts go through."""
+    from transformers import AutoTokenizer
+
+    from stages.core.model_source import ModelError
+
+    tokenizer = src.load(AutoTokenizer, "tokenizer")
+    if not tokenizer.chat_template:
+        raise ModelError(f"'{src.ref}' tokenizer/ has no chat template, which {family}'s prompts need: point "
+                         f"'model' at a {family} pipeline whose tokenizer_config.json has a chat_template")
+    return tokenizer
+
+
+def chat_prompts(tokenizer: Any, texts: list[str], enable_thinking: bool) -> list[str]:
+    """Each caption as the user turn of the chat template, with the assistant's generation prompt."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True,
+                                          enable_thinking=enable_thinking) for t in texts]
 
 
 def pad_valid_tokens(hidden: torch.Tensor, mask: torch.Tensor, drop: int, max_len: int) -> dict[str, torch.Tensor]:

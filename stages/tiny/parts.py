@@ -71,3 +71,27 @@ def vae_kl(latent_channels: int, scaling_factor: float, shift_factor: float | No
         use_post_quant_conv=quant_convs,
         force_upcast=True,
     ).eval()
+
+
+def qwen3_text(tokenizer: Any, layers: int, causal_lm: bool) -> Any:
+    """A tiny Qwen3 text model (real Qwen3-4B: hidden 2560, 36 layers, tied embeddings): Qwen3Model,
+    or Qwen3ForCausalLM where the pipeline declares it (FLUX.2 klein)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=QWEN_HIDDEN,
+        intermediate_size=QWEN_HIDDEN * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return (Qwen3ForCausalLM if causal_lm else Qwen3Model)(config).eval()

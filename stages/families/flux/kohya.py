@@ -51,13 +51,18 @@ FLUX_RULES: list[tuple[str, str, int, int]] = [
 SWAP_HALVES = frozenset({"final_layer_adaLN_modulation_1"})
 
 
-def flux_bfl(module: str) -> tuple[str, int, int]:
-    for pattern, name, index, count in FLUX_RULES:
+def bfl_name(rules: list[tuple[str, str, int, int]], model: str, module: str) -> tuple[str, int, int]:
+    """(BFL module name, member index, member count) of a diffusers module path, by the first matching rule."""
+    for pattern, name, index, count in rules:
         m = re.fullmatch(pattern, module)
         if m:
             return m.expand(name), index, count
-    raise KohyaError(f"FLUX module '{module}' has no kohya (BFL) name; drop it from train.target_modules "
+    raise KohyaError(f"{model} module '{module}' has no kohya (BFL) name; drop it from train.target_modules "
                      f"or export with --format diffusers")
+
+
+def flux_bfl(module: str) -> tuple[str, int, int]:
+    return bfl_name(FLUX_RULES, "FLUX", module)
 
 
 def flux_widths(config: dict[str, Any]) -> dict[str, int]:

@@ -24,26 +24,22 @@ import torch
 from stages.core import flow
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import load_denoiser_weights
-from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta
 from stages.families.kl_vae import KLVAELatents
-from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_tokens
+from stages.families.text_encoders import (chat_prompts, load_chat_tokenizer, load_text_model, pad_valid_tokens,
+                                          require_tokens)
 
 
 class ZImageTextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
-        from transformers import AutoTokenizer, Qwen3Model
+        from transformers import Qwen3Model
 
         self.device, self.max_len = rt.device, cfg.max_sequence_length
-        self.tokenizer = src.load(AutoTokenizer, "tokenizer")
-        if not self.tokenizer.chat_template:
-            raise ModelError(f"'{src.ref}' tokenizer/ has no chat template, which Z-Image's prompts need: point "
-                             f"'model' at a Z-Image pipeline whose tokenizer_config.json has a chat_template")
+        self.tokenizer = load_chat_tokenizer(src, "Z-Image")
         self.model = load_text_model(Qwen3Model, src, "text_encoder", cfg, rt)
 
     def _templated(self, texts: list[str]) -> list[str]:
-        return [self.tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                   add_generation_prompt=True, enable_thinking=True) for t in texts]
+        return chat_prompts(self.tokenizer, texts, enable_thinking=True)
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.full_parts import FLUX_VAE, diffusers_model
+from stages.families.full_parts import FLUX_VAE, diffusers_model, qwen3
 
 PRESET = "configs/z-image.toml"
 TEXT_PRECISION = "nf4"
@@ -22,17 +22,10 @@ QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num
                 tie_word_embeddings=True)
 
 
-def _qwen3(tok: Any) -> Any:
-    from transformers import Qwen3Config, Qwen3Model
-
-    return Qwen3Model(Qwen3Config(**QWEN3_4B, bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-
-
 COMPONENTS = {
     "transformer": diffusers_model("ZImageTransformer2DModel", TRANSFORMER),
     "vae": diffusers_model("AutoencoderKL", FLUX_VAE),
-    "text_encoder": lambda c: _qwen3(c["tokenizer"]),
+    "text_encoder": lambda c: qwen3(c["tokenizer"], QWEN3_4B, causal_lm=False),
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.tiny.parts import (FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR, HEAD_DIM, HEADS, QWEN_HIDDEN,
-                               ROPE_AXES, seeded, vae_kl)
+                               ROPE_AXES, qwen3_text, seeded, vae_kl)
 
 PIPELINE_CLASS = "ZImagePipeline"
 PIPELINE_EXTRA: dict[str, Any] = {}
@@ -19,28 +19,6 @@ TINY_DIMS: dict[str, dict[str, Any]] = {"z-image": {
     "max_sequence_length": {"tokenizer": 512},  # pipeline default; chat template included
     "transformer_in_channels": 16,
 }}
-
-
-def _qwen3(tokenizer: Any) -> Any:
-    from transformers import Qwen3Config, Qwen3Model
-
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=QWEN_HIDDEN,
-        intermediate_size=QWEN_HIDDEN * 2,
-        num_hidden_layers=2,  # Z-Image reads hidden_states[-2]: keep it a layer output
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen3Model(config).eval()
 
 
 def build_components(variant: str, seed: int) -> dict[str, Any]:
@@ -70,7 +48,8 @@ def build_components(variant: str, seed: int) -> dict[str, Any]:
     return {
         "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False),
         "vae": vae,
-        "text_encoder": seeded(seed, lambda: _qwen3(tokenizer)),
+        # Z-Image reads hidden_states[-2]: 2 layers keep it a layer output
+        "text_encoder": seeded(seed, lambda: qwen3_text(tokenizer, 2, causal_lm=False)),
         "tokenizer": tokenizer,
         "transformer": transformer,
     }
