@@ -38,6 +38,8 @@ RANK, ALPHA = 4, 6.0  # alpha != rank: a file that loses the scale fails the com
 NOT_ROUND_TRIPPED = {
     "flux": r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)"
                 r"|x_embedder|context_embedder|proj_out|norm_out\.linear|time_text_embed\..+",
+    # diffusers' Qwen kohya reader re-dots these names wrongly (gate.layer, modulation_1, txt_in_in_layer)
+    "qwen-image-2.1": r"transformer_blocks\.\d+\.img_mlp\.gate_layer|modulation\.1|txt_in\.(in|out)_layer",
 }
 FLUX_LAYOUT = get_family("flux").kohya_layout
 

@@ -20,6 +20,7 @@ PIPELINE_EXTRA: dict[str, Any] = {}
 LATENT_CHANNELS = 8  # real 64: the tiny VAE's z_dim (its statistics are the first 8 real ones)
 TINY_DIMS: dict[str, dict[str, Any]] = {"qwen-image-2.1": {
     "latent_channels": LATENT_CHANNELS, "vae_scale_factor": 16, "image_multiple": 32,
+    "image_channels": 4,  # the VAE decodes RGBA and the pipeline returns it
     "text_hidden": {"text_encoder": QWEN_HIDDEN},
     "max_sequence_length": {"processor": 8192},  # no limit in the pipeline; the transformer's RoPE has 8192
     "transformer_in_channels": LATENT_CHANNELS,
