@@ -43,13 +43,14 @@ def released_vae_statistics() -> tuple[list[float], list[float]]:
     return list(params["latents_mean"].default), list(params["latents_std"].default)
 
 
-def _qwen3_vl(tok: Any) -> Any:
+def qwen3_vl(tok: Any, text: dict[str, Any], vision: dict[str, Any]) -> Any:
+    """A random-weight Qwen3VLForConditionalGeneration whose special ids are the tokenizer's."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = tok.convert_tokens_to_ids
     special = {"bos_token_id": ids("<|endoftext|>"), "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     return Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-        text_config={**QWEN3_VL_8B_TEXT, **special}, vision_config=QWEN3_VL_8B_VISION,
+        text_config={"vocab_size": len(tok), **text, **special}, vision_config=vision,
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=False))
@@ -64,7 +65,7 @@ def _vae(_: dict[str, Any]) -> Any:
 COMPONENTS = {
     "transformer": diffusers_model("QwenImage21Transformer2DModel", TRANSFORMER),
     "vae": _vae,
-    "text_encoder": lambda c: _qwen3_vl(c["processor"].tokenizer),
+    "text_encoder": lambda c: qwen3_vl(c["processor"].tokenizer, QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION),
 }
 
 

@@ -28,29 +28,18 @@ TINY_DIMS: dict[str, dict[str, Any]] = {"qwen-image-2.1": {
 
 
 def _qwen3_vl(tokenizer: Any) -> Any:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from stages.families.qwen_image_21.full import qwen3_vl
 
-    ids = tokenizer.convert_tokens_to_ids
-    special = {"bos_token_id": ids("<|endoftext|>"), "eos_token_id": tokenizer.eos_token_id,
-               "pad_token_id": tokenizer.pad_token_id}
-    config = Qwen3VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer), "hidden_size": QWEN_HIDDEN, "intermediate_size": QWEN_HIDDEN * 2,
-            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    text = {"hidden_size": QWEN_HIDDEN, "intermediate_size": QWEN_HIDDEN * 2, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6,
             # mrope_section sums to head_dim / 2 (real [24, 20, 20] of 128), interleaved as Qwen3-VL's
             "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
-                                "mrope_interleaved": True},
-            **special,
-        },
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                       "out_hidden_size": QWEN_HIDDEN, "patch_size": 16, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [1]},
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
-    return Qwen3VLForConditionalGeneration(config).eval()
+                                "mrope_interleaved": True}}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": QWEN_HIDDEN,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+              "deepstack_visual_indexes": [1]}
+    return qwen3_vl(tokenizer, text, vision).eval()
 
 
 def _processor() -> Any:
