@@ -308,7 +308,8 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
     src = ModelSource(cfg.model, cfg.revision)
     src.check(family.vae_components)
     vae = family.load_vae(src, rt)
-    video = any(p.dim() == 5 for p in vae.decoder.parameters())  # Qwen-Image's VAE decodes (B, C, T, H, W)
+    # Qwen-Image's (Wan) VAEs decode (B, C, T, H, W); Qwen-Image 2.1's has 2-D conv weights but a temporal config.
+    video = any(p.dim() == 5 for p in vae.decoder.parameters()) or "temperal_downsample" in vae.config
     with torch.no_grad():
         z = z.to(rt.device, vae.dtype)
         pixels = vae.decode(z.unsqueeze(2) if video else z).sample

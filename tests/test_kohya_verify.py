@@ -40,6 +40,8 @@ NOT_ROUND_TRIPPED = {
                 r"|x_embedder|context_embedder|proj_out|norm_out\.linear|time_text_embed\..+",
     # FLUX.2: the modulation layers have no BFL name the converter reads (the layout refuses them)
     "flux2-klein": r"(double_stream_modulation_(img|txt)|single_stream_modulation|norm_out)\.linear",
+    # diffusers' Qwen kohya reader re-dots these names wrongly (gate.layer, modulation_1, txt_in_in_layer)
+    "qwen-image-2.1": r"transformer_blocks\.\d+\.img_mlp\.gate_layer|modulation\.1|txt_in\.(in|out)_layer",
 }
 FLUX_LAYOUT = get_family("flux").kohya_layout
 

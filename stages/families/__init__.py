@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, str] = {
     "flux": "stages.families.flux.family:Flux",
     "qwen-image": "stages.families.qwen_image.family:QwenImage",
+    "qwen-image-2.1": "stages.families.qwen_image_21.family:QwenImage21",
     "z-image": "stages.families.z_image.family:ZImage",
     "sdxl": "stages.families.sdxl.family:SDXL",
     "flux2-klein": "stages.families.flux2_klein.family:Flux2Klein",
