@@ -25,6 +25,7 @@ FAMILIES: dict[str, str] = {
     "qwen-image": "stages.families.qwen_image.family:QwenImage",
     "z-image": "stages.families.z_image.family:ZImage",
     "sdxl": "stages.families.sdxl.family:SDXL",
+    "krea2": "stages.families.krea2.family:Krea2",
 }
 
 
