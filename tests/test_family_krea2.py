@@ -2,12 +2,13 @@
 
     .venv/bin/python -m pytest tests/test_family_krea2.py -q
 
-- caption encoding equals `encode_prompt` (prefix, padding before the suffix, valid-token positions,
-  tapped layers, dropped prefix, truncation), also against the pipeline's own 512-token layout;
+- caption rows equal `encode_prompt`'s valid tokens (prefix, truncation, tapped layers, dropped prefix),
+  also inside the pipeline's own 512-token block (padding before the suffix, valid-token positions);
 - one training loss equals what the pipeline's own denoising step implies (timestep = sigma, velocity
   target, packing, position ids, text mask), and a padded batch trains like its items one by one;
 - the timestep shift is the scheduler's at Krea 2's resolution-aware mu, latent normalization is what
   the decode inverts, packing and position ids are the pipeline's helpers.
+The checks Qwen-Image and Z-Image share (tests/test_families_text.py) run here on Krea 2 unchanged.
 """
 
 from __future__ import annotations
@@ -17,21 +18,21 @@ import pytest
 import torch
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 
+import test_families_text as shared
 from conftest import FAMILIES, tiny_model
-from stages.core import flow, lora
+from stages.core import flow
 from stages.core.config import CaptionsConfig, TrainConfig
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
 from stages.families import get_family
-from stages.families.base import BatchMeta
+from test_families_text import CAPTIONS, _meta
 
-CAPTIONS = ["a red circle", "a large blue square on a white background at the top left corner of the picture"]
 CPU = make_runtime("cpu", "fp32")
 
 
 @pytest.fixture(scope="module")
 def krea(assets):
-    """(family, model folder, Krea2Pipeline loaded from it)."""
+    """(family, model folder, Krea2Pipeline loaded from it): the tuple the shared checks take."""
     folder = tiny_model(assets, FAMILIES["krea2"])
     pipe = diffusers.Krea2Pipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
@@ -43,43 +44,32 @@ def _encode(family, folder, max_len: int) -> dict[str, torch.Tensor]:
     return encoder.encode(CAPTIONS)
 
 
-def _pipeline_rows(pipe, max_len: int) -> list[torch.Tensor]:
-    """The valid text tokens the pipeline hands its transformer, (tokens, layers, D) per caption."""
-    with torch.no_grad():
-        embeds, mask = pipe.encode_prompt(list(CAPTIONS), device="cpu", max_sequence_length=max_len)
-    assert embeds.shape[1] == max_len and mask.dtype == torch.bool
-    return [e[m] for e, m in zip(embeds, mask)]
-
-
 @pytest.mark.parametrize("max_len", [64, 12])  # 12 cuts the long caption: truncation must match too
 def test_text_encoding_matches_pipeline(krea, max_len):
-    family, folder, pipe = krea
-    ours = _encode(family, folder, max_len)
-    rows = _pipeline_rows(pipe, max_len)
-    assert ours["prompt_embeds"].shape == (2, max_len, len(pipe.text_encoder_select_layers),
-                                           pipe.text_encoder.config.text_config.hidden_size)
-    assert ours["prompt_length"].tolist() == [len(r) for r in rows]
-    for i, row in enumerate(rows):
-        torch.testing.assert_close(ours["prompt_embeds"][i, :len(row)], row, rtol=1e-5, atol=1e-5)
-        assert not ours["prompt_embeds"][i, len(row):].any(), "padding must be zeros"
-    if max_len == 12:
-        assert len(rows[1]) == 12, "the long caption must be cut"
-    else:  # the same valid tokens as in the pipeline's default 512-token block: padding shifts no position
-        for i, row in enumerate(_pipeline_rows(pipe, 512)):
-            torch.testing.assert_close(ours["prompt_embeds"][i, :len(row)], row, rtol=1e-5, atol=1e-5)
+    shared.test_text_encoding_matches_pipeline(krea, max_len)
 
 
 def test_token_counts_report_untruncated_length(krea):
+    shared.test_token_counts_report_untruncated_length(krea)
+
+
+def test_padded_batch_trains_like_single_items(krea):
+    shared.test_padded_batch_trains_like_single_items(krea)
+
+
+def test_rows_equal_the_pipelines_512_token_layout(krea):
+    """Krea2Pipeline pads in the middle ([prefix | caption | padding | suffix]) and counts positions over
+    valid tokens only: our short rows are the valid tokens of its default 512-token block."""
     family, folder, pipe = krea
-    encoder = family.load_text_encoder(ModelSource(str(folder)), CaptionsConfig(max_sequence_length=12), CPU)
-    full = [len(r) for r in _pipeline_rows(pipe, 512)]
-    assert encoder.token_counts(CAPTIONS) == full
-    assert full[1] > 12, "the long caption must need more than 12 tokens for this test"
-
-
-def _meta(b: int, h: int, w: int) -> BatchMeta:
-    size = torch.tensor([[h * 2, w * 2]] * b)
-    return BatchMeta(original_size=size, crop_top_left=torch.zeros(b, 2, dtype=torch.long), target_size=size)
+    ours = _encode(family, folder, 64)
+    with torch.no_grad():
+        embeds, mask = pipe.encode_prompt(list(CAPTIONS), device="cpu")
+    layers, width = len(pipe.text_encoder_select_layers), pipe.text_encoder.config.text_config.hidden_size
+    assert embeds.shape == (2, 512, layers, width) and ours["prompt_embeds"].shape == (2, 64, layers, width)
+    assert mask[:, -5:].all() and not mask[:, -6].any(), "the 5 suffix tokens come after the padding"
+    assert ours["prompt_length"].tolist() == mask.sum(1).tolist()
+    for i, (e, m) in enumerate(zip(embeds, mask)):
+        torch.testing.assert_close(ours["prompt_embeds"][i, :int(m.sum())], e[m], rtol=1e-5, atol=1e-5)
 
 
 def test_training_loss_matches_pipeline_step(krea):
@@ -87,9 +77,10 @@ def test_training_loss_matches_pipeline_step(krea):
     x_t (its 512-token text block, one Euler step to sigma = 0, no CFG) and noise - x0."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    family, folder, shared = krea
-    pipe = diffusers.Krea2Pipeline(**{**shared.components, "scheduler": FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)}, text_encoder_select_layers=shared.text_encoder_select_layers)
+    family, folder, loaded = krea
+    pipe = diffusers.Krea2Pipeline(**{**loaded.components, "scheduler": FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)},
+        text_encoder_select_layers=loaded.text_encoder_select_layers)
     pipe.set_progress_bar_config(disable=True)
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(2, 16, 8, 8, generator=g)
@@ -107,35 +98,6 @@ def test_training_loss_matches_pipeline_step(krea):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
     wrong_sign = ((-velocity - (noise - x0)) ** 2).flatten(1).mean(1)
     assert (wrong_sign - expected).abs().min() > 1e-3, "the check must tell the output's sign apart"
-
-
-def test_padded_batch_trains_like_single_items(krea):
-    family, folder, _ = krea
-    model = family.load_denoiser(ModelSource(str(folder)), "fp32", CPU, TrainConfig())
-    params = lora.attach_lora(model, lora.lora_config(4, 8, 0.0, family.default_lora_targets))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # non-zero up-projections, so both LoRA matrices get gradients
-        for p in params:
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    cond = _encode(family, folder, 64)
-    lengths = cond["prompt_length"].tolist()
-    x0, noise, t = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8])
-
-    def loss_and_grads(rows: list[int], c: dict[str, torch.Tensor]):
-        model.zero_grad(set_to_none=True)
-        per_item = family.loss(model, x0[rows], noise[rows], t[rows], {k: v[rows] for k, v in c.items()},
-                               _meta(len(rows), 8, 8), TrainConfig())
-        per_item.mean().backward()
-        return per_item.detach(), [p.grad.clone() for p in params]
-
-    batch_losses, batch_grads = loss_and_grads([0, 1], cond)
-    singles = [loss_and_grads([i], cond) for i in range(2)]
-    torch.testing.assert_close(batch_losses, torch.cat([s[0] for s in singles]), rtol=1e-5, atol=1e-6)
-    for j, grad in enumerate(batch_grads):
-        torch.testing.assert_close(grad, (singles[0][1][j] + singles[1][1][j]) / 2, rtol=1e-4, atol=1e-7)
-    unmasked = {**cond, "prompt_length": torch.tensor([lengths[1], lengths[1]])}
-    attended, _ = loss_and_grads([0], unmasked)
-    assert (attended - singles[0][0]).abs().item() > 1e-4, "had padding been attended, the loss would differ"
 
 
 @pytest.mark.parametrize("latent_hw", [(32, 32), (128, 96)])  # 256 and 3072 image tokens
