@@ -146,3 +146,15 @@ def test_config_check_leaves_room_for_a_caption_token(n, ok):
         assert errors == []
     else:
         assert len(errors) == 1 and "'captions.max_sequence_length' = 5" in errors[0] and "6 or more" in errors[0]
+
+
+def test_tiny_config_relations(krea):
+    _, _, pipe = krea
+    t, text = pipe.transformer.config, pipe.text_encoder.config.text_config
+    assert t.text_hidden_dim == text.hidden_size and t.in_channels == 4 * pipe.vae.config.z_dim
+    assert t.num_text_layers == len(pipe.text_encoder_select_layers)
+    assert max(pipe.text_encoder_select_layers) <= text.num_hidden_layers  # hidden_states has layers + 1 entries
+    tok = pipe.tokenizer
+    assert len(tok(pipe.prompt_template_encode_prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
+    assert len(tok(pipe.prompt_template_encode_suffix).input_ids) == pipe.prompt_template_encode_num_suffix_tokens
+    assert pipe.text_encoder.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")

@@ -45,7 +45,8 @@ PROMPT_PREFIX = (
 PROMPT_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 # Krea2Pipeline's defaults and the scheduler settings its docstring asks for (resolution-aware shift).
 SHIFT_BASE_SEQ_LEN, SHIFT_MAX_SEQ_LEN, SHIFT_BASE, SHIFT_MAX = 256, 6400, 0.5, 1.15
-DISTILLED_MU = 1.15  # Krea2Pipeline.__call__ when is_distilled
+# Krea2Pipeline's taps when model_index.json sets none: 12 of Qwen3-VL-4B's 37 hidden states.
+DEFAULT_SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
 
 
 class Krea2TextEncoder:
@@ -53,8 +54,8 @@ class Krea2TextEncoder:
         from transformers import AutoTokenizer, Qwen3VLModel
 
         self.device, self.max_len = rt.device, cfg.max_sequence_length
-        self.layers = tuple(src.component_config("", "model_index.json").get(
-            "text_encoder_select_layers") or (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35))  # the pipeline's None
+        index = src.component_config("", "model_index.json")
+        self.layers = tuple(index.get("text_encoder_select_layers") or DEFAULT_SELECT_LAYERS)
         self.tokenizer = src.load(AutoTokenizer, "tokenizer")
         self.model = load_text_model(Qwen3VLModel, src, "text_encoder", cfg, rt)
 
