@@ -92,7 +92,8 @@ def test_components_load_by_subfolder(variant, built):
     index = json.loads((folder / "model_index.json").read_text())
     seen = set()
     for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None:
+        # [library, class] pairs only: Krea2Pipeline also saves a config list (text_encoder_select_layers)
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None or not isinstance(spec[-1], str):
             continue
         library, class_name = spec
         cls = getattr(diffusers if library == "diffusers" else transformers, class_name)

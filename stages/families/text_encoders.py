@@ -51,9 +51,9 @@ def chat_prompts(tokenizer: Any, texts: list[str], enable_thinking: bool) -> lis
 
 def pad_valid_tokens(hidden: torch.Tensor, mask: torch.Tensor, drop: int, max_len: int) -> dict[str, torch.Tensor]:
     """Each row's unmasked hidden states (either padding side), minus the first `drop`, cut to
-    max_len and right-padded with zeros: {"prompt_embeds": (B, max_len, D), "prompt_length": (B,)}."""
+    max_len and right-padded with zeros: {"prompt_embeds": (B, max_len, ...), "prompt_length": (B,)}."""
     rows = [h[m.bool()][drop:drop + max_len] for h, m in zip(hidden, mask)]
-    embeds = hidden.new_zeros(len(rows), max_len, hidden.shape[-1])
+    embeds = hidden.new_zeros(len(rows), max_len, *hidden.shape[2:])
     for i, row in enumerate(rows):
         embeds[i, :len(row)] = row
     return {"prompt_embeds": embeds, "prompt_length": torch.tensor([len(r) for r in rows], dtype=torch.int64)}
