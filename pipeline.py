@@ -229,8 +229,9 @@ def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
 @click.option("--only", multiple=True, type=click.Choice(STAGES + OPTIONAL_STAGES), help="Run only these stages.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes per stage, one per GPU, launched through torchrun (on CPU: gloo processes).")
+@click.option("--dry-run", is_flag=True, help="Print each stage's memory plan (as `plan` does) and run nothing.")
 @_guarded
-def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int) -> None:
+def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_run: bool) -> None:
     """Run all stages in order, each as a child process; stages whose manifest matches are skipped.
     A child stage dies with this process (SIGTERM when it is killed)."""
     from stages.core.events import EventLog
@@ -239,6 +240,11 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int) -> Non
     from stages.core.stage import staleness
 
     cfg = spec.load()
+    if dry_run:
+        from stages import plan
+
+        plan.run(cfg, None, as_json=False)
+        return
     ensure_writable(cfg.run_dir)
     for name in only or STAGES + (("sample",) if cfg.sample.after_train else ()):
         ok, reasons = staleness(_stage_module(name), cfg)

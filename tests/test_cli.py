@@ -102,6 +102,15 @@ def test_a_run_name_reads_the_saved_config_under_artifacts(saved_run):
     assert missing.exit_code == 2 and "artifacts/named-run/config.json" in missing.output and "--artifacts" in missing.output
 
 
+def test_run_dry_run_prints_the_plan_and_runs_nothing(saved_run):
+    before = sorted(p.name for p in saved_run.run_dir.iterdir())
+    result = invoke("run", "named-run", "--artifacts", saved_run.artifacts, "--dry-run", "--vram", "6")
+    assert result.exit_code == 0, result.output
+    for stage in ("encode-captions", "cache-latents", "train"):
+        assert stage in result.output
+    assert sorted(p.name for p in saved_run.run_dir.iterdir()) == before  # no cache, no events
+
+
 def test_status_passes_staleness_downstream_and_lists_sample(saved_run):
     result = invoke("status", "named-run", "--artifacts", saved_run.artifacts)
     assert result.exit_code == 0, result.output
