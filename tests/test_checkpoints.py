@@ -127,7 +127,8 @@ def _checkpoint(lora: Path, step: int, lineage: str, index: int) -> None:
 
     folder = lora / f"checkpoint-{step}"
     folder.mkdir(parents=True)
-    write_manifest(folder, "train", kind="checkpoint", step=step, fingerprint="fp", lineage=lineage, save_index=index)
+    write_manifest(folder, "train", kind="checkpoint", step=step, fingerprint="fp", fingerprint_parts={},
+                   lineage=lineage, save_index=index)
 
 
 def test_retention_keeps_newest_written_of_this_lineage(tmp_path):

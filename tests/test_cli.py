@@ -122,11 +122,12 @@ def test_status_passes_staleness_downstream_and_lists_sample(saved_run):
 
 def test_status_shows_the_realised_batch_sizes(saved_run):
     from stages import train
-    from stages.core.artifacts import SCHEMA_VERSION, atomic_write_json, manifest_path
+    from stages.core.artifacts import write_manifest
 
     final = train.artifact_dir(saved_run)
     final.mkdir(parents=True)
-    atomic_write_json(manifest_path(final), {"schema_version": SCHEMA_VERSION, "batch_sizes": {"4": 10, "1": 2}})
+    write_manifest(final, "train", kind="final", step=12, complete=True, fingerprint="f", fingerprint_parts={},
+                   batch_sizes={"4": 10, "1": 2})
     output = invoke("status", "named-run", "--artifacts", saved_run.artifacts).output
     assert "10 steps at batch 4, 2 steps at batch 1" in output
 

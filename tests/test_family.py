@@ -29,9 +29,9 @@ def _trainer(cfg):
     return t
 
 
-def _on_the_fly(cfg, family, vae, item, bucket: str, k: int):
+def _on_the_fly(cfg, family, vae, item, bucket: object, k: int):
     """Encode variant k of an item with the VAE now, exactly as cache-latents planned it."""
-    b = tuple(int(x) for x in bucket.split("x"))
+    b = tuple(int(x) for x in str(bucket).split("x"))  # a Bucket or its "WxH" name
     size = dataset.image_size(item.image_path)
     variants = dataset.plan_variants(item.image_id, size, b, cfg.data.cache_variants, cfg.seed,
                                      cfg.data.random_flip, cfg.data.crop, cfg.data.crop_zoom)
@@ -119,7 +119,7 @@ def _capture(model):
 def _denoiser_output(cfg, family, model, seed=5):
     """The denoiser's raw prediction on two cached items with fixed noise and timesteps."""
     data, lat_manifest = build_data(cfg)
-    members = data.buckets()[data.pairs[0].bucket][:2]
+    members = data.buckets()[str(data.pairs[0].bucket)][:2]
     batch = data.load(members, [0] * len(members))
     g = torch.Generator().manual_seed(seed)
     x0 = family.normalize_latents(batch.mean, lat_manifest["normalization"])
@@ -269,9 +269,12 @@ def test_shipped_configs_pass_their_family_checks(name):
 def test_family_config_checks_name_key_value_and_range(name, overrides, wanted):
     from stages.families import config_errors
 
-    errors = config_errors(_preset(name, **overrides))
-    assert len(errors) == 1 and all(w in errors[0] for w in wanted), errors
+    from stages.core.errors import ConfigError
+
     assert config_errors(_preset(name)) == []
+    with pytest.raises(ConfigError) as err:  # loading runs the family's checks with the others
+        _preset(name, **overrides)
+    assert all(w in str(err.value) for w in wanted), err.value
 
 
 def test_config_checks_import_no_torch():

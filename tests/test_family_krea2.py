@@ -141,11 +141,14 @@ def test_config_check_leaves_room_for_a_caption_token(n, ok):
     from stages.demo import demo_config
     from stages.families import config_errors
 
-    errors = config_errors(load_config(demo_config("krea2"), {"model": "unused", "captions.max_sequence_length": n}))
+    from stages.core.errors import ConfigError
+
+    overrides = {"model": "unused", "captions.max_sequence_length": n}
     if ok:
-        assert errors == []
+        assert config_errors(load_config(demo_config("krea2"), overrides)) == []
     else:
-        assert len(errors) == 1 and "'captions.max_sequence_length' = 5" in errors[0] and "6 or more" in errors[0]
+        with pytest.raises(ConfigError, match=r"'captions.max_sequence_length' = 5 .*6 or more"):
+            load_config(demo_config("krea2"), overrides)
 
 
 def test_tiny_config_relations(krea):

@@ -147,35 +147,35 @@ def test_compiled_step_failure_falls_back_to_eager_with_same_loss(cached, monkey
 # ---- gradient checkpointing without RNG bookkeeping ------------------------------------------
 
 
+def _loss_and_grads(cfg, checkpoint_fn: object = "default") -> tuple[float, list[torch.Tensor]]:
+    """One step's loss and LoRA gradients (with `checkpoint_fn` set when given)."""
+    tr = _trainer(cfg)
+    if checkpoint_fn != "default":
+        tr.model.enable_gradient_checkpointing(checkpoint_fn)
+    indices, (batch, eps, noise, t) = tr.draw_next()
+    loss = tr.compute_loss(batch, eps, noise, t)
+    loss.backward()
+    return float(loss), [p.grad.clone() for p in tr.params]
+
+
+def _assert_same(a: tuple[float, list[torch.Tensor]], b: tuple[float, list[torch.Tensor]]) -> None:
+    assert a[0] == b[0]
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
 def test_checkpointing_with_dropout_replays_its_random_masks(cached):
     """With LoRA dropout the recompute must draw the same masks as the forward did: checkpointing on
     gives the loss and LoRA gradients of checkpointing off (a checkpoint function that skips the
     RNG bookkeeping would draw new masks in the recompute and change the gradients)."""
-    results = []
-    for ckpt in (False, True):
-        tr = _trainer(_cfg(cached, **{"train.dropout": 0.25, "train.gradient_checkpointing": ckpt}))
-        indices, (batch, eps, noise, t) = tr.draw_next()
-        loss = tr.compute_loss(batch, eps, noise, t)
-        loss.backward()
-        results.append((float(loss), [p.grad.clone() for p in tr.params]))
-    (l0, g0), (l1, g1) = results
-    assert l0 == l1
-    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    off, on = (_loss_and_grads(_cfg(cached, **{"train.dropout": 0.25, "train.gradient_checkpointing": ckpt}))
+               for ckpt in (False, True))
+    _assert_same(off, on)
 
 
 def test_checkpoint_without_rng_state_same_gradients(cached):
     """train.gradient_checkpointing with the fast checkpoint function: same loss and LoRA gradients."""
-    results = []
-    for fn in (None, fastpath.checkpoint_function(0.0)):
-        tr = _trainer(_cfg(cached, **{"train.gradient_checkpointing": True}))
-        tr.model.enable_gradient_checkpointing(fn)
-        indices, (batch, eps, noise, t) = tr.draw_next()
-        loss = tr.compute_loss(batch, eps, noise, t)
-        loss.backward()
-        results.append((float(loss), [p.grad.clone() for p in tr.params]))
-    (l0, g0), (l1, g1) = results
-    assert l0 == l1
-    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    cfg = _cfg(cached, **{"train.gradient_checkpointing": True})
+    _assert_same(_loss_and_grads(cfg, None), _loss_and_grads(cfg, fastpath.checkpoint_function(0.0)))
 
 
 # ---- read-ahead keeps resume exact ------------------------------------------------------------

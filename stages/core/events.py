@@ -77,22 +77,28 @@ def _type_ok(value: Any, spec: str | list[str]) -> bool:
     return any(isinstance(value, _JSON_TYPES[n]) for n in names)
 
 
+def record_problems(name: str, spec: dict[str, Any], common: dict[str, Any], record: dict[str, Any],
+                    schema_name: str) -> list[str]:
+    """Every way `record` breaks `spec` ({"required", "optional", "extra"?} field -> JSON type) plus
+    the `common` fields; shared by events (EVENT_SCHEMA) and manifests (schema.MANIFEST_SCHEMA)."""
+    fields = {**common, **spec["required"]}
+    problems = [f"{name}: missing field '{k}'" for k in fields if k not in record]
+    allowed = {**fields, **spec["optional"]}
+    for key, value in record.items():
+        if key in allowed:
+            if not _type_ok(value, allowed[key]):
+                problems.append(f"{name}: field '{key}' = {str(value)[:60]!r} is not {allowed[key]}")
+        elif not spec.get("extra"):
+            problems.append(f"{name}: undocumented field '{key}' (add it to {schema_name})")
+    return problems
+
+
 def validate_event(record: dict[str, Any]) -> list[str]:
     """Every way one events.jsonl record breaks EVENT_SCHEMA (empty when it conforms)."""
     event = record.get("event")
     if event not in EVENT_SCHEMA:
         return [f"unknown event {event!r}"]
-    spec = EVENT_SCHEMA[event]
-    fields = {**COMMON_FIELDS, **spec["required"]}
-    problems = [f"{event}: missing field '{k}'" for k in fields if k not in record]
-    allowed = {**fields, **spec["optional"]}
-    for key, value in record.items():
-        if key in allowed:
-            if not _type_ok(value, allowed[key]):
-                problems.append(f"{event}: field '{key}' = {value!r} is not {allowed[key]}")
-        elif not spec.get("extra"):
-            problems.append(f"{event}: undocumented field '{key}' (add it to EVENT_SCHEMA and the README)")
-    return problems
+    return record_problems(event, EVENT_SCHEMA[event], COMMON_FIELDS, record, "EVENT_SCHEMA and the README")
 
 
 def describe_events() -> list[tuple[str, str, str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from stages.core.events import _type_ok
+from stages.core.events import record_problems
 
 COMMON_FIELDS: dict[str, Any] = {"schema_version": "integer", "code_version": "string", "stage": "string",
                                  "written_at": "string"}
@@ -54,17 +54,7 @@ def validate_manifest(kind: str | None, manifest: Any) -> list[str]:
         return [f"a manifest is a JSON object, not {type(manifest).__name__}"]
     if kind not in MANIFEST_SCHEMA:
         return [f"unknown manifest kind {kind!r} (stage {manifest.get('stage')!r})"]
-    spec = MANIFEST_SCHEMA[kind]
-    fields = {**COMMON_FIELDS, **spec["required"]}
-    problems = [f"{kind}: missing field '{k}'" for k in fields if k not in manifest]
-    allowed = {**fields, **spec["optional"]}
-    for key, value in manifest.items():
-        if key in allowed:
-            if not _type_ok(value, allowed[key]):
-                problems.append(f"{kind}: field '{key}' = {str(value)[:60]!r} is not {allowed[key]}")
-        elif not spec.get("extra"):
-            problems.append(f"{kind}: undocumented field '{key}' (add it to MANIFEST_SCHEMA)")
-    return problems
+    return record_problems(kind, MANIFEST_SCHEMA[kind], COMMON_FIELDS, manifest, "MANIFEST_SCHEMA")
 
 
 class Bucket(NamedTuple):
