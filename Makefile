@@ -28,7 +28,7 @@ demo: venv
 	$(PY) pipeline.py demo --family $(FAMILY)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 run: venv
 	$(PY) pipeline.py run $(RUN_ARGS) $(ARGS)

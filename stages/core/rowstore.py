@@ -47,6 +47,8 @@ class RowStore:
 
     def __init__(self, group: Any):
         self.group = group
+        self._readers: dict[str, Any] = {}  # array handles for reads (zarr re-reads metadata on every group[name])
+        self._fields: list[str] | None = None
 
     @classmethod
     def create(cls, path: Path, ids: list[str], fields: dict[str, tuple[tuple[int, ...], str]]) -> "RowStore":
@@ -86,7 +88,15 @@ class RowStore:
 
     @property
     def fields(self) -> list[str]:
-        return sorted(k for k in self.group.array_keys() if k not in _BOOKKEEPING)
+        if self._fields is None:  # fixed when the store is created: list the group once
+            self._fields = sorted(k for k in self.group.array_keys() if k not in _BOOKKEEPING)
+        return self._fields
+
+    def _reader(self, name: str) -> Any:
+        """The array `name` for reading, opened once (readers never resize a store)."""
+        if name not in self._readers:
+            self._readers[name] = self.group[name]
+        return self._readers[name]
 
     @property
     def has_checksums(self) -> bool:
@@ -100,6 +110,7 @@ class RowStore:
             arr = self.group[name]
             arr.resize((len(ids), *arr.shape[1:]))
         self.group.attrs["ids"] = ids
+        self._readers.clear()  # their shapes changed
 
     def written_mask(self) -> np.ndarray:
         return np.asarray(self.group[WRITTEN][:], dtype=bool)
@@ -135,10 +146,10 @@ class RowStore:
     def read_row(self, row: int, names: list[str] | None = None) -> dict[str, np.ndarray]:
         """Whole rows of the given fields (bfloat16 as float32), each checked against its checksum;
         a mismatch raises DamagedRows naming the row."""
-        expected = dict(zip(self.fields, np.asarray(self.group[CHECKSUMS][row]).tolist()))
+        expected = dict(zip(self.fields, np.asarray(self._reader(CHECKSUMS)[row]).tolist()))
         out = {}
         for name in names or self.fields:
-            arr = self.group[name]
+            arr = self._reader(name)
             try:
                 stored = np.asarray(arr[row])
             except (ValueError, OSError) as e:  # a chunk file of the wrong size does not decode
@@ -155,7 +166,7 @@ class RowStore:
 
     def read(self, name: str, index: Any) -> np.ndarray:
         """One zarr selection (e.g. ``(row, variant)``) of a field, bfloat16 returned as float32, unverified."""
-        arr = self.group[name]
+        arr = self._reader(name)
         return _logical(np.asarray(arr[index]), arr)
 
     def failing_rows(self, rows: list[int]) -> list[int]:
