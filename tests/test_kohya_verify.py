@@ -45,6 +45,9 @@ NOT_ROUND_TRIPPED = {
     # Krea 2: the reader returns the text-fusion and top-level layers without the `transformer.` prefix
     "krea2": r"text_fusion\..+|img_in|final_layer\.linear|txt_in\..+|time_.+",
 }
+# diffusers 0.42.1 reads no kohya-named Krea 2 LoRA back into the transformer (not even its block
+# attention): its kohya copy is written for ComfyUI only, and --verify refuses it (tested below)
+KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f != "krea2")
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
 DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion"}
@@ -75,7 +78,7 @@ def render(pipe, seed: int = 0):
                 output_type="np", generator=torch.Generator().manual_seed(seed)).images[0]
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", KOHYA_READ_BY_DIFFUSERS)
 def test_kohya_file_loads_like_diffusers_file(name, assets, tmp_path):
     from peft.utils import get_peft_model_state_dict
 
@@ -285,6 +288,7 @@ def test_verify_names_unexpected_and_missing_keys(run_copy, tmp_path):
         verify_export(run_copy, manifest, file)
 
 
+@pytest.mark.parametrize("built_run", KOHYA_READ_BY_DIFFUSERS, indirect=True)
 def test_verify_checks_the_kohya_copy_against_the_diffusers_file(run_copy):
     """A kohya copy that loads to the same deltas passes; one with a changed lora_up fails, naming
     the module (on the attention layers every family trains and diffusers' converters round-trip)."""
