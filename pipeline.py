@@ -135,14 +135,11 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
         return
     # after the stage ran: a failed attempt must not change what `status <run>` compares
     atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
-    summary = {k: manifest.get(k) for k in ("encoded_this_run", "step", "loss_first", "loss_last", "files", "seconds")
-               if manifest.get(k) is not None}
     if manifest.get("stopped"):
         saved = "checkpoint and lora/final (complete=false) written" if manifest.get("saved") else "nothing new written"
         click.echo(f"{name}: stopped at step {manifest.get('step')}, {saved}; continue with "
                    f"`lorapipe train {cfg.run} --artifacts {cfg.artifacts} --resume`")
         return
-    click.echo(f"{name}: done {summary}")
 
 
 def _launcher_rank() -> int:
