@@ -31,7 +31,7 @@ from bench.bench import Item, Runner, collect, family_full, model_dir  # noqa: E
 
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
-BUDGETS = ("auto", "6", "8", "12", "16", "24")  # the targets' budgets first after the reference
+BUDGETS = ("auto", "4", "6", "8", "12", "16", "24")  # the targets' budgets first after the reference
 RESOLUTION = 1024
 EST_S = {"encode": 30, "latents": 25, "train": 75}  # seconds per stage call on the H200 (bench/results)
 

@@ -238,7 +238,7 @@ class Trainer:
             loss = self._weighted_loss(draws, weight)
             loss.backward()
         except Exception as e:  # noqa: BLE001
-            if not self.compiled:
+            if not self.compiled or isinstance(e, torch.OutOfMemoryError):  # eager needs no less memory
                 raise
             self.compiled = uncompile(self.model, e, self.log)
             self.optimizer.zero_grad(set_to_none=True)

@@ -57,7 +57,8 @@ def _deeper_flux(assets, tmp_path, layers: int, single_layers: int) -> str:
     return str(folder)
 
 
-def test_train_planner_checkpoints_then_swaps_blocks_only_when_forced(assets, demo_data, tmp_path):
+def test_train_planner_checkpoints_then_swaps_blocks_only_when_forced(assets, demo_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
                                                             "train.gradient_checkpointing": False,
                                                             "model": _deeper_flux(assets, tmp_path, 4, 8)})
@@ -76,6 +77,31 @@ def test_train_planner_checkpoints_then_swaps_blocks_only_when_forced(assets, de
     assert memory.with_plan(cfg, tight).train.cuda_graphs == "off"
     hopeless = _plan("train", cfg, peaks[-1] / 10)
     assert not hopeless.fits and "--vram" in hopeless.note and "train.batch_size" in hopeless.note
+
+
+def test_auto_precision_fits_whole_before_any_block_is_swapped(assets, demo_data, tmp_path):
+    """train.base_precision = "auto" tries every precision of the family's order without swapping
+    before swapping any block (SDXL at 4 GB: nf4 whole ran 0.79x, bf16 with 38 blocks swapped 0.23x),
+    and a swap plan carries SWAP_EXTRA_GB over the same plan's activations and weights."""
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "auto", "data.resolution": 256,
+                                                            "model": _deeper_flux(assets, tmp_path, 4, 8)})
+    family = get_family("flux")  # a fresh instance: its order is changed below for this test only
+    roomy = _plan("train", cfg, 1000.0)
+    order = [(t["base_precision"], t["swapped_blocks"] > 0) for t in roomy.tried]
+    assert order.index(("bf16", False)) < order.index(("nf4", True))  # whole bf16 before swapped nf4
+    assert roomy.settings["base_precision"] == "nf4" and roomy.settings["swapped_blocks"] == 0
+    family.auto_base_precisions = ("bf16", "nf4")  # SDXL's order: the first whole precision that fits
+    src = ModelSource(cfg.model, cfg.revision)
+    bf16_whole = _peak_of(roomy, base_precision="bf16", swapped_blocks=0, gradient_checkpointing=True)
+    nf4_whole = _peak_of(roomy, base_precision="nf4", swapped_blocks=0, gradient_checkpointing=True)
+    assert nf4_whole < bf16_whole
+    at = lambda gb: memory.plan_train(cfg, family, src, memory.Budget(gb, "cap")).settings  # noqa: E731
+    assert at(_just_above(bf16_whole))["base_precision"] == "bf16"
+    below = at(bf16_whole * 0.999 * memory.FRAGMENTATION)
+    assert below["base_precision"] == "nf4" and below["swapped_blocks"] == 0
+    # one block swapped keeps two blocks in flight plus the margin: never below the whole plan + margin
+    one = _peak_of(roomy, base_precision="bf16", swapped_blocks=1)
+    assert one - bf16_whole >= memory.SWAP_EXTRA_GB
 
 
 def test_caption_planner_lowers_batch_then_precision(assets, demo_data, tmp_path):

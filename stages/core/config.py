@@ -135,7 +135,8 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     """Recompute activations in backward: much less memory, ~30% more compute."""
     base_precision: Literal["auto", "nf4", "bf16", "fp32", "fp8"] = "auto"
-    """auto: nf4 on CUDA, fp32 on CPU. fp8: e4m3 weights, fp8 matmuls (CUDA, compute capability >= 8.9)."""
+    """auto: on CUDA the memory planner picks the family's first precision that fits the budget without block
+    swap (nf4 then bf16; SDXL: bf16 then nf4), on CPU fp32. fp8: e4m3 weights, fp8 matmuls (CUDA, compute capability >= 8.9)."""
     nf4_double_quant: bool = True
     """bitsandbytes double quantization of the nf4 scales."""
     compile_transformer: Literal["off", "on", "auto"] = "auto"

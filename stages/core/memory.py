@@ -36,6 +36,11 @@ BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
 VAE_ELEMENTS_PER_PIXEL = 780  # FLUX's fp32 VAE, 1 image at 1024 px: 3.36 GB allocated (H200; 720 predicted 3.12)
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
 LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
+# Block swap frees and refills GPU memory on a side stream every block, which the caching allocator
+# cannot reuse at once: Z-Image nf4 with 20 of 34 blocks swapped, predicted 3.55 GB, ran out of
+# memory at a 4.00 GB cap (bench/results/memory-zimage-sdxl-h200.json). Swap plans keep this extra.
+SWAP_EXTRA_GB = 0.4
+AUTO_BASE_PRECISIONS = ("nf4", "bf16")  # train.base_precision = "auto": tried in this order (a family may override)
 
 
 @dataclass
@@ -187,21 +192,25 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     side = cfg.data.resolution // 16  # VAE /8, then 2x2 patches
     tokens = tcfg.batch_size * (side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
-    precisions = ["nf4", "bf16"] if tcfg.base_precision == "auto" else [tcfg.base_precision]
+    auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
+    precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
+    # cheapest in speed first: every precision without swapping (as configured, then with
+    # checkpointing), then more and more blocks swapped. A smaller precision that fits whole beats
+    # swapping: SDXL at a 4 GB cap ran 0.23x with 38 of 70 bf16 blocks swapped, where its nf4 base
+    # fits at 3.0 GB and runs 0.79x of bf16 (bench/results/memory-zimage-sdxl-h200.json, bench-sdxl-E.json).
+    options = [(p, 0, c) for p in precisions for c in dict.fromkeys((tcfg.gradient_checkpointing, True))]
+    options += [(p, k, True) for p in precisions for k in range(1, len(blocks) + 1)]
+    sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p) for b in blocks]) for p in precisions}
     candidates = []
-    for precision in precisions:
-        total = weight_bytes(model, precision)
-        block = [weight_bytes(b, precision) for b in blocks]
-        # cheapest in speed first: as configured, then checkpointing, then more and more blocks swapped
-        options = [(0, tcfg.gradient_checkpointing), (0, True)] + [(k, True) for k in range(1, len(blocks) + 1)]
-        for swapped, checkpointing in dict.fromkeys(options):
-            saved = len(blocks) * unit * (CHECKPOINT_SAVED_UNITS if checkpointing else BLOCK_SAVED_UNITS)
-            resident = total - sum(block[len(block) - swapped:]) + 2 * max(block, default=0) * (swapped > 0)
-            peak = resident + lora + saved + unit * BLOCK_WORK_UNITS
-            if precision == "nf4":  # quantized on the GPU as it loads: the whole nf4 base is there once
-                peak = max(peak, total + lora)
-            candidates.append(({"base_precision": precision, "gradient_checkpointing": checkpointing,
-                                "swapped_blocks": swapped, "blocks": len(blocks)}, peak / GB))
+    for precision, swapped, checkpointing in options:
+        total, block = sizes[precision]
+        saved = len(blocks) * unit * (CHECKPOINT_SAVED_UNITS if checkpointing else BLOCK_SAVED_UNITS)
+        resident = total - sum(block[len(block) - swapped:]) + 2 * max(block, default=0) * (swapped > 0)
+        peak = resident + lora + saved + unit * BLOCK_WORK_UNITS + SWAP_EXTRA_GB * GB * (swapped > 0)
+        if precision == "nf4":  # quantized on the GPU as it loads: the whole nf4 base is there once
+            peak = max(peak, total + lora)
+        candidates.append(({"base_precision": precision, "gradient_checkpointing": checkpointing,
+                            "swapped_blocks": swapped, "blocks": len(blocks)}, peak / GB))
     return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
 
 

@@ -58,6 +58,8 @@ class Family(Protocol):
     denoiser_components: tuple[str, ...]
     kohya_layout: "Layout"
     """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
+    # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
+    # train.base_precision = "auto" (default `stages.core.memory.AUTO_BASE_PRECISIONS`: nf4, bf16)
 
     # encode-captions
     def load_text_encoder(self, src: "ModelSource", cfg: "CaptionsConfig", rt: "Runtime") -> TextEncoder: ...
