@@ -111,6 +111,24 @@ class MemoryRunner(Runner):
 
 
 # ---- report
+def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (family, budget, stage) over all files: a measurement beats "same plan", which
+    beats a skipped or failed row, and among equals the later file wins. A family's failed build
+    ("-" row) is dropped once a later call measured the family. Budgets sorted: auto, then by GB."""
+    rank = lambda r: 2 if r["status"] == "ok" else 1 if r["status"] == "same plan" else 0  # noqa: E731
+    best: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["family"], r["budget"], r["stage"])
+        if key not in best or rank(r) >= rank(best[key]):
+            best[key] = r
+    measured = {f for f, b, _ in best if b != "-"}
+    order = {stage: i for i, (_, stage, _) in enumerate(STAGES)}
+    keep = [r for (f, b, _), r in best.items() if b != "-" or f not in measured]
+    return sorted(keep, key=lambda r: (list(dict.fromkeys(x["family"] for x in rows)).index(r["family"]),
+                                       -1.0 if r["budget"] == "auto" else float(r["budget"]) if r["budget"] != "-" else 1e9,
+                                       order.get(r["stage"], 9)))
+
+
 def _resolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with "same plan" ones filled in from the row that measured that plan."""
     by = {(r["family"], r["budget"], r["stage"]): r for r in rows}
@@ -137,7 +155,7 @@ def _cell(r: dict[str, Any]) -> list[str]:
 
 
 def report(files: list[Path]) -> str:
-    rows = _resolved([r for f in files for r in json.loads(f.read_text())["items"]])
+    rows = _resolved(_newest([r for f in files for r in json.loads(f.read_text())["items"]]))
     lines = []
     for fam in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == fam]

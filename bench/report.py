@@ -393,11 +393,22 @@ def write_report(files: list[Path]) -> dict[str, str]:
         if files_of_kind and name == "memory":
             from bench.memory import report as memory_report
 
-            export += "\n## Memory budgets\n\n" + memory_report(files_of_kind) + "\n"
+            export += "\n## Memory budgets\n\n" + MEMORY_INTRO + memory_report(files_of_kind) + "\n"
         if files_of_kind and written.exists():
             export += "\n" + written.read_text()
     return {"RESULTS.md": _headline_report(rows, items, export),
             APPENDIX: _appendix(meta, items, metas, rows, analysis) + "\n" + "\n".join(extra)}
+
+
+MEMORY_INTRO = """Each stage run as its own process under `gpu.vram_budget_gb` (a number is a cap enforced with
+`torch.cuda.set_per_process_memory_fraction`; "auto" is the free memory), full-size random weights,
+1024 px, batch 1, on one H200. Commands: `python3 bench/memory.py run --families qwen-image --budgets
+auto,8,12,16,24 --models /tmp/lorapipe-models --out $OUT/memory-qwen-image-h200.json --budget-s 545`,
+`... --families z-image,sdxl --budgets auto,4 ...`, `... --families sdxl --budgets 4 ...` (the files'
+`meta.command` has each). "same plan" rows reuse the measurement of the budget the planner chose
+identically for. "x auto" is train samples/s over the same family's "auto" row.
+
+"""
 
 
 def _kind(data: dict[str, Any]) -> str:
