@@ -54,8 +54,8 @@ class BucketSampler:
         per_epoch = sum(len(ix) for ix in buckets.values()) + sum(
             int(w) * len(ix) + round((w - int(w)) * len(ix)) - len(ix) for ix, w in self.shares)
         if per_epoch < 1:
-            raise ConfigError(f"the datasets' weights draw no image in an epoch ({', '.join(f'{len(ix)} images at '
-                              f'weight {w}' for ix, w in self.shares)}): raise their weight")
+            held = ", ".join(f"{len(ix)} images at weight {w}" for ix, w in self.shares)
+            raise ConfigError(f"the datasets' weights draw no image in an epoch ({held}): raise their weight")
 
     def copies(self, g: torch.Generator) -> dict[int, int] | None:
         """Times each item is drawn this epoch: floor(share), plus once more for a seeded choice of
