@@ -326,3 +326,22 @@ def test_plain_data_path_is_unchanged(assets, demo_data, tmp_path):
     assert "datasets" not in cache_latents.layout_parts(cfg)
     assert "sampling" not in train.fingerprint_parts(cfg)
     assert demo_config_path("flux").read_text().count("[[datasets]]") == 0
+
+
+def test_sdxl_caches_the_empty_captions_pooled_output_too(assets, tmp_path):
+    """The dropout row is a normal caption row: for SDXL both encoders' states and the pooled output."""
+    import numpy as np
+
+    from stages import encode_captions
+    from stages.core import dataset
+
+    data = tmp_path / "d"
+    _image(data / "a.png")
+    (data / "a.txt").write_text("a red square")
+    cfg = make_cfg("sdxl", assets, data, tmp_path / "artifacts", **{"data.caption_dropout": 0.1})
+    manifest = encode_captions.run(cfg)
+    store, _ = encode_captions.load_captions(cfg)
+    empty = store.read_row(manifest["rows"][dataset.caption_id("")])
+    caption = store.read_row(manifest["rows"][dataset.caption_id("a red square")])
+    assert set(empty) == set(caption) and "pooled" in empty
+    assert np.abs(empty["pooled"]).sum() > 0 and not np.array_equal(empty["pooled"], caption["pooled"])
