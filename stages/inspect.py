@@ -18,6 +18,7 @@ variant (its posterior mean, or with --sample a draw mean + exp(logvar/2) * eps)
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,8 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
         weights = np.array([m.size for m in means], dtype=np.float64)
         stats = {k: np.average(np.array([p[k] for p in pooled]), axis=0, weights=weights).round(4).tolist() for k in pooled[0]}
     return {"present": True, "complete": True, "family": manifest["family"], "images": len(index),
-            "items": len(manifest["items"]), "variants": manifest["variants"], "buckets": buckets,
+            "items": len(manifest["items"]), "variants": manifest["variants"],
+            "variants_of": manifest.get("variants_of", {}), "buckets": buckets,
             "normalization": manifest["normalization"], "channel_stats": stats,
             "expected_after_normalization": {"mean": 0.0, "std": 1.0},
             "skipped": manifest.get("skipped", []), "duplicates": manifest.get("duplicates", {}),
@@ -403,7 +405,10 @@ def _render_latents(lat: dict[str, Any], console: Any) -> None:
     if not lat.get("complete"):
         console.print(f"latents.zarr: [yellow]missing or incomplete[/yellow] ({lat.get('hint')})")
         return
-    console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {lat['variants']} variants each, "
+    fewer = Counter(lat.get("variants_of", {}).values())
+    each = f"{lat['variants']} variants each" + "".join(f" ({n} images cache {k}: their dataset's cache_variants)"
+                                                        for k, n in sorted(fewer.items()))
+    console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {each}, "
                   f"{len(lat['skipped'])} skipped, {len(lat['duplicates'])} duplicated, {_mb(lat['bytes_on_disk'])}; "
                   f"normalization {lat['normalization']}")
     t = Table("bucket WxH", "rows", "variants, C, h, w", "dtype (stored)", "orphaned", "missing", "damaged",
