@@ -10,6 +10,10 @@ metadata.jsonl `file_name` must be relative and may not climb out with `..`); a 
 elsewhere is refused unless `data.follow_symlinks_outside = true`. Files the scan leaves out or
 merges (an unread format, a FIFO, a broken symlink, two images sharing one caption) are reported
 through `warn`, one warning per kind that names the files.
+
+`scan_run(cfg)` scans every dataset of a run ([[datasets]] tables, or data.path alone) and gives
+each item all its caption texts: numbered caption files, lines (data.caption_lines) and seeded tag
+shuffles (data.shuffle_tags). Each text is its own caption id, so each is its own cached row.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class Item:
     caption_id: str
     captions: tuple[str, ...] = ()  # every caption text the item trains with, one drawn per step; () = (caption,)
     dataset: int = 0  # index of its [[datasets]] table
-    latent_id: str = ""  # latents.zarr row key: the image id, suffixed when its dataset caches other variants
+    latent_id: str = ""  # latents.zarr row key: "" is the image id; suffixed when its dataset's LATENT_KEYS differ
 
     @property
     def texts(self) -> tuple[str, ...]:

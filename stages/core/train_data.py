@@ -169,7 +169,6 @@ class TrainData:
     def __init__(self, pairs: list[Pair], caption_store: Any, latent_stores: dict[str, Any], variants: int):
         self.pairs, self.captions, self.latents, self.variants = pairs, caption_store, latent_stores, variants
         self.caption_fields = caption_store.fields
-
         self.variant_counts = [p.variants or variants for p in pairs]
         # only a run with a choice of captions draws one, so other runs keep their exact random stream
         self.caption_choice = any(len(p.caption_rows) > 1 or p.dropout > 0 for p in pairs)
