@@ -44,21 +44,29 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
             "random_flip": d.random_flip, "crop": d.crop, "crop_zoom": d.crop_zoom, "background": d.background, "seed": cfg.seed,
             "dtype": cfg.latents.dtype, "vae_precision": cfg.latents.vae_precision,
             # merged buckets depend on the batch they fill; off adds no key, so older caches stay valid
-            **({"bucket_merge": cfg.train.batch_size} if d.bucket_merge else {})}
+            **({"bucket_merge": cfg.train.batch_size} if d.bucket_merge else {}),
+            # [[datasets]] with their own resolution or variants; a plain data.path adds no key
+            **({"datasets": [{k: getattr(c, k) for k in dataset.LATENT_KEYS} for c in cfg.dataset_configs()]}
+               if cfg.datasets else {})}
+
+
+def variants_stored(cfg: Any) -> int:
+    """Variant slots per row: the most any dataset caches (a row of a dataset caching fewer repeats them)."""
+    return max(d.cache_variants for d in cfg.dataset_configs())
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    items = dataset.scan_data(cfg.data)
-    return {**layout_parts(cfg), "images": sorted({it.image_id for it in items})}
+    items = dataset.scan_run(cfg)
+    return {**layout_parts(cfg), "images": sorted({it.latent_key for it in items})}
 
 
-def buckets_for(cfg: Any, family: Any, src: ModelSource) -> list[Bucket]:
+def buckets_for(cfg: Any, family: Any, src: ModelSource, resolution: int | None = None) -> list[Bucket]:
     multiple = family.pixel_multiple(src)
     if cfg.data.bucket_step and cfg.data.bucket_step % multiple:
         raise ConfigError(f"data.bucket_step = {cfg.data.bucket_step} is not a multiple of {multiple}, which this "
                           f"model's latents need: set it to a multiple of {multiple} (or 0 for {multiple})")
-    return [Bucket(*b) for b in dataset.make_buckets(cfg.data.resolution, cfg.data.bucket_step or multiple,
-                                                     cfg.data.max_aspect)]
+    return [Bucket(*b) for b in dataset.make_buckets(resolution or cfg.data.resolution,
+                                                     cfg.data.bucket_step or multiple, cfg.data.max_aspect)]
 
 
 def _pixels(image: Any, variants: list[dataset.Variant], bucket: tuple[int, int]) -> Any:
@@ -70,15 +78,17 @@ def _pixels(image: Any, variants: list[dataset.Variant], bucket: tuple[int, int]
     return x / 127.5 - 1.0  # [0, 255] -> [-1, 1], as VaeImageProcessor.normalize
 
 
-def plan_images(cfg: Any, items: list[dataset.Item], buckets: list[tuple[int, int]], log: Any) -> tuple[dict, list, dict]:
-    """image id -> (item, size, bucket) for readable images; skipped [(key, reason)]; duplicates."""
+def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Bucket]],
+                log: Any) -> tuple[dict, list, dict]:
+    """latent id -> (item, size, bucket) for readable images, each bucketed among its dataset's
+    resolution's `buckets`; skipped [(key, reason)]; duplicates."""
     found: dict[str, tuple[dataset.Item, tuple[int, int]]] = {}
     skipped, duplicates = [], defaultdict(list)
     for it in items:
-        if it.image_id in found:
-            duplicates[it.image_id].append(it.key)
+        if it.latent_key in found:
+            duplicates[it.latent_key].append(it.key)
             log.emit("warning", item=it.key, message=f"image '{it.key}' has the same bytes as "
-                     f"'{found[it.image_id][0].key}': cached once, both items train on it with their own captions")
+                     f"'{found[it.latent_key][0].key}': cached once, both items train on it with their own captions")
             continue
         try:
             size = dataset.image_size(it.image_path)
@@ -90,12 +100,16 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: list[tuple[int, in
             skipped.append((it.key, str(err)))
             log.emit("skipped", item=it.key, reason=str(err))
             continue
-        found[it.image_id] = (it, size)
+        found[it.latent_key] = (it, size)
     fill = cfg.train.batch_size if cfg.data.bucket_merge else 0
-    assigned, notes = dataset.bucket_plan({i: (it.key, size) for i, (it, size) in found.items()}, buckets, fill,
-                                          cfg.data.max_aspect)
-    for key, note in notes:
-        log.emit("warning", item=key, message=note)
+    resolutions = [d.resolution for d in cfg.dataset_configs()]
+    assigned: dict[str, Bucket] = {}
+    for resolution, group in sorted(buckets.items()):  # each resolution's images fill its own buckets
+        part, notes = dataset.bucket_plan({i: (it.key, size) for i, (it, size) in found.items()
+                                           if resolutions[it.dataset] == resolution}, group, fill, cfg.data.max_aspect)
+        assigned.update(part)
+        for key, note in notes:
+            log.emit("warning", item=key, message=note)
     plan = {i: (it, size, assigned[i]) for i, (it, size) in found.items()}
     return plan, skipped, dict(duplicates)
 
@@ -131,9 +145,9 @@ def _prepare_stores(out: Path, layout_fp: str, by_bucket: dict[Bucket, list[str]
     return stores, todo
 
 
-def check(cfg: Any) -> list[Bucket]:
+def check(cfg: Any) -> dict[int, list[Bucket]]:
     """Everything this stage needs that a config can get wrong, before it deletes or loads anything:
-    the model folder's VAE, the device, and the bucket settings. -> the buckets."""
+    the model folder's VAE, the device, and the bucket settings. -> the buckets of each resolution."""
     from stages.core.runtime import make_runtime
     from stages.families import get_family
 
@@ -141,7 +155,7 @@ def check(cfg: Any) -> list[Bucket]:
     src = ModelSource(cfg.model, cfg.revision)
     src.check(family.vae_components)
     make_runtime(cfg.device, cfg.latents.vae_precision)
-    return buckets_for(cfg, family, src)
+    return {r: buckets_for(cfg, family, src, r) for r in sorted({d.resolution for d in cfg.dataset_configs()})}
 
 
 def run(cfg: Any, force: bool = False) -> dict[str, Any]:
@@ -156,7 +170,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         out = artifact_dir(cfg)
         if force and ctx.dist.is_main:
             remove_dir(out)  # only now that the config is known to work
-        items = dataset.scan_data(cfg.data, ctx.log)
+        items = dataset.scan_run(cfg, ctx.log)
         layout_fp = fingerprint(layout_parts(cfg))
         plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log)
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)
@@ -189,7 +203,8 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     from stages.core.runtime import make_runtime, reset_peak
     from stages.families import get_family
 
-    family, out, n_var = get_family(cfg.family), artifact_dir(cfg), cfg.data.cache_variants
+    family, out, n_var = get_family(cfg.family), artifact_dir(cfg), variants_stored(cfg)
+    datasets = cfg.dataset_configs()
     rt = make_runtime(cfg.device, cfg.latents.vae_precision)
     reset_peak(rt)
     previous = read_manifest(out)
@@ -216,10 +231,14 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             load_skipped.append((position[unit], item.key, str(e)))
             ctx.log.emit("skipped", item=item.key, reason=str(e))
             return
-        variants = dataset.plan_variants(image_id, size, bucket, n_var, cfg.seed, cfg.data.random_flip,
-                                         cfg.data.crop, cfg.data.crop_zoom)
+        d = datasets[item.dataset]
+        variants = dataset.plan_variants(item.image_id, size, bucket, d.cache_variants, cfg.seed, d.random_flip,
+                                         d.crop, d.crop_zoom)
         with torch.no_grad():
             mean, logvar = family.encode_posterior(vae, _pixels(image, variants, bucket).to(rt.device))
+        if len(variants) < n_var:  # another dataset caches more: repeat this one's to fill the row
+            cycle = [k % len(variants) for k in range(n_var)]
+            variants, mean, logvar = [variants[k] for k in cycle], mean[cycle], logvar[cycle]
         if stores[bucket] is None:
             fields = {"mean": ((n_var, *mean.shape[1:]), cfg.latents.dtype),
                       "logvar": ((n_var, *logvar.shape[1:]), cfg.latents.dtype),
@@ -265,12 +284,15 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
                       if plan[image_id][0].key not in skipped_keys and written[rows[image_id]]})
     # Every scanned image counts as an input, skipped ones too (they are listed as skipped):
     # otherwise a run with a skipped image would never be up to date.
-    parts = {**layout_parts(cfg), "images": sorted({it.image_id for it in items})}
+    parts = {**layout_parts(cfg), "images": sorted({it.latent_key for it in items})}
+    n_var, datasets = variants_stored(cfg), cfg.dataset_configs()
+    fewer = {i: datasets[it.dataset].cache_variants for i, (it, _, _) in plan.items()
+             if i in index and datasets[it.dataset].cache_variants < n_var}
     return write_manifest(
         artifact_dir(cfg), NAME, family=cfg.family, model=cfg.model, fingerprint=fingerprint(parts),
-        fingerprint_parts=parts, index=index, items={it.key: it.image_id for it in items if it.image_id in index},
+        fingerprint_parts=parts, index=index, items={it.key: it.latent_key for it in items if it.latent_key in index},
         buckets={str(b): len(ids) for b, ids in sorted(by_bucket.items())},
-        normalization=encoded["normalization"], variants=cfg.data.cache_variants,
+        normalization=encoded["normalization"], variants=n_var, **({"variants_of": fewer} if fewer else {}),
         skipped=[{"item": k, "reason": r} for k, r in skipped], duplicates=duplicates,
         warnings=[{"item": it.key, "message": note} for it, size, bucket in plan.values()
                   for note in dataset.size_notes(it.key, size, bucket, cfg.data.max_aspect)],

@@ -49,8 +49,19 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    items = dataset.scan_data(cfg.data)
-    return {**layout_parts(cfg), "captions": sorted({it.caption_id for it in items})}
+    return {**layout_parts(cfg), "captions": sorted(caption_texts(cfg, dataset.scan_run(cfg)))}
+
+
+EMPTY_CAPTION = ""  # what caption dropout trains on; its row is cached like any other caption's
+
+
+def caption_texts(cfg: Any, items: list[dataset.Item]) -> dict[str, str]:
+    """caption id -> text of every row the run needs: each item's caption variants, and the empty
+    caption when any dataset has caption_dropout > 0."""
+    texts = {cid: text for it in items for cid, text in zip(it.caption_ids, it.texts)}
+    if any(d.caption_dropout > 0 for d in cfg.dataset_configs()):
+        texts[dataset.caption_id(EMPTY_CAPTION)] = EMPTY_CAPTION
+    return texts
 
 
 def _open_store(path: Path, layout: dict[str, Any]) -> RowStore | None:
@@ -82,8 +93,8 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         check(cfg)
         if force and ctx.dist.is_main:
             remove_dir(artifact_dir(cfg))  # only now that the config is known to work
-        items = dataset.scan_data(cfg.data, ctx.log)
-        texts = {it.caption_id: it.caption for it in items}
+        items = dataset.scan_run(cfg, ctx.log)
+        texts = caption_texts(cfg, items)
         layout = layout_parts(cfg)
         out = artifact_dir(cfg)
         with distributed.main_first(ctx.dist):  # rank 0 grows the store before the others read it
@@ -93,7 +104,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         encoded = _encode(ctx, cfg, texts, todo_ids, store, layout)
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
-        manifest = _write(ctx, cfg, items, encoded, len(todo_ids))
+        manifest = _write(ctx, cfg, items, texts, encoded, len(todo_ids))
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=len(todo_ids), total=len(texts))
         return manifest
 
@@ -150,29 +161,37 @@ def _encode(ctx: Any, cfg: Any, texts: dict[str, str], todo_ids: list[str], stor
     return {"store": state["store"], "truncated": truncated, "rt": rt}
 
 
-def _write(ctx: Any, cfg: Any, items: list[dataset.Item], encoded: dict[str, Any], n_encoded: int) -> dict[str, Any]:
+def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str], encoded: dict[str, Any],
+           n_encoded: int) -> dict[str, Any]:
     """Warn about truncated captions and write the manifest (rank 0)."""
     from stages.core.runtime import peak_vram_gb
 
     store, truncated = encoded["store"], encoded["truncated"]
     for cid, n in truncated.items():
-        key = next(it.key for it in items if it.caption_id == cid)
+        key = next(it.key for it in items if cid in it.caption_ids)
         ctx.log.emit("warning", message=f"caption of '{key}' has {n} tokens; truncated to "
                      f"{cfg.captions.max_sequence_length}, the rest is ignored: shorten it or raise "
                      f"captions.max_sequence_length", item=key)
     assert store is not None
     out = artifact_dir(cfg)
     sweep_leftovers(out)  # temp files of killed writers: space only, never read
-    parts = {**layout_parts(cfg), "captions": sorted({it.caption_id for it in items})}
+    parts = {**layout_parts(cfg), "captions": sorted(texts)}
     row_of = store.row_of()
+    # Caption variants and the dropout caption only add keys, so a plain run's manifest is as before.
+    extra: dict[str, Any] = {}
+    if any(it.captions for it in items):
+        extra["variants"] = {it.key: list(it.caption_ids) for it in items if it.captions}
+    if dataset.caption_id(EMPTY_CAPTION) in texts:
+        extra["empty_caption"] = dataset.caption_id(EMPTY_CAPTION)
     return write_manifest(
         out, NAME, family=cfg.family, model=cfg.model, fingerprint=fingerprint(parts), fingerprint_parts=parts,
         rows={cid: row_of[cid] for cid in parts["captions"]}, items={it.key: it.caption_id for it in items},
-        lengths={it.caption_id: len(it.caption) for it in items},
+        lengths={cid: len(text) for cid, text in texts.items()},
         fields={k: {"shape": list(store.group[k].shape[1:]), "dtype": store.group[k].attrs["logical_dtype"]}
                 for k in store.fields},
         encoded_this_run=n_encoded, world_size=ctx.dist.world_size,
-        truncated={it.key: truncated[it.caption_id] for it in items if it.caption_id in truncated},
+        truncated={it.key: max(truncated[c] for c in it.caption_ids if c in truncated) for it in items
+                   if any(c in truncated for c in it.caption_ids)}, **extra,
         seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(encoded["rt"]))
 
 

@@ -18,6 +18,7 @@ variant (its posterior mean, or with --sample a draw mean + exp(logvar/2) * eps)
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,8 @@ def captions_section(run_dir: Path, limit: int, cfg: Any = None) -> dict[str, An
     store = RowStore.open(path)
     ids, written = store.ids, store.written_mask()
     rows = manifest["rows"]
-    used = {cid: sorted(k for k, c in manifest["items"].items() if c == cid) for cid in rows}
+    of_item = {k: manifest.get("variants", {}).get(k, [c]) for k, c in manifest["items"].items()}
+    used = {cid: sorted(k for k, cids in of_item.items() if cid in cids) for cid in rows}
     checked, data, damaged = verified_rows(store, limit, store.fields)
     fields = {}
     for name in store.fields:
@@ -111,6 +113,9 @@ def captions_section(run_dir: Path, limit: int, cfg: Any = None) -> dict[str, An
         fields[name] = {"shape": info.get("shape"), "dtype": info.get("dtype"), "stored_dtype": str(store.group[name].dtype),
                         **nonfinite(values.astype(np.float32) if values.dtype.kind == "f" else values)}
     texts = caption_texts(cfg)
+    empty = manifest.get("empty_caption")
+    if empty:
+        texts[empty] = ""
     return {
         "present": True, "complete": True, "family": manifest["family"], "rows": len(ids),
         "written": int(written.sum()), "referenced": len(rows), "items": len(manifest["items"]),
@@ -121,6 +126,10 @@ def captions_section(run_dir: Path, limit: int, cfg: Any = None) -> dict[str, An
         "truncated": manifest.get("truncated", {}),
         "captions": [{"caption_id": cid, "row": rows[cid], "items": used[cid], "length": manifest["lengths"].get(cid),
                       "text": texts.get(cid, CAPTION_GONE)} for cid in sorted(rows, key=rows.get)],
+        # items with several captions (variants), each drawn per step; the empty caption of dropout
+        "variants": {key: [{"caption_id": cid, "text": texts.get(cid, CAPTION_GONE)} for cid in cids]
+                     for key, cids in sorted(manifest.get("variants", {}).items())},
+        "empty_caption": empty,
     }
 
 
@@ -134,7 +143,7 @@ def caption_texts(cfg: Any) -> dict[str, str]:
     if cfg is None:
         return {}
     try:
-        return {it.caption_id: it.caption for it in dataset.scan(cfg.data.path, cfg.data.caption_ext)}
+        return {cid: text for it in dataset.scan_run(cfg) for cid, text in zip(it.caption_ids, it.texts)}
     except (UserError, OSError):  # a moved dataset must not hide the rest of the report
         return {}
 
@@ -191,7 +200,8 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
         weights = np.array([m.size for m in means], dtype=np.float64)
         stats = {k: np.average(np.array([p[k] for p in pooled]), axis=0, weights=weights).round(4).tolist() for k in pooled[0]}
     return {"present": True, "complete": True, "family": manifest["family"], "images": len(index),
-            "items": len(manifest["items"]), "variants": manifest["variants"], "buckets": buckets,
+            "items": len(manifest["items"]), "variants": manifest["variants"],
+            "variants_of": manifest.get("variants_of", {}), "buckets": buckets,
             "normalization": manifest["normalization"], "channel_stats": stats,
             "expected_after_normalization": {"mean": 0.0, "std": 1.0},
             "skipped": manifest.get("skipped", []), "duplicates": manifest.get("duplicates", {}),
@@ -243,7 +253,7 @@ def inspect_run(run_dir: Path, config: Any = None, rows: int = 64) -> dict[str, 
     cfg = run_config(run_dir, config)
     return {
         "run": run_dir.name, "path": str(run_dir), "bytes_on_disk": dir_bytes(run_dir),
-        "config": None if cfg is None else {"family": cfg.family, "model": cfg.model, "data": cfg.data.path},
+        "config": None if cfg is None else {"family": cfg.family, "model": cfg.model, "data": [d.path for d in cfg.dataset_configs()] if cfg.datasets else cfg.data.path},
         "stages": None if cfg is None else stages_section(cfg),
         "captions": captions_section(run_dir, rows, cfg), "latents": latents_section(run_dir, rows),
         "lora": lora_section(run_dir), "export": export_section(run_dir, "export"),
@@ -377,6 +387,16 @@ def _render_captions(c: dict[str, Any], console: Any) -> None:
     console.print(t)
     if len(c["captions"]) > 40:
         console.print(f"  ... {len(c['captions']) - 40} more (--json lists all)")
+    variants = c.get("variants") or {}
+    if variants:
+        t = Table("item", "variants", "caption ids", "texts", title="caption variants per item (one drawn per step)")
+        for key, vs in list(variants.items())[:40]:
+            t.add_row(key, str(len(vs)), " ".join(v["caption_id"][:8] for v in vs),
+                      " | ".join(v["text"][:40] for v in vs)[:120])
+        console.print(t)
+    if c.get("empty_caption"):
+        row = next((r["row"] for r in c["captions"] if r["caption_id"] == c["empty_caption"]), "?")
+        console.print(f"caption dropout trains on the empty caption, row {row}")
 
 
 def _render_latents(lat: dict[str, Any], console: Any) -> None:
@@ -385,7 +405,10 @@ def _render_latents(lat: dict[str, Any], console: Any) -> None:
     if not lat.get("complete"):
         console.print(f"latents.zarr: [yellow]missing or incomplete[/yellow] ({lat.get('hint')})")
         return
-    console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {lat['variants']} variants each, "
+    fewer = Counter(lat.get("variants_of", {}).values())
+    each = f"{lat['variants']} variants each" + "".join(f" ({n} images cache {k}: their dataset's cache_variants)"
+                                                        for k, n in sorted(fewer.items()))
+    console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {each}, "
                   f"{len(lat['skipped'])} skipped, {len(lat['duplicates'])} duplicated, {_mb(lat['bytes_on_disk'])}; "
                   f"normalization {lat['normalization']}")
     t = Table("bucket WxH", "rows", "variants, C, h, w", "dtype (stored)", "orphaned", "missing", "damaged",

@@ -38,7 +38,7 @@ def prompts_of(cfg: Any) -> list[str]:
         return list(cfg.sample.prompts)
     from stages.core import dataset
 
-    return sorted({it.caption for it in dataset.scan_data(cfg.data)})[:3]
+    return sorted({it.caption for it in dataset.scan_run(cfg)})[:3]
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:

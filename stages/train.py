@@ -45,8 +45,11 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     family = get_family(cfg.family)
     train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in NOT_FINGERPRINTED}
     cap, lat = read_manifest(encode_captions.artifact_dir(cfg)), read_manifest(cache_latents.artifact_dir(cfg))
+    # repeats, weights and caption dropout change what is trained, not the caches; the defaults add no key
+    sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]
     return {"family": cfg.family, "model": ModelSource(cfg.model, cfg.revision).identity(family.denoiser_components),
-            "train": train, "seed": cfg.seed, "captions": cap and cap["fingerprint"], "latents": lat and lat["fingerprint"]}
+            "train": train, "seed": cfg.seed, "captions": cap and cap["fingerprint"], "latents": lat and lat["fingerprint"],
+            **({"sampling": sampling} if sampling != [{"repeats": 1, "weight": 0.0, "caption_dropout": 0.0}] else {})}
 
 
 def command(cfg: Any, name: str, *flags: str) -> str:

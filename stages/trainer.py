@@ -39,8 +39,8 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"encode-captions and cache-latents with --force")
-    items = dataset.scan_data(cfg.data)
-    pairs = join_items(items, cap_manifest, lat_manifest, cfg.run)
+    items = dataset.scan_run(cfg)
+    pairs = join_items(items, cap_manifest, lat_manifest, cfg.run, cfg.dataset_configs())
     return TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"]), lat_manifest
 
 
@@ -130,7 +130,7 @@ class Trainer:
         # Under torchrun every rank walks the same order of global batches (batch_size per rank x
         # ranks) and trains on its slice of each: the same items per step as one process would see.
         self.global_batch = self.tcfg.batch_size * self.dist.world_size
-        self.sampler = BucketSampler(self.data.buckets(), self.global_batch, cfg.seed)
+        self.sampler = BucketSampler(self.data.buckets(), self.global_batch, cfg.seed, self.data.shares())
         if note := self.sampler.fill_warning(cfg.data.bucket_merge):
             log.emit("warning", message=note)
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -194,8 +194,9 @@ class Trainer:
         part = distributed.batch_slice(n, self.dist)
         if part.start == part.stop:
             part = slice(0, 1)
-        variants = torch.randint(self.data.variants, (n,), generator=g)[part].tolist()
-        batch = self.data.load(batch_indices[part], variants)
+        variants = self.data.draw_variants(batch_indices, g)[part]
+        captions = self.data.draw_captions(batch_indices, g)  # draws nothing without dropout or caption variants
+        batch = self.data.load(batch_indices[part], variants, captions and captions[part])
         shape = (n, *batch.mean.shape[1:])
         eps = torch.randn(shape, generator=g)[part]
         noise = torch.randn(shape, generator=g)[part]

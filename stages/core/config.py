@@ -54,6 +54,31 @@ class DataConfig:
     bucket_merge: bool = False
     """Move the images of aspect buckets holding fewer than train.batch_size images to the nearest bucket
     that holds enough, so batches fill (those images are cropped more); rebuilds latents.zarr."""
+    repeats: int = 1
+    """Times each image is trained per epoch (a [[datasets]] table sets its own)."""
+    weight: float = 0.0
+    """Fractional repeats instead of `repeats` (0: off): each epoch trains every image floor(weight) times
+    plus a seeded, fresh share frac(weight) of the images once more (0.5: a random half per epoch)."""
+    caption_dropout: float = 0.0
+    """Probability that a step trains an item on the empty caption (its encoding is cached once)."""
+    caption_lines: Literal["whole", "variants"] = "whole"
+    """whole: a caption file is one caption; variants: each non-empty line is a caption, one drawn per step.
+    Files <stem>.1<ext>, <stem>.2<ext>, ... beside the caption are always further variants."""
+    shuffle_tags: bool = False
+    """Shuffle a caption's comma-separated tags: caption_variants seeded orders per caption are cached."""
+    keep_tokens: int = 0
+    """With shuffle_tags: the first N tags stay in place (e.g. a trigger word)."""
+    caption_variants: int = 8
+    """With shuffle_tags: tag orders cached per caption (distinct ones; one is drawn per step)."""
+
+
+# Keys a [[datasets]] table may set; any it leaves out come from [data]. The rest of [data]
+# (bucket_step, max_aspect, bucket_merge, on_bad_image, background) applies to the whole run.
+DATASET_KEYS = ("path", "name", "resolution", "cache_variants", "random_flip", "crop", "crop_zoom", "caption_ext",
+                "follow_symlinks_outside", "repeats", "weight", "caption_dropout", "caption_lines", "shuffle_tags",
+                "keep_tokens", "caption_variants")
+DATASET_DOCS = {"path": "A dataset folder (required in each [[datasets]] table; relative to the config file).",
+                "name": "Prefix of the dataset's item keys ('<name>/<file>'); default: the folder's name."}
 
 
 @dataclass
@@ -218,6 +243,8 @@ class Config:
     seed: int = 0
     """Seeds the crop/flip plan, the batch order and every training draw."""
     data: DataConfig = field(default_factory=DataConfig)
+    datasets: list[dict[str, Any]] = field(default_factory=list)
+    """[[datasets]] tables: several datasets in one run (empty: data.path is the one dataset)."""
     captions: CaptionsConfig = field(default_factory=CaptionsConfig)
     latents: LatentsConfig = field(default_factory=LatentsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -238,6 +265,29 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def dataset_configs(self) -> list[DataConfig]:
+        """One DataConfig per dataset: each [[datasets]] table over [data] (its keys win), or [data] alone."""
+        out = []
+        for t in self.datasets or [{}]:
+            given = {k: v for k, v in t.items() if k != "name"}
+            if "weight" in given and "repeats" not in given:  # a table's own choice of the two wins over [data]'s
+                given["repeats"] = 1
+            elif "repeats" in given and "weight" not in given:
+                given["weight"] = 0.0
+            out.append(dataclasses.replace(self.data, **given))
+        return out
+
+    def dataset_names(self) -> list[str]:
+        """Item-key prefixes of the [[datasets]] tables ('' for a plain data.path): its `name` or its
+        folder's name, made unique by a '-<n>' suffix."""
+        if not self.datasets:
+            return [""]
+        names: list[str] = []
+        for i, t in enumerate(self.datasets):
+            name = t.get("name") or Path(t.get("path", f"dataset{i}")).name or f"dataset{i}"
+            names.append(name if name not in names else f"{name}-{i}")
+        return names
+
 
 SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}  # type: ignore[arg-type]
 
@@ -250,7 +300,7 @@ def all_keys() -> list[str]:
             keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(f.default_factory())]  # type: ignore[misc]
         else:
             keys.append(f.name)
-    return keys
+    return keys + [f"datasets[].{k}" for k in DATASET_KEYS]
 
 
 def _nearest(key: str) -> str:
@@ -333,7 +383,9 @@ def build_config(data: dict[str, Any], source: str = "<config>") -> Config:
     top_hints = _hints(Config)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        if key in SECTIONS:
+        if key == "datasets":
+            kwargs[key] = _dataset_tables(value, errors)
+        elif key in SECTIONS:
             if not isinstance(value, dict):
                 errors.append(f"'{key}' must be a table ([{key}])")
                 continue
@@ -347,6 +399,29 @@ def build_config(data: dict[str, Any], source: str = "<config>") -> Config:
     if errors:
         raise ConfigError(f"{source}: " + ("\n  " if len(errors) > 1 else "") + "\n  ".join(errors))
     return cfg
+
+
+def _dataset_tables(value: Any, errors: list[str]) -> list[dict[str, Any]]:
+    """[[datasets]] tables, each key type-checked as its [data] key; run-wide and unknown keys refused."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        errors.append("'datasets' must be a list of tables ([[datasets]] with path = ...)")
+        return []
+    hints = _hints(DataConfig)
+    tables = []
+    for i, table in enumerate(value):
+        where = f"datasets[{i}]"
+        if not table.get("path"):
+            errors.append(f"'{where}' has no 'path': each [[datasets]] table names its folder (path = \"...\")")
+        known = {k: v for k, v in table.items() if k in DATASET_KEYS}
+        for k in sorted(set(table) - set(known)):
+            if k in hints:
+                errors.append(f"'{where}.{k}' applies to the whole run: set 'data.{k}' in [data] instead")
+            else:
+                close = difflib.get_close_matches(k, DATASET_KEYS, n=1, cutoff=0.5)
+                errors.append(f"unknown key '{where}.{k}'" + (f" (did you mean '{where}.{close[0]}'?)" if close else "")
+                              + f"; a [[datasets]] table takes {', '.join(DATASET_KEYS)}")
+        tables.append(_coerced(known, {**hints, "name": str}, f"{where}.", errors))
+    return tables
 
 
 def _coerced(values: dict[str, Any], hints: dict[str, Any], prefix: str, errors: list[str]) -> dict[str, Any]:
@@ -422,9 +497,10 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
         # a relative ref that is no folder beside the config and reads as a repo id stays a hub id
         is_hub = not Path(local).exists() and not model.startswith((".", "~")) and HUB_ID.match(model)
         data["model"] = model if is_hub else local
-    section = data.get("data")
-    if isinstance(section, dict) and isinstance(section.get("path"), str) and section["path"]:
-        section["path"] = _absolute(section["path"], folder)
+    tables = data.get("datasets")
+    for section in [data.get("data")] + (tables if isinstance(tables, list) else []):
+        if isinstance(section, dict) and isinstance(section.get("path"), str) and section["path"]:
+            section["path"] = _absolute(section["path"], folder)
 
 
 def _absolute(path: str, folder: Path) -> str:
@@ -444,6 +520,11 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             rows.append((prefix + f.name, repr(default), _choices(prefix + f.name, hints[f.name]), docs.get(f.name, "")))
+    data_rows = {key.removeprefix("data."): row for key, *row in rows if key.startswith("data.")}
+    for k in DATASET_KEYS:
+        _, choices, meaning = data_rows.get(k, ("", "", ""))
+        rows.append((f"datasets[].{k}", "(required)" if k == "path" else "(folder name)" if k == "name" else f"data.{k}",
+                     choices, DATASET_DOCS.get(k, f"Per [[datasets]] table; default [data]'s. {meaning}")))
     return rows
 
 

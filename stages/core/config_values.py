@@ -56,6 +56,11 @@ RANGES: dict[str, Range] = {
     "data.max_aspect": Range(1),
     "data.cache_variants": AT_LEAST_ONE,
     "data.crop_zoom": NON_NEGATIVE,
+    "data.repeats": AT_LEAST_ONE,
+    "data.weight": NON_NEGATIVE,
+    "data.caption_dropout": Range(0, 1),
+    "data.keep_tokens": NON_NEGATIVE,
+    "data.caption_variants": AT_LEAST_ONE,
     "captions.max_sequence_length": AT_LEAST_ONE,
     "captions.batch_size": AT_LEAST_ONE,
     "train.steps": AT_LEAST_ONE,
@@ -97,25 +102,41 @@ def value_errors(cfg: Any) -> list[str]:
                for i, seed in enumerate(cfg.sample.seeds) if seed not in RANGES["seed"]]
     if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
         errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
-    return errors + _data_errors(cfg.data) + _name_errors(cfg) + _family_errors(cfg)
+    return errors + _data_errors(cfg.data) + _datasets_errors(cfg) + _name_errors(cfg) + _family_errors(cfg)
 
 
-def _data_errors(data: Any) -> list[str]:
+def _data_errors(data: Any, where: str = "data", given: Any = None) -> list[str]:
+    """[data]'s checks, or with `where` = 'datasets[i]' those of one [[datasets]] table (`given`: its keys)."""
     from PIL import ImageColor
 
     errors = []
-    try:
-        ImageColor.getrgb(data.background)
-    except ValueError:
-        errors.append(f"'data.background' = {data.background!r} is not a colour: use a name such as 'white' or "
-                      f"'black', or '#rrggbb'")
+    if where == "data":
+        try:
+            ImageColor.getrgb(data.background)
+        except ValueError:
+            errors.append(f"'data.background' = {data.background!r} is not a colour: use a name such as 'white' or "
+                          f"'black', or '#rrggbb'")
     ext = data.caption_ext
-    if not ext.startswith(".") or len(ext) < 2 or "/" in ext:
+    if (given is None or "caption_ext" in given) and (not ext.startswith(".") or len(ext) < 2 or "/" in ext):
         hint = f"did you mean '.{ext}'?" if ext.isalnum() else "e.g. '.txt'"
-        errors.append(f"'data.caption_ext' = {ext!r} must be a file extension starting with a dot: {hint}")
-    if data.bucket_step > data.resolution:
-        errors.append(f"'data.bucket_step' = {data.bucket_step} is larger than 'data.resolution' = {data.resolution}: "
+        errors.append(f"'{where}.caption_ext' = {ext!r} must be a file extension starting with a dot: {hint}")
+    if data.bucket_step > data.resolution and (given is None or "resolution" in given):
+        errors.append(f"'data.bucket_step' = {data.bucket_step} is larger than '{where}.resolution' = {data.resolution}: "
                       f"no bucket fits; use 0 (the family's own step) or a smaller step")
+    if data.repeats != 1 and data.weight > 0:
+        errors.append(f"'{where}.repeats' = {data.repeats} and '{where}.weight' = {data.weight} are both set: give "
+                      f"repeats (whole times per epoch) or weight (fractional repeats), not both")
+    return errors
+
+
+def _datasets_errors(cfg: Any) -> list[str]:
+    """Each [[datasets]] table's values, checked as the [data] keys they stand in for, named by table."""
+    errors = []
+    for i, (table, data) in enumerate(zip(cfg.datasets, cfg.dataset_configs())):
+        where = f"datasets[{i}]"
+        errors += [f"'{where}.{k}' = {v!r} must be {RANGES['data.' + k]}" for k, v in table.items()
+                   if f"data.{k}" in RANGES and v not in RANGES[f"data.{k}"]]
+        errors += _data_errors(data, where, table)
     return errors
 
 

@@ -10,6 +10,10 @@ metadata.jsonl `file_name` must be relative and may not climb out with `..`); a 
 elsewhere is refused unless `data.follow_symlinks_outside = true`. Files the scan leaves out or
 merges (an unread format, a FIFO, a broken symlink, two images sharing one caption) are reported
 through `warn`, one warning per kind that names the files.
+
+`scan_run(cfg)` scans every dataset of a run ([[datasets]] tables, or data.path alone) and gives
+each item all its caption texts: numbered caption files, lines (data.caption_lines) and seeded tag
+shuffles (data.shuffle_tags). Each text is its own caption id, so each is its own cached row.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ OUTSIDE_HINT = "move the file into the dataset folder, or set data.follow_symlin
 # meets the read error again and applies data.on_bad_image to it like any other broken image.
 UNREADABLE_ID_PREFIX = "unreadable-"
 
+VARIANT_SEP = "\x1e"  # joins the captions of a metadata.jsonl `text` list until scan() splits them
 Warn = Callable[[str, "str | None"], None]  # (message, item key or None when it names several files)
 
 
@@ -47,11 +52,26 @@ class BadImage(DatasetError):
 
 @dataclass(frozen=True)
 class Item:
-    key: str  # path relative to the dataset root, e.g. "cats/01.png"
+    key: str  # path relative to the dataset root, e.g. "cats/01.png" ("<name>/cats/01.png" under [[datasets]])
     image_path: Path
-    caption: str
+    caption: str  # the first of `captions`
     image_id: str
     caption_id: str
+    captions: tuple[str, ...] = ()  # every caption text the item trains with, one drawn per step; () = (caption,)
+    dataset: int = 0  # index of its [[datasets]] table
+    latent_id: str = ""  # latents.zarr row key: "" is the image id; suffixed when its dataset's LATENT_KEYS differ
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return self.captions or (self.caption,)
+
+    @property
+    def caption_ids(self) -> tuple[str, ...]:
+        return tuple(caption_id(t) for t in self.texts)
+
+    @property
+    def latent_key(self) -> str:
+        return self.latent_id or self.image_id
 
 
 def content_id(data: bytes) -> str:
@@ -166,6 +186,8 @@ def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> list[tuple[P
             name, text = row["file_name"], row["text"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise DatasetError(f"{where}: each line must be a JSON object with 'file_name' and 'text' ({e})") from None
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            text = VARIANT_SEP.join(t for t in text if t.strip())  # a list of captions: the item's variants
         if not isinstance(text, str) or not text.strip():
             raise DatasetError(f"{where}: empty caption for '{name}'")
         path = _metadata_path(root, name, where)
@@ -216,12 +238,14 @@ def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _D
 
 
 def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside: bool = False,
-         warn: Warn | None = None) -> list[Item]:
+         warn: Warn | None = None, caption_lines: str = "whole", path_key: str = "data.path") -> list[Item]:
     """All items under root, sorted by key: metadata.jsonl if present, else image + same-stem caption.
+    An item's captions: its caption, then `<stem>.1<ext>`, `<stem>.2<ext>`, ... (a metadata `text`
+    list); with caption_lines = "variants" each line of each is its own caption.
     `warn(message, item)` hears of files left out or merged, once per kind."""
     root = Path(root)
     if not root.is_dir():
-        raise DatasetError(f"dataset folder '{root}' does not exist (set data.path)")
+        raise DatasetError(f"dataset folder '{root}' does not exist (set {path_key})")
     meta = root / "metadata.jsonl"
     dropped = _Dropped()
     if meta.is_file():
@@ -231,15 +255,80 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
     dropped.report(warn)
     if not pairs:
         raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) with captions")
-    items = [Item(path.relative_to(root).as_posix(), path, text, _image_id(path), caption_id(text))
-             for path, text in pairs]
+    stems = {path.with_suffix("") for path, _ in pairs}
+    items = []
+    for path, text in pairs:
+        texts = [t.strip() for t in text.split(VARIANT_SEP)] + (
+            [] if meta.is_file() else _numbered_captions(root, path, caption_ext, stems, follow_symlinks_outside))
+        if caption_lines == "variants":
+            texts = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
+        texts = list(dict.fromkeys(texts))
+        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], _image_id(path), caption_id(texts[0]),
+                          tuple(texts) if len(texts) > 1 else ()))
     return sorted(items, key=lambda it: it.key)
+
+
+def _numbered_captions(root: Path, image: Path, caption_ext: str, stems: set[Path], follow_outside: bool) -> list[str]:
+    """Texts of `<stem>.1<ext>`, `<stem>.2<ext>`, ... beside an image, up to the first missing number.
+    A name that is another image's own caption (`<stem>.1.png` exists) is that image's, not a variant."""
+    texts = []
+    n = 1
+    while True:
+        stem = image.with_suffix("").with_name(f"{image.stem}.{n}")
+        cap = stem.with_name(stem.name + caption_ext)
+        if stem in stems or _file_problem(cap) is not None:
+            return texts
+        _check_inside(root, cap, follow_outside)
+        texts.append(_read_caption(cap))
+        n += 1
 
 
 def scan_data(data: Any, log: Any = None) -> list[Item]:
     """scan() with a run's DataConfig; warnings go to the stage's event log when one is given."""
     warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
-    return scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn)
+    return scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
+                caption_lines=data.caption_lines)
+
+
+# Settings of a dataset that change its cached latents: an image whose dataset differs from [data] in
+# any of them gets its own latent row (the image id with a suffix); the same settings share one row.
+LATENT_KEYS = ("resolution", "cache_variants", "random_flip", "crop", "crop_zoom")
+
+
+def scan_run(cfg: Any, log: Any = None) -> list[Item]:
+    """Every item of a run: its one data.path, or each [[datasets]] table's folder with item keys
+    prefixed '<name>/'. Captions get their tag shuffles; items keep their dataset's index."""
+    warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
+    out = []
+    for i, (data, name) in enumerate(zip(cfg.dataset_configs(), cfg.dataset_names())):
+        items = scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
+                     caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path")
+        settings = {k: getattr(data, k) for k in LATENT_KEYS}
+        suffix = "" if settings == {k: getattr(cfg.data, k) for k in LATENT_KEYS} else \
+            "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
+        for it in items:
+            texts = tuple(dict.fromkeys(t for text in it.texts for t in caption_shuffles(
+                text, data, cfg.seed, it.image_id)))
+            out.append(Item(f"{name}/{it.key}" if name else it.key, it.image_path, texts[0], it.image_id,
+                            caption_id(texts[0]), texts if len(texts) > 1 else (), i,
+                            it.image_id + suffix if suffix else ""))
+    return sorted(out, key=lambda it: it.key)
+
+
+def caption_shuffles(text: str, data: Any, seed: int, image_id: str) -> list[str]:
+    """The cached orders of a caption's comma-separated tags (data.shuffle_tags): data.caption_variants
+    seeded shuffles, the first data.keep_tokens tags kept in place; [text] when shuffling is off.
+    Seeded by (seed, image id, caption): the same item gets the same shuffles in every run and process."""
+    if not data.shuffle_tags:
+        return [text]
+    tags = [t.strip() for t in text.split(",") if t.strip()]
+    fixed, rest = tags[:data.keep_tokens], tags[data.keep_tokens:]
+    out = []
+    for k in range(data.caption_variants):
+        order = list(rest)
+        random.Random(f"{seed}:{image_id}:{caption_id(text)}:{k}").shuffle(order)
+        out.append(", ".join(fixed + order))
+    return list(dict.fromkeys(out))
 
 
 # ---- buckets ---------------------------------------------------------------------------------

@@ -174,8 +174,9 @@ def plan_latents(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         if (precision, sliced, tiled) in seen or (tiled and tile is None):
             continue
         seen.add((precision, sliced, tiled))
-        images = 1 if sliced else cfg.data.cache_variants
-        side = min(tile, cfg.data.resolution) if tiled else cfg.data.resolution
+        images = 1 if sliced else max(d.cache_variants for d in cfg.dataset_configs())
+        resolution = max(d.resolution for d in cfg.dataset_configs())  # the largest of several datasets
+        side = min(tile, resolution) if tiled else resolution
         work = images * side * side * VAE_ELEMENTS_PER_PIXEL * (4 if precision == "fp32" else 2)
         candidates.append(({"vae_precision": precision, "sliced": sliced, "tiled": tiled},
                            (weight_bytes(vae, precision) + work) / GB))
@@ -189,7 +190,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     blocks = blockswap.repeated_blocks(model)
     targets = tcfg.target_modules or list(family.default_lora_targets)
     lora = lora_params(model, targets, tcfg.rank) * LORA_BYTES_PER_PARAM
-    side = cfg.data.resolution // 16  # VAE /8, then 2x2 patches
+    side = max(d.resolution for d in cfg.dataset_configs()) // 16  # VAE /8, then 2x2 patches
     tokens = tcfg.batch_size * (side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)

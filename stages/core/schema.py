@@ -24,14 +24,16 @@ MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
     "captions": {"required": {**_PROVENANCE, "family": "string", "model": "string", "rows": "object",
                               "items": "object", "lengths": "object", "fields": "object", "truncated": "object",
                               "encoded_this_run": "integer"},
-                 "optional": _COST},
+                 # items -> all their caption ids (caption variants); the empty caption's id (dropout)
+                 "optional": {**_COST, "variants": "object", "empty_caption": "string"}},
     # latents.zarr: image id -> {bucket, row}, items -> image id, images per bucket, the family's
     # normalization, variants per image, skipped / duplicated items and size warnings
     "latents": {"required": {**_PROVENANCE, "family": "string", "model": "string", "index": "object",
                              "items": "object", "buckets": "object", "normalization": "object",
                              "variants": "integer", "skipped": "array", "duplicates": "object",
                              "warnings": "array", "encoded_this_run": "integer"},
-                "optional": _COST},
+                # latent id -> variants cached, where datasets cache different numbers ("variants": the most)
+                "optional": {**_COST, "variants_of": "object"}},
     "checkpoint": {"required": {**_PROVENANCE, "kind": "string", "step": "integer"}, "optional": _COST, "extra": True},
     "final": {"required": {**_PROVENANCE, "kind": "string", "step": "integer", "complete": "boolean"},
               "optional": _COST, "extra": True},

@@ -1,9 +1,11 @@
 """Training data from the two caches, joined by item ids: bucketed, resumable batch order.
 
-Every item pairs an image id (a row of latents.zarr/<bucket>) with a caption id (a row of
-captions.zarr). A batch is drawn from one bucket, so its latents stack into one tensor and go
-through one denoiser forward. The order is a pure function of (seed, epoch), so a sampler position
-(epoch, index) is all a checkpoint needs to continue the same data order.
+Every item pairs an image id (a row of latents.zarr/<bucket>) with its caption ids (rows of
+captions.zarr: its caption variants, and the empty caption when its dataset drops captions). A batch
+is drawn from one bucket, so its latents stack into one tensor and go through one denoiser forward.
+The order is a pure function of (seed, epoch), repeats and weights included, so a sampler position
+(epoch, index) is all a checkpoint needs to continue the same data order. Which variant and caption
+an item trains with is drawn from the step's generator (draw_variants, draw_captions).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from stages.core import dataset
 from stages.core.artifacts import ArtifactError
+from stages.core.errors import ConfigError
 from stages.core.rowstore import DamagedRows, RowStore
 from stages.core.schema import Bucket
 from stages.families.base import BatchMeta
@@ -29,21 +32,53 @@ class Pair:
     bucket: Bucket
     latent_row: int
     caption_row: int
+    caption_ids: tuple[str, ...] = ()  # every caption variant (the first is caption_id)
+    caption_rows: tuple[int, ...] = ()
+    dropout: float = 0.0  # probability of training on the empty caption
+    empty: tuple[str, int] | None = None  # the empty caption's (id, row) when dropout > 0
+    variants: int = 0  # latent variants cached for it (0: the store's count)
+    dataset: int = 0
+    share: float = 1.0  # times per epoch on average (its dataset's repeats or weight)
 
 
 class BucketSampler:
     """Shuffles items within each bucket, cuts batches, shuffles the batch order; per epoch."""
 
-    def __init__(self, buckets: dict[str, list[int]], batch_size: int, seed: int):
+    def __init__(self, buckets: dict[str, list[int]], batch_size: int, seed: int,
+                 shares: list[tuple[list[int], float]] | None = None):
+        """`shares`: (item indices, times per epoch) per dataset; an item in none is drawn once."""
         self.buckets, self.batch_size, self.seed = buckets, batch_size, seed
+        self.shares = [(list(ix), float(w)) for ix, w in shares or [] if float(w) != 1.0]
         self.epoch, self.index = 0, 0
         self._order: list[tuple[str, list[int]]] | None = None
+        per_epoch = sum(len(ix) for ix in buckets.values()) + sum(
+            int(w) * len(ix) + round((w - int(w)) * len(ix)) - len(ix) for ix, w in self.shares)
+        if per_epoch < 1:
+            held = ", ".join(f"{len(ix)} images at weight {w}" for ix, w in self.shares)
+            raise ConfigError(f"the datasets' weights draw no image in an epoch ({held}): raise their weight")
+
+    def copies(self, g: torch.Generator) -> dict[int, int] | None:
+        """Times each item is drawn this epoch: floor(share), plus once more for a seeded choice of
+        round(frac(share) * n) of its dataset's n items; None when every item is drawn once (no draw)."""
+        if not self.shares:
+            return None
+        out: dict[int, int] = {}
+        for indices, w in self.shares:
+            base, extra = int(w), round((w - int(w)) * len(indices))
+            out.update({i: base for i in indices})
+            if extra:
+                for k in torch.randperm(len(indices), generator=g)[:extra].tolist():
+                    out[indices[k]] += 1
+        return out
 
     def epoch_batches(self, epoch: int) -> list[tuple[str, list[int]]]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        copies = self.copies(g)
         batches = []
         for name in sorted(self.buckets):
             members = self.buckets[name]
+            if copies is not None:
+                members = [i for i in members for _ in range(copies.get(i, 1))]
             perm = [members[i] for i in torch.randperm(len(members), generator=g).tolist()]
             batches += [(name, perm[i:i + self.batch_size]) for i in range(0, len(perm), self.batch_size)]
         return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
@@ -87,24 +122,34 @@ class BucketSampler:
 
 
 def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_manifest: dict[str, Any],
-               run: str) -> list[Pair]:
+               run: str, datasets: list[Any] | None = None) -> list[Pair]:
     """Pair every dataset item with its cached caption and latent rows, by id. Missing rows mean a
-    cache is stale: refuse, naming the item and the stage to rerun."""
+    cache is stale: refuse, naming the item and the stage to rerun. `datasets`: the run's
+    DataConfigs (repeats, weight, caption_dropout of each item's dataset)."""
     cap_rows, lat_index = cap_manifest["rows"], lat_manifest["index"]
     skipped = {s["item"] for s in lat_manifest.get("skipped", [])}
+    stale_captions = (f"run `python pipeline.py encode-captions` for run '{run}'")
+    empty_id = dataset.caption_id("")
     pairs = []
     for it in items:
         if it.key in skipped:
             continue
-        if it.caption_id not in cap_rows:
-            raise ArtifactError(f"caption of '{it.key}' is not in captions.zarr (it changed or is new): "
-                                f"run `python pipeline.py encode-captions` for run '{run}'")
-        if it.image_id not in lat_index:
+        if any(cid not in cap_rows for cid in it.caption_ids):
+            raise ArtifactError(f"caption of '{it.key}' is not in captions.zarr (it changed or is new): {stale_captions}")
+        if it.latent_key not in lat_index:
             raise ArtifactError(f"image '{it.key}' is not in latents.zarr (it changed or is new): "
                                 f"run `python pipeline.py cache-latents` for run '{run}'")
-        loc = lat_index[it.image_id]
+        data = datasets[it.dataset] if datasets else None
+        dropout = data.caption_dropout if data else 0.0
+        if dropout > 0 and empty_id not in cap_rows:
+            raise ArtifactError(f"the empty caption that caption dropout trains on is not in captions.zarr: "
+                                f"{stale_captions}")
+        loc = lat_index[it.latent_key]
         pairs.append(Pair(it.key, it.image_id, it.caption_id, Bucket.parse(loc["bucket"]), loc["row"],
-                          cap_rows[it.caption_id]))
+                          cap_rows[it.caption_id], it.caption_ids, tuple(cap_rows[c] for c in it.caption_ids),
+                          dropout, (empty_id, cap_rows[empty_id]) if dropout > 0 else None,
+                          lat_manifest.get("variants_of", {}).get(it.latent_key, 0), it.dataset,
+                          (data.weight or float(data.repeats)) if data else 1.0))
     if not pairs:
         raise ArtifactError("no trainable items: every image was skipped or the caches are empty")
     return pairs
@@ -124,6 +169,9 @@ class TrainData:
     def __init__(self, pairs: list[Pair], caption_store: Any, latent_stores: dict[str, Any], variants: int):
         self.pairs, self.captions, self.latents, self.variants = pairs, caption_store, latent_stores, variants
         self.caption_fields = caption_store.fields
+        self.variant_counts = [p.variants or variants for p in pairs]
+        # only a run with a choice of captions draws one, so other runs keep their exact random stream
+        self.caption_choice = any(len(p.caption_rows) > 1 or p.dropout > 0 for p in pairs)
 
     def buckets(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -131,7 +179,37 @@ class TrainData:
             out.setdefault(str(p.bucket), []).append(i)
         return out
 
-    def load(self, indices: list[int], variant_choice: list[int]) -> Batch:
+    def shares(self) -> list[tuple[list[int], float]]:
+        """(item indices, times per epoch) of each dataset, for BucketSampler."""
+        groups: dict[tuple[int, float], list[int]] = {}
+        for i, p in enumerate(self.pairs):
+            groups.setdefault((p.dataset, p.share), []).append(i)
+        return [(ix, share) for (_, share), ix in sorted(groups.items())]
+
+    def draw_variants(self, indices: list[int], g: torch.Generator) -> list[int]:
+        """The latent variant of each item: uniform over its cached variants."""
+        counts = [self.variant_counts[i] for i in indices]
+        if len(set(self.variant_counts)) == 1:
+            return torch.randint(counts[0], (len(indices),), generator=g).tolist()
+        u = torch.rand(len(indices), generator=g, dtype=torch.float64)
+        return [int(x * n) for x, n in zip(u.tolist(), counts)]
+
+    def draw_captions(self, indices: list[int], g: torch.Generator) -> list[tuple[str, int]] | None:
+        """(caption id, row) of each item: the empty caption with its dataset's caption_dropout, else
+        one of its variants, uniformly. None, drawing nothing, when no item has a choice."""
+        if not self.caption_choice:
+            return None
+        pick = torch.rand(len(indices), generator=g, dtype=torch.float64).tolist()
+        drop = torch.rand(len(indices), generator=g, dtype=torch.float64).tolist()
+        out = []
+        for i, u, d in zip(indices, pick, drop):
+            p = self.pairs[i]
+            k = int(u * len(p.caption_rows))
+            out.append(p.empty if p.empty is not None and d < p.dropout else (p.caption_ids[k], p.caption_rows[k]))
+        return out
+
+    def load(self, indices: list[int], variant_choice: list[int],
+             captions: list[tuple[str, int]] | None = None) -> Batch:
         """Read each item's latent and caption rows, checked against their checksums, and stack the
         chosen variants. A row that fails is unflagged (so its cache stage re-encodes it) and
         training stops with an ArtifactError naming it and the command that repairs it."""
@@ -139,14 +217,15 @@ class TrainData:
         assert all(p.bucket == ps[0].bucket for p in ps), "a batch must come from one bucket"
         store = self.latents[str(ps[0].bucket)]
         lat = [_verified(store, p.latent_row, p.key, "cache-latents") for p in ps]
-        caps = [_verified(self.captions, p.caption_row, p.key, "encode-captions") for p in ps]
+        chosen = captions or [(p.caption_id, p.caption_row) for p in ps]
+        caps = [_verified(self.captions, row, p.key, "encode-captions") for p, (_, row) in zip(ps, chosen)]
         pick = lambda name: np.stack([row[name][v] for row, v in zip(lat, variant_choice)])  # noqa: E731
         bw, bh = ps[0].bucket
         meta = BatchMeta(torch.from_numpy(np.stack([row["original_size"] for row in lat])).long(),
                          torch.from_numpy(pick("crop_top_left")).long(), torch.tensor([[bh, bw]] * len(ps)))
         cond = {name: torch.from_numpy(np.stack([row[name] for row in caps])) for name in self.caption_fields}
         return Batch([p.key for p in ps], torch.from_numpy(pick("mean").astype(np.float32)),
-                     torch.from_numpy(pick("logvar").astype(np.float32)), cond, meta, [p.caption_id for p in ps])
+                     torch.from_numpy(pick("logvar").astype(np.float32)), cond, meta, [cid for cid, _ in chosen])
 
 
 def _verified(store: RowStore, row: int, key: str, stage: str) -> dict[str, np.ndarray]:

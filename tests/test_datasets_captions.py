@@ -1,0 +1,347 @@
+"""Several datasets in one run, caption dropout and caption variants (issue 20, part A).
+
+The sampler's repeats and weights and the caption draws are checked over many epochs and steps on
+their own (no model); one three-dataset run of the tiny FLUX pipeline shows that a shared image is
+cached once, that each dataset's resolution gives its own buckets, that the empty caption and every
+variant are cached rows, and that a stopped and resumed run ends bit-identical with all controls on.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import demo_config_path, make_cfg
+from stages.core.errors import ConfigError
+
+STEPS, STOP_AT = 6, 3
+
+
+def _toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text('model = "m"\n' + text)
+    return path
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+
+def test_invalid_dataset_settings_are_config_errors_naming_each_key(tmp_path):
+    from stages.core.config import load_config
+
+    path = _toml(tmp_path, """
+[data]
+caption_dropout = 1.5
+[[datasets]]
+path = "a"
+repeats = 2
+weight = 0.5
+reslution = 32
+[[datasets]]
+resolution = 8
+bucket_merge = true
+keep_tokens = -1
+caption_variants = 0
+caption_ext = "txt"
+""")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    for part in ("'data.caption_dropout' = 1.5 must be in [0, 1]",
+                 "'datasets[0].repeats' = 2 and 'datasets[0].weight' = 0.5 are both set",
+                 "unknown key 'datasets[0].reslution' (did you mean 'datasets[0].resolution'?)",
+                 "'datasets[1]' has no 'path'",
+                 "'datasets[1].bucket_merge' applies to the whole run: set 'data.bucket_merge' in [data]",
+                 "'datasets[1].resolution' = 8 must be >= 16", "'datasets[1].keep_tokens' = -1 must be >= 0",
+                 "'datasets[1].caption_variants' = 0 must be >= 1",
+                 "'datasets[1].caption_ext' = 'txt' must be a file extension starting with a dot: did you mean '.txt'?"):
+        assert part in msg, (part, msg)
+    _toml(tmp_path, "datasets = 3\n")
+    with pytest.raises(ConfigError, match="'datasets' must be a list of tables"):
+        load_config(tmp_path / "c.toml")
+
+
+def test_dataset_tables_fall_back_to_data_and_resolve_paths(tmp_path):
+    from stages.core.config import describe_keys, load_config
+
+    cfg = load_config(_toml(tmp_path, """
+[data]
+resolution = 64
+caption_dropout = 0.1
+repeats = 2
+[[datasets]]
+path = "one/cats"
+[[datasets]]
+path = "two/cats"
+resolution = 32
+weight = 0.5
+"""))
+    first, second = cfg.dataset_configs()
+    assert (first.path, first.resolution, first.caption_dropout, first.repeats) == (str(tmp_path / "one/cats"), 64, 0.1, 2)
+    # a table's weight replaces [data]'s repeats (not both set)
+    assert (second.resolution, second.caption_dropout, second.repeats, second.weight) == (32, 0.1, 1, 0.5)
+    assert cfg.dataset_names() == ["cats", "cats-1"]
+    keys = {row[0]: row for row in describe_keys()}
+    assert keys["datasets[].resolution"][1] == "data.resolution" and "default [data]'s" in keys["datasets[].resolution"][3]
+    assert keys["data.caption_dropout"][2] == "in [0, 1]"
+    # the resolved config saved beside a run (config.json) loads back the same
+    from stages.core.config import build_config
+
+    assert build_config(cfg.to_dict()).dataset_configs() == cfg.dataset_configs()
+
+
+# ---- the sampler -------------------------------------------------------------------------------
+
+
+def _drawn(sampler, batches: int) -> Counter:
+    seen: Counter = Counter()
+    for _ in range(batches):
+        seen.update(sampler.next()[1])
+    return seen
+
+
+def test_repeats_and_weights_per_epoch_and_resume_of_the_order():
+    from stages.core.train_data import BucketSampler
+
+    # items 0-3: repeats 3; items 4-11: weight 0.25 (2 of 8 per epoch, a fresh choice each epoch); 12-15 once
+    buckets = {"64x64": list(range(0, 16, 2)), "32x96": list(range(1, 16, 2))}
+    shares = [(list(range(4)), 3.0), (list(range(4, 12)), 0.25), (list(range(12, 16)), 1.0)]
+    sampler = BucketSampler(buckets, 2, seed=7, shares=shares)
+    epochs = 200
+    per_epoch = [sampler.epoch_batches(e) for e in range(epochs)]
+    for batches in per_epoch[:5]:
+        seen = Counter(i for _, b in batches for i in b)
+        assert all(seen[i] == 3 for i in range(4)) and all(seen[i] == 1 for i in range(12, 16))
+        assert sum(seen[i] for i in range(4, 12)) == 2 and all(seen[i] <= 1 for i in range(4, 12))
+        assert all(all(i in buckets[name] for i in b) for name, b in batches)  # a batch stays in its bucket
+    weighted = Counter(i for batches in per_epoch for _, b in batches for i in b if 4 <= i < 12)
+    assert all(abs(weighted[i] / epochs - 0.25) < 0.1 for i in range(4, 12)), weighted  # each about a quarter
+    # deterministic, and a resumed sampler continues the same order
+    again = BucketSampler(buckets, 2, seed=7, shares=shares)
+    first = [again.next() for _ in range(13)]
+    state = again.state_dict()
+    rest = [again.next() for _ in range(20)]
+    resumed = BucketSampler(buckets, 2, seed=7, shares=shares)
+    resumed.load_state_dict(state)
+    assert [resumed.next() for _ in range(20)] == rest
+    assert first == [b for batches in per_epoch for b in batches][:13]
+    # shares of 1 draw nothing: the plain order is the order without shares
+    assert BucketSampler(buckets, 2, 7, [(list(range(16)), 1.0)]).epoch_batches(3) == \
+        BucketSampler(buckets, 2, 7).epoch_batches(3)
+    with pytest.raises(ConfigError, match="weights draw no image"):
+        BucketSampler({"a": [0, 1]}, 1, 0, [([0, 1], 0.1)])
+
+
+# ---- caption variants in the scan -------------------------------------------------------------
+
+
+def _image(path: Path, size=(64, 64), colour="red") -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+
+
+def test_caption_variants_from_files_lines_metadata_and_tag_shuffles(tmp_path):
+    import json
+
+    from stages.core import dataset
+    from stages.core.config import DataConfig
+
+    folder = tmp_path / "d"
+    _image(folder / "a.png")
+    (folder / "a.txt").write_text("a red square\nred box")
+    (folder / "a.1.txt").write_text("scarlet square")
+    _image(folder / "b.png", colour="blue")
+    (folder / "b.txt").write_text("blue")
+    _image(folder / "b.1.png", colour="green")  # b.1.txt is this image's caption, not a variant of b
+    (folder / "b.1.txt").write_text("green")
+    whole = {it.key: it.texts for it in dataset.scan(folder)}
+    assert whole == {"a.png": ("a red square\nred box", "scarlet square"), "b.1.png": ("green",), "b.png": ("blue",)}
+    lines = {it.key: it.texts for it in dataset.scan(folder, caption_lines="variants")}
+    assert lines["a.png"] == ("a red square", "red box", "scarlet square")
+    meta = tmp_path / "m"
+    _image(meta / "x.png")
+    (meta / "metadata.jsonl").write_text(json.dumps({"file_name": "x.png", "text": ["one", "two, three"]}) + "\n")
+    assert [it.texts for it in dataset.scan(meta)] == [("one", "two, three")]
+
+    data = DataConfig(shuffle_tags=True, keep_tokens=1, caption_variants=6)
+    text = "ohwx, red, square, centred, plain"
+    shuffles = dataset.caption_shuffles(text, data, 0, "id")
+    assert 1 < len(shuffles) <= 6 and len(set(shuffles)) == len(shuffles)
+    assert all(s.startswith("ohwx, ") and sorted(s.split(", ")) == sorted(text.split(", ")) for s in shuffles)
+    assert shuffles == dataset.caption_shuffles(text, data, 0, "id") != dataset.caption_shuffles(text, data, 1, "id")
+    assert dataset.caption_shuffles("a, b", data, 0, "id") == ["a, b"]  # one tag after the kept one: one order
+
+
+# ---- a three-dataset run ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multi_run(assets, demo_data, tmp_path_factory):
+    """Dataset 'shapes' (the demo data, 64 px), 'shared' (two of its images with new, multi-line tag
+    captions: dropout, shuffles, repeats 3) and 'small' (two images at 48 px, 2 variants, weight 0.5)."""
+    from stages import cache_latents, encode_captions
+
+    root = tmp_path_factory.mktemp("multi")
+    shared, small = root / "shared", root / "small"
+    for k, name in enumerate(sorted(p.name for p in demo_data.glob("*.png"))[:2]):
+        shared.mkdir(exist_ok=True)
+        shutil.copy(demo_data / name, shared / name)
+        (shared / name).with_suffix(".txt").write_text(f"ohwx, shape {k}, bright, centred\nohwx, a drawing {k}")
+    _image(small / "s0.png", (64, 32), "red")
+    _image(small / "s1.png", (32, 64), "blue")
+    (small / "s0.txt").write_text("a red bar")
+    (small / "s1.txt").write_text("a blue bar")
+    cfg = make_cfg("flux", assets, demo_data, root / "artifacts", run="multi", **{
+        "train.steps": STEPS, "train.checkpoint_every": 4, "train.batch_size": 2, "data.resolution": 64,
+        "datasets": [{"path": str(demo_data), "name": "shapes"},
+                     {"path": str(shared), "caption_dropout": 0.5, "caption_lines": "variants",
+                      "shuffle_tags": True, "keep_tokens": 1, "caption_variants": 3, "repeats": 3},
+                     {"path": str(small), "resolution": 48, "cache_variants": 2, "weight": 0.5}]})
+    encode_captions.run(cfg)
+    cache_latents.run(cfg)
+    return cfg
+
+
+def test_a_shared_image_is_cached_once_and_each_resolution_has_its_buckets(multi_run):
+    from stages import cache_latents
+    from stages.core import dataset
+
+    cfg = multi_run
+    items = {it.key: it for it in dataset.scan_run(cfg)}
+    _, manifest = cache_latents.load_latents(cfg)
+    shared = [k for k in items if k.startswith("shared/")]
+    assert len(shared) == 2 and len(items) == 16
+    for key in shared:  # same bytes and settings as in 'shapes': one row, both items point at it
+        twin = "shapes/" + key.split("/", 1)[1]
+        assert manifest["items"][key] == manifest["items"][twin] == items[key].image_id
+    assert len(manifest["index"]) == 14  # 12 + 2 small; the shared two add no row
+    small = [manifest["index"][items[k].latent_key]["bucket"] for k in ("small/s0.png", "small/s1.png")]
+    big = {manifest["index"][items[k].latent_key]["bucket"] for k in items if k.startswith("shapes/")}
+    w, h = map(int, small[0].split("x"))
+    assert w > h and w * h <= 48 * 48 and all(int(a) * int(b) > 48 * 48 for a, b in (s.split("x") for s in big))
+    assert manifest["variants"] == 4 and set(manifest["variants_of"].values()) == {2}
+    assert items["small/s0.png"].latent_key != items["small/s0.png"].image_id  # its own settings: its own row
+
+
+def test_empty_caption_and_variants_are_cached_rows(multi_run):
+    import numpy as np
+
+    from stages import encode_captions
+    from stages.core import dataset
+    from stages.inspect import captions_section
+
+    cfg = multi_run
+    store, manifest = encode_captions.load_captions(cfg)
+    empty = dataset.caption_id("")
+    assert manifest["empty_caption"] == empty and empty in manifest["rows"]
+    row = store.read_row(manifest["rows"][empty])
+    assert set(row) == set(store.fields) and all(np.isfinite(v).all() for v in row.values())
+    items = {it.key: it for it in dataset.scan_run(cfg)}
+    variants = manifest["variants"]
+    assert set(variants) == {k for k in items if k.startswith("shared/")}
+    for key, cids in variants.items():
+        texts = items[key].texts
+        assert 2 < len(cids) <= 6 and cids == [dataset.caption_id(t) for t in texts]
+        assert all(t.startswith("ohwx, ") for t in texts) and all(c in manifest["rows"] for c in cids)
+    section = captions_section(cfg.run_dir, 4, cfg)
+    shown = section["variants"][sorted(variants)[0]]
+    assert [v["text"] for v in shown] == list(items[sorted(variants)[0]].texts)
+
+
+def test_dropout_rate_and_variants_drawn(multi_run):
+    import torch
+
+    from stages.trainer import build_data
+
+    data, _ = build_data(multi_run)
+    g = torch.Generator().manual_seed(0)
+    shared = [i for i, p in enumerate(data.pairs) if p.key.startswith("shared/")]
+    plain = [i for i, p in enumerate(data.pairs) if p.key.startswith("shapes/")]
+    draws = [data.draw_captions(shared + plain, g) for _ in range(2000)]
+    empty_row = data.pairs[shared[0]].empty
+    for k, i in enumerate(shared):
+        got = Counter(d[k] for d in draws)
+        assert abs(got[empty_row] / len(draws) - 0.5) < 0.04, got[empty_row]  # caption_dropout = 0.5
+        kept = {c for c in got if c != empty_row}
+        assert kept == set(zip(data.pairs[i].caption_ids, data.pairs[i].caption_rows))  # every variant drawn
+    for k, i in enumerate(plain, len(shared)):  # no dropout, one caption: always its own
+        assert {d[k] for d in draws} == {(data.pairs[i].caption_id, data.pairs[i].caption_row)}
+    small = [i for i, p in enumerate(data.pairs) if p.key.startswith("small/")]
+    picks = Counter(v for _ in range(500) for v in data.draw_variants(small + plain[:1], g)[:2])
+    assert set(picks) == {0, 1}  # the 48 px dataset caches 2 variants: only those are drawn
+    batch = data.load(shared[:1], [0], [empty_row])  # the swapped-in row is what the step trains on
+    want = data.captions.read_row(empty_row[1])
+    assert batch.caption_ids == [empty_row[0]]
+    assert all((batch.cond[name][0].numpy() == want[name]).all() for name in data.caption_fields)
+
+
+def _adapter(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _copy_run(cfg, name: str):
+    import dataclasses
+
+    new = dataclasses.replace(cfg, run=name)
+    shutil.rmtree(new.run_dir, ignore_errors=True)
+    for cache in ("captions.zarr", "latents.zarr"):
+        shutil.copytree(cfg.run_dir / cache, new.run_dir / cache)
+    return new
+
+
+def test_stop_and_resume_is_bit_identical_with_every_control_on(multi_run, monkeypatch):
+    import torch
+
+    from stages import train
+    from stages.core import faults
+
+    whole = _copy_run(multi_run, "multi-whole")
+    train.run(whole)
+    cut = _copy_run(multi_run, "multi-cut")
+    monkeypatch.setenv(faults.ENV, f"train:{STOP_AT}:TERM")
+    assert train.run(cut)["step"] == STOP_AT
+    monkeypatch.delenv(faults.ENV)
+    assert train.run(cut, resume=True)["step"] == STEPS
+    want, got = _adapter(whole.run_dir / "lora" / "final"), _adapter(cut.run_dir / "lora" / "final")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_plain_data_path_is_unchanged(assets, demo_data, tmp_path):
+    """A config without [[datasets]]: the same items, ids and cache layout as before this change."""
+    from stages import cache_latents, train
+    from stages.core import dataset
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path)
+    assert cfg.datasets == [] and cfg.dataset_names() == [""]
+    items = dataset.scan_run(cfg)
+    assert items == dataset.scan(demo_data)
+    assert all(it.captions == () and it.latent_key == it.image_id and it.dataset == 0 for it in items)
+    assert "datasets" not in cache_latents.layout_parts(cfg)
+    assert "sampling" not in train.fingerprint_parts(cfg)
+    assert demo_config_path("flux").read_text().count("[[datasets]]") == 0
+
+
+def test_sdxl_caches_the_empty_captions_pooled_output_too(assets, tmp_path):
+    """The dropout row is a normal caption row: for SDXL both encoders' states and the pooled output."""
+    import numpy as np
+
+    from stages import encode_captions
+    from stages.core import dataset
+
+    data = tmp_path / "d"
+    _image(data / "a.png")
+    (data / "a.txt").write_text("a red square")
+    cfg = make_cfg("sdxl", assets, data, tmp_path / "artifacts", **{"data.caption_dropout": 0.1})
+    manifest = encode_captions.run(cfg)
+    store, _ = encode_captions.load_captions(cfg)
+    empty = store.read_row(manifest["rows"][dataset.caption_id("")])
+    caption = store.read_row(manifest["rows"][dataset.caption_id("a red square")])
+    assert set(empty) == set(caption) and "pooled" in empty
+    assert np.abs(empty["pooled"]).sum() > 0 and not np.array_equal(empty["pooled"], caption["pooled"])
