@@ -21,7 +21,7 @@ from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manife
                                    sweep_leftovers, write_manifest)
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
 from stages.core.errors import ConfigError
-from stages.core.model_source import ModelSource
+from stages.core.model_source import ModelSource, model_source
 from stages.core.rowstore import RowStore
 from stages.core.schema import Bucket
 from stages.core.stage import running_stage
@@ -37,7 +37,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    src = ModelSource(cfg.model, cfg.revision)
+    src = model_source(cfg)
     d = cfg.data
     return {"family": cfg.family, "model": src.identity(family.vae_components), "resolution": d.resolution,
             "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "cache_variants": d.cache_variants,
@@ -152,7 +152,7 @@ def check(cfg: Any) -> dict[int, list[Bucket]]:
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    src = ModelSource(cfg.model, cfg.revision)
+    src = model_source(cfg)
     src.check(family.vae_components)
     make_runtime(cfg.device, cfg.latents.vae_precision)
     return {r: buckets_for(cfg, family, src, r) for r in sorted({d.resolution for d in cfg.dataset_configs()})}
@@ -211,7 +211,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     vae, norm = None, previous and previous["normalization"]
     if todo or previous is None:
         ctx.log.emit("loading", component="vae")
-        vae = family.load_vae(ModelSource(cfg.model, cfg.revision), rt)
+        vae = family.load_vae(model_source(cfg), rt)
         memory.apply_vae_plan(vae, vae_plan)  # sliced/tiled encode when the plan needs it
         norm = family.latent_normalization(vae)
         ctx.log.emit("loaded", component="vae", seconds=ctx.elapsed())

@@ -16,7 +16,7 @@ from stages.core import dataset, distributed
 from stages.core import faults
 from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
-from stages.core.model_source import ModelSource
+from stages.core.model_source import model_source
 from stages.core.rowstore import RowStore
 from stages.core.stage import running_stage
 
@@ -42,7 +42,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    src = ModelSource(cfg.model, cfg.revision)
+    src = model_source(cfg)
     return {"family": cfg.family, "model": src.identity(family.text_components),
             "max_sequence_length": cfg.captions.max_sequence_length,
             "precision": resolved_precision(cfg)}
@@ -78,7 +78,7 @@ def check(cfg: Any) -> None:
     from stages.core.runtime import make_runtime, require_cuda_for_nf4
     from stages.families import get_family
 
-    ModelSource(cfg.model, cfg.revision).check(get_family(cfg.family).text_components)
+    model_source(cfg).check(get_family(cfg.family).text_components)
     require_cuda_for_nf4("captions.text_encoder_precision", resolved_precision(cfg), make_runtime(cfg.device, "auto"))
 
 
@@ -132,7 +132,7 @@ def _encode(ctx: Any, cfg: Any, texts: dict[str, str], todo_ids: list[str], stor
     def encode_batch(batch: list[str]) -> None:
         if state["encoder"] is None:
             ctx.log.emit("loading", component="text encoders")
-            state["encoder"] = family.load_text_encoder(ModelSource(cfg.model, cfg.revision), cfg.captions, rt)
+            state["encoder"] = family.load_text_encoder(model_source(cfg), cfg.captions, rt)
             ctx.log.emit("loaded", component="text encoders", seconds=ctx.elapsed())
         batch_texts = [texts[c] for c in batch]
         with torch.no_grad():

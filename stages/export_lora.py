@@ -104,11 +104,11 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
     files = [write_diffusers(state, lora_cfg, manifest, tmp)]
     if cfg.export.format == "kohya":
         from stages.core.kohya import write_kohya
-        from stages.core.model_source import ModelSource
+        from stages.core.model_source import model_source
         from stages.families import get_family
 
         layout = get_family(manifest["family"]).kohya_layout
-        files.append(write_kohya(state, lora_cfg, manifest, tmp, layout, ModelSource(cfg.model, cfg.revision)))
+        files.append(write_kohya(state, lora_cfg, manifest, tmp, layout, model_source(cfg)))
     if cfg.export.verify:
         from stages.core.verify import verify_export
 

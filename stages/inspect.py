@@ -304,7 +304,7 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
     import torch
     from PIL import Image
 
-    from stages.core.model_source import ModelSource
+    from stages.core.model_source import model_source
     from stages.core.runtime import make_runtime
     from stages.families import get_family
 
@@ -315,7 +315,7 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
         z = z + torch.exp(0.5 * torch.from_numpy(info["logvar"].astype(np.float32))[None]) * eps
     family = get_family(info["family"])
     rt = make_runtime(cfg.device, cfg.latents.vae_precision)
-    src = ModelSource(cfg.model, cfg.revision)
+    src = model_source(cfg)
     src.check(family.vae_components)
     vae = family.load_vae(src, rt)
     # Qwen-Image's (Wan) VAEs decode (B, C, T, H, W); Qwen-Image 2.1's has 2-D conv weights but a temporal config.

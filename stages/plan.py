@@ -34,10 +34,10 @@ def _budget(value: Any) -> Any:
 def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
     """The JSON-able plan of every GPU stage (schema: tests/test_memory.py::test_plan_json_schema)."""
     from stages.core import memory
-    from stages.core.model_source import ModelSource
+    from stages.core.model_source import model_source
     from stages.families import get_family
 
-    family, src, budget = get_family(cfg.family), ModelSource(cfg.model, cfg.revision), _budget(budget_gb)
+    family, src, budget = get_family(cfg.family), model_source(cfg), _budget(budget_gb)
     stages = [memory.plan_for(cfg, family, src, budget, name) for name in PLANNED_STAGES]
     fitting = [p for p in stages if p.fits]
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.gb,

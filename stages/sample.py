@@ -22,7 +22,7 @@ from typing import Any
 
 from stages import export_lora, train
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
-from stages.core.model_source import ModelSource
+from stages.core.model_source import model_source
 
 NAME = "sample"
 GRID = "grid.png"
@@ -48,7 +48,7 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     components = family.text_components + family.vae_components + family.denoiser_components
     export = read_manifest(export_lora.artifact_dir(cfg))
     settings = {k: v for k, v in dataclasses.asdict(cfg.sample).items() if k not in ("after_train", "cpu_offload")}
-    return {"family": cfg.family, "model": ModelSource(cfg.model, cfg.revision).identity(components),
+    return {"family": cfg.family, "model": model_source(cfg).identity(components),
             "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts_of(cfg),
             "checkpoints": [p.name for p in chosen_checkpoints(cfg)], "resolution": cfg.data.resolution}
 
@@ -113,7 +113,7 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any]:
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    src = ModelSource(cfg.model, cfg.revision)
+    src = model_source(cfg)
     src.check(family.text_components + family.vae_components + family.denoiser_components)
     rt = make_runtime(cfg.device, cfg.sample.precision)
     log.emit("loading", component="pipeline", **{"class": family.pipeline_class})

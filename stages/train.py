@@ -23,7 +23,7 @@ from typing import Any
 
 from stages import cache_latents, encode_captions
 from stages.core.artifacts import ArtifactError, fingerprint, read_manifest
-from stages.core.model_source import ModelSource
+from stages.core.model_source import model_source
 
 NAME = "train"
 # Settings that change how a run is logged or saved, not what it learns: not in the fingerprint.
@@ -47,7 +47,7 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     cap, lat = read_manifest(encode_captions.artifact_dir(cfg)), read_manifest(cache_latents.artifact_dir(cfg))
     # repeats, weights and caption dropout change what is trained, not the caches; the defaults add no key
     sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]
-    return {"family": cfg.family, "model": ModelSource(cfg.model, cfg.revision).identity(family.denoiser_components),
+    return {"family": cfg.family, "model": model_source(cfg).identity(family.denoiser_components),
             "train": train, "seed": cfg.seed, "captions": cap and cap["fingerprint"], "latents": lat and lat["fingerprint"],
             **({"sampling": sampling} if sampling != [{"repeats": 1, "weight": 0.0, "caption_dropout": 0.0}] else {})}
 

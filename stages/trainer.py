@@ -20,7 +20,7 @@ from stages import cache_latents, encode_captions, train
 from stages.checkpoints import Checkpoints
 from stages.core import dataset, distributed, fastpath, faults, lora, memory
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
-from stages.core.model_source import ModelSource
+from stages.core.model_source import model_source
 from stages.core.runtime import make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
@@ -124,7 +124,7 @@ class Trainer:
         self.cfg, self.tcfg, self.log = cfg, cfg.train, log
         self.dist = dist or distributed.Dist()
         self.family = get_family(cfg.family)
-        self.src = ModelSource(cfg.model, cfg.revision)
+        self.src = model_source(cfg)
         self.data, lat_manifest = build_data(cfg)
         self.norm = lat_manifest["normalization"]
         # Under torchrun every rank walks the same order of global batches (batch_size per rank x

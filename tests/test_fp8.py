@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_model
+from conftest import make_cfg, tiny_model
 from stages.core.errors import ResourceError
 from stages.core.fp8 import (FP8_MAX, Fp8Linear, fp8_bytes, inside_repeated_blocks, quantize_denoiser_fp8,
                              require_fp8_device)
@@ -204,6 +204,31 @@ def test_fp8_scaled_checkpoint_converts_once_and_loads(assets, tmp_path):
     for k, v in expected.items():
         torch.testing.assert_close(got[k], v.to(torch.bfloat16), rtol=0, atol=0)  # exactly weight * scale
     assert _rel(got["transformer_blocks.0.attn.to_q.weight"], original.state_dict()["transformer_blocks.0.attn.to_q.weight"]) < 0.06
+
+
+def test_fp8_scaled_single_file_model_trains_through_the_stages(assets, demo_data, tmp_path):
+    """`model` = an fp8_scaled file with `model_base` = the pipeline folder: the stages take text
+    encoders and VAE from the base, the train stage converts the file once into the artifacts' model
+    cache and trains on exactly weight * scale."""
+    from diffusers import FluxTransformer2DModel
+
+    from stages import cache_latents, encode_captions, train
+    from stages.core.model_source import model_source
+
+    src = tmp_path / "flux-fp8_scaled.safetensors"
+    expected = _save_fp8_scaled(_flux(assets, torch.float32), src)
+    cfg = make_cfg("flux", assets, demo_data, tmp_path / "runs", **{
+        "model": str(src), "model_base": str(tiny_model(assets, "flux-dev")), "train.steps": 2,
+        "train.checkpoint_every": 0})
+    for stage in (encode_captions, cache_latents, train):
+        stage.run(cfg)
+    converted = list((tmp_path / "runs" / ".model-cache" / "fp8_scaled").glob("*/model.safetensors"))
+    assert len(converted) == 1 and (cfg.run_dir / "lora" / "final").is_dir()
+    first = converted[0].stat().st_mtime_ns
+    loaded = model_source(cfg).load(FluxTransformer2DModel, "transformer", torch_dtype=torch.bfloat16).state_dict()
+    assert converted[0].stat().st_mtime_ns == first  # read from the cache, not converted again
+    for k, v in expected.items():
+        torch.testing.assert_close(loaded[k], v.to(torch.bfloat16), rtol=0, atol=0)
 
 
 def test_fp8_scaled_reader_refuses_pickles(tmp_path):

@@ -233,7 +233,11 @@ class Config:
     family: str = "flux"
     """Model family: flux, qwen-image, z-image or sdxl."""
     model: str = ""
-    """A local diffusers pipeline folder or a hub id (e.g. black-forest-labs/FLUX.1-dev)."""
+    """A local diffusers pipeline folder, a hub id (e.g. black-forest-labs/FLUX.1-dev), or a single-file
+    denoiser checkpoint (.safetensors; fp8_scaled files are converted once into <artifacts>/.model-cache)."""
+    model_base: str = ""
+    """For a single-file model: the pipeline folder or hub id that supplies the other components and the
+    configs (empty: the repo diffusers infers from the file's keys, which must be in the local HF cache)."""
     revision: str = ""
     """Hub revision (branch, tag or commit) when model is a hub id."""
     artifacts: str = "artifacts"
@@ -490,13 +494,14 @@ HUB_ID = re.compile(r"^[\w][\w.-]*(/[\w.-]+)?$")
 
 
 def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
-    """Make the file's relative `data.path` and local `model` absolute, from the file's folder."""
-    model = data.get("model")
-    if isinstance(model, str) and model:
-        local = _absolute(model, folder)
-        # a relative ref that is no folder beside the config and reads as a repo id stays a hub id
-        is_hub = not Path(local).exists() and not model.startswith((".", "~")) and HUB_ID.match(model)
-        data["model"] = model if is_hub else local
+    """Make the file's relative `data.path` and local `model`/`model_base` absolute, from the file's folder."""
+    for key in ("model", "model_base"):
+        model = data.get(key)
+        if isinstance(model, str) and model:
+            local = _absolute(model, folder)
+            # a relative ref that is no folder beside the config and reads as a repo id stays a hub id
+            is_hub = not Path(local).exists() and not model.startswith((".", "~")) and HUB_ID.match(model)
+            data[key] = model if is_hub else local
     tables = data.get("datasets")
     for section in [data.get("data")] + (tables if isinstance(tables, list) else []):
         if isinstance(section, dict) and isinstance(section.get("path"), str) and section["path"]:

@@ -262,27 +262,27 @@ def planned_caption_precision(cfg: Any, family: Any) -> str | None:
     budget (None otherwise), without measuring free memory, so the captions' fingerprint that train
     checks is the one encode-captions wrote (the first GPU run: train refused nf4 captions as stale
     because it resolved "auto" to bf16). Under "auto" it assumes the free memory exceeds train's peak."""
-    from stages.core.model_source import ModelSource
+    from stages.core.model_source import model_source
     from stages.core.runtime import pick_device
 
     if cfg.captions.text_encoder_precision != "auto" or pick_device(cfg.device).type != "cuda":
         return None
     value = parse_budget(cfg.gpu.vram_budget_gb)
     budget = Budget(float("inf"), "auto") if value == "auto" else Budget(float(value), "cap")
-    plan = plan_for(cfg, family, ModelSource(cfg.model, cfg.revision), budget, "encode-captions")
+    plan = plan_for(cfg, family, model_source(cfg), budget, "encode-captions")
     return plan.settings["text_encoder_precision"]
 
 
 def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StagePlan]:
     """Resolve (and enforce) the budget, plan the stage, log a `plan` event; the config to run with."""
-    from stages.core.model_source import ModelSource
+    from stages.core.model_source import model_source
     from stages.core.runtime import pick_device
 
     budget = resolve_budget(cfg.gpu.vram_budget_gb, pick_device(cfg.device))
     if budget.gb is None:
         plan = unplanned(cfg, stage, budget)
     else:
-        plan = plan_for(cfg, family, ModelSource(cfg.model, cfg.revision), budget, stage)
+        plan = plan_for(cfg, family, model_source(cfg), budget, stage)
     log.emit("plan", **plan.to_dict())
     if not plan.fits:
         log.emit("warning", message=plan.note)

@@ -35,6 +35,8 @@ class ModelSource:
     revision: str = ""
     base: str = ""
     """For a single-file `ref`: the diffusers folder or hub id that supplies everything else."""
+    cache_root: str = ""
+    """Where a converted fp8_scaled single file is cached (`<artifacts>/.model-cache`; empty: beside the file)."""
 
     @property
     def is_local(self) -> bool:
@@ -47,7 +49,7 @@ class ModelSource:
     def base_source(self) -> "ModelSource":
         """The pipeline that supplies configs and non-denoiser components of a single file."""
         if self.base:
-            return ModelSource(self.base, self.revision)
+            return ModelSource(self.base, self.revision, cache_root=self.cache_root)
         return ModelSource(_inferred_base(str(self.path)))
 
     @property
@@ -95,13 +97,20 @@ class ModelSource:
             raise ModelError(f"cannot load '{subfolder}' {where} '{self.ref}': {_offline_hint(self.ref, e)}") from e
 
     def _load_single_file(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
+        from stages.core import fp8_checkpoint
+
         if not hasattr(cls, "from_single_file"):
             raise ModelError(f"'{self.ref}' is a single-file checkpoint, but diffusers 0.42 has no from_single_file "
                              f"for {cls.__name__}: convert it to a diffusers folder and point 'model' at that")
         base = self.base_source()
         config = str(base.path) if base.is_local else base.ref
+        path = self.path
+        if path.suffix.lower() in (".safetensors", ".sft") and fp8_checkpoint.is_fp8_scaled(path):
+            # diffusers' from_single_file ignores scale_weight: read the bf16 copy made once from it
+            cache = Path(self.cache_root) if self.cache_root else path.parent / ".lorapipe-model-cache"
+            path = fp8_checkpoint.dense_checkpoint(path, cache)
         try:
-            return cls.from_single_file(str(self.path), config=config, subfolder=subfolder, **kwargs)
+            return cls.from_single_file(str(path), config=config, subfolder=subfolder, **kwargs)
         except (OSError, ValueError, KeyError) as e:
             raise ModelError(f"cannot load the {subfolder} of single-file checkpoint '{self.ref}' with the configs of "
                              f"'{config}': {_offline_hint(config, e)}") from e
@@ -169,6 +178,12 @@ class ModelSource:
                     continue
                 h.update(f.read_bytes() if f.suffix == ".json" else _file_edges(f).encode())
         return f"local:{h.hexdigest()[:16]}"
+
+
+def model_source(cfg: Any) -> ModelSource:
+    """The run's model: `model` (+ `revision`), with `model_base` for a single file and the artifacts'
+    model cache for converted checkpoints."""
+    return ModelSource(cfg.model, cfg.revision, cfg.model_base, str(Path(cfg.artifacts) / ".model-cache"))
 
 
 def _file_edges(path: Path) -> str:

@@ -25,13 +25,12 @@ class VerifyError(UserError):
     """The exported file does not load cleanly; the message names the file and the keys."""
 
 
-def denoiser_skeleton(model_ref: str, revision: str, subfolder: str) -> torch.nn.Module:
-    """The denoiser class from its config.json, with parameters on the meta device (no memory)."""
+def denoiser_skeleton(src: Any, subfolder: str) -> torch.nn.Module:
+    """The denoiser class from its config.json (`src`: a ModelSource), with parameters on the meta
+    device (no memory)."""
     import diffusers
 
-    from stages.core.model_source import ModelSource
-
-    config = ModelSource(model_ref, revision).component_config(subfolder)
+    config = src.component_config(subfolder)
     cls = getattr(diffusers, config["_class_name"])
     with torch.device("meta"):
         return cls.from_config(config)
@@ -156,6 +155,8 @@ def verify_export(cfg: Any, manifest: dict[str, Any], file: Path) -> dict[str, A
 
 
 def _check_file(cfg: Any, pipeline_cls: Any, prefix: str, file: Path) -> dict[str, torch.Tensor]:
-    model = denoiser_skeleton(cfg.model, cfg.revision, prefix)
+    from stages.core.model_source import model_source
+
+    model = denoiser_skeleton(model_source(cfg), prefix)
     weights = load_into(model, pipeline_cls, file, prefix, "verify")
     return delta_weights(model, "verify", weights)
