@@ -35,6 +35,7 @@ def test_invalid_dataset_settings_are_config_errors_naming_each_key(tmp_path):
     path = _toml(tmp_path, """
 [data]
 caption_dropout = 1.5
+keep_tokens = 2
 [[datasets]]
 path = "a"
 repeats = 2
@@ -51,6 +52,7 @@ caption_ext = "txt"
         load_config(path)
     msg = str(e.value)
     for part in ("'data.caption_dropout' = 1.5 must be in [0, 1]",
+                 "'data.keep_tokens' = 2 keeps tags in place while shuffling, but 'data.shuffle_tags' is false",
                  "'datasets[0].repeats' = 2 and 'datasets[0].weight' = 0.5 are both set",
                  "unknown key 'datasets[0].reslution' (did you mean 'datasets[0].resolution'?)",
                  "'datasets[1]' has no 'path'",

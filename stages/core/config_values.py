@@ -126,6 +126,9 @@ def _data_errors(data: Any, where: str = "data", given: Any = None) -> list[str]
     if data.repeats != 1 and data.weight > 0:
         errors.append(f"'{where}.repeats' = {data.repeats} and '{where}.weight' = {data.weight} are both set: give "
                       f"repeats (whole times per epoch) or weight (fractional repeats), not both")
+    if data.keep_tokens > 0 and not data.shuffle_tags and (given is None or {"keep_tokens", "shuffle_tags"} & set(given)):
+        errors.append(f"'{where}.keep_tokens' = {data.keep_tokens} keeps tags in place while shuffling, but "
+                      f"'{where}.shuffle_tags' is false: set shuffle_tags = true, or keep_tokens = 0")
     return errors
 
 
