@@ -7,6 +7,7 @@ is the same for every family runs once, on ONE_FAMILY's run (`@once`), instead o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LORAPIPE_PLAIN", "1")
+# One torch/OpenMP thread per test process (children inherit it): `make test` runs two pytest-xdist
+# workers on two cores, and the tiny models gain nothing from more threads, while two workers of
+# two spinning OpenMP threads each on two cores cost several times the CPU. Export it to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # a plugin imported torch before this file: the variable came too late
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from stages.families import FAMILIES as REGISTRY, demo_variant  # noqa: E402 - after sys.path
 
@@ -67,17 +74,49 @@ def make_cfg(family: str, assets: Path, data: Path, root: Path, **overrides):
 
 
 _RUNS: dict[str, object] = {}
+BUILT_MODELS: dict[str, dict[str, set[str]]] = {}
+"""family -> stage -> the diffusers/transformers model classes that stage constructed in built_run."""
+
+
+@contextlib.contextmanager
+def record_models():
+    """Collects the class name of every diffusers/transformers model constructed inside the block
+    (in-process, what LORAPIPE_TRACE_MODELS records for a child process)."""
+    import diffusers
+    import transformers
+
+    seen: set[str] = set()
+    originals = {base: base.__init__ for base in (diffusers.ModelMixin, transformers.PreTrainedModel)}
+
+    def wrap(original):
+        def traced(self, *args, **kwargs):
+            seen.add(type(self).__name__)
+            original(self, *args, **kwargs)
+        return traced
+
+    for base, original in originals.items():
+        base.__init__ = wrap(original)
+    try:
+        yield seen
+    finally:
+        for base, original in originals.items():
+            base.__init__ = original
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
 def built_run(request: pytest.FixtureRequest, assets: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    """All four stages run in-process once per family (the demo config, fewer steps)."""
+    """All four stages run in-process once per family (the demo config, fewer steps); the model
+    classes each stage constructs go to BUILT_MODELS."""
     family = request.param
     if family not in _RUNS:
         from stages import cache_latents, encode_captions, export_lora, train
 
         cfg = make_cfg(family, assets, demo_data, tmp_path_factory.mktemp(f"run-{family}"), **{"train.steps": 8})
-        for module in (encode_captions, cache_latents, train, export_lora):
-            module.run(cfg)
+        built = BUILT_MODELS.setdefault(family, {})
+        for module, stage in ((encode_captions, "encode-captions"), (cache_latents, "cache-latents"),
+                              (train, "train"), (export_lora, "export-lora")):
+            with record_models() as seen:
+                module.run(cfg)
+            built[stage] = seen
         _RUNS[family] = cfg
     return _RUNS[family]

@@ -10,6 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 
+from conftest import tiny_model
+
 from stages.tiny import (
     PIPELINE_CLASS_NAMES,
     TINY_DIMS,
@@ -18,7 +20,6 @@ from stages.tiny import (
     build_qwen_tokenizer,
     build_t5_tokenizer,
     build_tiny_components,
-    build_tiny_pipeline,
     make_demo_dataset,
 )
 from stages.tiny.tokenizers import QWEN_IMAGE_DROP_IDX, QWEN_IMAGE_PROMPT_TEMPLATE
@@ -31,10 +32,10 @@ PROMPT = "a red circle on a white background"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """variant -> folder of the saved tiny pipeline (built once per module)."""
-    root = tmp_path_factory.mktemp("tiny")
-    return {v: build_tiny_pipeline(v, root / v, seed=0) for v in VARIANTS}
+def built(assets):
+    """variant -> folder of the saved tiny pipeline (conftest.tiny_model: build_tiny_pipeline, shared
+    with the other test files of this process)."""
+    return {v: tiny_model(assets, v) for v in VARIANTS}
 
 
 @pytest.fixture(scope="module")
