@@ -39,7 +39,8 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
     family = get_family(cfg.family)
     src = model_source(cfg)
     d = cfg.data
-    return {"family": cfg.family, "model": src.identity(family.vae_components), "resolution": d.resolution,
+    # rows: 2 = each row holds the loss mask of every variant beside its latents (older caches rebuild)
+    return {"family": cfg.family, "rows": 2, "model": src.identity(family.vae_components), "resolution": d.resolution,
             "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "cache_variants": d.cache_variants,
             "random_flip": d.random_flip, "crop": d.crop, "crop_zoom": d.crop_zoom, "background": d.background, "seed": cfg.seed,
             "dtype": cfg.latents.dtype, "vae_precision": cfg.latents.vae_precision,
@@ -92,6 +93,7 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             continue
         try:
             size = dataset.image_size(it.image_path)
+            _check_mask_size(it, size)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
             err = e if isinstance(e, dataset.BadImage) else dataset.BadImage(f"image '{it.image_path}' cannot be read ({e})")
             if cfg.data.on_bad_image == "error":
@@ -112,6 +114,23 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             log.emit("warning", item=key, message=note)
     plan = {i: (it, size, assigned[i]) for i, (it, size) in found.items()}
     return plan, skipped, dict(duplicates)
+
+
+def _check_mask_size(item: dataset.Item, size: tuple[int, int]) -> None:
+    """A loss mask must be its image's size (read from the headers, before the VAE loads)."""
+    if item.mask_path is not None and dataset.image_size(item.mask_path) != size:
+        w, h = dataset.image_size(item.mask_path)
+        raise dataset.BadImage(f"loss mask '{item.mask_path}' is {w}x{h} but its image '{item.image_path}' is "
+                               f"{size[0]}x{size[1]}: save the mask at the image's size")
+
+
+def _masks(mask: Any, variants: list[dataset.Variant], bucket: Bucket, latent_hw: tuple[int, int]) -> Any:
+    """(variants, h, w) loss weights at latent resolution, cut like each variant; ones without a mask."""
+    import numpy as np
+
+    if mask is None:
+        return np.ones((len(variants), *latent_hw), dtype=np.float32)
+    return np.stack([dataset.mask_at_latents(mask, v, bucket, latent_hw) for v in variants])
 
 
 def _open_store(path: Path, bucket: Bucket, layout_fp: str) -> RowStore | None:
@@ -224,6 +243,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         item, size, _ = plan[image_id]
         try:
             image = dataset.load_image(item.image_path, cfg.data.background)
+            mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
         except dataset.BadImage as e:
             if cfg.data.on_bad_image == "error":
                 e.item = item.key  # type: ignore[attr-defined]
@@ -232,7 +252,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             ctx.log.emit("skipped", item=item.key, reason=str(e))
             return
         d = datasets[item.dataset]
-        variants = dataset.plan_variants(item.image_id, size, bucket, d.cache_variants, cfg.seed, d.random_flip,
+        variants = dataset.plan_variants(dataset.pixels_id(item), size, bucket, d.cache_variants, cfg.seed, d.random_flip,
                                          d.crop, d.crop_zoom)
         with torch.no_grad():
             mean, logvar = family.encode_posterior(vae, _pixels(image, variants, bucket).to(rt.device))
@@ -243,7 +263,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             fields = {"mean": ((n_var, *mean.shape[1:]), cfg.latents.dtype),
                       "logvar": ((n_var, *logvar.shape[1:]), cfg.latents.dtype),
                       "crop_top_left": ((n_var, 2), "int64"), "flip": ((n_var,), "uint8"),
-                      "original_size": ((2,), "int64")}
+                      "original_size": ((2,), "int64"), "mask": ((n_var, *mean.shape[-2:]), "float16")}
             stores[bucket] = RowStore.create(out / str(bucket), by_bucket[bucket], fields)
             stores[bucket].group.attrs["layout"] = layout_fp
             stores[bucket].group.attrs["bucket"] = list(bucket)
@@ -255,7 +275,8 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             # is the mirrored image, where the box starts at resized_width - left - bucket_width
             "crop_top_left": [[v.crop_top, v.resized[0] - v.crop_left - bucket[0] if v.flip else v.crop_left]
                               for v in variants],
-            "flip": [int(v.flip) for v in variants], "original_size": [size[1], size[0]]})
+            "flip": [int(v.flip) for v in variants], "original_size": [size[1], size[0]],
+            "mask": _masks(mask, variants, bucket, tuple(mean.shape[-2:]))})
         faults.hit(NAME)
 
     def reopen() -> None:  # stores rank 0 created while seeding

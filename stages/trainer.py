@@ -8,6 +8,7 @@ loading and retention of checkpoints are `stages/checkpoints.py`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -207,7 +208,8 @@ class Trainer:
         dev = self.rt.device
         x0 = self.family.normalize_latents(sample_posterior(batch.mean.to(dev), batch.logvar.to(dev), eps.to(dev)), self.norm)
         cond = {k: v.to(dev) for k, v in batch.cond.items()}
-        return self.family.loss(self.denoiser, x0, noise.to(dev), t.to(dev), cond, batch.meta, self.tcfg).mean()
+        meta = batch.meta if batch.mask is None else dataclasses.replace(batch.meta, loss_mask=batch.mask.to(dev))
+        return self.family.loss(self.denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg).mean()
 
     def draw_next(self) -> tuple[list[int], tuple[Any, ...]]:
         """The next batch and its randomness; remembers the sampler/generator state from before it,

@@ -55,11 +55,12 @@ class Item:
     key: str  # path relative to the dataset root, e.g. "cats/01.png" ("<name>/cats/01.png" under [[datasets]])
     image_path: Path
     caption: str  # the first of `captions`
-    image_id: str
+    image_id: str  # of the image bytes, and of its loss mask's bytes when it has one
     caption_id: str
     captions: tuple[str, ...] = ()  # every caption text the item trains with, one drawn per step; () = (caption,)
     dataset: int = 0  # index of its [[datasets]] table
     latent_id: str = ""  # latents.zarr row key: "" is the image id; suffixed when its dataset's LATENT_KEYS differ
+    mask_path: Path | None = None  # `name_mask.png` beside the image, or `masks/<name>.png` (masked loss)
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -82,11 +83,60 @@ def caption_id(text: str) -> str:
     return content_id(text.encode("utf-8"))
 
 
-def _image_id(path: Path) -> str:
+def _image_id(path: Path, mask: Path | None = None) -> str:
+    """The image's content id; with a loss mask, of both files' bytes, so an edited mask re-encodes
+    exactly its item."""
     try:
-        return content_id(path.read_bytes())
+        data = path.read_bytes()
+        if mask is not None:
+            data = b"%d:" % len(data) + data + mask.read_bytes()
+        return content_id(data)
     except OSError:
         return UNREADABLE_ID_PREFIX + content_id(str(path).encode())[:13]
+
+
+# ---- loss masks: white trained, black ignored, grey weighted ---------------------------------
+
+
+def pixels_id(item: Item) -> str:
+    """The id of the image bytes alone: what seeds its crop/flip plan, so adding or editing a mask
+    re-encodes the item with the same crops (an all-white mask then trains exactly as no mask)."""
+    return item.image_id if item.mask_path is None else _image_id(item.image_path)
+
+MASK_SUFFIX, MASKS_FOLDER = "_mask", "masks"
+
+
+def mask_candidates(root: Path, image: Path) -> list[Path]:
+    """Where an image's loss mask may be: `<stem>_mask.<ext>` beside it, or `masks/<stem>.<ext>`
+    under the dataset root (same relative folders)."""
+    rel = image.relative_to(root).with_suffix("")
+    return ([image.with_name(image.stem + MASK_SUFFIX + ext) for ext in IMAGE_EXTS]
+            + [root / MASKS_FOLDER / rel.with_suffix(ext) for ext in IMAGE_EXTS])
+
+
+def find_mask(root: Path, image: Path, follow_outside: bool) -> Path | None:
+    found = [p for p in mask_candidates(root, image) if os.path.lexists(p)]
+    if len(found) > 1:
+        raise DatasetError(f"image '{image}' has {len(found)} loss masks ({', '.join(str(p) for p in found)}): "
+                           f"keep one")
+    if not found:
+        return None
+    problem = _file_problem(found[0])
+    if problem:
+        raise BadImage(f"loss mask '{found[0]}' {problem}: {BAD_IMAGE_HINT}")
+    _check_inside(root, found[0], follow_outside)
+    return found[0]
+
+
+def _is_mask_file(root: Path, path: Path) -> bool:
+    """A file under `masks/`, or `<stem>_mask.<ext>` beside an image `<stem>.<ext>`: a mask, not an item."""
+    rel = path.relative_to(root)
+    if rel.parts[0] == MASKS_FOLDER and len(rel.parts) > 1:
+        return True
+    if not path.stem.endswith(MASK_SUFFIX):
+        return False
+    base = path.stem[:-len(MASK_SUFFIX)]
+    return any(os.path.lexists(path.with_name(base + ext)) for ext in IMAGE_EXTS)
 
 
 def _file_problem(path: Path) -> str | None:
@@ -205,6 +255,8 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path
     for path in sorted(root.rglob("*")):
         suffix = path.suffix.lower()
         key = path.relative_to(root).as_posix()
+        if suffix in IMAGE_EXTS and _is_mask_file(root, path):
+            continue
         if suffix in IMAGE_EXTS:
             problem = _file_problem(path)
             if problem is None:
@@ -258,13 +310,14 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
     stems = {path.with_suffix("") for path, _ in pairs}
     items = []
     for path, text in pairs:
+        mask = find_mask(root, path, follow_symlinks_outside)
         texts = [t.strip() for t in text.split(VARIANT_SEP)] + (
             [] if meta.is_file() else _numbered_captions(root, path, caption_ext, stems, follow_symlinks_outside))
         if caption_lines == "variants":
             texts = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
         texts = list(dict.fromkeys(texts))
-        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], _image_id(path), caption_id(texts[0]),
-                          tuple(texts) if len(texts) > 1 else ()))
+        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], _image_id(path, mask), caption_id(texts[0]),
+                          tuple(texts) if len(texts) > 1 else (), mask_path=mask))
     return sorted(items, key=lambda it: it.key)
 
 
@@ -311,7 +364,7 @@ def scan_run(cfg: Any, log: Any = None) -> list[Item]:
                 text, data, cfg.seed, it.image_id)))
             out.append(Item(f"{name}/{it.key}" if name else it.key, it.image_path, texts[0], it.image_id,
                             caption_id(texts[0]), texts if len(texts) > 1 else (), i,
-                            it.image_id + suffix if suffix else ""))
+                            it.image_id + suffix if suffix else "", it.mask_path))
     return sorted(out, key=lambda it: it.key)
 
 
@@ -538,6 +591,30 @@ def image_size(path: Path) -> tuple[int, int]:
         w, h = im.size
         orientation = im.getexif().get(0x0112, 1)
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+
+
+def load_mask(path: Path, image_size: tuple[int, int]):
+    """A loss mask as an 8-bit grey PIL image (EXIF orientation applied) of the image's size.
+    Raises BadImage naming the mask, like a broken image."""
+    from PIL import ImageOps
+
+    with _open_image(path) as im:
+        im.load()
+        im = ImageOps.exif_transpose(im)
+    if im.size != tuple(image_size):
+        raise BadImage(f"loss mask '{path}' is {im.size[0]}x{im.size[1]} but its image is "
+                       f"{image_size[0]}x{image_size[1]}: save the mask at the image's size")
+    return im.convert("L") if im.mode != "L" else im
+
+
+def mask_at_latents(mask, v: Variant, bucket: tuple[int, int], latent_hw: tuple[int, int]):
+    """The mask cut as variant `v` cuts its image, averaged over each latent cell -> float32 (h, w)
+    in [0, 1] (255 -> 1.0 exactly, so an all-white mask is all ones)."""
+    import numpy as np
+
+    (h, w), (bw, bh) = latent_hw, bucket
+    arr = np.asarray(render_variant(mask, v, bucket), dtype=np.float32) / 255.0
+    return arr.reshape(h, bh // h, w, bw // w).mean(axis=(1, 3), dtype=np.float32)
 
 
 def render_variant(image, v: Variant, bucket: tuple[int, int]):

@@ -67,8 +67,22 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
-def per_sample_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((pred.float() - target.float()) ** 2).flatten(1).mean(dim=1)
+def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error per sample; with a loss mask (B, 1, h, w) of weights in [0, 1], the
+    weighted mean over the mask: sum(w * err) / (channels * sum(w)).
+
+    Written as mean(w * err) * (h*w / sum(w)) so that an all-ones mask is bit-identical to no mask
+    (w * err == err and h*w / sum(w) == 1.0 exactly), loss and gradients alike. A sample whose mask
+    is all zero contributes 0, not NaN."""
+    err = (pred.float() - target.float()) ** 2
+    if mask is None:
+        return err.flatten(1).mean(dim=1)
+    m = mask.to(err.device, torch.float32)
+    m = m.reshape(m.shape[0], *([1] * (err.dim() - 3)), *m.shape[-2:])  # (B, 1, [T,] h, w)
+    area = float(m.shape[-2] * m.shape[-1])
+    total = m.flatten(1).sum(dim=1)
+    scale = torch.where(total > 0, area / total.clamp_min(1e-12), torch.zeros_like(total))
+    return (err * m).flatten(1).mean(dim=1) * scale
 
 
 # ---- 2x2 latent packing (FLUX and Qwen-Image) -------------------------------------------------

@@ -163,6 +163,7 @@ class Batch:
     cond: dict[str, torch.Tensor]
     meta: BatchMeta
     caption_ids: list[str]
+    mask: torch.Tensor | None = None  # (B, 1, h, w) loss weights of the chosen variants; None: all ones
 
 
 class TrainData:
@@ -225,7 +226,16 @@ class TrainData:
                          torch.from_numpy(pick("crop_top_left")).long(), torch.tensor([[bh, bw]] * len(ps)))
         cond = {name: torch.from_numpy(np.stack([row[name] for row in caps])) for name in self.caption_fields}
         return Batch([p.key for p in ps], torch.from_numpy(pick("mean").astype(np.float32)),
-                     torch.from_numpy(pick("logvar").astype(np.float32)), cond, meta, [cid for cid, _ in chosen])
+                     torch.from_numpy(pick("logvar").astype(np.float32)), cond, meta, [cid for cid, _ in chosen],
+                     loss_mask(pick("mask")) if "mask" in lat[0] else None)
+
+
+def loss_mask(masks: np.ndarray) -> torch.Tensor | None:
+    """(B, 1, h, w) float32 loss weights, or None when every weight is 1 (no item of the batch has a
+    mask): the loss then runs exactly the unmasked path."""
+    if bool((masks == 1).all()):
+        return None
+    return torch.from_numpy(masks.astype(np.float32)).unsqueeze(1)
 
 
 def _verified(store: RowStore, row: int, key: str, stage: str) -> dict[str, np.ndarray]:

@@ -30,6 +30,9 @@ class BatchMeta:
     original_size: "torch.Tensor"  # (height, width) of the source image
     crop_top_left: "torch.Tensor"  # (top, left) of the variant's crop in the resized image
     target_size: "torch.Tensor"  # (height, width) of the bucket
+    loss_mask: "torch.Tensor | None" = None
+    """(B, 1, h, w) loss weights at latent resolution on the loss's device (None: unmasked); the
+    family hands it to `flow.per_sample_mse`, which averages the loss over it."""
 
 
 class TextEncoder(Protocol):

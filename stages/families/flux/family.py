@@ -120,4 +120,4 @@ class Flux(KLVAELatents):
             img_ids=self.image_ids(h, w, device, dtype),
             return_dict=False,
         )[0]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise))
+        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)

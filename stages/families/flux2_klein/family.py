@@ -170,4 +170,4 @@ class Flux2Klein:
             guidance=None,  # as Flux2KleinPipeline: klein has no guidance embedding
             return_dict=False,
         )[0]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise))
+        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)

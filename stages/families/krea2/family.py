@@ -148,4 +148,4 @@ class Krea2:
             encoder_attention_mask=mask,  # the pipeline always passes its bool mask
             return_dict=False,
         )[0]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise))
+        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)

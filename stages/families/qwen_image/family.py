@@ -152,4 +152,4 @@ class QwenImage:
             img_shapes=[[(1, h // 2, w // 2)]] * b,
             return_dict=False,
         )[0]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise))
+        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)

@@ -174,4 +174,4 @@ class QwenImage21:
             img_mask=joint_img_mask(b, text.shape[1], h * w, device),
             return_dict=False,
         )[0][:, -h * w:]  # the target image's tokens, as the pipeline slices them
-        return flow.per_sample_mse(pred.transpose(1, 2).reshape(b, c, h, w), flow.flow_target(x0, noise))
+        return flow.per_sample_mse(pred.transpose(1, 2).reshape(b, c, h, w), flow.flow_target(x0, noise), meta.loss_mask)

@@ -237,4 +237,4 @@ class SDXL:
             return_dict=False,
         )[0]
         weights = min_snr_weights(snr(sched.alphas_cumprod, t), tcfg.snr_gamma, kind)
-        return flow.per_sample_mse(pred, target) * weights
+        return flow.per_sample_mse(pred, target, meta.loss_mask) * weights
