@@ -190,11 +190,14 @@ def train_cmd(spec: RunSpec, resume: bool, restart: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["diffusers", "kohya"]), help="Also write a kohya/ComfyUI copy.")
 @click.option("--verify", is_flag=True, default=None, help="Load the file into the family's pipeline and check every key.")
 @click.option("--checkpoint", type=int, help="Export lora/checkpoint-N instead of lora/final.")
+@click.option("--ema", is_flag=True, default=None, help="Export the EMA of the weights (train.ema_decay > 0).")
 @click.option("--force", is_flag=True, help="Rewrite the export even when it is up to date.")
 @_guarded
-def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: int | None, force: bool) -> None:
+def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: int | None, ema: bool | None,
+               force: bool) -> None:
     """Write the adapter as a diffusers LoRA file (no base weights loaded) -> export/."""
-    sets = ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ())
+    sets = ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ()) + (
+        ("export.ema=true",) if ema else ())
     spec = RunSpec(spec.name, spec.config, spec.artifacts, spec.model, spec.sets + sets)
     _run_stage("export-lora", spec.load(), checkpoint=checkpoint, **({"force": True} if force else {}))
 

@@ -1,13 +1,14 @@
 """Stage 4: lora/final -> export/pytorch_lora_weights.safetensors. Loads no base weights.
 
-    lorapipe export-lora <run> [--format kohya] [--verify] [--checkpoint N] [--force]
+    lorapipe export-lora <run> [--format kohya] [--verify] [--checkpoint N] [--ema] [--force]
 
 The diffusers file is written by the family's own `<Pipeline>.save_lora_weights` with the adapter
 config in the header metadata, so `load_lora_weights()` restores lora_alpha != rank correctly.
 Everything it needs (family, pipeline class, LoRA config) is read from lora/final/manifest.json;
 if that is missing it refuses and names the command that makes it. `--checkpoint N` exports
 lora/checkpoint-N to export/checkpoint-N/, beside the final export, which it leaves as it is. An
-export that is up to date is not rewritten unless forced.
+export that is up to date is not rewritten unless forced. `--ema` exports the EMA of the adapter
+weights (train.ema_decay > 0) in the same files instead.
 """
 
 from __future__ import annotations
@@ -36,10 +37,28 @@ def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]
     if checkpoint is not None:
         source = read_manifest(cfg.run_dir / "lora" / f"checkpoint-{checkpoint}")
         return {"checkpoint": checkpoint, "lora": source and source.get("fingerprint"),
-                "lineage": source and source.get("lineage"), "format": cfg.export.format}
+                "lineage": source and source.get("lineage"), "format": cfg.export.format, **_ema_part(cfg)}
     final = read_manifest(train.artifact_dir(cfg))
     return {"lora": final and final.get("fingerprint"), "lora_step": final and final.get("step"),
-            "format": cfg.export.format}
+            "format": cfg.export.format, **_ema_part(cfg)}
+
+
+def _ema_part(cfg: Any) -> dict[str, Any]:
+    return {"ema": True} if cfg.export.ema else {}  # off adds no key: older exports stay up to date
+
+
+def adapter_weights(cfg: Any, folder: Path) -> str:
+    """The weights file export-lora reads: the adapter, or with export.ema its EMA (refused, with the
+    fix, when the run was trained without one)."""
+    from stages.core import lora
+
+    if not cfg.export.ema:
+        return lora.ADAPTER_WEIGHTS
+    if not (folder / lora.EMA_WEIGHTS).is_file():
+        raise ArtifactError(f"'{folder}' holds no EMA of the adapter ({lora.EMA_WEIGHTS}): it was trained with "
+                            f"train.ema_decay = 0; train with e.g. `--set train.ema_decay=0.999`, or export "
+                            f"without --ema")
+    return lora.EMA_WEIGHTS
 
 
 def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict[str, Any]]:
@@ -100,7 +119,7 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
     A checkpoint is complete by construction; lora/final says itself whether it is."""
     from stages.core import lora
 
-    state, lora_cfg = lora.load_adapter_files(folder)
+    state, lora_cfg = lora.load_adapter_files(folder, adapter_weights(cfg, folder))
     files = [write_diffusers(state, lora_cfg, manifest, tmp)]
     if cfg.export.format == "kohya":
         from stages.core.kohya import write_kohya
@@ -115,7 +134,8 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
         verify_export(cfg, manifest, files[0])
     return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[f.name for f in files],
                 source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
-                lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state))
+                lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state),
+                ema=cfg.export.ema)
 
 
 def keep_checkpoint_exports(out: Path, tmp: Path) -> None:

@@ -28,7 +28,10 @@ from stages.core.model_source import model_source
 NAME = "train"
 # Settings that change how a run is logged or saved, not what it learns: not in the fingerprint.
 NOT_FINGERPRINTED = {"log_every", "checkpoint_every", "keep_checkpoints", "resume", "warmup_steps_excluded",
-                     "compile_transformer", "enable_tf32", "cudnn_benchmark", "cuda_graphs"}
+                     "compile_transformer", "enable_tf32", "cudnn_benchmark", "cuda_graphs", "ema_device"}
+# Keys added after runs were made: at their default they stay out of the fingerprint, so a run made
+# before them (which trained exactly as the default does) stays up to date and resumable.
+LATER_KEYS = {"ema_decay": 0.0}
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -43,7 +46,8 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in NOT_FINGERPRINTED}
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items()
+             if k not in NOT_FINGERPRINTED and not (k in LATER_KEYS and v == LATER_KEYS[k])}
     cap, lat = read_manifest(encode_captions.artifact_dir(cfg)), read_manifest(cache_latents.artifact_dir(cfg))
     # repeats, weights and caption dropout change what is trained, not the caches; the defaults add no key
     sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]

@@ -143,6 +143,7 @@ class Trainer:
         self.rt: Any = None
         self.lora_config: Any = None
         self.params: list[torch.nn.Parameter] = []
+        self.ema: lora.AdapterEMA | None = None
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.denoiser: Any = None
@@ -171,6 +172,7 @@ class Trainer:
         targets = self.tcfg.target_modules or list(self.family.default_lora_targets)
         self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets)
         self.params = lora.attach_lora(self.model, self.lora_config)
+        self.ema = lora.AdapterEMA(self.params, self.tcfg.ema_decay, self.tcfg.ema_device) if self.tcfg.ema_decay else None
         if self.tcfg.gradient_checkpointing:
             self.model.enable_gradient_checkpointing(fastpath.checkpoint_function(self.tcfg.dropout))
         self.swap = memory.apply_train_plan(self.model, self.plan, self.rt)  # block swap
@@ -227,6 +229,8 @@ class Trainer:
         if self.tcfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.max_grad_norm)
         self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Read the next batch while the GPU still runs this one (float(loss) below waits for it).
@@ -258,6 +262,8 @@ class Trainer:
         state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
                  "sampler": self.sampler.state_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()}}
+        if self.ema is not None:
+            state["ema"] = self.ema.state()
         if self.pending is not None:  # the next batch was read ahead: save the state before it
             state.update(self.state_before_pending)
         if torch.cuda.is_available():
@@ -276,6 +282,8 @@ class Trainer:
         if "cuda_rng" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         self.sampler.load_state_dict(state["sampler"])
+        if self.ema is not None:
+            self.ema.load(state["ema"])  # the fingerprint covers ema_decay: a checkpoint of this config has it
         self.batch_sizes = Counter({int(k): v for k, v in state.get("batch_sizes", {}).items()})
         self.pending, self.saved_step = None, int(state["step"])
 
@@ -287,6 +295,8 @@ class Trainer:
 
     def _write_adapter(self, folder: Any) -> None:
         lora.save_adapter(self.model, self.lora_config, folder)
+        if self.ema is not None:
+            lora.save_ema(self.model, self.ema, folder)
 
     def resume(self) -> int:
         """Load the newest complete checkpoint made with this config; return its step (0 if none)."""

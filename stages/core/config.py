@@ -137,6 +137,12 @@ class TrainConfig:
     """LoRA dropout."""
     target_modules: list[str] = field(default_factory=list)
     """Module names for LoRA (empty: the family's default, e.g. FLUX attention q/k/v/out)."""
+    ema_decay: float = 0.0
+    """EMA of the adapter weights, ema = decay * ema + (1 - decay) * weights after every step (0: off;
+    e.g. 0.999). Saved and resumed with checkpoints; `export-lora --ema` exports it."""
+    ema_device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the EMA copy lives: auto beside the adapter (the training device); cpu keeps GPU memory free
+    at the cost of copying the adapter to the host every step."""
     timestep_density: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
     """Flow families: how training timesteps are drawn (SD3 paper, sec. 3.1)."""
     logit_mean: float = 0.0
@@ -192,6 +198,8 @@ class ExportConfig:
     """kohya also writes a kohya/ComfyUI-keyed copy."""
     verify: bool = False
     """Load the exported file into the family's pipeline and fail on any missing/unexpected key."""
+    ema: bool = False
+    """Export the EMA of the adapter weights (trained with train.ema_decay > 0) instead of the weights."""
 
 
 @dataclass

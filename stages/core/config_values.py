@@ -77,6 +77,7 @@ RANGES: dict[str, Range] = {
     "train.rank": AT_LEAST_ONE,
     "train.alpha": POSITIVE,
     "train.dropout": FRACTION,
+    "train.ema_decay": FRACTION,
     "train.logit_std": POSITIVE,
     "train.mode_scale": NON_NEGATIVE,
     "train.shift": POSITIVE,
@@ -102,7 +103,8 @@ def value_errors(cfg: Any) -> list[str]:
                for i, seed in enumerate(cfg.sample.seeds) if seed not in RANGES["seed"]]
     if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
         errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
-    return errors + _data_errors(cfg.data) + _datasets_errors(cfg) + _name_errors(cfg) + _family_errors(cfg)
+    return errors + _data_errors(cfg.data) + _datasets_errors(cfg) + _name_errors(cfg) + _train_errors(cfg) + \
+        _family_errors(cfg)
 
 
 def _data_errors(data: Any, where: str = "data", given: Any = None) -> list[str]:
@@ -140,6 +142,16 @@ def _datasets_errors(cfg: Any) -> list[str]:
         errors += [f"'{where}.{k}' = {v!r} must be {RANGES['data.' + k]}" for k, v in table.items()
                    if f"data.{k}" in RANGES and v not in RANGES[f"data.{k}"]]
         errors += _data_errors(data, where, table)
+    return errors
+
+
+def _train_errors(cfg: Any) -> list[str]:
+    t, errors = cfg.train, []
+    if t.ema_device == "cuda" and cfg.device == "cpu":
+        errors.append("'train.ema_device' = 'cuda' but 'device' = 'cpu': use 'auto' or 'cpu', or train on cuda")
+    if t.ema_device != "auto" and t.ema_decay == 0:
+        errors.append(f"'train.ema_device' = {t.ema_device!r} but 'train.ema_decay' = 0 (EMA off): set "
+                      f"train.ema_decay (e.g. 0.999) or leave train.ema_device at 'auto'")
     return errors
 
 

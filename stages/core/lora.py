@@ -2,7 +2,8 @@
 
 The adapter folder (lora/final, lora/checkpoint-N) holds `adapter_model.safetensors` with peft's
 state-dict keys (no `base_model.model.` prefix) and `adapter_config.json` (LoraConfig.to_dict()),
-which export-lora turns into diffusers' LoRA file with the config in its metadata.
+which export-lora turns into diffusers' LoRA file with the config in its metadata; with
+train.ema_decay > 0 also `ema_model.safetensors`, the EMA of the weights under the same keys.
 """
 
 from __future__ import annotations
@@ -81,10 +82,10 @@ def config_dict(config: Any) -> dict[str, Any]:
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()}
 
 
-def load_adapter_files(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_adapter_files(folder: Path, weights: str = ADAPTER_WEIGHTS) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     from safetensors.torch import load_file
 
-    return load_file(str(folder / ADAPTER_WEIGHTS)), json.loads((folder / ADAPTER_CONFIG).read_text())
+    return load_file(str(folder / weights)), json.loads((folder / ADAPTER_CONFIG).read_text())
 
 
 def load_adapter_weights(model: torch.nn.Module, folder: Path) -> None:
@@ -96,3 +97,50 @@ def load_adapter_weights(model: torch.nn.Module, folder: Path) -> None:
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise RuntimeError(f"adapter in '{folder}' has keys this model lacks: {unexpected[:5]}")
+
+
+# ---- EMA of the adapter weights (train.ema_decay) ----------------------------------------------
+
+EMA_WEIGHTS = "ema_model.safetensors"
+
+
+class AdapterEMA:
+    """ema = decay * ema + (1 - decay) * weights, per adapter parameter, after every optimizer step.
+    Starts from the initial adapter (no bias correction); fp32, on `device` (the training device,
+    or the CPU to keep GPU memory free)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, device: str):
+        self.params, self.decay = params, decay
+        self.device = params[0].device if device == "auto" else torch.device(device)
+        self.shadow = [p.detach().to(self.device, torch.float32, copy=True) for p in params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach().to(self.device, torch.float32), 1.0 - self.decay)
+
+    def state(self) -> list[torch.Tensor]:
+        return self.shadow
+
+    def load(self, state: list[torch.Tensor]) -> None:
+        if len(state) != len(self.shadow) or any(a.shape != b.shape for a, b in zip(state, self.shadow)):
+            raise ValueError("the checkpoint's EMA does not match this adapter's parameters")
+        self.shadow = [t.to(self.device, torch.float32).clone() for t in state]
+
+    @torch.no_grad()
+    def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The EMA under the adapter's own state-dict keys: the weights are swapped in, read, swapped back."""
+        saved = [p.data for p in self.params]
+        try:
+            for p, s in zip(self.params, self.shadow):
+                p.data = s.to(p.device)
+            return adapter_state_dict(model)
+        finally:
+            for p, d in zip(self.params, saved):
+                p.data = d
+
+
+def save_ema(model: torch.nn.Module, ema: AdapterEMA, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(ema.state_dict(model), str(folder / EMA_WEIGHTS))
