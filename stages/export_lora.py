@@ -22,6 +22,7 @@ from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_m
 
 NAME = "export-lora"
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+LYCORIS_ONLY = ("lokr", "loha")  # adapter types diffusers' loader cannot read: exported as LyCORIS only
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -120,6 +121,8 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
     from stages.core import lora
 
     state, lora_cfg = lora.load_adapter_files(folder, adapter_weights(cfg, folder))
+    if lora.adapter_type(lora_cfg) in LYCORIS_ONLY:
+        return _lycoris_export(cfg, folder, manifest, parts, tmp, complete, state, lora_cfg)
     files = [write_diffusers(state, lora_cfg, manifest, tmp)]
     if cfg.export.format == "kohya":
         from stages.core.kohya import write_kohya
@@ -135,7 +138,24 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
     return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[f.name for f in files],
                 source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
                 lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state),
-                ema=cfg.export.ema)
+                ema=cfg.export.ema, adapter=lora.adapter_type(lora_cfg))
+
+
+def _lycoris_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[str, Any], tmp: Path, complete: bool,
+                    state: dict[str, Any], lora_cfg: dict[str, Any]) -> dict[str, Any]:
+    """LoKr and LoHa: diffusers' load_lora_weights reads neither, so the export is the LyCORIS file
+    (kohya module names) that ComfyUI loads, whatever export.format says."""
+    from stages.core import lora
+    from stages.core.kohya import write_lycoris
+    from stages.core.model_source import ModelSource
+    from stages.families import get_family
+
+    layout = get_family(manifest["family"]).kohya_layout
+    file = write_lycoris(state, lora_cfg, manifest, tmp, layout, ModelSource(cfg.model, cfg.revision))
+    return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[file.name],
+                source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
+                lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state),
+                ema=cfg.export.ema, adapter=lora.adapter_type(lora_cfg))
 
 
 def keep_checkpoint_exports(out: Path, tmp: Path) -> None:

@@ -93,6 +93,9 @@ def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
     export = read_manifest(final)
     if export is None:
         raise ArtifactError(f"'{final}' has no exported LoRA: run `{train.command(cfg, export_lora.NAME)}` first")
+    if export_lora.DIFFUSERS_FILE not in export.get("files", [export_lora.DIFFUSERS_FILE]):
+        raise ArtifactError(f"'{final}' holds no diffusers LoRA file (a {export.get('adapter', 'LyCORIS')} adapter is "
+                            f"exported for ComfyUI only), and sample loads that file: sample a lora or dora run")
     out = []
     for ckpt in chosen_checkpoints(cfg):
         manifest = read_manifest(ckpt)

@@ -170,7 +170,8 @@ class Trainer:
         self.model = self.family.load_denoiser(self.src, precision, memory.load_device(self.plan, self.rt), self.tcfg)
         self.log.emit("loaded", component=self.family.denoiser_class, seconds=round(time.time() - t, 3))
         targets = self.tcfg.target_modules or list(self.family.default_lora_targets)
-        self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets)
+        self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets, self.tcfg.adapter,
+                                            self.tcfg.rank_pattern, self.tcfg.alpha_pattern)
         self.params = lora.attach_lora(self.model, self.lora_config)
         self.ema = lora.AdapterEMA(self.params, self.tcfg.ema_decay, self.tcfg.ema_device) if self.tcfg.ema_decay else None
         if self.tcfg.gradient_checkpointing:

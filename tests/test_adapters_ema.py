@@ -100,3 +100,128 @@ def test_invalid_settings_are_config_errors(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(demo_config_path("flux"), overrides)
+
+
+# ---- adapter types and per-module rank/alpha ---------------------------------------------------
+
+TARGETS = ["attn.to_q", "attn.to_out.0"]  # FLUX: to_q is a member of BFL's fused qkv, to_out.0 a module of its own
+PATTERNS = {"train.rank_pattern": {"to_out.0": 2}, "train.alpha_pattern": {"to_out.0": 3.0}}
+LYCORIS_KEY = r"lora_unet_[a-z0-9_]+\.(lokr_w1|lokr_w1_a|lokr_w1_b|lokr_w2|lokr_w2_a|lokr_w2_b|hada_w1_a|hada_w1_b|" \
+              r"hada_w2_a|hada_w2_b|alpha|diff)"
+
+
+def _in_memory(cfg, folder: Path):
+    """A fresh denoiser with the run's adapter attached and its saved weights loaded."""
+    from stages.core import lora
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import make_runtime
+    from stages.families import get_family
+
+    family = get_family(cfg.family)
+    model = family.load_denoiser(ModelSource(cfg.model), "fp32", make_runtime("cpu", "fp32"), cfg.train)
+    t = cfg.train
+    lora.attach_lora(model, lora.lora_config(t.rank, t.alpha, 0.0, t.target_modules, t.adapter, t.rank_pattern,
+                                             t.alpha_pattern))
+    lora.load_adapter_weights(model, folder)
+    return model
+
+
+def _comfy_delta(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A LyCORIS module's weight delta as ComfyUI's weight_adapter (lokr.py, loha.py) builds it,
+    written out here independently of stages/core/kohya.py."""
+    alpha = parts.get("alpha")
+    if "diff" in parts:
+        return parts["diff"]
+    if "hada_w1_a" in parts:
+        dim = parts["hada_w1_b"].shape[0]
+        delta = (parts["hada_w1_a"] @ parts["hada_w1_b"]) * (parts["hada_w2_a"] @ parts["hada_w2_b"])
+        return delta * (float(alpha) / dim if alpha is not None else 1.0)
+    dim = None
+    w1, w2 = parts.get("lokr_w1"), parts.get("lokr_w2")
+    if w1 is None:
+        dim, w1 = parts["lokr_w1_b"].shape[0], parts["lokr_w1_a"] @ parts["lokr_w1_b"]
+    if w2 is None:
+        dim, w2 = parts["lokr_w2_b"].shape[0], parts["lokr_w2_a"] @ parts["lokr_w2_b"]
+    return torch.kron(w1, w2) * (float(alpha) / dim if alpha is not None and dim is not None else 1.0)
+
+
+@once
+@pytest.mark.parametrize("adapter", ["lora", "dora", "lokr", "loha"])
+def test_adapter_types_train_resume_and_export(built_run, adapter):
+    import diffusers
+    from safetensors.torch import load_file
+
+    from stages import export_lora, train
+    from stages.core import lora
+    from stages.families import get_family
+
+    overrides = {"train.adapter": adapter, "train.target_modules": TARGETS, "train.rank": 4, "train.alpha": 8.0,
+                 "train.steps": 2, **PATTERNS}
+    cfg = new_run(built_run, f"adapter-{adapter}", **overrides)
+    train.run(cfg)
+    final = cfg.run_dir / "lora" / "final"
+    state, saved_cfg = lora.load_adapter_files(final)
+    assert lora.adapter_type(saved_cfg) == adapter and saved_cfg["rank_pattern"] == {"to_out.0": 2}
+    resumed = new_run(built_run, f"adapter-{adapter}-resumed", **overrides)
+    shutil.copytree(cfg.run_dir / "lora" / "checkpoint-1", resumed.run_dir / "lora" / "checkpoint-1")
+    train.run(resumed, resume=True)
+    assert same(weights(resumed.run_dir / "lora" / "final"), weights(final))
+
+    family = get_family(cfg.family)
+    model = _in_memory(cfg, final)
+    manifest = export_lora.run(cfg)
+    if adapter in ("lora", "dora"):  # diffusers' own loader, output against the in-memory adapter
+        from test_family import _denoiser_output
+
+        assert manifest["files"] == [export_lora.DIFFUSERS_FILE]
+        pipe = getattr(diffusers, family.pipeline_class).from_pretrained(cfg.model)
+        denoiser = getattr(pipe, family.lora_prefix)
+        base = _denoiser_output(cfg, family, denoiser)
+        pipe.load_lora_weights(str(cfg.run_dir / "export"), weight_name=export_lora.DIFFUSERS_FILE)
+        got, want = _denoiser_output(cfg, family, denoiser), _denoiser_output(cfg, family, model)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (got - base).abs().max() > 1e-4, "the adapter changed nothing: the test cannot tell files apart"
+        return
+    # LoKr/LoHa: LyCORIS key names, and the delta a LyCORIS reader builds equals peft's
+    assert manifest["files"] == ["lora_lycoris.safetensors"]
+    tensors = load_file(str(cfg.run_dir / "export" / "lora_lycoris.safetensors"))
+    import re
+
+    assert all(re.fullmatch(LYCORIS_KEY, k) for k in tensors), sorted(tensors)[:6]
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name, part = key.rsplit(".", 1)
+        modules.setdefault(name, {})[part] = tensor
+    layers = dict(model.named_modules())
+    checked = set()
+    for path in (n for n in layers if n.endswith(tuple(TARGETS)) and hasattr(layers[n], "get_delta_weight")):
+        name, index, count = family.kohya_layout.name(path)
+        delta = _comfy_delta(modules["lora_unet_" + name])
+        out = layers[path].get_delta_weight("default").shape[0]
+        rows = delta[index * out:(index + 1) * out] if count > 1 else delta
+        if count > 1:
+            assert "diff" in modules["lora_unet_" + name]  # fused: the full delta
+        else:
+            assert "diff" not in modules["lora_unet_" + name]  # own module: the factors themselves
+            assert {"lokr_w1", "hada_w1_a"} & set(modules["lora_unet_" + name])
+        torch.testing.assert_close(rows, layers[path].get_delta_weight("default").float(), rtol=1e-5, atol=1e-6)
+        assert rows.abs().max() > 0
+        checked.add((path, count > 1))
+    assert {fused for _, fused in checked} == {True, False} and len(checked) == len(modules)  # every module, both kinds
+    if adapter == "lokr":  # rank 2 (rank_pattern) decomposes w2, so the file's alpha / dim scale is exercised too
+        assert any({"lokr_w2_a", "alpha"} <= set(parts) for parts in modules.values())
+
+
+def test_adapter_settings_are_config_errors():
+    from stages.core.config import load_config
+    from stages.core.errors import ConfigError
+
+    cases = [({"train.adapter": "lycoris"}, "train.adapter"),
+             ({"train.rank_pattern": {"to_q": 0}}, r"'train.rank_pattern.to_q' = 0 must be >= 1"),
+             ({"train.alpha_pattern": {"(to_q": 4.0}}, r"'train.alpha_pattern' key '\(to_q' is not a regular expression"),
+             ({"train.rank_pattern": ["to_q"]}, "'train.rank_pattern' must be a table"),
+             ({"train.adapter": "dora", "export.format": "kohya"}, "DoRA has no kohya form"),
+             ({"train.adapter": "lokr", "export.verify": True}, "exported only as a LyCORIS file")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(demo_config_path("flux"), overrides)

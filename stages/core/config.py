@@ -137,6 +137,13 @@ class TrainConfig:
     """LoRA dropout."""
     target_modules: list[str] = field(default_factory=list)
     """Module names for LoRA (empty: the family's default, e.g. FLUX attention q/k/v/out)."""
+    adapter: Literal["lora", "dora", "lokr", "loha"] = "lora"
+    """Adapter type (peft): lora; dora (LoRA plus a learned magnitude; diffusers loads it); lokr (Kronecker
+    product) and loha (Hadamard product), exported only as a LyCORIS file for ComfyUI (README)."""
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Rank of the modules whose path ends in a regex, e.g. {"to_out.0" = 4} (peft rank_pattern); others: rank."""
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    """Alpha of the modules whose path ends in a regex (peft alpha_pattern); others: alpha."""
     ema_decay: float = 0.0
     """EMA of the adapter weights, ema = decay * ema + (1 - decay) * weights after every step (0: off;
     e.g. 0.999). Saved and resumed with checkpoints; `export-lora --ema` exports it."""
@@ -331,6 +338,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             choices = ", ".join(repr(a) for a in get_args(tp))
             raise ConfigError(f"'{key}' = {value!r} is not one of {choices}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{key}' must be a table of name = value, got {value!r}")
+        _, value_tp = get_args(tp)
+        return {str(k): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if origin in (list, typing.List):
         if not isinstance(value, list):
             raise ConfigError(f"'{key}' must be a list, got {value!r}")

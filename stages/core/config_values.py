@@ -146,7 +146,23 @@ def _datasets_errors(cfg: Any) -> list[str]:
 
 
 def _train_errors(cfg: Any) -> list[str]:
+    import re
+
     t, errors = cfg.train, []
+    for name, low in (("rank_pattern", 1), ("alpha_pattern", 0)):
+        for pattern, value in getattr(t, name).items():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                errors.append(f"'train.{name}' key {pattern!r} is not a regular expression ({e})")
+            if not (value >= 1 if low else value > 0):
+                errors.append(f"'train.{name}.{pattern}' = {value!r} must be {'>= 1' if low else '> 0'}")
+    if t.adapter in ("lokr", "loha") and cfg.export.verify:
+        errors.append(f"'export.verify' = true with 'train.adapter' = {t.adapter!r}: verify loads the diffusers file, "
+                      f"and a {t.adapter} adapter is exported only as a LyCORIS file for ComfyUI; set export.verify = false")
+    if t.adapter == "dora" and cfg.export.format == "kohya":
+        errors.append("'export.format' = 'kohya' with 'train.adapter' = 'dora': DoRA has no kohya form here; use "
+                      "export.format = 'diffusers' (diffusers' load_lora_weights reads DoRA)")
     if t.ema_device == "cuda" and cfg.device == "cpu":
         errors.append("'train.ema_device' = 'cuda' but 'device' = 'cpu': use 'auto' or 'cpu', or train on cuda")
     if t.ema_device != "auto" and t.ema_decay == 0:

@@ -187,3 +187,122 @@ def write_kohya(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], manife
     path = out_dir / KOHYA_FILE
     save_file(tensors, str(path), metadata=metadata)
     return path
+
+
+# ---- LyCORIS (LoKr, LoHa): the layout ComfyUI loads; diffusers' loader reads neither ------------
+
+LYCORIS_FILE = "lora_lycoris.safetensors"
+LOKR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+LOHA_KEYS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+
+
+def split_lycoris(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """peft LoKr/LoHa state dict -> module path -> {lokr_w1: ..., ...} (peft names them as LyCORIS does)."""
+    names = "|".join(LOKR_KEYS + LOHA_KEYS)
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        m = re.fullmatch(rf"(.+)\.({names})", key)
+        if m is None or tensor.dim() != 2:
+            raise KohyaError(f"adapter key '{key}' ({tuple(tensor.shape)}) is not a linear LoKr/LoHa weight; conv "
+                             f"(Tucker) factors have no LyCORIS form here: target linear modules only")
+        modules.setdefault(m.group(1), {})[m.group(2)] = tensor.float()
+    return dict(sorted(modules.items()))
+
+
+def _factor(parts: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, int | None]:
+    """A LoKr factor, full or as a @ b; and its rank when decomposed (ComfyUI's `dim`)."""
+    if name in parts:
+        return parts[name], None
+    return parts[f"{name}_a"] @ parts[f"{name}_b"], parts[f"{name}_b"].shape[0]
+
+
+def lycoris_delta(parts: dict[str, torch.Tensor], alpha: float | None) -> torch.Tensor:
+    """The weight delta a LyCORIS reader builds (ComfyUI weight_adapter lokr.py/loha.py): LoKr
+    kron(w1, w2) * alpha / dim (dim: the rank of a decomposed factor; 1 when both are full),
+    LoHa (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / rank."""
+    if "hada_w1_a" in parts:
+        rank = parts["hada_w1_b"].shape[0]
+        product = (parts["hada_w1_a"] @ parts["hada_w1_b"]) * (parts["hada_w2_a"] @ parts["hada_w2_b"])
+        return product * (alpha / rank if alpha is not None else 1.0)
+    w1, dim1 = _factor(parts, "lokr_w1")
+    w2, dim2 = _factor(parts, "lokr_w2")
+    dim = dim2 if dim2 is not None else dim1
+    return torch.kron(w1, w2) * (alpha / dim if alpha is not None and dim is not None else 1.0)
+
+
+def _peft_scale(lora_cfg: dict[str, Any], module: str) -> float:
+    """alpha / r as peft's LoKr and LoHa layers apply it, with the module's rank and alpha patterns."""
+    rank, alpha = lora_cfg.get("r"), lora_cfg.get("alpha", lora_cfg.get("r"))
+    for key, patterns in (("r", "rank_pattern"), ("alpha", "alpha_pattern")):
+        for pattern, value in (lora_cfg.get(patterns) or {}).items():
+            if re.match(rf"(.*\.)?({pattern})$", module):
+                rank, alpha = (value, alpha) if key == "r" else (rank, value)
+                break
+    return alpha / rank
+
+
+def _folded(parts: dict[str, torch.Tensor], scale: float) -> tuple[dict[str, torch.Tensor], float | None]:
+    """The factors with peft's scale folded into the first one, and the alpha that makes every reader
+    apply scale 1 (alpha = dim; None where the reader ignores alpha: LoKr with both factors full)."""
+    out = dict(parts)
+    first = "hada_w1_b" if "hada_w1_b" in out else ("lokr_w1" if "lokr_w1" in out else "lokr_w1_b")
+    out[first] = out[first] * scale
+    if "hada_w1_b" in out:
+        return out, float(out["hada_w1_b"].shape[0])
+    dim = next((out[k].shape[0] for k in ("lokr_w2_b", "lokr_w1_b") if k in out), None)
+    return out, None if dim is None else float(dim)
+
+
+def lycoris_state(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], layout: Layout,
+                  out_dims: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """(LyCORIS tensors, key -> the diffusers modules it holds). A module of its own keeps its factors
+    (`<name>.lokr_w1`, `.hada_w1_a`, ... and `.alpha`); the members of a fused layer (FLUX's qkv) have no
+    factored sum, so that layer is written as its full delta `<name>.diff` (rows of each member stacked,
+    untrained members zero), which ComfyUI adds as it is."""
+    groups: dict[str, dict[int, tuple[dict[str, torch.Tensor], str]]] = {}
+    counts: dict[str, int] = {}
+    for module, parts in split_lycoris(state).items():
+        name, index, count = layout.name(module)
+        groups.setdefault(name, {})[index] = (parts, module)
+        counts[name] = count
+    widths = _widths_by_member(out_dims or {}, layout.name, set(groups))
+    out: dict[str, torch.Tensor] = {}
+    sources: dict[str, list[str]] = {}
+    for name, members in sorted(groups.items()):
+        key = PREFIX + name
+        sources[key] = [members[i][1] for i in sorted(members)]
+        if counts[name] == 1 and name not in layout.swap_halves:
+            parts, module = members[0]
+            folded, alpha = _folded(parts, _peft_scale(lora_cfg, module))
+            out.update({f"{key}.{k}": v.contiguous() for k, v in folded.items()})
+            if alpha is not None:
+                out[f"{key}.alpha"] = torch.tensor(alpha)
+            continue
+        deltas = {i: lycoris_delta(*_folded(p, _peft_scale(lora_cfg, m))) for i, (p, m) in members.items()}
+        rows = []
+        for i in range(counts[name]):
+            if i not in deltas and i not in widths.get(name, {}):
+                raise KohyaError(f"'{name}': cannot size the missing member {i}; train all of its parts or none")
+            first = next(iter(deltas.values()))
+            rows.append(deltas[i] if i in deltas else first.new_zeros(widths[name][i], first.shape[1]))
+        diff = torch.cat(rows, dim=0)
+        if name in layout.swap_halves:
+            diff = torch.cat(diff.chunk(2, dim=0)[::-1], dim=0)
+        out[f"{key}.diff"] = diff.contiguous()
+    return out, sources
+
+
+def write_lycoris(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], manifest: dict[str, Any], out_dir: Path,
+                  layout: Layout, src: Any) -> Path:
+    """Write export/lora_lycoris.safetensors (LoKr/LoHa in LyCORIS keys, kohya module names)."""
+    from safetensors.torch import save_file
+
+    kind = str(lora_cfg.get("peft_type", "")).lower()
+    tensors, sources = lycoris_state(state, lora_cfg, layout, _fused_widths(layout, src, manifest["lora_prefix"]))
+    metadata = {"ss_network_module": "lycoris.kohya", "ss_network_args": f'{{"algo": "{kind}"}}',
+                "ss_network_dim": str(lora_cfg.get("r")), "ss_network_alpha": str(lora_cfg.get("r")),
+                "lorapipe_trained_alpha": str(lora_cfg.get("alpha")), "lorapipe_family": str(manifest.get("family")),
+                "lorapipe_pipeline_class": manifest["pipeline_class"], "lorapipe_modules": str(len(sources))}
+    path = out_dir / LYCORIS_FILE
+    save_file(tensors, str(path), metadata=metadata)
+    return path

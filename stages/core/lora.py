@@ -44,11 +44,27 @@ def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt
     return model
 
 
-def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...]) -> Any:
-    from peft import LoraConfig
+def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], adapter: str = "lora",
+                rank_pattern: dict[str, int] | None = None, alpha_pattern: dict[str, float] | None = None) -> Any:
+    """The peft config of train.adapter: LoRA (gaussian A, zero B), DoRA (LoRA plus a learned
+    magnitude per output), LoKr (Kronecker product) or LoHa (Hadamard product of two low-rank
+    products); each starts as a zero delta. Patterns give some modules their own rank and alpha."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
-                      target_modules=list(targets))
+    common: dict[str, Any] = dict(r=rank, target_modules=list(targets), rank_pattern=dict(rank_pattern or {}),
+                                  alpha_pattern=dict(alpha_pattern or {}))
+    if adapter in ("lora", "dora"):
+        return LoraConfig(lora_alpha=alpha, lora_dropout=dropout, init_lora_weights="gaussian",
+                          use_dora=adapter == "dora", **common)
+    if adapter in ("lokr", "loha"):
+        return (LoKrConfig if adapter == "lokr" else LoHaConfig)(alpha=alpha, module_dropout=dropout, **common)
+    raise ValueError(f"unknown adapter type {adapter!r}")
+
+
+def adapter_type(config: dict[str, Any]) -> str:
+    """lora | dora | lokr | loha, from a saved adapter config (adapter_config.json)."""
+    kind = str(getattr(config.get("peft_type"), "value", config.get("peft_type") or "LORA")).lower()
+    return "dora" if kind == "lora" and config.get("use_dora") else kind
 
 
 def attach_lora(model: torch.nn.Module, config: Any) -> list[torch.nn.Parameter]:
