@@ -291,6 +291,16 @@ def status_cmd(spec: RunSpec) -> None:
     if sizes:
         steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
         click.echo(f"{'':16s} realised batch sizes (train.batch_size = {cfg.train.batch_size}): {steps}")
+    _status_validation(cfg.run_dir)
+
+
+def _status_validation(run_dir: Path) -> None:
+    from stages.core.events import read_events
+    from stages.report import last_validation
+
+    last = last_validation(read_events(run_dir))
+    if last is not None:
+        click.echo(f"{'':16s} validation loss {last['loss']:.4g} at step {last['step']} ({last['items']} held-out items)")
 
 
 @cli.command("stop", epilog=examples("stop my-lora", "stop my-lora --no-save --artifacts /data/runs"))

@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset, distributed
+from stages.core import dataset, distributed, validation
 from stages.core import faults
 from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir, require_manifest,
                                    sweep_leftovers, write_manifest)
@@ -57,7 +57,7 @@ def variants_stored(cfg: Any) -> int:
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    items = dataset.scan_run(cfg)
+    items = validation.scan_run(cfg)  # held-out items are cached too
     return {**layout_parts(cfg), "images": sorted({it.latent_key for it in items})}
 
 
@@ -189,7 +189,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         out = artifact_dir(cfg)
         if force and ctx.dist.is_main:
             remove_dir(out)  # only now that the config is known to work
-        items = dataset.scan_run(cfg, ctx.log)
+        items = validation.scan_run(cfg, ctx.log)
         layout_fp = fingerprint(layout_parts(cfg))
         plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log)
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset, distributed
+from stages.core import dataset, distributed, validation
 from stages.core import faults
 from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
@@ -49,7 +49,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    return {**layout_parts(cfg), "captions": sorted(caption_texts(cfg, dataset.scan_run(cfg)))}
+    return {**layout_parts(cfg), "captions": sorted(caption_texts(cfg, validation.scan_run(cfg)))}
 
 
 EMPTY_CAPTION = ""  # what caption dropout trains on; its row is cached like any other caption's
@@ -93,7 +93,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         check(cfg)
         if force and ctx.dist.is_main:
             remove_dir(artifact_dir(cfg))  # only now that the config is known to work
-        items = dataset.scan_run(cfg, ctx.log)
+        items = validation.scan_run(cfg, ctx.log)
         texts = caption_texts(cfg, items)
         layout = layout_parts(cfg)
         out = artifact_dir(cfg)

@@ -1,4 +1,5 @@
-"""Training report: loss (raw and smoothed), learning rate and samples/s over steps, from events.jsonl.
+"""Training report: loss (raw and smoothed, and the held-out validation loss), learning rate and
+samples/s over steps, from events.jsonl.
 
     python pipeline.py report demo                      # -> artifacts/demo/report.png + a summary
     python pipeline.py report demo --out loss.png --smooth 0.95 --json
@@ -23,6 +24,7 @@ from stages.core.events import read_events
 
 WIDTH, PANEL_H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 960, 230, 78, 24, 34, 30
 RAW, SMOOTH, LR, SPEED, GRID, TEXT = "#9ecae1", "#08519c", "#d94801", "#238b45", "#e5e5e5", "#333333"
+VALIDATION = "#cb181d"
 
 
 @dataclass
@@ -32,11 +34,14 @@ class Curve:
     lr: list[float] = field(default_factory=list)
     speed: list[float | None] = field(default_factory=list)
     vram: list[float] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)  # `validation` events: held-out loss
+    val_loss: list[float] = field(default_factory=list)
 
 
 def train_curve(events: list[dict[str, Any]]) -> Curve:
     """The step events of the run's history as the final adapter saw it (see module docstring)."""
     by_step: dict[int, dict[str, Any]] = {}
+    val: dict[int, float] = {}
     attempt_start = True
     for e in events:
         if e.get("stage") != "train":
@@ -46,9 +51,12 @@ def train_curve(events: list[dict[str, Any]]) -> Curve:
         elif e["event"] == "step":
             if attempt_start:  # this attempt rewrites history from its first step on
                 by_step = {s: r for s, r in by_step.items() if s < e["step"]}
+                val = {s: v for s, v in val.items() if s < e["step"]}
                 attempt_start = False
             by_step[e["step"]] = e
-    curve = Curve()
+        elif e["event"] == "validation":
+            val[e["step"]] = float(e["loss"])
+    curve = Curve(val_steps=sorted(val), val_loss=[val[s] for s in sorted(val)])
     for s in sorted(by_step):
         r = by_step[s]
         curve.steps.append(s)
@@ -107,6 +115,9 @@ def summary(events: list[dict[str, Any]], curve: Curve, weight: float) -> dict[s
         "lr_max": max(curve.lr) if n else None, "lr_last": curve.lr[-1] if n else None,
         "samples_per_second_median": statistics.median(speeds) if speeds else None,
         "peak_vram_gb": max(curve.vram) if n else None,
+        "validation_loss_last": curve.val_loss[-1] if curve.val_loss else None,
+        "validation_loss_min": min(curve.val_loss) if curve.val_loss else None,
+        "validation_loss_min_step": curve.val_steps[curve.val_loss.index(min(curve.val_loss))] if curve.val_loss else None,
         "train_seconds": done[-1].get("seconds") if done else None,
         "batch_sizes": done[-1].get("batch_sizes") if done else None,  # {size: steps}, from the train stage
         "checkpoints": sum(1 for e in events if e.get("stage") == "train" and e["event"] == "checkpoint"),
@@ -195,10 +206,17 @@ def draw_report(curve: Curve, weight: float, title: str, out: Path) -> Path:
     draw.text((WIDTH // 2, 8), title, fill=TEXT, font=ImageFont.load_default(size=15), anchor="mt")
     xs, x_range = curve.steps, (min(curve.steps), max(curve.steps))
     sm = smooth(curve.loss, weight)
-    loss = Panel(draw, font, 30, "loss", x_range, curve.loss)
+    loss = Panel(draw, font, 30, "loss", x_range, curve.loss + curve.val_loss)
     loss.line(xs, curve.loss, RAW, 1)
     loss.line(xs, sm, SMOOTH, 3)
-    loss.legend([("raw", RAW), (f"smoothed (two-sided EMA {weight:g})", SMOOTH)])
+    legend = [("raw", RAW), (f"smoothed (two-sided EMA {weight:g})", SMOOTH)]
+    if curve.val_loss:
+        loss.line(curve.val_steps, curve.val_loss, VALIDATION, 2)
+        for x, y in zip(curve.val_steps, curve.val_loss):
+            cx, cy = loss.xy(x, y)
+            draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=VALIDATION)
+        legend.append(("validation (held out)", VALIDATION))
+    loss.legend(legend)
     Panel(draw, font, 30 + PANEL_H, "learning rate", x_range, curve.lr).line(xs, curve.lr, LR)
     speeds = [s for s in curve.speed if s is not None]
     speed = Panel(draw, font, 30 + 2 * PANEL_H, "samples/s (steady state)", x_range, speeds)
@@ -235,6 +253,7 @@ def format_summary(s: dict[str, Any]) -> list[str]:
     lines = [f"steps            {s['steps']} (last {s['last_step']})",
              f"loss             {f(s['loss_first'])} -> {f(s['loss_last'])} (first/last 10% mean); smoothed min "
              f"{f(s['loss_smoothed_min'])} at step {s['loss_smoothed_min_step']}",
+             f"validation loss  {validation_line(s)}",
              f"learning rate    max {f(s['lr_max'], '.3g')}, last {f(s['lr_last'], '.3g')}",
              f"samples/s        {f(s['samples_per_second_median'], '.3g')} (median, steady state)",
              f"peak VRAM        {f(s['peak_vram_gb'], '.3g')} GB;  train time {f(s['train_seconds'], '.1f')} s",
@@ -242,6 +261,19 @@ def format_summary(s: dict[str, Any]) -> list[str]:
              f"checkpoints      {s['checkpoints']} written; {s['stops']} stop(s); {len(s['errors'])} error(s)"]
     lines += [f"  error: {m}" for m in s["errors"][-3:]]
     return lines
+
+
+def validation_line(s: dict[str, Any]) -> str:
+    if s.get("validation_loss_last") is None:
+        return "- (no validation events: set validation.path or validation.split and validation.every_n_steps)"
+    return (f"{s['validation_loss_last']:.4g} last; min {s['validation_loss_min']:.4g} at step "
+            f"{s['validation_loss_min_step']} (held-out items, fixed noise)")
+
+
+def last_validation(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest `validation` event of the run (for `status`)."""
+    found = [e for e in events if e.get("stage") == "train" and e.get("event") == "validation"]
+    return found[-1] if found else None
 
 
 def batch_histogram(sizes: dict[str, int] | None) -> str:

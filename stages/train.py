@@ -53,7 +53,9 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]
     return {"family": cfg.family, "model": model_source(cfg).identity(family.denoiser_components),
             "train": train, "seed": cfg.seed, "captions": cap and cap["fingerprint"], "latents": lat and lat["fingerprint"],
-            **({"sampling": sampling} if sampling != [{"repeats": 1, "weight": 0.0, "caption_dropout": 0.0}] else {})}
+            **({"sampling": sampling} if sampling != [{"repeats": 1, "weight": 0.0, "caption_dropout": 0.0}] else {}),
+            # a split moves items out of training; off adds no key (older runs stay up to date)
+            **({"validation_split": cfg.validation.split} if cfg.validation.split else {})}
 
 
 def command(cfg: Any, name: str, *flags: str) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from stages import cache_latents, encode_captions, train
 from stages.checkpoints import Checkpoints
-from stages.core import dataset, distributed, fastpath, faults, lora, memory
+from stages.core import distributed, fastpath, faults, lora, memory, validation
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.model_source import model_source
 from stages.core.runtime import make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
@@ -40,9 +40,12 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"encode-captions and cache-latents with --force")
-    items = dataset.scan_run(cfg)
-    pairs = join_items(items, cap_manifest, lat_manifest, cfg.run, cfg.dataset_configs())
-    return TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"]), lat_manifest
+    train_items, held_out = validation.partition(cfg, validation.scan_run(cfg))
+    pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run, cfg.dataset_configs())
+    data = TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"])
+    data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run), cap_store, lat_stores,
+                              lat_manifest["variants"]) if held_out else None
+    return data, lat_manifest
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, tcfg: Any) -> Any:
@@ -208,11 +211,15 @@ class Trainer:
         return batch, eps, noise, t
 
     def compute_loss(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self._per_sample_loss(self.denoiser, batch, eps, noise, t).mean()
+
+    def _per_sample_loss(self, denoiser: Any, batch: Any, eps: torch.Tensor, noise: torch.Tensor,
+                         t: torch.Tensor) -> torch.Tensor:
         dev = self.rt.device
         x0 = self.family.normalize_latents(sample_posterior(batch.mean.to(dev), batch.logvar.to(dev), eps.to(dev)), self.norm)
         cond = {k: v.to(dev) for k, v in batch.cond.items()}
         meta = batch.meta if batch.mask is None else dataclasses.replace(batch.meta, loss_mask=batch.mask.to(dev))
-        return self.family.loss(self.denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg).mean()
+        return self.family.loss(denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg)
 
     def draw_next(self) -> tuple[list[int], tuple[Any, ...]]:
         """The next batch and its randomness; remembers the sampler/generator state from before it,
@@ -253,6 +260,33 @@ class Trainer:
             loss = self._weighted_loss(draws, weight)
             loss.backward()
         return loss
+
+    @torch.no_grad()
+    def validation_loss(self) -> tuple[float, int]:
+        """Mean loss over the held-out items, each with variant 0 and noise, eps and timestep drawn from
+        its own generator (`validation.item_seed`): comparable across steps and runs, and drawing
+        nothing from the step generator or torch's RNG (eval mode: no LoRA dropout), so training
+        continues exactly as without it. Batches of train.batch_size from one bucket, as training."""
+        held, dev, losses = self.data.held_out, self.rt.device, []
+        self.model.eval()
+        try:
+            for members in held.buckets().values():
+                for i in range(0, len(members), self.tcfg.batch_size):
+                    idx = members[i:i + self.tcfg.batch_size]
+                    batch = held.load(idx, [0] * len(idx))
+                    eps, noise, t = self._fixed_draws([held.pairs[j] for j in idx], batch.mean.shape[1:])
+                    losses += self._per_sample_loss(self.model, batch, eps, noise, t).tolist()
+        finally:
+            self.model.train()
+        return sum(losses) / len(losses), len(losses)
+
+    def _fixed_draws(self, pairs: list[Any], shape: torch.Size) -> tuple[torch.Tensor, ...]:
+        draws = []
+        for p in pairs:
+            g = torch.Generator().manual_seed(validation.item_seed(p.image_id, p.caption_id))
+            draws.append((torch.randn((1, *shape), generator=g), torch.randn((1, *shape), generator=g),
+                          self.family.sample_timesteps(1, tuple(shape[-2:]), g, self.tcfg)))
+        return tuple(torch.cat(d) for d in zip(*draws))
 
     def _weighted_loss(self, draws: tuple[Any, ...], weight: float) -> torch.Tensor:
         loss = self.compute_loss(*draws)
@@ -371,6 +405,7 @@ class Trainer:
                                   samples_per_second=stats.samples_per_second(),
                                   peak_vram_gb=peak_vram_gb(self.rt)["allocated"], world_size=self.dist.world_size)
                 bar.advance(1, loss=loss, lr=lr)
+                self._maybe_validate(step)
                 faults.hit("train")
                 if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < tcfg.steps:
                     self.save_checkpoint(step)
@@ -381,6 +416,14 @@ class Trainer:
         self.log.emit("done", seconds=round(time.time() - t0, 3), step=step,
                       **{k: summary[k] for k in ("loss_first", "loss_last", "batch_sizes")})
         return manifest
+
+    def _maybe_validate(self, step: int) -> None:
+        every = self.cfg.validation.every_n_steps
+        if self.data.held_out is None or not every or not (step % every == 0 or step == self.tcfg.steps):
+            return
+        if self.dist.is_main:  # the replicas are identical: rank 0 alone evaluates
+            loss, n = self.validation_loss()
+            self.log.emit("validation", step=step, loss=loss, items=n)
 
     def _stop_requested(self, stop: Any) -> bool:
         """A stop seen by any rank (a signal, or rank 0's stop file) stops every rank before the same

@@ -1,14 +1,21 @@
-"""Masked loss (issue 20): the mask math, the cached masks, and bad mask files.
+"""Masked loss and held-out validation loss (issue 20).
+
+Masks: the mask math, the cached masks, and bad mask files.
 
 The math: an all-white mask is bit-identical to no mask (loss and gradients), a half mask gives
 exactly zero gradient from its black half, an all-black sample contributes 0. End to end on the
 tiny FLUX model: white masks beside every image train exactly as no masks; a mask is cached with
 the crop and flip of each variant; editing one mask re-encodes only its item; a broken or
 wrongly sized mask is named like a broken image, before the VAE loads.
+
+Validation: held-out items are cached with the rest and never trained on; the loss is logged every
+N steps and at the last, draws nothing from training (same losses and adapter as without it), is
+the same after a resume (fixed noise per item), and shows in `report` and `status`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -17,7 +24,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import make_cfg
+from conftest import make_cfg, once
 
 N_ITEMS = 6
 
@@ -213,3 +220,113 @@ def test_masks_folder_and_bad_masks(assets, demo_data, tmp_path):
     manifest = cache_latents.run(skip)
     assert [s["item"] for s in manifest["skipped"]] == [images[0].name]
     assert len(manifest["index"]) == N_ITEMS - 1
+
+
+# ---- held-out validation loss ---------------------------------------------------------------------
+
+
+def test_validation_settings_are_config_errors(tmp_path):
+    from stages.core.config import load_config
+    from stages.core.errors import ConfigError
+
+    from conftest import demo_config_path
+
+    cases = [({"validation.path": str(tmp_path), "validation.split": 0.1, "validation.every_n_steps": 5}, "set one of them"),
+             ({"validation.split": 0.1}, r"'validation.every_n_steps' = 0 but held-out items are set"),
+             ({"validation.every_n_steps": 5}, "but no held-out items: set validation.path"),
+             ({"validation.split": 1.0, "validation.every_n_steps": 5}, r"'validation.split' = 1.0 must be in \[0, 1\)"),
+             ({"validation.path": str(tmp_path), "data.path": str(tmp_path), "validation.every_n_steps": 5},
+              "held-out images must not be trained on")]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(demo_config_path("flux"), overrides)
+
+
+def test_split_is_by_content_id(demo_data, tmp_path):
+    from stages.core import dataset, validation
+    from stages.core.config import load_config
+
+    from conftest import demo_config_path
+
+    cfg = load_config(demo_config_path("flux"), {"data.path": str(demo_data), "validation.split": 0.4,
+                                                 "validation.every_n_steps": 1})
+    items = dataset.scan_data(cfg.data)
+    train_items, held = validation.partition(cfg, items)
+    assert held and train_items and len(held) + len(train_items) == len(items)
+    # the same image is held out whatever else is in the dataset, and whatever its name
+    assert validation.partition(cfg, items[::-1])[1] == held[::-1]
+    renamed = [dataclasses.replace(it, key="x/" + it.key) for it in items[:4]]
+    assert [it.image_id for it in validation.partition(cfg, renamed)[1]] == \
+        [it.image_id for it in held if it.image_id in {r.image_id for r in renamed}]
+
+
+def _events(cfg, event: str) -> list[dict]:
+    from stages.core.events import read_events
+
+    lines = [e for e in read_events(cfg.run_dir) if e["stage"] == "train"]
+    start = max(i for i, e in enumerate(lines) if e["event"] == "start")
+    return [e for e in lines[start:] if e["event"] == event]
+
+
+def _run_beside(built, name: str, **overrides):
+    from stages.core.config import load_config
+
+    from conftest import demo_config_path
+
+    cfg = load_config(demo_config_path(built.family), {
+        "model": built.model, "data.path": built.data.path, "artifacts": built.artifacts, "device": built.device,
+        "run": f"{built.family}-{name}", "train.steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1,
+        "train.keep_checkpoints": 0, **overrides})
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    for cache in ("captions.zarr", "latents.zarr"):
+        shutil.copytree(built.run_dir / cache, cfg.run_dir / cache)
+    return cfg
+
+
+@once
+def test_validation_loss_end_to_end(built_run, tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from pipeline import cli
+    from stages import cache_latents, encode_captions, report, train
+    from stages.tiny.shapes import make_demo_dataset
+
+    held = make_demo_dataset(tmp_path / "held", n=3, seed=7)
+    val = {"validation.path": str(held), "validation.every_n_steps": 2}
+    cfg = _run_beside(built_run, "validation", **val)
+    assert encode_captions.run(cfg)["encoded_this_run"] == 3  # the held-out items join the caches
+    assert cache_latents.run(cfg)["encoded_this_run"] == 3
+    train.run(cfg)
+    events = _events(cfg, "validation")
+    assert [(e["step"], e["items"]) for e in events] == [(2, 3), (3, 3)]  # every 2 steps and at the last
+    assert all(np.isfinite(e["loss"]) for e in events) and events[0]["loss"] != events[1]["loss"]
+
+    # it draws nothing from training: the same losses and adapter as a run without it
+    plain = _run_beside(built_run, "no-validation")
+    train.run(plain)
+    final = lambda c: load_file(str(c.run_dir / "lora" / "final" / "adapter_model.safetensors"))  # noqa: E731
+    assert [e["loss"] for e in _events(plain, "step")] == [e["loss"] for e in _events(cfg, "step")]
+    assert all(torch.equal(a, b) for a, b in zip(final(plain).values(), final(cfg).values()))
+
+    # fixed noise per item: a resume from checkpoint-1 logs the very same validation figures
+    resumed = _run_beside(built_run, "validation-resumed", **val)
+    encode_captions.run(resumed)
+    cache_latents.run(resumed)
+    shutil.copytree(cfg.run_dir / "lora" / "checkpoint-1", resumed.run_dir / "lora" / "checkpoint-1")
+    train.run(resumed, resume=True)
+    assert _events(resumed, "validation") == [dict(e, ts=r["ts"], run=r["run"]) for e, r in
+                                             zip(events, _events(resumed, "validation"))]
+
+    # report draws it and summarises it; status shows the newest figure
+    _, summary = report.run(cfg.run_dir)
+    assert summary["validation_loss_last"] == events[-1]["loss"]
+    assert "validation loss" in "\n".join(report.format_summary(summary))
+    from conftest import demo_config_path
+
+    args = ["status", "--config", str(demo_config_path("flux")), "--run", cfg.run, "--model", cfg.model,
+            "--set", f"data.path={cfg.data.path}", "--set", f"artifacts={cfg.artifacts}",
+            "--set", f"validation.path={held}", "--set", "validation.every_n_steps=2"]
+    out = CliRunner().invoke(cli, args)
+    assert out.exit_code == 0, out.output
+    assert f"validation loss {events[-1]['loss']:.4g} at step 3 (3 held-out items)" in out.output

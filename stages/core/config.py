@@ -200,6 +200,16 @@ class TrainConfig:
 
 
 @dataclass
+class ValidationConfig:
+    path: str = ""
+    """Folder of held-out images with captions (as data.path), never trained on ('': none)."""
+    split: float = 0.0
+    """Fraction of data.path's items held out instead, chosen by content id (0: none)."""
+    every_n_steps: int = 0
+    """Validation loss every N steps and at the last step, with fixed noise per item (0: never)."""
+
+
+@dataclass
 class ExportConfig:
     format: Literal["diffusers", "kohya"] = "diffusers"
     """kohya also writes a kohya/ComfyUI-keyed copy."""
@@ -267,6 +277,7 @@ class Config:
     captions: CaptionsConfig = field(default_factory=CaptionsConfig)
     latents: LatentsConfig = field(default_factory=LatentsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
@@ -523,7 +534,7 @@ def _resolve_paths(data: dict[str, Any], folder: Path) -> None:
             is_hub = not Path(local).exists() and not model.startswith((".", "~")) and HUB_ID.match(model)
             data[key] = model if is_hub else local
     tables = data.get("datasets")
-    for section in [data.get("data")] + (tables if isinstance(tables, list) else []):
+    for section in [data.get("data"), data.get("validation")] + (tables if isinstance(tables, list) else []):
         if isinstance(section, dict) and isinstance(section.get("path"), str) and section["path"]:
             section["path"] = _absolute(section["path"], folder)
 

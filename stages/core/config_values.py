@@ -9,6 +9,7 @@ A value that failed its type check is left at its (valid) default here, so it is
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,8 @@ RANGES: dict[str, Range] = {
     "train.alpha": POSITIVE,
     "train.dropout": FRACTION,
     "train.ema_decay": FRACTION,
+    "validation.split": FRACTION,
+    "validation.every_n_steps": NON_NEGATIVE,
     "train.logit_std": POSITIVE,
     "train.mode_scale": NON_NEGATIVE,
     "train.shift": POSITIVE,
@@ -104,7 +107,26 @@ def value_errors(cfg: Any) -> list[str]:
     if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
         errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
     return errors + _data_errors(cfg.data) + _datasets_errors(cfg) + _name_errors(cfg) + _train_errors(cfg) + \
-        _family_errors(cfg)
+        _validation_errors(cfg) + _family_errors(cfg)
+
+
+def _validation_errors(cfg: Any) -> list[str]:
+    v = cfg.validation
+    held = bool(v.path) or v.split > 0
+    if v.path and v.split > 0:
+        return [f"'validation.path' = {v.path!r} and 'validation.split' = {v.split} both choose the held-out items: "
+                f"set one of them"]
+    trained = {os.path.abspath(d.path) for d in cfg.dataset_configs() if d.path}
+    if v.path and os.path.abspath(v.path) in trained:
+        return [f"'validation.path' = {v.path!r} is a folder the run trains on (data.path or a [[datasets]] path): "
+                f"held-out images must not be trained on; use another folder, or validation.split"]
+    if held and not v.every_n_steps:
+        return ["'validation.every_n_steps' = 0 but held-out items are set (validation.path or validation.split): "
+                "set validation.every_n_steps (e.g. 50)"]
+    if v.every_n_steps and not held:
+        return [f"'validation.every_n_steps' = {v.every_n_steps} but no held-out items: set validation.path (a folder "
+                f"like data.path) or validation.split (e.g. 0.1)"]
+    return []
 
 
 def _data_errors(data: Any, where: str = "data", given: Any = None) -> list[str]:

@@ -173,6 +173,7 @@ class TrainData:
         self.variant_counts = [p.variants or variants for p in pairs]
         # only a run with a choice of captions draws one, so other runs keep their exact random stream
         self.caption_choice = any(len(p.caption_rows) > 1 or p.dropout > 0 for p in pairs)
+        self.held_out: TrainData | None = None  # validation items (stages/core/validation.py), same stores
 
     def buckets(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
