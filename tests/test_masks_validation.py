@@ -290,6 +290,7 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
 
     from pipeline import cli
     from stages import cache_latents, encode_captions, report, train
+    from stages.core.events import validate_event
     from stages.tiny.shapes import make_demo_dataset
 
     held = make_demo_dataset(tmp_path / "held", n=3, seed=7)
@@ -300,6 +301,7 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
     train.run(cfg)
     events = _events(cfg, "validation")
     assert [(e["step"], e["items"]) for e in events] == [(2, 3), (3, 3)]  # every 2 steps and at the last
+    assert [validate_event(e) for e in events] == [[], []]  # EVENT_SCHEMA
     assert all(np.isfinite(e["loss"]) for e in events) and events[0]["loss"] != events[1]["loss"]
 
     # it draws nothing from training: the same losses and adapter as a run without it
