@@ -265,17 +265,23 @@ class Trainer:
     def validation_loss(self) -> tuple[float, int]:
         """Mean loss over the held-out items, each with variant 0 and noise, eps and timestep drawn from
         its own generator (`validation.item_seed`): comparable across steps and runs, and drawing
-        nothing from the step generator or torch's RNG (eval mode: no LoRA dropout), so training
-        continues exactly as without it. Batches of train.batch_size from one bucket, as training."""
-        held, dev, losses = self.data.held_out, self.rt.device, []
+        nothing from the step generator or torch's RNG (eval mode: no LoRA dropout; a forked RNG for
+        what a family's loss draws), so training continues exactly as without it. Batches of
+        train.batch_size from one bucket, as training."""
+        held, losses = self.data.held_out, []
         self.model.eval()
         try:
             for members in held.buckets().values():
                 for i in range(0, len(members), self.tcfg.batch_size):
                     idx = members[i:i + self.tcfg.batch_size]
                     batch = held.load(idx, [0] * len(idx))
-                    eps, noise, t = self._fixed_draws([held.pairs[j] for j in idx], batch.mean.shape[1:])
-                    losses += self._per_sample_loss(self.model, batch, eps, noise, t).tolist()
+                    pairs = [held.pairs[j] for j in idx]
+                    eps, noise, t = self._fixed_draws(pairs, batch.mean.shape[1:])
+                    # a family drawing from torch's RNG inside its loss (SDXL's noise offset) draws
+                    # from a seeded fork of it: fixed per batch, and training's RNG is restored after
+                    with torch.random.fork_rng(devices=[self.rt.device] if self.rt.is_cuda else []):
+                        torch.manual_seed(validation.item_seed(pairs[0].image_id, pairs[0].caption_id))
+                        losses += self._per_sample_loss(self.model, batch, eps, noise, t).tolist()
         finally:
             self.model.train()
         return sum(losses) / len(losses), len(losses)

@@ -103,6 +103,7 @@ def pixels_id(item: Item) -> str:
     re-encodes the item with the same crops (an all-white mask then trains exactly as no mask)."""
     return item.image_id if item.mask_path is None else _image_id(item.image_path)
 
+
 MASK_SUFFIX, MASKS_FOLDER = "_mask", "masks"
 
 
