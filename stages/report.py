@@ -253,19 +253,18 @@ def format_summary(s: dict[str, Any]) -> list[str]:
     lines = [f"steps            {s['steps']} (last {s['last_step']})",
              f"loss             {f(s['loss_first'])} -> {f(s['loss_last'])} (first/last 10% mean); smoothed min "
              f"{f(s['loss_smoothed_min'])} at step {s['loss_smoothed_min_step']}",
-             f"validation loss  {validation_line(s)}",
              f"learning rate    max {f(s['lr_max'], '.3g')}, last {f(s['lr_last'], '.3g')}",
              f"samples/s        {f(s['samples_per_second_median'], '.3g')} (median, steady state)",
              f"peak VRAM        {f(s['peak_vram_gb'], '.3g')} GB;  train time {f(s['train_seconds'], '.1f')} s",
              f"batch sizes      {batch_histogram(s.get('batch_sizes'))}",
              f"checkpoints      {s['checkpoints']} written; {s['stops']} stop(s); {len(s['errors'])} error(s)"]
+    if s.get("validation_loss_last") is not None:  # runs without held-out items print no line
+        lines.insert(2, f"validation loss  {validation_line(s)}")
     lines += [f"  error: {m}" for m in s["errors"][-3:]]
     return lines
 
 
 def validation_line(s: dict[str, Any]) -> str:
-    if s.get("validation_loss_last") is None:
-        return "- (no validation events: set validation.path or validation.split and validation.every_n_steps)"
     return (f"{s['validation_loss_last']:.4g} last; min {s['validation_loss_min']:.4g} at step "
             f"{s['validation_loss_min_step']} (held-out items, fixed noise)")
 
