@@ -147,11 +147,11 @@ def _lycoris_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dic
     (kohya module names) that ComfyUI loads, whatever export.format says."""
     from stages.core import lora
     from stages.core.kohya import write_lycoris
-    from stages.core.model_source import ModelSource
+    from stages.core.model_source import model_source
     from stages.families import get_family
 
     layout = get_family(manifest["family"]).kohya_layout
-    file = write_lycoris(state, lora_cfg, manifest, tmp, layout, ModelSource(cfg.model, cfg.revision))
+    file = write_lycoris(state, lora_cfg, manifest, tmp, layout, model_source(cfg))
     return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[file.name],
                 source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
                 lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state),

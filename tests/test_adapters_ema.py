@@ -113,12 +113,12 @@ LYCORIS_KEY = r"lora_unet_[a-z0-9_]+\.(lokr_w1|lokr_w1_a|lokr_w1_b|lokr_w2|lokr_
 def _in_memory(cfg, folder: Path):
     """A fresh denoiser with the run's adapter attached and its saved weights loaded."""
     from stages.core import lora
-    from stages.core.model_source import ModelSource
+    from stages.core.model_source import model_source
     from stages.core.runtime import make_runtime
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    model = family.load_denoiser(ModelSource(cfg.model), "fp32", make_runtime("cpu", "fp32"), cfg.train)
+    model = family.load_denoiser(model_source(cfg), "fp32", make_runtime("cpu", "fp32"), cfg.train)
     t = cfg.train
     lora.attach_lora(model, lora.lora_config(t.rank, t.alpha, 0.0, t.target_modules, t.adapter, t.rank_pattern,
                                              t.alpha_pattern))
