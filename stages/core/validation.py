@@ -28,7 +28,7 @@ PREFIX = "validation/"
 
 def scan_run(cfg: Any, log: Any = None) -> list[dataset.Item]:
     """Every item the caches hold: the run's datasets' (`dataset.scan_run`), then validation.path's
-    (keys `validation/...`, cached with [data]'s settings)."""
+    (keys `validation/...`, cached with the first dataset's settings)."""
     items = dataset.scan_run(cfg, log)
     if cfg.validation.path:
         held = dataclasses.replace(cfg.data, path=cfg.validation.path)
