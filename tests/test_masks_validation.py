@@ -179,8 +179,27 @@ def test_masks_end_to_end(assets, demo_data, tmp_path):
         left, right = masks[k][:, : masks.shape[-1] // 4].mean(), masks[k][:, -masks.shape[-1] // 4:].mean()
         assert (left < right) if v.flip else (left > right), f"variant {k} (flip={v.flip}) is cut the wrong way"
     assert {int(f) for f in row["flip"]} == {0, 1}  # both orientations were checked
-    masked_losses, _ = _train(cfg)
+    masked_losses, masked_adapter = _train(cfg)
     assert len(masked_losses) == 3 and all(np.isfinite(masked_losses)) and masked_losses != losses
+
+    # stopped after step 1 and resumed: the masked run's adapter is bit-identical to the whole run's
+    import dataclasses
+    import shutil
+
+    from stages import train
+    from stages.core import faults
+
+    cut = dataclasses.replace(cfg, run="masked-cut")
+    for cache in ("captions.zarr", "latents.zarr"):
+        shutil.copytree(cfg.run_dir / cache, cut.run_dir / cache)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(faults.ENV, "train:1:TERM")
+        assert train.run(cut)["step"] == 1
+    assert train.run(cut, resume=True)["step"] == 3
+    from safetensors.torch import load_file
+
+    resumed = load_file(str(cut.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    assert all(torch.equal(resumed[k], masked_adapter[k]) for k in masked_adapter)
 
 
 def test_masks_folder_and_bad_masks(assets, demo_data, tmp_path):
