@@ -258,7 +258,7 @@ def test_full_disk_while_caching_keeps_what_was_there(assets, tmp_path, monkeypa
                                       "--set", f"data.path={data}", "--set", f"artifacts={cfg.artifacts}",
                                       "--set", "device=cpu", "--set", "data.cache_variants=1"])
     assert result.exit_code == 2, result.output
-    assert "disk full while writing" in result.output and "latents.zarr" in result.output
+    assert "error: disk full while writing" in result.output and "latents.zarr" in result.output
     assert "everything written before is intact" in result.output
     assert manifest.read_bytes() == saved
     assert not list((cfg.run_dir / "latents.zarr").rglob("*.partial"))

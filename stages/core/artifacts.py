@@ -38,6 +38,9 @@ warnings.filterwarnings("ignore", message="Object at manifest.json is not recogn
 class DiskFull(UserError, OSError):
     """The disk (or quota) filled up while writing; the message names the file and the free space."""
 
+    def __str__(self) -> str:  # the message alone, not RuntimeError's (errno, message) tuple
+        return str(self.args[1]) if len(self.args) == 2 else super().__str__()
+
 
 def disk_full(error: BaseException, path: Path, detail: str = "") -> DiskFull | None:
     """A DiskFull naming `path` when `error` is ENOSPC/EDQUOT (and not one already), else None."""

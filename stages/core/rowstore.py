@@ -55,17 +55,18 @@ class RowStore:
         import zarr
 
         remove_dir(path)  # atomically gone (manifest too), never half-deleted under a valid manifest
-        group = zarr.open_group(str(path), mode="w")
-        n = len(ids)
-        for name, (shape, dtype) in fields.items():
-            store_dtype = "uint16" if dtype == "bfloat16" else dtype
-            arr = group.create_array(name, shape=(n, *shape), chunks=(1, *shape), dtype=store_dtype,
-                                     fill_value=0, compressors=None)
-            arr.attrs["logical_dtype"] = dtype
-        group.create_array(CHECKSUMS, shape=(n, len(fields)), chunks=(1, len(fields)), dtype="uint32",
-                           fill_value=0, compressors=None)
-        group.create_array(WRITTEN, shape=(n,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None)
-        group.attrs["ids"] = list(ids)
+        with naming_full_disk(path, " (creating the store)"):
+            group = zarr.open_group(str(path), mode="w")
+            n = len(ids)
+            for name, (shape, dtype) in fields.items():
+                store_dtype = "uint16" if dtype == "bfloat16" else dtype
+                arr = group.create_array(name, shape=(n, *shape), chunks=(1, *shape), dtype=store_dtype,
+                                         fill_value=0, compressors=None)
+                arr.attrs["logical_dtype"] = dtype
+            group.create_array(CHECKSUMS, shape=(n, len(fields)), chunks=(1, len(fields)), dtype="uint32",
+                               fill_value=0, compressors=None)
+            group.create_array(WRITTEN, shape=(n,), chunks=(1,), dtype="uint8", fill_value=0, compressors=None)
+            group.attrs["ids"] = list(ids)
         return cls(group)
 
     @classmethod
@@ -106,10 +107,11 @@ class RowStore:
     def append_rows(self, new_ids: list[str]) -> None:
         """Grow every array by len(new_ids) rows (new rows unwritten)."""
         ids = self.ids + list(new_ids)
-        for name in list(self.group.array_keys()):
-            arr = self.group[name]
-            arr.resize((len(ids), *arr.shape[1:]))
-        self.group.attrs["ids"] = ids
+        with naming_full_disk(self.root, f" (adding {len(new_ids)} rows)"):  # a rerun resizes to the same shapes
+            for name in list(self.group.array_keys()):
+                arr = self.group[name]
+                arr.resize((len(ids), *arr.shape[1:]))
+            self.group.attrs["ids"] = ids
         self._readers.clear()  # their shapes changed
 
     def written_mask(self) -> np.ndarray:
