@@ -8,6 +8,7 @@ loading and retention of checkpoints are `stages/checkpoints.py`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -39,7 +40,7 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"encode-captions and cache-latents with --force")
-    items = dataset.scan_run(cfg)
+    items = cache_latents.scan_items(cfg)
     pairs = join_items(items, cap_manifest, lat_manifest, cfg.run, cfg.dataset_configs())
     return TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"]), lat_manifest
 
@@ -201,13 +202,28 @@ class Trainer:
         eps = torch.randn(shape, generator=g)[part]
         noise = torch.randn(shape, generator=g)[part]
         t = self.family.sample_timesteps(n, tuple(batch.mean.shape[-2:]), g, self.tcfg)[part]
+        if batch.controls:  # drawn after the rest: text-to-image families draw exactly what they did
+            batch.control_eps = tuple(torch.randn((n, *m.shape[1:]), generator=g)[part] for m, _ in batch.controls)
         return batch, eps, noise, t
 
     def compute_loss(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         dev = self.rt.device
         x0 = self.family.normalize_latents(sample_posterior(batch.mean.to(dev), batch.logvar.to(dev), eps.to(dev)), self.norm)
         cond = {k: v.to(dev) for k, v in batch.cond.items()}
-        return self.family.loss(self.denoiser, x0, noise.to(dev), t.to(dev), cond, batch.meta, self.tcfg).mean()
+        meta = batch.meta
+        if batch.controls:
+            meta = dataclasses.replace(meta, controls=self.control_latents(batch))
+        return self.family.loss(self.denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg).mean()
+
+    def control_latents(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """Each control's normalized latents: a fresh posterior sample with the step's draws, or the
+        posterior mean (the pipeline's `argmax` encoding) for a batch loaded outside `draw`."""
+        dev, out = self.rt.device, []
+        for k, (mean, logvar) in enumerate(batch.controls):
+            z = mean.to(dev) if batch.control_eps is None else \
+                sample_posterior(mean.to(dev), logvar.to(dev), batch.control_eps[k].to(dev))
+            out.append(self.family.normalize_latents(z, self.norm))
+        return tuple(out)
 
     def draw_next(self) -> tuple[list[int], tuple[Any, ...]]:
         """The next batch and its randomness; remembers the sampler/generator state from before it,
