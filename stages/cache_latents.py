@@ -56,8 +56,17 @@ def variants_stored(cfg: Any) -> int:
     return max(d.cache_variants for d in cfg.dataset_configs())
 
 
+def scan_items(cfg: Any, log: Any = None) -> list[dataset.Item]:
+    """The run's items, held-out validation items included (`validation.scan_run`), as its family
+    trains them (edit families: ids cover the control images)."""
+    from stages.families import get_family
+
+    warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
+    return dataset.for_family(validation.scan_run(cfg, log), get_family(cfg.family), warn)  # held-out items too
+
+
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    items = validation.scan_run(cfg)  # held-out items are cached too
+    items = scan_items(cfg)
     return {**layout_parts(cfg), "images": sorted({it.latent_key for it in items})}
 
 
@@ -71,10 +80,15 @@ def buckets_for(cfg: Any, family: Any, src: ModelSource, resolution: int | None 
 
 
 def _pixels(image: Any, variants: list[dataset.Variant], bucket: tuple[int, int]) -> Any:
+    return _to_pixels([dataset.render_variant(image, v, bucket) for v in variants])
+
+
+def _to_pixels(images: list[Any]) -> Any:
+    """Same-size RGB PIL images -> (N, 3, H, W) float32 in [-1, 1]."""
     import numpy as np
     import torch
 
-    arrays = [np.asarray(dataset.render_variant(image, v, bucket), dtype=np.float32) for v in variants]
+    arrays = [np.asarray(im, dtype=np.float32) for im in images]
     x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
     return x / 127.5 - 1.0  # [0, 255] -> [-1, 1], as VaeImageProcessor.normalize
 
@@ -189,7 +203,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         out = artifact_dir(cfg)
         if force and ctx.dist.is_main:
             remove_dir(out)  # only now that the config is known to work
-        items = validation.scan_run(cfg, ctx.log)
+        items = scan_items(cfg, ctx.log)
         layout_fp = fingerprint(layout_parts(cfg))
         plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log)
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)
@@ -244,6 +258,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         try:
             image = dataset.load_image(item.image_path, cfg.data.background)
             mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
+            controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
         except dataset.BadImage as e:
             if cfg.data.on_bad_image == "error":
                 e.item = item.key  # type: ignore[attr-defined]
@@ -256,21 +271,25 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
                                          d.crop, d.crop_zoom)
         with torch.no_grad():
             mean, logvar = family.encode_posterior(vae, _pixels(image, variants, bucket).to(rt.device))
+            posteriors = _control_posteriors(family, vae, controls, size, variants, bucket, rt.device)
         if len(variants) < n_var:  # another dataset caches more: repeat this one's to fill the row
             cycle = [k % len(variants) for k in range(n_var)]
             variants, mean, logvar = [variants[k] for k in cycle], mean[cycle], logvar[cycle]
+            posteriors = {name: v[cycle] for name, v in posteriors.items()}
         if stores[bucket] is None:
             fields = {"mean": ((n_var, *mean.shape[1:]), cfg.latents.dtype),
                       "logvar": ((n_var, *logvar.shape[1:]), cfg.latents.dtype),
                       "crop_top_left": ((n_var, 2), "int64"), "flip": ((n_var,), "uint8"),
-                      "original_size": ((2,), "int64"), "mask": ((n_var, *mean.shape[-2:]), "float16")}
+                      "original_size": ((2,), "int64"), "mask": ((n_var, *mean.shape[-2:]), "float16"),
+                      **{name: (tuple(v.shape), cfg.latents.dtype) for name, v in posteriors.items()}}
             stores[bucket] = RowStore.create(out / str(bucket), by_bucket[bucket], fields)
             stores[bucket].group.attrs["layout"] = layout_fp
             stores[bucket].group.attrs["bucket"] = list(bucket)
         if bucket not in rows_of:
             rows_of[bucket] = stores[bucket].row_of()
+        _check_control_shapes(stores[bucket], posteriors, item, bucket)
         stores[bucket].write_row(rows_of[bucket][image_id], {
-            "mean": mean.float(), "logvar": logvar.float(),
+            "mean": mean.float(), "logvar": logvar.float(), **{k: v.float() for k, v in posteriors.items()},
             # (top, left) of the crop in the image the model sees: for a flipped variant that
             # is the mirrored image, where the box starts at resized_width - left - bucket_width
             "crop_top_left": [[v.crop_top, v.resized[0] - v.crop_left - bucket[0] if v.flip else v.crop_left]
@@ -287,6 +306,30 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
                  needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
                  done_before=len(plan) - len(todo), total=len(plan))
     return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "rt": rt}
+
+
+def _control_posteriors(family: Any, vae: Any, controls: list[Any], size: tuple[int, int],
+                        variants: list[dataset.Variant], bucket: Bucket, device: Any) -> dict[str, Any]:
+    """Each control image's posterior, `control_<k>_mean`/`_logvar` (n_variants, C, h, w), as the
+    family's pipeline would see it beside each variant of the target (its `control_images`)."""
+    out = {}
+    for k, control in enumerate(controls):
+        pixels = _to_pixels(family.control_images(control, size, variants, tuple(bucket))).to(device)
+        out[f"control_{k}_mean"], out[f"control_{k}_logvar"] = family.encode_posterior(vae, pixels)
+    return out
+
+
+def _check_control_shapes(store: RowStore, posteriors: dict[str, Any], item: dataset.Item, bucket: Bucket) -> None:
+    """A bucket's rows stack into one batch, so its controls must share one latent shape."""
+    from stages.core.errors import DatasetError
+
+    for name, v in posteriors.items():
+        want = tuple(store.group[name].shape[1:]) if name in store.fields else None
+        if want != tuple(v.shape):
+            k = int(name.split("_")[1])
+            raise DatasetError(f"control image '{item.controls[k]}' of '{item.key}' gives latents {tuple(v.shape)}, "
+                               f"but the other items of bucket {bucket} have {want}: a batch stacks the controls of "
+                               f"one bucket, so give this control the aspect ratio of the other items' controls")
 
 
 def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket: dict[Bucket, list[str]],

@@ -34,7 +34,7 @@ def build_assets(family: str) -> None:
     from stages.core.runtime import quiet_libraries
     from stages.families import demo_variant
     from stages.tiny.models import build_tiny_pipeline
-    from stages.tiny.shapes import make_demo_dataset
+    from stages.tiny.shapes import make_demo_dataset, make_edit_dataset
 
     quiet_libraries()  # the build saves pipelines: no loading bars or torchvision notices, as in every stage
     variant = demo_variant(family)
@@ -42,10 +42,23 @@ def build_assets(family: str) -> None:
     if not (model / "model_index.json").exists():
         print(f"demo: building tiny {variant} pipeline in {model}", flush=True)
         build_tiny_pipeline(variant, model, seed=0)
+    if demo_data_kind(family) == "edit":  # edit families: control -> target pairs (the shape turns blue)
+        data = ASSETS / "data-edit"
+        if not data.exists():
+            print(f"demo: drawing the edit pairs in {data}", flush=True)
+            make_edit_dataset(data, n=12, seed=0)
+        return
     data = ASSETS / "data"
     if not data.exists():
         print(f"demo: drawing the shapes dataset in {data}", flush=True)
         make_demo_dataset(data, n=12, seed=0)
+
+
+def demo_data_kind(family: str) -> str:
+    """"shapes" (captioned drawings) or "edit" (edit pairs): the family's DEMO_DATA, shapes by default."""
+    from stages.families import family_part
+
+    return getattr(family_part(family), "DEMO_DATA", "shapes")
 
 
 # The tiny models render 64 px in milliseconds per step; 8 steps keep the demo's grid quick.

@@ -12,13 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset, distributed, validation
+from stages.core import dataset, distributed
 from stages.core import faults
 from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
 from stages.core.model_source import model_source
 from stages.core.rowstore import RowStore
 from stages.core.stage import running_stage
+from stages.cache_latents import scan_items
 
 NAME = "encode-captions"
 
@@ -49,7 +50,7 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
-    return {**layout_parts(cfg), "captions": sorted(caption_texts(cfg, validation.scan_run(cfg)))}
+    return {**layout_parts(cfg), "captions": sorted(caption_texts(cfg, scan_items(cfg)))}
 
 
 EMPTY_CAPTION = ""  # what caption dropout trains on; its row is cached like any other caption's
@@ -93,7 +94,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         check(cfg)
         if force and ctx.dist.is_main:
             remove_dir(artifact_dir(cfg))  # only now that the config is known to work
-        items = validation.scan_run(cfg, ctx.log)
+        items = scan_items(cfg, ctx.log)
         texts = caption_texts(cfg, items)
         layout = layout_parts(cfg)
         out = artifact_dir(cfg)
@@ -101,7 +102,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             store = _open_store(out, layout)
             todo_ids = rows_to_encode(store, sorted(texts), grow=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(texts) - len(todo_ids), total=len(texts), encoded=0)
-        encoded = _encode(ctx, cfg, texts, todo_ids, store, layout)
+        encoded = _encode(ctx, cfg, texts, todo_ids, store, layout, {c: it.controls for it in items for c in it.caption_ids})
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
         manifest = _write(ctx, cfg, items, texts, encoded, len(todo_ids))
@@ -110,8 +111,10 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
 
 
 def _encode(ctx: Any, cfg: Any, texts: dict[str, str], todo_ids: list[str], store: RowStore | None,
-            layout: dict[str, Any]) -> dict[str, Any]:
-    """Encode the rows in `todo_ids` (ranks deal out whole batches); -> store, truncated, runtime."""
+            layout: dict[str, Any], controls: dict[str, tuple]) -> dict[str, Any]:
+    """Encode the rows in `todo_ids` (ranks deal out whole batches); -> store, truncated, runtime.
+    A family whose text encoder sees the control images (`text_sees_controls`) gets them too: its
+    rows are keyed by (caption, controls)."""
     import torch
 
     from stages.core.runtime import make_runtime, reset_peak
@@ -136,7 +139,11 @@ def _encode(ctx: Any, cfg: Any, texts: dict[str, str], todo_ids: list[str], stor
             ctx.log.emit("loaded", component="text encoders", seconds=ctx.elapsed())
         batch_texts = [texts[c] for c in batch]
         with torch.no_grad():
-            encoded = state["encoder"].encode(batch_texts)
+            if getattr(family, "text_sees_controls", False):
+                images = [[dataset.load_image(p, cfg.data.background) for p in controls[c]] for c in batch]
+                encoded = state["encoder"].encode(batch_texts, controls=images)
+            else:
+                encoded = state["encoder"].encode(batch_texts)
         if state["store"] is None:
             fields = {k: (tuple(v.shape[1:]), _dtype_name(v.dtype)) for k, v in encoded.items()}
             state["store"] = RowStore.create(out, sorted(texts), fields)

@@ -138,12 +138,12 @@ CAPTION_GONE = "(caption file changed or removed since it was encoded)"
 
 def caption_texts(cfg: Any) -> dict[str, str]:
     """caption id -> text, read from the dataset now (manifests keep only ids and lengths)."""
-    from stages.core import dataset
+    from stages.cache_latents import scan_items  # the family's ids: an edit family's cover the controls
 
     if cfg is None:
         return {}
     try:
-        return {cid: text for it in dataset.scan_run(cfg) for cid, text in zip(it.caption_ids, it.texts)}
+        return {cid: text for it in scan_items(cfg) for cid, text in zip(it.caption_ids, it.texts)}
     except (UserError, OSError):  # a moved dataset must not hide the rest of the report
         return {}
 

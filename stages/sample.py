@@ -9,12 +9,15 @@ with the base model, then with the exported LoRA (export/pytorch_lora_weights.sa
 users ship) and, with `sample.every_n_checkpoints`, with kept checkpoints too. The same seed gives
 the same starting noise in every column, so a column differs from the base only by the adapter.
 
-Rows are prompt x seed, columns base | checkpoints... | final; written with its manifest
+Rows are prompt x seed, columns base | checkpoints... | final; edit families (flux-kontext,
+qwen-image-edit) render the first dataset items' instructions with their control images, and
+the grid starts with a control column: control | base | ... | final. Written with its manifest
 (prompts, seeds, adapters, settings) to artifacts/<run>/samples/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 from pathlib import Path
@@ -33,7 +36,23 @@ def artifact_dir(cfg: Any) -> Path:
     return cfg.run_dir / "samples"
 
 
+def edit_rows(cfg: Any) -> list[tuple[str, tuple[Path, ...]]] | None:
+    """Edit families: (instruction, control images) of the first 3 dataset items, a prompt of
+    sample.prompts replacing the caption of the item in its place; None for text-to-image families."""
+    from stages.cache_latents import scan_items
+    from stages.families import get_family
+
+    if not hasattr(get_family(cfg.family), "sample_image_kwargs"):
+        return None
+    items = scan_items(cfg)[:3]
+    prompts = list(cfg.sample.prompts) + [it.caption for it in items[len(cfg.sample.prompts):]]
+    return [(prompt, it.controls) for prompt, it in zip(prompts, items)]
+
+
 def prompts_of(cfg: Any) -> list[str]:
+    rows = edit_rows(cfg)
+    if rows is not None:
+        return [prompt for prompt, _ in rows]
     if cfg.sample.prompts:
         return list(cfg.sample.prompts)
     from stages.core import dataset
@@ -50,7 +69,15 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     settings = {k: v for k, v in dataclasses.asdict(cfg.sample).items() if k not in ("after_train", "cpu_offload")}
     return {"family": cfg.family, "model": model_source(cfg).identity(components),
             "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts_of(cfg),
-            "checkpoints": [p.name for p in chosen_checkpoints(cfg)], "resolution": cfg.data.resolution}
+            "checkpoints": [p.name for p in chosen_checkpoints(cfg)], "resolution": cfg.data.resolution,
+            **({"controls": [[dataset_id(p) for p in controls] for _, controls in rows]}
+               if (rows := edit_rows(cfg)) is not None else {})}
+
+
+def dataset_id(path: Path) -> str:
+    from stages.core import dataset
+
+    return dataset.content_id(path.read_bytes())
 
 
 def check_settings(cfg: Any) -> None:
@@ -131,37 +158,51 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any]:
     return pipe, rt
 
 
-def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int], bar: Any) -> list[Any]:
+def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int], bar: Any,
+                  controls: list[list[Any]] | None = None) -> list[Any]:
     """One image per (prompt, seed), in row order. Noise is drawn on the CPU so a seed gives the same
-    image on any device."""
+    image on any device. Edit families get each row's control images as the family passes them."""
     import torch
+
+    from stages.families import get_family
 
     s = cfg.sample
     kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil"}
     if s.guidance_scale >= 0:
         kwargs["guidance_scale"] = s.guidance_scale
+    family = get_family(cfg.family)
     images = []
-    for prompt in prompts:
+    for r, prompt in enumerate(prompts):
+        extra = family.sample_image_kwargs(controls[r], size) if controls is not None else {}
         for seed in s.seeds:
-            with torch.no_grad():
-                images.append(pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs).images[0])
+            context = family.sample_context(size) if hasattr(family, "sample_context") else contextlib.nullcontext()
+            with torch.no_grad(), context:
+                images.append(pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs,
+                                   **extra).images[0])
             bar.advance(1)
     return images
 
 
 def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts: list[str],
                    size: tuple[int, int]) -> tuple[list[str], list[list[Any]]]:
-    """The base column, then one per adapter file, each made the only active adapter in turn."""
+    """The base column, then one per adapter file, each made the only active adapter in turn.
+    Edit families: a first column shows each row's (first) control image, the edit's input."""
+    from stages.core import dataset
     from stages.core.events import Progress
 
+    rows = edit_rows(cfg)
+    controls = None if rows is None else [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
     labels, cells = ["base"], []
     with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar:
-        cells.append(render_column(pipe, cfg, prompts, size, bar))
+        cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
         for i, (label, file) in enumerate(columns):
             pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}")
             pipe.set_adapters([f"col{i}"], [cfg.sample.lora_scale])
-            cells.append(render_column(pipe, cfg, prompts, size, bar))
+            cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
             labels.append(label)
+    if controls is not None:
+        labels.insert(0, "control")
+        cells.insert(0, [c[0].resize(cells[0][0].size) for c in controls for _ in cfg.sample.seeds])
     return labels, cells
 
 

@@ -40,7 +40,7 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"encode-captions and cache-latents with --force")
-    train_items, held_out = validation.partition(cfg, validation.scan_run(cfg))
+    train_items, held_out = validation.partition(cfg, cache_latents.scan_items(cfg))
     pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run, cfg.dataset_configs())
     data = TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"])
     data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run), cap_store, lat_stores,
@@ -208,6 +208,8 @@ class Trainer:
         eps = torch.randn(shape, generator=g)[part]
         noise = torch.randn(shape, generator=g)[part]
         t = self.family.sample_timesteps(n, tuple(batch.mean.shape[-2:]), g, self.tcfg)[part]
+        if batch.controls:  # drawn after the rest: text-to-image families draw exactly what they did
+            batch.control_eps = tuple(torch.randn((n, *m.shape[1:]), generator=g)[part] for m, _ in batch.controls)
         return batch, eps, noise, t
 
     def compute_loss(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -218,8 +220,22 @@ class Trainer:
         dev = self.rt.device
         x0 = self.family.normalize_latents(sample_posterior(batch.mean.to(dev), batch.logvar.to(dev), eps.to(dev)), self.norm)
         cond = {k: v.to(dev) for k, v in batch.cond.items()}
-        meta = batch.meta if batch.mask is None else dataclasses.replace(batch.meta, loss_mask=batch.mask.to(dev))
+        meta = batch.meta
+        if batch.mask is not None:
+            meta = dataclasses.replace(meta, loss_mask=batch.mask.to(dev))
+        if batch.controls:
+            meta = dataclasses.replace(meta, controls=self.control_latents(batch))
         return self.family.loss(denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg)
+
+    def control_latents(self, batch: Any) -> tuple[torch.Tensor, ...]:
+        """Each control's normalized latents: a fresh posterior sample with the step's draws, or the
+        posterior mean (the pipeline's `argmax` encoding) for a batch loaded outside `draw`."""
+        dev, out = self.rt.device, []
+        for k, (mean, logvar) in enumerate(batch.controls):
+            z = mean.to(dev) if batch.control_eps is None else \
+                sample_posterior(mean.to(dev), logvar.to(dev), batch.control_eps[k].to(dev))
+            out.append(self.family.normalize_latents(z, self.norm))
+        return tuple(out)
 
     def draw_next(self) -> tuple[list[int], tuple[Any, ...]]:
         """The next batch and its randomness; remembers the sampler/generator state from before it,

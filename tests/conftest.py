@@ -73,6 +73,21 @@ def make_cfg(family: str, assets: Path, data: Path, root: Path, **overrides):
     return load_config(demo_config_path(family), base)
 
 
+@pytest.fixture(scope="session")
+def edit_data(assets: Path) -> Path:
+    """Edit pairs (control -> target: the shape turns blue) for the edit families."""
+    from stages.tiny.shapes import make_edit_dataset
+
+    return make_edit_dataset(assets / "data-edit", n=12, seed=0)
+
+
+def family_data(family: str, request: pytest.FixtureRequest) -> Path:
+    """The demo dataset the family trains on: drawn shapes, or edit pairs for an edit family."""
+    from stages.demo import demo_data_kind
+
+    return request.getfixturevalue("edit_data" if demo_data_kind(family) == "edit" else "demo_data")
+
+
 _RUNS: dict[str, object] = {}
 BUILT_MODELS: dict[str, dict[str, set[str]]] = {}
 """family -> stage -> the diffusers/transformers model classes that stage constructed in built_run."""
@@ -104,14 +119,15 @@ def record_models():
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
-def built_run(request: pytest.FixtureRequest, assets: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    """All four stages run in-process once per family (the demo config, fewer steps); the model
-    classes each stage constructs go to BUILT_MODELS."""
+def built_run(request: pytest.FixtureRequest, assets: Path, tmp_path_factory: pytest.TempPathFactory):
+    """All four stages run in-process once per family (the demo config and data, fewer steps); the
+    model classes each stage constructs go to BUILT_MODELS."""
     family = request.param
     if family not in _RUNS:
         from stages import cache_latents, encode_captions, export_lora, train
 
-        cfg = make_cfg(family, assets, demo_data, tmp_path_factory.mktemp(f"run-{family}"), **{"train.steps": 8})
+        data = family_data(family, request)
+        cfg = make_cfg(family, assets, data, tmp_path_factory.mktemp(f"run-{family}"), **{"train.steps": 8})
         built = BUILT_MODELS.setdefault(family, {})
         for module, stage in ((encode_captions, "encode-captions"), (cache_latents, "cache-latents"),
                               (train, "train"), (export_lora, "export-lora")):

@@ -52,7 +52,7 @@ def test_cached_equals_uncached(built_run, vae_of):
     trainer = _trainer(cfg)
     pair_index = 1
     pair = trainer.data.pairs[pair_index]
-    item = next(it for it in dataset.scan(cfg.data.path) if it.key == pair.key)
+    item = next(it for it in cache_latents.scan_items(cfg) if it.key == pair.key)
     g = torch.Generator().manual_seed(7)
     for k in (0, 1):  # variant 1 is flipped
         mean, logvar = _on_the_fly(cfg, family, vae, item, pair.bucket, k)
@@ -172,7 +172,7 @@ def test_ids_not_positions(built_run, vae_of):
     family, vae = vae_of
     trainer = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
     encoder = family.load_text_encoder(ModelSource(cfg.model), cfg.captions, make_runtime("cpu", "fp32"))
-    items = {it.key: it for it in dataset.scan(cfg.data.path)}
+    items = {it.key: it for it in cache_latents.scan_items(cfg)}  # as the family keys them
     assert len({it.caption for it in items.values()}) == len(items), "captions must be distinct"
     seen = set()
     for _ in range(len(trainer.sampler.epoch_batches(0))):
@@ -180,7 +180,9 @@ def test_ids_not_positions(built_run, vae_of):
         batch = trainer.data.load(indices, [i % cfg.data.cache_variants for i in range(len(indices))])
         for i, key in enumerate(batch.keys):
             seen.add(key)
-            expected = encoder.encode([items[key].caption])
+            sees = getattr(family, "text_sees_controls", False)  # edit families whose text reads the controls
+            expected = encoder.encode([items[key].caption], **({"controls": [[dataset.load_image(p) for p in
+                                                                             items[key].controls]]} if sees else {}))
             for name, value in expected.items():
                 torch.testing.assert_close(batch.cond[name][i:i + 1].float(), value.float(), rtol=1e-4, atol=1e-5,
                                            msg=f"caption field {name} of {key} belongs to another item")

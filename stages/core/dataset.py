@@ -19,6 +19,7 @@ shuffles (data.shuffle_tags). Each text is its own caption id, so each is its ow
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -61,6 +62,9 @@ class Item:
     dataset: int = 0  # index of its [[datasets]] table
     latent_id: str = ""  # latents.zarr row key: "" is the image id; suffixed when its dataset's LATENT_KEYS differ
     mask_path: Path | None = None  # `name_mask.png` beside the image, or `masks/<name>.png` (masked loss)
+    controls: tuple[Path, ...] = ()  # control (reference) images of an edit pair, in order
+    control_ids: tuple[str, ...] = ()  # their content ids
+    caption_salt: str = ""  # set by for_family when the family's text encoder sees the controls
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -68,11 +72,17 @@ class Item:
 
     @property
     def caption_ids(self) -> tuple[str, ...]:
-        return tuple(caption_id(t) for t in self.texts)
+        """captions.zarr row keys: each text's id, or, for a family whose text encoder sees the
+        controls, the id of (text, controls)."""
+        return tuple(_salted(caption_id(t), self.caption_salt) for t in self.texts)
 
     @property
     def latent_key(self) -> str:
         return self.latent_id or self.image_id
+
+
+def _salted(content: str, salt: str) -> str:
+    return content_id(f"{content}+{salt}".encode()) if salt else content
 
 
 def content_id(data: bytes) -> str:
@@ -278,6 +288,8 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path
 def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _Dropped) -> list[tuple[Path, str]]:
     pairs = []
     for path in _listed_images(root, caption_ext, dropped):
+        if _is_control(root, path, caption_ext):
+            continue
         _check_inside(root, path, follow_outside)
         cap = path.with_suffix(caption_ext)
         problem = _file_problem(cap)
@@ -309,6 +321,8 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
     if not pairs:
         raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) with captions")
     stems = {path.with_suffix("") for path, _ in pairs}
+    controls = (_metadata_controls(root, meta, follow_symlinks_outside) if meta.is_file()
+                else {path: _folder_controls(root, path, follow_symlinks_outside) for path, _ in pairs})
     items = []
     for path, text in pairs:
         mask = find_mask(root, path, follow_symlinks_outside)
@@ -317,8 +331,10 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
         if caption_lines == "variants":
             texts = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
         texts = list(dict.fromkeys(texts))
+        mine = tuple(controls.get(path, ()))
         items.append(Item(path.relative_to(root).as_posix(), path, texts[0], _image_id(path, mask), caption_id(texts[0]),
-                          tuple(texts) if len(texts) > 1 else (), mask_path=mask))
+                          tuple(texts) if len(texts) > 1 else (), mask_path=mask, controls=mine,
+                          control_ids=tuple(_image_id(c) for c in mine)))
     return sorted(items, key=lambda it: it.key)
 
 
@@ -365,7 +381,8 @@ def scan_run(cfg: Any, log: Any = None) -> list[Item]:
                 text, data, cfg.seed, it.image_id)))
             out.append(Item(f"{name}/{it.key}" if name else it.key, it.image_path, texts[0], it.image_id,
                             caption_id(texts[0]), texts if len(texts) > 1 else (), i,
-                            it.image_id + suffix if suffix else "", it.mask_path))
+                            it.image_id + suffix if suffix else "", mask_path=it.mask_path, controls=it.controls,
+                            control_ids=it.control_ids))
     return sorted(out, key=lambda it: it.key)
 
 
@@ -383,6 +400,116 @@ def caption_shuffles(text: str, data: Any, seed: int, image_id: str) -> list[str
         random.Random(f"{seed}:{image_id}:{caption_id(text)}:{k}").shuffle(order)
         out.append(", ".join(fixed + order))
     return list(dict.fromkeys(out))
+
+
+# ---- controls (edit pairs) -------------------------------------------------------------------
+#
+# An edit item is a target image, its caption (the instruction) and one or more control images:
+# `name_control.png` (or `name_control_1.png`, `_2`, ...) beside `name.png`, or `control/name.png`
+# in a top-level `control/` folder mirroring the targets' paths; or metadata.jsonl's `control_image`
+# (a path or a list of paths). A control file has no caption of its own, so it is never a target.
+
+CONTROL_SUFFIX = "_control"
+CONTROL_DIR = "control"
+MAX_CONTROLS = 9  # name_control_1 .. name_control_9
+
+
+def _image_named(folder: Path, stem: str) -> Path | None:
+    """folder/stem with the first image extension that exists (lower or upper case), else None."""
+    for ext in IMAGE_EXTS:
+        for candidate in (folder / f"{stem}{ext}", folder / f"{stem}{ext.upper()}"):
+            if os.path.lexists(candidate):
+                return candidate
+    return None
+
+
+def _is_control(root: Path, path: Path, caption_ext: str) -> bool:
+    """A captionless image named as the control of an existing target image."""
+    if os.path.lexists(path.with_suffix(caption_ext)):
+        return False
+    rel = path.relative_to(root)
+    if rel.parts[0] == CONTROL_DIR and len(rel.parts) > 1:
+        target = root.joinpath(*rel.parts[1:])
+        if _image_named(target.parent, target.stem) is not None:
+            return True
+    stem = path.stem
+    for n in ["", *(f"_{k}" for k in range(1, MAX_CONTROLS + 1))]:
+        if stem.endswith(CONTROL_SUFFIX + n) and len(stem) > len(CONTROL_SUFFIX + n):
+            return _image_named(path.parent, stem[: -len(CONTROL_SUFFIX + n)]) is not None
+    return False
+
+
+def _checked_control(root: Path, control: Path, target: str, follow_outside: bool, where: str = "") -> Path:
+    problem = _file_problem(control)
+    if problem:
+        raise DatasetError(f"{where}control image '{control}' of '{target}' {problem}; fix it, or remove it and the "
+                           f"item's other controls")
+    _check_inside(root, control, follow_outside)
+    return control
+
+
+def _folder_controls(root: Path, path: Path, follow_outside: bool) -> list[Path]:
+    """`name_control.*`, then `name_control_1.*`, `_2`, ... beside the target, then `control/<rel>`."""
+    key = path.relative_to(root).as_posix()
+    found = [_image_named(path.parent, f"{path.stem}{CONTROL_SUFFIX}{n}")
+             for n in ["", *(f"_{k}" for k in range(1, MAX_CONTROLS + 1))]]
+    rel = path.relative_to(root)
+    found.append(_image_named((root / CONTROL_DIR / rel).parent, rel.stem))
+    return [_checked_control(root, c, key, follow_outside) for c in found if c is not None]
+
+
+def _metadata_controls(root: Path, meta: Path, follow_outside: bool) -> dict[Path, list[Path]]:
+    """target path -> its `control_image` paths (a string or a list of strings) from metadata.jsonl."""
+    out: dict[Path, list[Path]] = {}
+    for n, line in enumerate(_read_text(meta, f"metadata file '{meta}'").splitlines(), 1):
+        if not line.strip():
+            continue
+        row, where = json.loads(line), f"{meta}:{n}: "
+        names = row.get("control_image", [])
+        names = [names] if isinstance(names, str) else names
+        if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+            raise DatasetError(f"{where}'control_image' must be a path or a list of paths relative to '{root}'")
+        target = _metadata_path(root, row["file_name"], where.rstrip(": "))
+        out[target] = [_checked_control(root, _metadata_path(root, x, where.rstrip(": ")), row["file_name"],
+                                        follow_outside, where) for x in names]
+    return out
+
+
+def for_family(items: list[Item], family: Any, warn: Warn | None = None) -> list[Item]:
+    """The items as a family trains them. A family that reads controls (`control_range` (min, max)
+    > (0, 0)) gets ids that cover the controls: the latent row's id hashes the target and its
+    controls, and, when its text encoder sees the controls too (`text_sees_controls`), so does the
+    caption row's. Items must have between min and max controls, all the same count. A text-to-image
+    family ignores controls (its ids stay those of the target and caption) with one warning."""
+    low, high = getattr(family, "control_range", (0, 0))
+    with_controls = [it for it in items if it.controls]
+    if high == 0:
+        if with_controls and warn is not None:
+            warn(f"{family.name} is a text-to-image family: the control images of {len(with_controls)} items are "
+                 f"ignored ({listing([repr(it.key) for it in with_controls])}); train an edit family "
+                 f"(flux-kontext, qwen-image-edit) to use them", None)
+        return items
+    bad = [it for it in items if not low <= len(it.controls) <= high]
+    if bad:
+        raise DatasetError(f"{family.name} trains on edit pairs with {low}..{high} control images per item; "
+                           f"{len(bad)} items have another number: "
+                           f"{listing([f'{it.key!r} ({len(it.controls)})' for it in bad])}. Add "
+                           f"'name{CONTROL_SUFFIX}.png' beside 'name.png', a '{CONTROL_DIR}/' folder with the same "
+                           f"names, or 'control_image' in metadata.jsonl")
+    counts = Counter(len(it.controls) for it in items)
+    if len(counts) > 1:
+        raise DatasetError(f"every item needs the same number of control images (a batch stacks them); found "
+                           f"{dict(sorted(counts.items()))} items by count: give every item the same number")
+    sees = getattr(family, "text_sees_controls", False)
+
+    def rekey(it: Item) -> Item:
+        joined = "+".join(it.control_ids)
+        image_id = _salted(it.image_id, joined)
+        salt = joined if sees else ""
+        return dataclasses.replace(
+            it, image_id=image_id, latent_id=image_id + it.latent_id[len(it.image_id):] if it.latent_id else "",
+            caption_id=_salted(it.caption_id, salt), caption_salt=salt)
+    return [rekey(it) for it in items]
 
 
 # ---- buckets ---------------------------------------------------------------------------------

@@ -191,7 +191,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     targets = tcfg.target_modules or list(family.default_lora_targets)
     lora = lora_params(model, targets, tcfg.rank) * LORA_BYTES_PER_PARAM
     side = max(d.resolution for d in cfg.dataset_configs()) // 16  # VAE /8, then 2x2 patches
-    tokens = tcfg.batch_size * (side * side + cfg.captions.max_sequence_length)
+    images = 1 + getattr(family, "control_range", (0, 0))[1]  # edit families: control tokens join the sequence
+    tokens = tcfg.batch_size * (images * side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
     precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]

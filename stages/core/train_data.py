@@ -164,6 +164,10 @@ class Batch:
     meta: BatchMeta
     caption_ids: list[str]
     mask: torch.Tensor | None = None  # (B, 1, h, w) loss weights of the chosen variants; None: all ones
+    controls: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    """Edit pairs: each control's (mean, logvar) of the chosen variants, (B, C, h, w) each."""
+    control_eps: tuple[torch.Tensor, ...] | None = None
+    """The step's posterior draws for `controls` (set by the trainer; None: use each posterior's mean)."""
 
 
 class TrainData:
@@ -226,9 +230,11 @@ class TrainData:
         meta = BatchMeta(torch.from_numpy(np.stack([row["original_size"] for row in lat])).long(),
                          torch.from_numpy(pick("crop_top_left")).long(), torch.tensor([[bh, bw]] * len(ps)))
         cond = {name: torch.from_numpy(np.stack([row[name] for row in caps])) for name in self.caption_fields}
-        return Batch([p.key for p in ps], torch.from_numpy(pick("mean").astype(np.float32)),
-                     torch.from_numpy(pick("logvar").astype(np.float32)), cond, meta, [cid for cid, _ in chosen],
-                     loss_mask(pick("mask")) if "mask" in lat[0] else None)
+        tensor = lambda name: torch.from_numpy(pick(name).astype(np.float32))  # noqa: E731
+        controls = tuple((tensor(f"control_{k}_mean"), tensor(f"control_{k}_logvar"))
+                         for k in range(control_count(store.fields)))
+        return Batch([p.key for p in ps], tensor("mean"), tensor("logvar"), cond, meta, [cid for cid, _ in chosen],
+                     mask=loss_mask(pick("mask")) if "mask" in lat[0] else None, controls=controls)
 
 
 def loss_mask(masks: np.ndarray) -> torch.Tensor | None:
@@ -237,6 +243,11 @@ def loss_mask(masks: np.ndarray) -> torch.Tensor | None:
     if bool((masks == 1).all()):
         return None
     return torch.from_numpy(masks.astype(np.float32)).unsqueeze(1)
+
+
+def control_count(fields: list[str]) -> int:
+    """How many control images a latent store's rows hold (`control_<k>_mean` fields)."""
+    return sum(1 for f in fields if f.startswith("control_") and f.endswith("_mean"))
 
 
 def _verified(store: RowStore, row: int, key: str, stage: str) -> dict[str, np.ndarray]:

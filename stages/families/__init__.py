@@ -3,7 +3,8 @@
 Stages never branch on the family; they call the object `get_family(name)` returns, which follows
 the protocol in `stages.families.base`. Each family is a folder `stages/families/<family>/`:
 
-    __init__.py   torch-free facts: config checks (`config_errors`), demo hints (DEMO_VARIANT, DEMO_CONFIG)
+    __init__.py   torch-free facts: config checks (`config_errors`), demo hints (DEMO_VARIANT, DEMO_CONFIG,
+                  and DEMO_DATA = "edit" for a family that trains on edit pairs)
     family.py     the protocol class (the registry line points here), with its kohya layout
     tiny.py       its tiny random-weight pipeline(s) for tests and the demo
     full.py       its full-size architecture for bench/ (configs, text precision, FLOPs)
@@ -28,6 +29,8 @@ FAMILIES: dict[str, str] = {
     "sdxl": "stages.families.sdxl.family:SDXL",
     "flux2-klein": "stages.families.flux2_klein.family:Flux2Klein",
     "krea2": "stages.families.krea2.family:Krea2",
+    "flux-kontext": "stages.families.flux_kontext.family:FluxKontext",
+    "qwen-image-edit": "stages.families.qwen_image_edit.family:QwenImageEdit",
 }
 
 

@@ -33,6 +33,9 @@ class BatchMeta:
     loss_mask: "torch.Tensor | None" = None
     """(B, 1, h, w) loss weights at latent resolution on the loss's device (None: unmasked); the
     family hands it to `flow.per_sample_mse`, which averages the loss over it."""
+    controls: tuple["torch.Tensor", ...] = ()
+    """Edit families: each control image's normalized latents (B, C, h, w), in the item's control
+    order (sampled from their cached posterior like the target); empty for text-to-image families."""
 
 
 class TextEncoder(Protocol):
@@ -63,6 +66,15 @@ class Family(Protocol):
     """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
     # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
     # train.base_precision = "auto" (default `stages.core.memory.AUTO_BASE_PRECISIONS`: nf4, bf16)
+
+    # Edit families (flux-kontext, qwen-image-edit) also define, and the others leave out:
+    #   control_range: tuple[int, int]   min and max control images per item ((0, 0) when absent)
+    #   text_sees_controls: bool         the text encoder reads the controls (caption rows keyed by both;
+    #                                    its encode takes `controls=`, one list of PIL images per text)
+    #   control_images(control, size, variants, bucket) -> one PIL image per variant: the control as the
+    #                                    family's pipeline would feed it next to that crop of the target
+    #   sample_image_kwargs(controls, size) -> the pipeline call's image arguments for `sample`
+    #   sample_context(size) (optional)  -> a context manager around each `sample` pipeline call
 
     # encode-captions
     def load_text_encoder(self, src: "ModelSource", cfg: "CaptionsConfig", rt: "Runtime") -> TextEncoder: ...

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-__all__ = ["SHAPES", "COLOURS", "BACKGROUNDS", "PLACES", "SIZES_WORDS", "make_demo_dataset"]
+__all__ = ["SHAPES", "COLOURS", "BACKGROUNDS", "PLACES", "SIZES_WORDS", "make_demo_dataset", "make_edit_dataset"]
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -137,4 +137,39 @@ def make_demo_dataset(
         stem = f"shape_{i:03d}"
         image.save(folder / f"{stem}.png")
         (folder / f"{stem}.txt").write_text(f"a {size_word} {colour} {shape} {place} on a {bg} background")
+    return folder
+
+
+EDIT_COLOUR = "blue"  # the edit the demo teaches: recolour the shape blue
+
+
+def make_edit_dataset(
+    folder: str | Path,
+    n: int = 12,
+    seed: int = 0,
+    sizes: tuple[tuple[int, int], ...] = ((96, 64), (64, 96), (80, 80)),
+) -> Path:
+    """Edit pairs for the edit families' demo: ``shape_NNN_control.png`` draws one shape in a colour
+    that is not blue, ``shape_NNN.png`` (the target) is the same drawing, grain included, with the
+    shape blue, and ``shape_NNN.txt`` is the instruction, e.g. ``"make the red circle blue"``. Only
+    the shape's colour changes, so a tiny model can learn the edit in a few dozen steps.
+    Deterministic in ``(n, seed, sizes)``."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    colours = [c for c in COLOURS if c != EDIT_COLOUR]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        w, h = sizes[i % len(sizes)]
+        shape, colour = SHAPES[i % len(SHAPES)], colours[(i // len(SHAPES) + i) % len(colours)]
+        bg = list(BACKGROUNDS)[rng.randrange(len(BACKGROUNDS))]
+        r = SIZES_WORDS["large"] * min(w, h) / 2
+        cx, cy = _centre(rng.choice(PLACES), w, h, r, max(2.0, 0.06 * min(w, h)))
+        stem = f"shape_{i:03d}"
+        for name, fill in ((f"{stem}_control.png", COLOURS[colour]), (f"{stem}.png", COLOURS[EDIT_COLOUR])):
+            image = Image.new("RGB", (w, h), BACKGROUNDS[bg])
+            _draw(ImageDraw.Draw(image), shape, (cx - r, cy - r, cx + r, cy + r), fill)
+            _grain(image, seed * 1000 + i).save(folder / name)
+        (folder / f"{stem}.txt").write_text(f"make the {colour} {shape} {EDIT_COLOUR}")
     return folder

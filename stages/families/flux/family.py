@@ -103,21 +103,26 @@ class Flux(KLVAELatents):
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
-        b, _, h, w = x0.shape
-        dtype, device = denoiser.dtype, x0.device
+        _, _, h, w = x0.shape
         x_t = flow.noisy_latents(x0, noise, t)
+        pred = self.predict(denoiser, flow.pack_2x2(x_t), self.image_ids(h, w, x0.device, denoiser.dtype), t, cond, tcfg)
+        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+
+    def predict(self, denoiser: torch.nn.Module, tokens: torch.Tensor, img_ids: torch.Tensor, t: torch.Tensor,
+                cond: dict[str, torch.Tensor], tcfg: Any) -> torch.Tensor:
+        """One transformer forward over packed image tokens (B, N, C*4) with their ids (N, 3)."""
+        b, device, dtype = tokens.shape[0], tokens.device, denoiser.dtype
         text = cond["prompt_embeds"].to(device, dtype)
         guidance = None
         if denoiser.config.guidance_embeds:
             guidance = self._constant("guidance", (b,), tcfg.guidance_scale, device, torch.float32)
-        pred = denoiser(
-            hidden_states=flow.pack_2x2(x_t).to(dtype),
+        return denoiser(
+            hidden_states=tokens.to(dtype),
             timestep=t.to(device, dtype),
             guidance=guidance,
             pooled_projections=cond["pooled"].to(device, dtype),
             encoder_hidden_states=text,
             txt_ids=self._constant("txt_ids", (text.shape[1], 3), 0.0, device, dtype),
-            img_ids=self.image_ids(h, w, device, dtype),
+            img_ids=img_ids,
             return_dict=False,
         )[0]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)

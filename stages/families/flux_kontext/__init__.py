@@ -1,0 +1,16 @@
+"""FLUX.1 Kontext (edit pairs). The protocol class is in `family.py`; this file holds what is known
+without torch: the config checks run before any model loads, and the demo's hints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.families.flux import config_errors as flux_config_errors
+
+DEMO_VARIANT = "flux-kontext"  # the tiny pipeline (stages/families/flux_kontext/tiny.py) the demo and tests build
+DEMO_CONFIG = "demo-flux-kontext.toml"
+DEMO_DATA = "edit"  # the demo draws edit pairs (stages.tiny.shapes.make_edit_dataset)
+
+
+def config_errors(cfg: Any) -> list[str]:
+    return flux_config_errors(cfg)  # FluxKontextPipeline has FLUX.1's T5 limit and 2x2 packing

@@ -1,0 +1,26 @@
+"""Qwen-Image-Edit-2509 at full size for bench/: Qwen-Image's released architecture; a step's image
+sequence is the target's tokens plus one control's (at the target's area)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.families.qwen_image import full as qwen_full
+
+PRESET = "configs/qwen-image-edit.toml"
+TEXT_PRECISION = qwen_full.TEXT_PRECISION
+BUILD_SECONDS = qwen_full.BUILD_SECONDS
+TEXT_IN_SEQUENCE = True
+TRANSFORMER = qwen_full.TRANSFORMER
+COMPONENTS = qwen_full.COMPONENTS
+
+
+def attention_flops(cfg: Any, batch: int, img: int, txt: int) -> float:
+    return qwen_full.attention_flops(cfg, batch, 2 * img, txt)  # target + one control
+
+
+def meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> Any:
+    cfg = model.config
+    return model(hidden_states=empty(b, 2 * (h // 2) * (w // 2), cfg.in_channels),
+                 encoder_hidden_states=empty(b, txt, cfg.joint_attention_dim), encoder_hidden_states_mask=None,
+                 timestep=empty(b), img_shapes=[[(1, h // 2, w // 2)] * 2] * b, return_dict=False)
