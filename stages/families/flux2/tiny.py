@@ -47,7 +47,9 @@ def mistral3(tokenizer: Any, text: dict[str, Any], vision: dict[str, Any]) -> An
 
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}
-    config = Mistral3Config(text_config={"model_type": "mistral", **text, **ids}, vision_config={"model_type": "pixtral", **vision},
+    tie = text.get("tie_word_embeddings", True)  # Mistral3Config's own default: tied
+    config = Mistral3Config(text_config={"model_type": "mistral", **text, **ids}, tie_word_embeddings=tie,
+                            vision_config={"model_type": "pixtral", **vision},
                             image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
                             projector_hidden_act="gelu", multimodal_projector_bias=False, **ids)
     return Mistral3ForConditionalGeneration(config)
