@@ -3,7 +3,8 @@
     .venv/bin/python -m pytest tests/test_family_flux2.py -q
 
 - caption encoding equals the pipeline's `encode_prompt` (system message, chat template through the
-  pipeline's processor, layers 10/20/30, padding kept, truncation, "[IMG]" removed) and its text ids;
+  pipeline's processor, layers 10/20/30, padding kept, truncation, "[IMG]" removed) and its text ids,
+  and so do the rows encode-captions cached in captions.zarr, as the trainer reads them;
 - latent normalization equals the dev pipeline's `_encode_vae_image` and its decode;
 - one training loss equals what the pipeline's own denoising step implies, guidance embedding
   included (train.guidance_scale is the pipeline's guidance_scale);
@@ -150,3 +151,24 @@ def test_config_checks_and_nf4_refused_on_cpu(dev):
     assert preset.captions.text_encoder_precision == "nf4" and preset.train.base_precision == "nf4"
     with pytest.raises(UserError, match="text_encoder_precision = 'nf4' needs a CUDA GPU"):
         _encoder(family, folder, 64, precision="nf4")
+
+
+@pytest.mark.parametrize("built_run", [NAME], indirect=True)
+def test_cached_rows_are_the_pipelines_encode_prompt(built_run, dev):
+    """The rows encode-captions stored in captions.zarr, as the trainer reads them, equal the
+    pipeline's own encode_prompt of each item's caption."""
+    from stages.core import dataset
+    from stages.core.events import EventLog
+    from stages.trainer import Trainer
+
+    _, _, pipe = dev
+    cfg = built_run
+    trainer = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
+    items = {it.key: it for it in dataset.scan(cfg.data.path)}
+    pairs = trainer.data.pairs
+    indices = [i for i, p in enumerate(pairs) if p.bucket == pairs[0].bucket]  # a batch is one bucket
+    batch = trainer.data.load(indices, [0] * len(indices))
+    captions = [items[pairs[i].key].caption for i in indices]
+    assert len(set(captions)) == len(captions) > 1
+    expected, _ = pipe.encode_prompt(captions, device="cpu", max_sequence_length=cfg.captions.max_sequence_length)
+    torch.testing.assert_close(batch.cond["prompt_embeds"].float(), expected, rtol=1e-5, atol=1e-5)
