@@ -172,3 +172,20 @@ def test_cached_rows_are_the_pipelines_encode_prompt(built_run, dev):
     assert len(set(captions)) == len(captions) > 1
     expected, _ = pipe.encode_prompt(captions, device="cpu", max_sequence_length=cfg.captions.max_sequence_length)
     torch.testing.assert_close(batch.cond["prompt_embeds"].float(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_legacy_processor_chat_template_file_is_read(dev, tmp_path):
+    """A tokenizer/ folder whose chat template is only in a processor's legacy chat_template.json
+    (transformers before chat_template.jinja) encodes the same rows."""
+    import json
+    import shutil
+
+    family, folder, pipe = dev
+    copy = tmp_path / "flux2"
+    shutil.copytree(folder, copy)
+    template = (copy / "tokenizer" / "chat_template.jinja").read_text()
+    (copy / "tokenizer" / "chat_template.jinja").unlink()
+    (copy / "tokenizer" / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    rows = _encoder(family, copy, 40).encode(CAPTIONS)["prompt_embeds"]
+    torch.testing.assert_close(rows, pipe.encode_prompt(list(CAPTIONS), device="cpu", max_sequence_length=40)[0],
+                               rtol=1e-5, atol=1e-5)
