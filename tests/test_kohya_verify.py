@@ -40,6 +40,9 @@ NOT_ROUND_TRIPPED = {
                 r"|x_embedder|context_embedder|proj_out|norm_out\.linear|time_text_embed\..+",
     # FLUX.2: the modulation layers have no BFL name the converter reads (the layout refuses them)
     "flux2-klein": r"(double_stream_modulation_(img|txt)|single_stream_modulation|norm_out)\.linear",
+    # FLUX.2 dev: the same, and its guidance embedder (no `guidance_in` name in the converter either)
+    "flux2": r"(double_stream_modulation_(img|txt)|single_stream_modulation|norm_out)\.linear"
+             r"|time_guidance_embed\.guidance_embedder\.linear_[12]",
     # diffusers' Qwen kohya reader re-dots these names wrongly (gate.layer, modulation_1, txt_in_in_layer)
     "qwen-image-2.1": r"transformer_blocks\.\d+\.img_mlp\.gate_layer|modulation\.1|txt_in\.(in|out)_layer",
     # Krea 2: the reader returns the text-fusion and top-level layers without the `transformer.` prefix

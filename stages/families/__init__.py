@@ -28,6 +28,7 @@ FAMILIES: dict[str, str] = {
     "z-image": "stages.families.z_image.family:ZImage",
     "sdxl": "stages.families.sdxl.family:SDXL",
     "flux2-klein": "stages.families.flux2_klein.family:Flux2Klein",
+    "flux2": "stages.families.flux2.family:Flux2",
     "krea2": "stages.families.krea2.family:Krea2",
     "flux-kontext": "stages.families.flux_kontext.family:FluxKontext",
     "qwen-image-edit": "stages.families.qwen_image_edit.family:QwenImageEdit",

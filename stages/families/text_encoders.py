@@ -37,6 +37,11 @@ def load_chat_tokenizer(src: Any, family: str) -> Any:
     from stages.core.model_source import ModelError
 
     tokenizer = src.load(AutoTokenizer, "tokenizer")
+    if not tokenizer.chat_template:  # a processor saved before chat_template.jinja keeps it in chat_template.json
+        try:
+            tokenizer.chat_template = src.component_config("tokenizer", "chat_template.json")["chat_template"]
+        except (ModelError, KeyError):
+            pass
     if not tokenizer.chat_template:
         raise ModelError(f"'{src.ref}' tokenizer/ has no chat template, which {family}'s prompts need: point "
                          f"'model' at a {family} pipeline whose tokenizer_config.json has a chat_template")

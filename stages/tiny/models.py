@@ -24,6 +24,7 @@ flux-schnell   16      2          CLIP 32 (pooled, 77 tok), T5 32 (512)  4
 qwen-image     16      2          Qwen2.5-VL 32 (<=1024 after 34 drop)   4
 z-image        16      2          Qwen3 32 (hidden_states[-2], <=512)    4
 flux2-klein    32      2          Qwen3 32 (layers 9/18/27, 512)         4
+flux2-dev      32      2          Mistral3 32 (layers 10/20/30, 512)     4
 sdxl           4       2          CLIP 32 + CLIP-proj 64 (77 tok)        2  (UNet needs 4: 2 levels)
 =============  ======  =========  =====================================  ==========================
 

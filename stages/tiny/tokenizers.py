@@ -280,3 +280,60 @@ def build_qwen_tokenizer(flavor: str = "qwen3", model_max_length: int = 32768):
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE if flavor == "qwen3" else QWEN2_5_VL_CHAT_TEMPLATE
     return tokenizer
+
+
+# ------------------------------------------------------------------------------------------ Mistral
+# The first special tokens of Mistral's Tekken vocabulary (Mistral Small 3.x), in its order: [IMG]
+# is id 10, Mistral3Config's image_token_index default.
+_MISTRAL_SPECIAL = (
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+)
+
+# A trimmed version of Mistral Small 3.x's template: BOS, the system message between
+# [SYSTEM_PROMPT] markers, each user turn between [INST] markers (text blocks joined, an image block
+# as [IMG]), an assistant turn followed by EOS. Rendering of (system, user) conversations is the real one's.
+MISTRAL_CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string %}{{- content }}"
+    "{%- else %}{%- for block in content %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}{%- elif block['type'] in ['image', 'image_url'] %}{{- '[IMG]' }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- endmacro -%}"
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text(message['content']) + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text(message['content']) + '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- text(message['content']) + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def build_mistral_tokenizer(extra_texts: tuple[str, ...] = (), model_max_length: int = 131072):
+    """A byte-level BPE tokenizer (``TokenizersBackend``) with Mistral's special tokens, BOS added
+    by the post-processor, ``<pad>`` padding and :data:`MISTRAL_CHAT_TEMPLATE`.
+
+    The words of :data:`CAPTION_WORDS` and of ``extra_texts`` (e.g. a pipeline's system message)
+    are single tokens, as most are in the real 131k-token vocabulary.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {tok: i for i, tok in enumerate(_MISTRAL_SPECIAL)}
+    for s in bytes_to_unicode().values():
+        vocab[s] = len(vocab)
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    texts = [*extra_texts, *(" " + w for w in CAPTION_WORDS), *CAPTION_WORDS]
+    pieces = [p for text in texts for p, _ in pre.pre_tokenize_str(text)]
+    merges = _whole_word_merges([list(p) for p in _dedupe(pieces) if len(p) > 1], vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _MISTRAL_SPECIAL])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        pad_token="<pad>", model_max_length=model_max_length)
+    tokenizer.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tokenizer

@@ -26,7 +26,7 @@ TINY_DIMS: dict[str, dict[str, Any]] = {"flux2-klein": {
 }}
 
 
-def _vae() -> Any:
+def flux2_vae() -> Any:
     import torch
     from diffusers import AutoencoderKLFlux2
 
@@ -51,7 +51,7 @@ def build_components(variant: str, seed: int) -> dict[str, Any]:
     from stages.tiny.tokenizers import build_qwen_tokenizer
 
     tokenizer = build_qwen_tokenizer("qwen3")
-    vae = seeded(seed, _vae)
+    vae = seeded(seed, flux2_vae)
     transformer = seeded(seed, lambda: Flux2Transformer2DModel(
         patch_size=1,
         in_channels=4 * LATENT_CHANNELS,  # 2x2 patchified

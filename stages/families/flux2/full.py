@@ -1,0 +1,53 @@
+"""FLUX.2 [dev] at full size for bench/ (bench/full_configs.py builds it): the released config
+values, what the bench runs with, and the denoiser's attention FLOPs and meta-device call.
+
+Where the numbers come from (no download possible here):
+- TRANSFORMER: diffusers' scripts/convert_flux2_to_diffusers.py, `get_flux2_transformer_config
+  ("flux2-dev")` (model_id black-forest-labs/FLUX.2-dev): 8 double / 48 single blocks, 48 heads x
+  128, joint_attention_dim 15360 = 3 x 5120; `guidance_embeds` left at its default, true. These are
+  also Flux2Transformer2DModel's defaults in diffusers 0.42.1.
+- VAE: FLUX.2's one VAE, AutoencoderKLFlux2's defaults (the same script builds it with
+  `AutoencoderKLFlux2()`), as klein's.
+- text encoder: the same script takes mistralai/Mistral-Small-3.2-24B-Instruct-2506 as
+  Mistral3ForConditionalGeneration; its sizes are transformers 5.x Mistral3Config's defaults (the
+  Mistral Small 3.1 configuration, which 3.2 keeps), with an untied lm_head (the published 23.57B
+  parameters count embedding and lm_head separately: 40 x 555.7M + 2 x 671M).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.families.flux.full import attention_flops  # noqa: F401 - the same double/single-block layout
+from stages.families.flux2.tiny import mistral3
+from stages.families.flux2_klein.full import VAE
+from stages.families.full_parts import diffusers_model
+
+PRESET = "configs/flux2.toml"
+TEXT_PRECISION = "nf4"
+BUILD_SECONDS = 300  # estimate: 32B transformer + 24B Mistral (~112 GB of bf16 safetensors); not measured yet
+TEXT_IN_SEQUENCE = True
+
+TRANSFORMER = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=8, num_single_layers=48,
+                   attention_head_dim=128, num_attention_heads=48, joint_attention_dim=15360,
+                   timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000,
+                   eps=1e-6, guidance_embeds=True)
+MISTRAL_SMALL_3_TEXT = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                            max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e9, sliding_window=None,
+                            tie_word_embeddings=False)
+PIXTRAL_VISION = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                      head_dim=64, patch_size=14, image_size=1540, hidden_act="gelu")
+
+COMPONENTS = {
+    "transformer": diffusers_model("Flux2Transformer2DModel", TRANSFORMER),
+    "vae": diffusers_model("AutoencoderKLFlux2", VAE),
+    "text_encoder": lambda c: mistral3(c["tokenizer"].tokenizer, MISTRAL_SMALL_3_TEXT, PIXTRAL_VISION),
+}
+
+
+def meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> Any:
+    cfg, img = model.config, (h // 2) * (w // 2)
+    return model(hidden_states=empty(b, img, cfg.in_channels), encoder_hidden_states=empty(b, txt, cfg.joint_attention_dim),
+                 timestep=empty(b), img_ids=empty(img, 4), txt_ids=empty(txt, 4), guidance=empty(b, fp32=True),
+                 return_dict=False)
