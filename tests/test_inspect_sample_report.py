@@ -147,27 +147,40 @@ def grid_cell(grid: Image.Image, column: int, row: int, scale: int) -> np.ndarra
 
 
 def test_sample_grid_base_checkpoints_and_lora(run_copy):
+    """Columns base | checkpoints | LoRA (edit families: control | base | ...); the base column is
+    exactly what the family's pipeline renders for the same prompt, seed (and control images)."""
+    import contextlib
+
     import diffusers
     import torch
 
+    from stages.core import dataset
     from stages.core.stage import staleness
+    from stages.families import get_family
 
     cfg = sample_cfg(run_copy, every_n_checkpoints=1)
     manifest = sample.run(cfg)
+    edits = sample.edit_rows(cfg)  # None for text-to-image families
+    prompts, lead = ([p for p, _ in edits], ["control"]) if edits else (PROMPTS, [])
     kept = sorted(p.name for p in (cfg.run_dir / "lora").glob("checkpoint-*")
                   if int(p.name.split("-")[1]) != cfg.train.steps)
-    assert manifest["columns"] == ["base", *kept, f"LoRA (step {cfg.train.steps})"]
+    assert manifest["columns"] == [*lead, "base", *kept, f"LoRA (step {cfg.train.steps})"]
     scale = -(-sample.MIN_CELL // SIZE)
     grid = Image.open(cfg.run_dir / "samples" / sample.GRID)
-    cols, rows = len(manifest["columns"]), len(PROMPTS) * len(SEEDS)
+    cols, rows = len(manifest["columns"]), len(prompts) * len(SEEDS)
     assert grid.size == (200 + cols * (SIZE * scale + 4), 28 + rows * (SIZE * scale + 4)) == tuple(manifest["grid_size"])
 
+    family = get_family(cfg.family)
     pipe = getattr(diffusers, read_manifest(cfg.run_dir / "export")["pipeline_class"]).from_pretrained(cfg.model)
     pipe.set_progress_bar_config(disable=True)
-    direct = pipe(prompt=PROMPTS[0], height=SIZE, width=SIZE, num_inference_steps=2, output_type="pil",
-                  generator=torch.Generator("cpu").manual_seed(SEEDS[1])).images[0]
-    assert np.array_equal(grid_cell(grid, 0, 1, scale), np.asarray(direct.convert("RGB")))  # the base column is the base model (Qwen-Image 2.1 returns RGBA)
-    base, lora = grid_cell(grid, 0, 0, scale), grid_cell(grid, cols - 1, 0, scale)
+    extra = family.sample_image_kwargs([dataset.load_image(c) for c in edits[0][1]], (SIZE, SIZE)) if edits else {}
+    context = family.sample_context((SIZE, SIZE)) if hasattr(family, "sample_context") else contextlib.nullcontext()
+    with context:
+        direct = pipe(prompt=prompts[0], height=SIZE, width=SIZE, num_inference_steps=2, output_type="pil",
+                      generator=torch.Generator("cpu").manual_seed(SEEDS[1]), **extra).images[0]
+    base_col = len(lead)
+    assert np.array_equal(grid_cell(grid, base_col, 1, scale), np.asarray(direct.convert("RGB")))  # the base column is the base model (Qwen-Image 2.1 returns RGBA)
+    base, lora = grid_cell(grid, base_col, 0, scale), grid_cell(grid, cols - 1, 0, scale)
     assert np.abs(base.astype(int) - lora.astype(int)).max() > 0  # the LoRA changes the image
 
     events = [e for e in read_events(cfg.run_dir) if e["stage"] == "sample"]

@@ -56,6 +56,7 @@ NOT_ROUND_TRIPPED = {
 KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux-kontext", "qwen-image-edit"))
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
 DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
+                      "flux-kontext": "FluxKontextPipeline.lora_state_dict cannot read it",  # FLUX's demo targets
                       "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion"}
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
