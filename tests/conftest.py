@@ -136,3 +136,19 @@ def built_run(request: pytest.FixtureRequest, assets: Path, tmp_path_factory: py
             built[stage] = seen
         _RUNS[family] = cfg
     return _RUNS[family]
+
+
+def run_beside(built, name: str, **overrides):
+    """A run folder beside `built` (a built run's config) holding copies of its caches, made by the
+    same config, so a test trains at once from identical inputs without re-encoding."""
+    import shutil
+
+    from stages.core.config import load_config
+
+    cfg = load_config(demo_config_path(built.family), {
+        "model": built.model, "data.path": built.data.path, "artifacts": built.artifacts, "device": built.device,
+        "run": f"{built.family}-{name}", **overrides})
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    for cache in ("captions.zarr", "latents.zarr"):
+        shutil.copytree(built.run_dir / cache, cfg.run_dir / cache)
+    return cfg

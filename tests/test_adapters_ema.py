@@ -14,23 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import demo_config_path, once
+from conftest import demo_config_path, once, run_beside
 
 EMA = {"train.ema_decay": 0.9}
+SHORT = {"train.steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1, "train.keep_checkpoints": 0}
 
 
 def new_run(built, name: str, **overrides):
-    """A run beside `built` with copies of its caches (same config), so training starts at once."""
-    from stages.core.config import load_config
-
-    cfg = load_config(demo_config_path(built.family), {
-        "model": built.model, "data.path": built.data.path, "artifacts": built.artifacts, "device": built.device,
-        "run": f"{built.family}-{name}", "train.steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1,
-        "train.keep_checkpoints": 0, **overrides})
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    for cache in ("captions.zarr", "latents.zarr"):
-        shutil.copytree(built.run_dir / cache, cfg.run_dir / cache)
-    return cfg
+    return run_beside(built, name, **{**SHORT, **overrides})
 
 
 def weights(folder: Path, name: str = "adapter_model.safetensors") -> dict[str, torch.Tensor]:

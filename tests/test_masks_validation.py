@@ -24,13 +24,16 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import make_cfg, once
+from conftest import make_cfg, once, run_beside
 
 N_ITEMS = 6
 
 
 # ---- the math ---------------------------------------------------------------------------------
 
+
+# a 3-step run beside the built one
+SHORT = {"train.steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1, "train.keep_checkpoints": 0}
 
 def _pred_target(shape=(2, 4, 6, 8)):
     g = torch.Generator().manual_seed(0)
@@ -287,21 +290,6 @@ def _events(cfg, event: str) -> list[dict]:
     return [e for e in lines[start:] if e["event"] == event]
 
 
-def _run_beside(built, name: str, **overrides):
-    from stages.core.config import load_config
-
-    from conftest import demo_config_path
-
-    cfg = load_config(demo_config_path(built.family), {
-        "model": built.model, "data.path": built.data.path, "artifacts": built.artifacts, "device": built.device,
-        "run": f"{built.family}-{name}", "train.steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1,
-        "train.keep_checkpoints": 0, **overrides})
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    for cache in ("captions.zarr", "latents.zarr"):
-        shutil.copytree(built.run_dir / cache, cfg.run_dir / cache)
-    return cfg
-
-
 @once
 def test_validation_loss_end_to_end(built_run, tmp_path):
     from click.testing import CliRunner
@@ -314,7 +302,7 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
 
     held = make_demo_dataset(tmp_path / "held", n=3, seed=7)
     val = {"validation.path": str(held), "validation.every_n_steps": 2}
-    cfg = _run_beside(built_run, "validation", **val)
+    cfg = run_beside(built_run, "validation", **{**SHORT, **val})
     assert encode_captions.run(cfg)["encoded_this_run"] == 3  # the held-out items join the caches
     assert cache_latents.run(cfg)["encoded_this_run"] == 3
     train.run(cfg)
@@ -324,14 +312,14 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
     assert all(np.isfinite(e["loss"]) for e in events) and events[0]["loss"] != events[1]["loss"]
 
     # it draws nothing from training: the same losses and adapter as a run without it
-    plain = _run_beside(built_run, "no-validation")
+    plain = run_beside(built_run, "no-validation", **SHORT)
     train.run(plain)
     final = lambda c: load_file(str(c.run_dir / "lora" / "final" / "adapter_model.safetensors"))  # noqa: E731
     assert [e["loss"] for e in _events(plain, "step")] == [e["loss"] for e in _events(cfg, "step")]
     assert all(torch.equal(a, b) for a, b in zip(final(plain).values(), final(cfg).values()))
 
     # fixed noise per item: a resume from checkpoint-1 logs the very same validation figures
-    resumed = _run_beside(built_run, "validation-resumed", **val)
+    resumed = run_beside(built_run, "validation-resumed", **{**SHORT, **val})
     encode_captions.run(resumed)
     cache_latents.run(resumed)
     shutil.copytree(cfg.run_dir / "lora" / "checkpoint-1", resumed.run_dir / "lora" / "checkpoint-1")

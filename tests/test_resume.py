@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, demo_config_path, once
+from conftest import ROOT, demo_config_path, once, run_beside
 
 STEPS, STOP_AT = 6, 3
 TRAIN = {"train.steps": STEPS, "train.checkpoint_every": 4, "train.log_every": 1}
@@ -25,17 +25,7 @@ _REFERENCE: dict[str, tuple] = {}
 
 
 def new_run(built, name: str, **overrides):
-    """A run folder beside `built` holding copies of its caches (made by the same config), so each
-    test trains from identical inputs without re-encoding."""
-    from stages.core.config import load_config
-
-    cfg = load_config(demo_config_path(built.family), {
-        "model": built.model, "data.path": built.data.path, "artifacts": built.artifacts, "device": built.device,
-        "run": f"{built.family}-{name}", **TRAIN, **overrides})
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    for cache in ("captions.zarr", "latents.zarr"):
-        shutil.copytree(built.run_dir / cache, cfg.run_dir / cache)
-    return cfg
+    return run_beside(built, name, **{**TRAIN, **overrides})
 
 
 def adapter(folder: Path) -> dict:
