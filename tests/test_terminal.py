@@ -100,3 +100,24 @@ def test_the_summary_line_is_built_from_the_done_event(tmp_path, capsys):
 @pytest.mark.parametrize("event", ["start", "step", "preparing"])
 def test_routine_events_stay_off_the_terminal(event):
     assert terminal_line({"event": event, "stage": "train"}, 0, Path("/x")) is None
+
+
+def test_every_quieted_logger_is_a_real_module_and_keeps_other_messages():
+    """A filter on a logger name that no module logs under would silence nothing: each name in
+    QUIET_LOG_MESSAGES imports, and its filter drops only the listed message."""
+    import importlib
+
+    from stages.core.runtime import QUIET_LOG_MESSAGES, quiet_libraries
+
+    for name in QUIET_LOG_MESSAGES:
+        importlib.import_module(name)
+    quiet_libraries(verbose=False)
+    logger, collect = logging.getLogger("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"), _Collect()
+    logger.addHandler(collect)
+    try:
+        logger.warning("true_cfg_scale is passed as 4.0, but classifier-free guidance is not enabled since no "
+                       "negative_prompt is provided.")
+        logger.warning("a warning we keep")
+    finally:
+        logger.removeHandler(collect)
+    assert collect.messages == ["a warning we keep"]

@@ -148,6 +148,10 @@ QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
     "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
     "diffusers.loaders.peft": ("No LoRA keys associated to",),
     "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
+    # the sample stage renders without a negative prompt, so the Qwen pipelines' true CFG is off by design
+    **{f"diffusers.pipelines.{module}": ("but classifier-free guidance is not enabled since no negative_prompt",)
+       for module in ("qwenimage.pipeline_qwenimage", "qwenimage.pipeline_qwenimage_edit_plus",
+                      "qwenimage21.pipeline_qwenimage21")},
 }
 # (message regex, category, module regex) of Python warnings silenced the same way.
 QUIET_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
