@@ -10,7 +10,7 @@ users ship) and, with `sample.every_n_checkpoints`, with kept checkpoints too. T
 the same starting noise in every column, so a column differs from the base only by the adapter.
 
 Rows are prompt x seed, columns base | checkpoints... | final; edit families (flux-kontext,
-qwen-image-edit) render the first dataset items' instructions with their control images, and
+qwen-image-edit, and flux2-klein/flux2 on items with reference images) render the first dataset items' instructions with their control images, and
 the grid starts with a control column: control | base | ... | final. Written with its manifest
 (prompts, seeds, adapters, settings) to artifacts/<run>/samples/.
 """
@@ -38,13 +38,16 @@ def artifact_dir(cfg: Any) -> Path:
 
 def edit_rows(cfg: Any) -> list[tuple[str, tuple[Path, ...]]] | None:
     """Edit families: (instruction, control images) of the first 3 dataset items, a prompt of
-    sample.prompts replacing the caption of the item in its place; None for text-to-image families."""
+    sample.prompts replacing the caption of the item in its place; None for text-to-image families
+    and for a family with optional references (FLUX.2) whose items have none."""
     from stages.cache_latents import scan_items
     from stages.families import get_family
 
     if not hasattr(get_family(cfg.family), "sample_image_kwargs"):
         return None
     items = scan_items(cfg)[:3]
+    if not any(it.controls for it in items):  # a family whose controls are optional, trained text-to-image
+        return None
     prompts = list(cfg.sample.prompts) + [it.caption for it in items[len(cfg.sample.prompts):]]
     return [(prompt, it.controls) for prompt, it in zip(prompts, items)]
 

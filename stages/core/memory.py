@@ -184,6 +184,17 @@ def plan_latents(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 
 
 # ---- train
+def _planned_controls(cfg: Any, family: Any) -> int:
+    """Control images per item the sequence carries: the family's most, or, where they are optional
+    (FLUX.2 references), the most an item of this run's data has."""
+    low, high = getattr(family, "control_range", (0, 0))
+    if low or not high:
+        return high
+    from stages.core import dataset
+
+    return max((len(it.controls) for it in dataset.scan_run(cfg)), default=0)
+
+
 def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     tcfg = cfg.train
     model = meta_component(src, family.denoiser_components[0])
@@ -191,7 +202,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     targets = tcfg.target_modules or list(family.default_lora_targets)
     lora = lora_params(model, targets, tcfg.rank) * LORA_BYTES_PER_PARAM
     side = max(d.resolution for d in cfg.dataset_configs()) // 16  # VAE /8, then 2x2 patches
-    images = 1 + getattr(family, "control_range", (0, 0))[1]  # edit families: control tokens join the sequence
+    images = 1 + _planned_controls(cfg, family)  # edit families: control tokens join the sequence
     tokens = tcfg.batch_size * (images * side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)

@@ -67,8 +67,10 @@ class Family(Protocol):
     # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
     # train.base_precision = "auto" (default `stages.core.memory.AUTO_BASE_PRECISIONS`: nf4, bf16)
 
-    # Edit families (flux-kontext, qwen-image-edit) also define, and the others leave out:
-    #   control_range: tuple[int, int]   min and max control images per item ((0, 0) when absent)
+    # Edit families (flux-kontext, qwen-image-edit) and those with optional references (flux2-klein,
+    # flux2) also define, and the others leave out:
+    #   control_range: tuple[int, int]   min and max control images per item ((0, 0) when absent; min 0:
+    #                                    optional, the items then have all none or all the same count)
     #   text_sees_controls: bool         the text encoder reads the controls (caption rows keyed by both;
     #                                    its encode takes `controls=`, one list of PIL images per text)
     #   control_images(control, size, variants, bucket) -> one PIL image per variant: the control as the

@@ -18,6 +18,24 @@ and `pipeline_flux2_klein.py`, whose helpers used here are the same code:
 - sigmas: `compute_empirical_mu(image_seq_len, num_steps)` (one function, copied into both
   pipelines) gives the exponential time shift the pipelines sample with; `train.dynamic_shift`
   trains at that shift for the bucket's token count and the pipelines' default 50 steps.
+
+Reference images (`image=` of both pipelines, optional; an item's control images here):
+- `__call__` step 4: a reference over 1024 x 1024 pixels is scaled to that area
+  (`Flux2ImageProcessor._resize_to_target_area`), its sides floored to a multiple of
+  vae_scale_factor x 2 and center-cropped to them (`preprocess(..., resize_mode="crop")`).
+  Training scales each reference to the bucket's area instead (up or down, its own aspect: the
+  pipeline's rule with the bucket's area for 1024 x 1024), so one dataset's references share a shape
+  per bucket; `sample` hands the pipeline references already at the sample's area, which it then
+  floors and crops the same way. A flipped variant flips its references with the target.
+- `prepare_image_latents`: each reference is encoded (`argmax`), patchified and batch-norm
+  normalized like the target, packed, and the references' tokens concatenated in order;
+  `_prepare_image_ids`: reference k has ids (10 + 10 k, row, col, 0).
+- the denoiser sees `cat([latents, image_latents], dim=1)` with `cat([latent_ids, image_latent_ids])`
+  and the prediction is cut to the target's tokens (`noise_pred[:, : latents.size(1)]`): the loss
+  is on the target tokens only. The text encoders never see the references (only the optional
+  caption upsampling of Flux2Pipeline does, which training has no use for), so caption rows stay keyed
+  by caption alone. Items without references train text-to-image exactly as before; a dataset
+  either has references on every item or on none (`dataset.for_family`: a batch stacks them).
 """
 
 from __future__ import annotations
@@ -27,12 +45,14 @@ from typing import Any
 
 import torch
 
-from stages.core import flow
+from stages.core import dataset, flow
+from stages.core.errors import DatasetError
 from stages.core.lora import load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.flux2_klein.kohya import LAYOUT as KOHYA_LAYOUT
 
 SHIFT_STEPS = 50  # both pipelines' default num_inference_steps, for the resolution shift
+REFERENCE_TIME_SCALE = 10  # _prepare_image_ids' `scale`: reference k has time id 10 + 10 k
 
 
 def _patch_stats(x: torch.Tensor, values: list[float]) -> torch.Tensor:
@@ -50,14 +70,20 @@ class Flux2DiT:
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
+    # Reference images are optional (0: text-to-image); the pipelines take any number, the folder
+    # convention names up to dataset.MAX_CONTROLS.
+    control_range = (0, dataset.MAX_CONTROLS)
+    text_sees_controls = False
 
     def __init__(self) -> None:
         self._ids: dict[tuple, torch.Tensor] = {}  # image and text ids and the guidance vector, per shape
+        self._reference_multiple = 0  # the pipelines' vae_scale_factor x 2, known once the VAE loads
 
     # ---- cache-latents
     def load_vae(self, src: Any, rt: Any) -> torch.nn.Module:
         from diffusers import AutoencoderKLFlux2
 
+        self._reference_multiple = self.pixel_multiple(src)
         return src.load(AutoencoderKLFlux2, "vae", torch_dtype=rt.dtype).to(rt.device).eval()
 
     def pixel_multiple(self, src: Any) -> int:
@@ -68,6 +94,26 @@ class Flux2DiT:
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
+
+    def control_images(self, control: Any, size: tuple[int, int], variants: list[dataset.Variant],
+                       bucket: tuple[int, int]) -> list[Any]:
+        """A reference as the pipelines prepare it, at the bucket's area: scaled to that area at its
+        own aspect, sides floored to the pipelines' multiple and center-cropped to them (their own
+        `Flux2ImageProcessor` calls); flipped with flipped variants, never cropped with the target."""
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+        from PIL import Image
+
+        m = self._reference_multiple
+        if not m:
+            raise RuntimeError("control_images needs the VAE loaded first (load_vae sets the pipelines' multiple)")
+        im = Flux2ImageProcessor._resize_to_target_area(control, bucket[0] * bucket[1])
+        w, h = im.width // m * m, im.height // m * m
+        if not (w and h):
+            raise DatasetError(f"a reference image of {control.width} x {control.height} pixels is too narrow for "
+                               f"{bucket[0]} x {bucket[1]} training: at that area a side is under {m} pixels; crop it "
+                               f"nearer to the target's aspect")
+        im = Flux2ImageProcessor(vae_scale_factor=m).resize(im, h, w, resize_mode="crop")
+        return [im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if v.flip else im for v in variants]
 
     def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
         var = vae.bn.running_var.double() + vae.config.batch_norm_eps
@@ -82,6 +128,17 @@ class Flux2DiT:
         b, c, h, w = x.shape
         z = x.view(b, c, h // 2, 2, w // 2, 2) * _patch_stats(x, norm["bn_std"]) + _patch_stats(x, norm["bn_mean"])
         return z.view(b, c, h, w)
+
+    # ---- sample
+    def sample_image_kwargs(self, controls: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+        """The references at the sample's area, as training scaled them to the bucket's (the pipeline
+        floors and crops them itself); none for a text-to-image run."""
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        if not controls:
+            return {}
+        return {"image": [Flux2ImageProcessor._resize_to_target_area(c.convert("RGB"), size[0] * size[1])
+                          for c in controls]}
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
@@ -110,6 +167,19 @@ class Flux2DiT:
             self._ids[key] = torch.stack(axes, dim=-1).reshape(-1, 4).to(device)
         return self._ids[key]
 
+    def reference_ids(self, shapes: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+        """The references' ids (10 + 10 k, row, col, 0) over each one's (h, w) tokens, concatenated:
+        `_prepare_image_ids`."""
+        key = ("references", tuple(shapes), device)
+        if key not in self._ids:
+            parts = []
+            for k, (n, m) in enumerate(shapes):
+                ids = self.position_ids("image", n, m, device).clone()
+                ids[:, 0] = REFERENCE_TIME_SCALE * (k + 1)
+                parts.append(ids)
+            self._ids[key] = torch.cat(parts)
+        return self._ids[key]
+
     def guidance(self, denoiser: torch.nn.Module, b: int, tcfg: Any, device: torch.device) -> torch.Tensor | None:
         """The pipelines' `torch.full([1], guidance_scale, dtype=float32).expand(B)`, with
         train.guidance_scale; None for a transformer without the guidance embedding."""
@@ -125,14 +195,19 @@ class Flux2DiT:
         b, _, h, w = x0.shape
         dtype, device = denoiser.dtype, x0.device
         text = cond["prompt_embeds"].to(device, dtype)
-        tokens = flow.pack_2x2(flow.noisy_latents(x0, noise, t)).to(dtype)
+        target = flow.pack_2x2(flow.noisy_latents(x0, noise, t))
+        tokens, ids = target, self.position_ids("image", h // 2, w // 2, device)
+        if meta.controls:  # the references' tokens follow the target's
+            tokens = torch.cat([target, *(flow.pack_2x2(c.to(device, target.dtype)) for c in meta.controls)], dim=1)
+            shapes = [(c.shape[-2] // 2, c.shape[-1] // 2) for c in meta.controls]
+            ids = torch.cat([ids, self.reference_ids(shapes, device)])
         pred = denoiser(
-            hidden_states=tokens,
+            hidden_states=tokens.to(dtype),
             encoder_hidden_states=text,
             timestep=t.to(device, dtype),  # the pipelines pass t / 1000 = sigma
-            img_ids=self.position_ids("image", h // 2, w // 2, device),
+            img_ids=ids,
             txt_ids=self.position_ids("text", 1, text.shape[1], device),
             guidance=self.guidance(denoiser, b, tcfg, device),
             return_dict=False,
-        )[0]
+        )[0][:, : target.shape[1]]  # the prediction of the target's tokens (all of them without references)
         return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
