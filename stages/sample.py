@@ -10,9 +10,10 @@ users ship) and, with `sample.every_n_checkpoints`, with kept checkpoints too. T
 the same starting noise in every column, so a column differs from the base only by the adapter.
 
 Rows are prompt x seed, columns base | checkpoints... | final; edit families (flux-kontext,
-qwen-image-edit, and flux2-klein/flux2 on items with reference images) render the first dataset items' instructions with their control images, and
-the grid starts with a control column: control | base | ... | final. Written with its manifest
-(prompts, seeds, adapters, settings) to artifacts/<run>/samples/.
+qwen-image-edit; flux2-klein and flux2 on items with reference images) render the first dataset
+items' instructions with their control images, and the grid starts with a control column:
+control | base | ... | final. Written with its manifest (prompts, seeds, adapters, settings) to
+artifacts/<run>/samples/.
 """
 
 from __future__ import annotations

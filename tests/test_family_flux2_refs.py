@@ -110,6 +110,18 @@ def test_reference_ids_are_the_pipelines_prepare_image_ids():
         assert torch.equal(ours, diffusers.Flux2Pipeline._prepare_image_ids(latents)[0])
 
 
+def test_memory_plan_counts_the_runs_references(assets, ref_data, demo_data, tmp_path):
+    """Optional references: the planned sequence has as many as the run's items carry (none for a
+    text-to-image run, so its plan is as before); an edit family plans its most."""
+    from stages.core import memory
+
+    klein = get_family("flux2-klein")
+    assert memory._planned_controls(make_cfg("flux2-klein", assets, ref_data, tmp_path), klein) == 1
+    assert memory._planned_controls(make_cfg("flux2-klein", assets, demo_data, tmp_path), klein) == 0
+    assert memory._planned_controls(None, get_family("qwen-image-edit")) == 3
+    assert memory._planned_controls(None, get_family("flux")) == 0
+
+
 # ---- against the pipelines ---------------------------------------------------------------------
 
 
