@@ -189,3 +189,24 @@ def test_oom_in_each_stage_is_one_clear_error_and_loses_nothing(assets, demo_dat
     assert resumed, "the train rerun continues from the checkpoint written before the OOM"
     captions = read_manifest(cfg.run_dir / "captions.zarr")
     assert captions["encoded_this_run"] < len(captions["rows"])  # the rows written before the OOM were kept
+
+
+def test_vision_language_encoder_is_sized_by_its_text_model(assets):
+    """Qwen2.5-VL (Qwen-Image's text encoder): activations scale with the text model's hidden size, not
+    the vision tower's first Linear, and nf4 leaves the output embedding (lm_head) in bf16, as
+    bitsandbytes through transformers does (the H200 encode peak was 1.5 GB over the old estimate)."""
+    import torch
+
+    import copy
+
+    tiny = memory.meta_component(ModelSource(str(tiny_model(assets, FAMILIES["qwen-image"]))), "text_encoder")
+    config = copy.deepcopy(tiny.config)
+    config.vision_config.hidden_size = 2 * config.text_config.hidden_size  # a vision tower of its own width
+    with torch.device("meta"):
+        enc = type(tiny)(config)
+    first = next(m.in_features for m in enc.modules() if isinstance(m, torch.nn.Linear))
+    assert memory._width(enc) == enc.config.text_config.hidden_size != first
+    head = enc.get_output_embeddings().weight
+    linear = {id(m.weight) for m in enc.modules() if isinstance(m, torch.nn.Linear)} - {id(head)}
+    want = sum(p.numel() * (memory.NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in enc.parameters())
+    assert memory.weight_bytes(enc, "nf4") == want

@@ -113,12 +113,26 @@ def weight_bytes(module: torch.nn.Module, precision: str) -> float:
     # transformers leaves `_keep_in_fp32_modules` unquantized (T5's `wo`: measured 4.41 GB for FLUX's
     # nf4 text encoders on the H200 where all-4-bit predicted 2.81; bench/results/memory-flux-h200.json)
     kept = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    # nor does it quantize the output embedding (Qwen2.5-VL's lm_head: 1.09 GB bf16; the nf4 encode
+    # of Qwen-Image measured 6.33 GB allocated where counting it as 4-bit predicted 4.81)
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    skip = {id(head.weight)} if isinstance(head, torch.nn.Linear) else set()
     linear = {id(m.weight) for name, m in module.named_modules()
-              if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)}
+              if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)} - skip
     return sum(p.numel() * (NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in module.parameters())
 
 
 def _width(module: torch.nn.Module) -> int:
+    """The hidden width activations scale with: a text model's hidden_size (a vision-language
+    encoder's first Linear is its vision tower's, 1280 wide in Qwen2.5-VL against 3584), else the
+    first Linear's input width."""
+    from transformers import PretrainedConfig
+
+    config = getattr(module, "config", None)
+    if isinstance(config, PretrainedConfig):
+        hidden = getattr(getattr(config, "text_config", None) or config, "hidden_size", None)
+        if isinstance(hidden, int):
+            return hidden
     return next(m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear))
 
 
