@@ -40,9 +40,12 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
     src = model_source(cfg)
     d = cfg.data
     # rows: 2 = each row holds the loss mask of every variant beside its latents (older caches rebuild)
-    return {"family": cfg.family, "rows": 2, "model": src.identity(family.vae_components), "resolution": d.resolution,
-            "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "cache_variants": d.cache_variants,
-            "random_flip": d.random_flip, "crop": d.crop, "crop_zoom": d.crop_zoom, "background": d.background, "seed": cfg.seed,
+    return {"family": cfg.family, "rows": 2, "model": src.identity(family.vae_components),
+            # resolution, cache_variants, random_flip, crop, crop_zoom: the first dataset's, not [data]'s,
+            # which [[datasets]] tables may all override (then no image reads them and they must not
+            # rebuild the cache); a plain data.path run's first dataset is [data], its parts as before
+            **dataset.latent_reference(cfg),
+            "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "background": d.background, "seed": cfg.seed,
             "dtype": cfg.latents.dtype, "vae_precision": cfg.latents.vae_precision,
             # merged buckets depend on the batch they fill; off adds no key, so older caches stay valid
             **({"bucket_merge": cfg.train.batch_size} if d.bucket_merge else {}),

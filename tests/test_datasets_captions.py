@@ -347,3 +347,102 @@ def test_sdxl_caches_the_empty_captions_pooled_output_too(assets, tmp_path):
     caption = store.read_row(manifest["rows"][dataset.caption_id("a red square")])
     assert set(empty) == set(caption) and "pooled" in empty
     assert np.abs(empty["pooled"]).sum() > 0 and not np.array_equal(empty["pooled"], caption["pooled"])
+
+
+# ---- the fill warning counts what an epoch draws -------------------------------------------------
+
+
+def test_fill_warning_counts_each_buckets_draws_per_epoch_with_repeats_and_weights():
+    from stages.core.train_data import FILL_EPOCHS, BucketSampler
+
+    def measured(sampler, epochs):
+        sizes = [len(b) for e in range(epochs) for _, b in sampler.epoch_batches(e)]
+        return sum(sizes) / len(sizes)
+
+    # two images at repeats 3 fill batches of 4 (6 draws per epoch), although the bucket holds 2 images
+    assert BucketSampler({"64x64": [0, 1], "80x48": list(range(2, 6))}, 4, 0, [([0, 1], 3.0)]).fill_warning(False) is None
+    assert BucketSampler({"64x64": [0, 1], "80x48": list(range(2, 6))}, 4, 0).fill_warning(False) is not None
+    # weight 0.5 of six images in one bucket: 3 draws every epoch, never a batch of 4
+    sampler = BucketSampler({"64x64": [0, 1], "80x48": list(range(2, 8))}, 4, 0, [([0, 1], 3.0), (list(range(2, 8)), 0.5)])
+    note = sampler.fill_warning(bucket_merge=False)
+    assert ("1 of the 2 buckets draw fewer than 4 images per epoch with the datasets' repeats and weights "
+            "(64x64: 6, 80x48: 3); a step trains 3.00 images on average.") in note, note
+    assert measured(sampler, 5) == 3.0  # batches 4 + 2 + 3 in every epoch
+    assert "but a weight below 1 draws only some of them per epoch" in sampler.fill_warning(bucket_merge=True)
+    # the weighted images split over two buckets: each draws 0-3 of the 3 extras, a fresh split each epoch
+    split = {"64x64": [0, 1, 2], "80x48": [3, 4, 5]}
+    sampler = BucketSampler(split, 4, 1, [(list(range(6)), 0.5)])
+    note = sampler.fill_warning(bucket_merge=False)
+    assert "2 of the 2 buckets draw fewer than 4 images per epoch" in note and "(64x64: 0-3, 80x48: 0-3)" in note
+    seen = [sampler.draws(e)["64x64"] for e in range(200)]
+    assert min(seen) == 0 and max(seen) == 3 and all(sum(sampler.draws(e).values()) == 3 for e in range(20))
+    assert seen == [sum(1 for _, b in sampler.epoch_batches(e) for i in b if i < 3) for e in range(200)]
+    assert f"a step trains {measured(sampler, FILL_EPOCHS):.2f} images on average over the first {FILL_EPOCHS} epochs" in note
+    # an epoch that draws fewer images than a batch names the number it draws
+    assert ("An epoch draws only 2 images (1 image with the datasets' repeats and weights): lower train.batch_size "
+            "to 2") in BucketSampler({"64x64": [0]}, 4, 0, [([0], 2.0)]).fill_warning(False)
+
+
+# ---- latent cache keys: only the settings the datasets use ---------------------------------------
+
+# Recorded on main before the cache keys were read from the datasets (commit 809486f): a plain
+# data.path run's latent layout, without the model identity (a hash of the tiny model's files).
+PLAIN_LAYOUT = {"background": "white", "bucket_step": 0, "cache_variants": 4, "crop": "random", "crop_zoom": 0.1,
+                "dtype": "float32", "family": "flux", "max_aspect": 3.0, "random_flip": True, "resolution": 64,
+                "rows": 2, "seed": 0, "vae_precision": "fp32"}
+PLAIN_CHANGED = {"data.cache_variants": 2, "data.crop": "center", "data.resolution": 48, "data.bucket_merge": True,
+                 "train.batch_size": 2, "data.random_flip": False, "data.crop_zoom": 0.0}
+
+
+def test_a_plain_data_path_runs_latent_keys_are_as_recorded_before(assets, demo_data, tmp_path):
+    from stages import cache_latents
+    from stages.core import dataset
+    from stages.core.artifacts import fingerprint
+
+    changed = {**PLAIN_LAYOUT, "bucket_merge": 2, "cache_variants": 2, "crop": "center", "crop_zoom": 0.0,
+               "random_flip": False, "resolution": 48}
+    for overrides, want, want_fp in (({}, PLAIN_LAYOUT, "718e4c941cc82546"), (PLAIN_CHANGED, changed, "767f77ed59f63cca")):
+        cfg = make_cfg("flux", assets, demo_data, tmp_path, **overrides)
+        layout = cache_latents.layout_parts(cfg)
+        parts = cache_latents.fingerprint_parts(cfg)
+        assert {k: v for k, v in layout.items() if k != "model"} == want
+        assert fingerprint({k: v for k, v in layout.items() if k != "model"}) == want_fp
+        assert parts == {**layout, "images": sorted(it.image_id for it in dataset.scan(demo_data))}
+
+
+def test_a_data_key_every_dataset_overrides_leaves_the_latents_up_to_date(assets, demo_data, tmp_path):
+    import dataclasses
+
+    from stages import cache_latents
+    from stages.core import dataset
+    from stages.core.config import build_config
+    from stages.core.stage import staleness
+
+    big, small = tmp_path / "big", tmp_path / "small"
+    for name in sorted(p.name for p in demo_data.glob("*.png"))[:2]:
+        big.mkdir(exist_ok=True)
+        shutil.copy(demo_data / name, big / name)
+        shutil.copy(demo_data / Path(name).with_suffix(".txt"), big / Path(name).with_suffix(".txt"))
+    _image(small / "s0.png", (64, 32), "red")
+    (small / "s0.txt").write_text("a red bar")
+    tables = [{"path": str(big), "resolution": 64, "cache_variants": 2},
+              {"path": str(small), "resolution": 48, "cache_variants": 1}]
+    cfg = make_cfg("flux", assets, demo_data, tmp_path / "artifacts", run="overridden", datasets=tables)
+    items = dataset.scan_run(cfg)
+    # the first dataset's settings key its rows by the bare image id; the other's get a suffix
+    assert [it.latent_key == it.image_id for it in items] == [True, True, False]
+    cache_latents.run(cfg)
+    assert staleness(cache_latents, cfg) == (True, [])
+
+    def changed(**data):
+        return build_config({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], **data}})
+
+    moved = changed(resolution=96, cache_variants=3)  # every table sets both: no image reads [data]'s
+    assert staleness(cache_latents, moved) == (True, [])
+    assert dataset.scan_run(moved) == items
+    assert cache_latents.run(moved)["encoded_this_run"] == 0
+    up, reasons = staleness(cache_latents, changed(crop="center"))  # read by both datasets: stale
+    assert not up and any("crop" in r for r in reasons), reasons
+    own = dataclasses.replace(cfg, datasets=[tables[0], {**tables[1], "resolution": 32}])
+    # a dataset's own value counts, and status names it (its rows get new keys)
+    assert staleness(cache_latents, own) == (False, ["datasets[1].resolution: 48 -> 32", "images: 1 new, 1 removed"])

@@ -360,21 +360,30 @@ def scan_data(data: Any, log: Any = None) -> list[Item]:
                 caption_lines=data.caption_lines)
 
 
-# Settings of a dataset that change its cached latents: an image whose dataset differs from [data] in
-# any of them gets its own latent row (the image id with a suffix); the same settings share one row.
+# Settings of a dataset that change its cached latents. The first dataset's are the run's reference
+# (latent_reference): an image whose dataset differs from them in any key gets its own latent row (the
+# image id with a suffix); the same settings share one row. Not [data]'s own values: with [[datasets]]
+# tables they may be overridden everywhere, and a key no dataset uses must not rename any row.
 LATENT_KEYS = ("resolution", "cache_variants", "random_flip", "crop", "crop_zoom")
+
+
+def latent_reference(cfg: Any) -> dict[str, Any]:
+    """The first dataset's effective LATENT_KEYS (a plain data.path run: [data]'s): the settings whose
+    rows are keyed by the bare image id, as validation.path's items are, which are cached with them."""
+    first = cfg.dataset_configs()[0]
+    return {k: getattr(first, k) for k in LATENT_KEYS}
 
 
 def scan_run(cfg: Any, log: Any = None) -> list[Item]:
     """Every item of a run: its one data.path, or each [[datasets]] table's folder with item keys
     prefixed '<name>/'. Captions get their tag shuffles; items keep their dataset's index."""
     warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
-    out = []
+    out, reference = [], latent_reference(cfg)
     for i, (data, name) in enumerate(zip(cfg.dataset_configs(), cfg.dataset_names())):
         items = scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
                      caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path")
         settings = {k: getattr(data, k) for k in LATENT_KEYS}
-        suffix = "" if settings == {k: getattr(cfg.data, k) for k in LATENT_KEYS} else \
+        suffix = "" if settings == reference else \
             "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
         for it in items:
             texts = tuple(dict.fromkeys(t for text in it.texts for t in caption_shuffles(

@@ -9,6 +9,7 @@ before the stage runs).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -77,8 +78,13 @@ def _logged(cfg: Any, stage: str, dist: Any) -> Iterator[StageContext]:
 
 
 def describe_change(key: str, old: Any, new: Any) -> str:
+    if isinstance(old, list) and isinstance(new, list) and all(isinstance(v, dict) for v in old + new):
+        # per-entry settings (cache-latents' `datasets`): name each entry's changed keys
+        changes = [describe_change(f"{key}[{i}]", a, b) for i, (a, b) in enumerate(zip(old, new)) if a != b]
+        return "; ".join(changes + ([f"{key}: {len(old)} -> {len(new)} entries"] if len(old) != len(new) else []))
     if isinstance(old, list) and isinstance(new, list):
-        added, removed = len(set(new) - set(old)), len(set(old) - set(new))
+        as_set = lambda values: {json.dumps(v, sort_keys=True, default=str) for v in values}  # noqa: E731
+        added, removed = len(as_set(new) - as_set(old)), len(as_set(old) - as_set(new))
         return f"{key}: {added} new, {removed} removed"
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

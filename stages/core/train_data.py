@@ -10,6 +10,7 @@ an item trains with is drawn from the step's generator (draw_variants, draw_capt
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,9 @@ class Pair:
     variants: int = 0  # latent variants cached for it (0: the store's count)
     dataset: int = 0
     share: float = 1.0  # times per epoch on average (its dataset's repeats or weight)
+
+
+FILL_EPOCHS = 16  # epochs fill_warning averages the step size over when weights vary the buckets' draws
 
 
 class BucketSampler:
@@ -71,8 +75,11 @@ class BucketSampler:
                     out[indices[k]] += 1
         return out
 
+    def _generator(self, epoch: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+
     def epoch_batches(self, epoch: int) -> list[tuple[str, list[int]]]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = self._generator(epoch)
         copies = self.copies(g)
         batches = []
         for name in sorted(self.buckets):
@@ -93,26 +100,61 @@ class BucketSampler:
         self.index += 1
         return batch
 
+    def draws(self, epoch: int) -> dict[str, int]:
+        """Images each bucket draws in `epoch`, repeats and weights included: what epoch_batches cuts."""
+        copies = self.copies(self._generator(epoch))  # its first draw, as in epoch_batches
+        return {name: len(members) if copies is None else sum(copies.get(i, 1) for i in members)
+                for name, members in sorted(self.buckets.items())}
+
+    def draw_range(self) -> dict[str, tuple[int, int]]:
+        """(fewest, most) images each bucket can draw in an epoch: floor(share) per member, plus between
+        none and all of the extra draws of its members' datasets that can land in it."""
+        share_of = {i: (k, w) for k, (indices, w) in enumerate(self.shares) for i in indices}
+        out = {}
+        for name, members in sorted(self.buckets.items()):
+            lo = hi = sum(int(share_of[i][1]) if i in share_of else 1 for i in members)
+            inside = Counter(share_of[i][0] for i in members if i in share_of)
+            for k, m in sorted(inside.items()):
+                indices, w = self.shares[k]
+                extra = round((w - int(w)) * len(indices))
+                lo, hi = lo + max(0, extra - (len(indices) - m)), hi + min(extra, m)
+            out[name] = (lo, hi)
+        return out
+
     def fill_warning(self, bucket_merge: bool) -> str | None:
-        """A warning with the numbers when some bucket holds fewer items than a batch: its batches are
-        always smaller than batch_size (not only an epoch's last one), which a user would not notice."""
-        sizes = {name: len(members) for name, members in sorted(self.buckets.items())}
-        size, short = self.batch_size, [name for name, n in sizes.items() if n < self.batch_size]
+        """A warning with the numbers when some bucket draws fewer items per epoch than a batch (repeats
+        and weights included): its batches are always smaller than batch_size (not only an epoch's last
+        one), which a user would not notice."""
+        size, ranges = self.batch_size, self.draw_range()
+        short = [name for name, (_, hi) in ranges.items() if hi < size]
         if not short:
             return None
-        total, batches = sum(sizes.values()), sum(-(-n // size) for n in sizes.values())
-        held = ", ".join(f"{name}: {n}" for name, n in sizes.items())
+        # a weight's extra draws move between buckets from epoch to epoch: average over several epochs
+        fixed = all(lo == hi for lo, hi in ranges.values())
+        epochs = [self.draws(e) for e in range(1 if fixed else FILL_EPOCHS)]
+        drawn = sum(sum(d.values()) for d in epochs)
+        average = drawn / sum(-(-n // size) for d in epochs for n in d.values())
+        total = drawn // len(epochs)  # the same every epoch: floor(share) per item plus a fixed number of extras
+        held = ", ".join(f"{name}: {lo}" if lo == hi else f"{name}: {lo}-{hi}" for name, (lo, hi) in ranges.items())
+        images = sum(len(members) for members in self.buckets.values())
+        weighed = " with the datasets' repeats and weights" if self.shares else ""
         if total < size:
-            fix = f"The dataset has only {total} trainable images: lower train.batch_size to {total} or add images"
+            fix = (f"An epoch draws only {total} images ({images} image{'s' * (images != 1)}{weighed}): lower train.batch_size to {total}, "
+                   f"raise the datasets' repeats or weight, or add images" if self.shares else
+                   f"The dataset has only {total} trainable images: lower train.batch_size to {total} or add images")
         elif bucket_merge:
-            fix = ("data.bucket_merge fills buckets to train.batch_size images, and a batch over several "
-                   "processes is larger: add images, or train on fewer processes")
+            thin = any(w < 1 for _, w in self.shares)
+            fix = ("data.bucket_merge fills buckets to train.batch_size images, "
+                   + ("but a weight below 1 draws only some of them per epoch, and " if thin else "and ")
+                   + "a batch over several processes is larger: "
+                   + ("raise the weight, add images, " if thin else "add images, ") + "or train on fewer processes")
         else:
             fix = (f"Set data.bucket_merge = true (cache-latents then reruns) to move images into the nearest "
                    f"bucket holding at least {size}, or lower train.batch_size")
+        amount = f"draw fewer than {size} images per epoch{weighed}" if self.shares else f"hold fewer than {size} images"
+        over = "" if fixed else f" over the first {FILL_EPOCHS} epochs"
         return (f"batches of {size} cannot be filled: a batch comes from one aspect bucket, and {len(short)} of the "
-                f"{len(sizes)} buckets hold fewer than {size} images ({held}); a step trains {total / batches:.2f} "
-                f"images on average. {fix}")
+                f"{len(ranges)} buckets {amount} ({held}); a step trains {average:.2f} images on average{over}. {fix}")
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
