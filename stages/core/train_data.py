@@ -136,25 +136,30 @@ class BucketSampler:
         average = drawn / sum(-(-n // size) for d in epochs for n in d.values())
         total = drawn // len(epochs)  # the same every epoch: floor(share) per item plus a fixed number of extras
         held = ", ".join(f"{name}: {lo}" if lo == hi else f"{name}: {lo}-{hi}" for name, (lo, hi) in ranges.items())
-        images = sum(len(members) for members in self.buckets.values())
-        weighed = " with the datasets' repeats and weights" if self.shares else ""
-        if total < size:
-            fix = (f"An epoch draws only {total} images ({images} image{'s' * (images != 1)}{weighed}): lower train.batch_size to {total}, "
-                   f"raise the datasets' repeats or weight, or add images" if self.shares else
-                   f"The dataset has only {total} trainable images: lower train.batch_size to {total} or add images")
-        elif bucket_merge:
-            thin = any(w < 1 for _, w in self.shares)
-            fix = ("data.bucket_merge fills buckets to train.batch_size images, "
-                   + ("but a weight below 1 draws only some of them per epoch, and " if thin else "and ")
-                   + "a batch over several processes is larger: "
-                   + ("raise the weight, add images, " if thin else "add images, ") + "or train on fewer processes")
-        else:
-            fix = (f"Set data.bucket_merge = true (cache-latents then reruns) to move images into the nearest "
-                   f"bucket holding at least {size}, or lower train.batch_size")
-        amount = f"draw fewer than {size} images per epoch{weighed}" if self.shares else f"hold fewer than {size} images"
+        amount = (f"draw fewer than {size} images per epoch with the datasets' repeats and weights" if self.shares
+                  else f"hold fewer than {size} images")
         over = "" if fixed else f" over the first {FILL_EPOCHS} epochs"
         return (f"batches of {size} cannot be filled: a batch comes from one aspect bucket, and {len(short)} of the "
-                f"{len(ranges)} buckets {amount} ({held}); a step trains {average:.2f} images on average{over}. {fix}")
+                f"{len(ranges)} buckets {amount} ({held}); a step trains {average:.2f} images on average{over}. "
+                f"{self._fill_fix(total, bucket_merge)}")
+
+    def _fill_fix(self, total: int, bucket_merge: bool) -> str:
+        """What to do about buckets that cannot fill a batch, given the images an epoch draws."""
+        size, images = self.batch_size, sum(len(members) for members in self.buckets.values())
+        if total < size and self.shares:
+            return (f"An epoch draws only {total} images ({images} image{'s' * (images != 1)} with the datasets' "
+                    f"repeats and weights): lower train.batch_size to {total}, raise the repeats or weight, or add images")
+        if total < size:
+            return f"The dataset has only {total} trainable images: lower train.batch_size to {total} or add images"
+        if bucket_merge and any(w < 1 for _, w in self.shares):
+            return ("data.bucket_merge fills buckets to train.batch_size images, but a weight below 1 draws only some "
+                    "of them per epoch, and a batch over several processes is larger: raise the weight, add images, "
+                    "or train on fewer processes")
+        if bucket_merge:
+            return ("data.bucket_merge fills buckets to train.batch_size images, and a batch over several "
+                    "processes is larger: add images, or train on fewer processes")
+        return (f"Set data.bucket_merge = true (cache-latents then reruns) to move images into the nearest "
+                f"bucket holding at least {size}, or lower train.batch_size")
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
