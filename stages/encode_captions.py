@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset, distributed
+from stages.core import dataset, distributed, validation
 from stages.core import faults
 from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
@@ -56,13 +56,32 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
 EMPTY_CAPTION = ""  # what caption dropout trains on; its row is cached like any other caption's
 
 
+def dropout_rows(cfg: Any, items: list[dataset.Item]) -> dict[str, str]:
+    """item key -> its empty caption's row id, for each training item whose dataset has
+    caption_dropout > 0: one shared row, or one per control set for a family whose text encoder sees
+    the controls (held-out items never drop their caption)."""
+    dropping = {i for i, d in enumerate(cfg.dataset_configs()) if d.caption_dropout > 0}
+    if not dropping:
+        return {}
+    return {it.key: it.empty_caption_id for it in validation.partition(cfg, items)[0] if it.dataset in dropping}
+
+
 def caption_texts(cfg: Any, items: list[dataset.Item]) -> dict[str, str]:
     """caption id -> text of every row the run needs: each item's caption variants, and the empty
-    caption when any dataset has caption_dropout > 0."""
+    caption (dropout_rows) of the items that drop theirs."""
     texts = {cid: text for it in items for cid, text in zip(it.caption_ids, it.texts)}
-    if any(d.caption_dropout > 0 for d in cfg.dataset_configs()):
-        texts[dataset.caption_id(EMPTY_CAPTION)] = EMPTY_CAPTION
+    texts.update({cid: EMPTY_CAPTION for cid in dropout_rows(cfg, items).values()})
     return texts
+
+
+def row_controls(items: list[dataset.Item]) -> dict[str, tuple]:
+    """caption id -> the control images its row is encoded with (its item's; rows keyed by them)."""
+    return {cid: it.controls for it in items for cid in (*it.caption_ids, it.empty_caption_id)}
+
+
+def row_owners(items: list[dataset.Item]) -> dict[str, str]:
+    """caption id -> the key of an item it belongs to, for messages."""
+    return {cid: it.key for it in reversed(items) for cid in (it.empty_caption_id, *it.caption_ids)}
 
 
 def _open_store(path: Path, layout: dict[str, Any]) -> RowStore | None:
@@ -102,7 +121,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             store = _open_store(out, layout)
             todo_ids = rows_to_encode(store, sorted(texts), grow=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(texts) - len(todo_ids), total=len(texts), encoded=0)
-        encoded = _encode(ctx, cfg, texts, todo_ids, store, layout, {c: it.controls for it in items for c in it.caption_ids})
+        encoded = _encode(ctx, cfg, texts, todo_ids, store, layout, row_controls(items))
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
         manifest = _write(ctx, cfg, items, texts, encoded, len(todo_ids))
@@ -174,10 +193,13 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str],
     from stages.core.runtime import peak_vram_gb
 
     store, truncated = encoded["store"], encoded["truncated"]
+    owners = row_owners(items)
     for cid, n in truncated.items():
-        key = next(it.key for it in items if cid in it.caption_ids)
-        ctx.log.emit("warning", message=f"caption of '{key}' has {n} tokens; truncated to "
-                     f"{cfg.captions.max_sequence_length}, the rest is ignored: shorten it or raise "
+        key = owners[cid]
+        what, fix = (("the empty caption (caption dropout) of", "smaller control images") if texts[cid] == EMPTY_CAPTION
+                     else ("caption of", "shorten it"))
+        ctx.log.emit("warning", message=f"{what} '{key}' has {n} tokens; truncated to "
+                     f"{cfg.captions.max_sequence_length}, the rest is ignored: {fix} or raise "
                      f"captions.max_sequence_length", item=key)
     assert store is not None
     out = artifact_dir(cfg)
@@ -188,8 +210,12 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str],
     extra: dict[str, Any] = {}
     if any(it.captions for it in items):
         extra["variants"] = {it.key: list(it.caption_ids) for it in items if it.captions}
-    if dataset.caption_id(EMPTY_CAPTION) in texts:
-        extra["empty_caption"] = dataset.caption_id(EMPTY_CAPTION)
+    shared = dataset.caption_id(EMPTY_CAPTION)
+    if shared in texts:
+        extra["empty_caption"] = shared
+    own = {key: cid for key, cid in dropout_rows(cfg, items).items() if cid != shared}
+    if own:  # a family whose text encoder sees the controls: each item's own (empty, controls) row
+        extra["empty_captions"] = own
     return write_manifest(
         out, NAME, family=cfg.family, model=cfg.model, fingerprint=fingerprint(parts), fingerprint_parts=parts,
         rows={cid: row_of[cid] for cid in parts["captions"]}, items={it.key: it.caption_id for it in items},

@@ -113,9 +113,10 @@ def captions_section(run_dir: Path, limit: int, cfg: Any = None) -> dict[str, An
         fields[name] = {"shape": info.get("shape"), "dtype": info.get("dtype"), "stored_dtype": str(store.group[name].dtype),
                         **nonfinite(values.astype(np.float32) if values.dtype.kind == "f" else values)}
     texts = caption_texts(cfg)
-    empty = manifest.get("empty_caption")
-    if empty:
-        texts[empty] = ""
+    empty, own = manifest.get("empty_caption"), manifest.get("empty_captions", {})
+    texts.update({cid: "" for cid in [empty, *own.values()] if cid})
+    for key, cid in own.items():  # each item's (empty, controls) row of caption dropout
+        used.setdefault(cid, []).append(key)
     return {
         "present": True, "complete": True, "family": manifest["family"], "rows": len(ids),
         "written": int(written.sum()), "referenced": len(rows), "items": len(manifest["items"]),
@@ -130,6 +131,7 @@ def captions_section(run_dir: Path, limit: int, cfg: Any = None) -> dict[str, An
         "variants": {key: [{"caption_id": cid, "text": texts.get(cid, CAPTION_GONE)} for cid in cids]
                      for key, cids in sorted(manifest.get("variants", {}).items())},
         "empty_caption": empty,
+        "empty_captions": own,
     }
 
 
@@ -397,6 +399,10 @@ def _render_captions(c: dict[str, Any], console: Any) -> None:
     if c.get("empty_caption"):
         row = next((r["row"] for r in c["captions"] if r["caption_id"] == c["empty_caption"]), "?")
         console.print(f"caption dropout trains on the empty caption, row {row}")
+    if c.get("empty_captions"):
+        rows = sorted({r["row"] for r in c["captions"] if r["caption_id"] in set(c["empty_captions"].values())})
+        console.print(f"caption dropout trains each item on the empty caption with its own control images: "
+                      f"{len(rows)} rows ({', '.join(map(str, rows[:20]))}{' ...' if len(rows) > 20 else ''})")
 
 
 def _render_latents(lat: dict[str, Any], console: Any) -> None:

@@ -282,12 +282,3 @@ def test_qwen_edit_changed_control_reencodes_its_caption_row(assets, edit_data, 
     (data / "shape_004_control.png").write_bytes((data / "shape_001_control.png").read_bytes())
     assert encode_captions.run(cfg)["encoded_this_run"] == 1
 
-
-def test_qwen_edit_refuses_caption_dropout_before_any_model_loads():
-    from stages.core.config import load_config
-    from stages.core.errors import ConfigError
-    from stages.demo import demo_config
-
-    with pytest.raises(ConfigError, match=r"'data.caption_dropout' = 0.1: qwen-image-edit's text conditioning depends "
-                                          r"on each item's control images"):
-        load_config(demo_config("qwen-image-edit"), {"model": "unused", "data.caption_dropout": 0.1})

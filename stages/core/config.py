@@ -60,7 +60,8 @@ class DataConfig:
     """Fractional repeats instead of `repeats` (0: off): each epoch trains every image floor(weight) times
     plus a seeded, fresh share frac(weight) of the images once more (0.5: a random half per epoch)."""
     caption_dropout: float = 0.0
-    """Probability that a step trains an item on the empty caption (its encoding is cached once)."""
+    """Probability that a step trains an item on the empty caption (its encoding is cached once, or once per
+    control set when the text encoder sees the control images)."""
     caption_lines: Literal["whole", "variants"] = "whole"
     """whole: a caption file is one caption; variants: each non-empty line is a caption, one drawn per step.
     Files <stem>.1<ext>, <stem>.2<ext>, ... beside the caption are always further variants."""

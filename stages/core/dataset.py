@@ -77,6 +77,13 @@ class Item:
         return tuple(_salted(caption_id(t), self.caption_salt) for t in self.texts)
 
     @property
+    def empty_caption_id(self) -> str:
+        """captions.zarr row key of the empty caption that caption dropout trains it on: keyed like its
+        captions, so one row shared by every item, or, when the text encoder sees the controls, one
+        row per distinct control set."""
+        return _salted(caption_id(""), self.caption_salt)
+
+    @property
     def latent_key(self) -> str:
         return self.latent_id or self.image_id
 

@@ -24,8 +24,9 @@ MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
     "captions": {"required": {**_PROVENANCE, "family": "string", "model": "string", "rows": "object",
                               "items": "object", "lengths": "object", "fields": "object", "truncated": "object",
                               "encoded_this_run": "integer"},
-                 # items -> all their caption ids (caption variants); the empty caption's id (dropout)
-                 "optional": {**_COST, "variants": "object", "empty_caption": "string"}},
+                 # items -> all their caption ids (caption variants); the empty caption's id (dropout), or per
+                 # item its own (empty, controls) row id when the text encoder sees the controls
+                 "optional": {**_COST, "variants": "object", "empty_caption": "string", "empty_captions": "object"}},
     # latents.zarr: image id -> {bucket, row}, items -> image id, images per bucket, the family's
     # normalization, variants per image, skipped / duplicated items and size warnings
     "latents": {"required": {**_PROVENANCE, "family": "string", "model": "string", "index": "object",

@@ -36,7 +36,8 @@ class Pair:
     caption_ids: tuple[str, ...] = ()  # every caption variant (the first is caption_id)
     caption_rows: tuple[int, ...] = ()
     dropout: float = 0.0  # probability of training on the empty caption
-    empty: tuple[str, int] | None = None  # the empty caption's (id, row) when dropout > 0
+    empty: tuple[str, int] | None = None  # its empty caption's (id, row) when dropout > 0 (per control set when
+    # the family's text encoder sees the controls)
     variants: int = 0  # latent variants cached for it (0: the store's count)
     dataset: int = 0
     share: float = 1.0  # times per epoch on average (its dataset's repeats or weight)
@@ -176,7 +177,6 @@ def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_mani
     cap_rows, lat_index = cap_manifest["rows"], lat_manifest["index"]
     skipped = {s["item"] for s in lat_manifest.get("skipped", [])}
     stale_captions = (f"run `python pipeline.py encode-captions` for run '{run}'")
-    empty_id = dataset.caption_id("")
     pairs = []
     for it in items:
         if it.key in skipped:
@@ -188,9 +188,10 @@ def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_mani
                                 f"run `python pipeline.py cache-latents` for run '{run}'")
         data = datasets[it.dataset] if datasets else None
         dropout = data.caption_dropout if data else 0.0
+        empty_id = it.empty_caption_id  # one shared row, or the item's (empty, controls) row
         if dropout > 0 and empty_id not in cap_rows:
-            raise ArtifactError(f"the empty caption that caption dropout trains on is not in captions.zarr: "
-                                f"{stale_captions}")
+            raise ArtifactError(f"the empty caption that caption dropout trains '{it.key}' on is not in "
+                                f"captions.zarr: {stale_captions}")
         loc = lat_index[it.latent_key]
         pairs.append(Pair(it.key, it.image_id, it.caption_id, Bucket.parse(loc["bucket"]), loc["row"],
                           cap_rows[it.caption_id], it.caption_ids, tuple(cap_rows[c] for c in it.caption_ids),

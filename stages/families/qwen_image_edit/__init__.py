@@ -14,16 +14,8 @@ DEMO_DATA = "edit"
 
 
 def config_errors(cfg: Any) -> list[str]:
-    dropout = [f"'{key}.caption_dropout' = {d.caption_dropout}" for key, d in _datasets(cfg) if d.caption_dropout > 0]
-    refused = [f"{', '.join(dropout)}: qwen-image-edit's text conditioning depends on each item's control images, "
-               f"so an empty caption is a row per item, which is not cached yet; set it to 0"] if dropout else []
-    return refused + (checks.max_tokens(cfg, PIPELINE_MAX_SEQUENCE_LENGTH, "QwenImageEditPlusPipeline's limit; the control "
+    # caption dropout is allowed: its empty caption is cached once per control set (the VL encoder
+    # sees the controls), see encode_captions.dropout_rows
+    return (checks.max_tokens(cfg, PIPELINE_MAX_SEQUENCE_LENGTH, "QwenImageEditPlusPipeline's limit; the control "
                               "images' vision tokens count too")
             + checks.bucket_step_multiple(cfg, 2, "latents are packed in 2x2 patches"))
-
-
-def _datasets(cfg: Any) -> list[tuple[str, Any]]:
-    """(config key, DataConfig) of [data] or of each [[datasets]] table."""
-    if getattr(cfg, "datasets", None):
-        return [(f"datasets[{i}]", d) for i, d in enumerate(cfg.dataset_configs())]
-    return [("data", cfg.data)]

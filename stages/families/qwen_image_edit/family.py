@@ -74,27 +74,31 @@ class QwenImageEditTextEncoder:
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.processor = src.load(_processor.Qwen2VLImageProcessorOnly, "processor")
         self.model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, "text_encoder", cfg, rt)
-        self.counts: dict[str, int] = {}
+        self.last: tuple[list[str], list[int]] = ([], [])  # the last batch's texts and token counts
 
     @torch.no_grad()
     def encode(self, texts: list[str], controls: list[list[Any]]) -> dict[str, torch.Tensor]:
         """One caption at a time, as the pipeline (batch size 1): no padding enters the VL model."""
-        rows = [self._encode_one(text, images) for text, images in zip(texts, controls)]
+        rows, counts = zip(*(self._encode_one(text, images) for text, images in zip(texts, controls)))
+        self.last = (list(texts), list(counts))
         return {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
 
-    def _encode_one(self, text: str, images: list[Any]) -> dict[str, torch.Tensor]:
+    def _encode_one(self, text: str, images: list[Any]) -> tuple[dict[str, torch.Tensor], int]:
         prefix = "".join(IMAGE_PROMPT.format(i + 1) for i in range(len(images)))
         inputs = self.processor(text=[PROMPT_TEMPLATE.format(prefix + text)], images=condition_images(images),
                                 padding=True, return_tensors="pt").to(self.device)
         out = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                          pixel_values=inputs.get("pixel_values"), image_grid_thw=inputs.get("image_grid_thw"),
                          output_hidden_states=True)
-        self.counts[text] = int(inputs["attention_mask"].sum()) - DROP_IDX
-        return pad_valid_tokens(out.hidden_states[-1], inputs["attention_mask"], DROP_IDX, self.max_len)
+        n = int(inputs["attention_mask"].sum()) - DROP_IDX
+        return pad_valid_tokens(out.hidden_states[-1], inputs["attention_mask"], DROP_IDX, self.max_len), n
 
     def token_counts(self, texts: list[str]) -> list[int]:
-        """Tokens of the last encoding of each text, control images' vision tokens included."""
-        return [self.counts.get(t, 0) for t in texts]
+        """Tokens of each row of the last `encode(texts, ...)`, control images' vision tokens included
+        (by position: the same text, e.g. the empty caption, has other counts with other controls)."""
+        if texts != self.last[0]:
+            raise ValueError("token_counts of the texts of the last encode call only: they depend on its controls")
+        return self.last[1]
 
 
 class QwenImageEdit(QwenImage):
