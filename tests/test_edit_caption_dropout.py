@@ -153,3 +153,21 @@ def test_stop_and_resume_with_dropout_is_bit_identical(built_run, dropping, monk
     want = load_file(str(whole.run_dir / "lora" / "final" / "adapter_model.safetensors"))
     got = load_file(str(cut.run_dir / "lora" / "final" / "adapter_model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_truncated_empty_row_is_named_with_its_item(assets, edit_data, tmp_path):
+    """The controls' vision tokens count: an empty caption can outgrow captions.max_sequence_length too."""
+    import json
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("shape_000.png", "shape_000_control.png", "shape_000.txt"):
+        shutil.copy(edit_data / name, data / name)
+    cfg = make_cfg("qwen-image-edit", assets, data, tmp_path / "runs",
+                   **{"data.caption_dropout": 0.1, "captions.max_sequence_length": 100})
+    encode_captions.run(cfg)
+    warnings = [e["message"] for e in map(json.loads, (cfg.run_dir / "events.jsonl").read_text().splitlines())
+                if e["event"] == "warning"]
+    assert any(m.startswith("the empty caption (caption dropout) of 'shape_000.png' has ") and "truncated to 100" in m
+               for m in warnings), warnings
+    assert any(m.startswith("caption of 'shape_000.png' has ") for m in warnings), warnings
