@@ -65,6 +65,7 @@ class Item:
     controls: tuple[Path, ...] = ()  # control (reference) images of an edit pair, in order
     control_ids: tuple[str, ...] = ()  # their content ids
     caption_salt: str = ""  # set by for_family when the family's text encoder sees the controls
+    pixel_id: str = ""  # with a loss mask: the image bytes' own id (`pixels_id`); "" otherwise
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -100,16 +101,26 @@ def caption_id(text: str) -> str:
     return content_id(text.encode("utf-8"))
 
 
-def _image_id(path: Path, mask: Path | None = None) -> str:
-    """The image's content id; with a loss mask, of both files' bytes, so an edited mask re-encodes
-    exactly its item."""
+def _image_id(path: Path) -> str:
+    return _image_ids(path, None)[0]
+
+
+def _image_ids(path: Path, mask: Path | None) -> tuple[str, str]:
+    """(the item's content id, its pixels' id), reading the image once: with a loss mask the first
+    covers both files' bytes, so an edited mask re-encodes exactly its item, and the second is the
+    image bytes' alone (what seeds its crops); without one both are the image's."""
+    unreadable = UNREADABLE_ID_PREFIX + content_id(str(path).encode())[:13]
     try:
         data = path.read_bytes()
-        if mask is not None:
-            data = b"%d:" % len(data) + data + mask.read_bytes()
-        return content_id(data)
     except OSError:
-        return UNREADABLE_ID_PREFIX + content_id(str(path).encode())[:13]
+        return unreadable, unreadable
+    pixels = content_id(data)
+    if mask is None:
+        return pixels, pixels
+    try:
+        return content_id(b"%d:" % len(data) + data + mask.read_bytes()), pixels
+    except OSError:
+        return unreadable, pixels
 
 
 # ---- loss masks: white trained, black ignored, grey weighted ---------------------------------
@@ -118,7 +129,7 @@ def _image_id(path: Path, mask: Path | None = None) -> str:
 def pixels_id(item: Item) -> str:
     """The id of the image bytes alone: what seeds its crop/flip plan, so adding or editing a mask
     re-encodes the item with the same crops (an all-white mask then trains exactly as no mask)."""
-    return item.image_id if item.mask_path is None else _image_id(item.image_path)
+    return item.pixel_id or item.image_id
 
 
 MASK_SUFFIX, MASKS_FOLDER = "_mask", "masks"
@@ -339,9 +350,10 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
             texts = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
         texts = list(dict.fromkeys(texts))
         mine = tuple(controls.get(path, ()))
-        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], _image_id(path, mask), caption_id(texts[0]),
+        image_id, pixel_id = _image_ids(path, mask)
+        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], image_id, caption_id(texts[0]),
                           tuple(texts) if len(texts) > 1 else (), mask_path=mask, controls=mine,
-                          control_ids=tuple(_image_id(c) for c in mine)))
+                          control_ids=tuple(_image_id(c) for c in mine), pixel_id=pixel_id if mask else ""))
     return sorted(items, key=lambda it: it.key)
 
 
@@ -395,10 +407,9 @@ def scan_run(cfg: Any, log: Any = None) -> list[Item]:
         for it in items:
             texts = tuple(dict.fromkeys(t for text in it.texts for t in caption_shuffles(
                 text, data, cfg.seed, it.image_id)))
-            out.append(Item(f"{name}/{it.key}" if name else it.key, it.image_path, texts[0], it.image_id,
-                            caption_id(texts[0]), texts if len(texts) > 1 else (), i,
-                            it.image_id + suffix if suffix else "", mask_path=it.mask_path, controls=it.controls,
-                            control_ids=it.control_ids))
+            out.append(dataclasses.replace(it, key=f"{name}/{it.key}" if name else it.key, caption=texts[0],
+                                           caption_id=caption_id(texts[0]), captions=texts if len(texts) > 1 else (),
+                                           dataset=i, latent_id=it.image_id + suffix if suffix else ""))
     return sorted(out, key=lambda it: it.key)
 
 

@@ -223,6 +223,7 @@ class TrainData:
         self.pairs, self.captions, self.latents, self.variants = pairs, caption_store, latent_stores, variants
         self.caption_fields = caption_store.fields
         self.variant_counts = [p.variants or variants for p in pairs]
+        self.one_variant_count = len(set(self.variant_counts)) == 1  # every item draws from the same range
         # only a run with a choice of captions draws one, so other runs keep their exact random stream
         self.caption_choice = any(len(p.caption_rows) > 1 or p.dropout > 0 for p in pairs)
         self.held_out: TrainData | None = None  # validation items (stages/core/validation.py), same stores
@@ -243,7 +244,7 @@ class TrainData:
     def draw_variants(self, indices: list[int], g: torch.Generator) -> list[int]:
         """The latent variant of each item: uniform over its cached variants."""
         counts = [self.variant_counts[i] for i in indices]
-        if len(set(self.variant_counts)) == 1:
+        if self.one_variant_count:
             return torch.randint(counts[0], (len(indices),), generator=g).tolist()
         u = torch.rand(len(indices), generator=g, dtype=torch.float64)
         return [int(x * n) for x, n in zip(u.tolist(), counts)]
