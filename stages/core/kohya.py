@@ -55,12 +55,20 @@ GENERIC = Layout(diffusers_paths)
 """Every family without its own layout: kohya names are the diffusers module paths."""
 
 
+def pattern_value(patterns: dict[str, Any] | None, module: str, default: Any) -> Any:
+    """A module's value from a peft rank_pattern/alpha_pattern, matched as peft matches it when it
+    builds the layer (`peft.utils.other.get_pattern_key`: the first pattern that ends the module's
+    dotted path), else `default`."""
+    from peft.utils.other import get_pattern_key
+
+    if not patterns:
+        return default
+    return patterns.get(get_pattern_key(list(patterns), module), default)
+
+
 def lora_scale(lora_cfg: dict[str, Any], module: str, rank: int) -> float:
     """The factor peft multiplies B @ A by for this module."""
-    alpha = lora_cfg.get("lora_alpha", rank)
-    for pattern, value in (lora_cfg.get("alpha_pattern") or {}).items():
-        if re.search(rf"(^|\.){pattern}$", module):
-            alpha = value
+    alpha = pattern_value(lora_cfg.get("alpha_pattern"), module, lora_cfg.get("lora_alpha", rank))
     return alpha / (math.sqrt(rank) if lora_cfg.get("use_rslora") else rank)
 
 
@@ -232,13 +240,8 @@ def lycoris_delta(parts: dict[str, torch.Tensor], alpha: float | None) -> torch.
 
 def _peft_scale(lora_cfg: dict[str, Any], module: str) -> float:
     """alpha / r as peft's LoKr and LoHa layers apply it, with the module's rank and alpha patterns."""
-    rank, alpha = lora_cfg.get("r"), lora_cfg.get("alpha", lora_cfg.get("r"))
-    for key, patterns in (("r", "rank_pattern"), ("alpha", "alpha_pattern")):
-        for pattern, value in (lora_cfg.get(patterns) or {}).items():
-            if re.match(rf"(.*\.)?({pattern})$", module):
-                rank, alpha = (value, alpha) if key == "r" else (rank, value)
-                break
-    return alpha / rank
+    rank = pattern_value(lora_cfg.get("rank_pattern"), module, lora_cfg.get("r"))
+    return pattern_value(lora_cfg.get("alpha_pattern"), module, lora_cfg.get("alpha", lora_cfg.get("r"))) / rank
 
 
 def _folded(parts: dict[str, torch.Tensor], scale: float) -> tuple[dict[str, torch.Tensor], float | None]:
