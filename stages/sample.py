@@ -53,8 +53,17 @@ def edit_rows(cfg: Any) -> list[tuple[str, tuple[Path, ...]]] | None:
     return [(prompt, it.controls) for prompt, it in zip(prompts, items)]
 
 
-def prompts_of(cfg: Any) -> list[str]:
+Rows = list[tuple[str, tuple[Path, ...]]] | None  # edit_rows: (instruction, controls), or None
+
+
+def planned_rows(cfg: Any) -> tuple[Rows, list[str]]:
+    """(edit_rows, the prompts rendered): read from the dataset once per sample run (an edit
+    family's rows scan and hash it)."""
     rows = edit_rows(cfg)
+    return rows, prompts_of(cfg, rows)
+
+
+def prompts_of(cfg: Any, rows: Rows) -> list[str]:
     if rows is not None:
         return [prompt for prompt, _ in rows]
     if cfg.sample.prompts:
@@ -64,18 +73,19 @@ def prompts_of(cfg: Any) -> list[str]:
     return sorted({it.caption for it in dataset.scan_run(cfg)})[:3]
 
 
-def fingerprint_parts(cfg: Any) -> dict[str, Any]:
+def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str]] | None = None) -> dict[str, Any]:
+    """`planned`: `planned_rows(cfg)` when the caller has it (read from the dataset otherwise)."""
     from stages.families import get_family
 
+    rows, prompts = planned or planned_rows(cfg)
     family = get_family(cfg.family)
     components = family.text_components + family.vae_components + family.denoiser_components
     export = read_manifest(export_lora.artifact_dir(cfg))
     settings = {k: v for k, v in dataclasses.asdict(cfg.sample).items() if k not in ("after_train", "cpu_offload")}
     return {"family": cfg.family, "model": model_source(cfg).identity(components),
-            "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts_of(cfg),
+            "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts,
             "checkpoints": [p.name for p in chosen_checkpoints(cfg)], "resolution": cfg.data.resolution,
-            **({"controls": [[dataset_id(p) for p in controls] for _, controls in rows]}
-               if (rows := edit_rows(cfg)) is not None else {})}
+            **({"controls": [[dataset_id(p) for p in controls] for _, controls in rows]} if rows is not None else {})}
 
 
 def dataset_id(path: Path) -> str:
@@ -84,7 +94,7 @@ def dataset_id(path: Path) -> str:
     return dataset.content_id(path.read_bytes())
 
 
-def check_settings(cfg: Any) -> None:
+def check_settings(cfg: Any, prompts: list[str]) -> None:
     from stages.core.errors import UserError
 
     s = cfg.sample
@@ -94,7 +104,7 @@ def check_settings(cfg: Any) -> None:
         (s.width < 0 or s.height < 0, "'sample.width'/'sample.height' must be >= 0 (0: data.resolution)"),
         (s.every_n_checkpoints < 0, "'sample.every_n_checkpoints' must be >= 0"),
     ] if bad]
-    if not prompts_of(cfg):
+    if not prompts:
         problems.append(f"no prompts: set sample.prompts, or give the dataset at '{cfg.data.path}' captions")
     if problems:
         raise UserError("sample: " + "; ".join(problems))
@@ -188,13 +198,12 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
 
 
 def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts: list[str],
-                   size: tuple[int, int]) -> tuple[list[str], list[list[Any]]]:
+                   size: tuple[int, int], rows: Rows) -> tuple[list[str], list[list[Any]]]:
     """The base column, then one per adapter file, each made the only active adapter in turn.
     Edit families: a first column shows each row's (first) control image, the edit's input."""
     from stages.core import dataset
     from stages.core.events import Progress
 
-    rows = edit_rows(cfg)
     controls = None if rows is None else [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
     labels, cells = ["base"], []
     with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar:
@@ -215,16 +224,17 @@ def run(cfg: Any) -> dict[str, Any]:
     from stages.core.stage import running_stage
 
     install_model_trace(NAME)
-    check_settings(cfg)
+    planned = planned_rows(cfg)
+    check_settings(cfg, planned[1])
     with running_stage(cfg, NAME) as ctx:
-        prompts, parts = prompts_of(cfg), fingerprint_parts(cfg)
+        (edits, prompts), parts = planned, fingerprint_parts(cfg, planned)
         size = (cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution)
         out = artifact_dir(cfg)
         with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
             pipe, rt = load_pipeline(cfg, ctx.log)
             reset_peak(rt)
-            labels, cells = render_columns(pipe, cfg, columns, prompts, size)
+            labels, cells = render_columns(pipe, cfg, columns, prompts, size, edits)
             rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
             grid = draw_grid(labels, rows, cells, tmp / GRID)
             ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),
