@@ -44,7 +44,9 @@ def verify(model: str, export: Path) -> dict[str, Any]:
     pipeline_cls, prefix = getattr(diffusers, manifest["pipeline_class"]), get_family(manifest["family"]).lora_prefix
     index = json.loads((Path(model) / "model_index.json").read_text())
     components = {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and isinstance(v[-1], str)}
-    skip = {k: None for k in components - {prefix, "scheduler"}}  # not Krea2Pipeline's text_encoder_select_layers list
+    # weightless parts stay (QwenImage21Pipeline's __init__ tokenizes its system prompt with the processor);
+    # not Krea2Pipeline's text_encoder_select_layers list
+    skip = {k: None for k in components - {prefix, "scheduler"} if not k.startswith(("tokenizer", "processor"))}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t = time.time()

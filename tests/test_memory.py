@@ -45,6 +45,18 @@ def test_meta_sizes_equal_the_loaded_models(family, assets):
             sum(p.numel() * 4 for p in real.parameters())
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_plans_every_stage(family, assets, demo_data, edit_data, tmp_path):
+    """Every stage of every family plans from configs alone under a budget (the planner runs on a GPU
+    only, so a family whose text side has a weightless processor folder once failed here on the H200:
+    "has no processor/config.json")."""
+    edit = getattr(get_family(family), "control_range", (0, 0))[0] > 0
+    cfg = make_cfg(family, assets, edit_data if edit else demo_data, tmp_path)
+    for stage in memory.PLANNERS:
+        plan = _plan(stage, cfg, 80.0)
+        assert plan.fits and 0 < plan.predicted_peak_gb < 80, (stage, plan)
+
+
 def _deeper_flux(assets, tmp_path, layers: int, single_layers: int) -> str:
     """The tiny FLUX's configs with more blocks: planning reads configs only, so no weights are needed."""
     src = tiny_model(assets, FAMILIES["flux"])

@@ -155,7 +155,7 @@ def _fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], sta
 
 # ---- encode-captions
 def plan_captions(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
-    models = [meta_component(src, c) for c in family.text_components if not c.startswith("tokenizer")]
+    models = [meta_component(src, c) for c in family.text_components if not c.startswith(("tokenizer", "processor"))]
     configured = cfg.captions.text_encoder_precision
     precisions = ["bf16", "nf4"] if configured == "auto" else [configured]
     tokens = cfg.captions.max_sequence_length + 77  # + the longest template/CLIP prefix
