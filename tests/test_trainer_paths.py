@@ -230,7 +230,7 @@ def test_cuda_graphs_same_losses_as_eager(cached, precision, monkeypatch):
 
 
 @cuda
-def test_nf4_swap_same_losses_as_unswapped_nf4(cached, monkeypatch):
+def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
     """nf4 with a block swapped (quantized block by block from host memory, stages/core/nf4_blocks.py)
     trains as diffusers' nf4 load: the first loss bit for bit, later losses and the LoRA weights as
     close as two unswapped runs are to each other; the swapped block's quantized weights and their
