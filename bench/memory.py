@@ -2,12 +2,13 @@
 under simulated small cards, run through the product's own stage commands.
 
     python bench/memory.py run --families flux,qwen-image --out $OUT/memory.json --budget-s 400
+    python bench/memory.py run --families flux --budgets auto,6 --res 512 --out $OUT/memory-512.json   # 512 px rows
     python bench/memory.py run --tiny --out /tmp/memory.json          # the plumbing, tiny models, CPU
     python bench/memory.py report bench/results/memory-*.json         # markdown, one table per family
 
 For each family it builds the full-size random-weight pipeline (as `bench/bench.py build`, into
 /dev/shm) and runs `pipeline.py encode-captions / cache-latents / train` as child processes at
-1024 px, batch 1, with `--set gpu.vram_budget_gb=B` for B = auto (no cap) and 6/8/12/16/24 GB
+1024 px (`--res`), batch 1, with `--set gpu.vram_budget_gb=B` for B = auto (no cap) and 6/8/12/16/24 GB
 (a number is a cap the stage enforces with torch.cuda.set_per_process_memory_fraction). A budget
 whose plan for a stage equals one already measured (the planner is asked in-process first, from
 meta-device sizes) reuses that measurement instead of running it again. The JSON is rewritten
@@ -32,7 +33,7 @@ from bench.bench import Item, Runner, collect, family_full, model_dir  # noqa: E
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
 BUDGETS = ("auto", "4", "6", "8", "12", "16", "24")  # the targets' budgets first after the reference
-RESOLUTION = 1024
+RESOLUTION = 1024  # the default of --res
 EST_S = {"encode": 30, "latents": 25, "train": 75}  # seconds per stage call on the H200 (bench/results)
 
 
@@ -53,22 +54,24 @@ class MemoryRunner(Runner):
         from stages.core.config import load_config
         from stages.plan import plans
 
-        sets = {**self.base_sets(fam, RESOLUTION), **self.row_sets(budget), "model": str(model)}
+        sets = {**self.base_sets(fam, self.args.res), **self.row_sets(budget), "model": str(model)}
         cfg = load_config(ROOT / family_full(fam).PRESET, sets)
         return {p["stage"]: p["settings"] for p in plans(cfg, float(budget))["stages"]}
 
     def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str, where: str) -> dict[str, Any]:
-        run = f"mem-{fam}" if kind != "train" else f"mem-{fam}-train-{budget}"
+        res = self.args.res
+        base = f"mem-{fam}" if res == RESOLUTION else f"mem-{fam}-{res}"
+        run = base if kind != "train" else f"{base}-train-{budget}"
         run_dir = self.work / "artifacts" / run
         if kind == "train":  # a fresh run per budget, on the captions and latents measured last
             for store in ("captions.zarr", "latents.zarr"):
                 shutil.rmtree(run_dir / store, ignore_errors=True)
-                shutil.copytree(self.work / "artifacts" / f"mem-{fam}" / store, run_dir / store)
-        item = Item(f"{fam}/{kind}/{budget}", kind, RESOLUTION, self.row_sets(budget), run=run)
+                shutil.copytree(self.work / "artifacts" / base / store, run_dir / store)
+        item = Item(f"{fam}/{kind}/{budget}", kind, res, self.row_sets(budget), run=run)
         cmd = self.stage_cmd(fam, item, stage, model, ["--force"] if kind != "train" else [])
         t0 = time.time()
         rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
-        row: dict[str, Any] = {"family": fam, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
+        row: dict[str, Any] = {"family": fam, "resolution": res, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                                "rc": rc, "wall_s": wall}
         if rc != 0:
             return {**row, "status": "failed", "log_tail": tail[-1500:]}
@@ -104,6 +107,7 @@ class MemoryRunner(Runner):
             shutil.rmtree(model_dir(self.args, fam), ignore_errors=True)
 
     def add(self, row: dict[str, Any]) -> None:
+        row = {"resolution": self.args.res, **row}
         self.results["items"].append(row)
         self.save()
         brief = {k: row.get(k) for k in ("status", "peak_vram_gb", "samples_per_second", "wall_s", "same_as_budget")}
@@ -111,6 +115,11 @@ class MemoryRunner(Runner):
 
 
 # ---- report
+def _group(r: dict[str, Any]) -> tuple[str, int]:
+    """A table of the report: (family, resolution); rows written before --res existed were 1024 px."""
+    return r["family"], int(r.get("resolution", RESOLUTION))
+
+
 def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (family, budget, stage) over all files: a measurement beats "same plan", which
     beats a skipped or failed row, and among equals the later file wins. A family's failed build
@@ -118,24 +127,24 @@ def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rank = lambda r: 2 if r["status"] == "ok" else 1 if r["status"] == "same plan" else 0  # noqa: E731
     best: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
-        key = (r["family"], r["budget"], r["stage"])
+        key = (_group(r), r["budget"], r["stage"])
         if key not in best or rank(r) >= rank(best[key]):
             best[key] = r
-    measured = {f for f, b, _ in best if b != "-"}
+    measured = {g for g, b, _ in best if b != "-"}
     order = {stage: i for i, (_, stage, _) in enumerate(STAGES)}
     keep = [r for (f, b, _), r in best.items() if b != "-" or f not in measured]
-    return sorted(keep, key=lambda r: (list(dict.fromkeys(x["family"] for x in rows)).index(r["family"]),
+    return sorted(keep, key=lambda r: (list(dict.fromkeys(map(_group, rows))).index(_group(r)),
                                        -1.0 if r["budget"] == "auto" else float(r["budget"]) if r["budget"] != "-" else 1e9,
                                        order.get(r["stage"], 9)))
 
 
 def _resolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with "same plan" ones filled in from the row that measured that plan."""
-    by = {(r["family"], r["budget"], r["stage"]): r for r in rows}
+    by = {(_group(r), r["budget"], r["stage"]): r for r in rows}
     out = []
     for r in rows:
         if r["status"] == "same plan":
-            src = by[(r["family"], r["same_as_budget"], r["stage"])]
+            src = by[(_group(r), r["same_as_budget"], r["stage"])]
             r = {**src, "budget": r["budget"], "status": f"same plan as {r['same_as_budget']}"}
         out.append(r)
     return out
@@ -157,10 +166,10 @@ def _cell(r: dict[str, Any]) -> list[str]:
 def report(files: list[Path]) -> str:
     rows = _resolved(_newest([r for f in files for r in json.loads(f.read_text())["items"]]))
     lines = []
-    for fam in dict.fromkeys(r["family"] for r in rows):
-        mine = [r for r in rows if r["family"] == fam]
+    for fam, res in dict.fromkeys(map(_group, rows)):
+        mine = [r for r in rows if _group(r) == (fam, res)]
         ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
-        lines += [f"### {fam}, {RESOLUTION} px, batch 1", "",
+        lines += [f"### {fam}, {res} px, batch 1", "",
                   "| budget GB | stage | plan | predicted GB | measured peak GB (reserved) | samples/s | x auto | stage s |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in mine:
@@ -180,6 +189,7 @@ def main() -> None:
     r.add_argument("--out", required=True)
     r.add_argument("--families", default="flux,qwen-image")
     r.add_argument("--budgets", default=",".join(BUDGETS))
+    r.add_argument("--res", type=int, default=RESOLUTION, help="image side in px (rows of another size: 512)")
     r.add_argument("--work", default="/tmp/lorapipe-memory")
     r.add_argument("--models", default="")
     r.add_argument("--budget-s", type=float, default=1e9)

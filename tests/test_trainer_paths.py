@@ -227,3 +227,43 @@ def test_cuda_graphs_same_losses_as_eager(cached, precision, monkeypatch):
     assert (w2 - w0).abs().max() <= 10 * (w1 - w0).abs().max()
 
 
+
+
+@cuda
+def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
+    """nf4 with a block swapped (quantized block by block from host memory, stages/core/nf4_blocks.py)
+    trains as diffusers' nf4 load: the first loss bit for bit, later losses and the LoRA weights as
+    close as two unswapped runs are to each other; the swapped block's quantized weights and their
+    quant_state live in host memory, the resident block's on the GPU."""
+    from stages.core import memory
+
+    real = memory.plan_train
+
+    def swap_one(*args):
+        plan = real(*args)
+        plan.settings = {**plan.settings, "base_precision": "nf4", "swapped_blocks": 1, "gradient_checkpointing": True}
+        return plan
+
+    monkeypatch.setenv(fastpath.ENV, "off")
+    runs = []
+    for swapped in (False, False, True):
+        if swapped:
+            monkeypatch.setitem(memory.PLANNERS, "train", swap_one)
+        cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "train.steps": 4,
+                              "train.gradient_checkpointing": True, "train.compile_transformer": "off"})
+        with torch_flags(True, False, True):
+            tr = _trainer(cfg)
+            assert (tr.swap is not None) == swapped
+            if swapped:
+                host = [p for params in tr.swap.host.values() for p in params.values()]
+                assert host and all(p.device.type == "cpu" for p in host)
+                assert all(p.quant_state.absmax.device.type == "cpu" for p in host if hasattr(p, "quant_state"))
+                assert tr.model.transformer_blocks[0].attn.to_q.base_layer.weight.device.type == "cuda"
+            losses = torch.tensor([tr.step()[0] for _ in range(4)], dtype=torch.float64)
+        weights = torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(tr.model.state_dict().items())
+                             if "lora" in k])
+        runs.append((losses, weights))
+    (l0, w0), (l1, w1), (l2, w2) = runs
+    assert l2[0] == l0[0]
+    assert (l2 - l0).abs().max() <= 10 * (l1 - l0).abs().max() + 1e-6
+    assert (w2 - w0).abs().max() <= 10 * (w1 - w0).abs().max() + 1e-6

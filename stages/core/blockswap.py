@@ -25,11 +25,13 @@ How it works (same math as the unswapped model, only placement changes):
 - CUDA graphs are turned off while blocks are swapped (the planner sets train.cuda_graphs = "off"):
   a captured graph would replay the copies into the graph pool and pin every swapped block's weights.
 - nf4 (bitsandbytes Params4bit): `.to(device)` of a quantized Params4bit moves its quant_state too,
-  so copies keep their quantization state.
+  so copies keep their quantization state. A plan that swaps an nf4 base loads it quantized block by
+  block (stages/core/nf4_blocks.py), so the swapped blocks never reach the GPU whole.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -47,6 +49,11 @@ def repeated_block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for _, blocks in repeated_block_lists(model) for b in blocks]
+
+
+def _quantized(p: torch.Tensor) -> bool:
+    """A bitsandbytes Params4bit that holds quantized weights (its quant_state travels with it)."""
+    return getattr(p, "quant_state", None) is not None
 
 
 def frozen_bytes(module: torch.nn.Module) -> int:
@@ -80,7 +87,7 @@ class BlockSwap:
             if self.stream is not None:
                 host = host.pin_memory()
             p.data = host
-            if hasattr(p, "quant_state") and p.quant_state is not None:  # bitsandbytes Params4bit
+            if _quantized(p):
                 p.quant_state.to(torch.device("cpu"))
             frozen[name] = p
         return frozen
@@ -89,8 +96,8 @@ class BlockSwap:
         """Device copies of one block's frozen weights (on CPU: real clones, so a CPU test copies too)."""
         self.copies += 1
         host = self.host[id(self.blocks[position])]
-        if self.stream is None:
-            return {name: p.detach().clone() for name, p in host.items()}
+        if self.stream is None:  # a Params4bit's deepcopy copies its quant_state too (a clone would drop it)
+            return {name: copy.deepcopy(p) if _quantized(p) else p.detach().clone() for name, p in host.items()}
         return {name: p.to(self.device, non_blocking=True) for name, p in host.items()}
 
     def _start_prefetch(self, position: int) -> None:
@@ -177,6 +184,8 @@ def move_unswapped(model: torch.nn.Module, swap: BlockSwap | None, device: torch
     for p in model.parameters():
         if id(p) not in swapped:
             p.data = p.data.to(device)
+            if _quantized(p):
+                p.quant_state.to(device)
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None:

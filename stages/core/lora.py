@@ -20,23 +20,26 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt: Any, double_quant: bool) -> torch.nn.Module:
-    """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration."""
+    """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration (quantized
+    block by block from host memory when `rt` is a HostLoad whose plan swaps blocks)."""
     from stages.core.runtime import require_cuda_for_nf4
 
     if precision == "fp8":  # e4m3 base weights (stages/core/fp8.py)
         from stages.core.fp8 import load_fp8_denoiser
 
         return load_fp8_denoiser(cls, src, subfolder, rt.device)
+    if precision == "nf4" and getattr(rt, "swapped_blocks", 0):  # a HostLoad: blocks will be swapped
+        from stages.core.nf4_blocks import load_nf4_by_block
+
+        return load_nf4_by_block(cls, src, subfolder, rt.target, rt.swapped_blocks, double_quant)
     kwargs: dict[str, Any] = {"torch_dtype": rt.dtype}
     require_cuda_for_nf4("train.base_precision", precision, rt)
     if precision != "nf4" and rt.is_cuda and importlib.util.find_spec("accelerate") is not None:
         kwargs["device_map"] = {"": rt.device}  # weights go straight to the GPU (no CPU copy of 24 GB)
     if precision == "nf4":
-        from diffusers import BitsAndBytesConfig
+        from stages.core.nf4_blocks import nf4_config
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-            bnb_4bit_use_double_quant=double_quant)
+        kwargs["quantization_config"] = nf4_config(double_quant)
     model = src.load(cls, subfolder, **kwargs)
     if precision != "nf4":
         model.to(rt.device)

@@ -234,8 +234,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         saved = len(blocks) * unit * (CHECKPOINT_SAVED_UNITS if checkpointing else BLOCK_SAVED_UNITS)
         resident = total - sum(block[len(block) - swapped:]) + 2 * max(block, default=0) * (swapped > 0)
         peak = resident + lora + saved + unit * BLOCK_WORK_UNITS + SWAP_EXTRA_GB * GB * (swapped > 0)
-        if precision == "nf4":  # quantized on the GPU as it loads: the whole nf4 base is there once
-            peak = max(peak, total + lora)
+        if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
+            peak = max(peak, total + lora)  # (a swap plan quantizes block by block: stages/core/nf4_blocks.py)
         candidates.append(({"base_precision": precision, "gradient_checkpointing": checkpointing,
                             "swapped_blocks": swapped, "blocks": len(blocks)}, peak / GB))
     return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
@@ -327,12 +327,12 @@ def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan) -> None:
 
 
 def load_device(plan: StagePlan, rt: Any) -> Any:
-    """Where train loads the base: host memory when blocks will be swapped out of a dense base (only
-    what stays resident then reaches the GPU), else the runtime's device."""
-    from stages.core.runtime import Runtime
+    """Where train loads the base: host memory when blocks will be swapped (only what stays resident
+    then reaches the GPU; an nf4 base is quantized there block by block), else the runtime's device."""
+    from stages.core.runtime import HostLoad
 
-    if plan.settings.get("swapped_blocks") and plan.settings.get("base_precision") != "nf4":
-        return Runtime(torch.device("cpu"), rt.dtype)
+    if plan.settings.get("swapped_blocks"):
+        return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=plan.settings["swapped_blocks"])
     return rt
 
 

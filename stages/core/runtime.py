@@ -33,6 +33,16 @@ class Runtime:
         return self.device.type == "cuda"
 
 
+@dataclass
+class HostLoad(Runtime):
+    """Where train loads a base whose last `swapped_blocks` blocks the plan swaps: host memory
+    (`device` is the CPU); `target` is the GPU it trains on (an nf4 base is quantized there block by
+    block, stages/core/nf4_blocks.py)."""
+
+    target: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    swapped_blocks: int = 0
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,109 @@
+"""An nf4 base quantized block by block, for a plan that swaps blocks: the GPU never holds the whole base.
+
+    model = load_nf4_by_block(FluxTransformer2DModel, src, "transformer", torch.device("cuda"), swapped_blocks=40)
+
+diffusers' own nf4 load (`BitsAndBytesConfig`) quantizes every weight on the GPU as it reads it, so the
+whole nf4 base sits on the GPU once even when most blocks will then move to host memory: FLUX.1-dev
+needs ~6.7 GB for that, and a 6 GB budget could not use nf4 with block swap at all. Here the bf16 base
+is read into host memory, then quantized one layer at a time on `device`:
+
+- everything outside the repeated blocks, then each block in order: its Linears become bitsandbytes
+  `Linear4bit` (each bf16 weight copied to `device`, quantized there, the dense copy dropped);
+- a block that the plan swaps goes back to host memory, quantized (a Params4bit's `.to` moves its
+  quant_state too); the rest stays on `device`. Peak on `device`: the resident part plus one layer.
+
+It is the same model as diffusers' nf4 load, built by diffusers' own quantizer object: its
+`preprocess_model` swaps in the `Linear4bit`s by its rule (every `nn.Linear` except the class's
+`_keep_in_fp32_modules`) and sets `is_loaded_in_4bit` (which peft reads to wrap a layer with its bnb
+LoRA layer), its `create_quantized_param` makes each `Params4bit` exactly as a load does, and the
+model gets the same `hf_quantizer` and `_pre_quantization_dtype`. Only the order (one block at a
+time) and the placement differ. On CPU bitsandbytes (0.50) quantizes on the CPU, which the tests use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stages.core import blockswap
+
+
+def nf4_config(double_quant: bool) -> Any:
+    """The BitsAndBytesConfig of train.base_precision = "nf4" (the diffusers load uses the same)."""
+    from diffusers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_use_double_quant=double_quant)
+
+
+def _keep_in_fp32(model: torch.nn.Module) -> list[str]:
+    """What diffusers' from_pretrained passes its quantizer as `keep_in_fp32_modules`."""
+    keep = getattr(type(model), "_keep_in_fp32_modules", None)
+    return [] if keep is None else list(keep) if isinstance(keep, (list, tuple)) else [keep]
+
+
+def _groups(model: torch.nn.Module, swapped_blocks: int) -> list[tuple[list[torch.nn.Module], bool]]:
+    """(modules, goes to host) in quantization order: the modules outside the repeated blocks, then
+    each block with its submodules; the last `swapped_blocks` blocks (blockswap's choice) go to host."""
+    blocks = blockswap.repeated_blocks(model)
+    swapped = {id(b) for b in blocks[len(blocks) - min(swapped_blocks, len(blocks)):]} if swapped_blocks > 0 else set()
+    inside = {id(m) for b in blocks for m in b.modules()}
+    rest = [m for m in model.modules() if id(m) not in inside]
+    return [(rest, False)] + [(list(b.modules()), id(b) in swapped) for b in blocks]
+
+
+def _to_host(module: torch.nn.Module) -> None:
+    """The module's own parameters and buffers to host memory (a Params4bit with its quant_state)."""
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        if getattr(p, "quant_state", None) is not None:
+            module._parameters[name] = p.to("cpu")
+        else:
+            p.data = p.data.to("cpu")
+    for name, buf in module._buffers.items():
+        if buf is not None:
+            module._buffers[name] = buf.to("cpu")
+
+
+def quantize_nf4_by_block(model: torch.nn.Module, double_quant: bool, device: torch.device | str,
+                          swapped_blocks: int) -> torch.nn.Module:
+    """Turn a dense bf16 `model` (in host memory) into diffusers' nf4 model, block by block on `device`;
+    the last `swapped_blocks` repeated blocks end in host memory, everything else on `device`."""
+    import bitsandbytes as bnb
+    from diffusers.quantizers import DiffusersAutoQuantizer
+
+    device = torch.device(device)
+    dense = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    quantizer = DiffusersAutoQuantizer.from_config(nf4_config(double_quant), pre_quantized=False)
+    quantizer.preprocess_model(model=model, device_map=None, keep_in_fp32_modules=_keep_in_fp32(model))
+    names = {id(m): name for name, m in model.named_modules()}
+    for modules, to_host in _groups(model, swapped_blocks):
+        for module in modules:
+            if isinstance(module, bnb.nn.Linear4bit):  # quantized on `device` (one layer there at a time)
+                name, old = names[id(module)], dense.pop(names[id(module)])
+                quantizer.create_quantized_param(model, old.weight.detach(), f"{name}.weight", device, {})
+                if old.bias is not None:
+                    quantizer.create_quantized_param(model, old.bias.detach(), f"{name}.bias", device, {})
+                if to_host:
+                    _to_host(module)
+            elif not to_host:
+                for p in module._parameters.values():
+                    if p is not None:
+                        p.data = p.data.to(device)
+                for key, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[key] = buf.to(device)
+    quantizer.postprocess_model(model)
+    model.hf_quantizer = quantizer
+    model.register_to_config(_pre_quantization_dtype=torch.bfloat16)
+    model.requires_grad_(False)
+    return model
+
+
+def load_nf4_by_block(cls: Any, src: Any, subfolder: str, device: torch.device, swapped_blocks: int,
+                      double_quant: bool) -> torch.nn.Module:
+    """Read the bf16 base into host memory and quantize it block by block (see the module doc)."""
+    model = src.load(cls, subfolder, torch_dtype=torch.bfloat16)
+    return quantize_nf4_by_block(model, double_quant, device, swapped_blocks)
