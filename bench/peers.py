@@ -237,9 +237,8 @@ def _datasets_available() -> bool:
     return importlib.util.find_spec("datasets") is not None
 
 
-def _torchvision_loads() -> bool:
-    r = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True, text=True)
-    return r.returncode == 0
+def _imports(module: str, env: dict[str, str]) -> bool:
+    return subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True).returncode == 0
 
 
 def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: list[str], left: float) -> dict[str, Any]:
@@ -250,12 +249,16 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
     steps_file, log = out_dir / "steps.jsonl", work / f"peer-{fam}-{a.res}-b{a.batch}.log"
     script = prepare_script(fam, Path(a.scripts), work)
     cmd = peer_command(fam, script, a, data, prompt, out_dir, targets)
-    path = [str(SITE)] + ([] if _datasets_available() else [str(DATASETS_STANDIN)])
+    extra = [p for p in a.peer_pythonpath.split(os.pathsep) if p]
+    path = [str(SITE)] + ([] if _datasets_available() else [str(DATASETS_STANDIN)]) + extra
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "LORAPIPE_PEER_STEPS": str(steps_file),
            "PYTHONPATH": os.pathsep.join(path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    tv = _torchvision_loads()
-    if not tv:
+    tv = _imports("torchvision", {**env, "LORAPIPE_PEER_STEPS": ""})
+    if not tv:  # e.g. a CUDA torchvision wheel beside a CPU torch: skip its C-op registrations
         env["LORAPIPE_PEER_TV_STANDIN"] = "1"
+        if not _imports("torchvision.transforms", {**env, "LORAPIPE_PEER_STEPS": ""}):
+            raise RuntimeError("the peer scripts need torchvision (transforms); none imports here"
+                               + ("" if extra else ": pass --peer-pythonpath DIR with a torchvision install"))
     row: dict[str, Any] = {"side": "diffusers script", "script": PEERS[fam].script, "upstream_commit": PEERS[fam].upstream_commit,
                            "precision": "fp32" if a.tiny else ("nf4" if PEERS[fam].nf4 else "bf16"),
                            "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
@@ -426,6 +429,8 @@ def main() -> None:
     r.add_argument("--budget-s", type=float, default=560.0, help="no child starts or runs past this many seconds")
     r.add_argument("--work", default="/tmp/lorapipe-peers")
     r.add_argument("--scripts", default=str(SCRIPTS), help="where the carried diffusers scripts are")
+    r.add_argument("--peer-pythonpath", default="", help="extra import paths for the script only (e.g. a torchvision "
+                   "installed with pip --target where the venv lacks it)")
     r.add_argument("--tiny", action="store_true", help="tiny models on CPU: fp32, no nf4 (plumbing check)")
     s = sub.add_parser("steps", help="print what the parser reads from a peer's steps.jsonl or log")
     s.add_argument("file")

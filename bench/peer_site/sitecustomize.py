@@ -24,6 +24,7 @@ if os.environ.get("LORAPIPE_PEER_TV_STANDIN") == "1":
 
 def _install() -> None:
     import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     cuda = torch.cuda.is_available()
     state = {"n": 0, "peak_alloc": 0.0, "peak_reserved": 0.0, "t0": time.time()}
@@ -48,7 +49,7 @@ def _install() -> None:
         state["n"] += 1
         write({"event": "step", "step": state["n"], "t": t, "wall": time.time(), "peak_alloc_gb": a, "peak_reserved_gb": r})
 
-    torch.optim.optimizer.register_optimizer_step_post_hook(hook)
+    register_optimizer_step_post_hook(hook)
 
     @atexit.register
     def _exit() -> None:
