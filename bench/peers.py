@@ -452,3 +452,63 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- report (bench/report.py's write_report calls it for every peers-*.json) ----------------------
+
+
+def _fmt(v: Any, nd: int = 2) -> str:
+    return "—" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def report_section(results: list[dict[str, Any]]) -> str:
+    """The "Side by side with diffusers' scripts" section: per file, the script's row and each product
+    row with samples/s over the script's, peak against the script's, and the target (>= 2x samples/s
+    at <= the script's peak) met or not; then the product's cache stages and total wall time."""
+    out = ["## Side by side with diffusers' scripts\n",
+           "Same model folder, images, captions (and control images), resolution, batch, steps, LoRA rank 16 on the "
+           "same modules, gradient checkpointing (`bench/peers.py`). Step s: median step time after the warm-up "
+           "steps (the script's from an optimizer-step hook, the product's from its step events). Peak GB: "
+           "max_memory_allocated during training steps (the script's own text encoding and latent caching before "
+           "its first step are in its process peak). Target: >= 2x the script's samples/s at <= its peak.\n",
+           "| family | px | batch | side | base | step s | samples/s | peak GB | x script | target met |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for res in results:
+        if res.get("meta", {}).get("tiny"):
+            continue
+        rows = res.get("rows", [])
+        peer = next((r for r in rows if r.get("side") == "diffusers script"), None)
+        head = f"| {res['family']} | {res['res']} | {res['batch']} "
+        if peer is not None:
+            status = "" if peer.get("status") == "ok" else f" ({peer.get('status')})"
+            out.append(head + f"| diffusers `{peer.get('script', '?')}`{status} | {peer.get('precision', '—')} | "
+                              f"{_fmt(peer.get('step_s'), 3)} | {_fmt(peer.get('samples_per_s'))} | "
+                              f"{_fmt(peer.get('peak_gb'), 1)} | 1.00 | |")
+        for r in rows:
+            if r.get("side") != "product":
+                continue
+            ratio = met = None
+            if r.get("samples_per_s") and peer and peer.get("samples_per_s"):
+                ratio = r["samples_per_s"] / peer["samples_per_s"]
+                if r.get("peak_gb") is not None and peer.get("peak_gb") is not None:
+                    met = "yes" if ratio >= 2.0 and r["peak_gb"] <= peer["peak_gb"] else "no"
+            status = "" if r.get("status") == "ok" else f" ({r.get('status')})"
+            out.append(head + f"| product{status} | {r.get('precision', '—')} | {_fmt(r.get('step_s'), 3)} | "
+                              f"{_fmt(r.get('samples_per_s'))} | {_fmt(r.get('peak_gb'), 1)} | {_fmt(ratio)} | {met or '—'} |")
+            st = r.get("stages", {})
+            if st:
+                parts = [f"{k} {_fmt(st[k].get('wall_s'), 0)} s, peak {_fmt(st[k].get('peak_gb'), 1)} GB"
+                         for k in ("encode", "latents", "train") if k in st]
+                notes.append(f"- {res['family']} {res['res']} px b{res['batch']} product {r.get('precision')}: "
+                             + "; ".join(parts) + f"; all three {_fmt(r.get('total_wall_s'), 0)} s for "
+                             f"{res['steps']} steps")
+        if peer is not None:
+            notes.append(f"- {res['family']} {res['res']} px b{res['batch']} script: {_fmt(peer.get('wall_s'), 0)} s "
+                         f"wall for {res['steps']} steps (loading, text encoding and latent caching included{', ' + peer['stopped'] if peer.get('stopped') else ''}); "
+                         f"process peak {_fmt(peer.get('process_peak_gb'), 1)} GB; upstream commit "
+                         f"{str(peer.get('upstream_commit', '?'))[:10]}; data via {peer.get('datasets', '?')}")
+        notes.append(f"- command: `{res.get('meta', {}).get('command', '?')}`")
+    if len(out) == 4:
+        return "\n".join(out[:2]) + "\nNo side-by-side run yet (`bench/peers.py run` on the GPU machine).\n"
+    return "\n".join(out) + "\n\n" + "\n".join(notes) + "\n"
