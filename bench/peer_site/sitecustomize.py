@@ -58,6 +58,20 @@ def _install() -> None:
                "process_peak_reserved_gb": round(state["peak_reserved"], 3), "started": state["t0"]})
 
 
+def _chain() -> None:
+    """Run the sitecustomize this file shadows (one later on sys.path, e.g. the image's own), if any."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_chain()
 if _PATH:
     try:
         _install()
