@@ -350,8 +350,10 @@ def _shell(cmd: list[str], env: dict[str, str]) -> str:
     return (pre + " " if pre else "") + " ".join(str(a).replace(str(ROOT) + "/", "") for a in args)
 
 
-def make_dataset(folder: Path, n: int, side: int) -> Path:
-    """n synthetic images (smooth colour fields with a shape) and ~77-token captions."""
+def make_dataset(folder: Path, n: int, side: int, controls: int = 0) -> Path:
+    """n synthetic images (smooth colour fields with a shape) and ~77-token captions; with `controls`,
+    that many control images per item beside each (img_XXX_control.png, or _control_1.png, _2, ...: the
+    target with its colour channels rotated), for the edit families."""
     import numpy as np
     from PIL import Image, ImageDraw
 
@@ -370,6 +372,9 @@ def make_dataset(folder: Path, n: int, side: int) -> Path:
         ImageDraw.Draw(im).ellipse((side // 2 - r, side // 2 - r, side // 2 + r, side // 2 + r),
                                    fill=tuple(int(v) for v in rng.uniform(0, 255, 3)))
         im.save(folder / f"img_{i:03d}.png")
+        for k in range(1, controls + 1):
+            suffix = "_control" if controls == 1 else f"_control_{k}"
+            Image.fromarray(np.roll(np.asarray(im), k, axis=-1)).save(folder / f"img_{i:03d}{suffix}.png")
         caption = words.format(c=colours[i % 4], s=shapes[(i // 4) % 4], b=backs[i % 2]) + f", variant {i}"
         (folder / f"img_{i:03d}.txt").write_text(caption)
     return folder

@@ -370,10 +370,14 @@ APPENDIX = "APPENDIX.md"
 def write_report(files: list[Path]) -> dict[str, str]:
     """{"RESULTS.md": targets and one headline table per family, "APPENDIX.md": every table, profile
     and run}; both from the result files alone (plus the hand-written bench/analysis.md)."""
-    kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": []}
+    kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": [],
+                                   "peers": []}
     for f in files:
         kind = _kind(json.loads(f.read_text()))
         kinds[kind].append(f if kind in ("bench", "multigpu", "memory") else json.loads(f.read_text()))
+    from bench.peers import report_section as peers_section
+
+    peers = "\n" + peers_section(kinds["peers"])
     extra = []
     if kinds["multigpu"]:
         from bench.multigpu import report as multigpu_report
@@ -385,7 +389,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
     analysis = Path(__file__).with_name("analysis.md")
     if not kinds["bench"]:
         head = "# Benchmark results\n\nThe full-size benchmark (`bench/bench.py run`) has not run yet.\n"
-        return {"RESULTS.md": head + "\n" + export, APPENDIX: "\n".join(extra)}
+        return {"RESULTS.md": head + peers + "\n" + export, APPENDIX: "\n".join(extra)}
     meta, items, metas = load(kinds["bench"])
     rows = train_rows(items, {})
     for name, files_of_kind in (("memory", kinds["memory"]), ("fp8", kinds["fp8"])):
@@ -396,7 +400,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
             export += "\n## Memory budgets\n\n" + MEMORY_INTRO + memory_report(files_of_kind) + "\n"
         if files_of_kind and written.exists():
             export += "\n" + written.read_text()
-    return {"RESULTS.md": _headline_report(rows, items, export),
+    return {"RESULTS.md": _headline_report(rows, items, peers + "\n" + export),
             APPENDIX: _appendix(meta, items, metas, rows, analysis) + "\n" + "\n".join(extra)}
 
 
@@ -420,6 +424,8 @@ def _kind(data: dict[str, Any]) -> str:
         return "meta"
     if "micro" in data:
         return "fp8"
+    if data.get("rows") and "side" in data["rows"][0]:
+        return "peers"
     if items and "budget" in items[0]:
         return "memory"
     return "multigpu" if any(r["id"] == "caches-2gpu" for r in items) else "bench"

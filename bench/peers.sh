@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One side-by-side call on the H200 machine (bench/peers.md), results and logs in $OUT:
+#   bash bench/peers.sh klein|kontext [RES=1024] [BATCH=1] [STEPS=20]
+# after `pip install ... --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD`, with .whl and
+# .carry-peers carried. Builds the full-size random-weight pipeline in /dev/shm unless a warm machine
+# still has it (one family there at a time), then runs bench/peers.py within ~560 s of this script's start.
+set -u
+which=$1; res=${2:-1024}; batch=${3:-1}; steps=${4:-20}
+case $which in
+  klein) fam=flux2-klein; prec=nf4 ;;
+  kontext) fam=flux-kontext; prec=nf4,bf16 ;;  # the Kontext script trains a bf16 base: the product's bf16 row too
+  *) echo "usage: bash bench/peers.sh klein|kontext [res] [batch] [steps]"; exit 2 ;;
+esac
+start=$(date +%s)
+m=/dev/shm/m/$fam
+for other in /dev/shm/m/*; do [ -e "$other" ] && [ "$other" != "$m" ] && rm -rf "$other"; done
+if [ ! -e "$m/model_index.json" ]; then
+  python3 bench/bench.py build --family $fam --folder $m --counts $OUT/build-$fam.json > $OUT/build-$fam.log 2>&1 \
+    || { tail -30 $OUT/build-$fam.log; exit 1; }
+  echo "built $fam in $(( $(date +%s) - start )) s"
+fi
+left=$(( 560 - ($(date +%s) - start) ))
+tag=$which-$res-b$batch
+python3 bench/peers.py run --family $fam --model $m --data /tmp/peers-data/$which --res $res --batch $batch \
+  --steps $steps --product-precisions $prec --budget-s $left --peer-timeout-s $(( left * 45 / 100 )) \
+  --out $OUT/peers-$tag.json > $OUT/peers-$tag.log 2>&1
+echo "rc $? after $(( $(date +%s) - start )) s"
+grep -h "^\[peers\]" $OUT/peers-$tag.log | cut -c1-400
+cp /tmp/lorapipe-peers/peer-$fam-$res-b$batch.log $OUT/ 2>/dev/null
+tail -c 1500 $OUT/peers-$tag.log
