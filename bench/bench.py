@@ -52,19 +52,26 @@ class Item:
     env: dict[str, str] = field(default_factory=dict)
     est_s: float = 60.0  # expected seconds on the H200, to decide what still fits the budget
     run: str = ""  # run name (default bench-<family>-<res>)
+    controls: int | None = None  # control images per item in its dataset (None: the family's least, control_range[0])
 
 
 def _train(fam: str, precision: str, res: int, batch: int, est: float, tag: str = "", **extra: Any) -> Item:
-    env = extra.pop("env", {})
+    env, run, controls = extra.pop("env", {}), extra.pop("run", ""), extra.pop("controls", None)
     sets = {"train.base_precision": precision, "train.batch_size": batch, **extra}
-    return Item(f"{fam}/train/{precision}-{res}-b{batch}{tag}", "train", res, sets, env, est)
+    return Item(f"{fam}/train/{precision}-{res}-b{batch}{tag}", "train", res, sets, env, est, run, controls)
+
+
+MEASURED = ("flux", "qwen-image", "z-image", "sdxl")  # families whose long plan (ablations included) ran before
 
 
 def plan(fam: str) -> list[Item]:
     """Everything measured for one family, most important first (the targets lead).
 
     FLUX's targets are at batch 4; the other families' (Qwen-Image's step time, every family's
-    peak VRAM) at batch 1, so for them the batch-1 nf4 run, its export and its load check lead."""
+    peak VRAM) at batch 1, so for them the batch-1 nf4 run, its export and its load check lead.
+    The newer and edit families get the short plan (`_short_plan`)."""
+    if fam not in MEASURED:
+        return _short_plan(fam)
     items = _full_plan(fam)
     if fam == "flux":
         return items
@@ -77,6 +84,46 @@ def plan(fam: str) -> list[Item]:
             it.id, it.sets = renamed[it.id], {**it.sets, "train.batch_size": 1} if it.sets else {}
     by_id = {it.id: it for it in items}
     return [by_id[i] for i in first] + [it for it in items if it.id not in first and it.kind != "pytest"]  # pytest: once
+
+
+def _short_plan(fam: str) -> list[Item]:
+    """A newer or edit family: stage peaks and samples/s at 512 and 1024 px, batch 1 and 4, in the
+    base precisions its full.py lists (BASE_PRECISIONS, default nf4 and bf16), then an fp8 row.
+    Train items take the family's TRAIN_SECONDS (a compiled 512 px b1 item: load, regional compile,
+    8 steps) plus what 1024 px and batch 4 add on the H200 (FLUX.1 rows in bench/results: +10-25 s).
+    A family whose references are optional (control_range (0, n), FLUX.2) adds a one-reference run."""
+    full = family_full(fam)
+    train_s, precisions = full.TRAIN_SECONDS, getattr(full, "BASE_PRECISIONS", ("nf4", "bf16"))
+    control_s = 5 * max(1, _family_controls(fam))  # cache-latents encodes each control too
+
+    def train(p: str, res: int, b: int, **kw: Any) -> Item:
+        return _train(fam, p, res, b, train_s + (15 if res == 1024 else 0) + (10 if b == 4 else 0), **kw)
+
+    items = [Item(f"{fam}/encode/{_text_precision(fam)}", "encode", 512, est_s=getattr(full, "ENCODE_SECONDS", 25)),
+             Item(f"{fam}/latents/512", "latents", 512, est_s=20 + control_s),
+             train(precisions[0], 512, 1),
+             Item(f"{fam}/export/{precisions[0]}-512-b1", "export", 512, est_s=20),
+             Item(f"{fam}/verify/{precisions[0]}-512-b1", "verify", 512, {"train.batch_size": 1}, est_s=train_s // 2)]
+    items += [train(p, 512, 1) for p in precisions[1:]] + [train(p, 512, 4) for p in precisions]
+    items += [Item(f"{fam}/latents/1024", "latents", 1024, est_s=25 + 2 * control_s)]
+    items += [train(p, 1024, 1) for p in precisions] + [train(p, 1024, 4) for p in precisions]
+    low, high = _control_range(fam)
+    if low == 0 and high > 0:  # optional reference images: one run with a reference per item
+        run = f"bench-{fam}-512-ref1"
+        items += [Item(f"{fam}/latents/512-ref1", "latents", 512, est_s=25, run=run, controls=1),
+                  _train(fam, precisions[0], 512, 1, train_s + 5, "-ref1", run=run, controls=1)]
+    return items + [train("fp8", 1024, 1)]  # fp8 base (Hopper/Ada), beside bf16-1024-b1
+
+
+def _control_range(fam: str) -> tuple[int, int]:
+    from stages.families import get_family
+
+    return tuple(getattr(get_family(fam), "control_range", (0, 0)))  # type: ignore[return-value]
+
+
+def _family_controls(fam: str) -> int:
+    """Control images per item in the bench data of a plain run: the least the family trains on."""
+    return _control_range(fam)[0]
 
 
 def _text_precision(fam: str) -> str:
@@ -112,8 +159,9 @@ def _full_plan(fam: str) -> list[Item]:
         _train(fam, "nf4", 512, 4, 90, "-compile", **{"train.compile_transformer": "on"}),  # = auto now; was off over nf4
         _train(fam, "nf4", 512, 1, 80, "-compile", **{"train.compile_transformer": "on"}),
         _train(fam, "nf4", 1024, 4, 100, "-compile", **{"train.compile_transformer": "on"}),
-        _train(fam, "fp8", 1024, 4, 70),  # fp8 base (Hopper/Ada), beside bf16-1024-b4
-        _train(fam, "fp8", 512, 1, 50),
+        _train(fam, "fp8", 1024, 4, 85),  # fp8 base (Hopper/Ada), beside bf16-1024-b4 (FLUX.1: 84.7 s)
+        _train(fam, "fp8", 512, 1, 70),
+        _train(fam, "fp8", 1024, 1, 75),  # Qwen-Image's fp8 target is at 1024 px b1
         *bf16_captions,
     ]
 
@@ -205,15 +253,17 @@ class Runner:
         print(f"[bench] built {fam} in {wall:.0f}s at {folder}", flush=True)
         return folder
 
-    def ensure_data(self) -> Path:
-        data = self.work / "data"
+    def ensure_data(self, controls: int = 0) -> Path:
+        """The synthetic dataset, with `controls` control images per item (edit families, references)."""
+        data = self.work / ("data" if not controls else f"data-c{controls}")
         if not data.exists():
-            make_dataset(data, n=8, side=96 if self.args.tiny else 1024)
+            make_dataset(data, n=8, side=96 if self.args.tiny else 1024, controls=controls)
         return data
 
-    def base_sets(self, fam: str, res: int) -> dict[str, Any]:
+    def base_sets(self, fam: str, res: int, controls: int | None = None) -> dict[str, Any]:
         tiny = self.args.tiny
-        return {"artifacts": str(self.work / "artifacts"), "data.path": str(self.ensure_data()),
+        controls = _family_controls(fam) if controls is None else controls
+        return {"artifacts": str(self.work / "artifacts"), "data.path": str(self.ensure_data(controls)),
                 "data.resolution": 64 if tiny else res, "data.cache_variants": 1, "captions.batch_size": 8,
                 "captions.text_encoder_precision": _text_precision(fam),  # every train run reads these captions
                 "captions.max_sequence_length": CAPTION_TOKENS,
@@ -222,17 +272,17 @@ class Runner:
                 "train.gradient_checkpointing": True}
 
     def stage_cmd(self, fam: str, item: Item, stage: str, model: Path, extra: list[str] = ()) -> list[str]:
-        sets = {**self.base_sets(fam, item.res), **item.sets}
+        sets = {**self.base_sets(fam, item.res, item.controls), **item.sets}
         if self.args.tiny:  # nf4/bf16 need CUDA: the tiny run checks the plumbing in fp32
             sets = {k: ("fp32" if v in ("nf4", "bf16") else v) for k, v in sets.items()}
         cmd = [sys.executable, str(ROOT / "pipeline.py"), stage, "--config", str(ROOT / family_full(fam).PRESET),
-               "--model", str(model), "--run", item.run or f"bench-{fam}-{item.res}"]
+               "--model", str(model), "--run", run_name(fam, item)]
         for k, v in sets.items():
             cmd += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
         return cmd + list(extra)
 
-    def run_dir(self, fam: str, res: int) -> Path:
-        return self.work / "artifacts" / f"bench-{fam}-{res}"
+    def run_dir(self, run: str) -> Path:
+        return self.work / "artifacts" / run
 
     def call(self, cmd: list[str], env: dict[str, str], name: str) -> tuple[int, float, str]:
         log = self.work / "logs" / f"{name.replace('/', '_')}.log"
@@ -249,30 +299,45 @@ class Runner:
         return rc, round(time.time() - t, 2), tail
 
     # -- items
-    def caches_ready(self, fam: str, res: int) -> bool:
-        rd = self.run_dir(fam, res)
+    def caches_ready(self, run: str) -> bool:
+        rd = self.run_dir(run)
         return (rd / "captions.zarr" / "manifest.json").exists() and (rd / "latents.zarr" / "manifest.json").exists()
 
-    def ensure_caches(self, fam: str, res: int, items: list[Item]) -> None:
-        if self.caches_ready(fam, res):
-            return
-        caps = self.run_dir(fam, res) / "captions.zarr"
-        donor = next((self.run_dir(fam, r) / "captions.zarr" for r in (512, 1024)
-                      if (self.run_dir(fam, r) / "captions.zarr" / "manifest.json").exists()), None)
+    def caption_donor(self, fam: str, run: str) -> Path | None:
+        """Another run's captions this run can reuse: the other resolution's (captions do not depend on
+        it), or, for a run with references whose text encoder does not see them, the plain run's."""
+        from stages.families import get_family
+
+        suffix = run.split(f"bench-{fam}-", 1)[1].lstrip("0123456789")  # "" or "-ref1"
+        names = [f"bench-{fam}-{r}{suffix}" for r in (512, 1024)]
+        if suffix and not getattr(get_family(fam), "text_sees_controls", False):
+            names += [f"bench-{fam}-{r}" for r in (512, 1024)]
+        return next((self.run_dir(n) / "captions.zarr" for n in names
+                     if n != run and (self.run_dir(n) / "captions.zarr" / "manifest.json").exists()), None)
+
+    def copy_captions(self, fam: str, run: str) -> None:
+        caps, donor = self.run_dir(run) / "captions.zarr", self.caption_donor(fam, run)
         if not (caps / "manifest.json").exists() and donor is not None:
-            shutil.copytree(donor, caps, dirs_exist_ok=True)  # captions do not depend on the resolution
-            if self.caches_ready(fam, res):
-                return
-        if (fam, res) in self.broken:
-            raise RuntimeError(f"the {res} px caches could not be built (see the encode/latents rows)")
-        self.broken.add((fam, res))
-        for item in items:  # caches missing (a failed or cold earlier call): build them, recorded as a rerun
-            if (item.kind == "latents" and item.res == res) or (item.kind == "encode" and not item.run
-                                                                   and not (caps / "manifest.json").exists()):
-                self.execute(fam, Item(item.id + "#rerun", item.kind, res, item.sets, item.env, item.est_s))
-        if not self.caches_ready(fam, res):
-            raise RuntimeError(f"the {res} px caches could not be built (see the encode/latents rows)")
-        self.broken.discard((fam, res))
+            shutil.copytree(donor, caps, dirs_exist_ok=True)
+
+    def ensure_caches(self, fam: str, item: Item, items: list[Item]) -> None:
+        run = run_name(fam, item)
+        self.copy_captions(fam, run)
+        if self.caches_ready(run):
+            return
+        if run in self.broken:
+            raise RuntimeError(f"the caches of run {run} could not be built (see the encode/latents rows)")
+        self.broken.add(run)
+        caps = self.run_dir(run) / "captions.zarr"
+        for it in items:  # caches missing (a failed or cold earlier call): build them, recorded as a rerun
+            if it.kind == "encode" and not it.run and not (caps / "manifest.json").exists():
+                self.execute(fam, Item(it.id + "#rerun", "encode", item.res, it.sets, it.env, it.est_s, run,
+                                       item.controls))
+            if it.kind == "latents" and run_name(fam, it) == run:
+                self.execute(fam, Item(it.id + "#rerun", "latents", it.res, it.sets, it.env, it.est_s, it.run, it.controls))
+        if not self.caches_ready(run):
+            raise RuntimeError(f"the caches of run {run} could not be built (see the encode/latents rows)")
+        self.broken.discard(run)
 
     def execute(self, fam: str, item: Item) -> dict[str, Any]:
         model = self.ensure_model(fam)
@@ -286,7 +351,7 @@ class Runner:
             fields = {"cmd": _shell(cmd, item.env), "rc": rc, "wall_s": wall}
             if rc != 0:
                 return self.record(item, _failed(rc), **fields, log_tail=tail)
-            run_dir = self.work / "artifacts" / item.run if item.run else self.run_dir(fam, item.res)
+            run_dir = self.run_dir(run_name(fam, item))
             return self.record(item, "ok", **fields, summary=collect(run_dir, kind, t0))
         if kind in ("verify", "profile"):
             script = "verify_export.py" if kind == "verify" else "profile_step.py"
@@ -308,8 +373,12 @@ class Runner:
 
     def run_family(self, fam: str) -> None:
         items = plan(fam)
+        skip = getattr(family_full(fam), "BENCH_SKIP", "")  # a family the bench machine cannot hold
         for item in items:
             if item.id in self.done or (self.args.only and not any(fnmatch.fnmatch(item.id, p) for p in self.args.only)):
+                continue
+            if skip:
+                self.record(item, "skipped", reason=skip)
                 continue
             need = (item.est_s + (0 if self.built(fam) else family_full(fam).BUILD_SECONDS)) * (0.05 if self.args.tiny else 1.0)
             if self.left() < need:
@@ -317,7 +386,7 @@ class Runner:
                 continue
             try:
                 if item.kind in ("train", "export", "verify", "profile"):
-                    self.ensure_caches(fam, item.res, items)
+                    self.ensure_caches(fam, item, items)
                 self.execute(fam, item)
             except Exception as e:  # noqa: BLE001 - one broken item must not lose the others' numbers
                 self.record(item, "failed", reason=f"{type(e).__name__}: {e}")
@@ -337,6 +406,10 @@ def build(fam: str, folder: Path, counts_file: Path, tiny: bool) -> None:
     else:
         counts = build_full_pipeline(fam, folder, device="cuda")
     counts_file.write_text(json.dumps(counts))
+
+
+def run_name(fam: str, item: Item) -> str:
+    return item.run or f"bench-{fam}-{item.res}"
 
 
 def _failed(rc: int) -> str:

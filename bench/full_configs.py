@@ -100,7 +100,8 @@ def denoiser_flops(family: str, batch: int, latent_hw: tuple[int, int], text_tok
     with torch.no_grad():
         full(family).meta_forward(model, batch, h, w, text_tokens, _meta_empty)
     attn = full(family).attention_flops(model.config, batch, img, text_tokens)
-    tokens = batch * (img + (text_tokens if full(family).TEXT_IN_SEQUENCE else 0))
+    images = getattr(full(family), "IMAGES_IN_SEQUENCE", 1)  # edit families: the control's tokens join the target's
+    tokens = batch * (images * img + (text_tokens if full(family).TEXT_IN_SEQUENCE else 0))
     return {"params": float(params), "linear_fwd": float(linear[0]), "attention_fwd": float(attn),
             "tokens": float(tokens), "rule_of_thumb_fwd": 2.0 * params * tokens}
 

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 PEAK_FLOPS = 790e12
-VAE_DOWN = {"flux": 8, "qwen-image": 8, "z-image": 8, "sdxl": 8}
-FAMILY_ORDER = ("flux", "qwen-image", "z-image", "sdxl")
-NAMES = {"flux": "FLUX", "qwen-image": "Qwen-Image", "z-image": "Z-Image", "sdxl": "SDXL"}
+VAE_DOWN = {"flux": 8, "qwen-image": 8, "z-image": 8, "sdxl": 8, "flux2-klein": 8, "flux2": 8, "krea2": 8,
+            "qwen-image-2.1": 16, "flux-kontext": 8, "qwen-image-edit": 8}
+NAMES = {"flux": "FLUX", "qwen-image": "Qwen-Image", "z-image": "Z-Image", "sdxl": "SDXL", "flux2-klein": "FLUX.2 [klein]",
+         "flux2": "FLUX.2 [dev]", "krea2": "Krea 2", "qwen-image-2.1": "Qwen-Image 2.1",
+         "flux-kontext": "FLUX.1 Kontext (edit, 1 control)", "qwen-image-edit": "Qwen-Image-Edit (edit, 1 control)"}
+FAMILY_ORDER = tuple(NAMES)  # one headline table each, in this order
 MAX_STAGE_PEAK = {"flux": 10.4, "qwen-image": 12.8, "z-image": 4.7}  # GB: the peaks the speed work had to stay under
 TARGETS = """| target | measured | met? |
 |---|---|---|
@@ -232,6 +235,16 @@ def targets(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]]) -> str
         t.append(f"| FLUX fp8 1024 px b4: step ≤ 0.8x bf16's, peak ≤ 0.6x bf16's | {step:.2f}x step ({e['step_s']:.3f} s / "
                  f"{d['step_s']:.3f} s), {peak:.2f}x peak ({e['peak']['allocated']:.2f} / {d['peak']['allocated']:.2f} GB) | "
                  f"{'yes' if step <= 0.8 and peak <= 0.6 else 'no'} |")
+    for fam in FAMILY_ORDER:  # issue 17: Qwen-Image 1024 px b1 fp8 ≤ 0.85x bf16; no fp8 step slower than bf16's
+        for res in (512, 1024):
+            for b in (1, 4):
+                f8, bf = _by(rows, fam, f"fp8-{res}-b{b}"), _by(rows, fam, f"bf16-{res}-b{b}")
+                if fam == "flux" and (res, b) == (1024, 4) or not (f8 and bf and f8["step_s"] and bf["step_s"]):
+                    continue
+                limit = 0.85 if (fam, res, b) == ("qwen-image", 1024, 1) else 1.0
+                ratio = f8["step_s"] / bf["step_s"]
+                t.append(f"| {NAMES[fam]} fp8 step ≤ {limit:.2f}x bf16 step ({res} px b{b}) | {ratio:.2f}x "
+                         f"({f8['step_s']:.3f} s / {bf['step_s']:.3f} s) | {'yes' if ratio <= limit else 'no'} |")
     if d and d.get("mfu_rule") is not None:
         t.append(f"| FLUX bf16 1024 px b4 ≥ 60 % MFU | {_pct(d['mfu_rule'])} (4·P·T rule), {_pct(d['mfu_counted'])} (counted) "
                  f"| {'yes' if d['mfu_rule'] >= 0.6 else 'no'} |")

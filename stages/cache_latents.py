@@ -134,9 +134,12 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
 
 
 def _check_mask_size(item: dataset.Item, size: tuple[int, int]) -> None:
-    """A loss mask must be its image's size (read from the headers, before the VAE loads)."""
-    if item.mask_path is not None and dataset.image_size(item.mask_path) != size:
-        w, h = dataset.image_size(item.mask_path)
+    """A loss mask must be its image's size (read from the headers, before the VAE loads; `load_mask`
+    checks the decoded mask again, in case the file changed since)."""
+    if item.mask_path is None:
+        return
+    w, h = dataset.image_size(item.mask_path)
+    if (w, h) != size:
         raise dataset.BadImage(f"loss mask '{item.mask_path}' is {w}x{h} but its image '{item.image_path}' is "
                                f"{size[0]}x{size[1]}: save the mask at the image's size")
 

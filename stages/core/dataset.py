@@ -253,9 +253,11 @@ def _metadata_path(root: Path, name: Any, where: str) -> Path:
     return root / rel
 
 
-def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> list[tuple[Path, str]]:
+def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
+    """(image, caption) pairs and each image's `control_image` paths (a string or a list of strings),
+    from one read of metadata.jsonl."""
     _check_inside(root, meta, follow_outside)
-    pairs = []
+    pairs, controls = [], {}
     for n, line in enumerate(_read_text(meta, f"metadata file '{meta}'").splitlines(), 1):
         if not line.strip():
             continue
@@ -275,7 +277,8 @@ def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> list[tuple[P
             raise DatasetError(f"{where}: image '{path}' {problem}")
         _check_inside(root, path, follow_outside)
         pairs.append((path, _decode(text.encode("utf-8"), f"{where}: the caption of '{name}'").strip()))
-    return pairs
+        controls[path] = _row_controls(root, row, where, follow_outside)
+    return pairs, controls
 
 
 def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path]:
@@ -327,20 +330,9 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
     list); with caption_lines = "variants" each line of each is its own caption.
     `warn(message, item)` hears of files left out or merged, once per kind."""
     root = Path(root)
-    if not root.is_dir():
-        raise DatasetError(f"dataset folder '{root}' does not exist (set {path_key})")
     meta = root / "metadata.jsonl"
-    dropped = _Dropped()
-    if meta.is_file():
-        pairs = _from_metadata(root, meta, follow_symlinks_outside)
-    else:
-        pairs = _from_folder(root, caption_ext, follow_symlinks_outside, dropped)
-    dropped.report(warn)
-    if not pairs:
-        raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) with captions")
+    pairs, controls = _listing(root, caption_ext, follow_symlinks_outside, warn, path_key)
     stems = {path.with_suffix("") for path, _ in pairs}
-    controls = (_metadata_controls(root, meta, follow_symlinks_outside) if meta.is_file()
-                else {path: _folder_controls(root, path, follow_symlinks_outside) for path, _ in pairs})
     items = []
     for path, text in pairs:
         mask = find_mask(root, path, follow_symlinks_outside)
@@ -355,6 +347,36 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
                           tuple(texts) if len(texts) > 1 else (), mask_path=mask, controls=mine,
                           control_ids=tuple(_image_id(c) for c in mine), pixel_id=pixel_id if mask else ""))
     return sorted(items, key=lambda it: it.key)
+
+
+def _listing(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None,
+             path_key: str) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
+    """(image, caption) pairs and each image's control paths, from the file names (and caption
+    files) alone: no image is opened or hashed."""
+    if not root.is_dir():
+        raise DatasetError(f"dataset folder '{root}' does not exist (set {path_key})")
+    meta = root / "metadata.jsonl"
+    dropped = _Dropped()
+    if meta.is_file():
+        pairs, controls = _from_metadata(root, meta, follow_outside)
+    else:
+        pairs = _from_folder(root, caption_ext, follow_outside, dropped)
+        controls = {path: _folder_controls(root, path, follow_outside) for path, _ in pairs}
+    dropped.report(warn)
+    if not pairs:
+        raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) with captions")
+    return pairs, controls
+
+
+def most_controls(cfg: Any) -> int:
+    """The most control images an item of the run's datasets has, from file names alone (what the
+    memory planner needs before any model loads; `scan_run` would read and hash every image)."""
+    most = 0
+    for i, data in enumerate(cfg.dataset_configs()):
+        _, controls = _listing(Path(data.path), data.caption_ext, data.follow_symlinks_outside, None,
+                               f"datasets[{i}].path" if cfg.datasets else "data.path")
+        most = max([most, *(len(c) for c in controls.values())])
+    return most
 
 
 def _numbered_captions(root: Path, image: Path, caption_ext: str, stems: set[Path], follow_outside: bool) -> list[str]:
@@ -485,21 +507,14 @@ def _folder_controls(root: Path, path: Path, follow_outside: bool) -> list[Path]
     return [_checked_control(root, c, key, follow_outside) for c in found if c is not None]
 
 
-def _metadata_controls(root: Path, meta: Path, follow_outside: bool) -> dict[Path, list[Path]]:
-    """target path -> its `control_image` paths (a string or a list of strings) from metadata.jsonl."""
-    out: dict[Path, list[Path]] = {}
-    for n, line in enumerate(_read_text(meta, f"metadata file '{meta}'").splitlines(), 1):
-        if not line.strip():
-            continue
-        row, where = json.loads(line), f"{meta}:{n}: "
-        names = row.get("control_image", [])
-        names = [names] if isinstance(names, str) else names
-        if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
-            raise DatasetError(f"{where}'control_image' must be a path or a list of paths relative to '{root}'")
-        target = _metadata_path(root, row["file_name"], where.rstrip(": "))
-        out[target] = [_checked_control(root, _metadata_path(root, x, where.rstrip(": ")), row["file_name"],
-                                        follow_outside, where) for x in names]
-    return out
+def _row_controls(root: Path, row: dict[str, Any], where: str, follow_outside: bool) -> list[Path]:
+    """A metadata.jsonl row's `control_image` paths (a string or a list of strings), checked."""
+    names = row.get("control_image", [])
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise DatasetError(f"{where}: 'control_image' must be a path or a list of paths relative to '{root}'")
+    return [_checked_control(root, _metadata_path(root, x, where), row["file_name"], follow_outside, where + ": ")
+            for x in names]
 
 
 def for_family(items: list[Item], family: Any, warn: Warn | None = None) -> list[Item]:

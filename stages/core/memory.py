@@ -206,7 +206,7 @@ def _planned_controls(cfg: Any, family: Any) -> int:
         return high
     from stages.core import dataset
 
-    return max((len(it.controls) for it in dataset.scan_run(cfg)), default=0)
+    return dataset.most_controls(cfg)  # file names only: no image is read or hashed here
 
 
 def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:

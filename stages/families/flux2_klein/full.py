@@ -21,7 +21,8 @@ from stages.families.z_image.full import QWEN3_4B
 
 PRESET = "configs/flux2-klein.toml"
 TEXT_PRECISION = "nf4"
-BUILD_SECONDS = 60  # estimate (4B transformer + 4B Qwen3, like Z-Image's 55 s); not measured yet
+BUILD_SECONDS = 50  # estimate: 16 GB of bf16 safetensors (3.9B transformer + 4.0B Qwen3); Z-Image's 20.5 GB took 38-54 s
+TRAIN_SECONDS = 60  # a compiled 512 px b1 train item on the H200 (load, regional compile, 8 steps): estimate from FLUX.1's 65-94 s, Z-Image's 66-84 s
 TEXT_IN_SEQUENCE = True
 
 TRANSFORMER = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,

@@ -10,7 +10,9 @@ from stages.families.flux import full as flux_full
 PRESET = "configs/flux-kontext.toml"
 TEXT_PRECISION = flux_full.TEXT_PRECISION
 BUILD_SECONDS = flux_full.BUILD_SECONDS
+TRAIN_SECONDS = 90  # a compiled 512 px b1 item (FLUX.1's took 65-94 s), its sequence twice FLUX.1's image tokens
 TEXT_IN_SEQUENCE = True
+IMAGES_IN_SEQUENCE = 2  # target + one control (the bench data's), for the 4·P·T rule
 TRANSFORMER = flux_full.TRANSFORMER
 COMPONENTS = flux_full.COMPONENTS
 

@@ -20,7 +20,8 @@ from stages.families.qwen_image import full as qwen_image_full
 
 PRESET = "configs/krea2.toml"
 TEXT_PRECISION = "nf4"
-BUILD_SECONDS = 70
+BUILD_SECONDS = 70  # estimate: 35 GB of bf16 safetensors (12.8B transformer + 4.4B Qwen3-VL); FLUX.1's 34 GB took 57-68 s
+TRAIN_SECONDS = 75  # a compiled 512 px b1 train item on the H200 (load, regional compile, 8 steps): estimate from FLUX.1's 65-94 s, Z-Image's 66-84 s
 TEXT_IN_SEQUENCE = True
 
 TRANSFORMER = dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48,
