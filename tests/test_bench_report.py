@@ -152,3 +152,77 @@ def test_fp8_target_compares_step_and_peak_with_bf16_at_the_same_shape(tmp_path:
     assert row["met?"] == "no"  # the step is fast enough, the peak is not small enough
     head = table(report.write_report([_write(tmp_path, rows)])["RESULTS.md"].split("## FLUX")[1], "base")
     assert head["fp8"]["step s"] == "1.500"
+
+
+def test_short_plan_of_the_newer_and_edit_families() -> None:
+    """The newer and edit families: the stage peaks and the 512 px b1 nf4 train, its export and load
+    check first, then bf16 and batch 4, then 1024 px; FLUX.2 dev nf4 only; optional references
+    (FLUX.2) add a one-reference run with its own dataset; every family ends with fp8-1024-b1."""
+    klein = [i.id.split("/", 1)[1] for i in plan("flux2-klein")]
+    assert klein[:13] == ["encode/nf4", "latents/512", "train/nf4-512-b1", "export/nf4-512-b1", "verify/nf4-512-b1",
+                          "train/bf16-512-b1", "train/nf4-512-b4", "train/bf16-512-b4", "latents/1024",
+                          "train/nf4-1024-b1", "train/bf16-1024-b1", "train/nf4-1024-b4", "train/bf16-1024-b4"]
+    refs = {i.id: i for i in plan("flux2-klein") if "ref1" in i.id}
+    assert {i.controls for i in refs.values()} == {1} and {i.run for i in refs.values()} == {"bench-flux2-klein-512-ref1"}
+    assert klein[-1] == "train/fp8-1024-b1" and len(klein) == len(set(klein))
+    dev = [i.id for i in plan("flux2")]
+    assert not [i for i in dev if "bf16" in i] and "flux2/train/nf4-512-b1-ref1" in dev
+    for fam in ("flux-kontext", "qwen-image-edit", "krea2", "qwen-image-2.1"):
+        items = plan(fam)
+        assert not [i for i in items if "ref1" in i.id or i.controls is not None], fam  # the family's own count
+        assert items[2].id == f"{fam}/train/nf4-512-b1" and items[-1].id == f"{fam}/train/fp8-1024-b1"
+        assert all(30 <= i.est_s <= 130 for i in items if i.kind == "train"), fam
+
+
+def test_fp8_rows_beside_bf16_for_the_measured_families() -> None:
+    """fp8 at 512 b1, 1024 b1 and 1024 b4 beside bf16's, selected by one --only glob."""
+    import fnmatch
+
+    for fam in ("qwen-image", "z-image", "sdxl", "flux"):
+        ids = {i.id for i in plan(fam)}
+        fp8 = {i for i in ids if fnmatch.fnmatch(i, f"{fam}/train/fp8-*")}
+        assert fp8 == {f"{fam}/train/fp8-{s}" for s in ("512-b1", "1024-b1", "1024-b4")}, fam
+        assert {i.replace("fp8", "bf16") for i in fp8} <= ids
+
+
+def test_fp8_targets_and_new_family_tables(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(report, "_flops", lambda *a: None)  # MFU (seconds of meta builds) is not what this checks
+    rows = [_train_row("qwen-image", "bf16-1024-b1", 2.0, True), _train_row("qwen-image", "fp8-1024-b1", 1.8, True),
+            _train_row("z-image", "bf16-512-b1", 1.0, True), _train_row("z-image", "fp8-512-b1", 0.9, True),
+            _train_row("flux2-klein", "nf4-512-b1", 0.5, True), _train_row("flux-kontext", "nf4-512-b1", 0.9, True)]
+    _, items, _ = report.load([_write(tmp_path, rows)])
+    target = table(report.targets(report.train_rows(items, {}), items), "target")
+    assert target["Qwen-Image fp8 step ≤ 0.85x bf16 step (1024 px b1)"]["met?"] == "no"  # 0.90x
+    assert target["Z-Image fp8 step ≤ 1.00x bf16 step (512 px b1)"]["met?"] == "yes"
+    results = report.write_report([_write(tmp_path, rows)])["RESULTS.md"]
+    assert "## FLUX.2 [klein]" in results and "## FLUX.1 Kontext (edit, 1 control)" in results
+    assert table(results.split("## FLUX.2 [klein]")[1], "base")["nf4"]["step s"] == "0.500"
+
+
+def test_bench_dataset_controls_follow_the_folder_convention(tmp_path: Path) -> None:
+    from bench.bench import make_dataset
+    from stages.core import dataset
+
+    plain, one, two = (make_dataset(tmp_path / n, 3, 32, controls=c) for n, c in (("p", 0), ("c1", 1), ("c2", 2)))
+    assert [len(it.controls) for it in dataset.scan(plain)] == [0, 0, 0]
+    assert [[p.name for p in it.controls] for it in dataset.scan(one)][0] == ["img_000_control.png"]
+    assert [[p.name for p in it.controls] for it in dataset.scan(two)][2] == ["img_002_control_1.png", "img_002_control_2.png"]
+    for it, ref in zip(dataset.scan(two), dataset.scan(plain)):  # the same targets and captions whatever the controls
+        assert (it.key, it.image_id, it.caption) == (ref.key, ref.image_id, ref.caption)
+    assert (one / "img_000_control.png").read_bytes() != (one / "img_000.png").read_bytes()
+
+
+def test_a_family_the_host_cannot_hold_is_skipped_with_its_reason(tmp_path: Path) -> None:
+    """FLUX.2 dev at full size: every planned item recorded as skipped, with the reason, nothing built."""
+    import argparse
+
+    from bench.bench import Runner
+
+    args = argparse.Namespace(work=str(tmp_path / "w"), out=str(tmp_path / "out.json"), budget_s=1e9, skip_done=[],
+                              only=[], tiny=False, keep=False, models=str(tmp_path / "models"))
+    runner = Runner(args)
+    runner.run_family("flux2")
+    rows = json.loads((tmp_path / "out.json").read_text())["items"]
+    assert [r["id"] for r in rows] == [i.id for i in plan("flux2")]
+    assert {r["status"] for r in rows} == {"skipped"} and all("112.6 GB" in r["reason"] for r in rows)
+    assert not (tmp_path / "models").exists() and json.loads((tmp_path / "out.json").read_text())["builds"] == {}
