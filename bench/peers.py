@@ -390,7 +390,7 @@ def run(a: argparse.Namespace) -> None:
         ns = argparse.Namespace(work=str(work / "product"), budget_s=max(30.0, deadline - time.time()), skip_done=[],
                                 out=str(work / "product" / "runner.json"), tiny=a.tiny, models="", keep=True, only=[])
         runner = Runner(ns)
-        runner.ensure_data = lambda: Path(a.data).resolve()  # the side-by-side data, not the bench's own
+        runner.ensure_data = lambda controls=0: Path(a.data).resolve()  # the side-by-side data, not the bench's own
         res_sets = {**runner.base_sets(fam, a.res), "data.path": str(Path(a.data).resolve()),
                     "data.resolution": a.res, "captions.max_sequence_length": a.text_tokens,
                     "train.steps": a.steps, "train.warmup_steps_excluded": a.warmup, "train.rank": 16, "train.alpha": 16,

@@ -19,7 +19,7 @@ if [ ! -e "$m/model_index.json" ]; then
     || { tail -30 $OUT/build-$fam.log; exit 1; }
   echo "built $fam in $(( $(date +%s) - start )) s"
 fi
-left=$(( 560 - ($(date +%s) - start) ))
+left=$(( ${PEERS_BUDGET_S:-560} - ($(date +%s) - start) ))
 tag=$which-$res-b$batch
 python3 bench/peers.py run --family $fam --model $m --data /tmp/peers-data/$which --res $res --batch $batch \
   --steps $steps --product-precisions $prec --budget-s $left --peer-timeout-s $(( left * 45 / 100 )) \
