@@ -34,6 +34,7 @@ def artifact_dir(cfg: Any) -> Path:
 
 
 def layout_parts(cfg: Any) -> dict[str, Any]:
+    from stages.core.memory import planned_vae_precision  # a budget too small for the configured VAE lowers it
     from stages.families import get_family
 
     family = get_family(cfg.family)
@@ -46,7 +47,8 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
             # rebuild the cache); a plain data.path run's first dataset is [data], its parts as before
             **dataset.latent_reference(cfg),
             "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "background": d.background, "seed": cfg.seed,
-            "dtype": cfg.latents.dtype, "vae_precision": cfg.latents.vae_precision,
+            "dtype": cfg.latents.dtype,
+            "vae_precision": planned_vae_precision(cfg, family) or cfg.latents.vae_precision,
             # merged buckets depend on the batch they fill; off adds no key, so older caches stay valid
             **({"bucket_merge": cfg.train.batch_size} if d.bucket_merge else {}),
             # [[datasets]] with their own resolution or variants; a plain data.path adds no key

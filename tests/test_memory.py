@@ -128,6 +128,35 @@ def test_caption_planner_lowers_batch_then_precision(assets, demo_data, tmp_path
     assert _plan("encode-captions", cfg, _just_above(nf4_b1)).settings["text_encoder_precision"] == "nf4"
 
 
+def test_latents_planned_by_a_budget_are_the_latents_train_expects(assets, demo_data, tmp_path, monkeypatch):
+    """A cap too small for the fp32 VAE makes cache-latents cache bf16 latents; train (same config,
+    same cap) must expect those, not the configured fp32 (on the H200 it refused them as stale).
+    Under "auto" the VAE is never lowered only to stay below train's peak."""
+    from stages import cache_latents
+    from stages.core import runtime
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"latents.vae_precision": "fp32", "data.resolution": 1024})
+    fp32 = _peak_of(_plan("cache-latents", cfg, 1000.0), vae_precision="fp32", sliced=True, tiled=False)
+    cap = _just_above(_peak_of(_plan("cache-latents", cfg, 1000.0), vae_precision="bf16", sliced=True, tiled=False))
+    assert cap < fp32 * memory.FRAGMENTATION
+    monkeypatch.setattr(runtime, "pick_device", lambda name: torch.device("cuda"))  # plan as on a GPU (no CUDA call)
+    capped = make_cfg("flux", assets, demo_data, tmp_path, **{"latents.vae_precision": "fp32", "data.resolution": 1024,
+                                                              "gpu.vram_budget_gb": cap})
+    plan = _plan("cache-latents", capped, cap)
+    assert plan.settings["vae_precision"] == "bf16"
+    written = cache_latents.layout_parts(memory.with_plan(capped, plan))  # what cache-latents stores
+    assert written["vae_precision"] == "bf16" and cache_latents.layout_parts(capped) == written  # what train checks
+    # train's peak at batch 32 (~0.5 GB) holds a tiled bf16 encode (0.38) but not an fp32 one: "auto" keeps fp32
+    big = make_cfg("flux", assets, demo_data, tmp_path, **{"latents.vae_precision": "fp32", "data.resolution": 1024,
+                                                           "train.batch_size": 32})
+    family, src = get_family("flux"), ModelSource(cfg.model, cfg.revision)
+    train_peak = memory.plan_train(big, family, src, memory.Budget(1000.0, "cap")).predicted_peak_gb
+    assert _peak_of(_plan("cache-latents", big, 1000.0), vae_precision="bf16", sliced=True, tiled=True) < train_peak
+    auto = memory.plan_for(big, family, src, memory.Budget(fp32 * 5, "auto"), "cache-latents")
+    assert auto.settings == {"vae_precision": "fp32", "sliced": False, "tiled": False}
+    assert cache_latents.layout_parts(big)["vae_precision"] == "fp32"
+
+
 def test_latent_planner_tiles_only_when_nothing_else_fits(assets, demo_data, tmp_path):
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"latents.vae_precision": "fp32", "data.resolution": 1024})
     roomy = _plan("cache-latents", cfg, 1000.0)
