@@ -202,3 +202,46 @@ def test_nf4_swap_training_resumes_bit_identically(assets, demo_data, tmp_path_f
     assert straight["step"] == resumed["step"] == 4
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_nf4_base_computes_in_bf16_under_fp32_adapters(family, assets):
+    """The dtype each family casts the denoiser's inputs to is the frozen base's (bf16), not diffusers'
+    `model.dtype`: with bias-free quantized first layers (FLUX.2 klein) that is an fp32 adapter weight,
+    and every nf4 matmul ran in fp32: 2.1x slower than diffusers' klein script on the H200."""
+    from peft import LoraConfig
+
+    fam = get_family(family)
+    src = ModelSource(str(tiny_model(assets, FAMILIES[family])))
+    model = nf4_blocks.load_nf4_by_block(_denoiser_class(family), src, fam.denoiser_components[0],
+                                         torch.device("cpu"), 0, False)
+    lora.attach_lora(model, LoraConfig(r=4, lora_alpha=4, target_modules=list(fam.default_lora_targets)))
+    assert lora.base_dtype(model) == torch.bfloat16
+    if family == "flux2-klein":
+        assert model.dtype == torch.float32  # the trap: the first floating parameter is an adapter's
+
+
+def test_klein_nf4_layers_see_bf16_inputs(assets):
+    """FLUX.2 klein's loss feeds its nf4 layers bf16 activations (a forward pre-hook on every Linear4bit)."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig
+
+    from stages.core.config import TrainConfig
+    from stages.families.base import BatchMeta
+
+    fam = get_family("flux2-klein")
+    src = ModelSource(str(tiny_model(assets, FAMILIES["flux2-klein"])))
+    model = nf4_blocks.load_nf4_by_block(_denoiser_class("flux2-klein"), src, "transformer", torch.device("cpu"), 0, False)
+    lora.attach_lora(model, LoraConfig(r=4, lora_alpha=4, target_modules=list(fam.default_lora_targets)))
+    seen: set[torch.dtype] = set()
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.register_forward_pre_hook(lambda mod, args: seen.add(args[0].dtype))
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(1, model.config.in_channels // 4, 8, 8, generator=g)
+    cond = {"prompt_embeds": torch.randn(1, 6, model.config.joint_attention_dim, generator=g)}
+    size = torch.tensor([[64, 64]])
+    meta = BatchMeta(original_size=size, crop_top_left=torch.zeros_like(size), target_size=size)
+    loss = fam.loss(model, x0, torch.randn(x0.shape, generator=g), torch.tensor([0.5]), cond, meta, TrainConfig())
+    loss.backward()
+    assert seen == {torch.bfloat16}

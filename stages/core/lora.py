@@ -70,6 +70,18 @@ def adapter_type(config: dict[str, Any]) -> str:
     return "dora" if kind == "lora" and config.get("use_dora") else kind
 
 
+def base_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the frozen base computes in, which the families cast the denoiser's inputs to: its
+    first frozen floating-point parameter's. Not diffusers' `model.dtype`, the first floating parameter
+    of any kind: with bias-free quantized first layers (FLUX.2 klein in nf4) that is an fp32 adapter
+    weight, and every nf4 matmul then ran in fp32 (TF32), 2.1x slower than diffusers' own klein script
+    on the H200 (bench/results/peers-klein-1024-b1.json). fp8 weights are buffers, nf4 codes uint8."""
+    for p in model.parameters():
+        if p.is_floating_point() and not p.requires_grad:
+            return p.dtype
+    return model.dtype
+
+
 def attach_lora(model: torch.nn.Module, config: Any) -> list[torch.nn.Parameter]:
     """Add the adapter (diffusers' PeftAdapterMixin) and return its parameters, cast to fp32."""
     model.add_adapter(config)

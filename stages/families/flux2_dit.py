@@ -47,7 +47,7 @@ import torch
 
 from stages.core import dataset, flow
 from stages.core.errors import DatasetError
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.flux2_klein.kohya import LAYOUT as KOHYA_LAYOUT
 
@@ -193,7 +193,7 @@ class Flux2DiT:
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, _, h, w = x0.shape
-        dtype, device = denoiser.dtype, x0.device
+        dtype, device = base_dtype(denoiser), x0.device
         text = cond["prompt_embeds"].to(device, dtype)
         target = flow.pack_2x2(flow.noisy_latents(x0, noise, t))
         tokens, ids = target, self.position_ids("image", h // 2, w // 2, device)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.flux.kohya import LAYOUT as KOHYA_LAYOUT
 from stages.families.kl_vae import KLVAELatents
@@ -105,13 +105,13 @@ class Flux(KLVAELatents):
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         _, _, h, w = x0.shape
         x_t = flow.noisy_latents(x0, noise, t)
-        pred = self.predict(denoiser, flow.pack_2x2(x_t), self.image_ids(h, w, x0.device, denoiser.dtype), t, cond, tcfg)
+        pred = self.predict(denoiser, flow.pack_2x2(x_t), self.image_ids(h, w, x0.device, base_dtype(denoiser)), t, cond, tcfg)
         return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
 
     def predict(self, denoiser: torch.nn.Module, tokens: torch.Tensor, img_ids: torch.Tensor, t: torch.Tensor,
                 cond: dict[str, torch.Tensor], tcfg: Any) -> torch.Tensor:
         """One transformer forward over packed image tokens (B, N, C*4) with their ids (N, 3)."""
-        b, device, dtype = tokens.shape[0], tokens.device, denoiser.dtype
+        b, device, dtype = tokens.shape[0], tokens.device, base_dtype(denoiser)
         text = cond["prompt_embeds"].to(device, dtype)
         guidance = None
         if denoiser.config.guidance_embeds:

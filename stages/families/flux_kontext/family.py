@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from stages.core import dataset, flow
+from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
 from stages.families.flux.family import Flux
 
@@ -67,7 +68,7 @@ class FluxKontext(Flux):
         if not meta.controls:  # Kontext also generates from text alone
             return super().loss(denoiser, x0, noise, t, cond, meta, tcfg)
         _, _, h, w = x0.shape
-        device, dtype = x0.device, denoiser.dtype
+        device, dtype = x0.device, base_dtype(denoiser)
         target = flow.pack_2x2(flow.noisy_latents(x0, noise, t))
         tokens = torch.cat([target, *(flow.pack_2x2(c.to(device, target.dtype)) for c in meta.controls)], dim=1)
         ids = torch.cat([self.image_ids(h, w, device, dtype),

@@ -32,7 +32,7 @@ import torch
 
 from stages.core import flow
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.krea2 import SUFFIX_TOKENS
 from stages.families.qwen_image.family import DROP_IDX, QwenImage
@@ -138,7 +138,7 @@ class Krea2:
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         _, _, h, w = x0.shape
-        dtype, device = denoiser.dtype, x0.device
+        dtype, device = base_dtype(denoiser), x0.device
         text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
         pred = denoiser(
             hidden_states=flow.pack_2x2(flow.noisy_latents(x0, noise, t)).to(dtype),

@@ -27,7 +27,7 @@ import torch
 from stages.core import flow
 from stages.core.errors import ConfigError
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.qwen_image import PIPELINE_MAX_SEQUENCE_LENGTH
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
@@ -138,7 +138,7 @@ class QwenImage:
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, _, h, w = x0.shape
-        dtype, device = denoiser.dtype, x0.device
+        dtype, device = base_dtype(denoiser), x0.device
         text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
         guidance = None
         if denoiser.config.guidance_embeds:

@@ -38,7 +38,7 @@ import torch
 from stages.core import flow
 from stages.core.errors import ConfigError
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.qwen_image.family import QwenImage
 from stages.families.qwen_image_21 import ROPE_POSITIONS
@@ -163,7 +163,7 @@ class QwenImage21:
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, c, h, w = x0.shape
-        dtype, device = denoiser.dtype, x0.device
+        dtype, device = base_dtype(denoiser), x0.device
         text, mask = left_padded(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
         pred = denoiser(
             hidden_states=flow.noisy_latents(x0, noise, t).flatten(2).transpose(1, 2).to(dtype),  # _pack_latents

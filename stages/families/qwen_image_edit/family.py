@@ -28,6 +28,7 @@ import torch
 
 from stages.core import dataset, flow
 from stages.core.errors import ConfigError
+from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
 from stages.families.qwen_image.family import QwenImage
 from stages.families.qwen_image_edit import PIPELINE_MAX_SEQUENCE_LENGTH
@@ -143,7 +144,7 @@ class QwenImageEdit(QwenImage):
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, _, h, w = x0.shape
-        dtype, device = denoiser.dtype, x0.device
+        dtype, device = base_dtype(denoiser), x0.device
         text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
         target = flow.pack_2x2(flow.noisy_latents(x0, noise, t))
         tokens = torch.cat([target, *(flow.pack_2x2(c.to(device, target.dtype)) for c in meta.controls)], dim=1)

@@ -24,7 +24,7 @@ import torch
 
 from stages.core import flow
 from stages.core.config import ConfigError
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta
 from stages.families.sdxl.kohya import LAYOUT as KOHYA_LAYOUT
@@ -224,7 +224,7 @@ class SDXL:
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         sched, kind = self._ddpm(), self.prediction_type(tcfg)
-        dtype, device = denoiser.dtype, x0.device
+        dtype, device = base_dtype(denoiser), x0.device
         t = t.to(device).long()
         noise = offset_noise(noise, tcfg.noise_offset)
         x_t = sched.add_noise(x0, noise, t)

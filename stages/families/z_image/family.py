@@ -23,7 +23,7 @@ import torch
 
 from stages.core import flow
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.kl_vae import KLVAELatents
 from stages.families.text_encoders import (chat_prompts, load_chat_tokenizer, load_text_model, pad_valid_tokens,
@@ -80,7 +80,7 @@ class ZImage(KLVAELatents):
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
-        dtype = denoiser.dtype
+        dtype = base_dtype(denoiser)
         x_t = flow.noisy_latents(x0, noise, t).to(dtype)
         embeds, lengths = cond["prompt_embeds"].to(x0.device, dtype), cond["prompt_length"].tolist()
         require_tokens(lengths)
