@@ -164,7 +164,10 @@ def _cell(r: dict[str, Any]) -> list[str]:
 
 
 def report(files: list[Path]) -> str:
-    rows = _resolved(_newest([r for f in files for r in json.loads(f.read_text())["items"]]))
+    """One table per (family, px). Files are read oldest measurement first (their meta.date_utc), so a
+    newer call's row replaces an older one whatever the files are named."""
+    data = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d.get("meta", {}).get("date_utc", ""))
+    rows = _resolved(_newest([r for d in data for r in d["items"]]))
     lines = []
     for fam, res in dict.fromkeys(map(_group, rows)):
         mine = [r for r in rows if _group(r) == (fam, res)]

@@ -509,6 +509,7 @@ def report_section(results: list[dict[str, Any]]) -> str:
                          f"process peak {_fmt(peer.get('process_peak_gb'), 1)} GB; upstream commit "
                          f"{str(peer.get('upstream_commit', '?'))[:10]}; data via {peer.get('datasets', '?')}")
         notes.append(f"- command: `{res.get('meta', {}).get('command', '?')}`")
+        notes += [f"- note ({res['family']} {res['res']} px b{res['batch']}): {n}" for n in res.get("notes", [])]
     if len(out) == 4:
         return "\n".join(out[:2]) + "\nNo side-by-side run yet (`bench/peers.py run` on the GPU machine).\n"
     return "\n".join(out) + "\n\n" + "\n".join(notes) + "\n"

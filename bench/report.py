@@ -421,8 +421,10 @@ MEMORY_INTRO = """Each stage run as its own process under `gpu.vram_budget_gb` (
 `torch.cuda.set_per_process_memory_fraction`; "auto" is the free memory), full-size random weights,
 1024 px, batch 1, on one H200. Commands: `python3 bench/memory.py run --families qwen-image --budgets
 auto,8,12,16,24 --models /tmp/lorapipe-models --out $OUT/memory-qwen-image-h200.json --budget-s 545`,
-`... --families z-image,sdxl --budgets auto,4 ...`, `... --families sdxl --budgets 4 ...` (the files'
-`meta.command` has each). "same plan" rows reuse the measurement of the budget the planner chose
+`... --families z-image,sdxl --budgets auto,4 ...`, `... --families sdxl --budgets 4 ...`, and with nf4
+quantized block by block for block swap (2026-12-01): `... --families flux --budgets 6 ...`,
+`... --families qwen-image --budgets 8 ...` (the files' `meta.command` has each). A newer call's row
+replaces an older one. "same plan" rows reuse the measurement of the budget the planner chose
 identically for. "x auto" is train samples/s over the same family's "auto" row.
 
 """

@@ -226,3 +226,25 @@ def test_a_family_the_host_cannot_hold_is_skipped_with_its_reason(tmp_path: Path
     assert [r["id"] for r in rows] == [i.id for i in plan("flux2")]
     assert {r["status"] for r in rows} == {"skipped"} and all("112.6 GB" in r["reason"] for r in rows)
     assert not (tmp_path / "models").exists() and json.loads((tmp_path / "out.json").read_text())["builds"] == {}
+
+
+def test_memory_report_takes_the_newest_measurement_whatever_the_file_names(tmp_path: Path) -> None:
+    """A later call's train row at a budget replaces the earlier one even when its file sorts first
+    (memory-flux-6gb-... before memory-flux-h200.json: the old 6 GB row stood in RESULTS.md)."""
+    from bench.memory import report as memory_report
+
+    def row(budget: str, sps: float, settings: dict) -> dict:
+        return {"family": "flux", "resolution": 1024, "budget": budget, "stage": "train", "status": "ok",
+                "plan": {"settings": settings, "predicted_peak_gb": 5.0, "budget_gb": 6.0 if budget != "auto" else 100.0},
+                "peak_vram_gb": {"allocated": 4.0, "reserved": 5.0}, "samples_per_second": sps, "seconds": 10.0}
+
+    old = tmp_path / "memory-flux-h200.json"
+    old.write_text(json.dumps({"meta": {"date_utc": "2026-11-30 10:00:00"}, "items": [
+        row("auto", 2.0, {"base_precision": "nf4", "swapped_blocks": 0}),
+        row("6", 1.0, {"base_precision": "bf16", "swapped_blocks": 55})]}))
+    new = tmp_path / "memory-flux-6gb-nf4swap.json"
+    new.write_text(json.dumps({"meta": {"date_utc": "2026-12-01 16:00:00"}, "items": [
+        row("6", 1.4, {"base_precision": "nf4", "swapped_blocks": 44})]}))
+    for order in ([old, new], [new, old]):
+        rows = table(memory_report(order), "budget GB")
+        assert "swapped_blocks=44" in rows["6"]["plan"] and rows["6"]["x auto"] == "0.70"
