@@ -10,6 +10,9 @@ dataset, and runs `pipeline.py encode-captions / cache-latents / train / export-
 processes with `--set` overrides, in priority order (PLAN) until `--budget-s` is spent. After each
 item it rewrites --out, so a cut-off call keeps what it measured; `--skip-done FILE` continues a
 plan in a later call. The family's model folder is deleted at the end (64 GB disk: one at a time).
+A family too big for the host (full.py STAGED: FLUX.2 dev) is built one stage's components at a time
+just before the stage that reads them (bench/staged.py); `--staged` does the same for every family,
+which is how `--tiny` exercises it for the others.
 `report` turns result files into bench/RESULTS.md (tables, targets, MFU, what was not run).
 """
 
@@ -215,8 +218,11 @@ def model_dir(args: argparse.Namespace, fam: str) -> Path:
     if args.models:
         return Path(args.models) / fam
     shm = Path("/dev/shm")
+    in_shm = shm / "lorapipe-bench" / fam
+    if not args.tiny and (in_shm / "model_index.json").exists():  # begun there: a staged family's later components join it
+        return in_shm
     if not args.tiny and shm.is_dir() and shutil.disk_usage(shm).free > 45 * 2**30:
-        return shm / "lorapipe-bench" / fam
+        return in_shm
     return Path(args.work) / "models" / fam
 
 

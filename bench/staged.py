@@ -1,15 +1,16 @@
 """A pipeline folder built one component at a time, for a family whose whole pipeline the host cannot hold.
 
     python bench/bench.py build --family flux2 --folder /dev/shm/lorapipe-bench/flux2 --counts c.json \\
-        --components tokenizer,text_encoder                   # what encode-captions reads, nothing else
+        --components text_encoder              # the module encode-captions loads, nothing else
 
 FLUX.2 dev's bf16 pipeline is 112.6 GB (64.4 GB transformer, 48.0 GB Mistral); the 1-GPU host has
 a 64 GB disk and a 128 GB /dev/shm that is its 125 GB of RAM. Each stage reads only its own
 components (`src.load(cls, subfolder)`), so the bench builds those just before the stage runs:
 
 - `model_index.json` is written whole from the first build on (the tiny pipeline of the same classes
-  gives it), with the weightless parts (tokenizer/processor, scheduler), so `ModelSource.check` and the
-  memory planner's `meta_component` read the folder as a complete pipeline;
+  gives it), with the weightless parts (tokenizer/processor, scheduler) and every module not built yet
+  as its config.json alone (a stage may read another component's config: SDXL's cache-latents reads
+  the UNet's), so `ModelSource.check` and the memory planner's `meta_component` see a whole pipeline;
 - each module is built on the GPU from a fixed seed (the same weights on a rebuild) and saved
   straight from there as sharded safetensors (`SHARD_SIZE`: a save holds one shard in host memory);
 - a component the next stage does not read is replaced by a **stand-in** (`stand_in`): its JSON files
@@ -18,8 +19,8 @@ components (`src.load(cls, subfolder)`), so the bench builds those just before t
   reads are up to date (`train.check_upstream`), which recomputes encode-captions' and cache-latents'
   identities of the text encoder and the VAE: a deleted component would change them and train would
   refuse the caches. A stand-in occupies a few MiB on disk. No stage loads one: the bench rebuilds a
-  component (same seed) before a stage that reads it. `bench-staged.json` at the folder root lists
-  the stand-ins (model_source reads only the component folders).
+  component (same seed) before a stage that reads it. `bench-staged.json` at the folder root says
+  which modules are built, stand-ins or configs only (model_source reads only the component folders).
 """
 
 from __future__ import annotations
@@ -59,21 +60,20 @@ def module_components(family: str) -> tuple[str, ...]:
 
 
 def read_state(folder: Path, family: str) -> dict[str, str]:
-    """module -> "built" | "stand-in" for the family's modules present in `folder` (absent ones left out)."""
-    stand_ins = set(_read(folder).get("stand_ins", []))
-    if not (folder / "model_index.json").exists():
-        return {}
-    return {n: "stand-in" if n in stand_ins else "built" for n in module_components(family) if (folder / n).is_dir()}
+    """module -> "built" | "stand-in" | "config" (its config.json only) for the family's modules in `folder`."""
+    state = _read(folder)
+    return {n: state[n] for n in module_components(family) if n in state and (folder / n).is_dir()}
 
 
-def _read(folder: Path) -> dict[str, Any]:
+def _read(folder: Path) -> dict[str, str]:
     f = folder / STATE_FILE
     return json.loads(f.read_text()) if f.exists() else {}
 
 
-def _write(folder: Path, state: dict[str, Any]) -> None:
+def _mark(folder: Path, name: str, how: str) -> None:
+    state = {**_read(folder), name: how}
     tmp = folder / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(state, indent=1))
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
     tmp.replace(folder / STATE_FILE)
 
 
@@ -88,7 +88,7 @@ def build_components(family: str, folder: Path, names: list[str], tiny: bool, de
     Each component is saved under a temporary name and renamed, so a killed build leaves none half-made."""
     import diffusers
 
-    from bench.full_configs import FULL, default_dtype
+    from bench.full_configs import FULL
     from stages.families import demo_variant, family_part
 
     tiny_module = family_part(family, "tiny")
@@ -101,33 +101,44 @@ def build_components(family: str, folder: Path, names: list[str], tiny: bool, de
         for name, part in parts.items():  # tokenizers, processors, schedulers: small, every stage may read them
             if not isinstance(part, torch.nn.Module):
                 _save(part, folder, name)
+        for name in set(FULL[family]) - set(names):  # a stage may read another module's config (SDXL's
+            module = parts[name] if tiny else _build(family, name, parts, "meta", dtype)  # latents: the UNet's)
+            _save(module, folder, name, config_only=True)
+            _mark(folder, name, "config")
         pipe = getattr(diffusers, tiny_module.PIPELINE_CLASS)(**parts, **tiny_module.PIPELINE_EXTRA)
         pipe.save_config(str(folder))  # the same model_index.json as save_pretrained: the classes are the full ones'
     counts = {}
     for name in names:
-        if tiny:
-            module = parts[name]  # built under the tiny builder's own seed: a rebuild gives the same weights
-        else:
-            torch.manual_seed(_seed(name))
-            with torch.device(device), default_dtype(dtype):
-                module = FULL[family][name](parts).eval()
+        # tiny: built under the tiny builder's own seed; full size: under the component's. A rebuild is the same.
+        module = parts[name] if tiny else _build(family, name, parts, device, dtype)
         counts[name] = sum(p.numel() for p in module.parameters()) / 1e9
         _save(module, folder, name)
         del module
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        state = _read(folder)
-        _write(folder, {**state, "stand_ins": [n for n in state.get("stand_ins", []) if n != name]})
+        _mark(folder, name, "built")
     return counts
 
 
-def _save(part: Any, folder: Path, name: str) -> None:
-    """`part.save_pretrained` into folder/name via a temporary folder, sharded where the class can."""
+def _build(family: str, name: str, parts: dict[str, Any], device: str, dtype: torch.dtype) -> torch.nn.Module:
+    from bench.full_configs import FULL, default_dtype
+
+    torch.manual_seed(_seed(name))
+    with torch.device(device), default_dtype(dtype):
+        return FULL[family][name](parts).eval()
+
+
+def _save(part: Any, folder: Path, name: str, config_only: bool = False) -> None:
+    """`part.save_pretrained` (sharded where the class can), or only its config, into folder/name via a
+    temporary folder."""
     tmp, final = folder / f".{name}.partial", folder / name
     shutil.rmtree(tmp, ignore_errors=True)
-    accepted = inspect.signature(part.save_pretrained).parameters
-    kwargs = {k: v for k, v in (("safe_serialization", True), ("max_shard_size", SHARD_SIZE)) if k in accepted}
-    part.save_pretrained(str(tmp), **kwargs)
+    if config_only:  # diffusers' ConfigMixin, or a transformers model's PretrainedConfig
+        part.save_config(str(tmp)) if hasattr(part, "save_config") else part.config.save_pretrained(str(tmp))
+    else:
+        accepted = inspect.signature(part.save_pretrained).parameters
+        kwargs = {k: v for k, v in (("safe_serialization", True), ("max_shard_size", SHARD_SIZE)) if k in accepted}
+        part.save_pretrained(str(tmp), **kwargs)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
@@ -152,6 +163,5 @@ def stand_in(folder: Path, name: str) -> int:
             fh.write(tail)
         os.replace(tmp, f)
         freed += before - f.stat().st_blocks * 512
-    state = _read(folder)
-    _write(folder, {**state, "stand_ins": sorted({*state.get("stand_ins", []), name})})
+    _mark(folder, name, "stand-in")
     return freed

@@ -6,10 +6,11 @@ FLUX.2 dev, whose 112.6 GB the 1-GPU host cannot hold whole.
 - a stand-in keeps a component's identity (what encode-captions and cache-latents fingerprinted, and
   train rechecks) while its weights are gone: same size and edges, a hole in between;
 - the Runner builds exactly what each stage loads (the real `bench.py build` child process), writes a
-  complete model_index.json from the first build, stands in what the next stage does not read, and the
-  real stages run in-process on that folder: encode-captions with no VAE or transformer there, train
-  and export with the text encoder and the VAE stood in (their caches still up to date), and the
-  export loads into Flux2Pipeline through bench/verify_export.py;
+  complete model_index.json and the other modules' configs (no weights) from the first build, and
+  stands in what the next stage does not read; the real stages run in-process on that folder:
+  encode-captions with no VAE or transformer weights there, train and export with the text encoder
+  and the VAE stood in (their caches still up to date), and the export loads into Flux2Pipeline
+  through bench/verify_export.py;
 - the staged plan builds each component once and records fp8 as skipped at full size, with why.
 """
 
@@ -47,7 +48,7 @@ def test_a_stand_in_keeps_the_identity_and_drops_the_weights(tmp_path: Path) -> 
     assert after[staged.EDGE:-staged.EDGE] == bytes(size - 2 * staged.EDGE) != data[staged.EDGE:-staged.EDGE]
     assert weights.stat().st_blocks * 512 < 3 * staged.EDGE and freed > size - 3 * staged.EDGE  # a hole, not zeros
     assert (folder / "transformer" / "config.json").read_text() == '{"_class_name": "X", "width": 3}'
-    assert json.loads((folder / staged.STATE_FILE).read_text())["stand_ins"] == ["transformer"]
+    assert json.loads((folder / staged.STATE_FILE).read_text()) == {"transformer": "stand-in"}
 
 
 def _runner(tmp_path: Path, models: Path, tiny: bool) -> Runner:
@@ -66,7 +67,10 @@ def test_each_stage_runs_on_a_folder_holding_its_own_components(tmp_path: Path, 
 
     runner = _runner(tmp_path, tmp_path / "models", tiny=True)
     folder = runner.ensure_model(FAMILY, "encode")
-    assert _dirs(folder) == {"tokenizer", "scheduler", "text_encoder"}  # no VAE, no transformer
+    assert staged.read_state(folder, FAMILY) == {"text_encoder": "built", "vae": "config", "transformer": "config"}
+    assert _dirs(folder) == {"tokenizer", "scheduler", "text_encoder", "vae", "transformer"}
+    for name in ("vae", "transformer"):  # no weights, only what a stage may read of another component
+        assert [f.name for f in (folder / name).iterdir()] == ["config.json"]
     reference = tiny_model(assets, FAMILIES[FAMILY])  # the whole tiny pipeline, saved by save_pretrained
     assert json.loads((folder / "model_index.json").read_text()) == json.loads((reference / "model_index.json").read_text())
     for name in ("text_encoder", "tokenizer"):  # the same seed: a rebuild makes the same files (same identity)
@@ -76,7 +80,7 @@ def test_each_stage_runs_on_a_folder_holding_its_own_components(tmp_path: Path, 
     encode_captions.run(cfg)
 
     assert runner.ensure_model(FAMILY, "latents") == folder
-    assert staged.read_state(folder, FAMILY) == {"text_encoder": "stand-in", "vae": "built"}
+    assert staged.read_state(folder, FAMILY) == {"text_encoder": "stand-in", "vae": "built", "transformer": "config"}
     cache_latents.run(cfg)
 
     runner.ensure_model(FAMILY, "train")
