@@ -10,6 +10,9 @@ dataset, and runs `pipeline.py encode-captions / cache-latents / train / export-
 processes with `--set` overrides, in priority order (PLAN) until `--budget-s` is spent. After each
 item it rewrites --out, so a cut-off call keeps what it measured; `--skip-done FILE` continues a
 plan in a later call. The family's model folder is deleted at the end (64 GB disk: one at a time).
+A family too big for the host (full.py STAGED: FLUX.2 dev) is built one stage's components at a time
+just before the stage that reads them (bench/staged.py); `--staged` does the same for every family,
+which is how `--tiny` exercises it for the others.
 `report` turns result files into bench/RESULTS.md (tables, targets, MFU, what was not run).
 """
 
@@ -71,7 +74,7 @@ def plan(fam: str) -> list[Item]:
     peak VRAM) at batch 1, so for them the batch-1 nf4 run, its export and its load check lead.
     The newer and edit families get the short plan (`_short_plan`)."""
     if fam not in MEASURED:
-        return _short_plan(fam)
+        return _staged_plan(fam) if staged_family(fam) else _short_plan(fam)
     items = _full_plan(fam)
     if fam == "flux":
         return items
@@ -113,6 +116,26 @@ def _short_plan(fam: str) -> list[Item]:
         items += [Item(f"{fam}/latents/512-ref1", "latents", 512, est_s=25, run=run, controls=1),
                   _train(fam, precisions[0], 512, 1, train_s + 5, "-ref1", run=run, controls=1)]
     return items + [train("fp8", 1024, 1)]  # fp8 base (Hopper/Ada), beside bf16-1024-b1
+
+
+def staged_family(fam: str) -> bool:
+    """A family whose full-size pipeline the 1-GPU host cannot hold (full.py's STAGED): its folder is
+    built one stage's components at a time (bench/staged.py)."""
+    return bool(getattr(family_full(fam), "STAGED", False))
+
+
+def _staged_plan(fam: str) -> list[Item]:
+    """The short plan regrouped by the components each stage reads, so that each big one is built once:
+    encode (text encoder), every latents item (VAE), then the denoiser's items, led by the 512 px b1
+    train with its export and load check, 1024 px b1 and 512 px b4."""
+    items = _short_plan(fam)
+    p = family_full(fam).BASE_PRECISIONS[0]
+    lead = [f"{fam}/train/{p}-512-b1", f"{fam}/export/{p}-512-b1", f"{fam}/verify/{p}-512-b1",
+            f"{fam}/train/{p}-1024-b1", f"{fam}/train/{p}-512-b4"]
+    group = {"encode": 0, "latents": 1}
+    order = {it.id: (group.get(it.kind, 2), lead.index(it.id) if it.id in lead else len(lead), n)
+             for n, it in enumerate(items)}
+    return sorted(items, key=lambda it: order[it.id])
 
 
 def _control_range(fam: str) -> tuple[int, int]:
@@ -195,8 +218,11 @@ def model_dir(args: argparse.Namespace, fam: str) -> Path:
     if args.models:
         return Path(args.models) / fam
     shm = Path("/dev/shm")
+    in_shm = shm / "lorapipe-bench" / fam
+    if not args.tiny and (in_shm / "model_index.json").exists():  # begun there: a staged family's later components join it
+        return in_shm
     if not args.tiny and shm.is_dir() and shutil.disk_usage(shm).free > 45 * 2**30:
-        return shm / "lorapipe-bench" / fam
+        return in_shm
     return Path(args.work) / "models" / fam
 
 
@@ -233,24 +259,56 @@ class Runner:
         return row
 
     # -- setup
-    def built(self, fam: str) -> bool:
-        return (model_dir(self.args, fam) / "model_index.json").exists()
+    def staged(self, fam: str) -> bool:
+        """Built one stage's components at a time: the family's STAGED, or every family with --staged."""
+        return staged_family(fam) or bool(getattr(self.args, "staged", False))
 
-    def ensure_model(self, fam: str) -> Path:
-        folder = model_dir(self.args, fam)
-        if (folder / "model_index.json").exists():
+    def to_build(self, fam: str, kind: str) -> list[str]:
+        """The modules an item of `kind` needs that the folder lacks (all of them: the whole pipeline)."""
+        from bench import staged
+
+        if not self.staged(fam):
+            return [] if (model_dir(self.args, fam) / "model_index.json").exists() else list(staged.module_components(fam))
+        have = staged.read_state(model_dir(self.args, fam), fam)
+        return [c for c in staged.stage_components(fam, kind) if have.get(c) != "built"]
+
+    def build_seconds(self, fam: str, kind: str) -> float:
+        missing = self.to_build(fam, kind)
+        if not missing:
+            return 0.0
+        per = getattr(family_full(fam), "COMPONENT_BUILD_SECONDS", {})
+        if self.staged(fam) and all(c in per for c in missing):
+            return float(sum(per[c] for c in missing))
+        return float(family_full(fam).BUILD_SECONDS)
+
+    def ensure_model(self, fam: str, kind: str = "train") -> Path:
+        """The family's pipeline folder, holding the modules an item of `kind` loads: the whole pipeline,
+        or for a staged family those modules, every other built one replaced by a stand-in first."""
+        from bench import staged
+
+        folder, missing = model_dir(self.args, fam), self.to_build(fam, kind)
+        if not missing:
             return folder
-        counts_file = self.work / f"build-{fam}.json"
-        cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "build", "--family", fam, "--folder", str(folder),
-               "--counts", str(counts_file)] + (["--tiny"] if self.args.tiny else [])
-        rc, wall, tail = self.call(cmd, {}, f"{fam}/build")
+        cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "build", "--family", fam, "--folder", str(folder)]
+        key, stood_in = fam, {}
+        if self.staged(fam):
+            keep = staged.stage_components(fam, kind)
+            stood_in = {c: staged.stand_in(folder, c) for c, s in staged.read_state(folder, fam).items()
+                        if s == "built" and c not in keep}  # room for the next one (bytes freed)
+            cmd += ["--components", ",".join(missing)]
+            key = f"{fam}/{','.join(missing)}"
+        counts_file = self.work / f"build-{key.replace('/', '_').replace(',', '+')}.json"
+        cmd += ["--counts", str(counts_file)] + (["--tiny"] if self.args.tiny else [])
+        rc, wall, tail = self.call(cmd, {}, f"{key}/build")
         if rc != 0:
-            raise RuntimeError(f"building the {fam} pipeline failed: {tail[-800:]}")
+            raise RuntimeError(f"building {key} failed: {tail[-800:]}")
         counts = json.loads(counts_file.read_text())
-        self.results["builds"][fam] = {"seconds": wall, "params_b": counts, "folder": str(folder),
-                                       "bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())}
+        parts = [folder / c for c in missing] if self.staged(fam) else [folder]
+        self.results["builds"][key] = {"seconds": wall, "params_b": counts, "folder": str(folder),
+                                       "bytes": sum(f.stat().st_size for d in parts for f in d.rglob("*") if f.is_file()),
+                                       **({"stood_in_bytes_freed": stood_in} if stood_in else {})}
         self.save()
-        print(f"[bench] built {fam} in {wall:.0f}s at {folder}", flush=True)
+        print(f"[bench] built {key} in {wall:.0f}s at {folder}", flush=True)
         return folder
 
     def ensure_data(self, controls: int = 0) -> Path:
@@ -340,8 +398,8 @@ class Runner:
         self.broken.discard(run)
 
     def execute(self, fam: str, item: Item) -> dict[str, Any]:
-        model = self.ensure_model(fam)
         kind = item.kind
+        model = self.ensure_model(fam, kind) if kind != "pytest" else model_dir(self.args, fam)
         if kind in ("encode", "latents", "train", "export"):
             stage = {"encode": "encode-captions", "latents": "cache-latents", "train": "train", "export": "export-lora"}[kind]
             extra = ["--verify"] if kind == "export" else (["--force"] if kind in ("encode", "latents") else [])
@@ -373,14 +431,16 @@ class Runner:
 
     def run_family(self, fam: str) -> None:
         items = plan(fam)
-        skip = "" if self.args.tiny else getattr(family_full(fam), "BENCH_SKIP", "")  # full size only: the H200 host cannot hold it
+        skips = {} if self.args.tiny else getattr(family_full(fam), "BENCH_SKIP", {})  # full size only: what the host cannot hold
         for item in items:
             if item.id in self.done or (self.args.only and not any(fnmatch.fnmatch(item.id, p) for p in self.args.only)):
                 continue
+            skip = next((why for pattern, why in skips.items() if fnmatch.fnmatch(item.id, pattern)), "")
             if skip:
                 self.record(item, "skipped", reason=skip)
                 continue
-            need = (item.est_s + (0 if self.built(fam) else family_full(fam).BUILD_SECONDS)) * (0.05 if self.args.tiny else 1.0)
+            build_s = self.build_seconds(fam, item.kind) if item.kind != "pytest" else 0.0
+            need = (item.est_s + build_s) * (0.05 if self.args.tiny else 1.0)
             if self.left() < need:
                 self.record(item, "skipped", reason=f"device-time budget: {self.left():.0f}s left, needs ~{item.est_s:.0f}s")
                 continue
@@ -394,15 +454,19 @@ class Runner:
             shutil.rmtree(model_dir(self.args, fam), ignore_errors=True)
 
 
-def build(fam: str, folder: Path, counts_file: Path, tiny: bool) -> None:
+def build(fam: str, folder: Path, counts_file: Path, tiny: bool, components: list[str]) -> None:
     from bench.full_configs import build_full_pipeline
 
-    if tiny:
+    counts: dict[str, float] = {}
+    if components:  # a staged build: these modules only (bench/staged.py)
+        from bench.staged import build_components
+
+        counts = build_components(fam, folder, components, tiny)
+    elif tiny:
         from stages.families import demo_variant
         from stages.tiny.models import build_tiny_pipeline
 
         build_tiny_pipeline(demo_variant(fam), folder, seed=0)
-        counts: dict[str, float] = {}
     else:
         counts = build_full_pipeline(fam, folder, device="cuda")
     counts_file.write_text(json.dumps(counts))
@@ -486,17 +550,21 @@ def main() -> None:
                    "e.g. '*/train/nf4-*-compile' (repeatable; caches they need are built anyway)")
     r.add_argument("--tiny", action="store_true", help="tiny models on CPU (plumbing check)")
     r.add_argument("--keep", action="store_true", help="keep the model folder afterwards")
+    r.add_argument("--staged", action="store_true", help="build every family's folder one stage's components at a "
+                   "time, as the families whose full size the host cannot hold (full.py STAGED) always are")
     b = sub.add_parser("build", help="build one family's pipeline (run by `run` as a child process)")
     b.add_argument("--family", required=True)
     b.add_argument("--folder", required=True)
     b.add_argument("--counts", required=True)
     b.add_argument("--tiny", action="store_true")
+    b.add_argument("--components", default="", help="comma list of modules to build into the folder (a staged "
+                   "build: model_index.json and the weightless parts are written too; nothing else is built)")
     p = sub.add_parser("report", help="results JSON files -> bench/RESULTS.md and bench/APPENDIX.md")
     p.add_argument("files", nargs="+")
     p.add_argument("--write", default="")
     args = ap.parse_args()
     if args.cmd == "build":
-        build(args.family, Path(args.folder), Path(args.counts), args.tiny)
+        build(args.family, Path(args.folder), Path(args.counts), args.tiny, [c for c in args.components.split(",") if c])
         return
     if args.cmd == "report":
         from bench.report import write_report

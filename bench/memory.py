@@ -85,7 +85,7 @@ class MemoryRunner(Runner):
                 "warnings": summary.get("warnings"), "steps": summary.get("steps")}
 
     def run_family(self, fam: str) -> None:
-        model = self.ensure_model(fam)
+        model = self.ensure_model(fam, STAGES[0][0])
         measured: dict[tuple[str, str], dict[str, Any]] = {}  # (stage, settings) -> the row that measured it
         for budget in self.args.budgets.split(","):
             settings = self.planned(fam, model, budget)
@@ -99,6 +99,7 @@ class MemoryRunner(Runner):
                     self.add({"family": fam, "budget": budget, "stage": stage, "status": "skipped",
                               "reason": f"device-time budget: {self.left():.0f}s left"})
                     continue
+                self.ensure_model(fam, kind)  # a staged family (FLUX.2 dev): this stage's components
                 row = self.measure(fam, model, budget, kind, stage, where)
                 self.add(row)
                 if row["status"] == "ok" and row["plan"]:

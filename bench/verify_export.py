@@ -3,10 +3,12 @@
     python bench/verify_export.py --out verify.json --config configs/flux-dev.toml --model M --run R [--set ...]
     python bench/verify_export.py --out bench/results/export-meta-flux.json --meta flux   # CPU, no weights
 
-`<Pipeline>.from_pretrained(model)` with the real denoiser weights (the other components skipped:
-they play no part in loading a denoiser LoRA), then `pipe.load_lora_weights(<run>/export)`. Records
-every warning diffusers and peft log while loading, and compares the adapter inside the denoiser
-with the file: the key sets (missing / unexpected) and the values.
+`<Pipeline>.from_pretrained(model)` with the real denoiser weights, read first by the denoiser
+class's own `from_pretrained` (straight to the GPU there) and passed in; the other components are
+skipped (they play no part in loading a denoiser LoRA; a staged folder's stand-ins are never read).
+Then `pipe.load_lora_weights(<run>/export)`. Records every warning diffusers and peft log while
+loading, and compares the adapter inside the denoiser with the file: the key sets (missing /
+unexpected) and the values.
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ def verify(model: str, export: Path) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t = time.time()
-    pipe = pipeline_cls.from_pretrained(model, torch_dtype=dtype, **skip)
+    # the denoiser read straight to the GPU, shard by shard: a CPU copy first would hold FLUX.2 dev's 64.4 GB
+    # in host memory beside its files in /dev/shm (bench/staged.py), more than the 1-GPU host's 125 GB
+    denoiser_cls = getattr(diffusers, index[prefix][1])
+    placement = {"device_map": device} if device == "cuda" else {}
+    denoiser = denoiser_cls.from_pretrained(model, subfolder=prefix, torch_dtype=dtype, **placement)
+    pipe = pipeline_cls.from_pretrained(model, torch_dtype=dtype, **skip, **{prefix: denoiser})
     getattr(pipe, prefix).to(device)
     load_s = time.time() - t
     handler = _Collect()

@@ -28,16 +28,24 @@ TEXT_PRECISION = "nf4"
 BUILD_SECONDS = 180  # estimate: 112.6 GB of bf16 safetensors (FLUX.1's 34 GB took 57-68 s); never built
 TRAIN_SECONDS = 120  # estimate: a compiled nf4 512 px b1 item, 2.7x FLUX.1's weights to load and quantize
 BASE_PRECISIONS = ("nf4",)  # a 64.4 GB bf16 transformer is not a single-GPU LoRA base
-# Why bench/bench.py records every FLUX.2 dev item as skipped (parameter counts from a meta-device
-# build of COMPONENTS): its bf16 safetensors are 112.6 GB, the 32.2B transformer's 64.4 GB and the
-# 24.0B Mistral's 48.0 GB. The 1-GPU bench host has a 64 GB disk, and /dev/shm is RAM (128 GB tmpfs
-# over 125 GB), so the folder would leave the stage processes ~12 GB of RAM while they read 48-64 GB
-# components from it. What fits there: one component at a time (the text encoder alone for
-# encode-captions in nf4, then the transformer alone for train in nf4), a build that bench.py does
-# not do yet; or the 2-GPU host (256 GB RAM, 128 GB disk) with the whole folder.
-BENCH_SKIP = ("FLUX.2 dev's full-size pipeline (112.6 GB of bf16 safetensors: 64.4 GB transformer, 48.0 GB Mistral) "
-              "fits neither the 1-GPU host's 64 GB disk nor its RAM-backed /dev/shm (125 GB RAM); see "
-              "stages/families/flux2/full.py")
+# Its bf16 safetensors are 112.6 GB (parameter counts from a meta-device build of COMPONENTS): the
+# 32.2B transformer's 64.4 GB and the 24.0B Mistral's 48.0 GB. The 1-GPU bench host has a 64 GB disk,
+# and /dev/shm is RAM (128 GB tmpfs over 125 GB), so the whole folder fits nowhere there. Each stage
+# reads only its own components, so bench/bench.py builds the folder one stage at a time
+# (bench/staged.py): Mistral for encode-captions, then the VAE, then the transformer, each big one
+# alone in /dev/shm. The stages' loads stream shard by shard: transformers' and diffusers' nf4 loads
+# quantize each 5 GB shard on the GPU as they read it, and bench/verify_export.py reads the bf16
+# denoiser straight to the GPU, so the host holds one component's files plus about one shard.
+STAGED = True
+# estimates, never measured: random init on the GPU (seconds) + a sharded save at ~1.5 GB/s to /dev/shm
+COMPONENT_BUILD_SECONDS = {"text_encoder": 45, "vae": 10, "transformer": 60}
+ENCODE_SECONDS = 75  # estimate: reading and quantizing 48 GB of Mistral to nf4, then 8 captions
+# What the host cannot run even one stage at a time: train.base_precision = "fp8" reads the whole bf16
+# base into host memory before quantizing it (stages/core/fp8.py load_fp8_denoiser): 64.4 GB beside
+# the 64.4 GB of files in /dev/shm is more than the 125 GB of RAM, and the disk cannot hold the files.
+BENCH_SKIP = {"*/train/fp8-*": "FLUX.2 dev fp8: load_fp8_denoiser reads the 64.4 GB bf16 transformer into host RAM "
+                               "while /dev/shm holds its 64.4 GB of files (the 1-GPU host has 125 GB; its 64 GB "
+                               "disk cannot hold them); see stages/families/flux2/full.py"}
 TEXT_IN_SEQUENCE = True
 
 TRANSFORMER = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=8, num_single_layers=48,
