@@ -83,3 +83,14 @@ def run_demo(family: str = "flux", steps: int | None = None) -> None:
     cfg = load_config(config, {"train.steps": steps} if steps else None)
     _pipeline("report", cfg.run, "--artifacts", cfg.artifacts)
     print(f"demo: sample grid (base | checkpoints | LoRA) -> {cfg.run_dir / 'samples' / 'grid.png'}")
+    closing_edit_line(cfg.run_dir / "samples")
+
+
+def closing_edit_line(samples: Path) -> None:
+    """Edit families: how much closer the LoRA's outputs came to the targets than the base's, as the
+    sample stage measured it on this run's own renders (stages/edit_error.py)."""
+    from stages.core.artifacts import read_manifest
+
+    manifest = read_manifest(samples) or {}
+    if "edit_summary" in manifest:
+        print(f"demo: {manifest['edit_summary']}")

@@ -37,10 +37,10 @@ def artifact_dir(cfg: Any) -> Path:
     return cfg.run_dir / "samples"
 
 
-def edit_rows(cfg: Any) -> list[tuple[str, tuple[Path, ...]]] | None:
-    """Edit families: (instruction, control images) of the first 3 dataset items, a prompt of
-    sample.prompts replacing the caption of the item in its place; None for text-to-image families
-    and for a family with optional references (FLUX.2) whose items have none."""
+def edit_items(cfg: Any) -> list[Any] | None:
+    """Edit families: the first 3 dataset items, whose instructions and controls the grid renders;
+    None for text-to-image families and for a family with optional references (FLUX.2) whose items
+    have none."""
     from stages.cache_latents import scan_items
     from stages.families import get_family
 
@@ -49,18 +49,32 @@ def edit_rows(cfg: Any) -> list[tuple[str, tuple[Path, ...]]] | None:
     items = scan_items(cfg)[:3]
     if not any(it.controls for it in items):  # a family whose controls are optional, trained text-to-image
         return None
+    return items
+
+
+def rows_of(cfg: Any, items: list[Any] | None) -> list[tuple[str, tuple[Path, ...]]] | None:
+    """(instruction, control images) per edit item, a prompt of sample.prompts replacing the caption
+    of the item in its place."""
+    if items is None:
+        return None
     prompts = list(cfg.sample.prompts) + [it.caption for it in items[len(cfg.sample.prompts):]]
     return [(prompt, it.controls) for prompt, it in zip(prompts, items)]
+
+
+def edit_rows(cfg: Any) -> list[tuple[str, tuple[Path, ...]]] | None:
+    """Edit families: (instruction, control images) of the first 3 dataset items; None otherwise."""
+    return rows_of(cfg, edit_items(cfg))
 
 
 Rows = list[tuple[str, tuple[Path, ...]]] | None  # edit_rows: (instruction, controls), or None
 
 
-def planned_rows(cfg: Any) -> tuple[Rows, list[str]]:
-    """(edit_rows, the prompts rendered): read from the dataset once per sample run (an edit
-    family's rows scan and hash it)."""
-    rows = edit_rows(cfg)
-    return rows, prompts_of(cfg, rows)
+def planned_rows(cfg: Any) -> tuple[Rows, list[str], list[Path] | None]:
+    """(edit_rows, the prompts rendered, the edit rows' target images): read from the dataset once
+    per sample run (an edit family's rows scan and hash it)."""
+    items = edit_items(cfg)
+    rows = rows_of(cfg, items)
+    return rows, prompts_of(cfg, rows), None if items is None else [it.image_path for it in items]
 
 
 def prompts_of(cfg: Any, rows: Rows) -> list[str]:
@@ -73,11 +87,11 @@ def prompts_of(cfg: Any, rows: Rows) -> list[str]:
     return sorted({it.caption for it in dataset.scan_run(cfg)})[:3]
 
 
-def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str]] | None = None) -> dict[str, Any]:
+def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str], list[Path] | None] | None = None) -> dict[str, Any]:
     """`planned`: `planned_rows(cfg)` when the caller has it (read from the dataset otherwise)."""
     from stages.families import get_family
 
-    rows, prompts = planned or planned_rows(cfg)
+    rows, prompts, targets = planned or planned_rows(cfg)
     family = get_family(cfg.family)
     components = family.text_components + family.vae_components + family.denoiser_components
     export = read_manifest(export_lora.artifact_dir(cfg))
@@ -85,7 +99,8 @@ def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str]] | None = None) -
     return {"family": cfg.family, "model": model_source(cfg).identity(components),
             "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts,
             "checkpoints": [p.name for p in chosen_checkpoints(cfg)], "resolution": cfg.data.resolution,
-            **({"controls": [[dataset_id(p) for p in controls] for _, controls in rows]} if rows is not None else {})}
+            **({"controls": [[dataset_id(p) for p in controls] for _, controls in rows],
+                "targets": [dataset_id(p) for p in targets]} if rows is not None else {})}
 
 
 def dataset_id(path: Path) -> str:
@@ -198,15 +213,19 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
 
 
 def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts: list[str],
-                   size: tuple[int, int], rows: Rows) -> tuple[list[str], list[list[Any]]]:
+                   size: tuple[int, int], rows: Rows) -> tuple[list[str], list[list[Any]], list[Any]]:
     """The base column, then one per adapter file, each made the only active adapter in turn.
-    Edit families: a first column shows each row's (first) control image, the edit's input."""
+    Edit families: a first column shows each row's (first) control image, the edit's input; the
+    latents the pipeline decoded, in render order, come back for `edit_error` (text-to-image: [])."""
     from stages.core import dataset
     from stages.core.events import Progress
+    from stages.edit_error import decoded_latents
 
     controls = None if rows is None else [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
     labels, cells = ["base"], []
-    with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar:
+    record = decoded_latents(pipe.vae) if rows is not None else contextlib.nullcontext([])
+    with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar, \
+            record as decoded:
         cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
         for i, (label, file) in enumerate(columns):
             pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}")
@@ -216,7 +235,25 @@ def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts
     if controls is not None:
         labels.insert(0, "control")
         cells.insert(0, [c[0].resize(cells[0][0].size) for c in controls for _ in cfg.sample.seeds])
-    return labels, cells
+    return labels, cells, decoded
+
+
+def edit_errors(pipe: Any, cfg: Any, labels: list[str], decoded: list[Any], targets: list[Path] | None,
+                rows: Rows, size: tuple[int, int]) -> dict[str, Any]:
+    """Edit families: the columns' latent error to the targets and the LoRA's gain over the base
+    (manifest keys `edit_error`, `edit_closer_percent`); {} for text-to-image families."""
+    from stages import edit_error
+    from stages.core import dataset
+    from stages.families import get_family
+
+    if rows is None or targets is None:
+        return {}
+    controls = [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
+    rendered = [label for label in labels if label != "control"]
+    errors = edit_error.column_errors(pipe, get_family(cfg.family), rendered, decoded, targets, controls, size,
+                                      cfg.data.background, len(cfg.sample.seeds))
+    return {"edit_error": errors, "edit_closer_percent": edit_error.closer_percent(errors, rendered[-1]),
+            "edit_summary": edit_error.summary(errors, rendered[-1])}
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -227,24 +264,27 @@ def run(cfg: Any) -> dict[str, Any]:
     planned = planned_rows(cfg)
     check_settings(cfg, planned[1])
     with running_stage(cfg, NAME) as ctx:
-        (edits, prompts), parts = planned, fingerprint_parts(cfg, planned)
+        (edits, prompts, targets), parts = planned, fingerprint_parts(cfg, planned)
         size = (cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution)
         out = artifact_dir(cfg)
         with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
             pipe, rt = load_pipeline(cfg, ctx.log)
             reset_peak(rt)
-            labels, cells = render_columns(pipe, cfg, columns, prompts, size, edits)
+            labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, edits)
+            scores = edit_errors(pipe, cfg, labels, decoded, targets, edits, size)
             rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
             grid = draw_grid(labels, rows, cells, tmp / GRID)
             ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),
-                         adapter=columns[-1][1].name, seconds=ctx.elapsed())
+                         adapter=columns[-1][1].name, seconds=ctx.elapsed(),
+                         **{k: v for k, v in scores.items() if k != "edit_summary"})
             manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=[GRID], columns=labels,
                                       prompts=prompts, seeds=list(cfg.sample.seeds), size=list(size),
                                       settings=dataclasses.asdict(cfg.sample), grid_size=list(grid),
                                       fingerprint=fingerprint(parts), fingerprint_parts=parts, seconds=ctx.elapsed(),
-                                      peak_vram_gb=peak_vram_gb(rt))
-        ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(labels), files=[str(out / GRID)])
+                                      peak_vram_gb=peak_vram_gb(rt), **scores)
+        ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(labels), files=[str(out / GRID)],
+                     **{k: v for k, v in scores.items() if k == "edit_closer_percent"})
         return manifest
 
 

@@ -66,7 +66,7 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
                           "predicted_peak_gb": "number", "fits": "boolean"},
              "optional": {"note": "string"}},
     "sample": {"required": {"path": "string", "prompts": "array", "seeds": "array", "adapter": "string"},
-               "optional": {"seconds": "number"}},
+               "optional": {"seconds": "number", "edit_error": "object", "edit_closer_percent": "number"}},
 }
 _JSON_TYPES: dict[str, Any] = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
                                "null": type(None), "array": list, "object": dict}
@@ -184,6 +184,8 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
         parts.append(f"step {done['step']}{loss}")
     if "images" in done:
         parts.append(_count(done["images"], "image"))
+    if isinstance(done.get("edit_closer_percent"), (int, float)):
+        parts.append(f"LoRA output {done['edit_closer_percent']:+.1f}% closer to the edit targets than the base's")
     parts.append(_count(warnings, "warning") + (" (above, and in events.jsonl)" if warnings else ""))
     files = done.get("files") or []
     parts.append(f"output: {', '.join(map(str, files))}" if files else f"output in {run_dir}")
