@@ -104,13 +104,14 @@ def check(cfg: Any) -> None:
 
 def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     from stages.core import memory
-    from stages.core.runtime import install_model_trace
+    from stages.core.runtime import install_model_trace, make_runtime
     from stages.families import get_family
 
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
-        cfg, _ = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's precision and batch size
+        cfg, plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's precision and batch size
         check(cfg)
+        rt = memory.text_encoder_runtime(plan, make_runtime(cfg.device, "auto"))  # layer offload: placement only
         if force and ctx.dist.is_main:
             remove_dir(artifact_dir(cfg))  # only now that the config is known to work
         items = scan_items(cfg, ctx.log)
@@ -121,7 +122,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             store = _open_store(out, layout)
             todo_ids = rows_to_encode(store, sorted(texts), grow=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(texts) - len(todo_ids), total=len(texts), encoded=0)
-        encoded = _encode(ctx, cfg, texts, todo_ids, store, layout, row_controls(items))
+        encoded = _encode(ctx, cfg, rt, texts, todo_ids, store, layout, row_controls(items))
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
         manifest = _write(ctx, cfg, items, texts, encoded, len(todo_ids))
@@ -129,14 +130,15 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         return manifest
 
 
-def _encode(ctx: Any, cfg: Any, texts: dict[str, str], todo_ids: list[str], store: RowStore | None,
+def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[str], store: RowStore | None,
             layout: dict[str, Any], controls: dict[str, tuple]) -> dict[str, Any]:
-    """Encode the rows in `todo_ids` (ranks deal out whole batches); -> store, truncated, runtime.
+    """Encode the rows in `todo_ids` (ranks deal out whole batches) with the encoders loaded on `rt`
+    (memory.text_encoder_runtime); -> store, truncated, runtime.
     A family whose text encoder sees the control images (`text_sees_controls`) gets them too: its
     rows are keyed by (caption, controls)."""
     import torch
 
-    from stages.core.runtime import make_runtime, reset_peak
+    from stages.core.runtime import reset_peak
     from stages.families import get_family
 
     family, dist, out = get_family(cfg.family), ctx.dist, artifact_dir(cfg)
@@ -144,7 +146,6 @@ def _encode(ctx: Any, cfg: Any, texts: dict[str, str], todo_ids: list[str], stor
     # composition and padding: byte-identical rows).
     bs = cfg.captions.batch_size
     batches = [todo_ids[i:i + bs] for i in range(0, len(todo_ids), bs)]
-    rt = make_runtime(cfg.device, "auto")
     reset_peak(rt)
     # with the same settings, captions truncated by earlier runs stay listed
     earlier = _earlier_truncations(out) if store is not None else {}

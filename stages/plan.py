@@ -47,7 +47,7 @@ def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in settings.items() if k != "blocks")
+    return ", ".join(f"{k}={v}" for k, v in settings.items() if k not in ("blocks", "layers"))
 
 
 def print_table(result: dict[str, Any]) -> None:

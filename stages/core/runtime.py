@@ -43,6 +43,16 @@ class HostLoad(Runtime):
     swapped_blocks: int = 0
 
 
+@dataclass
+class OffloadLoad(Runtime):
+    """Where encode-captions loads a text encoder whose weights do not all fit its budget (layer
+    offload, stages/families/text_encoders.py): `device` runs every layer but holds only
+    `device_bytes` of weights (transformers' `device_map="auto"` + `max_memory`); accelerate keeps the
+    rest in CPU memory and copies each offloaded layer's weights in for its forward."""
+
+    device_bytes: int = 0
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,6 +136,16 @@ def require_cuda_for_nf4(key: str, value: str, rt: Runtime) -> None:
     if value == "nf4" and not rt.is_cuda:
         raise ResourceError(f"{key} = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit weights), but this stage runs on "
                         f"{rt.device.type}. Set {key} = 'auto' (bf16 on CUDA, fp32 on CPU) or 'fp32'.")
+
+
+def require_accelerate(what: str) -> None:
+    """Layer offload goes through accelerate's dispatch (transformers' `device_map`): without it, say
+    so before anything loads."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise ResourceError(f"{what} needs the 'accelerate' package, which is not installed: `pip install accelerate`, "
+                            f"or give the stage more GPU memory (a larger --vram / gpu.vram_budget_gb) so nothing is offloaded")
 
 
 def make_runtime(device: str, precision: str) -> Runtime:

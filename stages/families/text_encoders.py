@@ -9,16 +9,20 @@ from typing import Any
 
 import torch
 
-from stages.core.errors import ArtifactError
+from stages.core.errors import ArtifactError, ResourceError
 
 
 def load_text_model(cls: Any, src: Any, subfolder: str, cfg: Any, rt: Any) -> torch.nn.Module:
-    """A text encoder in fp32/bf16, or nf4 through transformers' bitsandbytes integration (CUDA)."""
+    """A text encoder in fp32/bf16, or nf4 through transformers' bitsandbytes integration (CUDA);
+    with layer offload (`rt` an OffloadLoad) in fp32/bf16 only, through transformers' device_map."""
     from transformers import BitsAndBytesConfig
 
-    from stages.core.runtime import precision_dtype, require_cuda_for_nf4
+    from stages.core.runtime import OffloadLoad, precision_dtype, require_cuda_for_nf4
 
     kwargs: dict[str, Any] = {"dtype": precision_dtype(cfg.text_encoder_precision, rt.device)}
+    if isinstance(rt, OffloadLoad):
+        kwargs.update(offload_kwargs(rt, cfg.text_encoder_precision))
+        return src.load(cls, subfolder, **kwargs).eval()  # dispatched: accelerate's hooks place each layer
     if cfg.text_encoder_precision == "nf4":
         require_cuda_for_nf4("captions.text_encoder_precision", "nf4", rt)
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -28,6 +32,32 @@ def load_text_model(cls: Any, src: Any, subfolder: str, cfg: Any, rt: Any) -> to
     if cfg.text_encoder_precision != "nf4":
         model.to(rt.device)
     return model.eval()
+
+
+def offload_kwargs(rt: Any, precision: str) -> dict[str, Any]:
+    """from_pretrained's layer-offload arguments: `device_map="auto"` with `max_memory` giving the
+    runtime's device `rt.device_bytes` of weights (accelerate keeps room in it for the largest layer,
+    the one in flight) and the rest to CPU memory, whose offloaded layers run on the device.
+
+    Dense precisions only. bitsandbytes nf4 refuses a device map with CPU entries unless
+    `llm_int8_enable_fp32_cpu_offload=True`, and then leaves every CPU-mapped module unquantized
+    (transformers 5 quantizer_bnb_4bit.py adds them to `modules_to_not_convert`): the rows would mix
+    nf4 and bf16 layers in a split that depends on the budget. A bf16 encoder offloaded computes
+    exactly what the whole bf16 encoder computes (same weights, same kernels, only placement
+    changes), so its rows and the captions' fingerprint are the bf16 ones."""
+    from stages.core.runtime import require_accelerate
+
+    require_accelerate("captions: the text encoder's layer offload")
+    if precision == "nf4":
+        raise ResourceError("captions.text_encoder_precision = 'nf4' cannot be combined with layer offload (bitsandbytes "
+                            "leaves offloaded layers unquantized): set it to 'auto' or 'bf16'")
+    if rt.device.type == "cuda":
+        import psutil
+
+        index = rt.device.index if rt.device.index is not None else torch.cuda.current_device()
+        return {"device_map": "auto", "max_memory": {index: int(rt.device_bytes), "cpu": psutil.virtual_memory().available}}
+    # A CPU runtime (tests): the tier below is the disk, through the same dispatch hooks
+    return {"device_map": "auto", "max_memory": {"cpu": int(rt.device_bytes)}}
 
 
 def load_chat_tokenizer(src: Any, family: str) -> Any:

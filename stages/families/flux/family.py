@@ -19,28 +19,21 @@ from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.flux.kohya import LAYOUT as KOHYA_LAYOUT
 from stages.families.kl_vae import KLVAELatents
+from stages.families.text_encoders import load_text_model
 
 
 class FluxTextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
-        from transformers import AutoTokenizer, BitsAndBytesConfig, CLIPTextModel, T5EncoderModel
+        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
-        from stages.core.runtime import precision_dtype, require_cuda_for_nf4
+        from stages.core.runtime import precision_dtype
 
         dtype = precision_dtype(cfg.text_encoder_precision, rt.device)
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.clip_tok = src.load(AutoTokenizer, "tokenizer")
         self.t5_tok = src.load(AutoTokenizer, "tokenizer_2")
-        self.clip = src.load(CLIPTextModel, "text_encoder", dtype=dtype).to(rt.device).eval()
-        t5_kwargs: dict[str, Any] = {"dtype": dtype}
-        if cfg.text_encoder_precision == "nf4":
-            require_cuda_for_nf4("captions.text_encoder_precision", "nf4", rt)
-            t5_kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-        self.t5 = src.load(T5EncoderModel, "text_encoder_2", **t5_kwargs)
-        if cfg.text_encoder_precision != "nf4":
-            self.t5.to(rt.device)
-        self.t5.eval()
+        self.clip = src.load(CLIPTextModel, "text_encoder", dtype=dtype).to(rt.device).eval()  # CLIP stays whole
+        self.t5 = load_text_model(T5EncoderModel, src, "text_encoder_2", cfg, rt)  # nf4 and layer offload are T5's
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
@@ -64,6 +57,7 @@ class Flux(KLVAELatents):
     default_lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
     text_component_classes = ("CLIPTextModel", "T5EncoderModel")
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
+    text_offload_components = ("text_encoder_2",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT

@@ -72,6 +72,7 @@ class Flux2(Flux2DiT):
     pipeline_class = "Flux2Pipeline"
     text_component_classes = ("Mistral3Model",)
     text_components = ("tokenizer", "text_encoder")
+    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> Flux2TextEncoder:

@@ -65,6 +65,7 @@ class Flux2Klein(Flux2DiT):
     pipeline_class = "Flux2KleinPipeline"
     text_component_classes = ("Qwen3Model",)
     text_components = ("tokenizer", "text_encoder")
+    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> Flux2KleinTextEncoder:

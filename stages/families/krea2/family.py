@@ -91,6 +91,7 @@ class Krea2:
     # Qwen3VLModel builds its language and vision sub-models as PreTrainedModels too.
     text_component_classes = ("Qwen3VLModel", "Qwen3VLTextModel", "Qwen3VLVisionModel")
     text_components = ("tokenizer", "text_encoder")
+    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT

@@ -79,6 +79,7 @@ class QwenImage:
     text_component_classes = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel", "Qwen2_5_VLTextModel",
                               "Qwen2_5_VisionTransformerPretrainedModel")
     text_components = ("tokenizer", "text_encoder")
+    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT

@@ -118,6 +118,7 @@ class QwenImage21:
     text_component_classes = ("Qwen3VLForConditionalGeneration", "Qwen3VLModel", "Qwen3VLTextModel",
                               "Qwen3VLVisionModel")
     text_components = ("processor", "text_encoder")
+    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT

@@ -62,6 +62,7 @@ class ZImage(KLVAELatents):
     default_lora_targets = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
     text_component_classes = ("Qwen3Model",)
     text_components = ("tokenizer", "text_encoder")
+    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
