@@ -204,3 +204,19 @@ def test_offloaded_encoder_on_cuda_writes_bit_identical_rows(assets, demo_data, 
         for field, array in want[cid].items():
             assert np.array_equal(array, got[cid][field]), (cid, field)
     assert encode_captions.fingerprint_parts(offloaded) == encode_captions.fingerprint_parts(whole)
+
+
+def test_auto_budget_does_not_offload_to_stay_under_trains_peak(assets, demo_data, tmp_path):
+    """Under an "auto" budget the cache stages plan for train's predicted peak, but never by offloading
+    layers: a free GPU then encodes whole (offload only when the free memory itself forces it)."""
+    import shutil
+
+    cfg = _deep_cfg(assets, demo_data, tmp_path)
+    shutil.copytree(tiny_model(assets, FAMILIES["qwen-image"]) / "transformer", tmp_path / "deep-qwen" / "transformer",
+                    dirs_exist_ok=True)
+    family, src = get_family("qwen-image"), ModelSource(cfg.model)
+    train = memory.plan_train(cfg, family, src, memory.Budget(1000.0, "cap")).predicted_peak_gb * memory.FRAGMENTATION
+    assert train < _nf4_b1(cfg) * memory.FRAGMENTATION  # train's peak only an offload plan would fit
+    assert _plan(cfg, train).settings.get("offload_gb")
+    plan = memory.plan_for(cfg, family, src, memory.Budget(1000.0, "auto"), "encode-captions")
+    assert plan.fits and "offload_gb" not in plan.settings

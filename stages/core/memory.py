@@ -367,16 +367,19 @@ def plan_for(cfg: Any, family: Any, src: Any, budget: Budget, stage: str) -> Sta
         train = plan_train(cfg, family, src, budget)
         if train.fits and train.predicted_peak_gb * FRAGMENTATION < budget.gb:
             plan = PLANNERS[stage](cfg, family, src, Budget(round(train.predicted_peak_gb * FRAGMENTATION, 3), "auto"))
-            if plan.fits and not _changes_latents(cfg, plan):
+            if plan.fits and not _forced_only(cfg, plan):
                 plan.budget, plan.note = budget, "auto: planned for the train stage's predicted peak"
                 return plan
     return PLANNERS[stage](cfg, family, src, budget)
 
 
-def _changes_latents(cfg: Any, plan: StagePlan) -> bool:
-    """A cache-latents plan that would store other numbers than configured (a lower VAE precision, a
-    tiled encode). "auto" takes it only when the free memory forces it, not to stay under train's
-    peak: FLUX.2 klein at 1024 px cached bf16 latents on a free H200 for a 3 GB train stage."""
+def _forced_only(cfg: Any, plan: StagePlan) -> bool:
+    """A plan that "auto" takes only when the free memory forces it, not to stay under train's peak:
+    an encode-captions plan that offloads layers (slower, for memory nobody else needs), or a
+    cache-latents plan that stores other numbers than configured (a lower VAE precision, a tiled
+    encode: FLUX.2 klein at 1024 px cached bf16 latents on a free H200 for a 3 GB train stage)."""
+    if plan.stage == "encode-captions":
+        return bool(plan.settings.get("offload_gb"))
     if plan.stage != "cache-latents":
         return False
     configured = "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
