@@ -35,6 +35,8 @@ PIXEL_GAIN = 2.5  # latent = 2.5 x pixel in [-1, 1]: normalized by FLUX.1's 0.36
 CONST = 100.0  # the constant pair: GroupNorm's std is C/4 to within 6 / C^2
 LOGVAR = -20.0  # posterior std exp(-10) = 4.5e-5
 TOKEN_CONST = 1000.0  # the transformer's constant pair
+PIXEL_TOKEN = 48  # a packed token's channels that carry pixels: 12 latent channels x 2 x 2
+MLP_GAIN = 100.0  # LayerNorm divides by ~125: the control's pixels reach the MLP x 0.8
 ROUTE = 400.0  # attention logit scale per RoPE pair weight: 900 at the match, >= 9 lower at any other token
 
 
@@ -203,7 +205,9 @@ def copy_transformer(seed_model: Any) -> Any:
         block = m.transformer_blocks[0]
         for norm in (block.norm1.linear, block.norm1_context.linear):
             _clear(norm)
-        block.norm1.linear.bias[2 * d:3 * d] = 1.0  # gate_msa 1; shifts, scales and gate_mlp 0
+        block.norm1.linear.bias[2 * d:3 * d] = 1.0  # gate_msa 1
+        block.norm1.linear.bias[4 * d:5 * d] = MLP_GAIN - 1.0  # scale_mlp: the MLP sees the control at ~unit scale
+        block.norm1.linear.bias[5 * d:] = 1.0  # gate_mlp 1 (its output layer is 0)
         at = block.attn
         q, k = _rope_query_key(d // 16)
         for lin, vec, norm in ((at.to_q, q, at.norm_q), (at.to_k, k, at.norm_k)):
@@ -216,6 +220,12 @@ def copy_transformer(seed_model: Any) -> Any:
             at.to_v.weight[j, j], at.to_v.weight[j, zero_ch] = std, -std  # the control's latent
         _clear(at.to_out[0])
         at.to_out[0].weight[:64, :64] = -torch.eye(64)  # x_t - control
+        at.to_out[0].weight[66:66 + PIXEL_TOKEN, :PIXEL_TOKEN] = torch.eye(PIXEL_TOKEN)  # and the control's pixels beside
+        ff_in = block.ff.net[0].proj.weight
+        ff_in[:, :66] = 0.0  # the MLP reads only the control's pixels: random features of the colours there
+        ff_in[:, 66 + PIXEL_TOKEN:] = 0.0
+        ff_in *= 5.0  # pre-activations of std ~1: GELU's bend, not its linear middle
+        _clear(block.ff.net[2])  # ... which the LoRA learns to read out: the edit
         _clear(m.single_transformer_blocks[0].proj_out)
         _clear(m.norm_out.linear)
         m.norm_out.linear.weight[:d, 0] = 1.0
