@@ -143,7 +143,8 @@ def _inverse_sigma_weights() -> Any:
     """Weights w over the 256 sinusoidal features of the timestep (diffusers' Timesteps(256) of
     1000 sigma) with w . features ~ 1 / sigma: least squares on sigma in [0, 1] (1 / sigma capped at
     50, relative error weighted), features up to 120 rad only so float32 timesteps stay exact enough.
-    Relative error: 0.7 % for sigma >= 0.15 (the demo sampler's last sigma is 0.19), 1.3 % >= 0.05."""
+    Relative error at most 4.7 % for sigma >= 0.05 (rcond 1e-4 keeps |w| at 72, so float32 sums agree
+    batched and single to ~1e-5; rcond 1e-6 fits to 1.3 % but |w| is 1400)."""
     import math
 
     import torch
