@@ -32,12 +32,12 @@ def demo_config(family: str) -> Path:
 
 def build_assets(family: str) -> None:
     from stages.core.runtime import quiet_libraries
-    from stages.families import demo_variant
+    from stages.families import demo_model_variant
     from stages.tiny.models import build_tiny_pipeline
     from stages.tiny.shapes import make_demo_dataset, make_edit_dataset
 
     quiet_libraries()  # the build saves pipelines: no loading bars or torchvision notices, as in every stage
-    variant = demo_variant(family)
+    variant = demo_model_variant(family)
     model = ASSETS / variant
     if not (model / "model_index.json").exists():
         print(f"demo: building tiny {variant} pipeline in {model}", flush=True)

@@ -1,7 +1,8 @@
 """The edit demo learns the edit: the sample stage's `edit_error` (stages/edit_error.py) measures each
 column's latent distance to the targets; the tiny Kontext's base reproduces the control, and after the
 demo's training the LoRA's outputs are closer to the targets than the unedited control: the edit is
-learnt. On flux-kontext's built run (conftest.built_run), in-process."""
+learnt. The plumbing on flux-kontext's built run (conftest.built_run, the tests' random-weight model),
+the learning on the demo's own model ("flux-kontext-edit"), in-process."""
 
 from __future__ import annotations
 
@@ -11,14 +12,20 @@ import diffusers
 import pytest
 import torch
 
-from conftest import run_beside
-from stages import edit_error, export_lora, sample, train
+from conftest import make_cfg, tiny_model
+from stages import cache_latents, edit_error, encode_captions, export_lora, sample, train
 from stages.core import dataset
 from stages.core.config import SampleConfig
 from stages.families import get_family
 
 FAMILY = "flux-kontext"
 on_kontext = pytest.mark.parametrize("built_run", [FAMILY], indirect=True)
+DEMO_MODEL = "flux-kontext-edit"  # stages/families/flux_kontext/tiny.py: the base reproduces the control
+
+
+@pytest.fixture(scope="module")
+def demo_model(assets):
+    return tiny_model(assets, DEMO_MODEL)
 
 
 @on_kontext
@@ -44,11 +51,10 @@ def test_edit_error_is_zero_for_the_targets_own_latents(built_run):
         edit_error.column_errors(pipe, family, ["base"], own[:2], targets, controls, size, background, seeds=1)
 
 
-@on_kontext
-def test_the_tiny_vae_is_a_near_exact_pixel_unshuffle(built_run):
+def test_the_tiny_vae_is_a_near_exact_pixel_unshuffle(demo_model):
     """The tiny Kontext VAE (stages/families/flux_kontext/tiny.py): its posterior mean is 2.5 x the
     2x2 pixel-unshuffled image, its std 5e-5, and it decodes a latent to each 2x2 block's mean."""
-    vae = diffusers.AutoencoderKL.from_pretrained(built_run.model, subfolder="vae")
+    vae = diffusers.AutoencoderKL.from_pretrained(demo_model, subfolder="vae")
     pixels = torch.rand(1, 3, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     with torch.no_grad():
         dist = vae.encode(pixels).latent_dist
@@ -59,13 +65,13 @@ def test_the_tiny_vae_is_a_near_exact_pixel_unshuffle(built_run):
     assert torch.allclose(decoded, blocks, atol=2e-3)
 
 
-@on_kontext
-def test_after_the_demo_training_the_lora_applies_the_edit(built_run):
+def test_after_the_demo_training_the_lora_applies_the_edit(demo_model, assets, edit_data, tmp_path):
     """The demo config's training (its steps and LR) on the edit pairs, then the sample stage: the
     base reproduces the control (the tiny Kontext is set to), and the LoRA's outputs are much closer
     to the targets than the base's, closer than the unedited control: it applied the edit."""
-    cfg = run_beside(built_run, "learns-edit")
-    train.run(cfg)
+    cfg = make_cfg(FAMILY, assets, edit_data, tmp_path, model=str(demo_model))  # the demo's config and model
+    for stage in (encode_captions, cache_latents, train):
+        stage.run(cfg)
     export_lora.run(cfg)
     cfg = dataclasses.replace(cfg, sample=SampleConfig(seeds=[0], steps=8))
     manifest = sample.run(cfg)

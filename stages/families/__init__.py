@@ -62,6 +62,12 @@ def demo_variant(name: str) -> str:
     return family_part(name).DEMO_VARIANT
 
 
+def demo_model_variant(name: str) -> str:
+    """The tiny pipeline `pipeline.py demo` builds: the family's DEMO_MODEL_VARIANT where it has one
+    (FLUX.1 Kontext's edit demo), else the tests' DEMO_VARIANT."""
+    return getattr(family_part(name), "DEMO_MODEL_VARIANT", demo_variant(name))
+
+
 def tiny_variants() -> dict[str, str]:
     """Every tiny pipeline variant -> its family, in registry order."""
     return {variant: name for name in FAMILIES for variant in family_part(name, "tiny").TINY_DIMS}

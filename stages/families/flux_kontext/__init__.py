@@ -7,7 +7,8 @@ from typing import Any
 
 from stages.families.flux import config_errors as flux_config_errors
 
-DEMO_VARIANT = "flux-kontext"  # the tiny pipeline (stages/families/flux_kontext/tiny.py) the demo and tests build
+DEMO_VARIANT = "flux-kontext"  # the tiny random-weight pipeline (stages/families/flux_kontext/tiny.py) the tests build
+DEMO_MODEL_VARIANT = "flux-kontext-edit"  # the demo's: its base reproduces the control, so the LoRA visibly learns the edit
 DEMO_CONFIG = "demo-flux-kontext.toml"
 DEMO_DATA = "edit"  # the demo draws edit pairs (stages.tiny.shapes.make_edit_dataset)
 

@@ -1,7 +1,8 @@
-"""FLUX.1 Kontext's tiny pipeline, "flux-kontext": FLUX.1-dev's tiny text encoders and scheduler
-(stages/families/flux/tiny.py) in a FluxKontextPipeline, as FLUX.1-Kontext-dev ships FLUX.1-dev's
-architecture (guidance embedding, same VAE and text encoders), with two changes so that the edit
-demo can learn its edit in a couple of CPU minutes:
+"""FLUX.1 Kontext's tiny pipelines in a FluxKontextPipeline, as FLUX.1-Kontext-dev ships FLUX.1-dev's
+architecture (guidance embedding, same VAE and text encoders): "flux-kontext", the tests' model, is
+FLUX.1-dev's tiny random-weight components (stages/families/flux/tiny.py); "flux-kontext-edit", the
+edit demo's model, keeps its text encoders and scheduler, with two changes so that the demo can learn
+its edit in a couple of CPU minutes:
 
 - The VAE is the real AutoencoderKL class with its weights set, not drawn: the encoder is an exact
   2x2 pixel-unshuffle (12 of the 16 latent channels carry the pixels, scaled by `PIXEL_GAIN`) with a
@@ -27,7 +28,10 @@ from stages.tiny.parts import (CLIP_HIDDEN, FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SH
 
 PIPELINE_CLASS = "FluxKontextPipeline"
 PIPELINE_EXTRA: dict[str, Any] = {}
-TINY_DIMS: dict[str, dict[str, Any]] = {"flux-kontext": flux_tiny.TINY_DIMS["flux-dev"]}
+# "flux-kontext": the tests' tiny random-weight model (FLUX.1-dev's tiny components); "flux-kontext-edit":
+# the edit demo's model below (weights set so that the base reproduces the control)
+TINY_DIMS: dict[str, dict[str, Any]] = {"flux-kontext": flux_tiny.TINY_DIMS["flux-dev"],
+                                        "flux-kontext-edit": flux_tiny.TINY_DIMS["flux-dev"]}
 
 HEADS = 8  # inner width 128: above a 2x2-packed token's 64 channels
 VAE_WIDTH = 32  # channels inside the VAE: 12 signal pairs + a constant pair fit
@@ -240,6 +244,8 @@ def build_components(variant: str, seed: int) -> dict[str, Any]:
     from diffusers import FluxTransformer2DModel
 
     components = flux_tiny.build_components("flux-dev", seed)
+    if variant == "flux-kontext":  # the tests' random-weight model
+        return components
     components["vae"] = seeded(seed, unshuffle_vae)
     components["transformer"] = seeded(seed, lambda: copy_transformer(FluxTransformer2DModel(
         patch_size=1, in_channels=64, out_channels=None, num_layers=1, num_single_layers=1,
