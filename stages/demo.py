@@ -10,7 +10,9 @@ base | kept checkpoints | final LoRA, into artifacts/<run>/samples/grid.png) and
 and samples/s over steps into artifacts/<run>/report.png).
 
 The base model has random weights, so its images are noise: the grid shows that the adapter loads
-and changes the output the same way for every seed, not pretty pictures.
+and changes the output the same way for every seed, not pretty pictures. FLUX.1 Kontext's demo model
+is the exception (its DEMO_MODEL_VARIANT, weights set so that the base reproduces the control): its
+grid shows the edit learnt, and the sample stage measures it (stages/edit_error.py).
 """
 
 from __future__ import annotations
