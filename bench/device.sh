@@ -9,6 +9,12 @@
 #   D: what A-C left (items ok in bench/results/ are skipped): FLUX then Z-Image on GPU 0, SDXL on GPU 1
 #   E: what A-D left: Qwen-Image on GPU 0, SDXL (cont.) then Z-Image (cont.) on GPU 1
 #   F: nf4 with compile forced on, every family (= auto since then) (Qwen-Image then FLUX on GPU 0, Z-Image then SDXL on GPU 1)
+# One-GPU calls for what the 2026-12-01 sessions left unmeasured (carry .whl and, for G/H, .carry-peers):
+#   G: FLUX.2 klein: the dtype fix's A/B (bench/dtype_probe.py), then the side-by-side with diffusers' script again
+#   H: FLUX.1 Kontext side by side with diffusers' script (its base is bf16: the product's nf4 and bf16 rows)
+#   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
+#   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify
+#   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 set -u
 phase=$1; secs=${2:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -38,6 +44,15 @@ case $phase in
   F) o=(--only '*/train/nf4-*-compile'); b=$(( $(left) - 40 ))
      { bench 0 qwen-image F $(( b * 3 / 5 )) --keep "${o[@]}"; bench 0 flux F $(( $(left) - 40 )) --keep "${o[@]}"; } &
      { bench 1 z-image F $(( b / 2 )) --keep "${o[@]}"; bench 1 sdxl F $(( $(left) - 40 )) --keep "${o[@]}"; } & wait ;;
+  G) python3 bench/dtype_probe.py --family flux2-klein --res 1024 --out "$OUT/dtype-probe-klein.json" > "$OUT/dtype-probe.log" 2>&1
+     tail -3 "$OUT/dtype-probe.log"; PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  H) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 15 ;;
+  I) o=(--only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' --only '*/export/nf4-512-b1'
+        --only '*/verify/nf4-512-b1' --only '*/train/bf16-512-b1')
+     bench 0 qwen-image-2.1 I $(( $(left) / 2 - 20 )) "${o[@]}"; bench 0 krea2 I $(( $(left) - 30 )) "${o[@]}" ;;
+  J) bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
+  K) timeout 120 python3 -m pytest -q -x tests/test_text_offload.py -k cuda > "$OUT/offload-cuda.log" 2>&1; tail -2 "$OUT/offload-cuda.log"
+     bench 0 qwen-image K $(( $(left) - 30 )) --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/bf16-1024-b1' ;;
 esac
-grep -h "^\[bench\]" "$OUT"/bench-*.log | cut -c1-300
+grep -h "^\[bench\]" "$OUT"/bench-*.log 2>/dev/null | cut -c1-300
 ls -la "$OUT"
