@@ -109,6 +109,10 @@ def test_config_and_model_mistakes(assets, tmp_path):
     folder = make_cfg("flux", assets, data, tmp_path / "a", model=str(tmp_path / "not-a-pipeline"))
     with pytest.raises(ModelError, match="is not a diffusers pipeline \\(no model_index.json\\)"):
         cache_latents.run(folder)
+    from stages.plan import plans  # `pipeline.py plan` reads configs only, and says the same
+
+    with pytest.raises(ModelError, match="is not a diffusers pipeline \\(no model_index.json\\)"):
+        plans(folder, 8)
 
 
 # ---- a real run over the corpus -----------------------------------------------------------------
