@@ -25,7 +25,10 @@ How it works (same math as the unswapped model, only placement changes):
 - CUDA graphs are turned off while blocks are swapped (the planner sets train.cuda_graphs = "off"):
   a captured graph would replay the copies into the graph pool and pin every swapped block's weights.
 - nf4 (bitsandbytes Params4bit): `.to(device)` of a quantized Params4bit moves its quant_state too,
-  so copies keep their quantization state. A plan that swaps an nf4 base loads it quantized block by
+  so copies keep their quantization state. It moves it in place (bitsandbytes 0.50 `QuantState.to`),
+  and the host parameter shares that state: after a block's first copy its absmax and code tables
+  (1/64 of a weight's bytes in fp32, less with double quantization) stay on the GPU and only the
+  4-bit codes travel, asynchronously from pinned memory. A plan that swaps an nf4 base loads it quantized block by
   block (stages/core/nf4_blocks.py), so the swapped blocks never reach the GPU whole.
 """
 
