@@ -497,7 +497,8 @@ def headline_table(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]],
               if k.startswith(fam + "/") and v["kind"] in ("encode", "latents") and v["status"] == "ok"
               and (v.get("summary", {}).get("peak_vram_gb") or {}).get("allocated") is not None]
     tail = ("\n\nCache stages' peaks (GB allocated): " + ", ".join(f"{k} {v:.2f}" for k, v in stages) + ".") if stages else ""
-    return "\n".join(head + lines) + tail
+    notes = [f"- {k}: {v['note']}" for k, v in sorted(items.items()) if k.startswith(fam + "/") and v.get("note")]
+    return "\n".join(head + lines) + tail + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def _appendix(meta: dict[str, Any], items: dict[str, dict[str, Any]], metas: list[dict[str, Any]],
