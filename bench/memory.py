@@ -82,7 +82,8 @@ class MemoryRunner(Runner):
         return {**row, "status": "ok", "plan": plan[0] if plan else None, "peak_vram_gb": summary.get("peak_vram_gb"),
                 "samples_per_second": summary.get("samples_per_second") or _items_per_s(manifest), "seconds": summary.get("seconds"),
                 "items": manifest.get("encoded_this_run"), "loaded_s": summary.get("loaded_s"),
-                "warnings": summary.get("warnings"), "steps": summary.get("steps")}
+                "warnings": summary.get("warnings"), "steps": summary.get("steps"),
+                "runtime": summary.get("runtime")}  # train: block swap's copies / prefetch hits, allocator retries
 
     def run_family(self, fam: str) -> None:
         model = self.ensure_model(fam, STAGES[0][0])

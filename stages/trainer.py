@@ -22,7 +22,7 @@ from stages.checkpoints import Checkpoints
 from stages.core import distributed, fastpath, faults, lora, memory, validation
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.model_source import model_source
-from stages.core.runtime import make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
+from stages.core.runtime import alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
 
@@ -472,7 +472,11 @@ class Trainer:
         return {"attention": self.attention, "cuda_graphs": {"plan": self.graphs_plan, **graphs},
                 "enable_tf32": self.tcfg.enable_tf32, "cudnn_benchmark": self.tcfg.cudnn_benchmark,
                 "gradient_checkpointing": self.tcfg.gradient_checkpointing, "optimizer": type(self.optimizer).__name__,
-                "fused_adamw": bool(self.optimizer.defaults.get("fused"))}
+                "fused_adamw": bool(self.optimizer.defaults.get("fused")),
+                # block swap's blocks, host GB, copies made and prefetched copies ready in time; and the
+                # allocator's retries (each one a cache flush at the budget's cap: a slow step)
+                "block_swap": self.swap.summary() if self.swap is not None else None,
+                "cuda_alloc_retries": alloc_retries(self.rt)}
 
     def _stopped(self, step: int, save: bool, stats: RunStats, t0: float) -> dict[str, Any]:
         """After a stop request, between steps: a resumable checkpoint and the adapter (lora/final,

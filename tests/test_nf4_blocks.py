@@ -189,6 +189,8 @@ def test_nf4_swap_training_resumes_bit_identically(assets, demo_data, tmp_path_f
     _force_swap(monkeypatch, 1)
     sets = {"train.steps": 4, "train.checkpoint_every": 2, "train.base_precision": "nf4"}
     straight = train.run(_cfg(cached, **sets))
+    swap = straight["runtime"]["block_swap"]  # forward + the checkpointed recompute copy each swapped block
+    assert swap["swapped_blocks"] == 1 and swap["copies"] == 2 * 4 and straight["runtime"]["cuda_alloc_retries"] == 0
     want = load_file(str(cached.run_dir / "lora" / "final" / "adapter_model.safetensors"))
     cfg = _cfg(cached, **sets)
     tr = _trainer(cfg)

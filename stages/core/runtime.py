@@ -165,6 +165,11 @@ def peak_vram_gb(rt: Runtime) -> dict[str, float]:
             "reserved": round(torch.cuda.max_memory_reserved(rt.device) / 2**30, 3)}
 
 
+def alloc_retries(rt: Runtime) -> int:
+    """How often the caching allocator hit the memory cap, freed its cache and retried (0 on CPU)."""
+    return int(torch.cuda.memory_stats(rt.device).get("num_alloc_retries", 0)) if rt.is_cuda else 0
+
+
 # Library messages a user of this tool cannot act on, silenced at the logger that emits them.
 QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
     # the optional `kernels` package (a faster CPU 4-bit gemm); bitsandbytes' own CPU path runs instead
