@@ -168,3 +168,25 @@ def test_rowstore_bfloat16_roundtrip_matches_torch(tmp_path):
     np.testing.assert_array_equal(back.read("v", 1), expected)
     np.testing.assert_array_equal(back.read("v", 0), expected)
     assert back.written_mask().tolist() == [True, True] and back.ids == ["x", "y"]
+
+
+def test_text_encoder_guards_name_the_value_the_limit_and_the_model(tmp_path):
+    """The Qwen text encoders' caption-length guard and the FLUX.2 ones' layer-count guard (one helper
+    each, shared by the families) refuse before any weight loads."""
+    from stages.core.config import CaptionsConfig
+    from stages.core.errors import ConfigError, ModelError
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import make_runtime
+    from stages.families import get_family
+    from stages.families.flux2_dit import require_text_layers
+    from stages.families.text_encoders import require_max_length
+
+    require_max_length(CaptionsConfig(max_sequence_length=1024), 1024, "Qwen-Image")  # the limit itself is fine
+    with pytest.raises(ConfigError, match=r"max_sequence_length = 1025 is above Qwen-Image's 1024; set it to 1024 or less"):
+        require_max_length(CaptionsConfig(max_sequence_length=1025), 1024, "Qwen-Image")
+    with pytest.raises(ConfigError, match="is above Qwen-Image-Edit-Plus's 1024"):  # through the family, nothing loaded
+        get_family("qwen-image-edit").load_text_encoder(ModelSource(str(tmp_path / "none")),
+                                                         CaptionsConfig(max_sequence_length=2000), make_runtime("cpu", "fp32"))
+    require_text_layers(ModelSource("x"), 27, (9, 18, 27), "FLUX.2 klein")
+    with pytest.raises(ModelError, match=r"has 26 layers, but FLUX.2 klein reads hidden states \(9, 18, 27\)"):
+        require_text_layers(ModelSource("x"), 26, (9, 18, 27), "FLUX.2 klein")

@@ -46,13 +46,28 @@ from typing import Any
 import torch
 
 from stages.core import dataset, flow
-from stages.core.errors import DatasetError
+from stages.core.errors import DatasetError, ModelError
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.flux2_klein.kohya import LAYOUT as KOHYA_LAYOUT
 
 SHIFT_STEPS = 50  # both pipelines' default num_inference_steps, for the resolution shift
 REFERENCE_TIME_SCALE = 10  # _prepare_image_ids' `scale`: reference k has time id 10 + 10 k
+
+
+def require_text_layers(src: Any, layers: int, wanted: tuple[int, ...], model: str) -> None:
+    """A text encoder with fewer layers than the hidden states the pipeline reads is another model's."""
+    if layers < max(wanted):
+        raise ModelError(f"'{src.ref}' text_encoder/ has {layers} layers, but {model} reads hidden states "
+                         f"{wanted}: point 'model' at a {model} pipeline")
+
+
+def stacked_text_states(model: torch.nn.Module, tokens: Any, layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Both FLUX.2 pipelines' prompt embeds: the chosen layers' hidden states side by side per token,
+    (B, L, 3, D) flattened to (B, L, 3 D)."""
+    out = model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True,
+                use_cache=False)
+    return {"prompt_embeds": torch.stack([out.hidden_states[k] for k in layers], dim=2).flatten(2)}
 
 
 def _patch_stats(x: torch.Tensor, values: list[float]) -> torch.Tensor:

@@ -9,7 +9,15 @@ from typing import Any
 
 import torch
 
-from stages.core.errors import ArtifactError, ResourceError
+from stages.core.errors import ArtifactError, ConfigError, ResourceError
+
+
+def require_max_length(cfg: Any, limit: int, model: str) -> None:
+    """The text encoder's own guard on captions.max_sequence_length (a loaded config has already been
+    refused by the family's config_errors; this covers an encoder built from a bare CaptionsConfig)."""
+    if cfg.max_sequence_length > limit:
+        raise ConfigError(f"captions.max_sequence_length = {cfg.max_sequence_length} is above {model}'s {limit}; "
+                          f"set it to {limit} or less")
 
 
 def load_text_model(cls: Any, src: Any, subfolder: str, cfg: Any, rt: Any) -> torch.nn.Module:

@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from stages.core.model_source import ModelError
-from stages.families.flux2_dit import Flux2DiT
+from stages.families.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
 from stages.families.text_encoders import load_chat_tokenizer, load_text_model
 
 HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers default
@@ -42,10 +41,7 @@ class Flux2TextEncoder:
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.tokenizer = load_chat_tokenizer(src, "FLUX.2 dev")
         self.model = load_text_model(Mistral3Model, src, "text_encoder", cfg, rt)
-        layers = self.model.config.text_config.num_hidden_layers
-        if layers < max(HIDDEN_STATES_LAYERS):
-            raise ModelError(f"'{src.ref}' text_encoder/ has {layers} layers, but FLUX.2 dev reads hidden states "
-                             f"{HIDDEN_STATES_LAYERS}: point 'model' at a FLUX.2 dev pipeline")
+        require_text_layers(src, self.model.config.text_config.num_hidden_layers, HIDDEN_STATES_LAYERS, "FLUX.2 dev")
 
     def _tokens(self, texts: list[str], **kwargs: Any) -> Any:
         from diffusers.pipelines.flux2.pipeline_flux2 import format_input
@@ -58,10 +54,7 @@ class Flux2TextEncoder:
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         tokens = self._tokens(texts, return_tensors="pt", padding="max_length", truncation=True,
                               max_length=self.max_len).to(self.device)
-        out = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                         output_hidden_states=True, use_cache=False)
-        states = torch.stack([out.hidden_states[k] for k in HIDDEN_STATES_LAYERS], dim=2)  # (B, L, 3, D)
-        return {"prompt_embeds": states.flatten(2)}
+        return stacked_text_states(self.model, tokens, HIDDEN_STATES_LAYERS)
 
     def token_counts(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self._tokens(texts).input_ids]

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from stages.core.model_source import ModelError
-from stages.families.flux2_dit import Flux2DiT
+from stages.families.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
 from stages.families.text_encoders import chat_prompts, load_chat_tokenizer, load_text_model
 
 HIDDEN_STATES_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
@@ -39,10 +38,7 @@ class Flux2KleinTextEncoder:
         self.tokenizer = load_chat_tokenizer(src, "FLUX.2 klein")
         # The pipeline's Qwen3ForCausalLM minus its lm_head: the hidden states are the same.
         self.model = load_text_model(Qwen3Model, src, "text_encoder", cfg, rt)
-        layers = self.model.config.num_hidden_layers
-        if layers < max(HIDDEN_STATES_LAYERS):
-            raise ModelError(f"'{src.ref}' text_encoder/ has {layers} layers, but FLUX.2 klein reads hidden states "
-                             f"{HIDDEN_STATES_LAYERS}: point 'model' at a FLUX.2 klein pipeline")
+        require_text_layers(src, self.model.config.num_hidden_layers, HIDDEN_STATES_LAYERS, "FLUX.2 klein")
 
     def _templated(self, texts: list[str]) -> list[str]:
         return chat_prompts(self.tokenizer, texts, enable_thinking=False)
@@ -51,10 +47,7 @@ class Flux2KleinTextEncoder:
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         tokens = self.tokenizer(self._templated(texts), padding="max_length", max_length=self.max_len,
                                 truncation=True, return_tensors="pt").to(self.device)
-        out = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                         output_hidden_states=True, use_cache=False)
-        states = torch.stack([out.hidden_states[k] for k in HIDDEN_STATES_LAYERS], dim=2)  # (B, L, 3, D)
-        return {"prompt_embeds": states.flatten(2)}
+        return stacked_text_states(self.model, tokens, HIDDEN_STATES_LAYERS)
 
     def token_counts(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self.tokenizer(self._templated(texts), truncation=False).input_ids]

@@ -25,12 +25,11 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.errors import ConfigError
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.qwen_image import PIPELINE_MAX_SEQUENCE_LENGTH
-from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
+from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, trim_to_longest
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -46,9 +45,7 @@ class QwenImageTextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        if cfg.max_sequence_length > PIPELINE_MAX_SEQUENCE_LENGTH:
-            raise ConfigError(f"captions.max_sequence_length = {cfg.max_sequence_length} is above Qwen-Image's "
-                             f"{PIPELINE_MAX_SEQUENCE_LENGTH}; set it to {PIPELINE_MAX_SEQUENCE_LENGTH} or less")
+        require_max_length(cfg, PIPELINE_MAX_SEQUENCE_LENGTH, "Qwen-Image")
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.tokenizer = src.load(AutoTokenizer, "tokenizer")
         self.model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, "text_encoder", cfg, rt)

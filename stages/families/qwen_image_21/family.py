@@ -36,13 +36,12 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.errors import ConfigError
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
 from stages.families.qwen_image.family import QwenImage
 from stages.families.qwen_image_21 import ROPE_POSITIONS
-from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_tokens
+from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, require_tokens
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 SYSTEM_PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"  # the chat template's system message
@@ -55,9 +54,7 @@ class QwenImage21TextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
-        if cfg.max_sequence_length >= ROPE_POSITIONS:
-            raise ConfigError(f"captions.max_sequence_length = {cfg.max_sequence_length} is above Qwen-Image 2.1's "
-                              f"{ROPE_POSITIONS - 1}; set it to {ROPE_POSITIONS - 1} or less")
+        require_max_length(cfg, ROPE_POSITIONS - 1, "Qwen-Image 2.1")
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.tokenizer = src.load(AutoTokenizer, "processor")  # only the processor's text side is needed
         self.drop = len(self.tokenizer(SYSTEM_PREFIX).input_ids)

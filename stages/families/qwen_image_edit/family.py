@@ -27,7 +27,6 @@ from typing import Any, Iterator
 import torch
 
 from stages.core import dataset, flow
-from stages.core.errors import ConfigError
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
 from stages.families.qwen_image.family import QwenImage
@@ -35,7 +34,7 @@ from stages.families.qwen_image_edit import PIPELINE_MAX_SEQUENCE_LENGTH
 # imported here so diffusers finds it: a tiny pipeline's model_index.json names this module's processor,
 # and diffusers loads a class of a non-library module only once that module is imported
 from stages.families.qwen_image_edit import processor as _processor  # noqa: F401
-from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
+from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, trim_to_longest
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
@@ -69,9 +68,7 @@ class QwenImageEditTextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
-        if cfg.max_sequence_length > PIPELINE_MAX_SEQUENCE_LENGTH:
-            raise ConfigError(f"captions.max_sequence_length = {cfg.max_sequence_length} is above "
-                              f"{PIPELINE_MAX_SEQUENCE_LENGTH}; set it to {PIPELINE_MAX_SEQUENCE_LENGTH} or less")
+        require_max_length(cfg, PIPELINE_MAX_SEQUENCE_LENGTH, "Qwen-Image-Edit-Plus")
         self.device, self.max_len = rt.device, cfg.max_sequence_length
         self.processor = src.load(_processor.Qwen2VLImageProcessorOnly, "processor")
         self.model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, "text_encoder", cfg, rt)
