@@ -16,14 +16,13 @@ checks packing and image ids against the pipeline helpers, which both pipelines 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
+import flux2_checks
 from conftest import FAMILIES, ROOT, tiny_model
-from stages.core import flow
 from stages.core.config import CaptionsConfig, TrainConfig, load_config
 from stages.core.errors import ConfigError, UserError
 from stages.core.model_source import ModelSource
@@ -80,18 +79,7 @@ def test_token_counts_are_the_untruncated_templated_length(dev):
 
 
 def test_latent_normalization_as_pipeline(dev):
-    family, folder, pipe = dev
-    vae = pipe.vae
-    norm = family.latent_normalization(vae)
-    pixels = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(3)) * 2 - 1
-    mean, _ = family.encode_posterior(vae, pixels)
-    ours = family.normalize_latents(mean, norm)
-    with torch.no_grad():  # the dev pipeline's reference-image encoding: posterior mode, patchified, batch-normed
-        expected = pipe._encode_vae_image(pixels, generator=None)
-    torch.testing.assert_close(pipe._patchify_latents(ours), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(family.denormalize_latents(ours, norm), mean, rtol=1e-5, atol=1e-5)
-    assert (ours - mean).abs().max() > 0.1, "the tiny VAE's statistics must not be the identity"
-    assert family.pixel_multiple(ModelSource(str(folder))) == pipe.vae_scale_factor * 2
+    flux2_checks.latent_normalization_as_pipeline(*dev)
 
 
 def _pipeline_velocity(pipe, latents: torch.Tensor, sigma: float, guidance: float) -> torch.Tensor:
@@ -131,13 +119,7 @@ def test_training_loss_matches_pipeline_step_with_its_guidance(dev):
 
 def test_dynamic_shift_is_the_pipeline_schedule(dev):
     family, folder, _ = dev
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
-    tokens, n = 32 * 48, flow.NUM_TRAIN_TIMESTEPS
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=compute_empirical_mu(tokens, 50))
-    tcfg = TrainConfig(dynamic_shift=True, timestep_density="uniform")
-    ours = family.sample_timesteps(256, (64, 96), torch.Generator().manual_seed(5), tcfg)
-    u = flow.sample_density(256, torch.Generator().manual_seed(5), "uniform")
-    torch.testing.assert_close(ours, scheduler.sigmas[(u * n).long()].float(), rtol=1e-5, atol=1e-6)
+    flux2_checks.dynamic_shift_is_the_pipeline_schedule(family, folder, compute_empirical_mu)
 
 
 def test_config_checks_and_nf4_refused_on_cpu(dev):

@@ -15,14 +15,12 @@
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
+import flux2_checks
 from conftest import FAMILIES, ROOT, tiny_model
 from stages.core import flow
 from stages.core.config import CaptionsConfig, TrainConfig, load_config
@@ -69,22 +67,7 @@ def test_token_counts_report_untruncated_length(klein):
 
 
 def test_latent_normalization_as_pipeline(klein):
-    family, folder, pipe = klein
-    vae = pipe.vae
-    norm = family.latent_normalization(vae)
-    pixels = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(3)) * 2 - 1
-    mean, _ = family.encode_posterior(vae, pixels)
-    ours = family.normalize_latents(mean, norm)
-    with torch.no_grad():  # the pipeline's reference-image encoding: posterior mode, patchified, batch-normed
-        expected = pipe._encode_vae_image(pixels, generator=None)
-    torch.testing.assert_close(pipe._patchify_latents(ours), expected, rtol=1e-5, atol=1e-5)
-    # __call__'s decode: latents * sqrt(running_var + eps) + running_mean, then unpatchify
-    std = torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, -1, 1, 1)
-    decoded = pipe._unpatchify_latents(expected * std + vae.bn.running_mean.view(1, -1, 1, 1))
-    torch.testing.assert_close(decoded, mean, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(family.denormalize_latents(ours, norm), mean, rtol=1e-5, atol=1e-5)
-    assert (ours - mean).abs().max() > 0.1, "the tiny VAE's statistics must not be the identity"
-    assert family.pixel_multiple(ModelSource(str(folder))) == pipe.vae_scale_factor * 2
+    flux2_checks.latent_normalization_as_pipeline(*klein)
 
 
 def test_packing_and_image_ids_as_pipeline(klein):
@@ -127,19 +110,8 @@ def test_training_loss_matches_pipeline_step(klein):
 
 
 def test_dynamic_shift_is_the_pipeline_schedule(klein):
-    """dynamic_shift draws from the scheduler's sigmas as the pipeline sets them for this token count
-    (exponential time shift by compute_empirical_mu at the default 50 steps), indexed as the density says."""
     family, folder, _ = klein
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
-    assert scheduler.config.use_dynamic_shifting and scheduler.config.time_shift_type == "exponential"
-    tokens, n = 64 * 64, flow.NUM_TRAIN_TIMESTEPS
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=compute_empirical_mu(tokens, 50))
-    tcfg = TrainConfig(dynamic_shift=True, timestep_density="uniform")
-    ours = family.sample_timesteps(256, (128, 128), torch.Generator().manual_seed(5), tcfg)
-    u = flow.sample_density(256, torch.Generator().manual_seed(5), "uniform")
-    torch.testing.assert_close(ours, scheduler.sigmas[(u * n).long()].float(), rtol=1e-5, atol=1e-6)
-    plain = family.sample_timesteps(256, (128, 128), torch.Generator().manual_seed(5), TrainConfig(timestep_density="uniform"))
-    assert (ours - plain).abs().max() > 0.1 and math.exp(compute_empirical_mu(tokens, 50)) > 5
+    flux2_checks.dynamic_shift_is_the_pipeline_schedule(family, folder, compute_empirical_mu)
 
 
 def test_config_checks(tmp_path):
