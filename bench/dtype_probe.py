@@ -8,6 +8,9 @@ Builds the family's full-size denoiser with random bf16 weights on the GPU, quan
 does), turns on gradient checkpointing, and times the family's own `loss` + backward over random
 inputs (batch 1, 512 text tokens), eager, twice: inputs cast to diffusers' `model.dtype` (what the
 families did before: an fp32 adapter weight's dtype for FLUX.2 klein) and to `base_dtype` (now).
+On the GPU it then times `base_dtype` without gradient checkpointing (its step and peak), and
+profiles two checkpointed steps (torch.profiler): the top CUDA kernels by time go in the JSON
+under "profile", to say where a step's time goes.
 """
 
 from __future__ import annotations
@@ -67,11 +70,16 @@ def main() -> None:
     meta = BatchMeta(original_size=size, crop_top_left=torch.zeros_like(size), target_size=size)
     t = torch.tensor([0.5], device=device)
     module = sys.modules[type(family).loss.__module__]  # where the loss reads base_dtype (flux2_dit for FLUX.2)
-    rows = {"model.dtype (before)": lambda m: m.dtype, "base_dtype (now)": lora.base_dtype}
+    rows = {"model.dtype (before)": (lambda m: m.dtype, True),
+            "base_dtype (now)": (lora.base_dtype, True)}
+    if not a.tiny:
+        rows["base_dtype, no checkpointing"] = (lora.base_dtype, False)
     out: dict = {"family": a.family, "res": res, "text_tokens": text, "device": torch.cuda.get_device_name(0) if not a.tiny else "cpu",
                  "model.dtype": str(model.dtype), "base_dtype": str(lora.base_dtype(model)), "rows": {}}
-    for name, pick in rows.items():
+    for name, (pick, checkpointing) in rows.items():
         module.base_dtype = pick
+        if not checkpointing:
+            model.disable_gradient_checkpointing()
         times = []
         if not a.tiny:
             torch.cuda.reset_peak_memory_stats()
@@ -90,7 +98,29 @@ def main() -> None:
                              "loss": float(loss.detach()), "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3) if not a.tiny else 0.0}
         print(name, json.dumps(out["rows"][name]), flush=True)
     module.base_dtype = lora.base_dtype
+    if not a.tiny:
+        model.enable_gradient_checkpointing()
+        out["profile"] = profile(lambda: family.loss(model, x0, noise, t, cond, meta, TrainConfig()).backward(), model)
+        print("\n".join(f"{r['ms']:9.1f} ms {r['pct']:5.1f}% x{r['calls']:<5} {r['name']}" for r in out["profile"]["top"]), flush=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+def profile(step, model, steps: int = 2, top: int = 30) -> dict:
+    """The CUDA kernels of `steps` checkpointed steps, summed by name, longest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+            model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {"steps": steps, "cuda_ms_per_step": round(total / 1000 / steps, 1),
+            "top": [{"name": e.key[:160], "ms": round(e.self_device_time_total / 1000 / steps, 2), "calls": e.count // steps,
+                     "pct": round(100 * e.self_device_time_total / total, 1)} for e in events[:top]]}
 
 
 if __name__ == "__main__":
