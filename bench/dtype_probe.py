@@ -100,27 +100,15 @@ def main() -> None:
     module.base_dtype = lora.base_dtype
     if not a.tiny:
         model.enable_gradient_checkpointing()
-        out["profile"] = profile(lambda: family.loss(model, x0, noise, t, cond, meta, TrainConfig()).backward(), model)
+        from stages.core.profiling import profiled
+
+        with profiled(2, cuda=True) as table:
+            for _ in range(2):
+                family.loss(model, x0, noise, t, cond, meta, TrainConfig()).backward()
+                model.zero_grad(set_to_none=True)
+        out["profile"] = table()
         print("\n".join(f"{r['ms']:9.1f} ms {r['pct']:5.1f}% x{r['calls']:<5} {r['name']}" for r in out["profile"]["top"]), flush=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
-
-
-def profile(step, model, steps: int = 2, top: int = 30) -> dict:
-    """The CUDA kernels of `steps` checkpointed steps, summed by name, longest first."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-            model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return {"steps": steps, "cuda_ms_per_step": round(total / 1000 / steps, 1),
-            "top": [{"name": e.key[:160], "ms": round(e.self_device_time_total / 1000 / steps, 2), "calls": e.count // steps,
-                     "pct": round(100 * e.self_device_time_total / total, 1)} for e in events[:top]]}
 
 
 if __name__ == "__main__":

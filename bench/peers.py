@@ -302,18 +302,34 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
 # ---- the product ---------------------------------------------------------------------------------
 
 
-def run_product(a: argparse.Namespace, fam: str, data: Path, precision: str, runner: Any, res_sets: dict[str, Any],
+# "<precision>+<flag>+...": a product train run with what each flag sets (A/B experiments beside the
+# plain row; the flags are the trainer's LORAPIPE_EXPERIMENT_* switches and a few train keys).
+VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+    "cudnn": ({"LORAPIPE_EXPERIMENT_CUDNN_ATTENTION": "1"}, {}),
+    "lorabf16": ({"LORAPIPE_EXPERIMENT_LORA_BF16": "1"}, {}),
+    "nockpt": ({}, {"train.gradient_checkpointing": False}),
+    "profile": ({}, {"train.profile_steps": 2}),
+}
+
+
+def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runner: Any, res_sets: dict[str, Any],
                 rows: dict[str, Any]) -> dict[str, Any]:
     from bench.bench import Item, collect
 
+    precision, *flags = variant.split("+")
+    unknown = [f for f in flags if f not in VARIANT_FLAGS]
+    if unknown:
+        raise SystemExit(f"unknown product variant flag(s) {unknown}; known: {', '.join(VARIANT_FLAGS)}")
+    env = {k: v for f in flags for k, v in VARIANT_FLAGS[f][0].items()}
     run = f"peers-{fam}-{a.res}"
-    row: dict[str, Any] = {"side": "product", "precision": "fp32" if a.tiny else precision, "stages": {}}
+    row: dict[str, Any] = {"side": "product", "precision": "fp32" if a.tiny else variant, "stages": {}}
     total = 0.0
     for kind, stage in (("encode", "encode-captions"), ("latents", "cache-latents"), ("train", "train")):
         sets = dict(res_sets)
         if kind == "train":
             sets.update({"train.base_precision": precision, "train.batch_size": a.batch})
-        item = Item(f"{fam}/{kind}/{precision}-{a.res}-b{a.batch}", kind, a.res, sets, run=run)
+            sets.update({k: v for f in flags for k, v in VARIANT_FLAGS[f][1].items()})
+        item = Item(f"{fam}/{kind}/{variant}-{a.res}-b{a.batch}", kind, a.res, sets, run=run)
         cached = rows.get(kind)
         if kind != "train" and cached is not None:  # caches do not depend on the base precision
             row["stages"][kind] = cached
@@ -321,7 +337,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, precision: str, run
             continue
         cmd = runner.stage_cmd(fam, item, stage, Path(a.model), ["--force"] if kind != "train" else [])
         t0 = time.time()
-        rc, wall, tail = runner.call(cmd, {}, f"peers-{fam}-{kind}-{precision}")
+        rc, wall, tail = runner.call(cmd, env if kind == "train" else {}, f"peers-{fam}-{kind}-{variant}")
         total += wall
         info: dict[str, Any] = {"rc": rc, "wall_s": wall, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", "")}
         if rc != 0:
@@ -335,6 +351,9 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, precision: str, run
         if kind == "train":
             info.update(product_summary(summary, a.batch, a.warmup))
             info["loss_first"], info["loss_last"] = summary.get("loss_first"), summary.get("loss_last")
+            profiles = sorted((Path(res_sets["artifacts"]) / run).rglob("profile.json"), key=lambda p: p.stat().st_mtime)
+            if "profile" in flags and profiles:
+                info["profile"] = json.loads(profiles[-1].read_text())
         else:
             rows[kind] = info
         row["stages"][kind] = info

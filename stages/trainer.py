@@ -22,7 +22,8 @@ from stages.checkpoints import Checkpoints
 from stages.core import distributed, fastpath, faults, lora, memory, validation
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.model_source import model_source
-from stages.core.runtime import alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
+from stages.core.profiling import StepProfiler
+from stages.core.runtime import EXPERIMENTS, experiment, alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
 
@@ -225,7 +226,8 @@ class Trainer:
             meta = dataclasses.replace(meta, loss_mask=batch.mask.to(dev))
         if batch.controls:
             meta = dataclasses.replace(meta, controls=self.control_latents(batch))
-        return self.family.loss(denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg)
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.rt.is_cuda and experiment("LORA_BF16")):
+            return self.family.loss(denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg)
 
     def control_latents(self, batch: Any) -> tuple[torch.Tensor, ...]:
         """Each control's normalized latents: a fresh posterior sample with the step's draws, or the
@@ -397,7 +399,11 @@ class Trainer:
     def fit(self, resume: bool, stop: Any, t0: float) -> dict[str, Any]:
         torch.manual_seed(self.cfg.seed)
         sweep_leftovers(self.lora_dir)  # temp folders of a killed save: never read, space only
-        with torch_flags(self.tcfg.enable_tf32, self.tcfg.cudnn_benchmark, disable_cudnn_attention=True) as notes:
+        on = [name for name in EXPERIMENTS if experiment(name)]
+        with torch_flags(self.tcfg.enable_tf32, self.tcfg.cudnn_benchmark,
+                         disable_cudnn_attention="CUDNN_ATTENTION" not in on) as notes:
+            for name in on:
+                self.log.emit("warning", message=f"benchmark experiment LORAPIPE_EXPERIMENT_{name}=1 is on")
             self.setup_model()
             self.attention = notes[0] if notes and self.rt.is_cuda else "default SDPA"
             for note in notes if self.rt.is_cuda else []:
@@ -413,12 +419,18 @@ class Trainer:
 
     def _loop(self, start: int, stop: Any, t0: float) -> dict[str, Any]:
         tcfg, stats, step = self.tcfg, RunStats(self.tcfg.warmup_steps_excluded), start
+        profiler = StepProfiler(start + tcfg.warmup_steps_excluded, tcfg.profile_steps, self.lora_dir / "profile.json",
+                                self.rt.is_cuda, enabled=self.dist.is_main)
         with distributed.progress(self.dist, "train", tcfg.steps - start, "steps") as bar:
             while step < tcfg.steps:
                 if self._stop_requested(stop):
                     return self._stopped(step, stop.save and step > start, stats, t0)  # no step: nothing new
+                profiler.before(step)
                 loss, lr, n = self.step()
                 step += 1
+                if (table := profiler.after(step)) is not None:
+                    self.log.emit("profile", path=str(profiler.path), ms_per_step=table["ms_per_step"], device=table["device"],
+                                  top=[f"{r['pct']}% {r['name'][:60]}" for r in table["top"][:5]])
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {step}; lower train.learning_rate")
                 stats.add(step - start, n, loss, self.rt)

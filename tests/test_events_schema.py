@@ -10,7 +10,9 @@ on one family (`once`); stop and resume themselves are tested for every family i
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +66,8 @@ def eventful_run(built_run, tmp_path, monkeypatch):
     from stages.core.config import load_config
 
     sets = {"model": built_run.model, "data.path": built_run.data.path, "artifacts": str(tmp_path),
-            "device": built_run.device, "run": "eventful", "train.steps": 4, "train.checkpoint_every": 2}
+            "device": built_run.device, "run": "eventful", "train.steps": 4, "train.checkpoint_every": 2,
+            "train.warmup_steps_excluded": 1, "train.profile_steps": 1}  # `profile`: step 2
     cfg = load_config(demo_config_path(built_run.family), sets)
     for cache in ("captions.zarr", "latents.zarr"):
         shutil.copytree(built_run.run_dir / cache, cfg.run_dir / cache)
@@ -100,6 +103,10 @@ def test_stop_resume_cli_and_failure_events_conform(eventful_run):
     # `sample` and `validation` conform in their own tests (test_inspect_sample_report, test_masks_validation)
     others = {"sample", "validation"}
     assert seen == set(EVENT_SCHEMA) - others, f"not exercised: {set(EVENT_SCHEMA) - others - seen}"
+    profile = [e for e in events if e["event"] == "profile"]
+    table = json.loads(Path(profile[-1]["path"]).read_text())  # the resumed run profiled step 4 too
+    assert table["steps"] == 1 and table["ms_per_step"] > 0 and table["top"][0]["calls"] >= 1
+    assert len(profile) == 2 and profile[-1]["top"][0].endswith(table["top"][0]["name"][:60])
     stopped = [e for e in events if e["event"] == "stopped"]
     assert [(e["step"], e["saved"]) for e in stopped] == [(2, True)]
     errors = [e for e in events if e["event"] == "error"]

@@ -198,6 +198,9 @@ class TrainConfig:
     """Emit a step event every N steps."""
     warmup_steps_excluded: int = 3
     """Steps left out of samples_per_second (first steps pay for allocation and compile)."""
+    profile_steps: int = 0
+    """Profile this many steps right after the warm-up steps (torch.profiler) and write profile.json
+    beside the LoRA: GPU kernels by time per step, host-to-device copies apart (CPU: operators). 0: off."""
 
 
 @dataclass

@@ -91,6 +91,7 @@ RANGES: dict[str, Range] = {
     "train.keep_checkpoints": NON_NEGATIVE,
     "train.log_every": AT_LEAST_ONE,
     "train.warmup_steps_excluded": NON_NEGATIVE,
+    "train.profile_steps": NON_NEGATIVE,
     "sample.steps": AT_LEAST_ONE,
     "sample.width": NON_NEGATIVE,
     "sample.height": NON_NEGATIVE,

@@ -35,6 +35,7 @@ EVENT_TYPES = {
     "error": "stage failed (message, item when one input caused it)",
     "plan": "a stage's memory plan (budget, chosen settings, predicted peak; stages/core/memory.py)",
     "sample": "a sample grid was rendered, base vs LoRA (path, prompts, seeds, adapter)",
+    "profile": "train.profile_steps: where profiled steps' time went (path, ms_per_step, device, top)",
 }
 
 # The stable schema of events.jsonl: JSON type names per field (a list allows several). `ts`, `run`,
@@ -67,6 +68,7 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
              "optional": {"note": "string"}},
     "sample": {"required": {"path": "string", "prompts": "array", "seeds": "array", "adapter": "string"},
                "optional": {"seconds": "number", "edit_error": "object", "edit_closer_percent": "number"}},
+    "profile": {"required": {"path": "string", "ms_per_step": "number", "device": "string", "top": "array"}, "optional": {}},
 }
 _JSON_TYPES: dict[str, Any] = {"string": str, "integer": int, "number": (int, float), "boolean": bool,
                                "null": type(None), "array": list, "object": dict}

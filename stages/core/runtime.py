@@ -109,6 +109,17 @@ def global_flags() -> dict[str, Any]:
     return _flags()
 
 
+EXPERIMENTS = ("CUDNN_ATTENTION", "LORA_BF16")
+
+
+def experiment(name: str) -> bool:
+    """A benchmark-only A/B switch, `LORAPIPE_EXPERIMENT_<name>=1` (bench/peers.py's variant flags):
+    CUDNN_ATTENTION lets SDPA use cuDNN in train; LORA_BF16 runs the LoRA matmuls under bf16 autocast
+    (fp32 master weights) on CUDA. Not settings: the trainer warns when one is on."""
+    assert name in EXPERIMENTS, name
+    return os.environ.get(f"LORAPIPE_EXPERIMENT_{name}", "") == "1"
+
+
 @contextlib.contextmanager
 def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attention: bool) -> Iterator[list[str]]:
     """Set the stage's global torch flags; restore the previous values on exit (even on error)."""
