@@ -298,11 +298,66 @@ def summarize(cases: list[dict[str, Any]]) -> dict[str, Any]:
             | {"shapes": max(len(v) for v in d.values())} for name, d in sorted(per.items())}
 
 
+def table(cases: list[dict[str, Any]]) -> str:
+    """Markdown: one row per shape and mode, one column per variant: kernel ms / per-call ms (x bf16's
+    kernel-time speedup), or the error's first words."""
+    variants = list(dict.fromkeys(c["variant"] for c in cases))
+    rows = list(dict.fromkeys((c["M"], c["K"], c["N"], c["mode"]) for c in cases))
+    by = {(c["M"], c["K"], c["N"], c["mode"], c["variant"]): c for c in cases}
+    lines = ["| M | K x N | mode | " + " | ".join(variants) + " |", "|---|---|---|" + "---|" * len(variants)]
+    for m, k, n, mode in rows:
+        cells = []
+        for v in variants:
+            c = by.get((m, k, n, mode, v))
+            if c is None:
+                cells.append("")
+            elif "error" in c:
+                cells.append("error: " + c["error"][:60].replace("|", "/"))
+            else:
+                speed = c.get("speedup_gpu", c.get("speedup_wall"))
+                cells.append(f"{c.get('gpu_ms', '-')} / {c['wall_ms']} (x{speed})")
+        lines.append(f"| {m} | {k}x{n} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def inductor_patched() -> bool:
+    """Whether torchao's convert_to_float8_training has patched inductor's min/max codegen (it does so
+    process-wide, the first time it runs; the product's compiled cases after it compile under it)."""
+    patch = sys.modules.get("torchao.float8._inductor_patch")
+    return bool(getattr(patch, "_PATCHED", False))
+
+
+LOGGED = ("wall_ms", "gpu_ms", "gpu_bound", "rel_err_y", "rel_err_dx", "weight_bytes", "retained_mb", "first_call_s", "error")
+
+
+def run_case(shape: Shape, variant: str, mode: str, clock: Clock, args: argparse.Namespace,
+             res: dict[str, Any]) -> dict[str, Any]:
+    """Build the variant's layer from the shape's dense one, measure it, add the case to `res`. An
+    error is the case's result; a torchao form that fails on the GPU is `unsupported` from then on."""
+    device = shape.device
+    case: dict[str, Any] = {"variant": variant, "mode": mode, "M": shape.m, "K": shape.k, "N": shape.n}
+    if variant.startswith("torchao") and device != "cuda":
+        case["emulated_on_cpu"] = True
+    try:
+        layer = MAKERS[variant](shape.dense, device)
+        case["layer"], case["weight_bytes"] = weight_kind(layer), weight_bytes(layer)
+        case["inductor_minmax_patched"] = inductor_patched()
+        case.update(measure(shape, layer, mode, clock, args))
+    except Exception as e:  # noqa: BLE001 - record it and go on with the other cases
+        case["error"] = f"{type(e).__name__}: {str(e).strip()[:500]}"
+        if variant.startswith("torchao") and device == "cuda":  # e.g. no input gradient through it
+            res["unsupported"][f"{variant} {mode}"] = f"unsupported: {case['error']}"
+    shape.x.grad = None
+    res["cases"].append(case)
+    res["summary"] = summarize(res["cases"])
+    return case
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu-dry", action="store_true", help="CPU, tiny shapes, aot_eager compile: the plumbing only")
-    ap.add_argument("--deadline", type=float, default=125.0, help="start no case after this many seconds")
+    ap.add_argument("--deadline", type=float, default=120.0, help="start no case after this many seconds (H200: ~140 s in all)")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per case (median)")
     ap.add_argument("--warmup", type=int, default=3, help="calls before timing (the first compiles)")
     ap.add_argument("--variants", default=",".join(TIER1 + TIER2), help="comma-separated, in priority tiers")
@@ -361,25 +416,9 @@ def main() -> None:
                     if time.time() > rec.deadline:
                         res["cut"].append(name)
                         continue
-                    case: dict[str, Any] = {"variant": variant, "mode": mode, "M": m, "K": k, "N": n}
-                    if variant.startswith("torchao") and device != "cuda":
-                        case["emulated_on_cpu"] = True
                     t = time.time()
-                    try:
-                        layer = MAKERS[variant](shape.dense, device)
-                        case["layer"], case["weight_bytes"] = weight_kind(layer), weight_bytes(layer)
-                        case.update(measure(shape, layer, mode, clock, args))
-                    except Exception as e:  # noqa: BLE001 - record it and go on with the other cases
-                        error = f"{type(e).__name__}: {str(e).strip()[:500]}"
-                        case["error"] = error
-                        if variant.startswith("torchao") and device == "cuda":  # a form that cannot give an input gradient
-                            res["unsupported"][f"{variant} {mode}"] = f"unsupported: {error}"
-                    shape.x.grad = None
-                    res["cases"].append(case)
-                    res["summary"] = summarize(res["cases"])
-                    rec.log(f"{name} ({time.time() - t:.1f}s): " + json.dumps(
-                        {k2: v2 for k2, v2 in case.items() if k2 in ("wall_ms", "gpu_ms", "gpu_bound", "rel_err_y", "rel_err_dx",
-                                                                     "weight_bytes", "retained_mb", "first_call_s", "error")})[:400])
+                    case = run_case(shape, variant, mode, clock, args, res)
+                    rec.log(f"{name} ({time.time() - t:.1f}s): " + json.dumps({k2: v2 for k2, v2 in case.items() if k2 in LOGGED})[:400])
                     rec.save()
                 shape.free()
                 if device == "cuda":
@@ -389,6 +428,8 @@ def main() -> None:
     for what, why in res["unsupported"].items():
         print(f"{what}: {why[:300]}")
     print(json.dumps(res.get("summary", {}), indent=1))
+    res["table_md"] = table(res["cases"])
+    print("cells: kernel ms / per-call ms (x bf16 kernel-time speedup, same mode)\n" + res["table_md"])
     res["total_s"] = round(time.time() - rec.start, 1)
     rec.save()
 
