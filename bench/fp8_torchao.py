@@ -399,7 +399,9 @@ def main() -> None:
     with torch_flags(True, False, True):
         for tier in tiers:
             for m, k, n in shapes:
-                todo = [(v, mode) for v in tier for mode in modes]
+                if why_not:
+                    res["skipped"].update({v: why_not for v in tier if v.startswith("torchao")})
+                todo = [(v, mode) for v in tier for mode in modes if not (why_not and v.startswith("torchao"))]
                 if not todo:
                     continue
                 if time.time() > rec.deadline:
@@ -408,9 +410,6 @@ def main() -> None:
                 shape = Shape(m, k, n, device, seed=m + k + n)
                 for variant, mode in todo:
                     name = f"{variant} {mode} {m}x{k}x{n}"
-                    if variant.startswith("torchao") and why_not:
-                        res["skipped"][variant] = why_not
-                        continue
                     if f"{variant} {mode}" in res["unsupported"]:
                         continue
                     if time.time() > rec.deadline:
