@@ -437,7 +437,7 @@ def _kind(data: dict[str, Any]) -> str:
         return "probe"
     if "checked_with" in data:
         return "meta"
-    if "micro" in data:
+    if "micro" in data or "torchao" in data:  # bench/fp8.py, bench/fp8_torchao.py: read in bench/fp8.md
         return "fp8"
     if data.get("rows") and "side" in data["rows"][0]:
         return "peers"
