@@ -15,6 +15,8 @@
 #   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
+#   L: torchao float8 against the product's fp8 layer (bench/fp8_torchao.py, torchao from .whl/extra), then
+#      FLUX.2 klein 1024 b1 nf4 train A/B: profiled, LoRA under bf16 autocast, cuDNN attention (product only)
 set -u
 phase=$1; secs=${2:-520}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -53,6 +55,11 @@ case $phase in
   J) bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
   K) timeout 120 python3 -m pytest -q -x tests/test_text_offload.py -k cuda > "$OUT/offload-cuda.log" 2>&1; tail -2 "$OUT/offload-cuda.log"
      bench 0 qwen-image K $(( $(left) - 30 )) --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/bf16-1024-b1' ;;
+  L) pip install -q --no-deps --no-compile --target /tmp/tao .whl/extra/torchao-*.whl
+     PYTHONPATH=/tmp/tao:$PYTHONPATH timeout 180 python3 bench/fp8_torchao.py --out "$OUT/fp8-torchao-h200.json" > "$OUT/fp8-torchao.log" 2>&1
+     tail -30 "$OUT/fp8-torchao.log"
+     PEERS_SIDES=product PEERS_TAG=ab PEERS_PRODUCT=nf4+profile,nf4+lorabf16+profile,nf4+cudnn,nf4+cudnn+lorabf16+profile \
+       PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
 esac
 grep -h "^\[bench\]" "$OUT"/bench-*.log 2>/dev/null | cut -c1-300
 ls -la "$OUT"

@@ -2,7 +2,7 @@
 # One side-by-side call on the H200 machine (bench/peers.md), results and logs in $OUT:
 #   bash bench/peers.sh klein|kontext [RES=1024] [BATCH=1] [STEPS=20]
 # PEERS_SIDES=product runs the product only; PEERS_PRODUCT=nf4,nf4+profile,... its train variants
-# (bench/peers.py VARIANT_FLAGS).
+# (bench/peers.py VARIANT_FLAGS); PEERS_TAG=x names the files peers-<which>-<res>-b<batch>-x.*.
 # after `pip install ... --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD`, with .whl and
 # .carry-peers carried. Builds the full-size random-weight pipeline in /dev/shm unless a warm machine
 # still has it (one family there at a time), then runs bench/peers.py within ~560 s of this script's start.
@@ -22,7 +22,7 @@ if [ ! -e "$m/model_index.json" ]; then
   echo "built $fam in $(( $(date +%s) - start )) s"
 fi
 left=$(( ${PEERS_BUDGET_S:-560} - ($(date +%s) - start) ))
-tag=$which-$res-b$batch
+tag=$which-$res-b$batch${PEERS_TAG:+-$PEERS_TAG}
 python3 bench/peers.py run --family $fam --model $m --data /tmp/peers-data/$which --res $res --batch $batch \
   --steps $steps --product-precisions ${PEERS_PRODUCT:-$prec} --sides ${PEERS_SIDES:-peer,product} --budget-s $left --peer-timeout-s $(( left * 45 / 100 )) \
   --out $OUT/peers-$tag.json > $OUT/peers-$tag.log 2>&1
