@@ -302,11 +302,10 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
 # ---- the product ---------------------------------------------------------------------------------
 
 
-# "<precision>+<flag>+...": a product train run with what each flag sets (A/B experiments beside the
-# plain row; the flags are the trainer's LORAPIPE_EXPERIMENT_* switches and a few train keys).
+# "<precision>+<flag>+...": a product train run with the train keys (and environment) each flag sets,
+# an A/B row beside the plain one.
 VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
-    "cudnn": ({"LORAPIPE_EXPERIMENT_CUDNN_ATTENTION": "1"}, {}),
-    "lorabf16": ({"LORAPIPE_EXPERIMENT_LORA_BF16": "1"}, {}),
+    "cudnn": ({}, {"train.cudnn_attention": True}),
     "nockpt": ({}, {"train.gradient_checkpointing": False}),
     "profile": ({}, {"train.profile_steps": 2}),
 }

@@ -384,7 +384,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
     """{"RESULTS.md": targets and one headline table per family, "APPENDIX.md": every table, profile
     and run}; both from the result files alone (plus the hand-written bench/analysis.md)."""
     kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": [],
-                                   "peers": []}
+                                   "peers": [], "dtype": []}
     for f in files:
         kind = _kind(json.loads(f.read_text()))
         kinds[kind].append(f if kind in ("bench", "multigpu", "memory") else json.loads(f.read_text()))
@@ -397,6 +397,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
 
         extra.append(multigpu_report(kinds["multigpu"]))
     extra += ["## Probe: full-width FLUX blocks, eager against CUDA graphs\n\n" + probe_section(kinds["probe"]) + "\n"]
+    extra += [dtype_section(d) for d in kinds["dtype"]]
     export = ("## Export key layout at full size (CPU, meta device)\n\n`python bench/verify_export.py --meta <family> "
               "--out bench/results/export-meta-<family>.json`\n\n" + meta_export_section(kinds["meta"]) + "\n")
     analysis = Path(__file__).with_name("analysis.md")
@@ -430,6 +431,22 @@ identically for. "x auto" is train samples/s over the same family's "auto" row.
 """
 
 
+def dtype_section(d: dict[str, Any]) -> str:
+    """bench/dtype_probe.py: one eager nf4 step per input dtype, and the profile of a checkpointed one."""
+    out = [f"## Probe: {d['family']} nf4 step, eager, {d['res']} px b1 ({d.get('device', '?')})\n",
+           "`python bench/dtype_probe.py --family " + d["family"] + f" --res {d['res']}` (bench/device.sh G). "
+           f"diffusers' `model.dtype` is {d['model.dtype']}; `lora.base_dtype` is {d['base_dtype']}.\n",
+           "| inputs cast to | step s (median) | peak GB | loss |", "|---|---|---|---|"]
+    out += [f"| {name} | {r['step_s_median']} | {r['peak_gb']} | {r['loss']:.6f} |" for name, r in d["rows"].items()]
+    prof = d.get("profile")
+    if prof:
+        out += ["", f"Two checkpointed `base_dtype` steps profiled: the longest kernels per step "
+                    f"({prof.get('ms_per_step', prof.get('cuda_ms_per_step'))} ms of kernels per step).\n",
+                "| ms | % | calls | kernel |", "|---|---|---|---|"]
+        out += [f"| {r['ms']} | {r['pct']} | {r['calls']} | `{r['name'][:90]}` |" for r in prof["top"][:12]]
+    return "\n".join(out) + "\n"
+
+
 def _kind(data: dict[str, Any]) -> str:
     """Which benchmark wrote a result file (each has its own layout)."""
     items = data.get("items", [])
@@ -439,6 +456,8 @@ def _kind(data: dict[str, Any]) -> str:
         return "meta"
     if "micro" in data or "torchao" in data:  # bench/fp8.py, bench/fp8_torchao.py: read in bench/fp8.md
         return "fp8"
+    if "base_dtype" in data:
+        return "dtype"
     if data.get("rows") and "side" in data["rows"][0]:
         return "peers"
     if items and "budget" in items[0]:

@@ -23,7 +23,7 @@ from stages.core import distributed, fastpath, faults, lora, memory, validation
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.model_source import model_source
 from stages.core.profiling import StepProfiler
-from stages.core.runtime import EXPERIMENTS, experiment, alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
+from stages.core.runtime import alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
 
@@ -226,8 +226,7 @@ class Trainer:
             meta = dataclasses.replace(meta, loss_mask=batch.mask.to(dev))
         if batch.controls:
             meta = dataclasses.replace(meta, controls=self.control_latents(batch))
-        with torch.autocast("cuda", torch.bfloat16, enabled=self.rt.is_cuda and experiment("LORA_BF16")):
-            return self.family.loss(denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg)
+        return self.family.loss(denoiser, x0, noise.to(dev), t.to(dev), cond, meta, self.tcfg)
 
     def control_latents(self, batch: Any) -> tuple[torch.Tensor, ...]:
         """Each control's normalized latents: a fresh posterior sample with the step's draws, or the
@@ -399,11 +398,8 @@ class Trainer:
     def fit(self, resume: bool, stop: Any, t0: float) -> dict[str, Any]:
         torch.manual_seed(self.cfg.seed)
         sweep_leftovers(self.lora_dir)  # temp folders of a killed save: never read, space only
-        on = [name for name in EXPERIMENTS if experiment(name)]
         with torch_flags(self.tcfg.enable_tf32, self.tcfg.cudnn_benchmark,
-                         disable_cudnn_attention="CUDNN_ATTENTION" not in on) as notes:
-            for name in on:
-                self.log.emit("warning", message=f"benchmark experiment LORAPIPE_EXPERIMENT_{name}=1 is on")
+                         disable_cudnn_attention=not self.tcfg.cudnn_attention) as notes:
             self.setup_model()
             self.attention = notes[0] if notes and self.rt.is_cuda else "default SDPA"
             for note in notes if self.rt.is_cuda else []:

@@ -20,8 +20,11 @@ TOP = 40
 
 def kernel_table(prof: Any, steps: int, cuda: bool, top: int = TOP) -> dict[str, Any]:
     """A finished profile's kernels (CUDA) or operators (CPU), summed by name, per step."""
+    from torch.autograd import DeviceType
+
     own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    events = [e for e in prof.key_averages() if own(e) > 0]
+    # on CUDA the kernels alone: a CPU operator (aten::mm, a graph replay) also carries its kernels' time
+    events = [e for e in prof.key_averages() if own(e) > 0 and (not cuda or e.device_type == DeviceType.CUDA)]
     total = sum(own(e) for e in events) or 1.0
     events.sort(key=own, reverse=True)
     h2d = sum(own(e) for e in events if "HtoD" in e.key)

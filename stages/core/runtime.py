@@ -101,23 +101,13 @@ def _set_flags(flags: dict[str, Any]) -> None:
 
 
 ATTENTION_NOTE = ("attention: cuDNN SDPA is off for this stage (its backward pass crashed on torch 2.11 + "
-                  "CUDA 13.0 on an H200); PyTorch uses flash or memory-efficient SDPA instead")
+                  "CUDA 13.0 on an H200); PyTorch uses flash or memory-efficient SDPA instead "
+                  "(train.cudnn_attention = true opts in)")
 
 
 def global_flags() -> dict[str, Any]:
     """The global torch settings a stage may change (the restore test compares these)."""
     return _flags()
-
-
-EXPERIMENTS = ("CUDNN_ATTENTION", "LORA_BF16")
-
-
-def experiment(name: str) -> bool:
-    """A benchmark-only A/B switch, `LORAPIPE_EXPERIMENT_<name>=1` (bench/peers.py's variant flags):
-    CUDNN_ATTENTION lets SDPA use cuDNN in train; LORA_BF16 runs the LoRA matmuls under bf16 autocast
-    (fp32 master weights) on CUDA. Not settings: the trainer warns when one is on."""
-    assert name in EXPERIMENTS, name
-    return os.environ.get(f"LORAPIPE_EXPERIMENT_{name}", "") == "1"
 
 
 @contextlib.contextmanager
