@@ -456,14 +456,23 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StageP
 
 
 # ---- applying a plan
-def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan) -> None:
+def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = None) -> None:
+    """Sliced and tiled encode as the plan says. Tiles are VAE_TILE_PIXELS square (`tile_px` instead:
+    tests and `bench/tiling.py --tiny` use small tiles so tiny images really tile), overlapping by a
+    quarter, as both diffusers tilings do by default; bench/tiling.py measures what tiling changes."""
     if plan.settings.get("sliced") and hasattr(vae, "enable_slicing"):
         vae.enable_slicing()
-    if plan.settings.get("tiled") and hasattr(vae, "enable_tiling"):
+    if not (plan.settings.get("tiled") and hasattr(vae, "enable_tiling")):
+        return
+    side = tile_px or VAE_TILE_PIXELS.get(type(vae).__name__, 512)
+    if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL(-Flux2) tiles at its sample_size (1024) by default
         vae.enable_tiling()
-        side = VAE_TILE_PIXELS.get(type(vae).__name__, 512)
-        if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL tiles at its sample_size (1024) by default
-            vae.tile_sample_min_size, vae.tile_latent_min_size = side, side // 8
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)  # 8 for the released VAEs
+        vae.tile_sample_min_size, vae.tile_latent_min_size = side, side // scale
+    elif hasattr(vae, "tile_sample_min_height"):  # the Qwen-Image VAEs: 256 px tiles every 192 px by default
+        vae.enable_tiling(side, side, side * 3 // 4, side * 3 // 4)
+    else:
+        vae.enable_tiling()
 
 
 def load_device(plan: StagePlan, rt: Any) -> Any:
