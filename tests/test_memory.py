@@ -116,6 +116,33 @@ def test_auto_precision_fits_whole_before_any_block_is_swapped(assets, demo_data
     assert one - bf16_whole >= memory.SWAP_EXTRA_GB
 
 
+def test_a_stage_process_builds_each_meta_component_once(assets, demo_data, tmp_path, monkeypatch):
+    """On a GPU a stage plans several times before it loads anything (its plan; the fingerprints of
+    its cache and the upstream ones, which ask what the stage would plan, and under "auto" plan train
+    too): each component is built on the meta device once per process, keyed by its class and
+    config, with the same plans as fresh builds; another config builds anew."""
+    from collections import Counter
+
+    from stages import cache_latents, encode_captions
+    from stages.core import runtime
+
+    monkeypatch.setattr(runtime, "pick_device", lambda name: torch.device("cuda"))  # plan as on a GPU (no CUDA call)
+    monkeypatch.setattr(memory, "_META_CACHE", {})
+    built, build = Counter(), memory._build_meta
+    monkeypatch.setattr(memory, "_build_meta", lambda cls, *a: built.update([cls.__name__]) or build(cls, *a))
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"captions.text_encoder_precision": "auto"})
+    family, src, budget = get_family("flux"), ModelSource(cfg.model, cfg.revision), memory.Budget(80.0, "auto")
+    encode_captions.fingerprint_parts(cfg), cache_latents.fingerprint_parts(cfg)  # what train's check_upstream asks
+    plans = {stage: memory.plan_for(cfg, family, src, budget, stage) for stage in memory.PLANNERS}
+    assert built == {"FluxTransformer2DModel": 1, "CLIPTextModel": 1, "T5EncoderModel": 1, "AutoencoderKL": 1}, built
+    monkeypatch.setattr(memory, "_META_CACHE", {})
+    assert {s: memory.plan_for(cfg, family, src, budget, s).to_dict() for s in plans} == \
+        {s: p.to_dict() for s, p in plans.items()}
+    deeper = make_cfg("flux", assets, demo_data, tmp_path, model=_deeper_flux(assets, tmp_path, 4, 8))
+    assert memory.plan_train(deeper, family, ModelSource(deeper.model), budget).settings["blocks"] == 12
+    assert built["FluxTransformer2DModel"] == 3  # the cleared cache, then the deeper config
+
+
 def test_caption_planner_lowers_batch_then_precision(assets, demo_data, tmp_path):
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"captions.text_encoder_precision": "auto",
                                                             "captions.batch_size": 8})
