@@ -1,6 +1,6 @@
 """What the tiled VAE encode that cache-latents falls back to changes in the posterior (issue 16).
 
-    python bench/tiling.py --out $OUT/tiling.json                  # H200: every distinct full-size VAE, ~1-2 min
+    python bench/tiling.py --out $OUT/tiling.json                  # H200: every distinct full-size VAE (--budget-s 140)
     python bench/tiling.py --tiny --out /tmp/tiling-tiny.json      # CPU plumbing: the tiny VAEs, 64 px tiles
 
 For each distinct VAE of the registered families (FLUX.1 = Z-Image = Kontext's AutoencoderKL, SDXL's,
@@ -169,6 +169,16 @@ def predicted_peaks(family: Any, vae: torch.nn.Module, side: int) -> dict[str, f
             if (t["vae_precision"], t["sliced"], t["tiled"]) == mode}
 
 
+def summary_line(name: str, side: int, e: dict[str, Any]) -> str:
+    t, b = e["tiled_vs_untiled"] or {}, e["bf16_vs_fp32_untiled"]
+    gb = lambda k: "-" if e[k] is None else f"{e[k]:.2f}"  # noqa: E731
+    return (f"{name:>14} {side:>5}px tiles {e['encoder_calls_tiled']:>3} | tiled: mean rel.rms {t.get('mean_rel_rms', math.nan):.2e} "
+            f"max {t.get('mean_max_abs', math.nan):.2e} ({t.get('mean_err_in_std_rms', math.nan):.2e} std rms), logvar rms "
+            f"{t.get('logvar_rms', math.nan):.2e} | bf16: mean rel.rms {b['mean_rel_rms']:.2e} | peak GB untiled/tiled/bf16 "
+            f"{gb('peak_gb_untiled')}/{gb('peak_gb_tiled')}/{gb('peak_gb_bf16')} | s {e['seconds_untiled']:.3f}/"
+            f"{e['seconds_tiled']:.3f}/{e['seconds_bf16']:.3f}")
+
+
 def measure(names: list[str], build: Callable[[str], torch.nn.Module], sizes: list[int], device: str,
             tile_px: int | None, repeats: int, deadline: float) -> dict[str, Any]:
     from stages import cache_latents
@@ -206,8 +216,7 @@ def measure(names: list[str], build: Callable[[str], torch.nn.Module], sizes: li
                for k in ("seconds", "peak_gb", "peak_above_weights_gb", "encoder_calls")},
             **{f"predicted_peak_gb_{k}": v for k, v in predicted_peaks(family, vae, side).items()}}
         row["sizes"][str(side)] = entry
-        print(json.dumps({"vae": names[0], "side": side, **{k: v for k, v in entry.items() if k != "bf16_vs_fp32_untiled"}}),
-              flush=True)
+        print(summary_line(names[0], side, entry), flush=True)
         del ref, til, low, pixels
         if device == "cuda":
             torch.cuda.empty_cache()
