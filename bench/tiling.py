@@ -15,7 +15,10 @@ own path: `family.encode_posterior` on the VAE after `memory.apply_vae_plan`:
 Per VAE and size: the posterior mean's max-abs and relative RMS error, the same in units of the
 posterior's own std (a training step samples mean + std * eps, so an error well under 1 std is
 buried in that noise), the logvar's errors (and how much of it sits at the [-30, 20] clamp), the
-peak GPU memory above the weights and the seconds of each encode, and the encoder calls (tiles).
+peak GPU memory (measured, and what the cache-latents planner predicts for that mode), the seconds
+of each encode, and the encoder calls (tiles). FLUX.2's and Qwen-Image 2.1's VAE classes have no
+memory.VAE_TILE_PIXELS entry, so the planner never tiles them (`planner_tiles_this_class`: false);
+they are measured with apply_vae_plan's tiling all the same (512 / 256 px tiles).
 
 The weights are random (bench/full_configs.py, each class's own init), not a trained VAE: the
 error's size depends on the weights (a trained encoder's GroupNorm statistics and mid-block
