@@ -212,18 +212,24 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
     return images
 
 
-def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts: list[str],
-                   size: tuple[int, int], rows: Rows) -> tuple[list[str], list[list[Any]], list[Any]]:
-    """The base column, then one per adapter file, each made the only active adapter in turn.
-    Edit families: a first column shows each row's (first) control image, the edit's input; the
-    latents the pipeline decoded, in render order, come back for `edit_error` (text-to-image: [])."""
+def load_controls(cfg: Any, rows: Rows) -> list[list[Any]] | None:
+    """Each edit row's control images, read once per sample run for the grid and `edit_errors`."""
     from stages.core import dataset
+
+    return None if rows is None else [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
+
+
+def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts: list[str],
+                   size: tuple[int, int], controls: list[list[Any]] | None) -> tuple[list[str], list[list[Any]], list[Any]]:
+    """The base column, then one per adapter file, each made the only active adapter in turn.
+    Edit families (`controls`: `load_controls`): a first column shows each row's (first) control
+    image, the edit's input; the latents the pipeline decoded, in render order, come back for
+    `edit_error` (text-to-image: [])."""
     from stages.core.events import Progress
     from stages.edit_error import decoded_latents
 
-    controls = None if rows is None else [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
     labels, cells = ["base"], []
-    record = decoded_latents(pipe.vae) if rows is not None else contextlib.nullcontext([])
+    record = decoded_latents(pipe.vae) if controls is not None else contextlib.nullcontext([])
     with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar, \
             record as decoded:
         cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
@@ -239,16 +245,14 @@ def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts
 
 
 def edit_errors(pipe: Any, cfg: Any, labels: list[str], decoded: list[Any], targets: list[Path] | None,
-                rows: Rows, size: tuple[int, int]) -> dict[str, Any]:
+                controls: list[list[Any]] | None, size: tuple[int, int]) -> dict[str, Any]:
     """Edit families: the columns' latent error to the targets and the LoRA's gain over the base
     (manifest keys `edit_error`, `edit_closer_percent`); {} for text-to-image families."""
     from stages import edit_error
-    from stages.core import dataset
     from stages.families import get_family
 
-    if rows is None or targets is None:
+    if controls is None or targets is None:
         return {}
-    controls = [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
     rendered = [label for label in labels if label != "control"]
     errors = edit_error.column_errors(pipe, get_family(cfg.family), rendered, decoded, targets, controls, size,
                                       cfg.data.background, len(cfg.sample.seeds))
@@ -271,8 +275,9 @@ def run(cfg: Any) -> dict[str, Any]:
             columns = adapters(cfg, Path(scratch))
             pipe, rt = load_pipeline(cfg, ctx.log)
             reset_peak(rt)
-            labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, edits)
-            scores = edit_errors(pipe, cfg, labels, decoded, targets, edits, size)
+            controls = load_controls(cfg, edits)
+            labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, controls)
+            scores = edit_errors(pipe, cfg, labels, decoded, targets, controls, size)
             rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
             grid = draw_grid(labels, rows, cells, tmp / GRID)
             ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),

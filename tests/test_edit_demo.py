@@ -65,16 +65,25 @@ def test_the_tiny_vae_is_a_near_exact_pixel_unshuffle(demo_model):
     assert torch.allclose(decoded, blocks, atol=2e-3)
 
 
-def test_after_the_demo_training_the_lora_applies_the_edit(demo_model, assets, edit_data, tmp_path):
+def test_after_the_demo_training_the_lora_applies_the_edit(demo_model, assets, edit_data, tmp_path, monkeypatch):
     """The demo config's training (its steps and LR) on the edit pairs, then the sample stage: the
     base reproduces the control (the tiny Kontext is set to), and the LoRA's outputs are much closer
-    to the targets than the base's, closer than the unedited control: it applied the edit."""
+    to the targets than the base's, closer than the unedited control: it applied the edit. Sample
+    reads each control image once (the grid and the edit errors share them)."""
+    from collections import Counter
+
+    from stages.core import dataset
+
     cfg = make_cfg(FAMILY, assets, edit_data, tmp_path, model=str(demo_model))  # the demo's config and model
     for stage in (encode_captions, cache_latents, train):
         stage.run(cfg)
     export_lora.run(cfg)
     cfg = dataclasses.replace(cfg, sample=SampleConfig(seeds=[0], steps=8))
+    reads, load_image = Counter(), dataset.load_image
+    monkeypatch.setattr(dataset, "load_image", lambda path, *a, **k: reads.update([str(path)]) or load_image(path, *a, **k))
     manifest = sample.run(cfg)
+    controls = [str(p) for _, row in sample.edit_rows(cfg) for p in row]
+    assert controls and {p: reads[p] for p in controls} == {p: 1 for p in controls}
     errors, final = manifest["edit_error"], manifest["columns"][-1]
     assert set(errors) == {"base", final, edit_error.CONTROL}
     assert abs(errors["base"] - errors[edit_error.CONTROL]) < 0.01 * errors[edit_error.CONTROL], errors

@@ -93,17 +93,37 @@ def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> 
 
 
 # ---- sizes from the meta device
+# (library, class, config.json) -> its meta module: one stage process plans several times before it
+# loads anything (its own plan; the fingerprints of its cache and the upstream ones, each of which
+# asks what the stage would plan, and under "auto" plans train as well), and a big denoiser or text
+# encoder takes 0.1-0.5 s to build on the meta device each time.
+_META_CACHE: dict[tuple[str, str, str], torch.nn.Module] = {}
+_META_CACHE_SIZE = 8
+
+
 def meta_component(src: Any, subfolder: str) -> torch.nn.Module:
-    """The component's module built from its config on the meta device (no weights, no memory)."""
+    """The component's module built from its config on the meta device (no weights, no memory),
+    once per process for each class and config (`_META_CACHE`). Shared: callers only read sizes
+    (`offload_placement` sets its dtype first, which no other size here reads)."""
     import importlib
+    import json
 
     library, class_name = src.component_config("", "model_index.json")[subfolder]
-    cls = getattr(importlib.import_module(library), class_name)
     config = src.component_config(subfolder)
+    key = (library, class_name, json.dumps(config, sort_keys=True))
+    if key in _META_CACHE:
+        _META_CACHE[key] = _META_CACHE.pop(key)  # most recently used last
+        return _META_CACHE[key]
+    module = _build_meta(getattr(importlib.import_module(library), class_name), library, config)
+    _META_CACHE[key] = module
+    while len(_META_CACHE) > _META_CACHE_SIZE:
+        _META_CACHE.pop(next(iter(_META_CACHE)))
+    return module
+
+
+def _build_meta(cls: type, library: str, config: dict[str, Any]) -> torch.nn.Module:
     with torch.device("meta"):
-        if library == "diffusers":
-            return cls.from_config(config)
-        return cls(cls.config_class.from_dict(config))
+        return cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
 
 
 def weight_bytes(module: torch.nn.Module, precision: str) -> float:
@@ -456,14 +476,23 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StageP
 
 
 # ---- applying a plan
-def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan) -> None:
+def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = None) -> None:
+    """Sliced and tiled encode as the plan says. Tiles are VAE_TILE_PIXELS square (`tile_px` instead:
+    tests and `bench/tiling.py --tiny` use small tiles so tiny images really tile), overlapping by a
+    quarter, as both diffusers tilings do by default; bench/tiling.py measures what tiling changes."""
     if plan.settings.get("sliced") and hasattr(vae, "enable_slicing"):
         vae.enable_slicing()
-    if plan.settings.get("tiled") and hasattr(vae, "enable_tiling"):
+    if not (plan.settings.get("tiled") and hasattr(vae, "enable_tiling")):
+        return
+    side = tile_px or VAE_TILE_PIXELS.get(type(vae).__name__, 512)
+    if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL(-Flux2) tiles at its sample_size (1024) by default
         vae.enable_tiling()
-        side = VAE_TILE_PIXELS.get(type(vae).__name__, 512)
-        if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL tiles at its sample_size (1024) by default
-            vae.tile_sample_min_size, vae.tile_latent_min_size = side, side // 8
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)  # 8 for the released VAEs
+        vae.tile_sample_min_size, vae.tile_latent_min_size = side, side // scale
+    elif hasattr(vae, "tile_sample_min_height"):  # the Qwen-Image VAEs: 256 px tiles every 192 px by default
+        vae.enable_tiling(side, side, side * 3 // 4, side * 3 // 4)
+    else:
+        vae.enable_tiling()
 
 
 def load_device(plan: StagePlan, rt: Any) -> Any:
