@@ -10,9 +10,10 @@ base | kept checkpoints | final LoRA, into artifacts/<run>/samples/grid.png) and
 and samples/s over steps into artifacts/<run>/report.png).
 
 The base model has random weights, so its images are noise: the grid shows that the adapter loads
-and changes the output the same way for every seed, not pretty pictures. FLUX.1 Kontext's demo model
-is the exception (its DEMO_MODEL_VARIANT, weights set so that the base reproduces the control): its
-grid shows the edit learnt, and the sample stage measures it (stages/edit_error.py).
+and changes the output the same way for every seed, not pretty pictures. The edit families' demo
+models are the exception (their DEMO_MODEL_VARIANT, weights set so that the base reproduces the
+control, stages/tiny/copy_edit.py): their grids show the edit learnt, and the sample stage measures
+it (stages/edit_error.py).
 """
 
 from __future__ import annotations
@@ -45,15 +46,24 @@ def build_assets(family: str) -> None:
         print(f"demo: building tiny {variant} pipeline in {model}", flush=True)
         build_tiny_pipeline(variant, model, seed=0)
     if demo_data_kind(family) == "edit":  # edit families: control -> target pairs (the shape turns blue)
-        data = ASSETS / "data-edit"
+        sizes = demo_edit_sizes(family)
+        data = ASSETS / ("data-edit" + "".join(f"-{w}x{h}" for w, h in sizes or ()))
         if not data.exists():
             print(f"demo: drawing the edit pairs in {data}", flush=True)
-            make_edit_dataset(data, n=12, seed=0)
+            make_edit_dataset(data, n=12, seed=0, **({"sizes": sizes} if sizes else {}))
         return
     data = ASSETS / "data"
     if not data.exists():
         print(f"demo: drawing the shapes dataset in {data}", flush=True)
         make_demo_dataset(data, n=12, seed=0)
+
+
+def demo_edit_sizes(family: str) -> tuple[tuple[int, int], ...] | None:
+    """The edit pairs' image sizes where the family names them (DEMO_EDIT_SIZES; its demo config reads
+    `data-edit-<w>x<h>...`), else None: make_edit_dataset's mixed aspects in `data-edit`."""
+    from stages.families import family_part
+
+    return getattr(family_part(family), "DEMO_EDIT_SIZES", None)
 
 
 def demo_data_kind(family: str) -> str:

@@ -1,8 +1,9 @@
-"""The edit demo learns the edit: the sample stage's `edit_error` (stages/edit_error.py) measures each
-column's latent distance to the targets; the tiny Kontext's base reproduces the control, and after the
-demo's training the LoRA's outputs are closer to the targets than the unedited control: the edit is
-learnt. The plumbing on flux-kontext's built run (conftest.built_run, the tests' random-weight model),
-the learning on the demo's own model ("flux-kontext-edit"), in-process."""
+"""The edit demos learn the edit: the sample stage's `edit_error` (stages/edit_error.py) measures each
+column's latent distance to the targets; each edit family's demo model (its DEMO_MODEL_VARIANT,
+stages/tiny/copy_edit.py) has a base that reproduces the control, and after the demo's training the
+LoRA's outputs are closer to the targets than the unedited control: the edit is learnt. The plumbing
+on flux-kontext's built run (conftest.built_run, the tests' random-weight model), the learning on the
+demo's own models ("flux-kontext-edit", "qwen-image-edit-edit") and data, in-process."""
 
 from __future__ import annotations
 
@@ -16,16 +17,26 @@ from conftest import make_cfg, tiny_model
 from stages import cache_latents, edit_error, encode_captions, export_lora, sample, train
 from stages.core import dataset
 from stages.core.config import SampleConfig
-from stages.families import get_family
+from stages.demo import demo_edit_sizes
+from stages.families import demo_model_variant, get_family
 
 FAMILY = "flux-kontext"
 on_kontext = pytest.mark.parametrize("built_run", [FAMILY], indirect=True)
-DEMO_MODEL = "flux-kontext-edit"  # stages/families/flux_kontext/tiny.py: the base reproduces the control
+EDIT_FAMILIES = ("flux-kontext", "qwen-image-edit")
+# normalized latent = gain x pixel-unshuffled image + offset (stages/families/<family>/tiny.py):
+# Kontext's VAE gives 2.5 x pixel, normalized by FLUX.1's (z - 0.1159) x 0.3611; Qwen's 0.9 x pixel after the Wan statistics
+LATENT_AFFINE = {"flux-kontext": (2.5 * 0.3611, -0.1159 * 0.3611), "qwen-image-edit": (0.9, 0.0)}
 
 
-@pytest.fixture(scope="module")
-def demo_model(assets):
-    return tiny_model(assets, DEMO_MODEL)
+@pytest.fixture(scope="module", params=EDIT_FAMILIES)
+def demo_family(request, assets, edit_data):
+    """(family, its demo model, its demo's edit pairs)."""
+    from stages.tiny.shapes import make_edit_dataset
+
+    family = request.param
+    sizes = demo_edit_sizes(family)
+    data = edit_data if sizes is None else make_edit_dataset(assets / f"data-edit-{family}", n=12, seed=0, sizes=sizes)
+    return family, tiny_model(assets, demo_model_variant(family)), data
 
 
 @on_kontext
@@ -51,30 +62,38 @@ def test_edit_error_is_zero_for_the_targets_own_latents(built_run):
         edit_error.column_errors(pipe, family, ["base"], own[:2], targets, controls, size, background, seeds=1)
 
 
-def test_the_tiny_vae_is_a_near_exact_pixel_unshuffle(demo_model):
-    """The tiny Kontext VAE (stages/families/flux_kontext/tiny.py): its posterior mean is 2.5 x the
-    2x2 pixel-unshuffled image, its std 5e-5, and it decodes a latent to each 2x2 block's mean."""
-    vae = diffusers.AutoencoderKL.from_pretrained(demo_model, subfolder="vae")
+def test_the_demo_vae_is_a_near_exact_pixel_unshuffle(demo_family):
+    """The demo model's VAE, encoded and normalized as training does: the latent's 12 pixel channels
+    are an affine map of the 2x2 pixel-unshuffled image, the other 4 constant, the posterior std
+    below 1e-4; it decodes a latent to each 2x2 block's mean."""
+    name, model, _ = demo_family
+    family = get_family(name)
+    vae = getattr(diffusers, family.vae_class).from_pretrained(model, subfolder="vae")
     pixels = torch.rand(1, 3, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    gain, offset = LATENT_AFFINE[name]
     with torch.no_grad():
-        dist = vae.encode(pixels).latent_dist
-        decoded = vae.decode(dist.mean).sample
-    assert torch.allclose(dist.mean[:, :12], 2.5 * torch.nn.functional.pixel_unshuffle(pixels, 2), atol=3e-3)
-    assert dist.mean[:, 12:].abs().max() == 0 and float(dist.std.max()) < 1e-4
+        mean, logvar = family.encode_posterior(vae, pixels)
+        latent = family.normalize_latents(mean, family.latent_normalization(vae))
+        frames = isinstance(vae, diffusers.AutoencoderKLQwenImage)  # a 3-D VAE decodes (B, C, T, H, W)
+        decoded = vae.decode(mean.unsqueeze(2) if frames else mean).sample.reshape(pixels.shape)
+    assert torch.allclose(latent[:, :12], gain * torch.nn.functional.pixel_unshuffle(pixels, 2) + offset, atol=3e-3)
+    assert torch.allclose(latent[:, 12:], torch.full_like(latent[:, 12:], offset), atol=1e-5)
+    assert float((logvar / 2).exp().max()) < 1e-4
     blocks = torch.nn.functional.avg_pool2d(pixels, 2).repeat_interleave(2, -1).repeat_interleave(2, -2)
     assert torch.allclose(decoded, blocks, atol=2e-3)
 
 
-def test_after_the_demo_training_the_lora_applies_the_edit(demo_model, assets, edit_data, tmp_path, monkeypatch):
-    """The demo config's training (its steps and LR) on the edit pairs, then the sample stage: the
-    base reproduces the control (the tiny Kontext is set to), and the LoRA's outputs are much closer
-    to the targets than the base's, closer than the unedited control: it applied the edit. Sample
-    reads each control image once (the grid and the edit errors share them)."""
+def test_after_the_demo_training_the_lora_applies_the_edit(demo_family, assets, tmp_path, monkeypatch):
+    """The demo config's training (its steps and LR) on the demo's edit pairs, then the sample stage:
+    the base reproduces the control (the demo model is set to), and the LoRA's outputs are much
+    closer to the targets than the base's, closer than the unedited control: it applied the edit.
+    Sample reads each control image once (the grid and the edit errors share them)."""
     from collections import Counter
 
     from stages.core import dataset
 
-    cfg = make_cfg(FAMILY, assets, edit_data, tmp_path, model=str(demo_model))  # the demo's config and model
+    name, model, data = demo_family
+    cfg = make_cfg(name, assets, data, tmp_path, model=str(model))  # the demo's config and model
     for stage in (encode_captions, cache_latents, train):
         stage.run(cfg)
     export_lora.run(cfg)

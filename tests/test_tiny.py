@@ -68,13 +68,15 @@ def test_generate_64(variant, loaded):
     if variant.startswith("flux-kontext"):  # text only; FluxKontextPipeline rescales to max_area (1024 x 1024) otherwise
         kwargs["max_area"] = 64 * 64
     context = contextlib.nullcontext()
-    if variant == "qwen-image-edit":  # an edit pipeline needs an image: a control sized for a 64 px output
+    if variant.startswith("qwen-image-edit"):  # an edit pipeline needs an image: a control sized for a 64 px output
         from PIL import Image
 
         from stages.families import get_family
 
         family = get_family("qwen-image-edit")
-        kwargs.update(family.sample_image_kwargs([Image.new("RGB", (64, 64), "red")], (64, 64)))
+        # not constant: the demo model ("qwen-image-edit-edit") reproduces its control
+        control = Image.linear_gradient("L").resize((64, 64)).convert("RGB")
+        kwargs.update(family.sample_image_kwargs([control], (64, 64)))
         context = family.sample_context((64, 64))
     with context:
         out = pipe(

@@ -4,7 +4,8 @@ Stages never branch on the family; they call the object `get_family(name)` retur
 the protocol in `stages.families.base`. Each family is a folder `stages/families/<family>/`:
 
     __init__.py   torch-free facts: config checks (`config_errors`), demo hints (DEMO_VARIANT, DEMO_CONFIG,
-                  and DEMO_DATA = "edit" for a family that trains on edit pairs)
+                  and DEMO_DATA = "edit" for a family that trains on edit pairs; optionally DEMO_MODEL_VARIANT,
+                  the demo's own tiny model, and DEMO_EDIT_SIZES, its edit pairs' sizes)
     family.py     the protocol class (the registry line points here), with its kohya layout
     tiny.py       its tiny random-weight pipeline(s) for tests and the demo
     full.py       its full-size architecture for bench/ (configs, text precision, FLOPs)
@@ -64,7 +65,7 @@ def demo_variant(name: str) -> str:
 
 def demo_model_variant(name: str) -> str:
     """The tiny pipeline `pipeline.py demo` builds: the family's DEMO_MODEL_VARIANT where it has one
-    (FLUX.1 Kontext's edit demo), else the tests' DEMO_VARIANT."""
+    (the edit families' demos), else the tests' DEMO_VARIANT."""
     return getattr(family_part(name), "DEMO_MODEL_VARIANT", demo_variant(name))
 
 

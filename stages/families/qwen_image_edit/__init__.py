@@ -8,9 +8,14 @@ from typing import Any
 from stages.families import checks
 
 PIPELINE_MAX_SEQUENCE_LENGTH = 1024  # QwenImageEditPlusPipeline.check_inputs refuses longer
-DEMO_VARIANT = "qwen-image-edit"
+DEMO_VARIANT = "qwen-image-edit"  # the tiny random-weight pipeline (stages/families/qwen_image_edit/tiny.py) the tests build
+DEMO_MODEL_VARIANT = "qwen-image-edit-edit"  # the demo's: its base reproduces the control, so the LoRA visibly learns the edit
 DEMO_CONFIG = "demo-qwen-image-edit.toml"
 DEMO_DATA = "edit"
+# Square pairs: the pipeline sizes a control to its own aspect over the target's area in multiples of 32
+# (calculate_dimensions), so at 64 px only a square control lines up token for token with its target,
+# which the demo model's copy of the control needs.
+DEMO_EDIT_SIZES = ((64, 64),)
 
 
 def config_errors(cfg: Any) -> list[str]:
