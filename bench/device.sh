@@ -16,7 +16,8 @@
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 #   L: torchao float8 against the product's fp8 layer (bench/fp8_torchao.py, torchao from .whl/extra), then
-#      FLUX.2 klein 1024 b1 nf4 train A/B: profiled, LoRA under bf16 autocast, cuDNN attention (product only)
+#      FLUX.2 klein 1024 b1 nf4 train A/B: profiled, cuDNN attention (product only; the 2026-12-01 run also had
+#      a since-removed LoRA-under-bf16-autocast switch)
 #   M: H within all but ~170 s, then T
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
@@ -60,7 +61,7 @@ case $phase in
   L) pip install -q --no-deps --no-compile --target /tmp/tao .whl/extra/torchao-*.whl
      PYTHONPATH=/tmp/tao:$PYTHONPATH timeout 180 python3 bench/fp8_torchao.py --out "$OUT/fp8-torchao-h200.json" > "$OUT/fp8-torchao.log" 2>&1
      tail -30 "$OUT/fp8-torchao.log"
-     PEERS_SIDES=product PEERS_TAG=ab PEERS_PRODUCT=nf4+profile,nf4+lorabf16+profile,nf4+cudnn,nf4+cudnn+lorabf16+profile \
+     PEERS_SIDES=product PEERS_TAG=ab PEERS_PRODUCT=nf4+profile,nf4+cudnn+profile \
        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   M) PEERS_BUDGET_S=$(( $(left) - 175 )) bash bench/peers.sh kontext 1024 1 15
      timeout $(( $(left) - 5 )) python3 bench/tiling.py --budget-s $(( $(left) - 25 )) --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
