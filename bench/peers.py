@@ -253,6 +253,8 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
     path = [str(SITE)] + ([] if _datasets_available() else [str(DATASETS_STANDIN)]) + extra
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "LORAPIPE_PEER_STEPS": str(steps_file),
            "PYTHONPATH": os.pathsep.join(path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    if a.peer_no_cudnn_sdpa:
+        env["LORAPIPE_PEER_NO_CUDNN_SDPA"] = "1"
     tv = _imports("torchvision", {**env, "LORAPIPE_PEER_STEPS": ""})
     if not tv:  # e.g. a CUDA torchvision wheel beside a CPU torch: skip its C-op registrations
         env["LORAPIPE_PEER_TV_STANDIN"] = "1"
@@ -263,7 +265,8 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
                            "precision": "fp32" if a.tiny else ("nf4" if PEERS[fam].nf4 else "bf16"),
                            "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                            "datasets": "installed" if _datasets_available() else "bench/peer_datasets stand-in",
-                           "torchvision": "ok" if tv else "C ops skipped (CPU stand-in)"}
+                           "torchvision": "ok" if tv else "C ops skipped (CPU stand-in)",
+                           "cudnn_sdpa": "off (as the product's train stage)" if a.peer_no_cudnn_sdpa else "torch's default"}
     lora = out_dir / "pytorch_lora_weights.safetensors"
     t0 = time.time()
     timeout = max(30.0, min(a.peer_timeout_s, left))
@@ -440,6 +443,9 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=20)
     r.add_argument("--warmup", type=int, default=3, help="steps left out of the steady step time (both sides)")
     r.add_argument("--text-tokens", type=int, default=512, help="caption length, both sides (the scripts' default)")
+    r.add_argument("--peer-no-cudnn-sdpa", action="store_true",
+                   help="turn cuDNN SDPA off in the script's process (the product's train default); the Kontext "
+                        "script's backward died in it on torch 2.11 + CUDA 13")
     r.add_argument("--product-precisions", default="nf4", help="base precisions of the product's train runs, e.g. nf4,bf16")
     r.add_argument("--sides", default="peer,product")
     r.add_argument("--peer-no-cache-latents", action="store_true", help="let the script encode latents every step")

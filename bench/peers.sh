@@ -10,7 +10,8 @@ set -u
 which=$1; res=${2:-1024}; batch=${3:-1}; steps=${4:-20}
 case $which in
   klein) fam=flux2-klein; prec=nf4 ;;
-  kontext) fam=flux-kontext; prec=nf4,bf16 ;;  # the Kontext script trains a bf16 base: the product's bf16 row too
+  # Kontext: the script trains a bf16 base (the product's bf16 row too); its backward died in cuDNN SDPA
+  kontext) fam=flux-kontext; prec=nf4,bf16; peer_flags=--peer-no-cudnn-sdpa ;;
   *) echo "usage: bash bench/peers.sh klein|kontext [res] [batch] [steps]"; exit 2 ;;
 esac
 start=$(date +%s)
@@ -24,7 +25,7 @@ fi
 left=$(( ${PEERS_BUDGET_S:-560} - ($(date +%s) - start) ))
 tag=$which-$res-b$batch${PEERS_TAG:+-$PEERS_TAG}
 python3 bench/peers.py run --family $fam --model $m --data /tmp/peers-data/$which --res $res --batch $batch \
-  --steps $steps --product-precisions ${PEERS_PRODUCT:-$prec} --sides ${PEERS_SIDES:-peer,product} --budget-s $left --peer-timeout-s $(( left * 45 / 100 )) \
+  --steps $steps ${peer_flags:-} --product-precisions ${PEERS_PRODUCT:-$prec} --sides ${PEERS_SIDES:-peer,product} --budget-s $left --peer-timeout-s $(( left * 45 / 100 )) \
   --out $OUT/peers-$tag.json > $OUT/peers-$tag.log 2>&1
 echo "rc $? after $(( $(date +%s) - start )) s"
 grep -h "^\[peers\]" $OUT/peers-$tag.log | cut -c1-400

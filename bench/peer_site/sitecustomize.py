@@ -1,4 +1,4 @@
-"""Put on PYTHONPATH of a peer training script by bench/peers.py: measures it from inside, changes nothing.
+"""Put on PYTHONPATH of a peer training script by bench/peers.py: measures it from inside (and, asked, turns cuDNN SDPA off).
 
 After every optimizer step (torch's global step post-hook, so any optimizer, wrapped by accelerate or
 not) it appends one JSON line to $LORAPIPE_PEER_STEPS: the step's end time (after a CUDA synchronize)
@@ -6,6 +6,8 @@ and the peak CUDA memory since the previous step's end (max_memory_allocated/res
 step's peak covers exactly its own forward, backward and update. At exit it writes the peak of the
 whole process. With LORAPIPE_PEER_TV_STANDIN=1 (CPU machines whose torchvision wheel was built for
 CUDA and cannot load its C ops) it skips torchvision's fake-op registrations so `transforms` imports.
+With LORAPIPE_PEER_NO_CUDNN_SDPA=1 it turns cuDNN's SDPA backend off, as the product's train stage
+does: on torch 2.11 + CUDA 13 the Kontext script's first backward died in it (illegal memory access).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def _install() -> None:
         write({"event": "step", "step": state["n"], "t": t, "wall": time.time(), "peak_alloc_gb": a, "peak_reserved_gb": r})
 
     register_optimizer_step_post_hook(hook)
+    if os.environ.get("LORAPIPE_PEER_NO_CUDNN_SDPA") == "1":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     @atexit.register
     def _exit() -> None:
