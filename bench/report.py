@@ -384,7 +384,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
     """{"RESULTS.md": targets and one headline table per family, "APPENDIX.md": every table, profile
     and run}; both from the result files alone (plus the hand-written bench/analysis.md)."""
     kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": [],
-                                   "peers": [], "dtype": []}
+                                   "peers": [], "dtype": [], "tiling": []}
     for f in files:
         kind = _kind(json.loads(f.read_text()))
         kinds[kind].append(f if kind in ("bench", "multigpu", "memory") else json.loads(f.read_text()))
@@ -397,7 +397,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
 
         extra.append(multigpu_report(kinds["multigpu"]))
     extra += ["## Probe: full-width FLUX blocks, eager against CUDA graphs\n\n" + probe_section(kinds["probe"]) + "\n"]
-    extra += [dtype_section(d) for d in kinds["dtype"]]
+    extra += [dtype_section(d) for d in kinds["dtype"]] + [tiling_section(d) for d in kinds["tiling"]]
     export = ("## Export key layout at full size (CPU, meta device)\n\n`python bench/verify_export.py --meta <family> "
               "--out bench/results/export-meta-<family>.json`\n\n" + meta_export_section(kinds["meta"]) + "\n")
     analysis = Path(__file__).with_name("analysis.md")
@@ -447,6 +447,26 @@ def dtype_section(d: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def tiling_section(d: dict[str, Any]) -> str:
+    """bench/tiling.py: what the tiled encode (cache-latents' last resort) changes in the posterior."""
+    out = [f"## Tiled VAE encode against untiled ({d.get('device', '?')}, {d.get('weights', '')})\n",
+           f"`python bench/tiling.py --out tiling.json` ({d.get('seconds')} s). One synthetic image ({d.get('image')}), "
+           f"{d.get('precision')}, each through the product's `family.encode_posterior` after `memory.apply_vae_plan`. "
+           "Error = relative RMS of the posterior mean against the untiled fp32 one.\n",
+           "| VAE (families) | px | tiles | tiled: mean rel. RMS | tiled: logvar RMS | bf16: mean rel. RMS | "
+           "peak GB untiled / tiled / bf16 | planner tiles it |", "|---|---|---|---|---|---|---|---|"]
+    for v in d["vaes"]:
+        for px, s in v.get("sizes", {}).items():
+            if "tiled_vs_untiled" not in s:
+                continue
+            t, b = s["tiled_vs_untiled"], s["bf16_vs_fp32_untiled"]
+            out.append(f"| {v['vae_class']} ({', '.join(v['families'])}) | {px} | {s.get('encoder_calls_tiled')} | "
+                       f"{t['mean_rel_rms']:.3f} | {t['logvar_rms']:.3f} | {b['mean_rel_rms']:.3f} | "
+                       f"{s['peak_gb_untiled']:.2f} / {s['peak_gb_tiled']:.2f} / {s['peak_gb_bf16']:.2f} | "
+                       f"{'yes' if v.get('planner_tiles_this_class') else 'no'} |")
+    return "\n".join(out) + "\n"
+
+
 def _kind(data: dict[str, Any]) -> str:
     """Which benchmark wrote a result file (each has its own layout)."""
     items = data.get("items", [])
@@ -458,6 +478,8 @@ def _kind(data: dict[str, Any]) -> str:
         return "fp8"
     if "base_dtype" in data:
         return "dtype"
+    if "vaes" in data:
+        return "tiling"
     if data.get("rows") and "side" in data["rows"][0]:
         return "peers"
     if items and "budget" in items[0]:
