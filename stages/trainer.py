@@ -420,6 +420,7 @@ class Trainer:
         with distributed.progress(self.dist, "train", tcfg.steps - start, "steps") as bar:
             while step < tcfg.steps:
                 if self._stop_requested(stop):
+                    profiler.close()  # stopped inside the profiled steps: no partial table
                     return self._stopped(step, stop.save and step > start, stats, t0)  # no step: nothing new
                 profiler.before(step)
                 loss, lr, n = self.step()
@@ -439,6 +440,7 @@ class Trainer:
                 faults.hit("train")
                 if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < tcfg.steps:
                     self.save_checkpoint(step)
+        profiler.close()  # the run ended inside the profiled steps
         summary = self._summary(stats, t0)
         if self.saved_step != step:
             self.save_checkpoint(step)

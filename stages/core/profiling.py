@@ -62,6 +62,12 @@ class StepProfiler:
             self._ctx = profiled(self.steps, self.cuda)
             self._get = self._ctx.__enter__()
 
+    def close(self) -> None:
+        """Stop an unfinished profile (the run stopped or failed inside it); nothing is written."""
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+
     def after(self, done: int) -> dict[str, Any] | None:
         """The table once the profiled steps are done (and written to `path`), else None."""
         if self._ctx is None or done < self.first + self.steps:
