@@ -19,6 +19,8 @@
 #      FLUX.2 klein 1024 b1 nf4 train A/B: profiled, cuDNN attention (product only; the 2026-12-01 run also had
 #      a since-removed LoRA-under-bf16-autocast switch)
 #   M: H within all but ~170 s, then T
+#   N: H again with the whole call (both sides and both product rows in one run: 2026-12-01 got them in two calls)
+#   O: the edit families' own rows (flux-kontext, then qwen-image-edit): encode, latents, train nf4/bf16, export
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -66,6 +68,8 @@ case $phase in
   M) PEERS_BUDGET_S=$(( $(left) - 175 )) bash bench/peers.sh kontext 1024 1 15
      timeout $(( $(left) - 5 )) python3 bench/tiling.py --budget-s $(( $(left) - 25 )) --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      tail -5 "$OUT/tiling.log" ;;
+  N) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  O) bench 0 flux-kontext O $(( $(left) / 2 - 20 )) --keep; bench 0 qwen-image-edit O $(( $(left) - 30 )) --keep ;;
   T) timeout 240 python3 bench/tiling.py --budget-s 140 --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      grep -v "kept in float32" "$OUT/tiling.log" | tail -20 ;;
 esac
