@@ -33,11 +33,15 @@ def artifact_dir(cfg: Any) -> Path:
     return cfg.run_dir / "latents.zarr"
 
 
-def layout_parts(cfg: Any) -> dict[str, Any]:
-    from stages.core.memory import planned_vae_precision  # a budget too small for the configured VAE lowers it
+def layout_parts(cfg: Any, vae_plan: Any = None) -> dict[str, Any]:
+    """What every row of the cache depends on. The VAE's precision and tiling are the ones `vae_plan`
+    encodes with (the run's own plan), else the ones cache-latents plans for `cfg` (what train expects)."""
+    from stages.core.memory import planned_vae  # a small budget lowers the VAE's precision, then tiles
     from stages.families import get_family
 
     family = get_family(cfg.family)
+    vae = vae_plan.settings if vae_plan is not None else planned_vae(cfg, family)
+    vae = vae or {"vae_precision": cfg.latents.vae_precision, "tiled": False}  # CPU: as configured
     src = model_source(cfg)
     d = cfg.data
     # rows: 2 = each row holds the loss mask of every variant beside its latents (older caches rebuild)
@@ -48,7 +52,9 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
             **dataset.latent_reference(cfg),
             "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "background": d.background, "seed": cfg.seed,
             "dtype": cfg.latents.dtype,
-            "vae_precision": planned_vae_precision(cfg, family) or cfg.latents.vae_precision,
+            "vae_precision": vae["vae_precision"],
+            # a tiled encode gives other numbers (bench/tiling.py); untiled adds no key, so older caches stay valid
+            **({"vae_tiled": True} if vae.get("tiled") else {}),
             # merged buckets depend on the batch they fill; off adds no key, so older caches stay valid
             **({"bucket_merge": cfg.train.batch_size} if d.bucket_merge else {}),
             # [[datasets]] with their own resolution or variants; a plain data.path adds no key
@@ -206,13 +212,16 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
 
     install_model_trace(NAME)
     with running_stage(cfg, NAME) as ctx:
+        configured = cfg
         cfg, vae_plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's VAE settings
         buckets = check(cfg)
         out = artifact_dir(cfg)
         if force and ctx.dist.is_main:
             remove_dir(out)  # only now that the config is known to work
         items = scan_items(cfg, ctx.log)
-        layout_fp = fingerprint(layout_parts(cfg))
+        layout = layout_parts(cfg, vae_plan)  # what the rows really are, tiled or not
+        forced = _forced(ctx, configured, vae_plan, layout)
+        layout_fp = fingerprint(layout)
         plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log)
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)
         for image_id, (_, _, bucket) in sorted(plan.items()):
@@ -229,10 +238,28 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo)}
         skipped += [(key, reason) for _, key, reason in sorted(s for part in gathered for s in part)]
         n_encoded = len(todo) - sum(len(part) for part in gathered)  # images that failed to load were not encoded
-        manifest = _write(ctx, cfg, items, plan, by_bucket, encoded, skipped, duplicates, n_encoded)
+        manifest = _write(ctx, cfg, items, plan, by_bucket, encoded, skipped, duplicates, n_encoded, layout, forced)
         _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped))
         return manifest
+
+
+def _forced(ctx: Any, configured: Any, vae_plan: Any, layout: dict[str, Any]) -> dict[str, Any] | None:
+    """Under "auto", the layout parts the free memory forced (a lower VAE precision, a tiled encode),
+    which the config's own layout (what train and status expect) does not have: {"parts", "message"}
+    for the manifest, with a warning now. Train accepts such a cache with that warning (memory had no
+    other plan), `run` and `status` count it stale, and a rerun with enough free memory re-encodes it."""
+    from stages.core import memory
+
+    message = memory.forced_by_memory(configured, vae_plan)
+    if message is None:
+        return None
+    expected = layout_parts(configured)
+    parts = {k: v for k, v in layout.items() if expected.get(k) != v}
+    if set(expected) - set(layout) or not parts:
+        return None  # nothing the config's layout would not also say (the budget plans alike for both)
+    ctx.log.emit("warning", message=message)
+    return {"parts": parts, "message": message}
 
 
 def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], stores: dict[Bucket, RowStore | None],
@@ -341,8 +368,10 @@ def _check_control_shapes(store: RowStore, posteriors: dict[str, Any], item: dat
 
 
 def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket: dict[Bucket, list[str]],
-           encoded: dict[str, Any], skipped: list[tuple[str, str]], duplicates: dict, n_encoded: int) -> dict[str, Any]:
-    """The manifest (rank 0): every image id whose row is written, by bucket and row."""
+           encoded: dict[str, Any], skipped: list[tuple[str, str]], duplicates: dict, n_encoded: int,
+           layout: dict[str, Any], forced: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest (rank 0): every image id whose row is written, by bucket and row; `forced`: what the
+    free memory forced (`_forced`), absent otherwise."""
     from stages.core.runtime import peak_vram_gb
 
     skipped_keys = {key for key, _ in skipped}
@@ -356,7 +385,7 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
                       if plan[image_id][0].key not in skipped_keys and written[rows[image_id]]})
     # Every scanned image counts as an input, skipped ones too (they are listed as skipped):
     # otherwise a run with a skipped image would never be up to date.
-    parts = {**layout_parts(cfg), "images": sorted({it.latent_key for it in items})}
+    parts = {**layout, "images": sorted({it.latent_key for it in items})}
     n_var, datasets = variants_stored(cfg), cfg.dataset_configs()
     fewer = {i: datasets[it.dataset].cache_variants for i, (it, _, _) in plan.items()
              if i in index and datasets[it.dataset].cache_variants < n_var}
@@ -365,6 +394,7 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
         fingerprint_parts=parts, index=index, items={it.key: it.latent_key for it in items if it.latent_key in index},
         buckets={str(b): len(ids) for b, ids in sorted(by_bucket.items())},
         normalization=encoded["normalization"], variants=n_var, **({"variants_of": fewer} if fewer else {}),
+        **({"memory_forced": forced} if forced else {}),
         skipped=[{"item": k, "reason": r} for k, r in skipped], duplicates=duplicates,
         warnings=[{"item": it.key, "message": note} for it, size, bucket in plan.values()
                   for note in dataset.size_notes(it.key, size, bucket, cfg.data.max_aspect)],

@@ -88,12 +88,21 @@ def refuse_unfinished(cfg: Any) -> None:
             f"nothing is deleted)")
 
 
-def check_upstream(cfg: Any) -> None:
-    """Refuse to train on missing or stale caches, saying which stage to rerun and why."""
-    from stages.core.stage import staleness
+def check_upstream(cfg: Any, log: Any = None) -> None:
+    """Refuse to train on missing or stale caches, saying which stage to rerun and why. A cache that
+    differs only by what the free GPU memory forced on it (tiled latents under "auto") is used, with
+    a warning saying so and what re-encodes it as configured."""
+    from stages.core.stage import accepted_as_forced, staleness
 
-    stale = [(module, reasons) for module in (encode_captions, cache_latents)
-             for ok, reasons in [staleness(module, cfg)] if not ok]
+    stale = []
+    for module in (encode_captions, cache_latents):
+        ok, reasons = staleness(module, cfg)
+        forced = None if ok else accepted_as_forced(module, cfg)
+        if forced and log is not None:
+            log.emit("warning", message=f"training on {module.artifact_dir(cfg).name} as it is: {forced} "
+                                        f"(`{command(cfg, module.NAME)}`)")
+        if not ok and not forced:
+            stale.append((module, reasons))
     if stale:
         why = "; ".join(f"{m.artifact_dir(cfg).name}: {'; '.join(r)[:300]}" for m, r in stale)
         rerun = " and ".join(f"`{command(cfg, m.NAME)}`" for m, _ in stale)
@@ -111,7 +120,7 @@ def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]
     install_model_trace(NAME)
     resume = (resume or cfg.train.resume == "auto") and not restart
     with running_stage(cfg, NAME) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
-        check_upstream(cfg)
+        check_upstream(cfg, ctx.log)
         if not resume and not restart:
             refuse_unfinished(cfg)
         trainer = Trainer(cfg, ctx.log, ctx.dist)

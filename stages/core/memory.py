@@ -431,18 +431,25 @@ def with_plan(cfg: Any, plan: StagePlan) -> Any:
     return dataclasses.replace(cfg, train=train)
 
 
-def _planned(cfg: Any, family: Any, stage: str, key: str) -> str | None:
-    """The setting `key` that `stage` plans for `cfg` on a GPU (None on CPU), without measuring free
-    memory, so the fingerprint a later stage checks is the one this stage wrote. Under "auto" it
-    assumes the free memory exceeds train's peak."""
-    from stages.core.model_source import model_source
+def plans_for_gpu(cfg: Any) -> bool:
+    """Whether `cfg`'s stages plan for a GPU budget (its device is CUDA; tests simulate one here)."""
     from stages.core.runtime import pick_device
 
-    if pick_device(cfg.device).type != "cuda":
+    return pick_device(cfg.device).type == "cuda"
+
+
+def _planned(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
+    """The settings `stage` plans for `cfg` on a GPU (None on CPU), without measuring free memory,
+    so the fingerprint a later stage checks is the one this stage wrote. Under "auto" it assumes the
+    free memory exceeds train's peak (when it did not, the stage records what it forced:
+    `forced_by_memory`)."""
+    from stages.core.model_source import model_source
+
+    if not plans_for_gpu(cfg):
         return None
     value = parse_budget(cfg.gpu.vram_budget_gb)
     budget = Budget(float("inf"), "auto") if value == "auto" else Budget(float(value), "cap")
-    return plan_for(cfg, family, model_source(cfg), budget, stage).settings[key]
+    return plan_for(cfg, family, model_source(cfg), budget, stage).settings
 
 
 def planned_caption_precision(cfg: Any, family: Any) -> str | None:
@@ -450,13 +457,37 @@ def planned_caption_precision(cfg: Any, family: Any) -> str | None:
     refused nf4 captions as stale because it resolved "auto" to bf16)."""
     if cfg.captions.text_encoder_precision != "auto":
         return None
-    return _planned(cfg, family, "encode-captions", "text_encoder_precision")
+    return (_planned(cfg, family, "encode-captions") or {}).get("text_encoder_precision")
+
+
+def planned_vae(cfg: Any, family: Any) -> dict[str, Any] | None:
+    """The VAE settings cache-latents plans (None on CPU): a budget too small for the configured
+    precision lowers it, a smaller one tiles the encode (train refused such latents as stale while it
+    expected the configured precision)."""
+    return _planned(cfg, family, "cache-latents")
 
 
 def planned_vae_precision(cfg: Any, family: Any) -> str | None:
-    """The VAE precision cache-latents plans (a budget too small for the configured one lowers it: train
-    refused such latents as stale while it expected the configured precision)."""
-    return _planned(cfg, family, "cache-latents", "vae_precision")
+    return (planned_vae(cfg, family) or {}).get("vae_precision")
+
+
+def forced_by_memory(cfg: Any, plan: StagePlan) -> str | None:
+    """Why an "auto" cache-latents `plan` stores other numbers than `cfg` (as configured, before the
+    plan) asks, naming the free memory that would avoid it; None when it does not. Only the free
+    memory can force this: a cap gives the same plan at every stage, so the layout train expects."""
+    if plan.stage != "cache-latents" or plan.budget.source != "auto" or not _forced_only(cfg, plan):
+        return None
+    configured = "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
+    what = " and ".join(w for w, forced in [(f"the VAE in {plan.settings['vae_precision']}",
+                                             plan.settings["vae_precision"] != configured),
+                                            ("a tiled encode", plan.settings["tiled"])] if forced)
+    need = min(t["predicted_peak_gb"] for t in plan.tried
+               if t["vae_precision"] == configured and not t["tiled"]) * FRAGMENTATION
+    return (f"the free GPU memory forced {what} on cache-latents ('auto' budget {plan.budget.gb:.2f} GB, the free "
+            f"memory at its start less {AUTO_MARGIN_GB} GB; the configured {configured} untiled encode needs "
+            f"{need:.2f} GB), so these latents are other numbers than the configured ones (tiling moved random-weight "
+            f"VAEs' posterior mean by 12-85 % relative RMS, bf16 by 1.5-3 %: bench/results/tiling-h200.json); "
+            f"to re-encode them as configured, rerun cache-latents with {need + AUTO_MARGIN_GB:.1f} GB of GPU memory free")
 
 
 def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StagePlan]:

@@ -34,7 +34,8 @@ MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
                              "variants": "integer", "skipped": "array", "duplicates": "object",
                              "warnings": "array", "encoded_this_run": "integer"},
                 # latent id -> variants cached, where datasets cache different numbers ("variants": the most)
-                "optional": {**_COST, "variants_of": "object"}},
+                # the layout parts the free memory forced on an "auto" run, and why (cache_latents._forced)
+                "optional": {**_COST, "variants_of": "object", "memory_forced": "object"}},
     "checkpoint": {"required": {**_PROVENANCE, "kind": "string", "step": "integer"}, "optional": _COST, "extra": True},
     "final": {"required": {**_PROVENANCE, "kind": "string", "step": "integer", "complete": "boolean"},
               "optional": _COST, "extra": True},

@@ -110,6 +110,27 @@ def staleness(stage_module: Any, cfg: Any) -> tuple[bool, list[str]]:
     if manifest.get("fingerprint") == fingerprint(parts):
         damaged = getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])(cfg, manifest)
         return not damaged, damaged
+    if forced_only(manifest, parts):
+        return False, [manifest["memory_forced"]["message"]]
     old = manifest.get("fingerprint_parts", {})
     reasons = [describe_change(k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
     return False, reasons or ["fingerprint changed"]
+
+
+def forced_only(manifest: dict[str, Any], parts: dict[str, Any]) -> bool:
+    """Whether the artifact differs from what `parts` (the config's) asks only by the settings the
+    free GPU memory forced on the run that wrote it (its manifest's `memory_forced`)."""
+    forced = manifest.get("memory_forced")
+    return bool(forced) and manifest.get("fingerprint") == fingerprint({**parts, **forced["parts"]})
+
+
+def accepted_as_forced(stage_module: Any, cfg: Any) -> str | None:
+    """A later stage may use an artifact that is stale only because the free memory forced its
+    settings (no other plan fitted; `staleness` still counts it stale, so `run` retries it): the
+    manifest's message when that is the case and no row is damaged, else None."""
+    manifest = read_manifest(stage_module.artifact_dir(cfg))
+    if manifest is None or not manifest.get("complete", True) or not forced_only(manifest, stage_module.fingerprint_parts(cfg)):
+        return None
+    if getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])(cfg, manifest):
+        return None
+    return manifest["memory_forced"]["message"]
