@@ -222,6 +222,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         layout = layout_parts(cfg, vae_plan)  # what the rows really are, tiled or not
         forced = _forced(ctx, configured, vae_plan, layout)
         layout_fp = fingerprint(layout)
+        _same_plan_on_every_rank(ctx, layout_fp, vae_plan)
         plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log)
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)
         for image_id, (_, _, bucket) in sorted(plan.items()):
@@ -260,6 +261,19 @@ def _forced(ctx: Any, configured: Any, vae_plan: Any, layout: dict[str, Any]) ->
         return None  # nothing the config's layout would not also say (the budget plans alike for both)
     ctx.log.emit("warning", message=message)
     return {"parts": parts, "message": message}
+
+
+def _same_plan_on_every_rank(ctx: Any, layout_fp: str, vae_plan: Any) -> None:
+    """Under "auto" each GPU plans from its own free memory: GPUs that would encode other numbers
+    (one tiled, one not) must not write rows into one cache."""
+    from stages.core.errors import ResourceError
+
+    plans = distributed.all_gather((layout_fp, vae_plan.settings), ctx.dist)
+    if len({fp for fp, _ in plans}) > 1:
+        each = "; ".join(f"rank {r}: {settings}" for r, (_, settings) in enumerate(plans))
+        raise ResourceError(f"the GPUs of this cache-latents run planned VAE settings that give different latents "
+                            f"from their free memory ({each}), and one cache cannot mix them: free memory on the busier "
+                            f"GPU, or set gpu.vram_budget_gb (--vram) to a number of GB every GPU has free")
 
 
 def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], stores: dict[Bucket, RowStore | None],

@@ -467,10 +467,6 @@ def planned_vae(cfg: Any, family: Any) -> dict[str, Any] | None:
     return _planned(cfg, family, "cache-latents")
 
 
-def planned_vae_precision(cfg: Any, family: Any) -> str | None:
-    return (planned_vae(cfg, family) or {}).get("vae_precision")
-
-
 def forced_by_memory(cfg: Any, plan: StagePlan) -> str | None:
     """Why an "auto" cache-latents `plan` stores other numbers than `cfg` (as configured, before the
     plan) asks, naming the free memory that would avoid it; None when it does not. Only the free
@@ -483,11 +479,11 @@ def forced_by_memory(cfg: Any, plan: StagePlan) -> str | None:
                                             ("a tiled encode", plan.settings["tiled"])] if forced)
     need = min(t["predicted_peak_gb"] for t in plan.tried
                if t["vae_precision"] == configured and not t["tiled"]) * FRAGMENTATION
-    return (f"the free GPU memory forced {what} on cache-latents ('auto' budget {plan.budget.gb:.2f} GB, the free "
-            f"memory at its start less {AUTO_MARGIN_GB} GB; the configured {configured} untiled encode needs "
-            f"{need:.2f} GB), so these latents are other numbers than the configured ones (tiling moved random-weight "
-            f"VAEs' posterior mean by 12-85 % relative RMS, bf16 by 1.5-3 %: bench/results/tiling-h200.json); "
-            f"to re-encode them as configured, rerun cache-latents with {need + AUTO_MARGIN_GB:.1f} GB of GPU memory free")
+    return (f"the free GPU memory forced {what} on cache-latents: rerun it with {need + AUTO_MARGIN_GB:.1f} GB of GPU "
+            f"memory free to encode the latents as configured ({configured}, untiled: {need:.2f} GB; the 'auto' budget "
+            f"was {plan.budget.gb:.2f} GB, the free memory less {AUTO_MARGIN_GB} GB). These latents are other numbers: "
+            f"tiling moved random-weight VAEs' posterior mean by 24-81 % relative RMS, bf16 by 1.5-3 % "
+            f"(bench/results/tiling-h200.json)")
 
 
 def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StagePlan]:
