@@ -48,7 +48,10 @@ def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in settings.items() if k not in ("blocks", "layers"))
+    """`key=value, ...`; the checkpointed blocks as k/N of the model's repeated blocks."""
+    def text(k: str, v: Any) -> str:
+        return f"{k}={v}/{settings['blocks']}" if k == "checkpointed_blocks" and "blocks" in settings else f"{k}={v}"
+    return ", ".join(text(k, v) for k, v in settings.items() if k not in ("blocks", "layers"))
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -48,6 +48,11 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     family = get_family(cfg.family)
     train = {k: v for k, v in dataclasses.asdict(cfg.train).items()
              if k not in NOT_FINGERPRINTED and not (k in LATER_KEYS and v == LATER_KEYS[k])}
+    # Placement only (true, false, "auto" and any number of checkpointed blocks train the same loss and
+    # gradients: tests/test_partial_checkpointing.py), so a run resumes under any of them; the key stays
+    # as the default (true) always wrote it, so runs made with true stay up to date. (Runs made with
+    # false before this rerun once.)
+    train["gradient_checkpointing"] = True
     cap, lat = read_manifest(encode_captions.artifact_dir(cfg)), read_manifest(cache_latents.artifact_dir(cfg))
     # repeats, weights and caption dropout change what is trained, not the caches; the defaults add no key
     sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]

@@ -19,7 +19,7 @@ import torch
 
 from stages import cache_latents, encode_captions, train
 from stages.checkpoints import Checkpoints
-from stages.core import distributed, fastpath, faults, lora, memory, validation
+from stages.core import blockswap, distributed, fastpath, faults, lora, memory, validation
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.model_source import model_source
 from stages.core.profiling import StepProfiler
@@ -159,6 +159,7 @@ class Trainer:
         self.batch_sizes: Counter[int] = Counter()  # steps run at each batch size, over resumes too
         self.plan: Any = None  # the memory planner's choice for this stage (stages/core/memory.py)
         self.swap: Any = None  # block swap, when the plan swaps blocks
+        self.checkpointing, self.checkpointed, self.blocks = False, 0, 0  # on?; repeated blocks checkpointed / all
 
     # ---- setup
     def setup_model(self) -> None:
@@ -178,8 +179,7 @@ class Trainer:
                                             self.tcfg.rank_pattern, self.tcfg.alpha_pattern)
         self.params = lora.attach_lora(self.model, self.lora_config)
         self.ema = lora.AdapterEMA(self.params, self.tcfg.ema_decay, self.tcfg.ema_device) if self.tcfg.ema_decay else None
-        if self.tcfg.gradient_checkpointing:
-            self.model.enable_gradient_checkpointing(fastpath.checkpoint_function(self.tcfg.dropout))
+        self.enable_checkpointing()
         self.swap = memory.apply_train_plan(self.model, self.plan, self.rt)  # block swap
         self.model.train()
         self.optimizer = make_optimizer(self.params, self.tcfg, self.rt.device)
@@ -190,6 +190,23 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + self.dist.rank)  # LoRA dropout: other masks on each rank
         # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
         self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log)
+
+    def enable_checkpointing(self) -> None:
+        """Gradient checkpointing of the plan's number k of repeated blocks: the FIRST k in forward order
+        (`repeated_blocks`: registration order, which the DiT families run in; SDXL's UNet registers its
+        mid block after the up blocks). Backward runs the blocks last to first, so it frees the kept
+        activations of the un-checkpointed (last) blocks before the first recompute rebuilds a block's
+        activations: the two never add up. Checkpointing the last k instead would recompute while every
+        kept activation is still held, the full sum the planner budgets (stages/core/memory.py). Swap
+        plans checkpoint every block (block swap swaps the last ones). Modules the model checkpoints
+        outside its repeated blocks (SDXL's resnets) stay checkpointed whenever checkpointing is on."""
+        blocks = blockswap.repeated_blocks(self.model)
+        self.checkpointed = memory.checkpointed_blocks(self.plan, len(blocks))
+        self.blocks = len(blocks)
+        self.checkpointing = bool(self.checkpointed or (self.plan.settings.get("gradient_checkpointing") and not blocks))
+        if self.checkpointing:
+            self.model.enable_gradient_checkpointing(
+                fastpath.checkpoint_function(self.tcfg.dropout, direct=blocks[self.checkpointed:]))
 
     # ---- one step
     def draw(self, batch_indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -481,7 +498,9 @@ class Trainer:
         graphs = self.denoiser.summary() if isinstance(self.denoiser, fastpath.GraphedDenoiser) else {}
         return {"attention": self.attention, "cuda_graphs": {"plan": self.graphs_plan, **graphs},
                 "enable_tf32": self.tcfg.enable_tf32, "cudnn_benchmark": self.tcfg.cudnn_benchmark,
-                "gradient_checkpointing": self.tcfg.gradient_checkpointing, "optimizer": type(self.optimizer).__name__,
+                "gradient_checkpointing": self.checkpointing,
+                # of the model's repeated blocks, the first `checkpointed_blocks` (the memory plan's choice)
+                "checkpointed_blocks": self.checkpointed, "blocks": self.blocks, "optimizer": type(self.optimizer).__name__,
                 "fused_adamw": bool(self.optimizer.defaults.get("fused")),
                 # block swap's blocks, host GB, copies made and prefetched copies ready in time; and the
                 # allocator's retries (each one a cache flush at the budget's cap: a slow step)

@@ -32,6 +32,7 @@ BAD_VALUES = [
     ({"run": "a/b"}, "'run' = 'a/b' must be a plain folder name"),
     ({"device": "tpu"}, "'device' = 'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     ({"train.steps": "many"}, "'train.steps' must be an integer, got 'many'"),
+    ({"train.gradient_checkpointing": "some"}, "'train.gradient_checkpointing' = 'some' must be true, false or 'auto'"),
 ]
 
 
@@ -123,6 +124,7 @@ def test_every_key_has_a_meaning_and_enumerated_keys_their_choices():
     assert choices["train.lr_scheduler"].startswith("'constant' | 'constant_with_warmup'")
     assert choices["device"] == "'auto' | 'cpu' | 'cuda'"
     assert choices["seed"] == "in [0, 4294967295]" and choices["data.resolution"] == ">= 16"
+    assert choices["train.gradient_checkpointing"] == "true | false | 'auto'"
 
 
 def test_a_hub_id_without_network_fails_at_once(monkeypatch):

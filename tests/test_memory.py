@@ -319,3 +319,52 @@ def test_vision_language_encoder_is_sized_by_its_text_model(assets):
     linear = {id(m.weight) for m in enc.modules() if isinstance(m, torch.nn.Linear)} - {id(head)}
     want = sum(p.numel() * (memory.NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in enc.parameters())
     assert memory.weight_bytes(enc, "nf4") == want
+
+
+def test_auto_checkpointing_checkpoints_the_fewest_blocks_that_fit(assets, demo_data, tmp_path, monkeypatch):
+    """train.gradient_checkpointing = "auto": no block checkpointed at a roomy budget, all of them at a
+    tight one, and in between the fewest that fit; the predicted peak falls with every block
+    checkpointed; block swap only once every block is checkpointed. true and false plan as before."""
+    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)
+    model = _deeper_flux(assets, tmp_path, 4, 8)
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
+                                                            "train.gradient_checkpointing": "auto", "model": model})
+    roomy = _plan("train", cfg, 1000.0)
+    n = roomy.settings["blocks"]
+    assert n == 12 and roomy.fits
+    assert roomy.settings == {"base_precision": "bf16", "gradient_checkpointing": False, "checkpointed_blocks": 0,
+                              "swapped_blocks": 0, "blocks": n}
+    peaks = [_peak_of(roomy, swapped_blocks=0, checkpointed_blocks=k) for k in range(n + 1)]
+    assert all(a > b for a, b in zip(peaks, peaks[1:]))  # each checkpointed block lowers the peak
+    for k in (0, 1, 5, n - 1, n):
+        chosen = _plan("train", cfg, _just_above(peaks[k])).settings
+        assert (chosen["checkpointed_blocks"], chosen["swapped_blocks"]) == (k, 0), (k, chosen)
+        assert chosen["gradient_checkpointing"] == (k > 0)
+        assert memory.with_plan(cfg, _plan("train", cfg, _just_above(peaks[k]))).train.gradient_checkpointing == (k > 0)
+    assert all(t["checkpointed_blocks"] == n for t in roomy.tried if t["swapped_blocks"])  # never un-checkpoint to swap
+    swapped = _plan("train", cfg, peaks[n] * memory.FRAGMENTATION * 0.999).settings
+    assert swapped["swapped_blocks"] > 0 and swapped["checkpointed_blocks"] == n
+    for configured, ks in ((True, {n}), (False, {0, n})):  # as before partial checkpointing: all or none
+        plan = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **{
+            "train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": configured,
+            "model": model}), 1000.0)
+        assert {t["checkpointed_blocks"] for t in plan.tried if not t["swapped_blocks"]} == ks
+
+
+def test_auto_checkpointing_never_lowers_the_precision_to_uncheckpoint(assets, demo_data, tmp_path):
+    """With SDXL's precision order (bf16, then nf4), a budget that bf16 fits only with every block
+    checkpointed keeps bf16 checkpointed, though nf4 with no block checkpointed would fit too
+    (tiny images and captions: the weights outweigh the activations here)."""
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{
+        "train.base_precision": "auto", "train.gradient_checkpointing": "auto", "data.resolution": 16,
+        "captions.max_sequence_length": 1, "model": _deeper_flux(assets, tmp_path, 4, 8)})
+    family = get_family("flux")
+    family.auto_base_precisions = ("bf16", "nf4")
+    src = ModelSource(cfg.model, cfg.revision)
+    roomy = memory.plan_train(cfg, family, src, memory.Budget(1000.0, "cap"))
+    n = roomy.settings["blocks"]
+    budget = _just_above(_peak_of(roomy, base_precision="bf16", swapped_blocks=0, checkpointed_blocks=n))
+    assert _peak_of(roomy, base_precision="bf16", swapped_blocks=0, checkpointed_blocks=n - 1) * memory.FRAGMENTATION > budget
+    assert _peak_of(roomy, base_precision="nf4", swapped_blocks=0, checkpointed_blocks=0) * memory.FRAGMENTATION < budget
+    chosen = memory.plan_train(cfg, family, src, memory.Budget(budget, "cap")).settings
+    assert (chosen["base_precision"], chosen["checkpointed_blocks"], chosen["swapped_blocks"]) == ("bf16", n, 0)

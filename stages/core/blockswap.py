@@ -153,6 +153,11 @@ class _SwappedCall:
         return getattr(self.block, name)
 
 
+def block_of(module: Any) -> Any:
+    """The block itself, for a block or the `_SwappedCall` a swapped list yields in its place."""
+    return module.block if isinstance(module, _SwappedCall) else module
+
+
 class SwappedModuleList(torch.nn.ModuleList):
     """A ModuleList whose iteration yields `_SwappedCall`s for its swapped members. Parameters,
     state dicts and module names are untouched (they read `_modules`, not iteration)."""

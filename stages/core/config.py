@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from stages.core.config_values import RANGES, value_errors
+from stages.core.config_values import FORMS, RANGES, value_errors
 from stages.core.errors import ConfigError
 
 
@@ -171,8 +171,11 @@ class TrainConfig:
     """DDPM families only: min-SNR-gamma loss weighting; 0 turns it off."""
     noise_offset: float = 0.0
     """DDPM families only."""
-    gradient_checkpointing: bool = True
-    """Recompute activations in backward: much less memory, ~30% more compute."""
+    gradient_checkpointing: bool | str = True
+    """Recompute activations in backward: much less memory, ~30% more compute. "auto": on CUDA the memory
+    planner checkpoints the fewest repeated blocks that fit the budget (the first ones in forward order; the
+    rest keep their activations), never swapping blocks or lowering the precision to do so; on CPU, all.
+    Same loss and gradients either way."""
     base_precision: Literal["auto", "nf4", "bf16", "fp32", "fp8"] = "auto"
     """auto: on CUDA the memory planner picks the family's first precision that fits the budget without block
     swap (nf4 then bf16; SDXL: bf16 then nf4), on CPU fp32. fp8: e4m3 weights, fp8 matmuls (CUDA, compute capability >= 8.9)."""
@@ -575,7 +578,7 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
 def _choices(key: str, tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
-    return str(RANGES[key]) if key in RANGES else ""
+    return str(RANGES[key]) if key in RANGES else FORMS.get(key, "")
 
 
 def _field_docs(cls: type) -> dict[str, str]:

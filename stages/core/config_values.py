@@ -98,6 +98,9 @@ RANGES: dict[str, Range] = {
     "sample.every_n_checkpoints": NON_NEGATIVE,
 }
 
+# Keys whose values are not one type (checked in value_errors), as `pipeline.py keys` states them.
+FORMS = {"train.gradient_checkpointing": "true | false | 'auto'"}
+
 
 def value_errors(cfg: Any) -> list[str]:
     """Every value of `cfg` outside its valid range or form, each message naming the key and the fix."""
@@ -105,6 +108,9 @@ def value_errors(cfg: Any) -> list[str]:
               if cfg.section(key) not in valid]
     errors += [f"'sample.seeds[{i}]' = {seed!r} must be {RANGES['seed']}"
                for i, seed in enumerate(cfg.sample.seeds) if seed not in RANGES["seed"]]
+    if not isinstance(cfg.train.gradient_checkpointing, bool) and cfg.train.gradient_checkpointing != "auto":
+        errors.append(f"'train.gradient_checkpointing' = {cfg.train.gradient_checkpointing!r} must be true, false or "
+                      f"'auto' (the planner checkpoints as few blocks as the GPU budget allows)")
     if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
         errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
     return errors + _data_errors(cfg.data) + _datasets_errors(cfg) + _name_errors(cfg) + _train_errors(cfg) + \

@@ -356,24 +356,40 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
     precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
-    # cheapest in speed first: every precision without swapping (as configured, then with
-    # checkpointing), then more and more blocks swapped. A smaller precision that fits whole beats
-    # swapping: SDXL at a 4 GB cap ran 0.23x with 38 of 70 bf16 blocks swapped, where its nf4 base
-    # fits at 3.0 GB and runs 0.79x of bf16 (bench/results/memory-zimage-sdxl-h200.json, bench-sdxl-E.json).
-    options = [(p, 0, c) for p in precisions for c in dict.fromkeys((tcfg.gradient_checkpointing, True))]
-    options += [(p, k, True) for p in precisions for k in range(1, len(blocks) + 1)]
+    n = len(blocks)
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p) for b in blocks]) for p in precisions}
     candidates = []
-    for precision, swapped, checkpointing in options:
+    for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n):
         total, block = sizes[precision]
-        saved = len(blocks) * unit * (CHECKPOINT_SAVED_UNITS if checkpointing else BLOCK_SAVED_UNITS)
+        # the checkpointed blocks keep their input, the others every activation their backward reads
+        saved = unit * (checkpointed * CHECKPOINT_SAVED_UNITS + (n - checkpointed) * BLOCK_SAVED_UNITS)
         resident = total - sum(block[len(block) - swapped:]) + 2 * max(block, default=0) * (swapped > 0)
         peak = resident + lora + saved + unit * BLOCK_WORK_UNITS + SWAP_EXTRA_GB * GB * (swapped > 0)
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
             peak = max(peak, total + lora)  # (a swap plan quantizes block by block: stages/core/nf4_blocks.py)
+        checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
         candidates.append(({"base_precision": precision, "gradient_checkpointing": checkpointing,
-                            "swapped_blocks": swapped, "blocks": len(blocks)}, peak / GB))
+                            "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}, peak / GB))
     return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
+
+
+def _train_options(configured: bool | str, precisions: list[str], n: int) -> list[tuple[str, int, int]]:
+    """(precision, swapped blocks, checkpointed blocks) in the order train tries them, cheapest in speed
+    first: every precision without swapping (as configured, then checkpointed), then more and more
+    blocks swapped, all checkpointed. A smaller precision that fits whole beats swapping: SDXL at a 4 GB
+    cap ran 0.23x with 38 of 70 bf16 blocks swapped, where its nf4 base fits at 3.0 GB and runs 0.79x of
+    bf16 (bench/results/memory-zimage-sdxl-h200.json, bench-sdxl-E.json).
+
+    "auto" tries, at each precision in turn, 0, 1, ..., n checkpointed blocks (fewest first: each
+    un-checkpointed block saves its recompute, about a fifth of a FLUX.2 klein step for all of them, README
+    "Side by side"), so it un-checkpoints only what fits at the precision the other settings would pick,
+    and never swaps a block or moves to the next precision to un-checkpoint one: swapping costs far more
+    than recompute (FLUX at 8 GB, 15 blocks swapped: 0.85x)."""
+    if configured == "auto":
+        whole = [(p, 0, k) for p in precisions for k in range(n + 1)]
+    else:
+        whole = [(p, 0, n if c else 0) for p in precisions for c in dict.fromkeys((configured, True))]
+    return whole + [(p, k, n) for p in precisions for k in range(1, n + 1)]
 
 
 PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train}
@@ -412,7 +428,9 @@ def unplanned(cfg: Any, stage: str, budget: Budget) -> StagePlan:
                                     "batch_size": cfg.captions.batch_size},
                 "cache-latents": {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
                 "train": {"base_precision": cfg.train.base_precision, "swapped_blocks": 0,
-                          "gradient_checkpointing": cfg.train.gradient_checkpointing}}[stage]
+                          # "auto" without a budget: every block checkpointed (None: all of them)
+                          "gradient_checkpointing": cfg.train.gradient_checkpointing is not False,
+                          "checkpointed_blocks": None}}[stage]
     return StagePlan(stage, budget, settings, 0.0, True, "no GPU: settings as configured")
 
 
@@ -543,6 +561,15 @@ def text_encoder_runtime(plan: StagePlan, rt: Any) -> Any:
         return rt
     require_accelerate("the encode-captions plan (layer offload of the text encoder)")
     return OffloadLoad(rt.device, rt.dtype, device_bytes=int(share * GB))
+
+
+def checkpointed_blocks(plan: StagePlan, blocks: int) -> int:
+    """How many of the model's `blocks` repeated blocks the train plan checkpoints (all of them when the
+    plan says checkpointing without a number: on CPU, or a plan made before partial checkpointing)."""
+    if not plan.settings.get("gradient_checkpointing"):
+        return 0
+    k = plan.settings.get("checkpointed_blocks")
+    return blocks if k is None else min(k, blocks)
 
 
 def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blockswap.BlockSwap | None:
