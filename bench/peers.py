@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -311,11 +312,15 @@ VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "cudnn": ({}, {"train.cudnn_attention": True}),
     "nockpt": ({}, {"train.gradient_checkpointing": False}),
     "profile": ({}, {"train.profile_steps": 2}),
+    # the script's own train peak (allocated GB, from its row in this run) as the train stage's budget (a cap on
+    # what the product may reserve, so its allocated peak stays below the script's), with
+    # the planner choosing how many blocks to checkpoint within it: the product's answer to "at <= its peak"
+    "fitpeer": ({}, {"train.gradient_checkpointing": "auto"}),
 }
 
 
 def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runner: Any, res_sets: dict[str, Any],
-                rows: dict[str, Any]) -> dict[str, Any]:
+                rows: dict[str, Any], peer_peak_gb: float | None = None) -> dict[str, Any]:
     from bench.bench import Item, collect
 
     precision, *flags = variant.split("+")
@@ -331,6 +336,11 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         if kind == "train":
             sets.update({"train.base_precision": precision, "train.batch_size": a.batch})
             sets.update({k: v for f in flags for k, v in VARIANT_FLAGS[f][1].items()})
+            if "fitpeer" in flags:
+                if not peer_peak_gb:
+                    row["status"], row["reason"] = "skipped", "fitpeer: the script's row has no peak in this run"
+                    return row
+                sets["gpu.vram_budget_gb"] = math.floor(peer_peak_gb * 100) / 100
         item = Item(f"{fam}/{kind}/{variant}-{a.res}-b{a.batch}", kind, a.res, sets, run=run)
         cached = rows.get(kind)
         if kind != "train" and cached is not None:  # caches do not depend on the base precision
@@ -402,9 +412,11 @@ def run(a: argparse.Namespace) -> None:
 
     save()
     sides = a.sides.split(",")
+    peer_peak = None
     if "peer" in sides:
         try:
             add(run_peer(a, fam, data, prompt, targets, deadline - time.time()))
+            peer_peak = result["rows"][-1].get("peak_gb")
         except Exception as e:  # noqa: BLE001 - the product's rows still count
             add({"side": "diffusers script", "status": "failed", "reason": f"{type(e).__name__}: {e}"})
     if "product" in sides:
@@ -423,7 +435,7 @@ def run(a: argparse.Namespace) -> None:
                 add({"side": "product", "precision": precision, "status": "skipped", "reason": "budget"})
                 continue
             try:
-                add(run_product(a, fam, Path(a.data), precision, runner, res_sets, cache_rows))
+                add(run_product(a, fam, Path(a.data), precision, runner, res_sets, cache_rows, peer_peak))
             except Exception as e:  # noqa: BLE001
                 add({"side": "product", "precision": precision, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
     result["text_precision_product"] = family_full(fam).TEXT_PRECISION

@@ -9,9 +9,9 @@
 set -u
 which=$1; res=${2:-1024}; batch=${3:-1}; steps=${4:-20}
 case $which in
-  klein) fam=flux2-klein; prec=nf4 ;;
+  klein) fam=flux2-klein; prec=nf4,nf4+fitpeer,nf4+cudnn+fitpeer ;;
   # Kontext: the script trains a bf16 base (the product's bf16 row too); its backward died in cuDNN SDPA
-  kontext) fam=flux-kontext; prec=nf4,bf16; peer_flags=--peer-no-cudnn-sdpa ;;
+  kontext) fam=flux-kontext; prec=nf4,nf4+fitpeer,bf16; peer_flags=--peer-no-cudnn-sdpa ;;
   *) echo "usage: bash bench/peers.sh klein|kontext [res] [batch] [steps]"; exit 2 ;;
 esac
 start=$(date +%s)
