@@ -138,6 +138,16 @@ def built_run(request: pytest.FixtureRequest, assets: Path, tmp_path_factory: py
     return _RUNS[family]
 
 
+def losses_and_lora(trainer, steps: int = 6):
+    """`steps` optimizer steps of a set-up Trainer: their losses and its LoRA weights after them (float64, CPU)."""
+    import torch
+
+    losses = torch.tensor([trainer.step()[0] for _ in range(steps)], dtype=torch.float64)
+    weights = torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(trainer.model.state_dict().items())
+                         if "lora" in k])
+    return losses, weights
+
+
 def run_beside(built, name: str, **overrides):
     """A run folder beside `built` (a built run's config) holding copies of its caches, made by the
     same config, so a test trains at once from identical inputs without re-encoding."""

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_beside
+from conftest import losses_and_lora, run_beside
 from stages.core import blockswap, memory
 from stages.core.events import EventLog
 from stages.core.model_source import model_source
@@ -152,9 +152,7 @@ def test_partial_checkpointing_under_compile_and_cuda_graphs(built_run, monkeypa
         with torch_flags(True, False, True):
             tr.setup_model()
             assert tr.compiled and tr.checkpointed == (1 if name == "partial" else 2)
-            losses = torch.tensor([tr.step()[0] for _ in range(6)], dtype=torch.float64)
-        weights = torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(tr.model.state_dict().items())
-                             if "lora" in k])
+            losses, weights = losses_and_lora(tr)
         runs.append((losses, weights, tr.denoiser))
     (l0, w0, _), (l1, w1, _), (l2, w2, graphed) = runs
     assert isinstance(graphed, fastpath.GraphedDenoiser) and graphed.summary()["replays"] >= 4

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_cfg
+from conftest import losses_and_lora, make_cfg
 from stages.core import fastpath
 from stages.core.config import load_config
 from stages.core.errors import UserError
@@ -216,9 +216,7 @@ def test_cuda_graphs_same_losses_as_eager(cached, precision, monkeypatch):
                               "train.gradient_checkpointing": True})
         with torch_flags(True, False, True):
             tr = _trainer(cfg)
-            losses = torch.tensor([tr.step()[0] for _ in range(6)], dtype=torch.float64)
-        weights = torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(tr.model.state_dict().items())
-                             if "lora" in k])
+            losses, weights = losses_and_lora(tr)
         runs.append((losses, weights, tr.denoiser))
     (l0, w0, _), (l1, w1, _), (l2, w2, graphed) = runs
     assert isinstance(graphed, fastpath.GraphedDenoiser) and graphed.summary()["replays"] >= 4
@@ -259,9 +257,7 @@ def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
                 assert host and all(p.device.type == "cpu" for p in host)
                 assert all(p.quant_state.absmax.device.type == "cpu" for p in host if hasattr(p, "quant_state"))
                 assert tr.model.transformer_blocks[0].attn.to_q.base_layer.weight.device.type == "cuda"
-            losses = torch.tensor([tr.step()[0] for _ in range(4)], dtype=torch.float64)
-        weights = torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(tr.model.state_dict().items())
-                             if "lora" in k])
+            losses, weights = losses_and_lora(tr, 4)
         runs.append((losses, weights))
     (l0, w0), (l1, w1), (l2, w2) = runs
     assert l2[0] == l0[0]
