@@ -181,3 +181,23 @@ def test_side_by_side_table_ratio_and_target(tmp_path):
     assert report._kind(json.loads(path.read_text())) == "peers"
     results = report.write_report([path])["RESULTS.md"]
     assert "## Side by side with diffusers' scripts" in results and "| 2.50 | yes |" in results
+
+
+def test_a_train_killed_after_its_final_manifest_is_read_not_failed(tmp_path):
+    """The budget's kill after a train wrote its complete final manifest in this call keeps the row; a
+    manifest from an earlier call, an incomplete one or fewer steps do not."""
+    import os
+    import time
+
+    final = tmp_path / "lora" / "final"
+    final.mkdir(parents=True)
+    since = time.time()
+    (final / "manifest.json").write_text(json.dumps({"complete": True, "step": 15}))
+    assert peers._finished_before_kill(tmp_path, "train", since - 1, 15)
+    assert not peers._finished_before_kill(tmp_path, "latents", since - 1, 15)
+    assert not peers._finished_before_kill(tmp_path, "train", since - 1, 20)
+    (final / "manifest.json").write_text(json.dumps({"complete": False, "step": 15}))
+    assert not peers._finished_before_kill(tmp_path, "train", since - 1, 15)
+    (final / "manifest.json").write_text(json.dumps({"complete": True, "step": 15}))
+    os.utime(final / "manifest.json", (since - 100, since - 100))  # written before this call
+    assert not peers._finished_before_kill(tmp_path, "train", since - 1, 15)
