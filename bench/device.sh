@@ -21,6 +21,8 @@
 #   M: H within all but ~170 s, then T
 #   N: H again with the whole call (both sides and both product rows in one run: 2026-12-01 got them in two calls)
 #   O: the edit families' own rows (flux-kontext, then qwen-image-edit): encode, latents, train nf4/bf16, export
+#   P: Qwen-Image at 8 GB (swap) and auto, each train profiled (train.profile_steps=2): where the swap row's
+#      time goes (issue 16's 0.50x), then FLUX at 16/24 GB with train.gradient_checkpointing=auto (partial)
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -70,6 +72,12 @@ case $phase in
      tail -5 "$OUT/tiling.log" ;;
   N) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
   O) bench 0 flux-kontext O $(( $(left) / 2 - 20 )) --keep; bench 0 qwen-image-edit O $(( $(left) - 30 )) --keep ;;
+  P) python3 bench/memory.py run --families qwen-image --budgets 8,auto --set train.profile_steps=2 --keep \
+       --models /tmp/lorapipe-models --out "$OUT/memory-qwen-image-8gb-profiled-h200.json" --budget-s $(( $(left) * 11 / 20 )) \
+       > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
+     python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
+       --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 30 )) \
+       > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   T) timeout 240 python3 bench/tiling.py --budget-s 140 --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      grep -v "kept in float32" "$OUT/tiling.log" | tail -20 ;;
 esac

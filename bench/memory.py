@@ -37,6 +37,23 @@ RESOLUTION = 1024  # the default of --res
 EST_S = {"encode": 30, "latents": 25, "train": 75}  # seconds per stage call on the H200 (bench/results)
 
 
+def extra_sets(pairs: list[str]) -> dict[str, str]:
+    """`--set KEY=VALUE` options: every row's stage commands get them (e.g. train.profile_steps=2,
+    train.gradient_checkpointing=auto)."""
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise SystemExit(f"--set takes KEY=VALUE, got {bad}")
+    return dict(p.split("=", 1) for p in pairs)
+
+
+def _profile(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
+    """The train stage's profile.json of this call (`--set train.profile_steps=N`), else nothing."""
+    path = run_dir / "lora" / "profile.json"
+    if kind != "train" or not path.exists() or path.stat().st_mtime < since:
+        return {}
+    return {"profile": json.loads(path.read_text())}
+
+
 def _items_per_s(manifest: dict[str, Any]) -> float | None:
     n, s = manifest.get("encoded_this_run"), manifest.get("seconds")
     return n / s if isinstance(n, int) and n and s else None
@@ -45,7 +62,7 @@ def _items_per_s(manifest: dict[str, Any]) -> float | None:
 class MemoryRunner(Runner):
     def row_sets(self, budget: str) -> dict[str, Any]:
         return {"gpu.vram_budget_gb": budget, "captions.text_encoder_precision": "auto",
-                "train.batch_size": 1, "train.checkpoint_every": 0}
+                "train.batch_size": 1, "train.checkpoint_every": 0, **extra_sets(self.args.set)}
 
     def planned(self, fam: str, model: Path, budget: str) -> dict[str, Any]:
         """stage -> settings the planner picks for a numeric budget (meta device, no CUDA); {} for auto."""
@@ -83,7 +100,8 @@ class MemoryRunner(Runner):
                 "samples_per_second": summary.get("samples_per_second") or _items_per_s(manifest), "seconds": summary.get("seconds"),
                 "items": manifest.get("encoded_this_run"), "loaded_s": summary.get("loaded_s"),
                 "warnings": summary.get("warnings"), "steps": summary.get("steps"),
-                "runtime": summary.get("runtime")}  # train: block swap's copies / prefetch hits, allocator retries
+                "runtime": summary.get("runtime"),  # train: block swap's copies / prefetch hits, allocator retries
+                **_profile(run_dir, kind, t0)}
 
     def run_family(self, fam: str) -> None:
         model = self.ensure_model(fam, STAGES[0][0])
@@ -200,6 +218,8 @@ def main() -> None:
     r.add_argument("--budget-s", type=float, default=1e9)
     r.add_argument("--tiny", action="store_true")
     r.add_argument("--keep", action="store_true")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every row's stages (repeatable), e.g. train.profile_steps=2")
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
     args = ap.parse_args()
