@@ -534,7 +534,7 @@ def report_section(results: list[dict[str, Any]]) -> str:
             status = "" if peer.get("status") == "ok" else f" ({peer.get('status')})"
             out.append(head + f"| diffusers `{peer.get('script', '?')}`{status} | {peer.get('precision', '—')} | "
                               f"{_fmt(peer.get('step_s'), 3)} | {_fmt(peer.get('samples_per_s'))} | "
-                              f"{_fmt(peer.get('peak_gb'), 1)} | 1.00 | |")
+                              f"{_fmt(peer.get('peak_gb'), 1)} | {'1.00' if peer.get('samples_per_s') else '—'} | |")
         for r in rows:
             if r.get("side") != "product":
                 continue
