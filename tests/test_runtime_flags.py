@@ -64,7 +64,9 @@ def test_torch_flags_tf32_off_leaves_precision():
     before = global_flags()
     with torch_flags(enable_tf32=False, cudnn_benchmark=False, disable_cudnn_attention=False) as notes:
         assert global_flags()["float32_matmul_precision"] == before["float32_matmul_precision"]
-        assert not notes
+        # train.cudnn_attention = true: cuDNN SDPA left as it was, and a warning that says what to do if it crashes
+        assert global_flags()["cudnn_sdp"] == before["cudnn_sdp"]
+        assert len(notes) == 1 and "train.cudnn_attention = false" in notes[0]
     assert global_flags() == before
 
 

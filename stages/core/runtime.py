@@ -105,6 +105,11 @@ ATTENTION_NOTE = ("attention: cuDNN SDPA is off for this stage (its backward pas
                   "(train.cudnn_attention = true opts in)")
 
 
+CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA is allowed (train.cudnn_attention = true): faster on Hopper, but its "
+                     "backward crashed with an illegal memory access on torch 2.11 + CUDA 13.0 on an H200; if a step "
+                     "dies that way, set train.cudnn_attention = false and resume")
+
+
 def global_flags() -> dict[str, Any]:
     """The global torch settings a stage may change (the restore test compares these)."""
     return _flags()
@@ -124,6 +129,8 @@ def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attentio
         # (illegal memory access / mha_graph.execute). Flash and memory-efficient SDPA are fine.
         new["cudnn_sdp"] = False
         notes.append(ATTENTION_NOTE)
+    else:
+        notes.append(CUDNN_OPT_IN_NOTE)
     _set_flags(new)
     try:
         yield notes
