@@ -226,7 +226,21 @@ def lora_section(run_dir: Path) -> dict[str, Any]:
         out["final"]["lora_config"] = {k: final.get("lora_config", {}).get(k) for k in ("r", "lora_alpha", "target_modules")}
         out["final"]["hyper_parameters"] = final.get("fingerprint_parts", {}).get("train", {})
         out["final"]["bytes_on_disk"] = dir_bytes(folder / "final")
+    out["profile"] = profile_section(folder / "profile.json")
     return out
+
+
+def profile_section(path: Path, top: int = 10) -> dict[str, Any] | None:
+    """The last `train.profile_steps` table (stages/core/profiling.py): its longest entries; None if absent
+    or unreadable (a profile is a report, never an input: a damaged one is named, not raised)."""
+    if not path.exists():
+        return None
+    try:
+        table = json.loads(path.read_text())
+        return {"path": str(path), "device": table["device"], "steps": table["steps"], "ms_per_step": table["ms_per_step"],
+                "host_to_device_ms_per_step": table.get("host_to_device_ms_per_step"), "top": table["top"][:top]}
+    except (ValueError, KeyError, TypeError) as e:
+        return {"path": str(path), "error": f"unreadable ({type(e).__name__}: {e}); rerun train with train.profile_steps"}
 
 
 def export_section(run_dir: Path, name: str) -> dict[str, Any] | None:
@@ -450,5 +464,13 @@ def _render_lora(lora: dict[str, Any], export: dict[str, Any] | None, samples: d
                       f"{final.get('device')}")
         hp = final["hyper_parameters"]
         console.print("  hyper-parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(hp.items()) if k != "target_modules"))
+    prof = lora.get("profile")
+    if prof and "error" in prof:
+        console.print(f"lora/profile.json: {prof['error']}")
+    elif prof:
+        console.print(f"lora/profile.json: {prof['steps']} profiled step(s), {_num(prof['ms_per_step'])} ms per step on "
+                      f"{prof['device']} (host-to-device copies {_num(prof['host_to_device_ms_per_step'])} ms); longest:")
+        for r in prof["top"]:
+            console.print(f"  {r['ms']:9.2f} ms {r['pct']:5.1f}% x{r['calls']:<5} {r['name'][:100]}")
     console.print(f"export: {export['files'] if export else 'none'}; samples: "
                   f"{samples['files'] if samples else 'none'}")

@@ -107,6 +107,10 @@ def test_stop_resume_cli_and_failure_events_conform(eventful_run):
     table = json.loads(Path(profile[-1]["path"]).read_text())  # the resumed run profiled step 4 too
     assert table["steps"] == 1 and table["ms_per_step"] > 0 and table["top"][0]["calls"] >= 1
     assert len(profile) == 2 and profile[-1]["top"][0].endswith(table["top"][0]["name"][:60])
+    from stages import inspect as inspect_stage
+
+    shown = inspect_stage.lora_section(eventful_run.run_dir)["profile"]  # `pipeline.py inspect` shows it
+    assert shown["ms_per_step"] == table["ms_per_step"] and shown["top"] == table["top"][:10]
     stopped = [e for e in events if e["event"] == "stopped"]
     assert [(e["step"], e["saved"]) for e in stopped] == [(2, True)]
     errors = [e for e in events if e["event"] == "error"]

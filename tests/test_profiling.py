@@ -41,3 +41,21 @@ def test_a_run_that_ends_inside_the_profiled_steps_writes_nothing(tmp_path):
     assert _run(StepProfiler(2, 5, path, cuda=False), 4, {}) == []
     assert not path.exists()
     assert _run(StepProfiler(0, 2, path, cuda=False, enabled=False), 4, {}) == [] and not path.exists()
+
+
+def test_inspect_shows_the_profile_and_names_a_damaged_one(tmp_path):
+    from rich.console import Console
+
+    from stages import inspect as inspect_stage
+
+    path = tmp_path / "profile.json"
+    _run(StepProfiler(1, 1, path, cuda=False), 3, {2: 3})
+    shown = inspect_stage.profile_section(path, top=3)
+    assert shown["steps"] == 1 and len(shown["top"]) == 3 and shown["top"][0] == json.loads(path.read_text())["top"][0]
+    console = Console(record=True, width=200)
+    inspect_stage._render_lora({"checkpoints": [], "final": None, "profile": shown}, None, None, console)
+    text = console.export_text()
+    assert "1 profiled step(s)" in text and shown["top"][0]["name"] in text
+    path.write_text("{not json")
+    assert "unreadable" in inspect_stage.profile_section(path)["error"]
+    assert inspect_stage.profile_section(tmp_path / "none.json") is None
