@@ -381,7 +381,7 @@ def _train_options(configured: bool | str, precisions: list[str], n: int) -> lis
     bf16 (bench/results/memory-zimage-sdxl-h200.json, bench-sdxl-E.json).
 
     "auto" tries, at each precision in turn, 0, 1, ..., n checkpointed blocks (fewest first: each
-    un-checkpointed block saves its recompute, about a fifth of a FLUX.2 klein step for all of them, README
+    un-checkpointed block saves its recompute: 29 % of an eager FLUX.2 klein step for all of them, README
     "Side by side"), so it un-checkpoints only what fits at the precision the other settings would pick,
     and never swaps a block or moves to the next precision to un-checkpoint one: swapping costs far more
     than recompute (FLUX at 8 GB, 15 blocks swapped: 0.85x)."""
