@@ -319,19 +319,9 @@ VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
 }
 
 
-def _finished_before_kill(run_dir: Path, kind: str, since: float, steps: int) -> bool:
-    """A train stage that wrote its complete final manifest in this call, then was killed while its process
-    was exiting (the Kontext bf16 row of 2026-12-01: "train done in 65.7 s", then the budget's kill)."""
-    final = run_dir / "lora" / "final" / "manifest.json"
-    if kind != "train" or not final.exists() or final.stat().st_mtime < since:
-        return False
-    manifest = json.loads(final.read_text())
-    return manifest.get("complete") is True and manifest.get("step") == steps
-
-
 def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runner: Any, res_sets: dict[str, Any],
                 rows: dict[str, Any], peer_peak_gb: float | None = None) -> dict[str, Any]:
-    from bench.bench import Item, collect
+    from bench.bench import KILLED_AFTER_MANIFEST, Item, collect, finished_before_kill
 
     precision, *flags = variant.split("+")
     unknown = [f for f in flags if f not in VARIANT_FLAGS]
@@ -362,9 +352,8 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         rc, wall, tail = runner.call(cmd, env if kind == "train" else {}, f"peers-{fam}-{kind}-{variant}")
         total += wall
         info: dict[str, Any] = {"rc": rc, "wall_s": wall, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", "")}
-        if rc != 0 and _finished_before_kill(Path(res_sets["artifacts"]) / run, kind, t0, a.steps):
-            info["note"] = (f"the budget's timeout killed the process (rc {rc}) after it had written its final "
-                            f"manifest for all {a.steps} steps: the row is read from that manifest")
+        if rc != 0 and finished_before_kill(Path(res_sets["artifacts"]) / run, kind, t0, a.steps):
+            info["note"] = KILLED_AFTER_MANIFEST.format(rc=rc, steps=a.steps)
             rc = 0
         if rc != 0:
             info["log_tail"] = tail

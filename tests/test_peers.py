@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import peers, report
+from bench.bench import finished_before_kill
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,11 +194,11 @@ def test_a_train_killed_after_its_final_manifest_is_read_not_failed(tmp_path):
     final.mkdir(parents=True)
     since = time.time()
     (final / "manifest.json").write_text(json.dumps({"complete": True, "step": 15}))
-    assert peers._finished_before_kill(tmp_path, "train", since - 1, 15)
-    assert not peers._finished_before_kill(tmp_path, "latents", since - 1, 15)
-    assert not peers._finished_before_kill(tmp_path, "train", since - 1, 20)
+    assert finished_before_kill(tmp_path, "train", since - 1, 15)
+    assert not finished_before_kill(tmp_path, "latents", since - 1, 15)
+    assert not finished_before_kill(tmp_path, "train", since - 1, 20)
     (final / "manifest.json").write_text(json.dumps({"complete": False, "step": 15}))
-    assert not peers._finished_before_kill(tmp_path, "train", since - 1, 15)
+    assert not finished_before_kill(tmp_path, "train", since - 1, 15)
     (final / "manifest.json").write_text(json.dumps({"complete": True, "step": 15}))
     os.utime(final / "manifest.json", (since - 100, since - 100))  # written before this call
-    assert not peers._finished_before_kill(tmp_path, "train", since - 1, 15)
+    assert not finished_before_kill(tmp_path, "train", since - 1, 15)
