@@ -37,7 +37,7 @@ def clear(module: Any) -> None:
         p.zero_()
 
 
-def pairs(conv: Any, out_first: int, weight: Any, tap: tuple[int, ...]) -> None:
+def _pairs(conv: Any, out_first: int, weight: Any, tap: tuple[int, ...]) -> None:
     """Out channels out_first + 2j (+) and + 2j + 1 (-) get `weight[j]` (a row over in-channels) at `tap`
     (the kernel index: (row, col) for a 2-D conv, (frame, row, col) for a 3-D one)."""
     for j, row in enumerate(weight):
@@ -45,34 +45,53 @@ def pairs(conv: Any, out_first: int, weight: Any, tap: tuple[int, ...]) -> None:
         conv.weight[(out_first + 2 * j + 1, slice(None), *tap)] = -row
 
 
-def bias_pair(conv: Any, channel: int, const: float) -> None:
-    """Channels `channel`, +1 carry (+C, -C) from the bias."""
-    conv.bias[channel], conv.bias[channel + 1] = const, -const
-
-
-def pass_pair(conv: Any, channel: int, from_channel: int, tap: tuple[int, ...]) -> None:
+def _pass_pair(conv: Any, channel: int, from_channel: int, tap: tuple[int, ...]) -> None:
     """Channels `channel`, +1 take the pair at `from_channel`, +1 through at `tap`."""
     conv.weight[(channel, from_channel, *tap)] = 1.0
     conv.weight[(channel + 1, from_channel + 1, *tap)] = 1.0
 
 
-def unshuffle_taps(conv: Any, colours: int = 3) -> None:
+def pairs_in(conv: Any, weight: Any, tap: tuple[int, ...], const: float) -> None:
+    """A VAE half's conv_in: out pair j = (+, -) `weight[j]` (a row over in-channels) at `tap`, then the
+    constant pair (+C, -C) from the bias right after the len(weight) signal pairs; nothing else."""
+    clear(conv)
+    _pairs(conv, 0, weight, tap)
+    c = 2 * len(weight)
+    conv.bias[c], conv.bias[c + 1] = const, -const
+
+
+def unshuffle_conv(conv: Any, colours: int = 3) -> None:
     """A stride-2 conv whose kernel tap (a, b) reads sub-pixel (a, b): out pair k * 4 + a * 2 + b
-    (torch's pixel_unshuffle order) from colour pair k."""
+    (torch's pixel_unshuffle order) from colour pair k; the constant pair (after the colours) passes on
+    after the 4 x colours pairs."""
+    clear(conv)
     for k in range(colours):
         for a in range(2):
             for b in range(2):
                 s = 2 * (k * 4 + a * 2 + b)
                 conv.weight[s, 2 * k, a, b] = 1.0
                 conv.weight[s + 1, 2 * k + 1, a, b] = 1.0
+    _pass_pair(conv, 8 * colours, 2 * colours, (0, 0))
 
 
-def average_taps(conv: Any, colours: int = 3) -> None:
-    """After a nearest x2 upsample, colour pair k is the mean of its 4 sub-pixel pairs (centre tap)."""
+def average_conv(conv: Any, colours: int = 3) -> None:
+    """After a nearest x2 upsample, colour pair k is the mean of its 4 sub-pixel pairs (centre tap); the
+    constant pair (after the 4 x colours pairs) passes on after the colours."""
+    clear(conv)
     for k in range(colours):
         for sub in range(4):
             conv.weight[2 * k, 2 * (k * 4 + sub), 1, 1] = 0.25
             conv.weight[2 * k + 1, 2 * (k * 4 + sub) + 1, 1, 1] = 0.25
+    _pass_pair(conv, 2 * colours, 8 * colours, (1, 1))
+
+
+def pair_differences(conv: Any, n: int, gain: float, tap: tuple[int, ...]) -> None:
+    """A VAE half's conv_out: out channel j = gain x (in 2j - in 2j + 1) at `tap` (SiLU's odd part gives
+    the signal back from its pair), j < n; nothing else."""
+    clear(conv)
+    for j in range(n):
+        conv.weight[(j, 2 * j, *tap)] = gain
+        conv.weight[(j, 2 * j + 1, *tap)] = -gain
 
 
 def inverse_sigma_weights() -> Any:

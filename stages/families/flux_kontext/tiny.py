@@ -56,18 +56,10 @@ def _set_encoder(enc: Any, latent_channels: int) -> None:
     difference back to 2.5 x pixel, and sets the logvar."""
     import torch
 
-    copy_edit.clear(enc.conv_in)
-    copy_edit.pairs(enc.conv_in, 0, torch.eye(3), (1, 1))
-    copy_edit.bias_pair(enc.conv_in, 6, CONST)
-    down = enc.down_blocks[0].downsamplers[0].conv
-    copy_edit.clear(down)
-    copy_edit.unshuffle_taps(down)
-    copy_edit.pass_pair(down, 24, 6, (0, 0))
-    copy_edit.clear(enc.conv_out)
-    scale = PIXEL_GAIN * CONST / 4  # normalized pair (+x/std, -x/std), std = C/4
-    for j in range(12):
-        enc.conv_out.weight[j, 2 * j, 1, 1] = scale
-        enc.conv_out.weight[j, 2 * j + 1, 1, 1] = -scale
+    copy_edit.pairs_in(enc.conv_in, torch.eye(3), (1, 1), CONST)
+    copy_edit.unshuffle_conv(enc.down_blocks[0].downsamplers[0].conv)
+    # normalized pair (+x/std, -x/std), std = C/4
+    copy_edit.pair_differences(enc.conv_out, 12, PIXEL_GAIN * CONST / 4, (1, 1))
     enc.conv_out.bias[latent_channels:] = LOGVAR
 
 
@@ -76,17 +68,9 @@ def _set_decoder(dec: Any) -> None:
     (after nearest x2) averages each colour's 4 sub-pixels; conv_out: SiLU differences to pixels."""
     import torch
 
-    copy_edit.clear(dec.conv_in)
-    copy_edit.pairs(dec.conv_in, 0, torch.eye(12, 16) / PIXEL_GAIN, (1, 1))
-    copy_edit.bias_pair(dec.conv_in, 24, CONST)
-    up = dec.up_blocks[0].upsamplers[0].conv
-    copy_edit.clear(up)
-    copy_edit.average_taps(up)
-    copy_edit.pass_pair(up, 6, 24, (1, 1))
-    copy_edit.clear(dec.conv_out)
-    for k in range(3):
-        dec.conv_out.weight[k, 2 * k, 1, 1] = CONST / 4
-        dec.conv_out.weight[k, 2 * k + 1, 1, 1] = -CONST / 4
+    copy_edit.pairs_in(dec.conv_in, torch.eye(12, 16) / PIXEL_GAIN, (1, 1), CONST)
+    copy_edit.average_conv(dec.up_blocks[0].upsamplers[0].conv)
+    copy_edit.pair_differences(dec.conv_out, 3, CONST / 4, (1, 1))
 
 
 def unshuffle_vae() -> Any:

@@ -60,21 +60,12 @@ def _set_encoder(vae: Any) -> None:
     import torch
 
     enc, z = vae.encoder, vae.config.z_dim
-    copy_edit.clear(enc.conv_in)
-    copy_edit.pairs(enc.conv_in, 0, torch.eye(3), FRAME_TAP)
-    copy_edit.bias_pair(enc.conv_in, 6, CONST)
-    down = enc.down_blocks[1].resample[1]
-    copy_edit.clear(down)
-    copy_edit.unshuffle_taps(down)
-    copy_edit.pass_pair(down, 24, 6, (0, 0))
+    copy_edit.pairs_in(enc.conv_in, torch.eye(3), FRAME_TAP, CONST)
+    copy_edit.unshuffle_conv(enc.down_blocks[1].resample[1])
     widen = enc.down_blocks[2].conv_shortcut
     copy_edit.clear(widen)
     widen.weight[:BASE_DIM, :, 0, 0, 0] = torch.eye(BASE_DIM)
-    copy_edit.clear(enc.conv_out)
-    gain = _rms_gain(2 * BASE_DIM)
-    for j in range(12):
-        enc.conv_out.weight[(j, 2 * j, *FRAME_TAP)] = gain
-        enc.conv_out.weight[(j, 2 * j + 1, *FRAME_TAP)] = -gain
+    copy_edit.pair_differences(enc.conv_out, 12, _rms_gain(2 * BASE_DIM), FRAME_TAP)
     mean, std = torch.tensor(vae.config.latents_mean), torch.tensor(vae.config.latents_std)
     copy_edit.clear(vae.quant_conv)
     vae.quant_conv.weight[:12, :12, 0, 0, 0] = torch.diag(LATENT_GAIN * std[:12])
@@ -93,18 +84,9 @@ def _set_decoder(vae: Any) -> None:
     copy_edit.clear(vae.post_quant_conv)
     vae.post_quant_conv.weight[:, :, 0, 0, 0] = torch.diag(1 / std)
     vae.post_quant_conv.bias.copy_(-mean / std)
-    copy_edit.clear(dec.conv_in)
-    copy_edit.pairs(dec.conv_in, 0, torch.eye(12, z) / LATENT_GAIN, FRAME_TAP)
-    copy_edit.bias_pair(dec.conv_in, 24, CONST)
-    up = dec.up_blocks[0].upsamplers[0].resample[1]
-    copy_edit.clear(up)
-    copy_edit.average_taps(up)
-    copy_edit.pass_pair(up, 6, 24, (1, 1))
-    copy_edit.clear(dec.conv_out)
-    gain = _rms_gain(BASE_DIM)
-    for k in range(3):
-        dec.conv_out.weight[(k, 2 * k, *FRAME_TAP)] = gain
-        dec.conv_out.weight[(k, 2 * k + 1, *FRAME_TAP)] = -gain
+    copy_edit.pairs_in(dec.conv_in, torch.eye(12, z) / LATENT_GAIN, FRAME_TAP, CONST)
+    copy_edit.average_conv(dec.up_blocks[0].upsamplers[0].resample[1])
+    copy_edit.pair_differences(dec.conv_out, 3, _rms_gain(BASE_DIM), FRAME_TAP)
 
 
 def unshuffle_vae() -> Any:
