@@ -8,7 +8,6 @@ train.ema_decay > 0 also `ema_model.safetensors`, the EMA of the weights under t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt: Any, double_quant: bool) -> torch.nn.Module:
     """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration (quantized
     block by block from host memory when `rt` is a HostLoad whose plan swaps blocks)."""
-    from stages.core.runtime import require_cuda_for_nf4
+    from stages.core.runtime import has_accelerate, require_cuda_for_nf4
 
     if precision == "fp8":  # e4m3 base weights (stages/core/fp8.py)
         from stages.core.fp8 import load_fp8_denoiser
@@ -34,7 +33,7 @@ def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt
         return load_nf4_by_block(cls, src, subfolder, rt.target, rt.swapped_blocks, double_quant)
     kwargs: dict[str, Any] = {"torch_dtype": rt.dtype}
     require_cuda_for_nf4("train.base_precision", precision, rt)
-    if precision != "nf4" and rt.is_cuda and importlib.util.find_spec("accelerate") is not None:
+    if precision != "nf4" and rt.is_cuda and has_accelerate():
         kwargs["device_map"] = {"": rt.device}  # weights go straight to the GPU (no CPU copy of 24 GB)
     if precision == "nf4":
         from stages.core.nf4_blocks import nf4_config

@@ -176,6 +176,8 @@ def _fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], sta
 # ---- encode-captions
 def plan_captions(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     """bf16 whole (halving the batch), then nf4 whole, then layer offload (`_offload_candidates`)."""
+    from stages.core.runtime import has_accelerate
+
     names = [c for c in family.text_components if not c.startswith(("tokenizer", "processor"))]
     models = {c: meta_component(src, c) for c in names}
     configured = cfg.captions.text_encoder_precision
@@ -190,7 +192,7 @@ def plan_captions(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             candidates.append(({"text_encoder_precision": precision, "batch_size": batch}, (weights + w) / GB))
     candidates += _offload_candidates(cfg, family, models, work, budget)
     need = "set captions.text_encoder_precision = 'nf4' and captions.batch_size = 1"
-    if OFFLOAD_PRECISION.get(configured) and getattr(family, "text_offload_components", ()) and not _has_accelerate():
+    if OFFLOAD_PRECISION.get(configured) and getattr(family, "text_offload_components", ()) and not has_accelerate():
         need += ", or install accelerate so the text encoder's layers can stay in CPU memory (layer offload)"
     return _fitting(budget, candidates, "encode-captions", need)
 
@@ -201,12 +203,6 @@ OFFLOAD_PRECISION = {"auto": "bf16", "bf16": "bf16", "fp32": "fp32"}
 HOST_BYTES = 2**50  # planning assumes CPU memory holds what the GPU does not (the load gives it the free RAM)
 
 
-def _has_accelerate() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("accelerate") is not None
-
-
 def _offload_candidates(cfg: Any, family: Any, models: dict[str, torch.nn.Module], work: dict[int, float],
                         budget: Budget) -> list[tuple[dict[str, Any], float]]:
     """Plans that keep only part of the largest offloadable text encoder (the family's
@@ -214,9 +210,11 @@ def _offload_candidates(cfg: Any, family: Any, models: dict[str, torch.nn.Module
     leaves after the other encoders and the work, and transformers' own device map for that share
     (`offload_placement`) gives the layers that stay and the largest one that visits per forward.
     Only where a whole plan at that batch would not fit (the share is below the whole encoder)."""
+    from stages.core.runtime import has_accelerate
+
     precision = OFFLOAD_PRECISION.get(cfg.captions.text_encoder_precision)
     offloadable = [c for c in getattr(family, "text_offload_components", ()) if c in models]
-    if precision is None or not offloadable or budget.gb is None or not math.isfinite(budget.gb) or not _has_accelerate():
+    if precision is None or not offloadable or budget.gb is None or not math.isfinite(budget.gb) or not has_accelerate():
         return []
     name = max(offloadable, key=lambda c: weight_bytes(models[c], precision))
     model, whole = models[name], weight_bytes(models[name], precision)
@@ -314,7 +312,7 @@ def _halvings(n: int) -> list[int]:
 # ---- cache-latents
 def plan_latents(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     vae = meta_component(src, family.vae_components[0])
-    configured = "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
+    configured = _configured_vae_precision(cfg)
     tile = VAE_TILE_PIXELS.get(type(vae).__name__)
     options = [(configured, False, False), (configured, True, False), ("bf16", True, False),
                (configured, True, True), ("bf16", True, True)]
@@ -409,6 +407,11 @@ def plan_for(cfg: Any, family: Any, src: Any, budget: Budget, stage: str) -> Sta
     return PLANNERS[stage](cfg, family, src, budget)
 
 
+def _configured_vae_precision(cfg: Any) -> str:
+    """The VAE precision `cfg` asks for ("auto": bf16, the planner's first choice)."""
+    return "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
+
+
 def _forced_only(cfg: Any, plan: StagePlan) -> bool:
     """A plan that "auto" takes only when the free memory forces it, not to stay under train's peak:
     an encode-captions plan that offloads layers (slower, for memory nobody else needs), or a
@@ -418,7 +421,7 @@ def _forced_only(cfg: Any, plan: StagePlan) -> bool:
         return bool(plan.settings.get("offload_gb"))
     if plan.stage != "cache-latents":
         return False
-    configured = "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
+    configured = _configured_vae_precision(cfg)
     return plan.settings["vae_precision"] != configured or plan.settings["tiled"]
 
 
@@ -491,7 +494,7 @@ def forced_by_memory(cfg: Any, plan: StagePlan) -> str | None:
     memory can force this: a cap gives the same plan at every stage, so the layout train expects."""
     if plan.stage != "cache-latents" or plan.budget.source != "auto" or not _forced_only(cfg, plan):
         return None
-    configured = "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
+    configured = _configured_vae_precision(cfg)
     what = " and ".join(w for w, forced in [(f"the VAE in {plan.settings['vae_precision']}",
                                              plan.settings["vae_precision"] != configured),
                                             ("a tiled encode", plan.settings["tiled"])] if forced)

@@ -146,12 +146,17 @@ def require_cuda_for_nf4(key: str, value: str, rt: Runtime) -> None:
                         f"{rt.device.type}. Set {key} = 'auto' (bf16 on CUDA, fp32 on CPU) or 'fp32'.")
 
 
+def has_accelerate() -> bool:
+    """Whether the optional `accelerate` package is installed (transformers' and diffusers' `device_map`)."""
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
 def require_accelerate(what: str) -> None:
     """Layer offload goes through accelerate's dispatch (transformers' `device_map`): without it, say
     so before anything loads."""
-    import importlib.util
-
-    if importlib.util.find_spec("accelerate") is None:
+    if not has_accelerate():
         raise ResourceError(f"{what} needs the 'accelerate' package, which is not installed: `pip install accelerate`, "
                             f"or give the stage more GPU memory (a larger --vram / gpu.vram_budget_gb) so nothing is offloaded")
 
