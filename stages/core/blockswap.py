@@ -54,7 +54,7 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [b for _, blocks in repeated_block_lists(model) for b in blocks]
 
 
-def _quantized(p: torch.Tensor) -> bool:
+def quantized(p: torch.Tensor) -> bool:
     """A bitsandbytes Params4bit that holds quantized weights (its quant_state travels with it)."""
     return getattr(p, "quant_state", None) is not None
 
@@ -90,7 +90,7 @@ class BlockSwap:
             if self.stream is not None:
                 host = host.pin_memory()
             p.data = host
-            if _quantized(p):
+            if quantized(p):
                 p.quant_state.to(torch.device("cpu"))
             frozen[name] = p
         return frozen
@@ -100,7 +100,7 @@ class BlockSwap:
         self.copies += 1
         host = self.host[id(self.blocks[position])]
         if self.stream is None:  # a Params4bit's deepcopy copies its quant_state too (a clone would drop it)
-            return {name: copy.deepcopy(p) if _quantized(p) else p.detach().clone() for name, p in host.items()}
+            return {name: copy.deepcopy(p) if quantized(p) else p.detach().clone() for name, p in host.items()}
         return {name: p.to(self.device, non_blocking=True) for name, p in host.items()}
 
     def _start_prefetch(self, position: int) -> None:
@@ -192,7 +192,7 @@ def move_unswapped(model: torch.nn.Module, swap: BlockSwap | None, device: torch
     for p in model.parameters():
         if id(p) not in swapped:
             p.data = p.data.to(device)
-            if _quantized(p):
+            if quantized(p):
                 p.quant_state.to(device)
     for module in model.modules():
         for name, buf in module._buffers.items():

@@ -53,18 +53,18 @@ def _groups(model: torch.nn.Module, swapped_blocks: int) -> list[tuple[list[torc
     return [(rest, False)] + [(list(b.modules()), id(b) in swapped) for b in blocks]
 
 
-def _to_host(module: torch.nn.Module) -> None:
-    """The module's own parameters and buffers to host memory (a Params4bit with its quant_state)."""
+def _move_own(module: torch.nn.Module, device: torch.device | str) -> None:
+    """The module's own parameters and buffers to `device` (a Params4bit with its quant_state)."""
     for name, p in module._parameters.items():
         if p is None:
             continue
-        if getattr(p, "quant_state", None) is not None:
-            module._parameters[name] = p.to("cpu")
+        if blockswap.quantized(p):
+            module._parameters[name] = p.to(device)
         else:
-            p.data = p.data.to("cpu")
+            p.data = p.data.to(device)
     for name, buf in module._buffers.items():
         if buf is not None:
-            module._buffers[name] = buf.to("cpu")
+            module._buffers[name] = buf.to(device)
 
 
 def quantize_nf4_by_block(model: torch.nn.Module, double_quant: bool, device: torch.device | str,
@@ -87,14 +87,9 @@ def quantize_nf4_by_block(model: torch.nn.Module, double_quant: bool, device: to
                 if old.bias is not None:
                     quantizer.create_quantized_param(model, old.bias.detach(), f"{name}.bias", device, {})
                 if to_host:
-                    _to_host(module)
+                    _move_own(module, "cpu")
             elif not to_host:
-                for p in module._parameters.values():
-                    if p is not None:
-                        p.data = p.data.to(device)
-                for key, buf in module._buffers.items():
-                    if buf is not None:
-                        module._buffers[key] = buf.to(device)
+                _move_own(module, device)
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
     model.register_to_config(_pre_quantization_dtype=torch.bfloat16)
