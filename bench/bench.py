@@ -536,7 +536,8 @@ def make_dataset(folder: Path, n: int, side: int, controls: int = 0) -> Path:
 
 
 def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
-    """What one stage call produced: its manifest's timings and memory, and (train) its step events."""
+    """What one stage call produced: its manifest's timings and memory, and (train) its step events and the
+    profile.json this call wrote (train.profile_steps)."""
     where = {"encode": "captions.zarr", "latents": "latents.zarr", "train": "lora/final", "export": "export"}[kind]
     m = json.loads((run_dir / where / "manifest.json").read_text())
     keep = ("seconds", "peak_vram_gb", "samples_per_second", "loss_first", "loss_last", "precision", "compiled",
@@ -550,6 +551,9 @@ def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     if kind == "train":
         steps = [e for e in mine if e["event"] == "step"]
         out["steps"] = [{"step": e["step"], "ts": e["ts"], "loss": e["loss"], "peak": e.get("peak_vram_gb")} for e in steps]
+        profile = run_dir / "lora" / "profile.json"  # train.profile_steps, written by this call
+        if profile.exists() and profile.stat().st_mtime >= since:
+            out["profile"] = json.loads(profile.read_text())
     return out
 
 

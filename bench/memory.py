@@ -46,14 +46,6 @@ def extra_sets(pairs: list[str]) -> dict[str, str]:
     return dict(p.split("=", 1) for p in pairs)
 
 
-def _profile(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
-    """The train stage's profile.json of this call (`--set train.profile_steps=N`), else nothing."""
-    path = run_dir / "lora" / "profile.json"
-    if kind != "train" or not path.exists() or path.stat().st_mtime < since:
-        return {}
-    return {"profile": json.loads(path.read_text())}
-
-
 def _items_per_s(manifest: dict[str, Any]) -> float | None:
     n, s = manifest.get("encoded_this_run"), manifest.get("seconds")
     return n / s if isinstance(n, int) and n and s else None
@@ -101,7 +93,7 @@ class MemoryRunner(Runner):
                 "items": manifest.get("encoded_this_run"), "loaded_s": summary.get("loaded_s"),
                 "warnings": summary.get("warnings"), "steps": summary.get("steps"),
                 "runtime": summary.get("runtime"),  # train: block swap's copies / prefetch hits, allocator retries
-                **_profile(run_dir, kind, t0)}
+                **({"profile": summary["profile"]} if "profile" in summary else {})}  # --set train.profile_steps=N
 
     def run_family(self, fam: str) -> None:
         model = self.ensure_model(fam, STAGES[0][0])

@@ -366,9 +366,8 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         if kind == "train":
             info.update(product_summary(summary, a.batch, a.warmup))
             info["loss_first"], info["loss_last"] = summary.get("loss_first"), summary.get("loss_last")
-            profiles = sorted((Path(res_sets["artifacts"]) / run).rglob("profile.json"), key=lambda p: p.stat().st_mtime)
-            if "profile" in flags and profiles:
-                info["profile"] = json.loads(profiles[-1].read_text())
+            if "profile" in summary:  # the `profile` flag (train.profile_steps)
+                info["profile"] = summary["profile"]
         else:
             rows[kind] = info
         row["stages"][kind] = info
