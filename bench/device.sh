@@ -23,6 +23,9 @@
 #   O: the edit families' own rows (flux-kontext, then qwen-image-edit): encode, latents, train nf4/bf16, export
 #   P: Qwen-Image at 8 GB (swap) and auto, each train profiled (train.profile_steps=2): where the swap row's
 #      time goes (issue 16's 0.50x), then FLUX at 16/24 GB with train.gradient_checkpointing=auto (partial)
+#   Q: block swap into two reused device slots, replayed by CUDA graphs (2026-12-01, fifth session): the CUDA
+#      swap tests, then Qwen-Image at 8 GB and auto (issue 16's 0.6x target), then FLUX at 16/24 GB with partial
+#      checkpointing (train.gradient_checkpointing=auto) in what is left
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -74,6 +77,14 @@ case $phase in
   O) bench 0 flux-kontext O $(( $(left) / 2 - 20 )) --keep; bench 0 qwen-image-edit O $(( $(left) - 30 )) --keep ;;
   P) python3 bench/memory.py run --families qwen-image --budgets 8,auto --set train.profile_steps=2 --keep \
        --models /tmp/lorapipe-models --out "$OUT/memory-qwen-image-8gb-profiled-h200.json" --budget-s $(( $(left) * 11 / 20 )) \
+       > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
+     python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
+       --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 30 )) \
+       > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
+  Q) timeout 150 python3 -m pytest -q tests/test_trainer_paths.py tests/test_partial_checkpointing.py \
+       -k "nf4_swap or partial_checkpointing_under" > "$OUT/swap-cuda-tests.log" 2>&1; tail -2 "$OUT/swap-cuda-tests.log"
+     python3 bench/memory.py run --families qwen-image --budgets 8,auto --keep --models /tmp/lorapipe-models \
+       --out "$OUT/memory-qwen-image-8gb-slots-h200.json" --budget-s $(( $(left) * 7 / 10 )) \
        > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
      python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 30 )) \

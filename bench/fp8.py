@@ -35,6 +35,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages.core.fp8 import Fp8Linear, fp8_eligible, inside_repeated_blocks, quantize_denoiser_fp8, text_encoder_keep  # noqa: E402
+from bench.fp8_torchao import rel  # noqa: E402
 
 MICRO_SHAPES = [(m, k, n) for m in (4096, 16384) for k, n in ((3072, 3072), (3072, 12288), (12288, 3072), (3072, 21504))]
 SMOKE_FLUX = dict(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=2, joint_attention_dim=256)
@@ -66,7 +67,6 @@ def micro(m: int, k: int, n: int) -> dict[str, Any]:
             y = fwd_bwd()
         out[f"{name}_ms"] = round(cuda_ms(fwd_bwd, 20), 4)
         out[f"{name}_y"], out[f"{name}_dx"] = y.detach().float(), x.grad.detach().float()
-    rel = lambda a, b: round(float((a - b).norm() / b.norm()), 5)  # noqa: E731
     res = {"M": m, "K": k, "N": n, "bf16_ms": out["bf16_ms"], "fp8_ms": out["fp8_ms"],
            "speedup": round(out["bf16_ms"] / out["fp8_ms"], 3), "rel_err_y": rel(out["fp8_y"], out["bf16_y"]),
            "rel_err_dx": rel(out["fp8_dx"], out["bf16_dx"])}

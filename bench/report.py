@@ -384,7 +384,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
     """{"RESULTS.md": targets and one headline table per family, "APPENDIX.md": every table, profile
     and run}; both from the result files alone (plus the hand-written bench/analysis.md)."""
     kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": [],
-                                   "peers": [], "dtype": [], "tiling": []}
+                                   "peers": [], "dtype": [], "tiling": [], "swap": []}
     for f in files:
         kind = _kind(json.loads(f.read_text()))
         kinds[kind].append(f if kind in ("bench", "multigpu", "memory") else json.loads(f.read_text()))
@@ -398,6 +398,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
         extra.append(multigpu_report(kinds["multigpu"]))
     extra += ["## Probe: full-width FLUX blocks, eager against CUDA graphs\n\n" + probe_section(kinds["probe"]) + "\n"]
     extra += [dtype_section(d) for d in kinds["dtype"]] + [tiling_section(d) for d in kinds["tiling"]]
+    extra += [swap_section(d) for d in sorted(kinds["swap"], key=lambda d: d.get("date_utc", ""))]
     export = ("## Export key layout at full size (CPU, meta device)\n\n`python bench/verify_export.py --meta <family> "
               "--out bench/results/export-meta-<family>.json`\n\n" + meta_export_section(kinds["meta"]) + "\n")
     analysis = Path(__file__).with_name("analysis.md")
@@ -467,11 +468,42 @@ def tiling_section(d: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+SWAP_CONFIGS = {"resident_graphs": "resident, compiled, CUDA graphs", "resident_compiled": "resident, compiled",
+                "resident_eager": "resident, eager", "swap_graphs": "swapped, compiled, CUDA graphs",
+                "swap_compiled": "swapped, compiled", "swap_eager": "swapped, eager"}
+
+
+def swap_section(d: dict[str, Any]) -> str:
+    """bench/swap_probe.py: a block-swapped step against the unswapped one, on full-width blocks."""
+    slots = any("slot_gb" in (d.get(k) or {}).get("swap", {}) for k in SWAP_CONFIGS)
+    how = "two reused device slots" if slots else "copies allocated per call (the swap before the slots)"
+    out = [f"## Block swap on full-width Qwen-Image blocks: {how} ({d.get('date_utc', '')})\n",
+           f"`python3 {d.get('command', 'bench/swap_probe.py')}` ({d.get('gpu')}, torch {d.get('torch')}): "
+           f"{d.get('blocks')} blocks, {d.get('swapped')} swapped, {d.get('precision')}, {d.get('px')} px, batch 1, "
+           f"{d.get('text_tokens')} text tokens, LoRA r16, checkpointing, fused AdamW; median of timed steps. Copies are "
+           "counted on the host (a graph replay copies without counting).\n",
+           "| configuration | step s | vs resident, same launch mode | peak GB | H2D GB/s (one block) | copies / prefetched |",
+           "|---|---|---|---|---|---|"]
+    base = {"graphs": d.get("resident_graphs", {}).get("median_s"), "compiled": d.get("resident_compiled", {}).get("median_s"),
+            "eager": d.get("resident_eager", {}).get("median_s")}
+    for key, label in SWAP_CONFIGS.items():
+        r = d.get(key)
+        if not r or "median_s" not in r:
+            continue
+        ref = base[key.split("_")[1]]
+        swap, copy = r.get("swap", {}), r.get("copy", {})
+        out.append(f"| {label} | {r['median_s']:.4f} | {r['median_s'] / ref:.2f}x | {r.get('peak_allocated_gb')} | "
+                   f"{copy.get('gb_s', '')} | {swap.get('copies', '')} / {swap.get('prefetch_hits', '')} |")
+    return "\n".join(out) + "\n"
+
+
 def _kind(data: dict[str, Any]) -> str:
     """Which benchmark wrote a result file (each has its own layout)."""
     items = data.get("items", [])
     if "double_blocks" in data:
         return "probe"
+    if "swapped" in data and "blocks" in data:
+        return "swap"
     if "checked_with" in data:
         return "meta"
     if "micro" in data or "torchao" in data:  # bench/fp8.py, bench/fp8_torchao.py: read in bench/fp8.md

@@ -60,6 +60,29 @@ def test_swapped_loss_and_lora_grads_equal_unswapped_bit_for_bit(checkpointing: 
         assert torch.equal(grads[name], grads_ref[name]), name
     # forward fetches each swapped block once; the recompute of checkpointing fetches it again
     assert swap.copies == n_swapped * (2 if checkpointing else 1)
+    # checkpointed calls run from the two reused slots, the next block copied ahead (5 blocks: each slot
+    # is refilled while the math above stays exact); a call whose backward needs its weights later
+    # (no checkpointing) gets copies of its own and prefetches nothing
+    assert swap.prefetch_hits == (2 * (n_swapped - 1) if checkpointing else 0)
+
+
+def test_swapped_blocks_run_from_two_slots_and_match_without_gradients() -> None:
+    model = _tiny_flux()
+    with torch.no_grad():
+        ref = model(**_inputs(), return_dict=False)[0]
+    swap = blockswap.install_block_swap(model, 5, torch.device("cpu"))
+    assert len(swap.slots) == 2
+    largest = max(blockswap.frozen_bytes(b) for b in swap.blocks)
+    assert all(largest <= s.numel() < largest + 256 * 64 for s in swap.slots)  # the largest block, aligned
+    for k, views in enumerate(swap._views):  # block k runs from slot k % 2: views made once, no copies per call
+        slot = swap.slots[k % 2].untyped_storage().data_ptr()
+        assert all(v.untyped_storage().data_ptr() == slot for v in views.values())
+    for k, block in enumerate(swap.blocks):  # the host weights: views of one packed buffer per block
+        packed = swap._flat[k].untyped_storage().data_ptr()
+        assert all(p.untyped_storage().data_ptr() == packed for p in swap.host[id(block)].values())
+    with torch.no_grad():
+        out = model(**_inputs(), return_dict=False)[0]
+    assert torch.equal(out, ref) and swap.copies == 5 and swap.prefetch_hits == 4
 
 
 def test_swap_takes_the_last_blocks_and_keeps_names_and_lora_trainable() -> None:

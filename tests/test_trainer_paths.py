@@ -221,8 +221,11 @@ def test_cuda_graphs_same_losses_as_eager(cached, precision, monkeypatch):
     (l0, w0, _), (l1, w1, _), (l2, w2, graphed) = runs
     assert isinstance(graphed, fastpath.GraphedDenoiser) and graphed.summary()["replays"] >= 4
     assert l2[0] == l0[0]
-    assert (l2 - l0).abs().max() <= 10 * (l1 - l0).abs().max()
-    assert (w2 - w0).abs().max() <= 10 * (w1 - w0).abs().max()
+    # two eager nf4 runs were bit-identical on the H200 (2026-12-01) while the graphed one moved the
+    # 5th/6th loss by 7e-6 (kernels may pick other algorithms at the graph pool's addresses): a floor
+    # far below what a wrong weight, input or stale buffer does to a loss of ~1.5
+    assert (l2 - l0).abs().max() <= max(10 * (l1 - l0).abs().max(), 2e-5)
+    assert (w2 - w0).abs().max() <= max(10 * (w1 - w0).abs().max(), 1e-5 * w0.abs().max())
 
 
 
@@ -230,9 +233,10 @@ def test_cuda_graphs_same_losses_as_eager(cached, precision, monkeypatch):
 @cuda
 def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
     """nf4 with a block swapped (quantized block by block from host memory, stages/core/nf4_blocks.py)
-    trains as diffusers' nf4 load: the first loss bit for bit, later losses and the LoRA weights as
-    close as two unswapped runs are to each other; the swapped block's quantized weights and their
-    quant_state live in host memory, the resident block's on the GPU."""
+    trains as diffusers' nf4 load, eager and under CUDA graphs (which replay the swap's copies): the
+    first loss bit for bit, later losses and the LoRA weights as close as two unswapped runs are to
+    each other; the swapped block's quantized weights live in pinned host memory (their quant_state
+    stays on the GPU), the resident block's on the GPU."""
     from stages.core import memory
 
     real = memory.plan_train
@@ -242,9 +246,9 @@ def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
         plan.settings = {**plan.settings, "base_precision": "nf4", "swapped_blocks": 1, "gradient_checkpointing": True}
         return plan
 
-    monkeypatch.setenv(fastpath.ENV, "off")
     runs = []
-    for swapped in (False, False, True):
+    for swapped, graphs in ((False, "off"), (False, "off"), (True, "off"), (True, "on")):
+        monkeypatch.setenv(fastpath.ENV, graphs)
         if swapped:
             monkeypatch.setitem(memory.PLANNERS, "train", swap_one)
         cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "train.steps": 4,
@@ -254,12 +258,15 @@ def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
             assert (tr.swap is not None) == swapped
             if swapped:
                 host = [p for params in tr.swap.host.values() for p in params.values()]
-                assert host and all(p.device.type == "cpu" for p in host)
-                assert all(p.quant_state.absmax.device.type == "cpu" for p in host if hasattr(p, "quant_state"))
+                assert host and all(p.device.type == "cpu" and p.is_pinned() for p in host)
+                assert all(p.quant_state.absmax.device.type == "cuda" for p in host if hasattr(p, "quant_state"))
                 assert tr.model.transformer_blocks[0].attn.to_q.base_layer.weight.device.type == "cuda"
             losses, weights = losses_and_lora(tr, 4)
+            if graphs == "on":
+                assert isinstance(tr.denoiser, fastpath.GraphedDenoiser) and tr.denoiser.summary()["replays"] >= 2
         runs.append((losses, weights))
-    (l0, w0), (l1, w1), (l2, w2) = runs
-    assert l2[0] == l0[0]
-    assert (l2 - l0).abs().max() <= 10 * (l1 - l0).abs().max() + 1e-6
-    assert (w2 - w0).abs().max() <= 10 * (w1 - w0).abs().max() + 1e-6
+    (l0, w0), (l1, w1) = runs[:2]
+    for l2, w2 in runs[2:]:
+        assert l2[0] == l0[0]
+        assert (l2 - l0).abs().max() <= max(10 * (l1 - l0).abs().max(), 2e-5)
+        assert (w2 - w0).abs().max() <= max(10 * (w1 - w0).abs().max(), 1e-5 * w0.abs().max())

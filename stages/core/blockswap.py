@@ -9,32 +9,41 @@ How it works (same math as the unswapped model, only placement changes):
   `_repeated_blocks` (FLUX: FluxTransformerBlock + FluxSingleTransformerBlock, 19 + 38; Qwen-Image:
   60 QwenImageTransformerBlock; Z-Image: 30 ZImageTransformerBlock; SDXL: its 70 BasicTransformerBlock
   inside the attention layers). The last `n_blocks` of them (in execution order) are swapped.
-- A swapped block's frozen parameters move to host memory (pinned on CUDA). Trainable parameters
-  (LoRA A/B) stay on the GPU and stay the block's own, so the optimizer state stays there too.
-- The model's loops iterate those ModuleLists; the swapped lists yield a `_SwappedCall` in place of
-  the block. Calling it copies the block's frozen weights to the GPU (a prefetched copy made on a side
-  stream when one is ready), runs the block with those copies substituted for its parameters
-  (`torch.nn.utils.stateless._reparametrize_module`), then drops them. Autograd keeps the copies the
-  block's backward needs (a matmul saves its weight) and frees them once that backward has run. With
-  gradient checkpointing the saved tensors of a block are not kept: the recompute in backward calls
-  the block again, which copies its weights again. Without checkpointing the copies stay alive until
-  backward, so the planner turns checkpointing on whenever it swaps.
+- A swapped block's frozen parameters are packed into one buffer in host memory (pinned on CUDA);
+  each parameter becomes a view of it. Trainable parameters (LoRA A/B) stay on the GPU and stay the
+  block's own, so the optimizer state stays there too.
+- The GPU holds two slots, each the size of the largest swapped block. Block k runs from slot k % 2:
+  one copy of its packed buffer (one host-to-device transfer per block), made on a side stream while
+  the block before it computes (forward), or the block after it (the recompute of checkpointing in
+  backward, which walks the blocks down). A prefetch waits for the compute stream to finish what it
+  had queued, which includes the last use of the slot it writes. Nothing is allocated per call: the
+  slot views the block runs with are made once, so the caching allocator never sees the traffic.
+- The model's loops iterate those ModuleLists; the swapped lists yield a `SwappedCall` in place of
+  the block, which runs the block with the slot views substituted for its parameters
+  (`torch.nn.utils.stateless._reparametrize_module`).
+- Slots are reused two blocks later, so they serve only calls that keep no weights for backward:
+  under gradient checkpointing (its forward saves nothing; the recompute fetches the block again and
+  that block's backward runs before the block below is recomputed) or without gradients. The planner
+  checkpoints every block whenever it swaps; a swapped block run with gradients but not checkpointed
+  gets copies of its own (correct, allocated per call).
 - Regional compile (`compile_repeated_blocks`) compiles the block's own `__call__`; the copying
   happens outside it, and the substituted weights are ordinary inputs to the compiled graph (dynamo
-  treats module parameters as inputs), so a swapped block runs the same compiled code.
-- CUDA graphs are turned off while blocks are swapped (the planner sets train.cuda_graphs = "off"):
-  a captured graph would replay the copies into the graph pool and pin every swapped block's weights.
-- nf4 (bitsandbytes Params4bit): `.to(device)` of a quantized Params4bit moves its quant_state too,
-  so copies keep their quantization state. It moves it in place (bitsandbytes 0.50 `QuantState.to`),
-  and the host parameter shares that state: after a block's first copy its absmax and code tables
-  (1/64 of a weight's bytes in fp32, less with double quantization) stay on the GPU and only the
-  4-bit codes travel, asynchronously from pinned memory. A plan that swaps an nf4 base loads it quantized block by
-  block (stages/core/nf4_blocks.py), so the swapped blocks never reach the GPU whole.
+  treats module parameters as inputs; the same view objects every call, so its guards hold).
+- CUDA graphs (fastpath.GraphedDenoiser) capture the copies too: host-to-device copies from the pinned
+  buffers into the slots on the side stream, forked from and joined back to the capture stream by
+  the events above, so a replay copies each swapped block again and the weights stay in host
+  memory. The graph's pool holds activations only; the slots are allocated outside it. On
+  full-width Qwen-Image blocks (8, 6 swapped, nf4, 1024 px, compiled; bench/swap_probe.py) the
+  swapped step under graphs took 1.09x the unswapped one; without graphs 1.8x (the host-paced
+  launches leave the copies exposed).
+- nf4 (bitsandbytes Params4bit): a block's quant_state (absmax and code tables, a few percent of its
+  bytes with double quantization) stays on the GPU; only the 4-bit codes travel, and each slot view
+  is a Params4bit carrying its block's quant_state. A plan that swaps an nf4 base loads it quantized
+  block by block (stages/core/nf4_blocks.py), so the swapped blocks never reach the GPU whole.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -63,6 +72,34 @@ def frozen_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if not p.requires_grad)
 
 
+ALIGN = 256  # byte alignment of each tensor inside a block's packed buffer (as cudaMalloc's)
+SLOTS = 2  # device buffers a swapped block is copied into: the block running and the next one
+
+
+def _packed_layout(params: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+    """Byte offset of each tensor in one flat buffer (ALIGN-aligned), and the buffer's size."""
+    offsets, size = {}, 0
+    for name, p in params.items():
+        offsets[name] = size
+        size += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+    return offsets, size
+
+
+def _view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    n = like.numel() * like.element_size()
+    return flat[offset:offset + n].view(like.dtype).view(like.shape)
+
+
+def _alias(p: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """What a swapped block runs with in place of its frozen parameter `p`: a tensor over `data` (a
+    Params4bit keeps its quant_state, as bitsandbytes' own `Params4bit.to` builds one)."""
+    if not quantized(p):
+        return data
+    return type(p)(data, requires_grad=False, quant_state=p.quant_state, blocksize=p.blocksize,
+                   compress_statistics=p.compress_statistics, quant_type=p.quant_type,
+                   quant_storage=p.quant_storage, bnb_quantized=True)
+
+
 @dataclass
 class BlockSwap:
     """Moves the frozen weights of a set of blocks between host and device, one block ahead."""
@@ -76,69 +113,97 @@ class BlockSwap:
 
     def __post_init__(self) -> None:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._ahead: tuple[int, dict[str, torch.Tensor], Any] | None = None  # (position, copies, event)
+        self._ahead: tuple[int, Any] | None = None  # (position, event of its copy) of the block copied ahead
+        self._flat: list[torch.Tensor] = []  # per position: the block's frozen weights, packed (pinned on CUDA)
+        offsets: list[dict[str, int]] = []
         for k, block in enumerate(self.blocks):
             self.order[id(block)] = k
-            self.host[id(block)] = self._to_host(block)
+            self.host[id(block)] = {n: p for n, p in block.named_parameters() if not p.requires_grad}
+            where, size = _packed_layout(self.host[id(block)])
+            self._flat.append(self._to_host(self.host[id(block)], where, size))
+            offsets.append(where)
+        slot_bytes = max(flat.numel() for flat in self._flat)
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(min(SLOTS, len(self.blocks)))]
+        # per position: the tensors the block runs with, views of its slot (made once: no allocation per call)
+        self._views = [{name: _alias(p, _view(self.slots[k % len(self.slots)], offsets[k][name], p))
+                        for name, p in self.host[id(block)].items()} for k, block in enumerate(self.blocks)]
 
-    def _to_host(self, block: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        frozen = {}
-        for name, p in block.named_parameters():
-            if p.requires_grad:
-                continue
-            host = p.data.to("cpu")
-            if self.stream is not None:
-                host = host.pin_memory()
-            p.data = host
+    def _to_host(self, params: dict[str, torch.nn.Parameter], offsets: dict[str, int], size: int) -> torch.Tensor:
+        """Pack the block's frozen weights into one host buffer (pinned on CUDA, so copies are
+        asynchronous); each parameter becomes a view of it. A Params4bit's quant_state (absmax and
+        code tables, a few percent of its bytes) stays on the device: only the 4-bit codes travel."""
+        flat = torch.empty(size, dtype=torch.uint8, pin_memory=self.stream is not None)
+        for name, p in params.items():
+            view = _view(flat, offsets[name], p)
+            view.copy_(p.data)
+            p.data = view
             if quantized(p):
-                p.quant_state.to(torch.device("cpu"))
-            frozen[name] = p
-        return frozen
+                p.quant_state.to(self.device)
+        return flat
 
-    def _copy(self, position: int) -> dict[str, torch.Tensor]:
-        """Device copies of one block's frozen weights (on CPU: real clones, so a CPU test copies too)."""
+    def _copy_into_slot(self, position: int) -> None:
         self.copies += 1
-        host = self.host[id(self.blocks[position])]
-        if self.stream is None:  # a Params4bit's deepcopy copies its quant_state too (a clone would drop it)
-            return {name: copy.deepcopy(p) if quantized(p) else p.detach().clone() for name, p in host.items()}
-        return {name: p.to(self.device, non_blocking=True) for name, p in host.items()}
+        flat = self._flat[position]
+        self.slots[position % len(self.slots)][:flat.numel()].copy_(flat, non_blocking=True)
 
     def _start_prefetch(self, position: int) -> None:
-        if not 0 <= position < len(self.blocks) or self.stream is None:
+        """Copy block `position` into its slot ahead of use: on CUDA on the side stream, once the
+        compute stream has finished what it queued so far (the last use of that slot); on CPU now."""
+        if not 0 <= position < len(self.blocks):
             return
+        if self.stream is None:
+            self._copy_into_slot(position)
+            self._ahead = (position, None)
+            return
+        queued = torch.cuda.Event()
+        queued.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            copies = self._copy(position)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._ahead = (position, copies, event)
+            self.stream.wait_event(queued)
+            self._copy_into_slot(position)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._ahead = (position, done)
 
     def fetch(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The block's frozen weights on the device; starts copying the next block (the one after it
-        going forward, the one before it going backward)."""
+        """The block's frozen weights on the device, in its slot; starts copying the next block (the
+        one after it going forward, the one before it going backward) into the other slot."""
         position = self.order[id(block)]
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == position:
             self.prefetch_hits += 1
-            torch.cuda.current_stream(self.device).wait_event(ahead[2])
-            copies = ahead[1]
-            for t in copies.values():  # used on the compute stream now: the allocator must wait for it
-                t.record_stream(torch.cuda.current_stream(self.device))
+            if ahead[1] is not None:
+                torch.cuda.current_stream(self.device).wait_event(ahead[1])
         else:
-            copies = self._copy(position)
+            if ahead is not None and ahead[1] is not None:  # a copy still writing a slot: let it finish first
+                torch.cuda.current_stream(self.device).wait_event(ahead[1])
+            self._copy_into_slot(position)  # on the compute stream: after the slot's last use there
         backward = torch._C._current_graph_task_id() != -1  # a recompute inside backward walks the blocks down
         self._start_prefetch(position + (-1 if backward else 1))
-        return copies
+        return self._views[position]
 
-    def call(self, block: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with _reparametrize_module(block, self.fetch(block)):
+    def fresh_copies(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Copies of the block's weights of its own (not a slot's), for a call whose autograd graph
+        keeps them until backward: a swapped block run with gradients but without checkpointing."""
+        self.copies += 1
+        return {name: _alias(p, p.detach().to(self.device, copy=True)) for name, p in self.host[id(block)].items()}
+
+    def call(self, block: torch.nn.Module, *args: Any, checkpointed: bool = False, **kwargs: Any) -> Any:
+        """Run the block with its weights on the device. The slots are reused two blocks later, so
+        they serve a call that saves nothing for backward: under checkpointing (the recompute in
+        backward fetches the block again, and its backward runs before the block below is
+        recomputed) or without gradients. Any other call gets copies of its own."""
+        slots_safe = checkpointed or not torch.is_grad_enabled()
+        with _reparametrize_module(block, self.fetch(block) if slots_safe else self.fresh_copies(block)):
             return block(*args, **kwargs)
 
     def summary(self) -> dict[str, Any]:
         return {"swapped_blocks": len(self.blocks), "host_gb": round(sum(map(frozen_bytes, self.blocks)) / 2**30, 3),
+                "slot_gb": round(sum(s.numel() for s in self.slots) / 2**30, 3),
                 "copies": self.copies, "prefetch_hits": self.prefetch_hits}
 
 
-class _SwappedCall:
+class SwappedCall:
     """What a swapped ModuleList yields instead of a block: calling it runs the block with its
     weights fetched. The model code only calls its blocks (directly or through the checkpoint
     function, which calls `__call__`)."""
@@ -149,24 +214,28 @@ class _SwappedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.swap.call(self.block, *args, **kwargs)
 
+    def checkpointed(self, *args: Any, **kwargs: Any) -> Any:
+        """The call gradient checkpointing makes (stages/core/fastpath.py): forward and recompute."""
+        return self.swap.call(self.block, *args, checkpointed=True, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.block, name)
 
 
 def block_of(module: Any) -> Any:
-    """The block itself, for a block or the `_SwappedCall` a swapped list yields in its place."""
-    return module.block if isinstance(module, _SwappedCall) else module
+    """The block itself, for a block or the `SwappedCall` a swapped list yields in its place."""
+    return module.block if isinstance(module, SwappedCall) else module
 
 
 class SwappedModuleList(torch.nn.ModuleList):
-    """A ModuleList whose iteration yields `_SwappedCall`s for its swapped members. Parameters,
+    """A ModuleList whose iteration yields `SwappedCall`s for its swapped members. Parameters,
     state dicts and module names are untouched (they read `_modules`, not iteration)."""
 
     _block_swap: BlockSwap
 
     def __iter__(self) -> Iterator[Any]:
         swap = self._block_swap
-        return iter([_SwappedCall(swap, b) if id(b) in swap.order else b for b in self._modules.values()])
+        return iter([SwappedCall(swap, b) if id(b) in swap.order else b for b in self._modules.values()])
 
 
 def install_block_swap(model: torch.nn.Module, n_blocks: int, device: torch.device) -> BlockSwap | None:

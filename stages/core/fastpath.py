@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from stages.core.blockswap import block_of
+from stages.core.blockswap import SwappedCall, block_of
 
 ENV = "LORAPIPE_CUDA_GRAPHS"
 MODES = ("auto", "on", "off")
@@ -51,31 +51,37 @@ def graphs_mode(configured: str = "auto") -> str:
     return mode
 
 
+def _checkpointed_call(module: Any) -> Callable[..., Any]:
+    """What checkpointing calls, for forward and recompute: the module's `__call__`, or for a block
+    that block swap stands in for, its call that may use the swap's reused device buffers."""
+    return module.checkpointed if isinstance(module, SwappedCall) else module.__call__
+
+
 def _checkpoint_no_rng(module: Any, *args: Any, **kwargs: Any) -> Any:
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False,
+    return torch.utils.checkpoint.checkpoint(_checkpointed_call(module), *args, use_reentrant=False,
                                              preserve_rng_state=False, **kwargs)
 
 
 def _checkpoint_rng(module: Any, *args: Any, **kwargs: Any) -> Any:
     """diffusers' default checkpoint function: the RNG state is saved and restored for the recompute."""
-    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(_checkpointed_call(module), *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) -> Callable[..., Any] | None:
+def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) -> Callable[..., Any]:
     """The gradient-checkpointing function for `enable_gradient_checkpointing`: without RNG state
-    bookkeeping when nothing in the blocks is random (dropout 0), else diffusers' default (None).
+    bookkeeping when nothing in the blocks is random (dropout 0), else as diffusers' default.
 
     Partial checkpointing: the blocks in `direct` run as plain calls (their activations are kept for
     backward, no recompute); every other module the model hands to the function is checkpointed. The
     model passes the block itself (diffusers: `self._gradient_checkpointing_func(block, *args)`), or
-    under block swap the `_SwappedCall` standing in for it, which is unwrapped here. Blocks are matched
+    under block swap the `SwappedCall` standing in for it, which is unwrapped here. Blocks are matched
     by identity: regional compile compiles each block in place (`module.compile()`), so a compiled block
     is the same object. The choice is made in Python at each call, so a CUDA graph captures the path the
     step took."""
     checkpoint = _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
     skip = frozenset(id(b) for b in direct)
     if not skip:
-        return checkpoint if dropout == 0 else None
+        return checkpoint
 
     def partial(module: Any, *args: Any, **kwargs: Any) -> Any:
         if id(block_of(module)) in skip:

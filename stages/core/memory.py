@@ -36,9 +36,10 @@ BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
 VAE_ELEMENTS_PER_PIXEL = 780  # FLUX's fp32 VAE, 1 image at 1024 px: 3.36 GB allocated (H200; 720 predicted 3.12)
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
 LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
-# Block swap frees and refills GPU memory on a side stream every block, which the caching allocator
-# cannot reuse at once: Z-Image nf4 with 20 of 34 blocks swapped, predicted 3.55 GB, ran out of
-# memory at a 4.00 GB cap (bench/results/memory-zimage-sdxl-h200.json). Swap plans keep this extra.
+# Block swap used to allocate and free each block's copies on a side stream, which the caching
+# allocator could not reuse at once: Z-Image nf4 with 20 of 34 blocks swapped, predicted 3.55 GB, ran
+# out of memory at a 4.00 GB cap (bench/results/memory-zimage-sdxl-h200.json). It now copies into two
+# fixed slots (the 2 * largest block below); the extra stays until a capped run measures it again.
 SWAP_EXTRA_GB = 0.4
 AUTO_BASE_PRECISIONS = ("nf4", "bf16")  # train.base_precision = "auto": tried in this order (a family may override)
 
@@ -447,8 +448,6 @@ def with_plan(cfg: Any, plan: StagePlan) -> Any:
         return dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"]))
     train = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
                                 gradient_checkpointing=s["gradient_checkpointing"])
-    if s["swapped_blocks"]:
-        train = dataclasses.replace(train, cuda_graphs="off")  # blockswap.py: graphs would pin the swapped weights
     return dataclasses.replace(cfg, train=train)
 
 
