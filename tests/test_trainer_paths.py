@@ -246,13 +246,18 @@ def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
         plan.settings = {**plan.settings, "base_precision": "nf4", "swapped_blocks": 1, "gradient_checkpointing": True}
         return plan
 
-    runs = []
+    def _swap_warnings(cfg):
+        events = _events(cfg, "warning") if (cfg.run_dir / "events.jsonl").exists() else []
+        return [e for e in events if "blocks are swapped but CUDA graphs are off" in e["message"]]
+
+    runs, before = [], None
     for swapped, graphs in ((False, "off"), (False, "off"), (True, "off"), (True, "on")):
         monkeypatch.setenv(fastpath.ENV, graphs)
         if swapped:
             monkeypatch.setitem(memory.PLANNERS, "train", swap_one)
         cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "train.steps": 4,
                               "train.gradient_checkpointing": True, "train.compile_transformer": "off"})
+        before = len(_swap_warnings(cfg)) if before is None else before
         with torch_flags(True, False, True):
             tr = _trainer(cfg)
             assert (tr.swap is not None) == swapped
@@ -264,6 +269,8 @@ def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
             losses, weights = losses_and_lora(tr, 4)
             if graphs == "on":
                 assert isinstance(tr.denoiser, fastpath.GraphedDenoiser) and tr.denoiser.summary()["replays"] >= 2
+            # the swapped run without graphs (only it) warns that its copies do not overlap the compute
+            assert len(_swap_warnings(cfg)) - before == [0, 0, 1, 1][len(runs)]
         runs.append((losses, weights))
     (l0, w0), (l1, w1) = runs[:2]
     for l2, w2 in runs[2:]:

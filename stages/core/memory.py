@@ -41,7 +41,15 @@ LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 # out of memory at a 4.00 GB cap (bench/results/memory-zimage-sdxl-h200.json). It now copies into two
 # fixed slots (the 2 * largest block below); the extra stays until a capped run measures it again.
 SWAP_EXTRA_GB = 0.4
-AUTO_BASE_PRECISIONS = ("nf4", "bf16")  # train.base_precision = "auto": tried in this order (a family may override)
+# train.base_precision = "auto": the precisions tried whole, fastest first, by measurement (a family may
+# override). On the H200 the nf4 step was slower than the bf16 one in every row measured (bench/RESULTS.md,
+# CUDA graphs on): 1.08-1.39x with nf4 compiled (all four families at 512 px; FLUX.1-dev 1.806 against
+# 1.95 samples/s and Qwen-Image 1.586 against 1.730 at 1024 px b1, memory-*-h200.json "auto" rows beside
+# bench-*.json), up to 1.83x uncompiled. So bf16 comes first wherever it fits the budget, nf4 when only
+# it does. fp8 is not tried: its step beat bf16's in the one row measured (FLUX 1024 px b4,
+# 0.86x) and is unmeasured at the others, where one compiled fp8 layer's ~1 ms floor can lose; it
+# needs compute capability 8.9 as well. Swap plans try the smallest precision first (below).
+AUTO_BASE_PRECISIONS = ("bf16", "nf4")
 
 
 @dataclass
@@ -358,7 +366,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     n = len(blocks)
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p) for b in blocks]) for p in precisions}
     candidates = []
-    for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n):
+    smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
+    for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
         total, block = sizes[precision]
         # the checkpointed blocks keep their input, the others every activation their backward reads
         saved = unit * (checkpointed * CHECKPOINT_SAVED_UNITS + (n - checkpointed) * BLOCK_SAVED_UNITS)
@@ -372,12 +381,17 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
 
 
-def _train_options(configured: bool | str, precisions: list[str], n: int) -> list[tuple[str, int, int]]:
+def _train_options(configured: bool | str, precisions: list[str], n: int,
+                   swap_order: list[str] | None = None) -> list[tuple[str, int, int]]:
     """(precision, swapped blocks, checkpointed blocks) in the order train tries them, cheapest in speed
-    first: every precision without swapping (as configured, then checkpointed), then more and more
-    blocks swapped, all checkpointed. A smaller precision that fits whole beats swapping: SDXL at a 4 GB
-    cap ran 0.23x with 38 of 70 bf16 blocks swapped, where its nf4 base fits at 3.0 GB and runs 0.79x of
-    bf16 (bench/results/memory-zimage-sdxl-h200.json, bench-sdxl-E.json).
+    first: every precision without swapping (in `precisions`' order, fastest first; as configured,
+    then checkpointed), then more and more blocks swapped, all checkpointed, the precisions in
+    `swap_order` (smallest first: an nf4 block copies a quarter of a bf16 block's bytes, and fewer
+    of them must be swapped). A smaller precision that fits whole beats swapping: SDXL at a 4 GB cap
+    ran 0.23x with 38 of 70 bf16 blocks swapped, where its nf4 base fits at 3.0 GB and runs 0.79x of
+    bf16 (bench/results/memory-zimage-sdxl-h200.json, bench-sdxl-E.json); Qwen-Image at 8 GB ran
+    0.40x with 56 of 60 bf16 blocks swapped and 0.50x with 36 nf4 blocks (before swap ran under
+    CUDA graphs).
 
     "auto" tries, at each precision in turn, 0, 1, ..., n checkpointed blocks (fewest first: each
     un-checkpointed block saves its recompute: 29 % of an eager FLUX.2 klein step for all of them, README
@@ -388,7 +402,7 @@ def _train_options(configured: bool | str, precisions: list[str], n: int) -> lis
         whole = [(p, 0, k) for p in precisions for k in range(n + 1)]
     else:
         whole = [(p, 0, n if c else 0) for p in precisions for c in dict.fromkeys((configured, True))]
-    return whole + [(p, k, n) for p in precisions for k in range(1, n + 1)]
+    return whole + [(p, k, n) for p in (swap_order or precisions) for k in range(1, n + 1)]
 
 
 PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train}

@@ -62,10 +62,10 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# What "auto" means per role, on CUDA (on CPU every role is fp32): the denoiser's base in nf4 (its
-# LoRA trains at 1.1-1.4x bf16's step time at a third of the memory, bench/RESULTS.md), text
-# encoders and the VAE in bf16.
-AUTO_ON_CUDA = {"denoiser": "nf4", "text_encoder": "bf16", "vae": "bf16"}
+# What "auto" means per role, on CUDA (on CPU every role is fp32), where no memory plan chose
+# (on CUDA each stage's plan resolves "auto" first, stages/core/memory.py): the precision that plan
+# tries first, bf16 for every role (the denoiser's nf4 step took 1.08-1.83x bf16's, memory.AUTO_BASE_PRECISIONS).
+AUTO_ON_CUDA = {"denoiser": "bf16", "text_encoder": "bf16", "vae": "bf16"}
 
 
 def resolve_precision(precision: str, device: torch.device, role: str) -> str:

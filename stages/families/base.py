@@ -65,7 +65,7 @@ class Family(Protocol):
     kohya_layout: "Layout"
     """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
     # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
-    # train.base_precision = "auto" (default `stages.core.memory.AUTO_BASE_PRECISIONS`: nf4, bf16)
+    # train.base_precision = "auto", fastest first (default `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, nf4)
     # optional: text_offload_components (tuple[str, ...]), text encoders loaded through
     # `text_encoders.load_text_model`, whose layers encode-captions may offload to CPU memory when
     # not even nf4 fits its budget (default none: the planner never offloads)

@@ -132,9 +132,6 @@ class SDXL:
     vae_components = ("vae",)
     denoiser_components = ("unet", "scheduler")
     kohya_layout = KOHYA_LAYOUT
-    # train.base_precision = "auto": bf16 first (the 2.6 B UNet fits in ~6 GB and nf4 runs it at
-    # 0.72x: 5.29 vs 7.33 samples/s at 1024 px, bench-sdxl-E.json), nf4 when a budget needs it
-    auto_base_precisions = ("bf16", "nf4")
 
     def __init__(self) -> None:
         self.scheduler: Any = None  # DDPMScheduler of the model, set by load_denoiser (config only)
