@@ -9,8 +9,9 @@ How it works (same math as the unswapped model, only placement changes):
   `_repeated_blocks` (FLUX: FluxTransformerBlock + FluxSingleTransformerBlock, 19 + 38; Qwen-Image:
   60 QwenImageTransformerBlock; Z-Image: 30 ZImageTransformerBlock; SDXL: its 70 BasicTransformerBlock
   inside the attention layers). The last `n_blocks` of them (in execution order) are swapped.
-- A swapped block's frozen parameters are packed into one buffer in host memory (pinned on CUDA);
-  each parameter becomes a view of it. Trainable parameters (LoRA A/B) stay on the GPU and stay the
+- A swapped block's frozen parameters are packed into one buffer in host memory (pinned on CUDA;
+  blocks share power-of-two chunks, `host_chunks`, as the pinned allocator rounds every allocation up
+  to one); each parameter becomes a view of it. Trainable parameters (LoRA A/B) stay on the GPU and stay the
   block's own, so the optimizer state stays there too.
 - The GPU holds two slots, each the size of the largest swapped block. Block k runs from slot k % 2:
   one copy of its packed buffer (one host-to-device transfer per block), made on a side stream while
@@ -85,6 +86,23 @@ def _packed_layout(params: dict[str, torch.Tensor]) -> tuple[dict[str, int], int
     return offsets, size
 
 
+def host_chunks(sizes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where each block's packed buffer goes in host memory: (chunk sizes, (chunk, offset) per block).
+    torch's pinned allocator rounds every allocation up to a power of two (a 162 MB Qwen-Image nf4
+    block would pin 256 MB), so blocks share chunks of a power-of-two size (1 GiB, or the power of two
+    at least 4x the largest block), filled in order; the last chunk is cut to what it holds."""
+    if not sizes:
+        return [], []
+    chunk = max(2**30, 1 << (4 * max(sizes) - 1).bit_length())
+    chunks, where = [], []
+    for size in sizes:
+        if not chunks or chunks[-1] + size > chunk:
+            chunks.append(0)
+        where.append((len(chunks) - 1, chunks[-1]))
+        chunks[-1] += size
+    return chunks, where
+
+
 def _view(flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     n = like.numel() * like.element_size()
     return flat[offset:offset + n].view(like.dtype).view(like.shape)
@@ -119,9 +137,14 @@ class BlockSwap:
         for k, block in enumerate(self.blocks):
             self.order[id(block)] = k
             self.host[id(block)] = {n: p for n, p in block.named_parameters() if not p.requires_grad}
-            where, size = _packed_layout(self.host[id(block)])
-            self._flat.append(self._to_host(self.host[id(block)], where, size))
-            offsets.append(where)
+            offsets.append(_packed_layout(self.host[id(block)])[0])
+        sizes = [_packed_layout(self.host[id(b)])[1] for b in self.blocks]
+        chunk_sizes, where = host_chunks(sizes)
+        pinned = self.stream is not None
+        self._chunks = [torch.empty(n, dtype=torch.uint8, pin_memory=pinned) for n in chunk_sizes]
+        for k, block in enumerate(self.blocks):
+            c, at = where[k]
+            self._flat.append(self._to_host(self.host[id(block)], offsets[k], self._chunks[c][at:at + sizes[k]]))
         slot_bytes = max(flat.numel() for flat in self._flat)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)
                       for _ in range(min(SLOTS, len(self.blocks)))]
@@ -129,11 +152,11 @@ class BlockSwap:
         self._views = [{name: _alias(p, _view(self.slots[k % len(self.slots)], offsets[k][name], p))
                         for name, p in self.host[id(block)].items()} for k, block in enumerate(self.blocks)]
 
-    def _to_host(self, params: dict[str, torch.nn.Parameter], offsets: dict[str, int], size: int) -> torch.Tensor:
-        """Pack the block's frozen weights into one host buffer (pinned on CUDA, so copies are
-        asynchronous); each parameter becomes a view of it. A Params4bit's quant_state (absmax and
-        code tables, a few percent of its bytes) stays on the device: only the 4-bit codes travel."""
-        flat = torch.empty(size, dtype=torch.uint8, pin_memory=self.stream is not None)
+    def _to_host(self, params: dict[str, torch.nn.Parameter], offsets: dict[str, int], flat: torch.Tensor) -> torch.Tensor:
+        """Pack the block's frozen weights into `flat`, its share of a host chunk (pinned on CUDA, so
+        copies are asynchronous); each parameter becomes a view of it. A Params4bit's quant_state
+        (absmax and code tables, a few percent of its bytes) stays on the device: only the 4-bit
+        codes travel."""
         for name, p in params.items():
             view = _view(flat, offsets[name], p)
             view.copy_(p.data)
@@ -199,6 +222,7 @@ class BlockSwap:
 
     def summary(self) -> dict[str, Any]:
         return {"swapped_blocks": len(self.blocks), "host_gb": round(sum(map(frozen_bytes, self.blocks)) / 2**30, 3),
+                "host_chunks_gb": round(sum(c.numel() for c in self._chunks) / 2**30, 3),
                 "slot_gb": round(sum(s.numel() for s in self.slots) / 2**30, 3),
                 "copies": self.copies, "prefetch_hits": self.prefetch_hits}
 
