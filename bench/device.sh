@@ -26,6 +26,8 @@
 #   Q: block swap into two reused device slots, replayed by CUDA graphs (2026-12-01, fifth session): the CUDA
 #      swap tests, then Qwen-Image at 8 GB and auto (issue 16's 0.6x target), then FLUX at 16/24 GB with partial
 #      checkpointing (train.gradient_checkpointing=auto) in what is left
+#   R: the other swap rows again with the slot swap under CUDA graphs: FLUX at 6 GB and Z-Image at 4 GB, each beside
+#      its unconstrained ("auto": now bf16 where it fits) row
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -89,6 +91,12 @@ case $phase in
      python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 30 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
+  R) python3 bench/memory.py run --families flux --budgets 6,auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-flux-6gb-slots-h200.json" --budget-s $(( $(left) * 11 / 20 )) \
+       > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300
+     python3 bench/memory.py run --families z-image --budgets 4,auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-zimage-4gb-slots-h200.json" --budget-s $(( $(left) - 30 )) \
+       > "$OUT/memory-zimage.log" 2>&1; grep "^\[memory\]" "$OUT/memory-zimage.log" | cut -c1-300 ;;
   T) timeout 240 python3 bench/tiling.py --budget-s 140 --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      grep -v "kept in float32" "$OUT/tiling.log" | tail -20 ;;
 esac

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, make_cfg, tiny_model
-from stages.core import blockswap, lora, memory, nf4_blocks
+from stages.core import blockswap, fastpath, lora, memory, nf4_blocks
 from stages.core.model_source import ModelSource
 from stages.families import get_family
 
@@ -87,10 +87,13 @@ def _with_lora(model: torch.nn.Module) -> torch.nn.Module:
     return model.train()
 
 
-def test_swapped_block_by_block_nf4_trains_as_diffusers_nf4(assets, monkeypatch):
+@pytest.mark.parametrize("checkpoint", ["diffusers", "product"])
+def test_swapped_block_by_block_nf4_trains_as_diffusers_nf4(assets, monkeypatch, checkpoint):
     """peft wraps the block-by-block layers with its bnb LoRA layer, and with the last blocks swapped
     (real copies of the quantized weights per call) loss and LoRA gradients equal diffusers' nf4
-    model's bit for bit; the blocks chosen for the host are the ones block swap takes."""
+    model's bit for bit; the blocks chosen for the host are the ones block swap takes. Under the
+    product's checkpoint function the swapped blocks run from the swap's slots (Params4bit views
+    carrying their quant_state); under diffusers' own, from copies of their own."""
     from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 
     src, cls = ModelSource(str(tiny_model(assets, FAMILIES["flux"]))), _denoiser_class("flux")
@@ -98,12 +101,20 @@ def test_swapped_block_by_block_nf4_trains_as_diffusers_nf4(assets, monkeypatch)
     loss_ref, grads_ref = _loss_and_grads(ref)
     n = 1  # of the tiny FLUX's 2 blocks: one swapped, one resident
     model = _with_lora(nf4_blocks.load_nf4_by_block(cls, src, "transformer", torch.device("cpu"), n, True))
+    if checkpoint == "product":
+        model.enable_gradient_checkpointing(fastpath.checkpoint_function(0.0))
     assert isinstance(model.transformer_blocks[0].attn.to_q, LoraLinear4bit)
     host = [m for m, to_host in nf4_blocks._groups(model, n) if to_host]
     swap = blockswap.install_block_swap(model, n, torch.device("cpu"))
     assert [b for b in swap.blocks] == [mods[0] for mods in host]
+    fresh, own_copies = [], swap.fresh_copies
+    swap.fresh_copies = lambda block: fresh.append(block) or own_copies(block)
     loss, grads = _loss_and_grads(model)
     assert swap.copies == 2 * n  # forward, then the recompute of checkpointing
+    assert len(fresh) == (0 if checkpoint == "product" else 2 * n)
+    views = [v for v in swap._views[0].values() if blockswap.quantized(v)]
+    assert views and all(v.quant_state is p.quant_state for v, p in
+                         zip(views, [p for p in swap.host[id(swap.blocks[0])].values() if blockswap.quantized(p)]))
     assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys() and grads
     for k in grads:
         assert torch.equal(grads[k], grads_ref[k]), k

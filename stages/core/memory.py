@@ -135,8 +135,10 @@ def _build_meta(cls: type, library: str, config: dict[str, Any]) -> torch.nn.Mod
         return cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
 
 
-def weight_bytes(module: torch.nn.Module, precision: str) -> float:
-    """Bytes of `module`'s weights at `precision` (nf4: every Linear weight 4-bit, the rest bf16)."""
+def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = False) -> float:
+    """Bytes of `module`'s weights at `precision` (nf4: every Linear weight 4-bit, the rest bf16).
+    `codes_only`: an nf4 weight's 4-bit codes without its absmax (what block swap moves to host
+    memory; the quant_state stays on the GPU, stages/core/blockswap.py)."""
     if precision != "nf4":
         return sum(p.numel() for p in module.parameters()) * (4 if precision == "fp32" else 2)
     # transformers leaves `_keep_in_fp32_modules` unquantized (T5's `wo`: measured 4.41 GB for FLUX's
@@ -148,7 +150,8 @@ def weight_bytes(module: torch.nn.Module, precision: str) -> float:
     skip = {id(head.weight)} if isinstance(head, torch.nn.Linear) else set()
     linear = {id(m.weight) for name, m in module.named_modules()
               if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)} - skip
-    return sum(p.numel() * (NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in module.parameters())
+    per_weight = 0.5 if codes_only else NF4_BYTES_PER_WEIGHT
+    return sum(p.numel() * (per_weight if id(p) in linear else 2) for p in module.parameters())
 
 
 def _width(module: torch.nn.Module) -> int:
@@ -364,14 +367,16 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
     precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
     n = len(blocks)
-    sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p) for b in blocks]) for p in precisions}
+    # per precision: the whole base, and each block's bytes that swapping it moves to host memory
+    sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
     candidates = []
     smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
         total, block = sizes[precision]
         # the checkpointed blocks keep their input, the others every activation their backward reads
         saved = unit * (checkpointed * CHECKPOINT_SAVED_UNITS + (n - checkpointed) * BLOCK_SAVED_UNITS)
-        resident = total - sum(block[len(block) - swapped:]) + 2 * max(block, default=0) * (swapped > 0)
+        host = block[len(block) - swapped:] if swapped else []  # the last `swapped` blocks: two slots of the largest
+        resident = total - sum(host) + min(2, len(host)) * max(host, default=0)
         peak = resident + lora + saved + unit * BLOCK_WORK_UNITS + SWAP_EXTRA_GB * GB * (swapped > 0)
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
             peak = max(peak, total + lora)  # (a swap plan quantizes block by block: stages/core/nf4_blocks.py)
