@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -96,7 +97,7 @@ def one(host_model: Any, name: str, swapped: int, compiled: bool, graphs: bool, 
         out["swap"] = swap.summary()
     if graphs:
         out["graphs"] = den.summary()
-    if name in ("swap_compiled", "swap_graphs") and dev.type == "cuda":
+    if name in ("swap_compiled", "swap_graphs", "resident_compiled") and dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -106,7 +107,15 @@ def one(host_model: Any, name: str, swapped: int, compiled: bool, graphs: bool, 
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t) / 2
         table = kernel_table(prof, 2, True, top=12)
-        out["profile"] = {"wall_ms_per_step": round(wall * 1000, 1), **table}
+        out["profile"] = {"wall_ms_per_step": round(wall * 1000, 1), **table, "runtime_calls": runtime_calls(prof, 2)}
+        with warnings.catch_warnings(record=True) as caught:  # the syncs torch itself knows of, one step
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        out["sync_warnings"] = sorted({str(w.message)[:200] for w in caught if "synchroniz" in str(w.message)})
     if swap is not None and dev.type == "cuda":  # the copy rate of one swapped block, synchronous, pinned host -> GPU
         block = swap.blocks[-1]
         nbytes = blockswap.frozen_bytes(block)
@@ -126,6 +135,14 @@ def one(host_model: Any, name: str, swapped: int, compiled: bool, graphs: bool, 
 
 
 DEVICE = "cuda"
+
+
+def runtime_calls(prof: Any, steps: int) -> dict[str, list[float]]:
+    """The CUDA runtime/driver calls the host made per step: {name: [calls, host ms]}, longest first
+    (a cudaStreamSynchronize or cudaEventSynchronize here is the host waiting for the GPU)."""
+    calls = {e.key: [round(e.count / steps, 1), round(e.cpu_time_total / 1000 / steps, 2)]
+             for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))}
+    return dict(sorted(calls.items(), key=lambda kv: -kv[1][1])[:20])
 
 
 def sync() -> None:
