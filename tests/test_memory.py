@@ -389,3 +389,37 @@ def test_auto_checkpointing_never_lowers_the_precision_to_uncheckpoint(assets, d
     assert _peak_of(roomy, base_precision="nf4", swapped_blocks=0, checkpointed_blocks=0) * memory.FRAGMENTATION < budget
     chosen = memory.plan_train(cfg, family, src, memory.Budget(budget, "cap")).settings
     assert (chosen["base_precision"], chosen["checkpointed_blocks"], chosen["swapped_blocks"]) == ("bf16", n, 0)
+
+
+def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_path, monkeypatch):
+    """A swap plan reads the bf16 base into host memory first: the plan says how much (`host_gb`, the
+    denoiser's bf16 bytes, shown by `plan`), and train stops before loading when the host has less
+    available, naming both figures and what to do; with enough, or where it cannot tell, it loads."""
+    from stages.core.errors import ResourceError
+    from stages.core.runtime import HostLoad, make_runtime
+    from stages.plan import _settings_text
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "nf4", "data.resolution": 256,
+                                                            "model": _deeper_flux(assets, tmp_path, 4, 8)})
+    roomy = _plan("train", cfg, 1000.0)
+    bf16 = memory.weight_bytes(memory.meta_component(ModelSource(cfg.model, cfg.revision), "transformer"), "bf16")
+    swapping = [t for t in roomy.tried if t["swapped_blocks"]]
+    assert swapping and all(t["host_gb"] == round(bf16 / memory.GB, 2) for t in swapping)
+    assert all("host_gb" not in t for t in roomy.tried if not t["swapped_blocks"])
+    plan = memory.StagePlan("train", memory.Budget(6.0, "cap"), {**swapping[-1], "host_gb": 40.0}, 5.0, True)
+    assert "host_gb=40.0" in _settings_text(plan.settings)
+    rt = make_runtime("cpu", "fp32")
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(30 * memory.GB))
+    with pytest.raises(ResourceError) as err:
+        memory.load_device(plan, rt)
+    assert all(s in str(err.value) for s in ("40.0 GB", "30.0 GB", "host memory", "--vram", f"swaps {plan.settings['swapped_blocks']} of"))
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(41 * memory.GB))
+    assert isinstance(memory.load_device(plan, rt), HostLoad)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # not Linux: not checked
+    assert isinstance(memory.load_device(plan, rt), HostLoad)
+    assert memory.load_device(roomy, rt) is rt  # no swap: the runtime's device, nothing checked
+    import pathlib
+
+    if pathlib.Path("/proc/meminfo").exists():  # Linux: the real figure is read
+        monkeypatch.undo()
+        assert 0 < memory.host_available_bytes() < 2**50

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -381,8 +382,11 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
             peak = max(peak, total + lora)  # (a swap plan quantizes block by block: stages/core/nf4_blocks.py)
         checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
-        candidates.append(({"base_precision": precision, "gradient_checkpointing": checkpointing,
-                            "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}, peak / GB))
+        settings = {"base_precision": precision, "gradient_checkpointing": checkpointing,
+                    "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
+        if swapped:  # a swap plan reads the bf16 base into host memory first (load_device, nf4_blocks)
+            settings["host_gb"] = round(weight_bytes(model, "bf16") / GB, 2)
+        candidates.append((settings, peak / GB))
     return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
 
 
@@ -561,14 +565,36 @@ def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = 
         vae.enable_tiling()
 
 
+def host_available_bytes() -> int | None:
+    """The host memory the kernel can give without swapping (/proc/meminfo MemAvailable); None where
+    that file does not exist (not Linux): then nothing is checked."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def load_device(plan: StagePlan, rt: Any) -> Any:
     """Where train loads the base: host memory when blocks will be swapped (only what stays resident
-    then reaches the GPU; an nf4 base is quantized there block by block), else the runtime's device."""
+    then reaches the GPU; an nf4 base is quantized there block by block), else the runtime's device.
+    A swap plan whose bf16 base does not fit the available host memory stops here with what to do,
+    before anything loads (the kernel's OOM killer would end the process without a word)."""
     from stages.core.runtime import HostLoad
 
-    if plan.settings.get("swapped_blocks"):
-        return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=plan.settings["swapped_blocks"])
-    return rt
+    swapped = plan.settings.get("swapped_blocks")
+    if not swapped:
+        return rt
+    need, available = plan.settings.get("host_gb"), host_available_bytes()
+    if need and available is not None and need * GB > available:
+        raise ResourceError(
+            f"train: the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
+            f"({plan.budget.gb or 0:.1f} GB), which reads the base in bf16 ({need:.1f} GB) into host memory "
+            f"first, but only {available / GB:.1f} GB of host memory is available: free host memory, or give "
+            f"the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped")
+    return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped)
 
 
 def text_encoder_runtime(plan: StagePlan, rt: Any) -> Any:
