@@ -28,6 +28,7 @@
 #      checkpointing (train.gradient_checkpointing=auto) in what is left
 #   R: the other swap rows again with the slot swap under CUDA graphs: FLUX at 6 GB and Z-Image at 4 GB, each beside
 #      its unconstrained ("auto": now bf16 where it fits) row
+#   S: issue 16's 512 px rows: Qwen-Image and FLUX at 8/6 GB and auto, then Z-Image and SDXL at 4 GB and auto
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -97,6 +98,12 @@ case $phase in
      python3 bench/memory.py run --families z-image --budgets 4,auto --models /tmp/lorapipe-models \
        --out "$OUT/memory-zimage-4gb-slots-h200.json" --budget-s $(( $(left) - 30 )) \
        > "$OUT/memory-zimage.log" 2>&1; grep "^\[memory\]" "$OUT/memory-zimage.log" | cut -c1-300 ;;
+  S) python3 bench/memory.py run --res 512 --families qwen-image,flux --budgets 8,6,auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-qwen-flux-512-h200.json" --budget-s $(( $(left) * 11 / 20 )) \
+       > "$OUT/memory-512a.log" 2>&1; grep "^\[memory\]" "$OUT/memory-512a.log" | cut -c1-300
+     python3 bench/memory.py run --res 512 --families z-image,sdxl --budgets 4,auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-zimage-sdxl-512-h200.json" --budget-s $(( $(left) - 30 )) \
+       > "$OUT/memory-512b.log" 2>&1; grep "^\[memory\]" "$OUT/memory-512b.log" | cut -c1-300 ;;
   T) timeout 240 python3 bench/tiling.py --budget-s 140 --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      grep -v "kept in float32" "$OUT/tiling.log" | tail -20 ;;
 esac

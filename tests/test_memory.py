@@ -405,7 +405,7 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
     bf16 = memory.weight_bytes(memory.meta_component(ModelSource(cfg.model, cfg.revision), "transformer"), "bf16")
     swapping = [t for t in roomy.tried if t["swapped_blocks"]]
     assert swapping and all(t["host_gb"] == round(bf16 / memory.GB, 2) for t in swapping)
-    assert all("host_gb" not in t for t in roomy.tried if not t["swapped_blocks"])
+    assert all("host_gb" not in t for t in roomy.tried if not t["swapped_blocks"])  # nf4 whole: shard by shard
     plan = memory.StagePlan("train", memory.Budget(6.0, "cap"), {**swapping[-1], "host_gb": 40.0}, 5.0, True)
     assert "host_gb=40.0" in _settings_text(plan.settings)
     rt = make_runtime("cpu", "fp32")
@@ -418,6 +418,15 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
     monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # not Linux: not checked
     assert isinstance(memory.load_device(plan, rt), HostLoad)
     assert memory.load_device(roomy, rt) is rt  # no swap: the runtime's device, nothing checked
+    fp8_cfg = make_cfg("flux", assets, demo_data, tmp_path / "fp8", **{"train.base_precision": "fp8",
+                       "data.resolution": 256, "model": cfg.model})
+    assert _plan("train", fp8_cfg, 1000.0).settings["host_gb"] == round(bf16 / memory.GB, 2)
+    fp8 = memory.StagePlan("train", memory.Budget(60.0, "cap"), {**roomy.settings, "base_precision": "fp8",
+                                                                   "host_gb": 40.0}, 20.0, True)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(30 * memory.GB))
+    with pytest.raises(ResourceError) as err:  # fp8 reads the bf16 base into host memory too
+        memory.load_device(fp8, rt)
+    assert all(s in str(err.value) for s in ("an fp8 base", "40.0 GB", "30.0 GB", "'nf4'"))
     import pathlib
 
     if pathlib.Path("/proc/meminfo").exists():  # Linux: the real figure is read

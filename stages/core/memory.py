@@ -384,7 +384,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
         settings = {"base_precision": precision, "gradient_checkpointing": checkpointing,
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
-        if swapped:  # a swap plan reads the bf16 base into host memory first (load_device, nf4_blocks)
+        if swapped or precision == "fp8":  # these read the bf16 base into host memory first (nf4_blocks, fp8)
             settings["host_gb"] = round(weight_bytes(model, "bf16") / GB, 2)
         candidates.append((settings, peak / GB))
     return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
@@ -585,15 +585,16 @@ def load_device(plan: StagePlan, rt: Any) -> Any:
     from stages.core.runtime import HostLoad
 
     swapped = plan.settings.get("swapped_blocks")
-    if not swapped:
-        return rt
     need, available = plan.settings.get("host_gb"), host_available_bytes()
     if need and available is not None and need * GB > available:
-        raise ResourceError(
-            f"train: the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
-            f"({plan.budget.gb or 0:.1f} GB), which reads the base in bf16 ({need:.1f} GB) into host memory "
-            f"first, but only {available / GB:.1f} GB of host memory is available: free host memory, or give "
-            f"the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped")
+        why = (f"the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
+               f"({plan.budget.gb or 0:.1f} GB), which" if swapped else "an fp8 base")
+        fix = ("give the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped" if swapped
+               else "use train.base_precision = 'nf4' or 'bf16', which load shard by shard")
+        raise ResourceError(f"train: {why} reads the base in bf16 ({need:.1f} GB) into host memory first, but only "
+                            f"{available / GB:.1f} GB of host memory is available: free host memory, or {fix}")
+    if not swapped:
+        return rt
     return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped)
 
 
