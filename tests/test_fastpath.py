@@ -119,6 +119,9 @@ def test_graphed_denoiser_respects_max_graphs():
         for _ in range(3):
             g(x, return_dict=False)
     assert len(record) == 1
+    # the second shape, seen again past the limit, runs eager: one warning naming it, not one per step
+    warnings = [f["message"] for e, f in log.events if e == "warning"]
+    assert len(warnings) == 1 and "(3, 4)" in warnings[0] and "without a CUDA graph" in warnings[0]
 
 
 def test_graphs_plan(monkeypatch):

@@ -159,6 +159,8 @@ class GraphedDenoiser:
         graph = self._graphs.get(key)
         if graph is None:
             self._seen[key] += 1
+            if self._seen[key] == CAPTURE_AT and len(self._graphs) >= self.max_graphs and key not in self._failed:
+                self._warn_full(leaves)
             if self._seen[key] < CAPTURE_AT or key in self._failed or len(self._graphs) >= self.max_graphs:
                 return self.model(*args, **kwargs)
             graph = self._make(key, leaves, spec)
@@ -166,6 +168,14 @@ class GraphedDenoiser:
                 return self.model(*args, **kwargs)
         self.replays += 1
         return graph(leaves)
+
+    def _warn_full(self, leaves: list[Any]) -> None:
+        """A repeated batch shape past the graph limit runs eager from now on: say so, once per shape."""
+        shapes = [tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)][:2]
+        self.log.emit("warning", message=f"batch shape {shapes} runs without a CUDA graph: only the first "
+                                         f"{self.max_graphs} shapes get one, as each holds memory for its replays "
+                                         f"(slower per step, much slower under block swap); fewer aspect buckets "
+                                         f"avoid it (data.max_aspect, data.bucket_merge)")
 
     def _make(self, key: Any, leaves: list[Any], spec: Any) -> Callable[..., Any] | None:
         at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
