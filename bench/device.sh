@@ -24,10 +24,11 @@
 #   P: Qwen-Image at 8 GB (swap) and auto, each train profiled (train.profile_steps=2): where the swap row's
 #      time goes (issue 16's 0.50x), then FLUX at 16/24 GB with train.gradient_checkpointing=auto (partial)
 #   Q: block swap into two reused device slots, replayed by CUDA graphs (2026-12-01, fifth session): the CUDA
-#      swap tests, then Qwen-Image at 8 GB and auto (issue 16's 0.6x target), then FLUX at 16/24 GB with partial
+#      swap tests, then Qwen-Image at 8 GB (swap), 16 GB (nf4 whole: the swap's overhead) and auto (now bf16: issue
+#      16's 0.6x target), then FLUX at 16/24 GB with partial
 #      checkpointing (train.gradient_checkpointing=auto) in what is left
 #   R: the other swap rows again with the slot swap under CUDA graphs: FLUX at 6 GB and Z-Image at 4 GB, each beside
-#      its unconstrained ("auto": now bf16 where it fits) row
+#      nf4 whole (12 GB, 8 GB) and its unconstrained ("auto": now bf16 where it fits) row
 #   S: issue 16's 512 px rows: Qwen-Image and FLUX at 8/6 GB and auto, then Z-Image and SDXL at 4 GB and auto
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
@@ -86,16 +87,16 @@ case $phase in
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   Q) timeout 150 python3 -m pytest -q tests/test_trainer_paths.py tests/test_partial_checkpointing.py \
        -k "nf4_swap or partial_checkpointing_under" > "$OUT/swap-cuda-tests.log" 2>&1; tail -2 "$OUT/swap-cuda-tests.log"
-     python3 bench/memory.py run --families qwen-image --budgets 8,auto --keep --models /tmp/lorapipe-models \
+     python3 bench/memory.py run --families qwen-image --budgets 8,16,auto --keep --models /tmp/lorapipe-models \
        --out "$OUT/memory-qwen-image-8gb-slots-h200.json" --budget-s $(( $(left) * 7 / 10 )) \
        > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
      python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 30 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
-  R) python3 bench/memory.py run --families flux --budgets 6,auto --models /tmp/lorapipe-models \
+  R) python3 bench/memory.py run --families flux --budgets 6,12,auto --models /tmp/lorapipe-models \
        --out "$OUT/memory-flux-6gb-slots-h200.json" --budget-s $(( $(left) * 11 / 20 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300
-     python3 bench/memory.py run --families z-image --budgets 4,auto --models /tmp/lorapipe-models \
+     python3 bench/memory.py run --families z-image --budgets 4,8,auto --models /tmp/lorapipe-models \
        --out "$OUT/memory-zimage-4gb-slots-h200.json" --budget-s $(( $(left) - 30 )) \
        > "$OUT/memory-zimage.log" 2>&1; grep "^\[memory\]" "$OUT/memory-zimage.log" | cut -c1-300 ;;
   S) python3 bench/memory.py run --res 512 --families qwen-image,flux --budgets 8,6,auto --models /tmp/lorapipe-models \
