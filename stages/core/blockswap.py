@@ -209,7 +209,8 @@ class BlockSwap:
         """Copies of the block's weights of its own (not a slot's), for a call whose autograd graph
         keeps them until backward: a swapped block run with gradients but without checkpointing."""
         self.copies += 1
-        return {name: _alias(p, p.detach().to(self.device, copy=True)) for name, p in self.host[id(block)].items()}
+        return {name: _alias(p, p.detach().to(self.device, non_blocking=True, copy=True))
+                for name, p in self.host[id(block)].items()}
 
     def call(self, block: torch.nn.Module, *args: Any, checkpointed: bool = False, **kwargs: Any) -> Any:
         """Run the block with its weights on the device. The slots are reused two blocks later, so
