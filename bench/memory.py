@@ -175,6 +175,20 @@ def _cell(r: dict[str, Any]) -> list[str]:
             f"{peak:.2f}{within}" if peak is not None else "", f"{sps:.3f}" if sps else "", f"{r.get('seconds') or 0:.1f}"]
 
 
+def _train_settings(r: dict[str, Any]) -> dict[str, Any]:
+    return (r.get("plan") or {}).get("settings") or r.get("planned_settings") or {}
+
+
+def _unswapped(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """For a measured swap row: the measured train row of the same precision with no block swapped."""
+    mine = _train_settings(r)
+    if r["stage"] != "train" or not mine.get("swapped_blocks") or not r.get("samples_per_second"):
+        return None
+    return next((o for o in rows if o["stage"] == "train" and o.get("samples_per_second")
+                 and _train_settings(o).get("base_precision") == mine.get("base_precision")
+                 and not _train_settings(o).get("swapped_blocks")), None)
+
+
 def report(files: list[Path]) -> str:
     """One table per (family, px). Files are read oldest measurement first (their meta.date_utc), so a
     newer call's row replaces an older one whatever the files are named."""
@@ -185,14 +199,17 @@ def report(files: list[Path]) -> str:
         mine = [r for r in rows if _group(r) == (fam, res)]
         ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
         lines += [f"### {fam}, {res} px, batch 1", "",
-                  "| budget GB | stage | plan | predicted GB | measured peak GB (reserved) | samples/s | x auto | stage s |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| budget GB | stage | plan | predicted GB | measured peak GB (reserved) | samples/s | x auto | "
+                  "x unswapped | stage s |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             cells = _cell(r)
-            ratio = ""
+            ratio = swap = ""
             if r["stage"] == "train" and ref and r.get("samples_per_second"):
                 ratio = f"{r['samples_per_second'] / ref['samples_per_second']:.2f}"
-            lines.append(f"| {r['budget']} | {r['stage']} | " + " | ".join(cells[:4] + [ratio, cells[4]]) + " |")
+            whole = _unswapped(r, mine)
+            if whole is not None:  # block swap's own cost: the same precision without swapping, same px
+                swap = f"{r['samples_per_second'] / whole['samples_per_second']:.2f}"
+            lines.append(f"| {r['budget']} | {r['stage']} | " + " | ".join(cells[:4] + [ratio, swap, cells[4]]) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -427,7 +427,7 @@ auto,8,12,16,24 --models /tmp/lorapipe-models --out $OUT/memory-qwen-image-h200.
 quantized block by block for block swap (2026-12-01): `... --families flux --budgets 6 ...`,
 `... --families qwen-image --budgets 8 ...` (the files' `meta.command` has each). A newer call's row
 replaces an older one. "same plan" rows reuse the measurement of the budget the planner chose
-identically for. "x auto" is train samples/s over the same family's "auto" row.
+identically for. "x auto" is train samples/s over the same family's "auto" row; "x unswapped" over its measured row of the same precision with no block swapped (block swap's own cost).
 
 """
 

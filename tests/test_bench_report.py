@@ -232,3 +232,9 @@ def test_memory_report_takes_the_newest_measurement_whatever_the_file_names(tmp_
     for order in ([old, new], [new, old]):
         rows = table(memory_report(order), "budget GB")
         assert "swapped_blocks=44" in rows["6"]["plan"] and rows["6"]["x auto"] == "0.70"
+        assert rows["6"]["x unswapped"] == "0.70" and rows["auto"]["x unswapped"] == ""  # nf4 whole: the auto row
+    bf16 = tmp_path / "memory-flux-bf16.json"  # a swap row without an unswapped row of its precision: no ratio
+    bf16.write_text(json.dumps({"meta": {"date_utc": "2026-12-02 10:00:00"}, "items": [
+        row("8", 1.2, {"base_precision": "bf16", "swapped_blocks": 30})]}))
+    rows = table(memory_report([old, new, bf16]), "budget GB")
+    assert rows["8"]["x auto"] == "0.60" and rows["8"]["x unswapped"] == ""
