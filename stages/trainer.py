@@ -198,8 +198,8 @@ class Trainer:
         # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
         self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log)
         if self.swap is not None and self.rt.is_cuda and not isinstance(self.denoiser, fastpath.GraphedDenoiser):
-            self.log.emit("warning", message=f"{len(self.swap.blocks)} blocks are swapped but CUDA graphs are "
-                                             f"{self.graphs_plan}: {SWAP_WITHOUT_GRAPHS}")
+            self.log.emit("warning", message=f"block swap ({len(self.swap.blocks)} of {self.blocks or '?'} blocks) runs "
+                                             f"without CUDA graphs, which are {self.graphs_plan}: {SWAP_WITHOUT_GRAPHS}")
 
     def enable_checkpointing(self) -> None:
         """Gradient checkpointing of the plan's number k of repeated blocks: the FIRST k in forward order
