@@ -414,7 +414,7 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
         memory.load_device(plan, rt)
     assert all(s in str(err.value) for s in ("40.0 GB", "30.0 GB", "host memory", "--vram", f"swaps {plan.settings['swapped_blocks']} of"))
     monkeypatch.setattr(memory, "host_available_bytes", lambda: int(41 * memory.GB))
-    assert isinstance(memory.load_device(plan, rt), HostLoad)
+    assert isinstance(memory.load_device(plan, rt), HostLoad) and memory.host_shortfall(plan) == ""
     monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # not Linux: not checked
     assert isinstance(memory.load_device(plan, rt), HostLoad)
     assert memory.load_device(roomy, rt) is rt  # no swap: the runtime's device, nothing checked

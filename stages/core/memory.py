@@ -387,7 +387,11 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         if swapped or precision == "fp8":  # these read the bf16 base into host memory first (nf4_blocks, fp8)
             settings["host_gb"] = round(weight_bytes(model, "bf16") / GB, 2)
         candidates.append((settings, peak / GB))
-    return _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
+    plan = _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
+    short = host_shortfall(plan)
+    if short:  # `plan` shows it now; train stops with it before loading (load_device)
+        plan.note = f"{plan.note} {short}".strip()
+    return plan
 
 
 def _train_options(configured: bool | str, precisions: list[str], n: int,
@@ -577,6 +581,21 @@ def host_available_bytes() -> int | None:
     return None
 
 
+def host_shortfall(plan: StagePlan) -> str:
+    """What stops a train plan whose bf16 read into host memory (a swap plan, an fp8 base) needs more
+    than the host has available; "" when it fits or the host cannot tell."""
+    swapped = plan.settings.get("swapped_blocks")
+    need, available = plan.settings.get("host_gb"), host_available_bytes()
+    if not need or available is None or need * GB <= available:
+        return ""
+    why = (f"the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
+           f"({plan.budget.gb or 0:.1f} GB), which" if swapped else "an fp8 base")
+    fix = ("give the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped" if swapped
+           else "use train.base_precision = 'nf4' or 'bf16', which load shard by shard")
+    return (f"train: {why} reads the base in bf16 ({need:.1f} GB) into host memory first, but only "
+            f"{available / GB:.1f} GB of host memory is available: free host memory, or {fix}")
+
+
 def load_device(plan: StagePlan, rt: Any) -> Any:
     """Where train loads the base: host memory when blocks will be swapped (only what stays resident
     then reaches the GPU; an nf4 base is quantized there block by block), else the runtime's device.
@@ -584,15 +603,10 @@ def load_device(plan: StagePlan, rt: Any) -> Any:
     before anything loads (the kernel's OOM killer would end the process without a word)."""
     from stages.core.runtime import HostLoad
 
+    short = host_shortfall(plan)
+    if short:
+        raise ResourceError(short)
     swapped = plan.settings.get("swapped_blocks")
-    need, available = plan.settings.get("host_gb"), host_available_bytes()
-    if need and available is not None and need * GB > available:
-        why = (f"the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
-               f"({plan.budget.gb or 0:.1f} GB), which" if swapped else "an fp8 base")
-        fix = ("give the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped" if swapped
-               else "use train.base_precision = 'nf4' or 'bf16', which load shard by shard")
-        raise ResourceError(f"train: {why} reads the base in bf16 ({need:.1f} GB) into host memory first, but only "
-                            f"{available / GB:.1f} GB of host memory is available: free host memory, or {fix}")
     if not swapped:
         return rt
     return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped)
