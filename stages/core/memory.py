@@ -370,6 +370,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     n = len(blocks)
     # per precision: the whole base, and each block's bytes that swapping it moves to host memory
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
+    host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
     candidates = []
     smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
@@ -385,7 +386,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         settings = {"base_precision": precision, "gradient_checkpointing": checkpointing,
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
         if swapped or precision == "fp8":  # these read the bf16 base into host memory first (nf4_blocks, fp8)
-            settings["host_gb"] = round(weight_bytes(model, "bf16") / GB, 2)
+            settings["host_gb"] = host_gb
         candidates.append((settings, peak / GB))
     plan = _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
     short = host_shortfall(plan)
@@ -599,8 +600,8 @@ def host_shortfall(plan: StagePlan) -> str:
 def load_device(plan: StagePlan, rt: Any) -> Any:
     """Where train loads the base: host memory when blocks will be swapped (only what stays resident
     then reaches the GPU; an nf4 base is quantized there block by block), else the runtime's device.
-    A swap plan whose bf16 base does not fit the available host memory stops here with what to do,
-    before anything loads (the kernel's OOM killer would end the process without a word)."""
+    A plan whose bf16 read (swap, fp8) does not fit the available host memory stops here with what to
+    do, before anything loads (the kernel's OOM killer would end the process without a word)."""
     from stages.core.runtime import HostLoad
 
     short = host_shortfall(plan)
