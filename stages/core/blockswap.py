@@ -133,13 +133,11 @@ class BlockSwap:
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ahead: tuple[int, Any] | None = None  # (position, event of its copy) of the block copied ahead
         self._flat: list[torch.Tensor] = []  # per position: the block's frozen weights, packed (pinned on CUDA)
-        offsets: list[dict[str, int]] = []
         for k, block in enumerate(self.blocks):
             self.order[id(block)] = k
             self.host[id(block)] = {n: p for n, p in block.named_parameters() if not p.requires_grad}
-            offsets.append(_packed_layout(self.host[id(block)])[0])
-        sizes = [_packed_layout(self.host[id(b)])[1] for b in self.blocks]
-        chunk_sizes, where = host_chunks(sizes)
+        offsets, sizes = zip(*(_packed_layout(self.host[id(b)]) for b in self.blocks))
+        chunk_sizes, where = host_chunks(list(sizes))
         pinned = self.stream is not None
         self._chunks = [torch.empty(n, dtype=torch.uint8, pin_memory=pinned) for n in chunk_sizes]
         for k, block in enumerate(self.blocks):
