@@ -97,12 +97,11 @@ def check_upstream(cfg: Any, log: Any = None) -> None:
     """Refuse to train on missing or stale caches, saying which stage to rerun and why. A cache that
     differs only by what the free GPU memory forced on it (tiled latents under "auto") is used, with
     a warning saying so and what re-encodes it as configured."""
-    from stages.core.stage import accepted_as_forced, staleness
+    from stages.core.stage import freshness
 
     stale = []
     for module in (encode_captions, cache_latents):
-        ok, reasons = staleness(module, cfg)
-        forced = None if ok else accepted_as_forced(module, cfg)
+        ok, reasons, forced = freshness(module, cfg)
         if forced and log is not None:
             log.emit("warning", message=f"training on {module.artifact_dir(cfg).name} as it is: {forced} "
                                         f"(`{command(cfg, module.NAME)}`)")

@@ -94,27 +94,37 @@ def describe_change(key: str, old: Any, new: Any) -> str:
 
 def staleness(stage_module: Any, cfg: Any) -> tuple[bool, list[str]]:
     """(up_to_date, reasons) for one stage, from its manifest and its current fingerprint parts."""
+    ok, reasons, _ = freshness(stage_module, cfg)
+    return ok, reasons
+
+
+def freshness(stage_module: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
+    """`staleness`, and the manifest's message when the artifact is stale only because the free memory
+    forced its settings (no other plan fitted) and no row is damaged: a later stage may use it with
+    that warning, while `staleness` still counts it stale, so `run` retries it."""
     folder = stage_module.artifact_dir(cfg)
     manifest = read_manifest(folder)
     partial = getattr(stage_module, "partial_state", lambda cfg: None)(cfg) if manifest is None else None
     if partial:
-        return False, [partial]
+        return False, [partial], None
     if manifest is None and folder.exists():
         return False, [f"incomplete: '{folder}' has no manifest (its last run was interrupted or failed); "
-                       f"rerun it to finish (caches continue where they stopped; train continues with --resume)"]
+                       f"rerun it to finish (caches continue where they stopped; train continues with --resume)"], None
     if manifest is None:
-        return False, ["never built (no manifest)"]
+        return False, ["never built (no manifest)"], None
     if not manifest.get("complete", True):
-        return False, [manifest.get("incomplete_reason", "incomplete")]
+        return False, [manifest.get("incomplete_reason", "incomplete")], None
     parts = stage_module.fingerprint_parts(cfg)
+    damaged_rows = getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])
     if manifest.get("fingerprint") == fingerprint(parts):
-        damaged = getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])(cfg, manifest)
-        return not damaged, damaged
+        damaged = damaged_rows(cfg, manifest)
+        return not damaged, damaged, None
     if forced_only(manifest, parts):
-        return False, [manifest["memory_forced"]["message"]]
+        message = manifest["memory_forced"]["message"]
+        return False, [message], None if damaged_rows(cfg, manifest) else message
     old = manifest.get("fingerprint_parts", {})
     reasons = [describe_change(k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
-    return False, reasons or ["fingerprint changed"]
+    return False, reasons or ["fingerprint changed"], None
 
 
 def forced_only(manifest: dict[str, Any], parts: dict[str, Any]) -> bool:
@@ -122,15 +132,3 @@ def forced_only(manifest: dict[str, Any], parts: dict[str, Any]) -> bool:
     free GPU memory forced on the run that wrote it (its manifest's `memory_forced`)."""
     forced = manifest.get("memory_forced")
     return bool(forced) and manifest.get("fingerprint") == fingerprint({**parts, **forced["parts"]})
-
-
-def accepted_as_forced(stage_module: Any, cfg: Any) -> str | None:
-    """A later stage may use an artifact that is stale only because the free memory forced its
-    settings (no other plan fitted; `staleness` still counts it stale, so `run` retries it): the
-    manifest's message when that is the case and no row is damaged, else None."""
-    manifest = read_manifest(stage_module.artifact_dir(cfg))
-    if manifest is None or not manifest.get("complete", True) or not forced_only(manifest, stage_module.fingerprint_parts(cfg)):
-        return None
-    if getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])(cfg, manifest):
-        return None
-    return manifest["memory_forced"]["message"]
