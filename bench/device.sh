@@ -30,6 +30,12 @@
 #   R: the other swap rows again with the slot swap under CUDA graphs: FLUX at 6 GB and Z-Image at 4 GB, each beside
 #      nf4 whole (12 GB, 8 GB) and its unconstrained ("auto": now bf16 where it fits) row
 #   S: issue 16's 512 px rows: Qwen-Image and FLUX at 8/6 GB and auto, then Z-Image and SDXL at 4 GB and auto
+#   U: Qwen-Image's unconstrained row (auto: bf16) in Q's harness (Q ran out of time before it), then Z-Image at
+#      4 GB (slot swap) beside 8 GB and auto; the Qwen-Image models are deleted first (the 64 GB disk held Qwen-Image
+#      but not FLUX beside it in Q)
+#   V: FLUX at 6 GB (slot swap) beside 12 GB and auto, then (time left) the swap probe compiled without graphs, 20 steps
+#   W: FLUX at 6 GB alone, after the sixth session made "auto" leave CUDA graphs off under block swap (V's capture
+#      failed at 6 GB and its eager steps then ran out of memory)
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -105,6 +111,21 @@ case $phase in
      python3 bench/memory.py run --res 512 --families z-image,sdxl --budgets 4,auto --models /tmp/lorapipe-models \
        --out "$OUT/memory-zimage-sdxl-512-h200.json" --budget-s $(( $(left) - 30 )) \
        > "$OUT/memory-512b.log" 2>&1; grep "^\[memory\]" "$OUT/memory-512b.log" | cut -c1-300 ;;
+  U) python3 bench/memory.py run --families qwen-image --budgets auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-qwen-image-auto-h200.json" --budget-s $(( $(left) * 9 / 20 )) \
+       > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
+     rm -rf /tmp/lorapipe-models/qwen-image /tmp/lorapipe-memory; df -h /tmp | tail -1
+     python3 bench/memory.py run --families z-image --budgets 4,8,auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-zimage-4gb-slots-h200.json" --budget-s $(( $(left) - 25 )) \
+       > "$OUT/memory-zimage.log" 2>&1; grep "^\[memory\]" "$OUT/memory-zimage.log" | cut -c1-300 ;;
+  V) python3 bench/memory.py run --families flux --budgets 6,12,auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-flux-6gb-slots-h200.json" --budget-s $(( $(left) - 25 )) \
+       > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300
+     [ "$(left)" -gt 90 ] && timeout $(( $(left) - 15 )) python3 bench/swap_probe.py --steps 20 --only resident_compiled \
+       --only swap_compiled --out "$OUT/swap-probe-qwen-compiled-20-h200.json" > "$OUT/swap-probe.log" 2>&1; tail -3 "$OUT/swap-probe.log" ;;
+  W) python3 bench/memory.py run --families flux --budgets 6 --models /tmp/lorapipe-models \
+       --out "$OUT/memory-flux-6gb-nographs-h200.json" --budget-s $(( $(left) - 10 )) \
+       > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   T) timeout 240 python3 bench/tiling.py --budget-s 140 --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      grep -v "kept in float32" "$OUT/tiling.log" | tail -20 ;;
 esac

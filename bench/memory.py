@@ -136,7 +136,7 @@ def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (family, budget, stage) over all files: a measurement beats "same plan", which
     beats a skipped or failed row, and among equals the later file wins. A family's failed build
     ("-" row) is dropped once a later call measured the family. Budgets sorted: auto, then by GB."""
-    rank = lambda r: 2 if r["status"] == "ok" else 1 if r["status"] == "same plan" else 0  # noqa: E731
+    rank = lambda r: 2 if r["status"] == "ok" else 1 if r["status"].startswith("same plan") else 0  # noqa: E731
     best: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
         key = (_group(r), r["budget"], r["stage"])
@@ -151,15 +151,25 @@ def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _resolved(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with "same plan" ones filled in from the row that measured that plan."""
+    """One call's rows, "same plan" ones filled in from the row of that call that measured the plan
+    (another call may have planned that budget differently: "auto" trained nf4 before it tried bf16)."""
     by = {(_group(r), r["budget"], r["stage"]): r for r in rows}
     out = []
     for r in rows:
         if r["status"] == "same plan":
-            src = by[(_group(r), r["same_as_budget"], r["stage"])]
-            r = {**src, "budget": r["budget"], "status": f"same plan as {r['same_as_budget']}"}
+            src = by.get((_group(r), r["same_as_budget"], r["stage"]))
+            if src is None or src["status"] != "ok":
+                continue
+            r = {**src, "budget": r["budget"], "status": f"same plan as {r['same_as_budget']}", "source": src}
         out.append(r)
     return out
+
+
+def _earlier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A "same plan" row whose source is not the row the table shows for that budget says so."""
+    shown = {id(r) for r in rows}
+    return [{**r, "status": r["status"] + " in an earlier call"} if "source" in r and id(r["source"]) not in shown
+            else r for r in rows]
 
 
 def _cell(r: dict[str, Any]) -> list[str]:
@@ -193,7 +203,7 @@ def report(files: list[Path]) -> str:
     """One table per (family, px). Files are read oldest measurement first (their meta.date_utc), so a
     newer call's row replaces an older one whatever the files are named."""
     data = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d.get("meta", {}).get("date_utc", ""))
-    rows = _resolved(_newest([r for d in data for r in d["items"]]))
+    rows = _earlier(_newest([r for d in data for r in _resolved(d["items"])]))
     lines = []
     for fam, res in dict.fromkeys(map(_group, rows)):
         mine = [r for r in rows if _group(r) == (fam, res)]

@@ -27,12 +27,6 @@ from stages.core.runtime import alloc_retries, make_runtime, pick_device, resolv
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
 
-# bench/swap_probe.py on full-width Qwen-Image blocks (H200): the swapped step took 1.09x the unswapped
-# one under CUDA graphs, 1.8x without them (the copies then did not overlap the compute)
-SWAP_WITHOUT_GRAPHS = ("without graphs a swapped step does not overlap its copies with the compute (1.8x the "
-                       "unswapped step against 1.09x with graphs, on full-width Qwen-Image blocks); train.cuda_graphs "
-                       "= 'auto' and train.dropout = 0 give graphs, or a larger --vram swaps fewer blocks")
-
 
 def compile_wanted(mode: str, is_cuda: bool) -> bool:
     """train.compile_transformer: `auto` compiles on CUDA, over a bf16 and an nf4 base alike (on the
@@ -196,10 +190,9 @@ class Trainer:
         if self.dist.is_distributed:
             torch.manual_seed(self.cfg.seed + self.dist.rank)  # LoRA dropout: other masks on each rank
         # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
-        self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log)
-        if self.swap is not None and self.rt.is_cuda and not isinstance(self.denoiser, fastpath.GraphedDenoiser):
-            self.log.emit("warning", message=f"block swap ({len(self.swap.blocks)} of {self.blocks or '?'} blocks) runs "
-                                             f"without CUDA graphs, which are {self.graphs_plan}: {SWAP_WITHOUT_GRAPHS}")
+        swapped = len(self.swap.blocks) if self.swap is not None else 0
+        self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log,
+                                                                 swapped=swapped)
 
     def enable_checkpointing(self) -> None:
         """Gradient checkpointing of the plan's number k of repeated blocks: the FIRST k in forward order

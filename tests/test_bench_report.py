@@ -238,3 +238,28 @@ def test_memory_report_takes_the_newest_measurement_whatever_the_file_names(tmp_
         row("8", 1.2, {"base_precision": "bf16", "swapped_blocks": 30})]}))
     rows = table(memory_report([old, new, bf16]), "budget GB")
     assert rows["8"]["x auto"] == "0.60" and rows["8"]["x unswapped"] == ""
+
+
+def test_memory_report_resolves_a_same_plan_row_within_its_own_call(tmp_path: Path) -> None:
+    """A "same plan as auto" row means the auto plan of its call: when a later call's auto trains
+    another plan (bf16 where it used to be nf4), the row keeps its own call's measurement and says so."""
+    from bench.memory import report as memory_report
+
+    def row(budget: str, status: str = "ok", sps: float = 1.0, precision: str = "nf4") -> dict:
+        if status == "same plan":
+            return {"family": "z-image", "budget": budget, "stage": "train", "status": status, "same_as_budget": "auto"}
+        return {"family": "z-image", "resolution": 1024, "budget": budget, "stage": "train", "status": "ok",
+                "plan": {"settings": {"base_precision": precision, "swapped_blocks": 0}, "predicted_peak_gb": 5.0,
+                         "budget_gb": 100.0}, "peak_vram_gb": {"allocated": 4.0, "reserved": 5.0},
+                "samples_per_second": sps, "seconds": 10.0}
+
+    old = tmp_path / "memory-old.json"
+    old.write_text(json.dumps({"meta": {"date_utc": "2026-11-30 10:00:00"}, "items": [row("auto", sps=2.0), row("6", "same plan")]}))
+    new = tmp_path / "memory-new.json"
+    new.write_text(json.dumps({"meta": {"date_utc": "2026-12-01 10:00:00"}, "items": [row("auto", sps=2.5, precision="bf16")]}))
+    rows = table(memory_report([new, old]), "budget GB")
+    assert "base_precision=bf16" in rows["auto"]["plan"]
+    assert "base_precision=nf4" in rows["6"]["plan"] and "same plan as auto in an earlier call" in rows["6"]["plan"]
+    assert rows["6"]["samples/s"] == "2.000" and rows["6"]["x auto"] == "0.80"
+    rows = table(memory_report([old]), "budget GB")  # its own call's auto row is the one shown: no note
+    assert rows["6"]["plan"].endswith("(same plan as auto)")

@@ -58,12 +58,39 @@ def test_swapped_loss_and_lora_grads_equal_unswapped_bit_for_bit(checkpointing: 
     assert grads.keys() == grads_ref.keys() and len(grads) > 0
     for name in grads:
         assert torch.equal(grads[name], grads_ref[name]), name
-    # forward fetches each swapped block once; the recompute of checkpointing fetches it again
-    assert swap.copies == n_swapped * (2 if checkpointing else 1)
+    # forward fetches each swapped block once; the recompute of checkpointing fetches it again, except
+    # its first two blocks, the forward's last two, still in the two slots
+    assert swap.copies == (2 * n_swapped - min(n_swapped, 2) if checkpointing else n_swapped)
+    assert swap.still_in_slot == (min(n_swapped, 2) if checkpointing else 0)
     # checkpointed calls run from the two reused slots, the next block copied ahead (5 blocks: each slot
     # is refilled while the math above stays exact); a call whose backward needs its weights later
     # (no checkpointing) gets copies of its own and prefetches nothing
     assert swap.prefetch_hits == (2 * (n_swapped - 1) if checkpointing else 0)
+
+
+def test_a_block_still_in_its_slot_is_not_copied_again_and_the_math_stays_exact() -> None:
+    """Steps with a no-grad forward between them (a validation pass leaves other blocks in the slots):
+    each fetch that skips its copy must find exactly its block in the slot, or the loss changes."""
+    model = _tiny_flux()
+    model.enable_gradient_checkpointing(fastpath.checkpoint_function(0.0))
+    model.train()
+    loss_ref, grads_ref = _loss_and_grads(model)
+    with torch.no_grad():
+        out_ref = model(**_inputs(), return_dict=False)[0]
+    swap = blockswap.install_block_swap(model, 5, torch.device("cpu"))
+    copies = []
+    for step in range(2):
+        loss, grads = _loss_and_grads(model)
+        assert torch.equal(loss, loss_ref) and all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+        copies.append(swap.copies)
+        if step == 0:
+            with torch.no_grad():
+                assert torch.equal(model(**_inputs(), return_dict=False)[0], out_ref)
+            copies.append(swap.copies)
+    # step 1: 8 (the recompute's first two blocks are in the slots); the no-grad forward: 3 (its first
+    # two, 0 and 1, are where the recompute left them); step 2: 8 (the slots hold blocks 4 and 3 now)
+    assert copies == [8, 11, 19] and swap.still_in_slot == 6
+    assert swap.summary()["still_in_slot"] == 6
 
 
 def test_swapped_blocks_run_from_two_slots_and_match_without_gradients() -> None:

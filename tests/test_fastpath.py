@@ -133,6 +133,9 @@ def test_graphs_plan(monkeypatch):
     on, reason = fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.1), "on")  # even when asked for
     assert on is False and "train.dropout = 0.1" in reason
     assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "off")[0] is False
+    # a swap plan: "auto" leaves graphs off (their capture needs memory the plan has not got), "on" captures
+    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "auto", swapped=3) == (False, fastpath.SWAP_GRAPHS)
+    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "on", swapped=3)[0] is True
     monkeypatch.setenv(fastpath.ENV, "sometimes")
     with pytest.raises(ValueError, match=fastpath.ENV):
         fastpath.graphs_mode()

@@ -33,10 +33,11 @@ How it works (same math as the unswapped model, only placement changes):
 - CUDA graphs (fastpath.GraphedDenoiser) capture the copies too: host-to-device copies from the pinned
   buffers into the slots on the side stream, forked from and joined back to the capture stream by
   the events above, so a replay copies each swapped block again and the weights stay in host
-  memory. The graph's pool holds activations only; the slots are allocated outside it. On
-  full-width Qwen-Image blocks (8, 6 swapped, nf4, 1024 px, compiled; bench/swap_probe.py) the
-  swapped step under graphs took 1.09x the unswapped one; without graphs 1.8x (the host-paced
-  launches leave the copies exposed).
+  memory. The graph's pool holds activations only; the slots are allocated outside it. Under
+  train.cuda_graphs = "auto" a swap plan runs without graphs (fastpath.SWAP_GRAPHS: capturing needed
+  memory the plan had not got at 4 and 6 GB); on full-width Qwen-Image blocks (8, 6 swapped, nf4,
+  1024 px; bench/swap_probe.py) the swapped step took 1.05x the unswapped one compiled without
+  graphs (20 steps) and 1.09x under graphs.
 - nf4 (bitsandbytes Params4bit): a block's quant_state (absmax and code tables, a few percent of its
   bytes with double quantization) stays on the GPU; only the 4-bit codes travel, and each slot view
   is a Params4bit carrying its block's quant_state. A plan that swaps an nf4 base loads it quantized
@@ -149,6 +150,9 @@ class BlockSwap:
         # per position: the tensors the block runs with, views of its slot (made once: no allocation per call)
         self._views = [{name: _alias(p, _view(self.slots[k % len(self.slots)], offsets[k][name], p))
                         for name, p in self.host[id(block)].items()} for k, block in enumerate(self.blocks)]
+        self._in_slot: list[int | None] = [None] * len(self.slots)  # the position each slot holds (as enqueued)
+        self._captured = False  # a CUDA graph captured copies: its replays write the slots behind Python's back
+        self.still_in_slot = 0  # fetches that found their block still in its slot and copied nothing
 
     def _to_host(self, params: dict[str, torch.nn.Parameter], offsets: dict[str, int], flat: torch.Tensor) -> torch.Tensor:
         """Pack the block's frozen weights into `flat`, its share of a host chunk (pinned on CUDA, so
@@ -165,13 +169,25 @@ class BlockSwap:
 
     def _copy_into_slot(self, position: int) -> None:
         self.copies += 1
-        flat = self._flat[position]
-        self.slots[position % len(self.slots)][:flat.numel()].copy_(flat, non_blocking=True)
+        flat, slot = self._flat[position], position % len(self.slots)
+        self.slots[slot][:flat.numel()].copy_(flat, non_blocking=True)
+        self._in_slot[slot] = position
+
+    def _still_in_slot(self, position: int) -> bool:
+        if self._captured or self._in_slot[position % len(self.slots)] != position:
+            return False
+        self.still_in_slot += 1
+        return True
 
     def _start_prefetch(self, position: int) -> None:
         """Copy block `position` into its slot ahead of use: on CUDA on the side stream, once the
-        compute stream has finished what it queued so far (the last use of that slot); on CPU now."""
+        compute stream has finished what it queued so far (the last use of that slot); on CPU now.
+        Nothing to copy when the slot still holds it (the compute stream has waited for every copy
+        before the fetch that starts this one)."""
         if not 0 <= position < len(self.blocks):
+            return
+        if self._still_in_slot(position):
+            self._ahead = (position, None)
             return
         if self.stream is None:
             self._copy_into_slot(position)
@@ -188,8 +204,13 @@ class BlockSwap:
 
     def fetch(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The block's frozen weights on the device, in its slot; starts copying the next block (the
-        one after it going forward, the one before it going backward) into the other slot."""
+        one after it going forward, the one before it going backward) into the other slot. A block
+        not copied ahead is copied now, unless its slot still holds it (the recompute's first two
+        blocks are the forward's last two: two copies a step saved, and with one or two blocks
+        swapped nothing is copied after the first step); once a CUDA graph has captured copies, its replays refill the slots where Python
+        does not see it, and every such fetch copies."""
         position = self.order[id(block)]
+        self._captured |= self.stream is not None and torch.cuda.is_current_stream_capturing()
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == position:
             self.prefetch_hits += 1
@@ -198,7 +219,8 @@ class BlockSwap:
         else:
             if ahead is not None and ahead[1] is not None:  # a copy still writing a slot: let it finish first
                 torch.cuda.current_stream(self.device).wait_event(ahead[1])
-            self._copy_into_slot(position)  # on the compute stream: after the slot's last use there
+            if not self._still_in_slot(position):  # the recompute's first block is the forward's last
+                self._copy_into_slot(position)  # on the compute stream: after the slot's last use there
         backward = torch._C._current_graph_task_id() != -1  # a recompute inside backward walks the blocks down
         self._start_prefetch(position + (-1 if backward else 1))
         return self._views[position]
@@ -223,7 +245,7 @@ class BlockSwap:
         return {"swapped_blocks": len(self.blocks), "host_gb": round(sum(map(frozen_bytes, self.blocks)) / 2**30, 3),
                 "host_chunks_gb": round(sum(c.numel() for c in self._chunks) / 2**30, 3),
                 "slot_gb": round(sum(s.numel() for s in self.slots) / 2**30, 3),
-                "copies": self.copies, "prefetch_hits": self.prefetch_hits}
+                "copies": self.copies, "prefetch_hits": self.prefetch_hits, "still_in_slot": self.still_in_slot}
 
 
 class SwappedCall:

@@ -27,6 +27,7 @@ otherwise:
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from collections import Counter
 from typing import Any, Callable, Iterable
@@ -91,8 +92,19 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
     return partial
 
 
-def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None) -> tuple[bool, str]:
-    """(use graphs?, why) for this run."""
+# Why "auto" leaves graphs off under block swap (H200, 2026-12-01, sixth session): a swap plan sits close
+# to its budget, and capturing needs memory the eager step does not (the graph's private pool): at a 4 GB
+# cap Z-Image's capture ran out of memory (1.73 GiB in the pool) and FLUX's at 6 GB failed and left the
+# eager steps too little (bench/results/memory-zimage-4gb-slots-h200.json, memory-flux-6gb-slots-h200.json).
+# The slot swap overlaps its copies without graphs: 8 full-width Qwen-Image blocks, 6 swapped, compiled,
+# 20 steps: 0.1161 s against 0.1111 s unswapped (bench/results/swap-probe-qwen-compiled-20-h200.json);
+# Z-Image at 4 GB ran 0.91x its unconstrained speed eager.
+SWAP_GRAPHS = ("off under block swap (mode auto): capturing needs memory beyond the budget's plan, and the "
+               "swap overlaps its copies without graphs; train.cuda_graphs = 'on' captures anyway")
+
+
+def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None, swapped: int = 0) -> tuple[bool, str]:
+    """(use graphs?, why) for this run; `swapped`: the blocks the memory plan swaps."""
     mode = mode or graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
     if mode == "off":
         return False, f"off (train.cuda_graphs or {ENV} = off)"
@@ -100,6 +112,8 @@ def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None) -> tuple[bool, str]
         return False, "off (no CUDA device)"
     if tcfg.dropout > 0:
         return False, f"off (train.dropout = {tcfg.dropout}: random numbers inside the denoiser)"
+    if swapped and mode == "auto":
+        return False, SWAP_GRAPHS
     return True, f"on (mode {mode}): one graph per batch shape, captured at its second step"
 
 
@@ -195,6 +209,7 @@ class GraphedDenoiser:
             graphed = self._capture(forward, static + self.params, self._pool)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
             self._failed.add(key)
+            _release_failed_capture()
             self.log.emit("warning", message=f"CUDA graph capture failed for input shapes "
                                              f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager: "
                                              f"{type(e).__name__}: {str(e)[:300]}")
@@ -206,12 +221,24 @@ class GraphedDenoiser:
         return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays}
 
 
+def _release_failed_capture() -> None:
+    """Give back what a failed capture allocated (its pool's blocks, the half-built graph's tensors), so
+    the eager steps that follow have the memory they had before it."""
+    gc.collect()
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - a capture error can surface here again; the cache is freed anyway
+            pass
+        torch.cuda.empty_cache()
+
+
 def _replay(graphed: Callable[..., Any], at: list[int], params: tuple[torch.Tensor, ...], leaves: list[Any]) -> Any:
     return graphed(*(leaves[i] for i in at), *params)
 
 
 def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: Any, tcfg: Any,
-                  log: Any) -> tuple[Any, str]:
+                  log: Any, swapped: int = 0) -> tuple[Any, str]:
     """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself."""
-    use, why = graphs_plan(rt, tcfg)
+    use, why = graphs_plan(rt, tcfg, swapped=swapped)
     return (GraphedDenoiser(model, params, log) if use else model), why
