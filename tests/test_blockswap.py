@@ -93,6 +93,38 @@ def test_a_block_still_in_its_slot_is_not_copied_again_and_the_math_stays_exact(
     assert swap.summary()["still_in_slot"] == 6
 
 
+def test_a_failed_graph_capture_leaves_the_swap_copying_afresh() -> None:
+    """A capture that ran the swapped forward and backward and then failed: what it says the slots hold
+    (inside a real capture the copies are not done) and any copy it left pending are forgotten, so the
+    eager call that follows copies its first blocks again; the loss stays exact."""
+    model = _tiny_flux()
+    model.enable_gradient_checkpointing(fastpath.checkpoint_function(0.0))
+    loss_ref, _ = _loss_and_grads(model)
+    swap = blockswap.install_block_swap(model, 5, torch.device("cpu"))
+    lora_params = [p for p in model.parameters() if p.requires_grad]
+
+    def broken(fn, sample_args, pool):  # as make_graphed_callables: forward, then backward, then it fails
+        out = fn(*sample_args)[0]
+        torch.autograd.grad((out.float() ** 2).mean(), lora_params)
+        raise RuntimeError("capturing stream has unjoined work")
+
+    events = []
+    log = type("Log", (), {"emit": lambda self, event, **f: events.append((event, f))})()
+    graphed = fastpath.GraphedDenoiser(model, lora_params, log, capture=broken)
+    copies = []
+    for _ in range(3):
+        before = swap.copies
+        model.zero_grad(set_to_none=True)
+        loss = (graphed(**_inputs(), return_dict=False)[0].float() ** 2).mean()
+        loss.backward()
+        assert torch.equal(loss.detach(), loss_ref)
+        copies.append(swap.copies - before)
+    # the second call: the capture's 6 (blocks 0 and 1 found in the slots the step before left them
+    # in, 4 and 3 in the recompute), then the eager call's 8, which copies 0 and 1 again (forgotten)
+    assert copies == [8, 6 + 8, 6]
+    assert graphed.summary()["failed"] == 1 and [e for e, _ in events] == ["warning"]
+
+
 def test_swapped_blocks_run_from_two_slots_and_match_without_gradients() -> None:
     model = _tiny_flux()
     with torch.no_grad():

@@ -225,6 +225,13 @@ class BlockSwap:
         self._start_prefetch(position + (-1 if backward else 1))
         return self._views[position]
 
+    def forget(self) -> None:
+        """After a failed CUDA graph capture: the copy it left pending was recorded inside the capture
+        (its event cannot be waited on outside it) and what the slots hold is unknown, so the next
+        fetch copies its block on the compute stream."""
+        self._ahead = None
+        self._in_slot = [None] * len(self.slots)
+
     def fresh_copies(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Copies of the block's weights of its own (not a slot's), for a call whose autograd graph
         keeps them until backward: a swapped block run with gradients but without checkpointing."""
@@ -281,6 +288,13 @@ class SwappedModuleList(torch.nn.ModuleList):
     def __iter__(self) -> Iterator[Any]:
         swap = self._block_swap
         return iter([SwappedCall(swap, b) if id(b) in swap.order else b for b in self._modules.values()])
+
+
+def forget_slots(model: torch.nn.Module) -> None:
+    """`BlockSwap.forget` for the swap installed in `model`, if any."""
+    for m in model.modules():
+        if isinstance(m, SwappedModuleList):
+            m._block_swap.forget()
 
 
 def install_block_swap(model: torch.nn.Module, n_blocks: int, device: torch.device) -> BlockSwap | None:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from stages.core.blockswap import SwappedCall, block_of
+from stages.core.blockswap import SwappedCall, block_of, forget_slots
 
 ENV = "LORAPIPE_CUDA_GRAPHS"
 MODES = ("auto", "on", "off")
@@ -209,6 +209,7 @@ class GraphedDenoiser:
             graphed = self._capture(forward, static + self.params, self._pool)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
             self._failed.add(key)
+            forget_slots(self.model)
             _release_failed_capture()
             self.log.emit("warning", message=f"CUDA graph capture failed for input shapes "
                                              f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager: "
