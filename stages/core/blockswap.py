@@ -207,8 +207,8 @@ class BlockSwap:
         one after it going forward, the one before it going backward) into the other slot. A block
         not copied ahead is copied now, unless its slot still holds it (the recompute's first two
         blocks are the forward's last two: two copies a step saved, and with one or two blocks
-        swapped nothing is copied after the first step); once a CUDA graph has captured copies, its replays refill the slots where Python
-        does not see it, and every such fetch copies."""
+        swapped nothing is copied after the first step); once a CUDA graph has captured copies, its
+        replays refill the slots where Python does not see it, and every such fetch copies."""
         position = self.order[id(block)]
         self._captured |= self.stream is not None and torch.cuda.is_current_stream_capturing()
         ahead, self._ahead = self._ahead, None
@@ -219,7 +219,7 @@ class BlockSwap:
         else:
             if ahead is not None and ahead[1] is not None:  # a copy still writing a slot: let it finish first
                 torch.cuda.current_stream(self.device).wait_event(ahead[1])
-            if not self._still_in_slot(position):  # the recompute's first block is the forward's last
+            if not self._still_in_slot(position):  # e.g. the recompute's first block: the forward's last
                 self._copy_into_slot(position)  # on the compute stream: after the slot's last use there
         backward = torch._C._current_graph_task_id() != -1  # a recompute inside backward walks the blocks down
         self._start_prefetch(position + (-1 if backward else 1))

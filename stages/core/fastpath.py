@@ -188,7 +188,7 @@ class GraphedDenoiser:
         shapes = [tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)][:2]
         self.log.emit("warning", message=f"batch shape {shapes} runs without a CUDA graph: only the first "
                                          f"{self.max_graphs} shapes get one, as each holds memory for its replays "
-                                         f"(slower per step, much slower under block swap); fewer aspect buckets "
+                                         f"(slower per step); fewer aspect buckets "
                                          f"avoid it (data.max_aspect, data.bucket_merge)")
 
     def _make(self, key: Any, leaves: list[Any], spec: Any) -> Callable[..., Any] | None:
