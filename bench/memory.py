@@ -82,13 +82,12 @@ class MemoryRunner(Runner):
         rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
         row: dict[str, Any] = {"family": fam, "resolution": res, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                                "rc": rc, "wall_s": wall}
-        if rc != 0:
-            return {**row, "status": "failed", "log_tail": tail[-1500:]}
+        if rc != 0:  # the plan it ran and the warnings before it failed (a failed capture, say), where logged
+            return {**row, "status": "failed", "plan": _plan_event(run_dir, stage, t0), "log_tail": tail[-1500:],
+                    "warnings": [e.get("message") for e in _events(run_dir, t0) if e["event"] == "warning"]}
         summary = collect(run_dir, kind, t0)
-        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-        plan = [e for e in events if e["event"] == "plan" and e.get("stage") == stage and e["ts"] >= t0 - 1][-1:]
         manifest = json.loads((run_dir / where / "manifest.json").read_text())
-        return {**row, "status": "ok", "plan": plan[0] if plan else None, "peak_vram_gb": summary.get("peak_vram_gb"),
+        return {**row, "status": "ok", "plan": _plan_event(run_dir, stage, t0), "peak_vram_gb": summary.get("peak_vram_gb"),
                 "samples_per_second": summary.get("samples_per_second") or _items_per_s(manifest), "seconds": summary.get("seconds"),
                 "items": manifest.get("encoded_this_run"), "loaded_s": summary.get("loaded_s"),
                 "warnings": summary.get("warnings"), "steps": summary.get("steps"),
@@ -124,6 +123,18 @@ class MemoryRunner(Runner):
         self.save()
         brief = {k: row.get(k) for k in ("status", "peak_vram_gb", "samples_per_second", "wall_s", "same_as_budget")}
         print(f"[memory] {row['family']} {row['stage']} @{row['budget']}: {json.dumps(brief)[:300]}", flush=True)
+
+
+def _events(run_dir: Path, t0: float) -> list[dict[str, Any]]:
+    """The run's events since `t0` (a call's own; none when the stage died before logging)."""
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e.get("ts", 0) >= t0 - 1]
+
+
+def _plan_event(run_dir: Path, stage: str, t0: float) -> dict[str, Any] | None:
+    plans = [e for e in _events(run_dir, t0) if e["event"] == "plan" and e.get("stage") == stage]
+    return plans[-1] if plans else None
 
 
 # ---- report
