@@ -210,11 +210,43 @@ def _unswapped(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] 
                  and not _train_settings(o).get("swapped_blocks")), None)
 
 
+def _table_rows(files: list[Path]) -> list[dict[str, Any]]:
+    """The rows the tables show, each with the UTC time of the call that measured it."""
+    data = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d.get("meta", {}).get("date_utc", ""))
+    stamped = [[{**r, "measured_utc": d.get("meta", {}).get("date_utc", "")} for r in d["items"]] for d in data]
+    return _earlier(_newest([r for items in stamped for r in _resolved(items)]))
+
+
+# issue 16's targets at 1024 px, batch 1: every stage within the budget, train at >= 0.6x its unconstrained speed
+TARGETS_GB = {"qwen-image": 8, "flux": 6, "z-image": 4, "sdxl": 4}
+TARGET_SPEED = 0.6
+
+
+def targets(files: list[Path], names: dict[str, str]) -> list[str]:
+    """Rows for RESULTS.md's target table: per family, its three stages' reserved peaks at the target
+    budget and its train speed over the "auto" row."""
+    rows, out = _table_rows(files), []
+    for fam, gb in TARGETS_GB.items():
+        mine = [r for r in rows if _group(r) == (fam, RESOLUTION)]
+        at = {r["stage"]: r for r in mine if r["budget"] == str(gb) and r["status"].startswith(("ok", "same"))}
+        ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
+        if len(at) < len(STAGES) or ref is None or not at["train"].get("samples_per_second"):
+            continue
+        peaks = [(at[stage].get("peak_vram_gb") or {}).get("reserved") for _, stage, _ in STAGES]
+        speed = at["train"]["samples_per_second"] / ref["samples_per_second"]
+        ok = all(p is not None and p <= gb for p in peaks) and speed >= TARGET_SPEED
+        out.append(f"| {names.get(fam, fam)} {RESOLUTION} px b1: every stage ≤ {gb} GB, train ≥ {TARGET_SPEED}x unconstrained | "
+                   f"encode / latents / train {' / '.join(f'{p:.2f}' for p in peaks)} GB reserved; train {speed:.2f}x "
+                   f"({at['train']['samples_per_second']:.3f} / {ref['samples_per_second']:.3f} samples/s, auto's base "
+                   f"{_train_settings(ref).get('base_precision')}; train measured {at['train']['measured_utc'][:16]} UTC) | "
+                   f"{'yes' if ok else 'no'} |")
+    return out
+
+
 def report(files: list[Path]) -> str:
     """One table per (family, px). Files are read oldest measurement first (their meta.date_utc), so a
     newer call's row replaces an older one whatever the files are named."""
-    data = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d.get("meta", {}).get("date_utc", ""))
-    rows = _earlier(_newest([r for d in data for r in _resolved(d["items"])]))
+    rows = _table_rows(files)
     lines = []
     for fam, res in dict.fromkeys(map(_group, rows)):
         mine = [r for r in rows if _group(r) == (fam, res)]

@@ -415,7 +415,12 @@ def write_report(files: list[Path]) -> dict[str, str]:
             export += "\n## Memory budgets\n\n" + MEMORY_INTRO + memory_report(files_of_kind) + "\n"
         if files_of_kind and written.exists():
             export += "\n" + written.read_text()
-    return {"RESULTS.md": _headline_report(rows, items, peers + "\n" + export),
+    memory_targets: list[str] = []
+    if kinds["memory"]:
+        from bench.memory import targets as memory_targets_of
+
+        memory_targets = memory_targets_of(kinds["memory"], NAMES)
+    return {"RESULTS.md": _headline_report(rows, items, peers + "\n" + export, memory_targets),
             APPENDIX: _appendix(meta, items, metas, rows, analysis) + "\n" + "\n".join(extra)}
 
 
@@ -528,9 +533,10 @@ INTRO = ("Full-size random-weight architectures on one H200, measured by `bench/
          "profiles and what did not run.\n")
 
 
-def _headline_report(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]], export: str) -> str:
-    sections = ["# Benchmark: full-size random-weight architectures on the H200\n", INTRO,
-                "## Targets\n\n" + targets(rows, items) + "\n"]
+def _headline_report(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]], export: str,
+                     memory_targets: list[str] = ()) -> str:
+    table = "\n".join([targets(rows, items), *memory_targets])  # the memory budgets' targets: bench/memory.py
+    sections = ["# Benchmark: full-size random-weight architectures on the H200\n", INTRO, "## Targets\n\n" + table + "\n"]
     for fam in FAMILY_ORDER:
         table = headline_table(rows, items, fam)
         if table:

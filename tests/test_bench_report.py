@@ -263,3 +263,27 @@ def test_memory_report_resolves_a_same_plan_row_within_its_own_call(tmp_path: Pa
     assert rows["6"]["samples/s"] == "2.000" and rows["6"]["x auto"] == "0.80"
     rows = table(memory_report([old]), "budget GB")  # its own call's auto row is the one shown: no note
     assert rows["6"]["plan"].endswith("(same plan as auto)")
+
+
+def test_memory_targets_need_every_stage_within_the_budget_and_the_speed(tmp_path: Path) -> None:
+    """Issue 16's target rows: each stage's reserved peak at the family's budget, train over auto."""
+    from bench.memory import targets
+
+    def row(budget: str, stage: str, reserved: float, sps: float | None = None) -> dict:
+        return {"family": "qwen-image", "resolution": 1024, "budget": budget, "stage": stage, "status": "ok",
+                "plan": {"settings": {"base_precision": "nf4" if budget != "auto" else "bf16"}, "predicted_peak_gb": 1.0},
+                "peak_vram_gb": {"allocated": reserved - 0.5, "reserved": reserved}, "samples_per_second": sps}
+
+    def write(name: str, train_reserved: float, train_sps: float) -> Path:
+        f = tmp_path / name
+        f.write_text(json.dumps({"meta": {"date_utc": "2026-12-01 22:05:00"}, "items": [
+            row("auto", "train", 40.0, 2.0), row("8", "encode-captions", 6.7), row("8", "cache-latents", 5.1),
+            row("8", "train", train_reserved, train_sps)]}))
+        return f
+
+    (ok,) = targets([write("a.json", 7.9, 1.6)], {"qwen-image": "Qwen-Image"})
+    assert ok.startswith("| Qwen-Image 1024 px b1: every stage ≤ 8 GB") and "6.70 / 5.10 / 7.90" in ok
+    assert "0.80x" in ok and "auto's base bf16" in ok and ok.endswith("| yes |")
+    assert targets([write("b.json", 8.1, 1.6)], {})[0].endswith("| no |")  # a stage over its budget
+    assert targets([write("c.json", 7.9, 1.1)], {})[0].endswith("| no |")  # 0.55x
+    assert targets([tmp_path / "b.json"], {}) and not targets([], {})
