@@ -210,11 +210,15 @@ def _unswapped(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] 
                  and not _train_settings(o).get("swapped_blocks")), None)
 
 
-def _table_rows(files: list[Path]) -> list[dict[str, Any]]:
-    """The rows the tables show, each with the UTC time of the call that measured it."""
+def _stamped(files: list[Path]) -> list[list[dict[str, Any]]]:
+    """Each call's rows, oldest call first, each row with the UTC time of the call that measured it."""
     data = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d.get("meta", {}).get("date_utc", ""))
-    stamped = [[{**r, "measured_utc": d.get("meta", {}).get("date_utc", "")} for r in d["items"]] for d in data]
-    return _earlier(_newest([r for items in stamped for r in _resolved(items)]))
+    return [[{**r, "measured_utc": d.get("meta", {}).get("date_utc", "")} for r in d["items"]] for d in data]
+
+
+def _table_rows(files: list[Path]) -> list[dict[str, Any]]:
+    """The rows the tables show (a measurement beats a later call's failure there: see the targets)."""
+    return _earlier(_newest([r for items in _stamped(files) for r in _resolved(items)]))
 
 
 # issue 16's targets at 1024 px, batch 1: every stage within the budget, train at >= 0.6x its unconstrained speed
@@ -222,24 +226,42 @@ TARGETS_GB = {"qwen-image": 8, "flux": 6, "z-image": 4, "sdxl": 4}
 TARGET_SPEED = 0.6
 
 
+def _graphs(r: dict[str, Any]) -> str:
+    """How a train row ran ("train under CUDA graphs, ", "... eager after a failed capture, ", "... eager, "),
+    or "" for a row recorded before the runtime was (fifth session and older)."""
+    g = (r.get("runtime") or {}).get("cuda_graphs")
+    if not g:
+        return ""
+    return "train " + ("under CUDA graphs" if g.get("graphs") else "eager after a failed capture" if g.get("failed") else "eager") + ", "
+
+
 def targets(files: list[Path], names: dict[str, str]) -> list[str]:
     """Rows for RESULTS.md's target table: per family, its three stages' reserved peaks at the target
-    budget and its train speed over the "auto" row."""
+    budget and its train speed over the "auto" row. A later call that failed at that budget makes the
+    target unmet (the code it ran has no passing row), and a budget with a failed stage and no
+    measurement shows as unmet too."""
     rows, out = _table_rows(files), []
+    every = [r for items in _stamped(files) for r in items]
     for fam, gb in TARGETS_GB.items():
         mine = [r for r in rows if _group(r) == (fam, RESOLUTION)]
         at = {r["stage"]: r for r in mine if r["budget"] == str(gb) and r["status"].startswith(("ok", "same"))}
         ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
+        failed = {r["stage"]: r for r in every if r["family"] == fam and r["budget"] == str(gb) and r["status"] == "failed"
+                  and int(r.get("resolution", RESOLUTION)) == RESOLUTION}
+        later = [f"{stage} failed " + ("in a later call" if stage in at else "in the call") + f" at {f['measured_utc'][11:16]} UTC"
+                 for stage, f in failed.items() if stage not in at or f["measured_utc"] > at[stage]["measured_utc"]]
+        target = f"| {names.get(fam, fam)} {RESOLUTION} px b1: every stage ≤ {gb} GB, train ≥ {TARGET_SPEED}x unconstrained | "
         if len(at) < len(STAGES) or ref is None or not at["train"].get("samples_per_second"):
+            if later:
+                out.append(target + "; ".join(later) + ", no passing row | no |")
             continue
         peaks = [(at[stage].get("peak_vram_gb") or {}).get("reserved") for _, stage, _ in STAGES]
         speed = at["train"]["samples_per_second"] / ref["samples_per_second"]
-        ok = all(p is not None and p <= gb for p in peaks) and speed >= TARGET_SPEED
-        out.append(f"| {names.get(fam, fam)} {RESOLUTION} px b1: every stage ≤ {gb} GB, train ≥ {TARGET_SPEED}x unconstrained | "
-                   f"encode / latents / train {' / '.join(f'{p:.2f}' for p in peaks)} GB reserved; train {speed:.2f}x "
+        ok = all(p is not None and p <= gb for p in peaks) and speed >= TARGET_SPEED and not later
+        out.append(target + f"encode / latents / train {' / '.join(f'{p:.2f}' for p in peaks)} GB reserved; train {speed:.2f}x "
                    f"({at['train']['samples_per_second']:.3f} / {ref['samples_per_second']:.3f} samples/s, auto's base "
-                   f"{_train_settings(ref).get('base_precision')}; train measured {at['train']['measured_utc'][:16]} UTC) | "
-                   f"{'yes' if ok else 'no'} |")
+                   f"{_train_settings(ref).get('base_precision')}; {_graphs(at['train'])}measured "
+                   f"{at['train']['measured_utc'][:16]} UTC){''.join('; ' + x for x in later)} | {'yes' if ok else 'no'} |")
     return out
 
 

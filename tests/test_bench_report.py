@@ -287,3 +287,10 @@ def test_memory_targets_need_every_stage_within_the_budget_and_the_speed(tmp_pat
     assert targets([write("b.json", 8.1, 1.6)], {})[0].endswith("| no |")  # a stage over its budget
     assert targets([write("c.json", 7.9, 1.1)], {})[0].endswith("| no |")  # 0.55x
     assert targets([tmp_path / "b.json"], {}) and not targets([], {})
+    later = tmp_path / "later.json"  # a later call failed at that budget: its code has no passing row
+    later.write_text(json.dumps({"meta": {"date_utc": "2026-12-01 23:00:00"}, "items": [
+        {"family": "qwen-image", "resolution": 1024, "budget": "8", "stage": "train", "status": "failed", "rc": 2}]}))
+    (row,) = targets([tmp_path / "a.json", later], {})
+    assert "0.80x" in row and "train failed in a later call at 23:00 UTC" in row and row.endswith("| no |")
+    (row,) = targets([later], {})  # nothing measured at all: unmet, not left out
+    assert "train failed in the call at 23:00 UTC, no passing row" in row and row.endswith("| no |")

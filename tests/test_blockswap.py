@@ -93,6 +93,20 @@ def test_a_block_still_in_its_slot_is_not_copied_again_and_the_math_stays_exact(
     assert swap.summary()["still_in_slot"] == 6
 
 
+def test_after_a_graph_captured_copies_every_fetch_copies() -> None:
+    """A CUDA graph's replays refill the slots without Python seeing it, so once one has captured the
+    swap's copies (`_captured`, set at a fetch inside a capture), no fetch trusts what it last copied."""
+    model = _tiny_flux()
+    model.enable_gradient_checkpointing(fastpath.checkpoint_function(0.0))
+    swap = blockswap.install_block_swap(model, 5, torch.device("cpu"))
+    _loss_and_grads(model)
+    assert swap.copies == 8  # two found in their slots
+    swap._captured = True
+    before = swap.copies, swap.still_in_slot
+    _loss_and_grads(model)
+    assert (swap.copies - before[0], swap.still_in_slot - before[1]) == (10, 0)
+
+
 def test_a_failed_graph_capture_leaves_the_swap_copying_afresh() -> None:
     """A capture that ran the swapped forward and backward and then failed: what it says the slots hold
     (inside a real capture the copies are not done) and any copy it left pending are forgotten, so the

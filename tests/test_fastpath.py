@@ -99,6 +99,26 @@ def test_graphed_denoiser_capture_failure_runs_eager_with_warning():
     assert event == "warning" and "CUDA graph capture failed" in fields["message"] and "eager" in fields["message"]
 
 
+def test_a_failed_capture_frees_its_tensors_before_the_cache_is_released(monkeypatch):
+    """What the failed capture allocated (held by the exception's frames while it is being handled) is
+    gone when `_release_failed_capture` empties the CUDA cache, so the eager steps get that memory."""
+    import weakref
+
+    model, log, refs, alive = _Model(), _Log(), [], []
+
+    def broken(fn, sample_args, pool):
+        out = fn(*sample_args)  # the capture's forward ran: its output lives in this frame
+        refs.append(weakref.ref(out[0]))
+        raise RuntimeError("CUDA out of memory inside the capture")
+
+    monkeypatch.setattr(fastpath, "_release_failed_capture", lambda: alive.append([r() is not None for r in refs]))
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=broken)
+    for _ in range(2):
+        g(torch.randn(2, 4), return_dict=False)
+    assert refs and alive == [[False]]
+    assert "CUDA out of memory inside the capture" in log.events[0][1]["message"]
+
+
 def test_graphed_denoiser_skips_no_grad_and_odd_arguments():
     model, log, record = _Model(), _Log(), []
     g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record))

@@ -203,17 +203,20 @@ class GraphedDenoiser:
             args, kwargs = tree_unflatten(full, spec)
             return self.model(*args, **kwargs)
 
+        failure = None
         try:
             if self._pool is None and torch.cuda.is_available():
                 self._pool = torch.cuda.graph_pool_handle()
             graphed = self._capture(forward, static + self.params, self._pool)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+            failure = f"{type(e).__name__}: {str(e)[:300]}"  # only text: the exception's frames hold its tensors
+        if failure is not None:  # out of the except block, so what the capture allocated can be freed now
+            del static
             self._failed.add(key)
             forget_slots(self.model)
             _release_failed_capture()
             self.log.emit("warning", message=f"CUDA graph capture failed for input shapes "
-                                             f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager: "
-                                             f"{type(e).__name__}: {str(e)[:300]}")
+                                             f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager: {failure}")
             return None
         self._graphs[key] = functools.partial(_replay, graphed, at, self.params)
         return self._graphs[key]
