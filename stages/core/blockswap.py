@@ -174,6 +174,7 @@ class BlockSwap:
         self._in_slot[slot] = position
 
     def _still_in_slot(self, position: int) -> bool:
+        """Whether block `position`'s slot holds it already (counted in `still_in_slot`)."""
         if self._captured or self._in_slot[position % len(self.slots)] != position:
             return False
         self.still_in_slot += 1
@@ -186,20 +187,18 @@ class BlockSwap:
         before the fetch that starts this one)."""
         if not 0 <= position < len(self.blocks):
             return
-        if self._still_in_slot(position):
-            self._ahead = (position, None)
-            return
-        if self.stream is None:
-            self._copy_into_slot(position)
-            self._ahead = (position, None)
-            return
-        queued = torch.cuda.Event()
-        queued.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(queued)
-            self._copy_into_slot(position)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        done = None  # the event the fetch waits for (None: nothing copied, or copied already on CPU)
+        if not self._still_in_slot(position):
+            if self.stream is None:
+                self._copy_into_slot(position)
+            else:
+                queued = torch.cuda.Event()
+                queued.record(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(queued)
+                    self._copy_into_slot(position)
+                    done = torch.cuda.Event()
+                    done.record(self.stream)
         self._ahead = (position, done)
 
     def fetch(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -212,15 +211,12 @@ class BlockSwap:
         position = self.order[id(block)]
         self._captured |= self.stream is not None and torch.cuda.is_current_stream_capturing()
         ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[1] is not None:  # its copy (this block's, or one still writing a slot)
+            torch.cuda.current_stream(self.device).wait_event(ahead[1])
         if ahead is not None and ahead[0] == position:
             self.prefetch_hits += 1
-            if ahead[1] is not None:
-                torch.cuda.current_stream(self.device).wait_event(ahead[1])
-        else:
-            if ahead is not None and ahead[1] is not None:  # a copy still writing a slot: let it finish first
-                torch.cuda.current_stream(self.device).wait_event(ahead[1])
-            if not self._still_in_slot(position):  # e.g. the recompute's first block: the forward's last
-                self._copy_into_slot(position)  # on the compute stream: after the slot's last use there
+        elif not self._still_in_slot(position):  # e.g. the recompute's first block is the forward's last
+            self._copy_into_slot(position)  # on the compute stream: after the slot's last use there
         backward = torch._C._current_graph_task_id() != -1  # a recompute inside backward walks the blocks down
         self._start_prefetch(position + (-1 if backward else 1))
         return self._views[position]
