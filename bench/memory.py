@@ -216,9 +216,10 @@ def _stamped(files: list[Path]) -> list[list[dict[str, Any]]]:
     return [[{**r, "measured_utc": d.get("meta", {}).get("date_utc", "")} for r in d["items"]] for d in data]
 
 
-def _table_rows(files: list[Path]) -> list[dict[str, Any]]:
-    """The rows the tables show (a measurement beats a later call's failure there: see the targets)."""
-    return _earlier(_newest([r for items in _stamped(files) for r in _resolved(items)]))
+def _table_rows(stamped: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The rows the tables show, from `_stamped` (a measurement beats a later call's failure there: see
+    the targets)."""
+    return _earlier(_newest([r for items in stamped for r in _resolved(items)]))
 
 
 # issue 16's targets at 1024 px, batch 1: every stage within the budget, train at >= 0.6x its unconstrained speed
@@ -240,8 +241,8 @@ def targets(files: list[Path], names: dict[str, str]) -> list[str]:
     budget and its train speed over the "auto" row. A later call that failed at that budget makes the
     target unmet (the code it ran has no passing row), and a budget with a failed stage and no
     measurement shows as unmet too."""
-    rows, out = _table_rows(files), []
-    every = [r for items in _stamped(files) for r in items]
+    stamped = _stamped(files)
+    rows, every, out = _table_rows(stamped), [r for items in stamped for r in items], []
     for fam, gb in TARGETS_GB.items():
         mine = [r for r in rows if _group(r) == (fam, RESOLUTION)]
         at = {r["stage"]: r for r in mine if r["budget"] == str(gb) and r["status"].startswith(("ok", "same"))}
@@ -268,7 +269,7 @@ def targets(files: list[Path], names: dict[str, str]) -> list[str]:
 def report(files: list[Path]) -> str:
     """One table per (family, px). Files are read oldest measurement first (their meta.date_utc), so a
     newer call's row replaces an older one whatever the files are named."""
-    rows = _table_rows(files)
+    rows = _table_rows(_stamped(files))
     lines = []
     for fam, res in dict.fromkeys(map(_group, rows)):
         mine = [r for r in rows if _group(r) == (fam, res)]

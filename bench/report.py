@@ -407,19 +407,16 @@ def write_report(files: list[Path]) -> dict[str, str]:
         return {"RESULTS.md": head + peers + "\n" + export, APPENDIX: "\n".join(extra)}
     meta, items, metas = load(kinds["bench"])
     rows = train_rows(items, {})
+    memory_targets: list[str] = []
     for name, files_of_kind in (("memory", kinds["memory"]), ("fp8", kinds["fp8"])):
         written = Path(__file__).with_name(f"{name}.md")  # the hand-written reading of those result files
         if files_of_kind and name == "memory":
-            from bench.memory import report as memory_report
+            from bench.memory import report as memory_report, targets as memory_targets_of
 
             export += "\n## Memory budgets\n\n" + MEMORY_INTRO + memory_report(files_of_kind) + "\n"
+            memory_targets = memory_targets_of(files_of_kind, NAMES)
         if files_of_kind and written.exists():
             export += "\n" + written.read_text()
-    memory_targets: list[str] = []
-    if kinds["memory"]:
-        from bench.memory import targets as memory_targets_of
-
-        memory_targets = memory_targets_of(kinds["memory"], NAMES)
     return {"RESULTS.md": _headline_report(rows, items, peers + "\n" + export, memory_targets),
             APPENDIX: _appendix(meta, items, metas, rows, analysis) + "\n" + "\n".join(extra)}
 
@@ -534,9 +531,10 @@ INTRO = ("Full-size random-weight architectures on one H200, measured by `bench/
 
 
 def _headline_report(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]], export: str,
-                     memory_targets: list[str] = ()) -> str:
-    table = "\n".join([targets(rows, items), *memory_targets])  # the memory budgets' targets: bench/memory.py
-    sections = ["# Benchmark: full-size random-weight architectures on the H200\n", INTRO, "## Targets\n\n" + table + "\n"]
+                     memory_targets: list[str]) -> str:
+    target_rows = "\n".join([targets(rows, items), *memory_targets])  # the memory budgets' rows: bench/memory.py
+    sections = ["# Benchmark: full-size random-weight architectures on the H200\n", INTRO,
+                "## Targets\n\n" + target_rows + "\n"]
     for fam in FAMILY_ORDER:
         table = headline_table(rows, items, fam)
         if table:
