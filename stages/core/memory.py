@@ -40,7 +40,10 @@ LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 # Block swap used to allocate and free each block's copies on a side stream, which the caching
 # allocator could not reuse at once: Z-Image nf4 with 20 of 34 blocks swapped, predicted 3.55 GB, ran
 # out of memory at a 4.00 GB cap (bench/results/memory-zimage-sdxl-h200.json). It now copies into two
-# fixed slots (the 2 * largest block below); the extra stays until a capped run measures it again.
+# fixed slots (the 2 * largest block below). Measured with the slots and this extra (H200): Z-Image at
+# 4 GB predicted 3.57 GB, allocated 3.32 and reserved the whole 4.00 (one allocator retry); Qwen-Image
+# at 8 GB predicted 7.03, allocated 6.80, reserved 7.92 (memory-zimage-4gb-slots-h200.json,
+# memory-qwen-image-8gb-slots-h200.json). Reserved, which the cap limits, still needs it.
 SWAP_EXTRA_GB = 0.4
 # train.base_precision = "auto": the precisions tried whole, fastest first, by measurement (a family may
 # override). On the H200 the nf4 step was slower than the bf16 one in every row measured (bench/RESULTS.md,
