@@ -34,9 +34,9 @@
 #      4 GB (slot swap) beside 8 GB and auto; the Qwen-Image models are deleted first (the 64 GB disk held Qwen-Image
 #      but not FLUX beside it in Q)
 #   V: FLUX at 6 GB (slot swap) beside 12 GB and auto, then (time left) the swap probe compiled without graphs, 20 steps
-#   W: FLUX at 6 GB, then Qwen-Image at 8 GB, after the sixth session made "auto" leave CUDA graphs off under block
-#      swap (V's capture failed at 6 GB and its eager steps then ran out of memory; Q's 8 GB row ran under graphs);
-#      the 2026-12-01 call ran out of device time after FLUX's encode and latents
+#   W: FLUX at 6 and 8 GB, after the sixth session made "auto" leave CUDA graphs off under block swap (V's capture
+#      failed at 6 GB and its eager steps then ran out of memory; the sixth session's W, which also had Qwen-Image
+#      at 8 GB, ran out of device time after FLUX's encode and latents), then X on the same built model
 #   X: FLUX at 16 and 24 GB with partial checkpointing (train.gradient_checkpointing = auto; Q's attempt found the
 #      disk full of its kept Qwen-Image model)
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
@@ -126,12 +126,12 @@ case $phase in
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300
      [ "$(left)" -gt 90 ] && timeout $(( $(left) - 15 )) python3 bench/swap_probe.py --steps 20 --only resident_compiled \
        --only swap_compiled --out "$OUT/swap-probe-qwen-compiled-20-h200.json" > "$OUT/swap-probe.log" 2>&1; tail -3 "$OUT/swap-probe.log" ;;
-  W) python3 bench/memory.py run --families flux --budgets 6 --models /tmp/lorapipe-models \
-       --out "$OUT/memory-flux-6gb-nographs-h200.json" --budget-s $(( $(left) * 9 / 20 )) \
+  W) python3 bench/memory.py run --families flux --budgets 6,8 --models /tmp/lorapipe-models --keep \
+       --out "$OUT/memory-flux-6-8gb-h200.json" --budget-s $(( $(left) * 13 / 20 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300
-     python3 bench/memory.py run --families qwen-image --budgets 8 --models /tmp/lorapipe-models \
-       --out "$OUT/memory-qwen-image-8gb-nographs-h200.json" --budget-s $(( $(left) - 10 )) \
-       > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300 ;;
+     python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
+       --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 20 )) \
+       > "$OUT/memory-flux-x.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-x.log" | cut -c1-300 ;;
   X) python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 20 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
