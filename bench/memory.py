@@ -138,9 +138,18 @@ def _plan_event(run_dir: Path, stage: str, t0: float) -> dict[str, Any] | None:
 
 
 # ---- report
-def _group(r: dict[str, Any]) -> tuple[str, int]:
-    """A table of the report: (family, resolution); rows written before --res existed were 1024 px."""
-    return r["family"], int(r.get("resolution", RESOLUTION))
+def _group(r: dict[str, Any]) -> tuple[str, int, str]:
+    """A table of the report: (family, resolution, variant); rows written before --res existed were
+    1024 px. A call run with `--set` overrides is a variant of the presets' defaults and gets a table
+    of its own, so its rows never stand in for the defaults' (a forced `train.cuda_graphs = on` row
+    is not what "auto" does)."""
+    return r["family"], int(r.get("resolution", RESOLUTION)), r.get("variant", "")
+
+
+def _variant(command: str) -> str:
+    """The `--set KEY=VALUE` overrides of a call's command line, as "key=value, ..." ("" for none)."""
+    words = command.split()
+    return ", ".join(sorted(words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"))
 
 
 def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -213,7 +222,8 @@ def _unswapped(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] 
 def _stamped(files: list[Path]) -> list[list[dict[str, Any]]]:
     """Each call's rows, oldest call first, each row with the UTC time of the call that measured it."""
     data = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d.get("meta", {}).get("date_utc", ""))
-    return [[{**r, "measured_utc": d.get("meta", {}).get("date_utc", "")} for r in d["items"]] for d in data]
+    return [[{**r, "measured_utc": d.get("meta", {}).get("date_utc", ""), "variant": _variant(d.get("meta", {}).get("command", ""))}
+             for r in d["items"]] for d in data]
 
 
 def _table_rows(stamped: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -244,11 +254,11 @@ def targets(files: list[Path], names: dict[str, str]) -> list[str]:
     stamped = _stamped(files)
     rows, every, out = _table_rows(stamped), [r for items in stamped for r in items], []
     for fam, gb in TARGETS_GB.items():
-        mine = [r for r in rows if _group(r) == (fam, RESOLUTION)]
+        mine = [r for r in rows if _group(r) == (fam, RESOLUTION, "")]
         at = {r["stage"]: r for r in mine if r["budget"] == str(gb) and r["status"].startswith(("ok", "same"))}
         ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
-        failed = {r["stage"]: r for r in every if r["family"] == fam and r["budget"] == str(gb) and r["status"] == "failed"
-                  and int(r.get("resolution", RESOLUTION)) == RESOLUTION}
+        failed = {r["stage"]: r for r in every if _group(r) == (fam, RESOLUTION, "") and r["budget"] == str(gb)
+                  and r["status"] == "failed"}
         later = [f"{stage} failed " + ("in a later call" if stage in at else "in the call") + f" at {f['measured_utc'][11:16]} UTC"
                  for stage, f in failed.items() if stage not in at or f["measured_utc"] > at[stage]["measured_utc"]]
         target = f"| {names.get(fam, fam)} {RESOLUTION} px b1: every stage ≤ {gb} GB, train ≥ {TARGET_SPEED}x unconstrained | "
@@ -271,10 +281,12 @@ def report(files: list[Path]) -> str:
     newer call's row replaces an older one whatever the files are named."""
     rows = _table_rows(_stamped(files))
     lines = []
-    for fam, res in dict.fromkeys(map(_group, rows)):
-        mine = [r for r in rows if _group(r) == (fam, res)]
-        ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
-        lines += [f"### {fam}, {res} px, batch 1", "",
+    auto = lambda rs: next((r for r in rs if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)  # noqa: E731
+    for fam, res, variant in dict.fromkeys(map(_group, rows)):
+        mine = [r for r in rows if _group(r) == (fam, res, variant)]
+        # a variant without an "auto" row of its own is compared with the defaults' (its ratios say so)
+        ref = auto(mine) or auto([r for r in rows if _group(r) == (fam, res, "")])
+        lines += [f"### {fam}, {res} px, batch 1" + (f", with {variant}" if variant else ""), "",
                   "| budget GB | stage | plan | predicted GB | measured peak GB (reserved) | samples/s | x auto | "
                   "x unswapped | stage s |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mine:

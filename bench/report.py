@@ -423,13 +423,17 @@ def write_report(files: list[Path]) -> dict[str, str]:
 
 MEMORY_INTRO = """Each stage run as its own process under `gpu.vram_budget_gb` (a number is a cap enforced with
 `torch.cuda.set_per_process_memory_fraction`; "auto" is the free memory), full-size random weights,
-1024 px, batch 1, on one H200. Commands: `python3 bench/memory.py run --families qwen-image --budgets
+batch 1, on one H200. Commands: `python3 bench/memory.py run --families qwen-image --budgets
 auto,8,12,16,24 --models /tmp/lorapipe-models --out $OUT/memory-qwen-image-h200.json --budget-s 545`,
 `... --families z-image,sdxl --budgets auto,4 ...`, `... --families sdxl --budgets 4 ...`, and with nf4
-quantized block by block for block swap (2026-12-01): `... --families flux --budgets 6 ...`,
-`... --families qwen-image --budgets 8 ...` (the files' `meta.command` has each). A newer call's row
-replaces an older one. "same plan" rows reuse the measurement of the budget the planner chose
-identically for. "x auto" is train samples/s over the same family's "auto" row; "x unswapped" over its measured row of the same precision with no block swapped (block swap's own cost).
+quantized block by block for block swap (2026-12-01): `... --families flux --budgets 6,8 ...`,
+`... --families qwen-image --budgets 8 ...`, at 512 px `... --res 512 --families flux --budgets
+6,8,12,16,24,auto ...` (bench/device.sh W, Q, U, and this session's calls; the files' `meta.command` has each).
+A newer call's row replaces an older one. "same plan" rows reuse the measurement of the budget the planner chose
+identically for. A call with `--set` overrides (partial checkpointing, graphs forced on) is a variant of the
+presets' defaults and has a table of its own ("with ..."); without an "auto" row of its own, its "x auto" is
+over the defaults' "auto" row. "x auto" is train samples/s over the same family's "auto" row; "x unswapped"
+over its measured row of the same precision with no block swapped (block swap's own cost).
 
 """
 

@@ -265,6 +265,39 @@ def test_memory_report_resolves_a_same_plan_row_within_its_own_call(tmp_path: Pa
     assert rows["6"]["plan"].endswith("(same plan as auto)")
 
 
+def test_memory_report_gives_a_call_with_overrides_a_table_of_its_own(tmp_path: Path) -> None:
+    """A call run with `--set` (CUDA graphs forced on, partial checkpointing) is not the presets'
+    default: its rows get their own table, never replace the default rows, and with no "auto" row of
+    their own compare with the defaults' "auto"; the targets read the default rows only."""
+    from bench.memory import report as memory_report, targets
+
+    def row(budget: str, sps: float, stage: str = "train") -> dict:
+        return {"family": "flux", "resolution": 512, "budget": budget, "stage": stage, "status": "ok",
+                "plan": {"settings": {"base_precision": "nf4", "swapped_blocks": 26 if budget == "6" else 0},
+                         "predicted_peak_gb": 5.0, "budget_gb": 6.0}, "peak_vram_gb": {"allocated": 4.0, "reserved": 5.0},
+                "samples_per_second": sps, "seconds": 10.0}
+
+    default = tmp_path / "memory-flux-512.json"
+    default.write_text(json.dumps({"meta": {"date_utc": "2026-12-01 23:41:00", "command": "bench/memory.py run --res 512 "
+                                            "--families flux --budgets 6,auto --out x.json"},
+                                   "items": [row("auto", 8.0), row("6", 1.6)]}))
+    graphs = tmp_path / "memory-flux-512-graphs.json"
+    graphs.write_text(json.dumps({"meta": {"date_utc": "2026-12-02 10:00:00", "command": "bench/memory.py run --res 512 "
+                                           "--families flux --budgets 6 --set train.cuda_graphs=on --out y.json"},
+                                  "items": [row("6", 4.0)]}))
+    md = memory_report([graphs, default])
+    assert "### flux, 512 px, batch 1\n" in md and "### flux, 512 px, batch 1, with train.cuda_graphs=on\n" in md
+    assert table(md, "budget GB")["6"]["samples/s"] == "1.600"  # the first table: the defaults, untouched
+    forced = table(md[md.index("with train.cuda_graphs=on"):], "budget GB")
+    assert list(forced) == ["6"] and forced["6"]["samples/s"] == "4.000" and forced["6"]["x auto"] == "0.50"
+    every = [row("auto", 8.0), row("6", 1.0, "encode-captions"), row("6", 1.0, "cache-latents"), row("6", 4.0)]
+    for f, label in ((default, ""), (graphs, " --set train.cuda_graphs=on")):  # every stage of the 6 GB target, at 1024 px
+        f.write_text(json.dumps({"meta": {"date_utc": "2026-12-02 10:00:00", "command": f"bench/memory.py run{label}"},
+                                 "items": [{**r, "resolution": 1024} for r in every]}))
+    assert targets([graphs], {}) == []  # the target is the defaults' to meet
+    assert "0.50x" in targets([default], {})[0]
+
+
 def test_memory_targets_need_every_stage_within_the_budget_and_the_speed(tmp_path: Path) -> None:
     """Issue 16's target rows: each stage's reserved peak at the family's budget, train over auto."""
     from bench.memory import targets

@@ -161,3 +161,18 @@ def test_graphs_plan(monkeypatch):
         fastpath.graphs_mode()
 
 
+
+
+def test_a_swapped_run_captures_without_the_side_stream_warmup():
+    """Under block swap the capture skips make_graphed_callables' warmup pass: its activations would stay
+    cached for a side stream the capture cannot use, about twice the step's activations under a cap."""
+    from types import SimpleNamespace
+
+    gpu, tcfg = SimpleNamespace(is_cuda=True), SimpleNamespace(dropout=0.0, cuda_graphs="on")
+    model = torch.nn.Linear(2, 2)
+    warmups = {}
+    for swapped in (0, 5):
+        den, _ = fastpath.wrap_denoiser(model, list(model.parameters()), gpu, tcfg, SimpleNamespace(emit=print), swapped=swapped)
+        assert isinstance(den, fastpath.GraphedDenoiser)
+        warmups[swapped] = den._capture.keywords["warmup"]
+    assert warmups == {0: fastpath.WARMUP_ITERS, 5: fastpath.SWAP_WARMUP_ITERS} and fastpath.SWAP_WARMUP_ITERS == 0

@@ -42,6 +42,12 @@ MODES = ("auto", "on", "off")
 MAX_GRAPHS = 8
 CAPTURE_AT = 2  # capture a signature the second time it is seen
 WARMUP_ITERS = 1  # one forward+backward on a side stream before capture (lazy inits stay out of the graph)
+# Under block swap none: that warmup's activations stay cached for its side stream, where neither the
+# capture (its own pool) nor the cap can take them back, so capturing needed about twice the step's
+# activations (Z-Image at a 4 GB cap: 1.73 GiB for the graph's pool, out of memory). The eager step
+# before the capture (CAPTURE_AT) ran the same shapes on the compute stream, and the capture empties
+# the cache first. Not yet measured on the GPU (bench/device.sh Y).
+SWAP_WARMUP_ITERS = 0
 
 
 def graphs_mode(configured: str = "auto") -> str:
@@ -98,9 +104,15 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # eager steps too little (bench/results/memory-zimage-4gb-slots-h200.json, memory-flux-6gb-slots-h200.json).
 # The slot swap overlaps its copies without graphs: 8 full-width Qwen-Image blocks, 6 swapped, compiled,
 # 20 steps: 0.1161 s against 0.1111 s unswapped (bench/results/swap-probe-qwen-compiled-20-h200.json);
-# Z-Image at 4 GB ran 0.91x its unconstrained speed eager.
-SWAP_GRAPHS = ("off under block swap (mode auto): capturing needs memory beyond the budget's plan, and the "
-               "swap overlaps its copies without graphs; train.cuda_graphs = 'on' captures anyway")
+# at 1024 px FLUX at 6 GB ran 0.89x and Z-Image at 4 GB 0.91x their unconstrained speed eager. At 512 px
+# eager costs: its steps took as long as at 1024 px (FLUX ~0.55 s, whatever the px and the blocks swapped:
+# the host's Python, not the GPU, sets the pace; Qwen-Image ~0.93 s), so FLUX at 6 GB ran 0.19x and
+# Qwen-Image at 8 GB 0.16x (memory-flux-512-h200.json, memory-qwen-image-512-h200.json). Capturing
+# without the side-stream warmup (SWAP_WARMUP_ITERS) is meant to make graphs fit there; until measured,
+# train.cuda_graphs = "on" is the opt-in.
+SWAP_GRAPHS = ("off under block swap (mode auto): capturing may need memory beyond the budget's plan; eager "
+               "steps overlap the copies but cost host time, most at small images (512 px: 0.16-0.19x); "
+               "train.cuda_graphs = 'on' captures anyway")
 
 
 def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None, swapped: int = 0) -> tuple[bool, str]:
@@ -134,10 +146,11 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[
     return (str(spec), tuple(parts)), leaves, spec
 
 
-def _cuda_capture(fn: Callable[..., Any], sample_args: tuple[torch.Tensor, ...], pool: Any) -> Callable[..., Any]:
+def _cuda_capture(fn: Callable[..., Any], sample_args: tuple[torch.Tensor, ...], pool: Any,
+                  warmup: int = WARMUP_ITERS) -> Callable[..., Any]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the eager steps' cached blocks are not usable by the graph's pool
-    return torch.cuda.make_graphed_callables(fn, sample_args, num_warmup_iters=WARMUP_ITERS,
+    return torch.cuda.make_graphed_callables(fn, sample_args, num_warmup_iters=warmup,
                                              allow_unused_input=True, pool=pool)
 
 
@@ -150,10 +163,11 @@ class GraphedDenoiser:
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], log: Any,
-                 capture: Callable[..., Callable[..., Any]] | None = None, max_graphs: int = MAX_GRAPHS):
+                 capture: Callable[..., Callable[..., Any]] | None = None, max_graphs: int = MAX_GRAPHS,
+                 warmup: int = WARMUP_ITERS):
         self.model, self.params, self.log = model, tuple(params), log
         self.max_graphs = max_graphs
-        self._capture = capture or _cuda_capture
+        self._capture = capture or functools.partial(_cuda_capture, warmup=warmup)
         self._pool: Any = None
         self._seen: Counter = Counter()
         self._graphs: dict[Any, Callable[..., Any]] = {}
@@ -245,4 +259,6 @@ def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: 
                   log: Any, swapped: int = 0) -> tuple[Any, str]:
     """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself."""
     use, why = graphs_plan(rt, tcfg, swapped=swapped)
-    return (GraphedDenoiser(model, params, log) if use else model), why
+    if not use:
+        return model, why
+    return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped else WARMUP_ITERS), why
