@@ -39,10 +39,12 @@
 #      at 8 GB, ran out of device time after FLUX's encode and latents), then X on the same built model
 #   X: FLUX at 16 and 24 GB with partial checkpointing (train.gradient_checkpointing = auto; Q's attempt found the
 #      disk full of its kept Qwen-Image model)
-#   Y: CUDA graphs under block swap without the side-stream warmup (fastpath.SWAP_WARMUP_ITERS, seventh session):
-#      FLUX at 6 GB, 512 px then 1024 px, with train.cuda_graphs = on (eager at 512 px ran 0.19x: host-bound)
-#   Z: the same for Qwen-Image at 8 GB (512 px ran 0.16x eager; 1024 px under graphs reserved 7.92 GB with the warmup)
-#   S2: what S left: Z-Image at 512 px (4 GB with graphs on, and auto), then SDXL at 512 px (4, 8 GB and auto)
+#   Y: CUDA graphs under block swap where the budget has room (fastpath.CaptureRoom, seventh session), captured
+#      without the side-stream warmup: FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound), then at 1024 px with
+#      train.cuda_graphs = on (the room rule leaves it eager: does a warmup-free capture fit there?)
+#   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px as "auto" runs it now (eager by the rule: the
+#      target row's 0.90x ran under graphs), and 1024 px with graphs on (its peak without the warmup)
+#   S2: what S left: Z-Image at 512 px (4 GB, with the room rule, and auto), then SDXL at 512 px (auto, 4, 8 GB)
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -139,18 +141,20 @@ case $phase in
   X) python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 20 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
-  Y) on=(--set train.cuda_graphs=on --models /tmp/lorapipe-models)
-     python3 bench/memory.py run --res 512 --families flux --budgets 6 "${on[@]}" --keep --out "$OUT/memory-flux-512-6gb-graphs-h200.json" \
-       --budget-s $(( $(left) / 2 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
-     python3 bench/memory.py run --families flux --budgets 6 "${on[@]}" --out "$OUT/memory-flux-6gb-graphs-h200.json" \
+  Y) m=(--models /tmp/lorapipe-models)
+     python3 bench/memory.py run --res 512 --families flux --budgets 6 "${m[@]}" --keep --out "$OUT/memory-flux-512-6gb-room-h200.json" \
+       --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
+     python3 bench/memory.py run --families flux --budgets 6 --set train.cuda_graphs=on "${m[@]}" --out "$OUT/memory-flux-6gb-graphs-h200.json" \
        --budget-s $(( $(left) - 20 )) > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
-  Z) on=(--set train.cuda_graphs=on --models /tmp/lorapipe-models)
-     python3 bench/memory.py run --res 512 --families qwen-image --budgets 8 "${on[@]}" --keep --out "$OUT/memory-qwen-image-512-8gb-graphs-h200.json" \
-       --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-qwen-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-512.log" | cut -c1-300
-     python3 bench/memory.py run --families qwen-image --budgets 8 "${on[@]}" --out "$OUT/memory-qwen-image-8gb-graphs-h200.json" \
-       --budget-s $(( $(left) - 20 )) > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300 ;;
-  S2) python3 bench/memory.py run --res 512 --families z-image --budgets 4 --set train.cuda_graphs=on --models /tmp/lorapipe-models --keep \
-       --out "$OUT/memory-zimage-512-4gb-graphs-h200.json" --budget-s 230 > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
+  Z) m=(--models /tmp/lorapipe-models)
+     python3 bench/memory.py run --res 512 --families qwen-image --budgets 8 "${m[@]}" --keep --out "$OUT/memory-qwen-image-512-8gb-room-h200.json" \
+       --budget-s $(( $(left) * 45 / 100 )) > "$OUT/memory-qwen-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-512.log" | cut -c1-300
+     python3 bench/memory.py run --families qwen-image --budgets 8 "${m[@]}" --keep --out "$OUT/memory-qwen-image-8gb-room-h200.json" \
+       --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
+     python3 bench/memory.py run --families qwen-image --budgets 8 --set train.cuda_graphs=on "${m[@]}" --out "$OUT/memory-qwen-image-8gb-graphs-h200.json" \
+       --budget-s $(( $(left) - 20 )) > "$OUT/memory-qwen-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-g.log" | cut -c1-300 ;;
+  S2) python3 bench/memory.py run --res 512 --families z-image --budgets 4 --models /tmp/lorapipe-models --keep \
+       --out "$OUT/memory-zimage-512-4gb-room-h200.json" --budget-s 230 > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets auto --models /tmp/lorapipe-models \
        --out "$OUT/memory-zimage-512-auto-h200.json" --budget-s 140 > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families sdxl --budgets auto,4,8 --models /tmp/lorapipe-models \

@@ -238,12 +238,15 @@ TARGET_SPEED = 0.6
 
 
 def _graphs(r: dict[str, Any]) -> str:
-    """How a train row ran ("train under CUDA graphs, ", "... eager after a failed capture, ", "... eager, "),
-    or "" for a row recorded before the runtime was (fifth session and older)."""
+    """How a train row ran ("train under CUDA graphs, ", "... eager after a failed capture, ", "... eager
+    (no room to capture), ", "... eager, "), or "" for a row recorded before the runtime was (fifth
+    session and older)."""
     g = (r.get("runtime") or {}).get("cuda_graphs")
     if not g:
         return ""
-    return "train " + ("under CUDA graphs" if g.get("graphs") else "eager after a failed capture" if g.get("failed") else "eager") + ", "
+    how = ("under CUDA graphs" if g.get("graphs") else "eager after a failed capture" if g.get("failed")
+           else "eager (no room to capture)" if g.get("no_room") else "eager")
+    return f"train {how}, "
 
 
 def targets(files: list[Path], names: dict[str, str]) -> list[str]:

@@ -327,3 +327,13 @@ def test_memory_targets_need_every_stage_within_the_budget_and_the_speed(tmp_pat
     assert "0.80x" in row and "train failed in a later call at 23:00 UTC" in row and row.endswith("| no |")
     (row,) = targets([later], {})  # nothing measured at all: unmet, not left out
     assert "train failed in the call at 23:00 UTC, no passing row" in row and row.endswith("| no |")
+
+
+def test_memory_targets_say_how_the_train_row_ran() -> None:
+    from bench.memory import _graphs
+
+    ran = lambda **g: _graphs({"runtime": {"cuda_graphs": {"plan": "...", **g}}})  # noqa: E731
+    assert ran(graphs=1, failed=0, replays=7) == "train under CUDA graphs, "
+    assert ran(graphs=0, failed=1, replays=0) == "train eager after a failed capture, "
+    assert ran(graphs=0, failed=0, replays=0, no_room=1, room="0.80 GB free ...") == "train eager (no room to capture), "
+    assert ran() == "train eager, " and _graphs({"runtime": None}) == ""

@@ -153,8 +153,8 @@ def test_graphs_plan(monkeypatch):
     on, reason = fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.1), "on")  # even when asked for
     assert on is False and "train.dropout = 0.1" in reason
     assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "off")[0] is False
-    # a swap plan: "auto" leaves graphs off (their capture needs memory the plan has not got), "on" captures
-    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "auto", swapped=3) == (False, fastpath.SWAP_GRAPHS)
+    # a swap plan: "auto" captures where it has room (checked at the capture: CaptureRoom), "on" captures
+    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "auto", swapped=3) == (True, fastpath.SWAP_GRAPHS)
     assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "on", swapped=3)[0] is True
     monkeypatch.setenv(fastpath.ENV, "sometimes")
     with pytest.raises(ValueError, match=fastpath.ENV):
@@ -168,11 +168,65 @@ def test_a_swapped_run_captures_without_the_side_stream_warmup():
     cached for a side stream the capture cannot use, about twice the step's activations under a cap."""
     from types import SimpleNamespace
 
-    gpu, tcfg = SimpleNamespace(is_cuda=True), SimpleNamespace(dropout=0.0, cuda_graphs="on")
+    gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
     model = torch.nn.Linear(2, 2)
-    warmups = {}
-    for swapped in (0, 5):
-        den, _ = fastpath.wrap_denoiser(model, list(model.parameters()), gpu, tcfg, SimpleNamespace(emit=print), swapped=swapped)
-        assert isinstance(den, fastpath.GraphedDenoiser)
-        warmups[swapped] = den._capture.keywords["warmup"]
-    assert warmups == {0: fastpath.WARMUP_ITERS, 5: fastpath.SWAP_WARMUP_ITERS} and fastpath.SWAP_WARMUP_ITERS == 0
+    made = {}
+    for mode in ("on", "auto"):
+        for swapped in (0, 5):
+            den, _ = fastpath.wrap_denoiser(model, list(model.parameters()), gpu, SimpleNamespace(dropout=0.0, cuda_graphs=mode),
+                                            SimpleNamespace(emit=print), swapped=swapped, budget_gb=8.0)
+            assert isinstance(den, fastpath.GraphedDenoiser)
+            made[mode, swapped] = (den._capture.keywords["warmup"], den._room)
+    assert fastpath.SWAP_WARMUP_ITERS == 0 and made["on", 0] == made["auto", 0] == (fastpath.WARMUP_ITERS, None)
+    assert made["on", 5] == (0, None)  # "on" captures regardless of room
+    warmup, room = made["auto", 5]  # "auto" under swap captures where it has room under the budget
+    assert warmup == 0 and isinstance(room, fastpath.CaptureRoom) and room.budget == 8 * 2**30
+
+
+class _Room:
+    """CaptureRoom's protocol with the memory figures given: room for `fits_calls` captures."""
+
+    def __init__(self, fits: list[bool]):
+        self.answers, self.first_calls, self.why = list(fits), 0, "figures"
+
+    def first_call(self) -> None:
+        self.first_calls += 1
+
+    def fits(self) -> bool:
+        return self.answers.pop(0)
+
+
+def test_without_room_a_shape_runs_eager_and_is_not_asked_again():
+    log = _Log()
+    model = _Model()
+    record: list = []
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record), room=_Room([False, True]))
+    small, big = torch.randn(2, 4), torch.randn(3, 4)
+    for x in (small, small, small, small):  # no room at its capture: eager, and the room is not checked again
+        assert torch.equal(g(x, return_dict=False)[0], model(x, return_dict=False)[0])
+    assert record == [] and g.summary() == {"graphs": 0, "failed": 0, "replays": 0, "no_room": 1, "room": "figures"}
+    for x in (big, big, big):  # another shape, with room: captured at its second call and replayed
+        g(x, return_dict=False)
+    assert len(record) == 1 and g.summary()["graphs"] == 1 and g.summary()["replays"] == 2
+    assert g._room.answers == [] and g._room.first_calls > 0  # asked once per shape; told of the first call
+    assert not [e for e, _ in log.events if e == "warning"]  # a plan, not a fault: in the summary, no warning
+
+
+def test_capture_room_weighs_the_free_budget_against_the_eager_steps_activations(monkeypatch):
+    """CaptureRoom's rule with the allocator's figures given (no GPU here): the activations are the
+    allocation peak over what was allocated at the first call; free is the budget less what is reserved."""
+    GB = 2**30
+    figures = {"allocated": 5 * GB, "peak": 5 * GB, "reserved": 5 * GB}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: figures["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: figures["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: figures["reserved"])
+    room = fastpath.CaptureRoom(torch.device("cuda"), 8.0, 2.0)
+    room.first_call()  # 5 GB allocated before the first step
+    figures.update(allocated=5.2 * GB, peak=5.5 * GB, reserved=6.4 * GB)
+    room.first_call()  # later calls do not move the base
+    assert room.fits() is True  # 1.6 GB free >= 2 x 0.5 GB of activations
+    assert room.why == "1.60 GB free under the 8.00 GB budget for a capture that wants 2x the eager step's 0.50 GB of activations"
+    figures.update(peak=6 * GB)  # the eager step reached 6 GB: 1.0 GB of activations, 2.0 wanted
+    assert room.fits() is False and "1.60 GB free" in room.why and "1.00 GB of activations" in room.why

@@ -34,10 +34,11 @@ How it works (same math as the unswapped model, only placement changes):
   buffers into the slots on the side stream, forked from and joined back to the capture stream by
   the events above, so a replay copies each swapped block again and the weights stay in host
   memory. The graph's pool holds activations only; the slots are allocated outside it. Under
-  train.cuda_graphs = "auto" a swap plan runs without graphs (fastpath.SWAP_GRAPHS: capturing needed
-  memory the plan had not got at 4 and 6 GB); on full-width Qwen-Image blocks (8, 6 swapped, nf4,
-  1024 px; bench/swap_probe.py) the swapped step took 1.05x the unswapped one compiled without
-  graphs (20 steps) and 1.09x under graphs.
+  train.cuda_graphs = "auto" a swap plan captures only where the budget has room for it
+  (fastpath.SWAP_GRAPHS, CaptureRoom: capturing needed memory the plan had not got at 4 and 6 GB),
+  else runs eager; on full-width Qwen-Image blocks (8, 6 swapped, nf4, 1024 px; bench/swap_probe.py)
+  the swapped step took 1.05x the unswapped one compiled without graphs (20 steps) and 1.09x under
+  graphs.
 - nf4 (bitsandbytes Params4bit): a block's quant_state (absmax and code tables, a few percent of its
   bytes with double quantization) stays on the GPU; only the 4-bit codes travel, and each slot view
   is a Params4bit carrying its block's quant_state. A plan that swaps an nf4 base loads it quantized

@@ -43,10 +43,10 @@ MAX_GRAPHS = 8
 CAPTURE_AT = 2  # capture a signature the second time it is seen
 WARMUP_ITERS = 1  # one forward+backward on a side stream before capture (lazy inits stay out of the graph)
 # Under block swap none: that warmup's activations stay cached for its side stream, where neither the
-# capture (its own pool) nor the cap can take them back, so capturing needed about twice the step's
-# activations (Z-Image at a 4 GB cap: 1.73 GiB for the graph's pool, out of memory). The eager step
+# capture (its own pool) nor the cap can take them back, so a capture can need up to twice the step's
+# activations (the likely reason Z-Image's capture at a 4 GB cap ran out of memory). The eager step
 # before the capture (CAPTURE_AT) ran the same shapes on the compute stream, and the capture empties
-# the cache first. Not yet measured on the GPU (bench/device.sh Y).
+# the cache first. Not yet measured on the GPU (bench/device.sh Y, Z).
 SWAP_WARMUP_ITERS = 0
 
 
@@ -98,21 +98,51 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
     return partial
 
 
-# Why "auto" leaves graphs off under block swap (H200, 2026-12-01, sixth session): a swap plan sits close
-# to its budget, and capturing needs memory the eager step does not (the graph's private pool): at a 4 GB
-# cap Z-Image's capture ran out of memory (1.73 GiB in the pool) and FLUX's at 6 GB failed and left the
-# eager steps too little (bench/results/memory-zimage-4gb-slots-h200.json, memory-flux-6gb-slots-h200.json).
-# The slot swap overlaps its copies without graphs: 8 full-width Qwen-Image blocks, 6 swapped, compiled,
-# 20 steps: 0.1161 s against 0.1111 s unswapped (bench/results/swap-probe-qwen-compiled-20-h200.json);
-# at 1024 px FLUX at 6 GB ran 0.89x and Z-Image at 4 GB 0.91x their unconstrained speed eager. At 512 px
-# eager costs: its steps took as long as at 1024 px (FLUX ~0.55 s, whatever the px and the blocks swapped:
-# the host's Python, not the GPU, sets the pace; Qwen-Image ~0.93 s), so FLUX at 6 GB ran 0.19x and
-# Qwen-Image at 8 GB 0.16x (memory-flux-512-h200.json, memory-qwen-image-512-h200.json). Capturing
-# without the side-stream warmup (SWAP_WARMUP_ITERS) is meant to make graphs fit there; until measured,
-# train.cuda_graphs = "on" is the opt-in.
-SWAP_GRAPHS = ("off under block swap (mode auto): capturing may need memory beyond the budget's plan; eager "
-               "steps overlap the copies but cost host time, most at small images (512 px: 0.16-0.19x); "
-               "train.cuda_graphs = 'on' captures anyway")
+# Graphs under block swap, "auto" (H200, 2026-12-01, sixth and seventh sessions). A swap plan sits close
+# to its budget, and capturing needed memory the eager step does not: at a 4 GB cap Z-Image's capture ran
+# out of memory (1.73 GiB in the graph's pool) and FLUX's at 6 GB failed and left the eager steps too
+# little (bench/results/memory-zimage-4gb-slots-h200.json, memory-flux-6gb-slots-h200.json); Qwen-Image's
+# at 8 GB fit (memory-qwen-image-8gb-slots-h200.json). By the planner's figures those plans had 1.34x
+# (Z-Image), 1.48x (FLUX) and 1.52x (Qwen-Image) their step's activations free at capture. Eager, the slot
+# swap overlaps its copies (8 full-width Qwen-Image blocks, 6 swapped, compiled, 20 steps: 0.1161 s
+# against 0.1111 s unswapped, swap-probe-qwen-compiled-20-h200.json), and at 1024 px FLUX at 6 GB ran
+# 0.89x and Z-Image at 4 GB 0.91x their unconstrained speed eager. At 512 px eager costs: FLUX's eager
+# steps took ~0.55 s at 512 and at 1024 px alike, whatever the blocks swapped (the host's Python and
+# launches set the pace; Qwen-Image's ~0.93 s), so FLUX at 6 GB ran 0.19x and Qwen-Image at 8 GB 0.16x
+# (memory-flux-512-h200.json, memory-qwen-image-512-h200.json); those plans have 2.3-3.0x their
+# activations free. So "auto" captures under swap only where the memory free under the budget, measured
+# at the capture, is CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated
+# before the first step), and runs eager otherwise; the capture skips the side-stream warmup
+# (SWAP_WARMUP_ITERS). Not yet measured on the GPU (bench/device.sh Y, Z).
+CAPTURE_ROOM = 2.0
+SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
+               f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "
+               f"train.cuda_graphs = 'on' captures regardless, 'off' never")
+
+
+class CaptureRoom:
+    """Whether a CUDA graph capture fits the budget: the memory free under it (after emptying the
+    cache) against `factor` times the eager steps' activations, measured as the allocation peak over
+    what was allocated when the denoiser was first called. A loading peak above the steps' makes the
+    estimate larger, never smaller."""
+
+    def __init__(self, device: torch.device, budget_gb: float, factor: float):
+        self.device, self.budget, self.factor = device, int(budget_gb * 2**30), factor
+        self.base: int | None = None
+        self.why = ""
+
+    def first_call(self) -> None:
+        if self.base is None:
+            self.base = torch.cuda.memory_allocated(self.device)
+
+    def fits(self) -> bool:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        need = max(torch.cuda.max_memory_allocated(self.device) - (self.base or 0), 0)
+        free = self.budget - torch.cuda.memory_reserved(self.device)
+        self.why = (f"{free / 2**30:.2f} GB free under the {self.budget / 2**30:.2f} GB budget for a capture "
+                    f"that wants {self.factor:g}x the eager step's {need / 2**30:.2f} GB of activations")
+        return free >= self.factor * need
 
 
 def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None, swapped: int = 0) -> tuple[bool, str]:
@@ -125,7 +155,7 @@ def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None, swapped: int = 0) -
     if tcfg.dropout > 0:
         return False, f"off (train.dropout = {tcfg.dropout}: random numbers inside the denoiser)"
     if swapped and mode == "auto":
-        return False, SWAP_GRAPHS
+        return True, SWAP_GRAPHS
     return True, f"on (mode {mode}): one graph per batch shape, captured at its second step"
 
 
@@ -164,10 +194,12 @@ class GraphedDenoiser:
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], log: Any,
                  capture: Callable[..., Callable[..., Any]] | None = None, max_graphs: int = MAX_GRAPHS,
-                 warmup: int = WARMUP_ITERS):
+                 warmup: int = WARMUP_ITERS, room: Any = None):
         self.model, self.params, self.log = model, tuple(params), log
         self.max_graphs = max_graphs
         self._capture = capture or functools.partial(_cuda_capture, warmup=warmup)
+        self._room = room  # a CaptureRoom: capture only where it fits ("auto" under block swap)
+        self._no_room: set[Any] = set()  # shapes left eager for want of room
         self._pool: Any = None
         self._seen: Counter = Counter()
         self._graphs: dict[Any, Callable[..., Any]] = {}
@@ -187,9 +219,15 @@ class GraphedDenoiser:
         graph = self._graphs.get(key)
         if graph is None:
             self._seen[key] += 1
+            if self._room is not None:
+                self._room.first_call()
             if self._seen[key] == CAPTURE_AT and len(self._graphs) >= self.max_graphs and key not in self._failed:
                 self._warn_full(leaves)
-            if self._seen[key] < CAPTURE_AT or key in self._failed or len(self._graphs) >= self.max_graphs:
+            if (self._seen[key] < CAPTURE_AT or key in self._failed or key in self._no_room
+                    or len(self._graphs) >= self.max_graphs):
+                return self.model(*args, **kwargs)
+            if self._room is not None and not self._room.fits():
+                self._no_room.add(key)
                 return self.model(*args, **kwargs)
             graph = self._make(key, leaves, spec)
             if graph is None:
@@ -236,7 +274,8 @@ class GraphedDenoiser:
         return self._graphs[key]
 
     def summary(self) -> dict[str, Any]:
-        return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays}
+        room = {"no_room": len(self._no_room), "room": self._room.why} if self._room is not None else {}
+        return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays, **room}
 
 
 def _release_failed_capture() -> None:
@@ -256,9 +295,13 @@ def _replay(graphed: Callable[..., Any], at: list[int], params: tuple[torch.Tens
 
 
 def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: Any, tcfg: Any,
-                  log: Any, swapped: int = 0) -> tuple[Any, str]:
-    """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself."""
-    use, why = graphs_plan(rt, tcfg, swapped=swapped)
+                  log: Any, swapped: int = 0, budget_gb: float | None = None) -> tuple[Any, str]:
+    """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself. Under
+    block swap the capture skips the side-stream warmup, and "auto" captures only where it has room
+    under the stage's budget (`budget_gb`, CaptureRoom)."""
+    mode = graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
+    use, why = graphs_plan(rt, tcfg, mode, swapped=swapped)
     if not use:
         return model, why
-    return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped else WARMUP_ITERS), why
+    room = CaptureRoom(rt.device, budget_gb, CAPTURE_ROOM) if swapped and mode == "auto" and budget_gb is not None else None
+    return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped else WARMUP_ITERS, room=room), why
