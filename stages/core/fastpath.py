@@ -102,14 +102,15 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # to its budget, and capturing needed memory the eager step does not: at a 4 GB cap Z-Image's capture ran
 # out of memory (1.73 GiB in the graph's pool) and FLUX's at 6 GB failed and left the eager steps too
 # little (bench/results/memory-zimage-4gb-slots-h200.json, memory-flux-6gb-slots-h200.json); Qwen-Image's
-# at 8 GB fit (memory-qwen-image-8gb-slots-h200.json). By the planner's figures those plans had 1.34x
-# (Z-Image), 1.48x (FLUX) and 1.52x (Qwen-Image) their step's activations free at capture. Eager, the slot
+# at 8 GB fit (memory-qwen-image-8gb-slots-h200.json). By the planner's figures (the budget less its
+# predicted peak without the activations and the swap's extra, over the activations) those plans had
+# 1.48x (Z-Image), 1.59x (FLUX) and 1.68x (Qwen-Image) their step's activations free at capture. Eager, the slot
 # swap overlaps its copies (8 full-width Qwen-Image blocks, 6 swapped, compiled, 20 steps: 0.1161 s
 # against 0.1111 s unswapped, swap-probe-qwen-compiled-20-h200.json), and at 1024 px FLUX at 6 GB ran
 # 0.89x and Z-Image at 4 GB 0.91x their unconstrained speed eager. At 512 px eager costs: FLUX's eager
 # steps took ~0.55 s at 512 and at 1024 px alike, whatever the blocks swapped (the host's Python and
 # launches set the pace; Qwen-Image's ~0.93 s), so FLUX at 6 GB ran 0.19x and Qwen-Image at 8 GB 0.16x
-# (memory-flux-512-h200.json, memory-qwen-image-512-h200.json); those plans have 2.3-3.0x their
+# (memory-flux-512-h200.json, memory-qwen-image-512-h200.json); those plans have 2.8-3.4x their
 # activations free. So "auto" captures under swap only where the memory free under the budget, measured
 # at the capture, is CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated
 # before the first step), and runs eager otherwise; the capture skips the side-stream warmup
