@@ -44,7 +44,8 @@
 #      train.cuda_graphs = on (the room rule leaves it eager: does a warmup-free capture fit there?)
 #   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px as "auto" runs it now (eager by the rule: the
 #      target row's 0.90x ran under graphs), and 1024 px with graphs on (its peak without the warmup)
-#   S2: what S left: Z-Image at 512 px (4 GB, with the room rule, and auto), then SDXL at 512 px (auto, 4, 8 GB)
+#   S2: what S left for Z-Image: 512 px at 4 GB (with the room rule) and auto
+#   S3: what S left for SDXL: 512 px at auto, 4 and 8 GB
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
 set -u
 phase=$1; secs=${2:-520}
@@ -154,10 +155,10 @@ case $phase in
      python3 bench/memory.py run --families qwen-image --budgets 8 --set train.cuda_graphs=on "${m[@]}" --out "$OUT/memory-qwen-image-8gb-graphs-h200.json" \
        --budget-s $(( $(left) - 20 )) > "$OUT/memory-qwen-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-g.log" | cut -c1-300 ;;
   S2) python3 bench/memory.py run --res 512 --families z-image --budgets 4 --models /tmp/lorapipe-models --keep \
-       --out "$OUT/memory-zimage-512-4gb-room-h200.json" --budget-s 230 > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
+       --out "$OUT/memory-zimage-512-4gb-room-h200.json" --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets auto --models /tmp/lorapipe-models \
-       --out "$OUT/memory-zimage-512-auto-h200.json" --budget-s 140 > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300
-     python3 bench/memory.py run --res 512 --families sdxl --budgets auto,4,8 --models /tmp/lorapipe-models \
+       --out "$OUT/memory-zimage-512-auto-h200.json" --budget-s $(( $(left) - 20 )) > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300 ;;
+  S3) python3 bench/memory.py run --res 512 --families sdxl --budgets auto,4,8 --models /tmp/lorapipe-models \
        --out "$OUT/memory-sdxl-512-h200.json" --budget-s $(( $(left) - 20 )) > "$OUT/memory-sdxl.log" 2>&1; grep "^\[memory\]" "$OUT/memory-sdxl.log" | cut -c1-300 ;;
   T) timeout 240 python3 bench/tiling.py --budget-s 140 --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      grep -v "kept in float32" "$OUT/tiling.log" | tail -20 ;;

@@ -149,7 +149,8 @@ def _group(r: dict[str, Any]) -> tuple[str, int, str]:
 def _variant(command: str) -> str:
     """The `--set KEY=VALUE` overrides of a call's command line, as "key=value, ..." ("" for none)."""
     words = command.split()
-    return ", ".join(sorted(words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"))
+    pairs = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"] + [w[6:] for w in words if w.startswith("--set=")]
+    return ", ".join(sorted(pairs))
 
 
 def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -280,8 +281,9 @@ def targets(files: list[Path], names: dict[str, str]) -> list[str]:
 
 
 def report(files: list[Path]) -> str:
-    """One table per (family, px). Files are read oldest measurement first (their meta.date_utc), so a
-    newer call's row replaces an older one whatever the files are named."""
+    """One table per (family, px, variant: a call's `--set` overrides). Files are read oldest
+    measurement first (their meta.date_utc), so a newer call's row replaces an older one whatever the
+    files are named. A variant's ratios fall back to the defaults' rows where it has none of its own."""
     rows = _table_rows(_stamped(files))
     lines = []
     auto = lambda rs: next((r for r in rs if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)  # noqa: E731
@@ -297,7 +299,7 @@ def report(files: list[Path]) -> str:
             ratio = swap = ""
             if r["stage"] == "train" and ref and r.get("samples_per_second"):
                 ratio = f"{r['samples_per_second'] / ref['samples_per_second']:.2f}"
-            whole = _unswapped(r, mine)
+            whole = _unswapped(r, mine) or _unswapped(r, [o for o in rows if _group(o) == (fam, res, "")])
             if whole is not None:  # block swap's own cost: the same precision without swapping, same px
                 swap = f"{r['samples_per_second'] / whole['samples_per_second']:.2f}"
             lines.append(f"| {r['budget']} | {r['stage']} | " + " | ".join(cells[:4] + [ratio, swap, cells[4]]) + " |")

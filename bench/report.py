@@ -431,8 +431,8 @@ quantized block by block for block swap (2026-12-01): `... --families flux --bud
 6,8,12,16,24,auto ...` (bench/device.sh W, Q, U, and this session's calls; the files' `meta.command` has each).
 A newer call's row replaces an older one. "same plan" rows reuse the measurement of the budget the planner chose
 identically for. A call with `--set` overrides (partial checkpointing, graphs forced on) is a variant of the
-presets' defaults and has a table of its own ("with ..."); without an "auto" row of its own, its "x auto" is
-over the defaults' "auto" row. "x auto" is train samples/s over the same family's "auto" row; "x unswapped"
+presets' defaults and has a table of its own ("with ..."); without an "auto" (or unswapped) row of its own,
+its "x auto" ("x unswapped") is over the defaults' row. "x auto" is train samples/s over the same family's "auto" row; "x unswapped"
 over its measured row of the same precision with no block swapped (block swap's own cost).
 
 """

@@ -69,7 +69,8 @@ def one(host_model: Any, name: str, swapped: int, compiled: bool, graphs: bool, 
     cond = {"prompt_embeds": torch.randn(1, 77, 3584, generator=g).to(dev), "prompt_length": torch.tensor([77], device=dev)}
     meta = SimpleNamespace(loss_mask=None)
     log = SimpleNamespace(emit=lambda event, **k: out.setdefault("warnings", []).append(k.get("message", "")[:400]))
-    den = fastpath.GraphedDenoiser(model, params, log) if graphs else model
+    warmup = fastpath.SWAP_WARMUP_ITERS if swapped else fastpath.WARMUP_ITERS  # as the trainer captures
+    den = fastpath.GraphedDenoiser(model, params, log, warmup=warmup) if graphs else model
 
     def step() -> float:
         loss = fam.loss(den, x0, noise, t_, cond, meta, tcfg).mean()

@@ -287,6 +287,8 @@ def test_memory_report_gives_a_call_with_overrides_a_table_of_its_own(tmp_path: 
                                   "items": [row("6", 4.0)]}))
     md = memory_report([graphs, default])
     assert "### flux, 512 px, batch 1\n" in md and "### flux, 512 px, batch 1, with train.cuda_graphs=on\n" in md
+    from bench.memory import _variant
+    assert _variant("bench/memory.py run --set=b=2 --set a=1 --out x") == "a=1, b=2" and _variant("run --out x") == ""
     assert table(md, "budget GB")["6"]["samples/s"] == "1.600"  # the first table: the defaults, untouched
     forced = table(md[md.index("with train.cuda_graphs=on"):], "budget GB")
     assert list(forced) == ["6"] and forced["6"]["samples/s"] == "4.000" and forced["6"]["x auto"] == "0.50"

@@ -163,11 +163,12 @@ def test_graphs_plan(monkeypatch):
 
 
 
-def test_a_swapped_run_captures_without_the_side_stream_warmup():
+def test_a_swapped_run_captures_without_the_side_stream_warmup(monkeypatch):
     """Under block swap the capture skips make_graphed_callables' warmup pass: its activations would stay
     cached for a side stream the capture cannot use, about twice the step's activations under a cap."""
     from types import SimpleNamespace
 
+    monkeypatch.delenv(fastpath.ENV, raising=False)
     gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
     model = torch.nn.Linear(2, 2)
     made = {}
@@ -184,7 +185,7 @@ def test_a_swapped_run_captures_without_the_side_stream_warmup():
 
 
 class _Room:
-    """CaptureRoom's protocol with the memory figures given: room for `fits_calls` captures."""
+    """CaptureRoom's protocol with its answers given, one per check."""
 
     def __init__(self, fits: list[bool]):
         self.answers, self.first_calls, self.why = list(fits), 0, "figures"
@@ -204,10 +205,11 @@ def test_without_room_a_shape_runs_eager_and_is_not_asked_again():
     small, big = torch.randn(2, 4), torch.randn(3, 4)
     for x in (small, small, small, small):  # no room at its capture: eager, and the room is not checked again
         assert torch.equal(g(x, return_dict=False)[0], model(x, return_dict=False)[0])
-    assert record == [] and g.summary() == {"graphs": 0, "failed": 0, "replays": 0, "no_room": 1, "room": "figures"}
+    assert record == [] and g.summary() == {"graphs": 0, "failed": 0, "replays": 0, "no_room": 1, "room": ["no room: figures"]}
     for x in (big, big, big):  # another shape, with room: captured at its second call and replayed
         g(x, return_dict=False)
     assert len(record) == 1 and g.summary()["graphs"] == 1 and g.summary()["replays"] == 2
+    assert g.summary()["room"] == ["no room: figures", "figures"]
     assert g._room.answers == [] and g._room.first_calls > 0  # asked once per shape; told of the first call
     assert not [e for e, _ in log.events if e == "warning"]  # a plan, not a fault: in the summary, no warning
 

@@ -104,7 +104,7 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # little (bench/results/memory-zimage-4gb-slots-h200.json, memory-flux-6gb-slots-h200.json); Qwen-Image's
 # at 8 GB fit (memory-qwen-image-8gb-slots-h200.json). By the planner's figures (the budget less its
 # predicted peak without the activations and the swap's extra, over the activations) those plans had
-# 1.48x (Z-Image), 1.59x (FLUX) and 1.68x (Qwen-Image) their step's activations free at capture. Eager, the slot
+# 1.48x (Z-Image), 1.54x (FLUX) and 1.68x (Qwen-Image) their step's activations free at capture. Eager, the slot
 # swap overlaps its copies (8 full-width Qwen-Image blocks, 6 swapped, compiled, 20 steps: 0.1161 s
 # against 0.1111 s unswapped, swap-probe-qwen-compiled-20-h200.json), and at 1024 px FLUX at 6 GB ran
 # 0.89x and Z-Image at 4 GB 0.91x their unconstrained speed eager. At 512 px eager costs: FLUX's eager
@@ -201,6 +201,7 @@ class GraphedDenoiser:
         self._capture = capture or functools.partial(_cuda_capture, warmup=warmup)
         self._room = room  # a CaptureRoom: capture only where it fits ("auto" under block swap)
         self._no_room: set[Any] = set()  # shapes left eager for want of room
+        self._room_checks: list[str] = []  # each check's figures, in order
         self._pool: Any = None
         self._seen: Counter = Counter()
         self._graphs: dict[Any, Callable[..., Any]] = {}
@@ -227,9 +228,12 @@ class GraphedDenoiser:
             if (self._seen[key] < CAPTURE_AT or key in self._failed or key in self._no_room
                     or len(self._graphs) >= self.max_graphs):
                 return self.model(*args, **kwargs)
-            if self._room is not None and not self._room.fits():
-                self._no_room.add(key)
-                return self.model(*args, **kwargs)
+            if self._room is not None:
+                fits = self._room.fits()
+                self._room_checks.append(("" if fits else "no room: ") + self._room.why)
+                if not fits:
+                    self._no_room.add(key)
+                    return self.model(*args, **kwargs)
             graph = self._make(key, leaves, spec)
             if graph is None:
                 return self.model(*args, **kwargs)
@@ -275,7 +279,7 @@ class GraphedDenoiser:
         return self._graphs[key]
 
     def summary(self) -> dict[str, Any]:
-        room = {"no_room": len(self._no_room), "room": self._room.why} if self._room is not None else {}
+        room = {"no_room": len(self._no_room), "room": self._room_checks} if self._room is not None else {}
         return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays, **room}
 
 
