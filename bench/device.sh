@@ -39,11 +39,11 @@
 #      at 8 GB, ran out of device time after FLUX's encode and latents), then X on the same built model
 #   X: FLUX at 16 and 24 GB with partial checkpointing (train.gradient_checkpointing = auto; Q's attempt found the
 #      disk full of its kept Qwen-Image model)
-#   Y: CUDA graphs under block swap where the budget has room (fastpath.CaptureRoom, seventh session), captured
-#      without the side-stream warmup: FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound), then at 1024 px with
-#      train.cuda_graphs = on (the room rule leaves it eager: does a warmup-free capture fit there?)
-#   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px as "auto" runs it now (eager by the rule: the
-#      target row's 0.90x ran under graphs), and 1024 px with graphs on (its peak without the warmup)
+#   Y: CUDA graphs under block swap where the budget has room (seventh session: the planner swaps more blocks to
+#      leave it, memory.GRAPH_ROOM_MARGIN; the trainer checks it at the capture, fastpath.CaptureRoom; the capture
+#      skips the side-stream warmup): FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound) and 1024 px (eager 0.89x)
+#   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px, and 1024 px with graphs off (its eager speed:
+#      the target row's 0.90x ran under graphs)
 #   S2: what S left for Z-Image: 512 px at 4 GB (with the room rule) and auto
 #   S3: what S left for SDXL: 512 px at auto, 4 and 8 GB
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
@@ -144,16 +144,16 @@ case $phase in
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   Y) m=(--models /tmp/lorapipe-models)
      python3 bench/memory.py run --res 512 --families flux --budgets 6 "${m[@]}" --keep --out "$OUT/memory-flux-512-6gb-room-h200.json" \
-       --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
-     python3 bench/memory.py run --families flux --budgets 6 --set train.cuda_graphs=on "${m[@]}" --out "$OUT/memory-flux-6gb-graphs-h200.json" \
+       --budget-s $(( $(left) / 2 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
+     python3 bench/memory.py run --families flux --budgets 6 "${m[@]}" --out "$OUT/memory-flux-6gb-room-h200.json" \
        --budget-s $(( $(left) - 20 )) > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   Z) m=(--models /tmp/lorapipe-models)
      python3 bench/memory.py run --res 512 --families qwen-image --budgets 8 "${m[@]}" --keep --out "$OUT/memory-qwen-image-512-8gb-room-h200.json" \
        --budget-s $(( $(left) * 45 / 100 )) > "$OUT/memory-qwen-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-512.log" | cut -c1-300
      python3 bench/memory.py run --families qwen-image --budgets 8 "${m[@]}" --keep --out "$OUT/memory-qwen-image-8gb-room-h200.json" \
        --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
-     python3 bench/memory.py run --families qwen-image --budgets 8 --set train.cuda_graphs=on "${m[@]}" --out "$OUT/memory-qwen-image-8gb-graphs-h200.json" \
-       --budget-s $(( $(left) - 20 )) > "$OUT/memory-qwen-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-g.log" | cut -c1-300 ;;
+     python3 bench/memory.py run --families qwen-image --budgets 8 --set train.cuda_graphs=off "${m[@]}" --out "$OUT/memory-qwen-image-8gb-eager-h200.json" \
+       --budget-s $(( $(left) - 20 )) > "$OUT/memory-qwen-e.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-e.log" | cut -c1-300 ;;
   S2) python3 bench/memory.py run --res 512 --families z-image --budgets 4 --models /tmp/lorapipe-models --keep \
        --out "$OUT/memory-zimage-512-4gb-room-h200.json" --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets auto --models /tmp/lorapipe-models \

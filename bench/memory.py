@@ -5,6 +5,7 @@ under simulated small cards, run through the product's own stage commands.
     python bench/memory.py run --families flux --budgets auto,6 --res 512 --out $OUT/memory-512.json   # 512 px rows
     python bench/memory.py run --tiny --out /tmp/memory.json          # the plumbing, tiny models, CPU
     python bench/memory.py report bench/results/memory-*.json         # markdown, one table per family
+    python bench/memory.py plan --families qwen-image,flux --budgets 8,6 --res 512,1024   # train plans, CPU, no weights
 
 For each family it builds the full-size random-weight pipeline (as `bench/bench.py build`, into
 /dev/shm) and runs `pipeline.py encode-captions / cache-latents / train` as child processes at
@@ -307,6 +308,28 @@ def report(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def plan_table(args: argparse.Namespace) -> str:
+    """The train stage's plan per family, px and budget, from full-size configs on the meta device (no
+    weights, no GPU: bench/plan_cost.py's config-only folders), with the rows' settings: what `run`
+    would train, and its CUDA graph room under swap."""
+    from bench.plan_cost import config_only_model
+    from stages.core.config import load_config
+    from stages.plan import plans
+
+    runner = MemoryRunner(args)
+    lines = ["| family | px | budget GB | train plan | predicted GB | note |", "|---|---|---|---|---|---|"]
+    for fam in args.families.split(","):
+        model = config_only_model(fam, Path(args.work) / "config-only" / fam)
+        for res in map(int, str(args.res).split(",")):
+            for budget in args.budgets.split(","):
+                sets = {**runner.base_sets(fam, res), **runner.row_sets(budget), "model": str(model), "device": "cuda"}
+                train = plans(load_config(ROOT / family_full(fam).PRESET, sets), float(budget))["stages"][-1]
+                settings = ", ".join(f"{k}={v}" for k, v in train["settings"].items() if k not in ("blocks", "host_gb"))
+                note = train["note"].split("train: the plan swaps")[0].strip()  # not this machine's host memory
+                lines.append(f"| {fam} | {res} | {budget} | {settings} | {train['predicted_peak_gb']:.2f} | {note} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -324,9 +347,19 @@ def main() -> None:
                    help="a config override for every row's stages (repeatable), e.g. train.profile_steps=2")
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
+    t = sub.add_parser("plan", help="the train plans `run` would measure, from full-size configs (CPU, no weights)")
+    t.add_argument("--families", default="qwen-image,flux,z-image,sdxl")
+    t.add_argument("--budgets", default="8,6,4")
+    t.add_argument("--res", default=f"512,{RESOLUTION}", help="comma-separated px")
+    t.add_argument("--work", default="/tmp/lorapipe-memory-plan")
     args = ap.parse_args()
     if args.cmd == "report":
         print(report([Path(f) for f in args.files]))
+        return
+    if args.cmd == "plan":
+        args.tiny, args.set, args.models, args.out, args.budget_s, args.keep = False, [], "", "", 1e9, False
+        args.skip_done, args.only = [], []
+        print(plan_table(args))
         return
     args.skip_done, args.only = [], []
     runner = MemoryRunner(args)

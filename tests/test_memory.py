@@ -57,14 +57,17 @@ def test_every_family_plans_every_stage(family, assets, demo_data, edit_data, tm
         assert plan.fits and 0 < plan.predicted_peak_gb < 80, (stage, plan)
 
 
-def _deeper_flux(assets, tmp_path, layers: int, single_layers: int) -> str:
-    """The tiny FLUX's configs with more blocks: planning reads configs only, so no weights are needed."""
+def _deeper_flux(assets, tmp_path, layers: int, single_layers: int, width: int | None = None) -> str:
+    """The tiny FLUX's configs with more blocks (and `width` wide): planning reads configs only, so no
+    weights are needed."""
     src = tiny_model(assets, FAMILIES["flux"])
-    folder = tmp_path / "deeper-flux"
+    folder = tmp_path / f"deeper-flux-{width}"
     (folder / "transformer").mkdir(parents=True)
     (folder / "model_index.json").write_text((src / "model_index.json").read_text())
     config = json.loads((src / "transformer" / "config.json").read_text())
     config.update(num_layers=layers, num_single_layers=single_layers)
+    if width:
+        config.update(num_attention_heads=width // config["attention_head_dim"])
     (folder / "transformer" / "config.json").write_text(json.dumps(config))
     return str(folder)
 
@@ -431,3 +434,48 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
     if pathlib.Path("/proc/meminfo").exists():  # Linux: the real figure is read
         monkeypatch.undo()
         assert 0 < memory.host_available_bytes() < 2**50
+
+
+def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_data, tmp_path, monkeypatch):
+    """Under swap the trainer captures CUDA graphs only with room for them (fastpath.CaptureRoom), and
+    eager steps are host-bound at small images: so where the fewest blocks that fit leave too little
+    room, the plan swaps more, the fewest that leave it (same precision and checkpointing), and says
+    so; where no swap plan leaves it, the plan stays and its note says train runs eager. With
+    cuda_graphs off or LoRA dropout the fewest blocks that fit, as before."""
+    from stages.core import fastpath
+
+    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
+    monkeypatch.delenv(fastpath.ENV, raising=False)
+    want = fastpath.CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
+    seen = set()
+    # 1024 wide, a block's weights are ~40x its checkpointed activations at 256 px, 4096 wide ~160x: the
+    # fewest blocks that fit leave room under some budgets and not under others, more blocks make it
+    for width in (1024, 4096):
+        sets = {"train.base_precision": "bf16", "data.resolution": 256, "model": _deeper_flux(assets, tmp_path, 4, 8, width)}
+        cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+        dropout = make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.dropout": 0.1})
+        roomy = _plan("train", cfgs["auto"], 1000.0)
+        swaps = [t for t in roomy.tried if t["swapped_blocks"] > 0 and t["base_precision"] == "bf16"]
+        for t in swaps:
+            gb = _just_above(t["predicted_peak_gb"])
+            auto, off = _plan("train", cfgs["auto"], gb), _plan("train", cfgs["off"], gb)
+            assert "graph_room" not in off.settings and off.settings == _plan("train", dropout, gb).settings
+            if not off.settings["swapped_blocks"]:
+                continue
+            room = memory.graph_room(off.predicted_peak_gb, t["activations_gb"], memory.Budget(gb, "cap"))
+            assert auto.fits and auto.predicted_peak_gb * memory.FRAGMENTATION <= gb
+            moved = auto.settings["swapped_blocks"] - off.settings["swapped_blocks"]
+            if room >= want:
+                assert moved == 0 and auto.settings["graph_room"] == round(room, 2) and auto.note == ""
+                seen.add("room")
+            elif moved > 0:
+                assert auto.settings["graph_room"] >= want and f"{moved} more blocks swapped" in auto.note
+                fewer = [u for u in roomy.tried if u["base_precision"] == "bf16" and
+                         off.settings["swapped_blocks"] < u["swapped_blocks"] < auto.settings["swapped_blocks"]]
+                assert all(memory.graph_room(u["predicted_peak_gb"], u["activations_gb"], memory.Budget(gb, "cap")) < want
+                           or u["predicted_peak_gb"] * memory.FRAGMENTATION > gb for u in fewer)  # the fewest that do
+                seen.add("moved")
+            else:
+                assert auto.settings["graph_room"] == round(room, 2) < want and "train runs eager" in auto.note
+                seen.add("eager")
+    assert seen == {"room", "moved", "eager"}

@@ -160,7 +160,7 @@ def test_planner_swaps_nf4_below_the_whole_nf4_size(assets, demo_data, tmp_path,
     # too little host memory for the bf16 read: `plan` says so in the swap plan's note, before anything runs
     monkeypatch.setattr(memory, "host_available_bytes", lambda: int(0.5 * tight.settings["host_gb"] * memory.GB))
     short = _plan("train", cfg, _just_above(deepest))
-    assert short.settings == tight.settings and short.note == memory.host_shortfall(short)
+    assert short.settings == tight.settings and short.note.endswith(memory.host_shortfall(short))
     assert "host memory" in short.note and "--vram" in short.note
     unswapped = _peak_of(roomy, swapped_blocks=0, gradient_checkpointing=True)
     assert unswapped >= whole_nf4  # the unswapped nf4 plan keeps diffusers' floor

@@ -189,7 +189,8 @@ class TrainConfig:
     """Replay the denoiser's forward+backward as CUDA graphs per batch shape (same kernels, less
     host overhead); auto: on CUDA when train.dropout is 0, and under a memory plan that swaps blocks only
     where the budget has 2x the eager step's activations free at the capture (capturing needs memory a
-    swap plan may not have; else eager). LORAPIPE_CUDA_GRAPHS overrides it."""
+    swap plan may not have; else eager; the planner swaps more blocks where that leaves the room).
+    LORAPIPE_CUDA_GRAPHS overrides it."""
     enable_tf32: bool = True
     """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
     cudnn_attention: bool = False

@@ -114,7 +114,8 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # activations free. So "auto" captures under swap only where the memory free under the budget, measured
 # at the capture, is CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated
 # before the first step), and runs eager otherwise; the capture skips the side-stream warmup
-# (SWAP_WARMUP_ITERS). Not yet measured on the GPU (bench/device.sh Y, Z).
+# (SWAP_WARMUP_ITERS). The planner swaps more blocks where that leaves the room (memory.GRAPH_ROOM_MARGIN).
+# Not yet measured on the GPU (bench/device.sh Y, Z).
 CAPTURE_ROOM = 2.0
 SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
                f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "

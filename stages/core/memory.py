@@ -374,7 +374,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     # per precision: the whole base, and each block's bytes that swapping it moves to host memory
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
     host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
-    candidates = []
+    candidates, acts = [], []  # acts: each candidate's activations (GB), for the graph room of a swap plan
     smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
         total, block = sizes[precision]
@@ -391,10 +391,69 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         if swapped or precision == "fp8":  # these read the bf16 base into host memory first (nf4_blocks, fp8)
             settings["host_gb"] = host_gb
         candidates.append((settings, peak / GB))
+        acts.append((saved + unit * BLOCK_WORK_UNITS) / GB)
     plan = _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
+    for tried, a in zip(plan.tried, acts):
+        tried["activations_gb"] = round(a, 6)
+    if plan.fits and plan.settings["swapped_blocks"] and _graphs_wanted(tcfg, budget):
+        plan = _with_graph_room(plan, candidates, acts, budget)
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()
+    return plan
+
+
+# CUDA graphs under block swap (stages/core/fastpath.py, CaptureRoom): the trainer captures where the
+# memory free under the budget is fastpath.CAPTURE_ROOM times the eager step's activations, else it runs
+# eager, whose host time sets the pace at small images (512 px: FLUX at 6 GB 0.19x, Qwen-Image at 8 GB
+# 0.16x its unconstrained speed; bench/memory.md). So a swap plan swaps more blocks, where that leaves the
+# room: under graphs a swapped block costs little (its copies overlap the compute: 8 Qwen-Image blocks,
+# 6 swapped, 1.09x the unswapped step; swap-probe-qwen-h200.json). The room with the measured allocation
+# peaks in place of the predicted activations came out 1-16 % below the planner's in the six swap rows
+# of memory-*-h200.json (2026-12-01), hence the margin.
+GRAPH_ROOM_MARGIN = 1.2
+
+
+def graph_room(settings_peak_gb: float, acts_gb: float, budget: Budget) -> float:
+    """A swap plan's room for a capture by the planner's figures: the budget less what stays allocated
+    between steps (the predicted peak without the activations and the swap's allocator margin), over
+    the step's activations."""
+    return (budget.gb - (settings_peak_gb - acts_gb - SWAP_EXTRA_GB)) / acts_gb if acts_gb > 0 else math.inf
+
+
+def _graphs_wanted(tcfg: Any, budget: Budget) -> bool:
+    from stages.core import fastpath
+
+    return budget.source != "cpu" and budget.gb is not None and tcfg.dropout == 0 \
+        and fastpath.graphs_mode(getattr(tcfg, "cuda_graphs", "auto")) != "off"
+
+
+def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts: list[float],
+                     budget: Budget) -> StagePlan:
+    """The swap plan with the fewest blocks swapped (same precision and checkpointing) that leaves CUDA
+    graphs room to capture, else `plan` as it is (it will run eager); its note says which."""
+    from stages.core import fastpath
+
+    want = fastpath.CAPTURE_ROOM * GRAPH_ROOM_MARGIN
+    same = lambda s: all(s[k] == plan.settings[k] for k in ("base_precision", "checkpointed_blocks"))  # noqa: E731
+    chosen = next(i for i, (s, _) in enumerate(candidates) if s is plan.settings)
+    room = graph_room(plan.predicted_peak_gb, acts[chosen], budget)
+    if room < want:
+        for i, (settings, peak) in enumerate(candidates):
+            if (same(settings) and settings["swapped_blocks"] > plan.settings["swapped_blocks"]
+                    and peak * FRAGMENTATION <= budget.gb and graph_room(peak, acts[i], budget) >= want):
+                extra = settings["swapped_blocks"] - plan.settings["swapped_blocks"]
+                room = graph_room(peak, acts[i], budget)
+                note = (f"{extra} more blocks swapped than the budget needs, to leave CUDA graphs room to capture "
+                        f"({room:.1f}x the step's activations free; {want:.1f}x wanted): eager steps under swap "
+                        f"can be host-bound, most at small images")
+                plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
+                break
+        else:
+            plan.note = (f"CUDA graphs have no room to capture under this swap plan ({room:.1f}x the step's "
+                         f"activations free, {want:.1f}x wanted): train runs eager (can be host-bound, most at small "
+                         f"images; a larger --vram gives them room)")
+    plan.settings = {**plan.settings, "graph_room": round(room, 2)}
     return plan
 
 
