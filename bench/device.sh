@@ -41,7 +41,8 @@
 #      disk full of its kept Qwen-Image model)
 #   Y: CUDA graphs under block swap where the budget has room (seventh session: the planner swaps more blocks to
 #      leave it, memory.GRAPH_ROOM_MARGIN; the trainer checks it at the capture, fastpath.CaptureRoom; the capture
-#      skips the side-stream warmup): FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound) and 1024 px (eager 0.89x)
+#      skips the side-stream warmup): FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound), then 6 and 8 GB at 1024 px
+#      (eager 0.89x and 0.86x with 43 and 21 blocks swapped; the plans now swap 54 and 41)
 #   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px, and 1024 px with graphs off (its eager speed:
 #      the target row's 0.90x ran under graphs)
 #   S2: what S left for Z-Image: 512 px at 4 GB (with the room rule) and auto
@@ -145,7 +146,7 @@ case $phase in
   Y) m=(--models /tmp/lorapipe-models)
      python3 bench/memory.py run --res 512 --families flux --budgets 6 "${m[@]}" --keep --out "$OUT/memory-flux-512-6gb-room-h200.json" \
        --budget-s $(( $(left) / 2 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
-     python3 bench/memory.py run --families flux --budgets 6 "${m[@]}" --out "$OUT/memory-flux-6gb-room-h200.json" \
+     python3 bench/memory.py run --families flux --budgets 6,8 "${m[@]}" --out "$OUT/memory-flux-6-8gb-room-h200.json" \
        --budget-s $(( $(left) - 20 )) > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   Z) m=(--models /tmp/lorapipe-models)
      python3 bench/memory.py run --res 512 --families qwen-image --budgets 8 "${m[@]}" --keep --out "$OUT/memory-qwen-image-512-8gb-room-h200.json" \

@@ -319,7 +319,9 @@ def plan_table(args: argparse.Namespace) -> str:
     runner = MemoryRunner(args)
     lines = ["| family | px | budget GB | train plan | predicted GB | note |", "|---|---|---|---|---|---|"]
     for fam in args.families.split(","):
-        model = config_only_model(fam, Path(args.work) / "config-only" / fam)
+        folder = Path(args.work) / "config-only" / fam
+        shutil.rmtree(folder, ignore_errors=True)  # made afresh: a folder cut off, or older configs, would be reused
+        model = config_only_model(fam, folder)
         for res in map(int, str(args.res).split(",")):
             for budget in args.budgets.split(","):
                 sets = {**runner.base_sets(fam, res), **runner.row_sets(budget), "model": str(model), "device": "cuda"}

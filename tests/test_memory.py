@@ -453,12 +453,18 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
     for width in (1024, 4096):
         sets = {"train.base_precision": "bf16", "data.resolution": 256, "model": _deeper_flux(assets, tmp_path, 4, 8, width)}
         cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+        # base_precision "auto": the plan that makes room keeps the precision the fewest blocks had
+        either = {mode: make_cfg("flux", assets, demo_data, tmp_path, **{**sets, "train.base_precision": "auto"},
+                                 **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
         dropout = make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.dropout": 0.1})
         roomy = _plan("train", cfgs["auto"], 1000.0)
         swaps = [t for t in roomy.tried if t["swapped_blocks"] > 0 and t["base_precision"] == "bf16"]
         for t in swaps:
             gb = _just_above(t["predicted_peak_gb"])
             auto, off = _plan("train", cfgs["auto"], gb), _plan("train", cfgs["off"], gb)
+            a, o = (_plan("train", either[mode], gb).settings for mode in ("auto", "off"))
+            assert (a["base_precision"], a["checkpointed_blocks"]) == (o["base_precision"], o["checkpointed_blocks"])
+            assert a["swapped_blocks"] >= o["swapped_blocks"]
             assert "graph_room" not in off.settings and off.settings == _plan("train", dropout, gb).settings
             if not off.settings["swapped_blocks"]:
                 continue
@@ -470,12 +476,15 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
                 seen.add("room")
             elif moved > 0:
                 assert auto.settings["graph_room"] >= want and f"{moved} more blocks swapped" in auto.note
+                new = next(u for u in roomy.tried if u["base_precision"] == "bf16" and u["swapped_blocks"] == auto.settings["swapped_blocks"])
+                assert auto.predicted_peak_gb == new["predicted_peak_gb"] and auto.settings["graph_room"] == round(
+                    memory.graph_room(new["predicted_peak_gb"], new["activations_gb"], memory.Budget(gb, "cap")), 2)
                 fewer = [u for u in roomy.tried if u["base_precision"] == "bf16" and
                          off.settings["swapped_blocks"] < u["swapped_blocks"] < auto.settings["swapped_blocks"]]
                 assert all(memory.graph_room(u["predicted_peak_gb"], u["activations_gb"], memory.Budget(gb, "cap")) < want
                            or u["predicted_peak_gb"] * memory.FRAGMENTATION > gb for u in fewer)  # the fewest that do
                 seen.add("moved")
             else:
-                assert auto.settings["graph_room"] == round(room, 2) < want and "train runs eager" in auto.note
+                assert auto.settings["graph_room"] == round(room, 2) < want and "else runs eager" in auto.note
                 seen.add("eager")
     assert seen == {"room", "moved", "eager"}

@@ -436,7 +436,9 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
 
     want = fastpath.CAPTURE_ROOM * GRAPH_ROOM_MARGIN
     same = lambda s: all(s[k] == plan.settings[k] for k in ("base_precision", "checkpointed_blocks"))  # noqa: E731
-    chosen = next(i for i, (s, _) in enumerate(candidates) if s is plan.settings)
+    chosen = next((i for i, (s, _) in enumerate(candidates) if s is plan.settings), None)
+    if chosen is None:  # not one of the candidates (`_fitting` returns a candidate's own settings)
+        return plan
     room = graph_room(plan.predicted_peak_gb, acts[chosen], budget)
     if room < want:
         for i, (settings, peak) in enumerate(candidates):
@@ -450,9 +452,9 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
                 plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
                 break
         else:
-            plan.note = (f"CUDA graphs have no room to capture under this swap plan ({room:.1f}x the step's "
-                         f"activations free, {want:.1f}x wanted): train runs eager (can be host-bound, most at small "
-                         f"images; a larger --vram gives them room)")
+            plan.note = (f"CUDA graphs may have no room to capture under this swap plan ({room:.1f}x the step's "
+                         f"activations free, {want:.1f}x wanted; train checks at the capture, else runs eager, which "
+                         f"can be host-bound, most at small images; a larger --vram gives them room)")
     plan.settings = {**plan.settings, "graph_room": round(room, 2)}
     return plan
 
