@@ -97,6 +97,29 @@ def test_the_summary_line_is_built_from_the_done_event(tmp_path, capsys):
     assert terminal_line(failed, 1, Path("/x"))[0] == "cache-latents failed (1 warning before it; events in /x/events.jsonl)"
 
 
+def test_on_a_gpu_the_summary_says_the_peak_and_how_train_ran():
+    """A stage's reserved peak (what a budget caps) and, for train, blocks swapped and CUDA graphs or
+    eager and why; nothing of it on CPU."""
+    def line(**done):
+        return terminal_line({"event": "done", "stage": "train", "seconds": 9.0, "step": 8, **done}, 0, Path("/x"))[0]
+
+    runtime = {"blocks": 57, "block_swap": {"swapped_blocks": 54},
+               "cuda_graphs": {"plan": "...", "graphs": 1, "failed": 0, "replays": 7, "no_room": 0, "room": ["..."]}}
+    peak = {"allocated": 4.98, "reserved": 5.785}
+    assert line(device="cuda:0", peak_vram_gb=peak, runtime=runtime) == \
+        "train done in 9.0 s: step 8; peak 5.79 GB reserved, 54 of 57 blocks swapped, CUDA graphs; 0 warnings; output in /x"
+    runtime["cuda_graphs"].update(graphs=0, no_room=1)
+    assert "54 of 57 blocks swapped, eager: no room to capture CUDA graphs;" in line(device="cuda:0", peak_vram_gb=peak, runtime=runtime)
+    runtime["cuda_graphs"].update(no_room=0, failed=1)
+    assert "eager: the CUDA graph capture failed;" in line(device="cuda:0", peak_vram_gb=peak, runtime=runtime)
+    cached = terminal_line({"event": "done", "stage": "cache-latents", "seconds": 3.0, "total": 4, "encoded": 4,
+                            "peak_vram_gb": {"allocated": 3.364, "reserved": 3.895}}, 0, Path("/x"))[0]
+    assert cached == "cache-latents done in 3.0 s: 4 of 4 encoded this run; peak 3.90 GB reserved; 0 warnings; output in /x"
+    cpu = line(device="cpu", peak_vram_gb={"allocated": 0.0, "reserved": 0.0},
+               runtime={"blocks": 4, "block_swap": None, "cuda_graphs": {"plan": "off (no CUDA device)"}})
+    assert cpu == "train done in 9.0 s: step 8; 0 warnings; output in /x"
+
+
 @pytest.mark.parametrize("event", ["start", "step", "preparing"])
 def test_routine_events_stay_off_the_terminal(event):
     assert terminal_line({"event": event, "stage": "train"}, 0, Path("/x")) is None

@@ -188,10 +188,32 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
         parts.append(_count(done["images"], "image"))
     if isinstance(done.get("edit_closer_percent"), (int, float)):
         parts.append(f"LoRA output {done['edit_closer_percent']:+.1f}% closer to the edit targets than the base's")
+    if gpu := _gpu_part(done):
+        parts.append(gpu)
     parts.append(_count(warnings, "warning") + (" (above, and in events.jsonl)" if warnings else ""))
     files = done.get("files") or []
     parts.append(f"output: {', '.join(map(str, files))}" if files else f"output in {run_dir}")
     return parts
+
+
+def _gpu_part(done: dict[str, Any]) -> str | None:
+    """On a GPU: the stage's reserved peak (what a budget caps) and, for train, how the denoiser ran:
+    blocks swapped, and under CUDA graphs or eager and why (under block swap eager can be several
+    times slower: README "Small and shared GPUs"). None on CPU."""
+    peak = (done.get("peak_vram_gb") or {}).get("reserved")
+    if not (str(done.get("device", "")).startswith("cuda") or (isinstance(peak, (int, float)) and peak > 0)):
+        return None
+    bits = [f"peak {peak:.2f} GB reserved"] if isinstance(peak, (int, float)) else []
+    runtime = done.get("runtime") or {}
+    swap = runtime.get("block_swap") or {}
+    if swap.get("swapped_blocks"):
+        bits.append(f"{swap['swapped_blocks']} of {runtime.get('blocks', '?')} blocks swapped")
+    graphs = runtime.get("cuda_graphs")
+    if graphs is not None:
+        bits.append("CUDA graphs" if graphs.get("graphs") else
+                    "eager: no room to capture CUDA graphs" if graphs.get("no_room") else
+                    "eager: the CUDA graph capture failed" if graphs.get("failed") else "eager")
+    return ", ".join(bits) or None
 
 
 def _count(n: int, noun: str) -> str:
