@@ -312,6 +312,7 @@ def test_oom_in_each_stage_is_one_clear_error_and_loses_nothing(assets, demo_dat
         assert result.exit_code == 2, result.output
         assert f"{stage} ran out of GPU memory (budget 6.0 GB" in result.output
         assert "--vram" in result.output and "Traceback" not in result.output
+        assert ("train.cuda_graphs = 'off'" in result.output) == (stage == "train")
         monkeypatch.undo()
         result = CliRunner().invoke(cli, [stage, *args, *rerun])
         assert result.exit_code == 0, result.output

@@ -710,7 +710,8 @@ def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blocks
 SETTING_TO_CHANGE = {
     "encode-captions": "captions.batch_size or captions.text_encoder_precision = 'nf4'",
     "cache-latents": "latents.vae_precision = 'bf16' or data.resolution",
-    "train": "train.batch_size, data.resolution or train.base_precision = 'nf4'",
+    "train": ("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set train.cuda_graphs = 'off': "
+              "capturing a graph takes memory of its own)"),
 }
 
 
