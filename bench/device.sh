@@ -39,7 +39,7 @@
 #      at 8 GB, ran out of device time after FLUX's encode and latents), then X on the same built model
 #   X: FLUX at 16 and 24 GB with partial checkpointing (train.gradient_checkpointing = auto; Q's attempt found the
 #      disk full of its kept Qwen-Image model)
-#   Y: CUDA graphs under block swap where the budget has room (seventh session: the planner swaps more blocks to
+#   Y: the CUDA swap test, then CUDA graphs under block swap where the budget has room (seventh session: the planner swaps more blocks to
 #      leave it, memory.GRAPH_ROOM_MARGIN; the trainer checks it at the capture, fastpath.CaptureRoom; the capture
 #      skips the side-stream warmup): FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound), then 6 and 8 GB at 1024 px
 #      (eager 0.89x and 0.86x with 43 and 21 blocks swapped; the plans now swap 54 and 41)
@@ -144,6 +144,8 @@ case $phase in
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 20 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   Y) m=(--models /tmp/lorapipe-models)
+     timeout 150 python3 -m pytest -q tests/test_trainer_paths.py -k "nf4_swap and cuda" > "$OUT/swap-cuda-tests.log" 2>&1
+     tail -2 "$OUT/swap-cuda-tests.log"  # "auto" with and without room, "on": the losses as unswapped runs'
      python3 bench/memory.py run --res 512 --families flux --budgets 6 "${m[@]}" --keep --out "$OUT/memory-flux-512-6gb-room-h200.json" \
        --budget-s $(( $(left) / 2 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
      python3 bench/memory.py run --families flux --budgets 6,8 "${m[@]}" --out "$OUT/memory-flux-6-8gb-room-h200.json" \
