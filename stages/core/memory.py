@@ -374,15 +374,17 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     # per precision: the whole base, and each block's bytes that swapping it moves to host memory
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
     host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
-    candidates, acts = [], []  # acts: each candidate's activations (GB), for the graph room of a swap plan
+    # a step's activations: the checkpointed blocks keep their input, the others every activation their
+    # backward reads, and the block being run (or recomputed) works in its own
+    activations = lambda checkpointed: unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
+                                               + (n - checkpointed) * BLOCK_SAVED_UNITS + BLOCK_WORK_UNITS)
+    candidates = []
     smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
         total, block = sizes[precision]
-        # the checkpointed blocks keep their input, the others every activation their backward reads
-        saved = unit * (checkpointed * CHECKPOINT_SAVED_UNITS + (n - checkpointed) * BLOCK_SAVED_UNITS)
         host = block[len(block) - swapped:] if swapped else []  # the last `swapped` blocks: two slots of the largest
         resident = total - sum(host) + min(2, len(host)) * max(host, default=0)
-        peak = resident + lora + saved + unit * BLOCK_WORK_UNITS + SWAP_EXTRA_GB * GB * (swapped > 0)
+        peak = resident + lora + activations(checkpointed) + SWAP_EXTRA_GB * GB * (swapped > 0)
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
             peak = max(peak, total + lora)  # (a swap plan quantizes block by block: stages/core/nf4_blocks.py)
         checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
@@ -391,12 +393,11 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         if swapped or precision == "fp8":  # these read the bf16 base into host memory first (nf4_blocks, fp8)
             settings["host_gb"] = host_gb
         candidates.append((settings, peak / GB))
-        acts.append((saved + unit * BLOCK_WORK_UNITS) / GB)
     plan = _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
-    for tried, a in zip(plan.tried, acts):
-        tried["activations_gb"] = round(a, 6)
+    for tried in plan.tried:
+        tried["activations_gb"] = round(activations(tried["checkpointed_blocks"]) / GB, 6)
     if plan.fits and plan.settings["swapped_blocks"] and _graphs_wanted(tcfg, budget):
-        plan = _with_graph_room(plan, candidates, acts, budget)
+        plan = _with_graph_room(plan, candidates, activations(plan.settings["checkpointed_blocks"]) / GB, budget)
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()
@@ -428,24 +429,22 @@ def _graphs_wanted(tcfg: Any, budget: Budget) -> bool:
         and fastpath.graphs_mode(getattr(tcfg, "cuda_graphs", "auto")) != "off"
 
 
-def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts: list[float],
+def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts_gb: float,
                      budget: Budget) -> StagePlan:
-    """The swap plan with the fewest blocks swapped (same precision and checkpointing) that leaves CUDA
-    graphs room to capture, else `plan` as it is (it will run eager); its note says which."""
+    """The swap plan with the fewest blocks swapped (same precision and checkpointing, so the same
+    activations `acts_gb`) that leaves CUDA graphs room to capture, else `plan` as it is (it will run
+    eager); its note says which."""
     from stages.core import fastpath
 
     want = fastpath.CAPTURE_ROOM * GRAPH_ROOM_MARGIN
     same = lambda s: all(s[k] == plan.settings[k] for k in ("base_precision", "checkpointed_blocks"))  # noqa: E731
-    chosen = next((i for i, (s, _) in enumerate(candidates) if s is plan.settings), None)
-    if chosen is None:  # not one of the candidates (`_fitting` returns a candidate's own settings)
-        return plan
-    room = graph_room(plan.predicted_peak_gb, acts[chosen], budget)
+    room = graph_room(plan.predicted_peak_gb, acts_gb, budget)
     if room < want:
-        for i, (settings, peak) in enumerate(candidates):
+        for settings, peak in candidates:
             if (same(settings) and settings["swapped_blocks"] > plan.settings["swapped_blocks"]
-                    and peak * FRAGMENTATION <= budget.gb and graph_room(peak, acts[i], budget) >= want):
+                    and peak * FRAGMENTATION <= budget.gb and graph_room(peak, acts_gb, budget) >= want):
                 extra = settings["swapped_blocks"] - plan.settings["swapped_blocks"]
-                room = graph_room(peak, acts[i], budget)
+                room = graph_room(peak, acts_gb, budget)
                 note = (f"{extra} more blocks swapped than the budget needs, to leave CUDA graphs room to capture "
                         f"({room:.1f}x the step's activations free; {want:.1f}x wanted): eager steps under swap "
                         f"can be host-bound, most at small images")
