@@ -61,12 +61,16 @@ class MemoryRunner(Runner):
         """stage -> settings the planner picks for a numeric budget (meta device, no CUDA); {} for auto."""
         if budget == "auto" or self.args.tiny:
             return {}
+        return {p["stage"]: p["settings"] for p in self.stage_plans(fam, model, budget, self.args.res)}
+
+    def stage_plans(self, fam: str, model: Path, budget: str, res: int) -> list[dict[str, Any]]:
+        """Each GPU stage's plan (`pipeline.py plan --json`'s "stages") for a row at a numeric budget,
+        from configs on the meta device: nothing touches CUDA."""
         from stages.core.config import load_config
         from stages.plan import plans
 
-        sets = {**self.base_sets(fam, self.args.res), **self.row_sets(budget), "model": str(model)}
-        cfg = load_config(ROOT / family_full(fam).PRESET, sets)
-        return {p["stage"]: p["settings"] for p in plans(cfg, float(budget))["stages"]}
+        sets = {**self.base_sets(fam, res), **self.row_sets(budget), "model": str(model), "device": "cuda"}
+        return plans(load_config(ROOT / family_full(fam).PRESET, sets), float(budget))["stages"]
 
     def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str, where: str) -> dict[str, Any]:
         res = self.args.res
@@ -211,6 +215,11 @@ def _train_settings(r: dict[str, Any]) -> dict[str, Any]:
     return (r.get("plan") or {}).get("settings") or r.get("planned_settings") or {}
 
 
+def _auto_train(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The measured "auto" train row among `rows`: what "x auto" is over."""
+    return next((r for r in rows if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
+
+
 def _unswapped(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """For a measured swap row: the measured train row of the same precision with no block swapped."""
     mine = _train_settings(r)
@@ -261,7 +270,7 @@ def targets(files: list[Path], names: dict[str, str]) -> list[str]:
     for fam, gb in TARGETS_GB.items():
         mine = [r for r in rows if _group(r) == (fam, RESOLUTION, "")]
         at = {r["stage"]: r for r in mine if r["budget"] == str(gb) and r["status"].startswith(("ok", "same"))}
-        ref = next((r for r in mine if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
+        ref = _auto_train(mine)
         failed = {r["stage"]: r for r in every if _group(r) == (fam, RESOLUTION, "") and r["budget"] == str(gb)
                   and r["status"] == "failed"}
         later = [f"{stage} failed " + ("in a later call" if stage in at else "in the call") + f" at {f['measured_utc'][11:16]} UTC"
@@ -287,11 +296,11 @@ def report(files: list[Path]) -> str:
     files are named. A variant's ratios fall back to the defaults' rows where it has none of its own."""
     rows = _table_rows(_stamped(files))
     lines = []
-    auto = lambda rs: next((r for r in rs if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)  # noqa: E731
     for fam, res, variant in dict.fromkeys(map(_group, rows)):
         mine = [r for r in rows if _group(r) == (fam, res, variant)]
-        # a variant without an "auto" row of its own is compared with the defaults' (its ratios say so)
-        ref = auto(mine) or auto([r for r in rows if _group(r) == (fam, res, "")])
+        defaults = [r for r in rows if _group(r) == (fam, res, "")]
+        # a variant without an "auto" (or unswapped) row of its own is compared with the defaults'
+        ref = _auto_train(mine) or _auto_train(defaults)
         lines += [f"### {fam}, {res} px, batch 1" + (f", with {variant}" if variant else ""), "",
                   "| budget GB | stage | plan | predicted GB | measured peak GB (reserved) | samples/s | x auto | "
                   "x unswapped | stage s |", "|---|---|---|---|---|---|---|---|---|"]
@@ -300,7 +309,7 @@ def report(files: list[Path]) -> str:
             ratio = swap = ""
             if r["stage"] == "train" and ref and r.get("samples_per_second"):
                 ratio = f"{r['samples_per_second'] / ref['samples_per_second']:.2f}"
-            whole = _unswapped(r, mine) or _unswapped(r, [o for o in rows if _group(o) == (fam, res, "")])
+            whole = _unswapped(r, mine) or _unswapped(r, defaults)
             if whole is not None:  # block swap's own cost: the same precision without swapping, same px
                 swap = f"{r['samples_per_second'] / whole['samples_per_second']:.2f}"
             lines.append(f"| {r['budget']} | {r['stage']} | " + " | ".join(cells[:4] + [ratio, swap, cells[4]]) + " |")
@@ -313,8 +322,6 @@ def plan_table(args: argparse.Namespace) -> str:
     weights, no GPU: bench/plan_cost.py's config-only folders), with the rows' settings: what `run`
     would train, and its CUDA graph room under swap."""
     from bench.plan_cost import config_only_model
-    from stages.core.config import load_config
-    from stages.plan import plans
 
     runner = MemoryRunner(args)
     lines = ["| family | px | budget GB | train plan | predicted GB | note |", "|---|---|---|---|---|---|"]
@@ -324,8 +331,7 @@ def plan_table(args: argparse.Namespace) -> str:
         model = config_only_model(fam, folder)
         for res in map(int, str(args.res).split(",")):
             for budget in args.budgets.split(","):
-                sets = {**runner.base_sets(fam, res), **runner.row_sets(budget), "model": str(model), "device": "cuda"}
-                train = plans(load_config(ROOT / family_full(fam).PRESET, sets), float(budget))["stages"][-1]
+                train = runner.stage_plans(fam, model, budget, res)[-1]
                 settings = ", ".join(f"{k}={v}" for k, v in train["settings"].items() if k not in ("blocks", "host_gb"))
                 note = train["note"].split("train: the plan swaps")[0].strip()  # not this machine's host memory
                 lines.append(f"| {fam} | {res} | {budget} | {settings} | {train['predicted_peak_gb']:.2f} | {note} |")
