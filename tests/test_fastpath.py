@@ -188,13 +188,13 @@ class _Room:
     """CaptureRoom's protocol with its answers given, one per check."""
 
     def __init__(self, fits: list[bool]):
-        self.answers, self.first_calls, self.why = list(fits), 0, "figures"
+        self.answers, self.first_calls = list(fits), 0
 
     def first_call(self) -> None:
         self.first_calls += 1
 
-    def fits(self) -> bool:
-        return self.answers.pop(0)
+    def check(self) -> tuple[bool, str]:
+        return self.answers.pop(0), "figures"
 
 
 def test_without_room_a_shape_runs_eager_and_is_not_asked_again():
@@ -228,7 +228,9 @@ def test_capture_room_weighs_the_free_budget_against_the_eager_steps_activations
     room.first_call()  # 5 GB allocated before the first step
     figures.update(allocated=5.2 * GB, peak=5.5 * GB, reserved=6.4 * GB)
     room.first_call()  # later calls do not move the base
-    assert room.fits() is True  # 1.6 GB free >= 2 x 0.5 GB of activations
-    assert room.why == "1.60 GB free under the 8.00 GB budget for a capture that wants 2x the eager step's 0.50 GB of activations"
+    fits, why = room.check()
+    assert fits is True  # 1.6 GB free >= 2 x 0.5 GB of activations
+    assert why == "1.60 GB free under the 8.00 GB budget for a capture that wants 2x the eager step's 0.50 GB of activations"
     figures.update(peak=6 * GB)  # the eager step reached 6 GB: 1.0 GB of activations, 2.0 wanted
-    assert room.fits() is False and "1.60 GB free" in room.why and "1.00 GB of activations" in room.why
+    fits, why = room.check()
+    assert fits is False and "1.60 GB free" in why and "1.00 GB of activations" in why

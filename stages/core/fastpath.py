@@ -131,20 +131,20 @@ class CaptureRoom:
     def __init__(self, device: torch.device, budget_gb: float, factor: float):
         self.device, self.budget, self.factor = device, int(budget_gb * 2**30), factor
         self.base: int | None = None
-        self.why = ""
 
     def first_call(self) -> None:
         if self.base is None:
             self.base = torch.cuda.memory_allocated(self.device)
 
-    def fits(self) -> bool:
+    def check(self) -> tuple[bool, str]:
+        """(room?, the figures weighed)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         need = max(torch.cuda.max_memory_allocated(self.device) - (self.base or 0), 0)
         free = self.budget - torch.cuda.memory_reserved(self.device)
-        self.why = (f"{free / 2**30:.2f} GB free under the {self.budget / 2**30:.2f} GB budget for a capture "
-                    f"that wants {self.factor:g}x the eager step's {need / 2**30:.2f} GB of activations")
-        return free >= self.factor * need
+        return free >= self.factor * need, (f"{free / 2**30:.2f} GB free under the {self.budget / 2**30:.2f} GB "
+                                            f"budget for a capture that wants {self.factor:g}x the eager step's "
+                                            f"{need / 2**30:.2f} GB of activations")
 
 
 def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None, swapped: int = 0) -> tuple[bool, str]:
@@ -230,8 +230,8 @@ class GraphedDenoiser:
                     or len(self._graphs) >= self.max_graphs):
                 return self.model(*args, **kwargs)
             if self._room is not None:
-                fits = self._room.fits()
-                self._room_checks.append(("" if fits else "no room: ") + self._room.why)
+                fits, why = self._room.check()
+                self._room_checks.append(("" if fits else "no room: ") + why)
                 if not fits:
                     self._no_room.add(key)
                     return self.model(*args, **kwargs)
