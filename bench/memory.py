@@ -252,11 +252,13 @@ def _graphs(r: dict[str, Any]) -> str:
     """How a train row ran ("train under CUDA graphs, ", "... eager after a failed capture, ", "... eager
     (no room to capture), ", "... eager, "), or "" for a row recorded before the runtime was (fifth
     session and older)."""
+    from stages.core.events import graphs_ran
+
     g = (r.get("runtime") or {}).get("cuda_graphs")
     if not g:
         return ""
-    how = ("under CUDA graphs" if g.get("graphs") else "eager after a failed capture" if g.get("failed")
-           else "eager (no room to capture)" if g.get("no_room") else "eager")
+    how = {"graphs": "under CUDA graphs", "failed": "eager after a failed capture",
+           "no room": "eager (no room to capture)", "eager": "eager"}[graphs_ran(g)]
     return f"train {how}, "
 
 

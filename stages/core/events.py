@@ -210,10 +210,17 @@ def _gpu_part(done: dict[str, Any]) -> str | None:
         bits.append(f"{swap['swapped_blocks']} of {runtime.get('blocks', '?')} blocks swapped")
     graphs = runtime.get("cuda_graphs")
     if graphs is not None:
-        bits.append("CUDA graphs" if graphs.get("graphs") else
-                    "eager: no room to capture CUDA graphs" if graphs.get("no_room") else
-                    "eager: the CUDA graph capture failed" if graphs.get("failed") else "eager")
+        bits.append({"graphs": "CUDA graphs", "failed": "eager: the CUDA graph capture failed",
+                     "no room": "eager: no room to capture CUDA graphs", "eager": "eager"}[graphs_ran(graphs)])
     return ", ".join(bits) or None
+
+
+def graphs_ran(graphs: dict[str, Any]) -> str:
+    """How train's denoiser ran, from its summary's `runtime.cuda_graphs` (fastpath.GraphedDenoiser's
+    summary and plan): "graphs" (a shape captured), "failed" (a capture failed: eager), "no room" (no
+    room to capture under block swap: eager) or "eager"."""
+    return ("graphs" if graphs.get("graphs") else "failed" if graphs.get("failed")
+            else "no room" if graphs.get("no_room") else "eager")
 
 
 def _count(n: int, noun: str) -> str:
