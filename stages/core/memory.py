@@ -411,7 +411,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 # room: under graphs a swapped block costs little (its copies overlap the compute: 8 Qwen-Image blocks,
 # 6 swapped, 1.09x the unswapped step; swap-probe-qwen-h200.json). The room with the measured allocation
 # peaks in place of the predicted activations came out 1-16 % below the planner's in the six swap rows
-# of memory-*-h200.json (2026-12-01), hence the margin.
+# of memory-*-h200.json (2026-12-01; worked out in bench/memory.md), hence the margin.
 GRAPH_ROOM_MARGIN = 1.2
 
 
