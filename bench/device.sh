@@ -45,6 +45,10 @@
 #      (eager 0.89x and 0.86x with 43 and 21 blocks swapped; the plans now swap 54 and 41)
 #   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px, and 1024 px with graphs off (its eager speed:
 #      the target row's 0.90x ran under graphs)
+#   Z2: Z's rows in the order that matters (issue 16's target first): Qwen-Image at 8 GB, 1024 px (the plan now swaps 47
+#       blocks, was 37) then 512 px (eager ran 0.16x)
+#   Y2: what Y lost: FLUX at 6 GB, 512 px (Y's row finished its 8 steps and was killed while exiting: memory.py now
+#       reads such a row from its final manifest), then Z-Image at 4 GB and auto, 512 px
 #   S2: what S left for Z-Image: 512 px at 4 GB (with the room rule) and auto
 #   S3: what S left for SDXL: 512 px at auto, 4 and 8 GB
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
@@ -157,6 +161,15 @@ case $phase in
        --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
      python3 bench/memory.py run --families qwen-image --budgets 8 --set train.cuda_graphs=off "${m[@]}" --out "$OUT/memory-qwen-image-8gb-eager-h200.json" \
        --budget-s $(( $(left) - 20 )) > "$OUT/memory-qwen-e.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-e.log" | cut -c1-300 ;;
+  Z2) m=(--models /tmp/lorapipe-models)
+     python3 bench/memory.py run --families qwen-image --budgets 8 "${m[@]}" --keep --out "$OUT/memory-qwen-image-8gb-room-h200.json" \
+       --budget-s $(( $(left) * 62 / 100 )) > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
+     python3 bench/memory.py run --res 512 --families qwen-image --budgets 8 "${m[@]}" --out "$OUT/memory-qwen-image-512-8gb-room-h200.json" \
+       --budget-s $(( $(left) - 15 )) > "$OUT/memory-qwen-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-512.log" | cut -c1-300 ;;
+  Y2) python3 bench/memory.py run --res 512 --families flux --budgets 6 --models /tmp/lorapipe-models --out "$OUT/memory-flux-512-6gb-room-h200.json" \
+       --budget-s $(( $(left) * 48 / 100 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
+     python3 bench/memory.py run --res 512 --families z-image --budgets 4,auto --models /tmp/lorapipe-models \
+       --out "$OUT/memory-zimage-512-room-h200.json" --budget-s $(( $(left) - 15 )) > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300 ;;
   S2) python3 bench/memory.py run --res 512 --families z-image --budgets 4 --models /tmp/lorapipe-models --keep \
        --out "$OUT/memory-zimage-512-4gb-room-h200.json" --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets auto --models /tmp/lorapipe-models \

@@ -343,8 +343,9 @@ def test_memory_targets_say_how_the_train_row_ran() -> None:
 
 def test_memory_plan_shows_the_full_size_train_plans_with_their_graph_room(tmp_path: Path, monkeypatch) -> None:
     """`bench/memory.py plan`: the train plan `run` would measure, from full-size configs on the meta
-    device: FLUX at 6 GB swaps blocks at 512 and 1024 px, with room for CUDA graphs at both (at 1024 px
-    only with more blocks swapped than fit needs: the note says how many)."""
+    device: FLUX at 6 GB swaps blocks at 512 and 1024 px, with room for CUDA graphs at both, each only
+    with more blocks swapped than fit needs (the note says how many: 3 at 512 px, whose 26 left 1.90x
+    free at the capture on the H200 and ran eager)."""
     import argparse
 
     from bench.memory import plan_table
@@ -359,5 +360,5 @@ def test_memory_plan_shows_the_full_size_train_plans_with_their_graph_room(tmp_p
     for r in rows:
         assert "base_precision=nf4" in r[3] and "swapped_blocks=" in r[3] and float(r[4]) * memory.FRAGMENTATION <= 6
         room = float(r[3].split("graph_room=")[1].split(",")[0])
-        assert room >= 2.4
-    assert rows[0][5].strip(" |") == "" and "more blocks swapped than the budget needs" in rows[1][5]
+        assert room >= fastpath.CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
+        assert "more blocks swapped than the budget needs" in r[5]

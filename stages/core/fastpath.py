@@ -114,8 +114,10 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # activations free. So "auto" captures under swap only where the memory free under the budget, measured
 # at the capture, is CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated
 # before the first step), and runs eager otherwise; the capture skips the side-stream warmup
-# (SWAP_WARMUP_ITERS). The planner swaps more blocks where that leaves the room (memory.GRAPH_ROOM_MARGIN).
-# Not yet measured on the GPU (bench/device.sh Y, Z).
+# (SWAP_WARMUP_ITERS). The planner swaps more blocks where that leaves the room (memory.graph_room).
+# Measured (bench/memory.md, memory-*-room-h200.json): captures under swap took 1.18-1.43x the eager
+# activations (FLUX 6 GB and Qwen-Image 8 GB at 1024 px, Qwen-Image 8 GB at 512 px: 0.91x, 0.90x and
+# 0.53x their unconstrained speed, the last 0.16x eager), so 2x leaves a margin.
 CAPTURE_ROOM = 2.0
 SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
                f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "

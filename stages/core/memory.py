@@ -406,20 +406,26 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 
 # CUDA graphs under block swap (stages/core/fastpath.py, CaptureRoom): the trainer captures where the
 # memory free under the budget is fastpath.CAPTURE_ROOM times the eager step's activations, else it runs
-# eager, whose host time sets the pace at small images (512 px: FLUX at 6 GB 0.19x, Qwen-Image at 8 GB
-# 0.16x its unconstrained speed; bench/memory.md). So a swap plan swaps more blocks, where that leaves the
-# room: under graphs a swapped block costs little (its copies overlap the compute: 8 Qwen-Image blocks,
-# 6 swapped, 1.09x the unswapped step; swap-probe-qwen-h200.json). The room with the measured allocation
-# peaks in place of the predicted activations came out 1-16 % below the planner's in the six swap rows
-# of memory-*-h200.json (2026-12-01; worked out in bench/memory.md), hence the margin.
-GRAPH_ROOM_MARGIN = 1.2
+# eager, whose host time sets the pace at small images (512 px: FLUX at 6 GB 0.14-0.19x, Qwen-Image at
+# 8 GB 0.16x their unconstrained speed; bench/memory.md). So a swap plan swaps more blocks, where that
+# leaves the room: under graphs a swapped block costs little (Qwen-Image at 8 GB, 512 px: 0.53x under
+# graphs with 27 swapped; FLUX at 6 GB, 1024 px: 0.91x with 54). The planner's room predicts the one the
+# runtime measures: in the five swap rows that weighed it (memory-*-room-h200.json, 2026-12-02) the
+# memory free at the capture was 0.14-0.25 GB below the budget less the planned peak without activations,
+# and the eager step's activations (its allocation peak over what was allocated at its first call: the
+# LoRA's gradients and optimizer state are among them) 0.10-0.20 GB above the formula's. With those two
+# allowances the planner's room came out 0.94-0.99x the measured one; the margin covers the rest.
+GRAPH_FREE_SLACK_GB, GRAPH_ACTIVATIONS_EXTRA_GB = 0.25, 0.2
+GRAPH_ROOM_MARGIN = 1.05
 
 
 def graph_room(settings_peak_gb: float, acts_gb: float, budget: Budget) -> float:
-    """A swap plan's room for a capture by the planner's figures: the budget less what stays allocated
-    between steps (the predicted peak without the activations and the swap's allocator margin), over
-    the step's activations."""
-    return (budget.gb - (settings_peak_gb - acts_gb - SWAP_EXTRA_GB)) / acts_gb if acts_gb > 0 else math.inf
+    """A swap plan's room for a capture as the runtime will measure it, by the planner's figures: the
+    budget less what stays allocated between steps (the predicted peak without the activations and the
+    swap's allocator margin) and the measured slack, over the step's activations and their measured
+    extra."""
+    free = budget.gb - (settings_peak_gb - acts_gb - SWAP_EXTRA_GB) - GRAPH_FREE_SLACK_GB
+    return free / (acts_gb + GRAPH_ACTIVATIONS_EXTRA_GB) if acts_gb > 0 else math.inf
 
 
 def _graphs_wanted(tcfg: Any, budget: Budget) -> bool:
@@ -445,7 +451,7 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
                     and peak * FRAGMENTATION <= budget.gb and graph_room(peak, acts_gb, budget) >= want):
                 extra = settings["swapped_blocks"] - plan.settings["swapped_blocks"]
                 room = graph_room(peak, acts_gb, budget)
-                note = (f"{extra} more blocks swapped than the budget needs, to leave CUDA graphs room to capture "
+                note = (f"{extra} more block{'s' * (extra > 1)} swapped than the budget needs, to leave CUDA graphs room to capture "
                         f"({room:.1f}x the step's activations free; {want:.1f}x wanted): eager steps under swap "
                         f"can be host-bound, most at small images")
                 plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
