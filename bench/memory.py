@@ -63,14 +63,19 @@ class MemoryRunner(Runner):
             return {}
         return {p["stage"]: p["settings"] for p in self.stage_plans(fam, model, budget, self.args.res)}
 
+    def row_config(self, fam: str, model: Path, budget: str, res: int) -> Any:
+        """The config a row's stages run with (the preset and the row's overrides), for planning."""
+        from stages.core.config import load_config
+
+        sets = {**self.base_sets(fam, res), **self.row_sets(budget), "model": str(model), "device": "cuda"}
+        return load_config(ROOT / family_full(fam).PRESET, sets)
+
     def stage_plans(self, fam: str, model: Path, budget: str, res: int) -> list[dict[str, Any]]:
         """Each GPU stage's plan (`pipeline.py plan --json`'s "stages") for a row at a numeric budget,
         from configs on the meta device: nothing touches CUDA."""
-        from stages.core.config import load_config
         from stages.plan import plans
 
-        sets = {**self.base_sets(fam, res), **self.row_sets(budget), "model": str(model), "device": "cuda"}
-        return plans(load_config(ROOT / family_full(fam).PRESET, sets), float(budget))["stages"]
+        return plans(self.row_config(fam, model, budget, res), float(budget))["stages"]
 
     def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str, where: str) -> dict[str, Any]:
         res = self.args.res

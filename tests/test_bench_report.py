@@ -362,3 +362,40 @@ def test_memory_plan_shows_the_full_size_train_plans_with_their_graph_room(tmp_p
         room = float(r[3].split("graph_room=")[1].split(",")[0])
         assert room >= fastpath.CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
         assert "more blocks swapped than the budget needs" in r[5]
+
+
+def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path: Path, monkeypatch) -> None:
+    """The planner's room for CUDA graphs under swap (memory.graph_room, which decides how many blocks a
+    plan swaps to leave it) against the room the trainer measured at the capture on the H200, in every
+    result file's train row that recorded it (runtime.cuda_graphs.room; full-size configs on the meta
+    device, the row's own plan): never above the measured room, so a plan the planner gives room has
+    it, and within 10 % of it, so it does not swap blocks for nothing."""
+    import argparse
+    import re
+
+    from bench.memory import MemoryRunner
+    from bench.plan_cost import config_only_model
+    from stages.core import fastpath, memory
+    from stages.core.model_source import model_source
+    from stages.families import get_family
+
+    monkeypatch.delenv(fastpath.ENV, raising=False)
+    figures = re.compile(r"([\d.]+) GB free under the ([\d.]+) GB budget for a capture that wants [\d.]+x "
+                         r"the eager step's ([\d.]+) GB of activations")
+    rows = [r for f in sorted((Path(__file__).parents[1] / "bench" / "results").glob("memory-*.json"))
+            for r in json.loads(f.read_text())["items"] if ((r.get("runtime") or {}).get("cuda_graphs") or {}).get("room")]
+    assert len(rows) >= 5 and {r["family"] for r in rows} >= {"flux", "qwen-image", "z-image"}
+    args = argparse.Namespace(families="", budgets="", res="", work=str(tmp_path), tiny=False, set=[], models="",
+                              out="", budget_s=1e9, keep=False, skip_done=[], only=[])
+    runner, ratios = MemoryRunner(args), []
+    for r in rows:
+        free, budget_gb, need = map(float, figures.search(r["runtime"]["cuda_graphs"]["room"][0]).groups())
+        assert budget_gb == float(r["budget"])
+        model = config_only_model(r["family"], tmp_path / "config-only" / r["family"])
+        cfg = runner.row_config(r["family"], model, r["budget"], r["resolution"])
+        budget = memory.Budget(float(r["budget"]), "cap")
+        plan = memory.plan_for(cfg, get_family(cfg.family), model_source(cfg), budget, "train")
+        ran = r["plan"]["settings"]
+        same = next(t for t in plan.tried if all(t[k] == ran[k] for k in ("base_precision", "swapped_blocks", "checkpointed_blocks")))
+        ratios.append(memory.graph_room(same["predicted_peak_gb"], same["activations_gb"], budget) / (free / need))
+    assert all(0.9 <= x <= 1.0 for x in ratios), ratios
