@@ -42,7 +42,7 @@
 #   Y: the CUDA swap test, then CUDA graphs under block swap where the budget has room (seventh session: the planner swaps more blocks to
 #      leave it, memory.GRAPH_ROOM_MARGIN; the trainer checks it at the capture, fastpath.CaptureRoom; the capture
 #      skips the side-stream warmup): FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound), then 6 and 8 GB at 1024 px
-#      (eager 0.89x and 0.86x with 43 and 21 blocks swapped; the plans now swap 54 and 41)
+#      (eager 0.89x and 0.86x with 43 and 21 blocks swapped; the plans then swapped 54 and 41)
 #   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px, and 1024 px with graphs off (its eager speed:
 #      the target row's 0.90x ran under graphs)
 #   Z2: Z's rows in the order that matters (issue 16's target first): Qwen-Image at 8 GB, 1024 px (the plan now swaps 47

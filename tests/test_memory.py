@@ -455,7 +455,7 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
     # fewest blocks that fit leave room under some budgets and not under others, more blocks make it
     for width in (1024, 4096):
         sets = {"train.base_precision": "bf16", "data.resolution": 256, "model": _deeper_flux(assets, tmp_path, 4, 8, width)}
-        cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+        cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off", "on")}
         # base_precision "auto": the plan that makes room keeps the precision the fewest blocks had
         either = {mode: make_cfg("flux", assets, demo_data, tmp_path, **{**sets, "train.base_precision": "auto"},
                                  **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
@@ -471,7 +471,7 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
             assert "graph_room" not in off.settings and off.settings == _plan("train", dropout, gb).settings
             if not off.settings["swapped_blocks"]:
                 continue
-            room = memory.graph_room(off.predicted_peak_gb, t["activations_gb"], memory.Budget(gb, "cap"))
+            room = memory.graph_room(off.predicted_peak_gb, t["activations_gb"], t["lora_grads_gb"], memory.Budget(gb, "cap"))
             assert auto.fits and auto.predicted_peak_gb * memory.FRAGMENTATION <= gb
             moved = auto.settings["swapped_blocks"] - off.settings["swapped_blocks"]
             if room >= want:
@@ -481,13 +481,15 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
                 assert auto.settings["graph_room"] >= want and f"{moved} more block{'s' * (moved > 1)} swapped" in auto.note
                 new = next(u for u in roomy.tried if u["base_precision"] == "bf16" and u["swapped_blocks"] == auto.settings["swapped_blocks"])
                 assert auto.predicted_peak_gb == new["predicted_peak_gb"] and auto.settings["graph_room"] == round(
-                    memory.graph_room(new["predicted_peak_gb"], new["activations_gb"], memory.Budget(gb, "cap")), 2)
+                    memory.graph_room(new["predicted_peak_gb"], new["activations_gb"], new["lora_grads_gb"], memory.Budget(gb, "cap")), 2)
                 fewer = [u for u in roomy.tried if u["base_precision"] == "bf16" and
                          off.settings["swapped_blocks"] < u["swapped_blocks"] < auto.settings["swapped_blocks"]]
-                assert all(memory.graph_room(u["predicted_peak_gb"], u["activations_gb"], memory.Budget(gb, "cap")) < want
+                assert all(memory.graph_room(u["predicted_peak_gb"], u["activations_gb"], u["lora_grads_gb"], memory.Budget(gb, "cap")) < want
                            or u["predicted_peak_gb"] * memory.FRAGMENTATION > gb for u in fewer)  # the fewest that do
                 seen.add("moved")
             else:
                 assert auto.settings["graph_room"] == round(room, 2) < want and "else runs eager" in auto.note
+                on = _plan("train", cfgs["on"], gb)  # "on" captures regardless: its note says so
+                assert on.settings == auto.settings and "'on' captures anyway and may run out of memory" in on.note
                 seen.add("eager")
     assert seen == {"room", "moved", "eager"}

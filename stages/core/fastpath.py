@@ -46,7 +46,8 @@ WARMUP_ITERS = 1  # one forward+backward on a side stream before capture (lazy i
 # capture (its own pool) nor the cap can take them back, so a capture can need up to twice the step's
 # activations (the likely reason Z-Image's capture at a 4 GB cap ran out of memory). The eager step
 # before the capture (CAPTURE_AT) ran the same shapes on the compute stream, and the capture empties
-# the cache first. Not yet measured on the GPU (bench/device.sh Y, Z).
+# the cache first. Measured since (2026-12-02, memory-*-room-h200.json): the captures under swap took
+# 1.18-1.43x the eager step's activations.
 SWAP_WARMUP_ITERS = 0
 
 
@@ -110,8 +111,8 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # 0.89x and Z-Image at 4 GB 0.91x their unconstrained speed eager. At 512 px eager costs: FLUX's eager
 # steps took ~0.55 s at 512 and at 1024 px alike, whatever the blocks swapped (the host's Python and
 # launches set the pace; Qwen-Image's ~0.93 s), so FLUX at 6 GB ran 0.19x and Qwen-Image at 8 GB 0.16x
-# (memory-flux-512-h200.json, memory-qwen-image-512-h200.json); those plans have 2.8-3.4x their
-# activations free. So "auto" captures under swap only where the memory free under the budget, measured
+# (memory-flux-512-h200.json, memory-qwen-image-512-h200.json); by the planner's figures of the time
+# those plans had 2.8-3.4x their activations free (measured at the capture since: 1.7-2.2x). So "auto" captures under swap only where the memory free under the budget, measured
 # at the capture, is CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated
 # before the first step), and runs eager otherwise; the capture skips the side-stream warmup
 # (SWAP_WARMUP_ITERS). The planner swaps more blocks where that leaves the room (memory.graph_room).

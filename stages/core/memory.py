@@ -394,10 +394,13 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             settings["host_gb"] = host_gb
         candidates.append((settings, peak / GB))
     plan = _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
+    grads_gb = lora / LORA_BYTES_PER_PARAM * 4 / GB  # the LoRA's fp32 gradients: a step allocates them anew
     for tried in plan.tried:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"]) / GB, 6)
+        tried["lora_grads_gb"] = round(grads_gb, 6)
     if plan.fits and plan.settings["swapped_blocks"] and _graphs_wanted(tcfg, budget):
-        plan = _with_graph_room(plan, candidates, activations(plan.settings["checkpointed_blocks"]) / GB, budget)
+        plan = _with_graph_room(plan, candidates, activations(plan.settings["checkpointed_blocks"]) / GB, grads_gb,
+                                budget, getattr(tcfg, "cuda_graphs", "auto"))
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()
@@ -412,20 +415,21 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 # graphs with 27 swapped; FLUX at 6 GB, 1024 px: 0.91x with 54). The planner's room predicts the one the
 # runtime measures: in the five swap rows that weighed it (memory-*-room-h200.json, 2026-12-02) the
 # memory free at the capture was 0.14-0.25 GB below the budget less the planned peak without activations,
-# and the eager step's activations (its allocation peak over what was allocated at its first call: the
-# LoRA's gradients and optimizer state are among them) 0.10-0.20 GB above the formula's. With those two
-# allowances the planner's room came out 0.94-0.99x the measured one; the margin covers the rest.
-GRAPH_FREE_SLACK_GB, GRAPH_ACTIVATIONS_EXTRA_GB = 0.25, 0.2
+# and the eager step's activations (its allocation peak over what was allocated at its first call) were
+# 0.10-0.20 GB above the formula's: the LoRA's gradients, allocated in the step (0.06-0.09 GB at rank 16),
+# and ~0.1 GB more. With those allowances (the gradients scale with the LoRA's size) the planner's room came
+# out 0.92-0.99x the measured one in those rows, which they were fitted on; the margin covers the rest.
+GRAPH_FREE_SLACK_GB, GRAPH_ACTIVATIONS_EXTRA_GB = 0.25, 0.13
 GRAPH_ROOM_MARGIN = 1.05
 
 
-def graph_room(settings_peak_gb: float, acts_gb: float, budget: Budget) -> float:
+def graph_room(settings_peak_gb: float, acts_gb: float, grads_gb: float, budget: Budget) -> float:
     """A swap plan's room for a capture as the runtime will measure it, by the planner's figures: the
     budget less what stays allocated between steps (the predicted peak without the activations and the
-    swap's allocator margin) and the measured slack, over the step's activations and their measured
-    extra."""
+    swap's allocator margin) and the measured slack, over what a step allocates (its activations, the
+    LoRA's gradients `grads_gb`, and the measured extra)."""
     free = budget.gb - (settings_peak_gb - acts_gb - SWAP_EXTRA_GB) - GRAPH_FREE_SLACK_GB
-    return free / (acts_gb + GRAPH_ACTIVATIONS_EXTRA_GB) if acts_gb > 0 else math.inf
+    return free / (acts_gb + grads_gb + GRAPH_ACTIVATIONS_EXTRA_GB) if acts_gb > 0 else math.inf
 
 
 def _graphs_wanted(tcfg: Any, budget: Budget) -> bool:
@@ -436,30 +440,33 @@ def _graphs_wanted(tcfg: Any, budget: Budget) -> bool:
 
 
 def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts_gb: float,
-                     budget: Budget) -> StagePlan:
+                     grads_gb: float, budget: Budget, configured: str) -> StagePlan:
     """The swap plan with the fewest blocks swapped (same precision and checkpointing, so the same
-    activations `acts_gb`) that leaves CUDA graphs room to capture, else `plan` as it is (it will run
-    eager); its note says which."""
+    activations `acts_gb`) that leaves CUDA graphs room to capture, else `plan` as it is (under "auto"
+    it will run eager); its note says which."""
     from stages.core import fastpath
 
     want = fastpath.CAPTURE_ROOM * GRAPH_ROOM_MARGIN
     same = lambda s: all(s[k] == plan.settings[k] for k in ("base_precision", "checkpointed_blocks"))  # noqa: E731
-    room = graph_room(plan.predicted_peak_gb, acts_gb, budget)
+    room_at = lambda peak: graph_room(peak, acts_gb, grads_gb, budget)  # noqa: E731
+    room = room_at(plan.predicted_peak_gb)
     if room < want:
         for settings, peak in candidates:
             if (same(settings) and settings["swapped_blocks"] > plan.settings["swapped_blocks"]
-                    and peak * FRAGMENTATION <= budget.gb and graph_room(peak, acts_gb, budget) >= want):
+                    and peak * FRAGMENTATION <= budget.gb and room_at(peak) >= want):
                 extra = settings["swapped_blocks"] - plan.settings["swapped_blocks"]
-                room = graph_room(peak, acts_gb, budget)
+                room = room_at(peak)
                 note = (f"{extra} more block{'s' * (extra > 1)} swapped than the budget needs, to leave CUDA graphs room to capture "
                         f"({room:.1f}x the step's activations free; {want:.1f}x wanted): eager steps under swap "
                         f"can be host-bound, most at small images")
                 plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
                 break
         else:
+            then = ("train.cuda_graphs = 'on' captures anyway and may run out of memory there"
+                    if fastpath.graphs_mode(configured) == "on" else
+                    "train checks at the capture, else runs eager, which can be host-bound, most at small images")
             plan.note = (f"CUDA graphs may have no room to capture under this swap plan ({room:.1f}x the step's "
-                         f"activations free, {want:.1f}x wanted; train checks at the capture, else runs eager, which "
-                         f"can be host-bound, most at small images; a larger --vram gives them room)")
+                         f"activations free, {want:.1f}x wanted; {then}; a larger --vram gives them room)")
     plan.settings = {**plan.settings, "graph_room": round(room, 2)}
     return plan
 
