@@ -52,6 +52,9 @@
 #   Y3: the 512 px plans the planner's corrected room gives (eighth session: FLUX at 6 GB 29 swapped, Z-Image at 4 GB
 #       12; with 26 and 8 they found 1.90x and 1.70x free at the capture and ran eager), and Z-Image's 512 px auto
 #       row (cut off in S and Y2), auto first
+#   SP: train.block_swap_layout = "spread" (the swapped blocks spread among the resident ones, so the copies overlap
+#       their compute) at 512 px: Qwen-Image at 8 GB (with "last", 27 swapped under graphs: 0.28 s a step, 0.53x),
+#       then FLUX at 6 GB; their own tables ("with train.block_swap_layout=spread")
 #   S2: what S left for Z-Image: 512 px at 4 GB (with the room rule) and auto
 #   S3: what S left for SDXL: 512 px at auto, 4 and 8 GB
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
@@ -177,6 +180,11 @@ case $phase in
        --budget-s $(( $(left) * 45 / 100 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets auto,4 --models /tmp/lorapipe-models \
        --out "$OUT/memory-zimage-512-room2-h200.json" --budget-s $(( $(left) - 15 )) > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300 ;;
+  SP) m=(--models /tmp/lorapipe-models --set train.block_swap_layout=spread)
+     python3 bench/memory.py run --res 512 --families qwen-image --budgets 8 "${m[@]}" --out "$OUT/memory-qwen-image-512-8gb-spread-h200.json" \
+       --budget-s $(( $(left) / 2 )) > "$OUT/memory-qwen-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-512.log" | cut -c1-300
+     python3 bench/memory.py run --res 512 --families flux --budgets 6 "${m[@]}" --out "$OUT/memory-flux-512-6gb-spread-h200.json" \
+       --budget-s $(( $(left) - 15 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300 ;;
   S2) python3 bench/memory.py run --res 512 --families z-image --budgets 4 --models /tmp/lorapipe-models --keep \
        --out "$OUT/memory-zimage-512-4gb-room-h200.json" --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets auto --models /tmp/lorapipe-models \

@@ -44,15 +44,19 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, tor
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
-@pytest.mark.parametrize("n_swapped", [1, 5])
-def test_swapped_loss_and_lora_grads_equal_unswapped_bit_for_bit(checkpointing: bool, n_swapped: int) -> None:
+@pytest.mark.parametrize("n_swapped, layout", [(1, "last"), (5, "last"), (3, "spread")])
+def test_swapped_loss_and_lora_grads_equal_unswapped_bit_for_bit(checkpointing: bool, n_swapped: int, layout: str) -> None:
+    """"spread" with 3 of the 5 blocks swaps double block 0 and single blocks 2 and 4, resident ones
+    between them: the slots (sized for the double block) serve both kinds."""
     model = _tiny_flux()
     if checkpointing:
         model.enable_gradient_checkpointing(fastpath.checkpoint_function(0.0))
     model.train()
     loss_ref, grads_ref = _loss_and_grads(model)
-    swap = blockswap.install_block_swap(model, n_swapped, torch.device("cpu"))
+    blocks = blockswap.repeated_blocks(model)
+    swap = blockswap.install_block_swap(model, n_swapped, torch.device("cpu"), layout)
     assert swap is not None and len(swap.blocks) == n_swapped
+    assert swap.blocks == [blocks[i] for i in ([0, 2, 4] if layout == "spread" else range(5 - n_swapped, 5))]
     loss, grads = _loss_and_grads(model)
     assert torch.equal(loss, loss_ref)
     assert grads.keys() == grads_ref.keys() and len(grads) > 0
@@ -190,3 +194,34 @@ def test_host_chunks_keep_pinned_rounding_small(block_mb: float, n: int) -> None
     assert all(end <= chunks[c] for c, _, end in spans)
     assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
     assert sum(chunks) == sum(sizes)
+
+
+def test_swapped_positions_last_and_spread() -> None:
+    """Which blocks a plan that swaps k of n keeps in host memory: "last", the last k; "spread", k
+    evenly spaced, the last block among them (the recompute starts with it); an unknown layout is an
+    error naming the known ones."""
+    assert blockswap.swapped_positions(10, 3) == [7, 8, 9] and blockswap.swapped_positions(10, 0, "spread") == []
+    assert blockswap.swapped_positions(10, 5, "spread") == [1, 3, 5, 7, 9]
+    assert blockswap.swapped_positions(60, 27, "spread")[-1] == 59 and blockswap.swapped_positions(5, 9, "spread") == [0, 1, 2, 3, 4]
+    for n in (5, 57, 60):
+        for k in range(1, n + 1):
+            spread = blockswap.swapped_positions(n, k, "spread")
+            gaps = {b - a for a, b in zip(spread, spread[1:])}
+            assert len(spread) == k == len(set(spread)) and spread[-1] == n - 1 and spread == sorted(spread)
+            assert max(gaps, default=0) - min(gaps, default=0) <= 1 and min(spread) == n // k - 1  # evenly spaced
+    with pytest.raises(ValueError, match="'middle' is not one of last, spread"):
+        blockswap.swapped_positions(5, 2, "middle")
+
+
+@pytest.mark.parametrize("layout", ["last", "spread"])
+def test_the_nf4_load_puts_in_host_memory_the_blocks_the_swap_takes(layout: str) -> None:
+    """nf4_blocks quantizes block by block and leaves in host memory the blocks block swap will swap:
+    both ask blockswap.swapped_positions, so a spread plan's resident blocks never start on the host."""
+    from stages.core import nf4_blocks
+
+    model = _tiny_flux()
+    blocks = blockswap.repeated_blocks(model)
+    host = [mods[0] for mods, to_host in nf4_blocks._groups(model, 3, layout) if to_host]
+    assert host == [blocks[i] for i in ([0, 2, 4] if layout == "spread" else [2, 3, 4])]
+    swap = blockswap.install_block_swap(model, 3, torch.device("cpu"), layout)
+    assert swap is not None and swap.blocks == host

@@ -8,6 +8,7 @@ tiling, swapped blocks) is picked when and only when the budget forces it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -493,3 +494,42 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
                 assert on.settings == auto.settings and "'on' captures anyway and may run out of memory" in on.note
                 seen.add("eager")
     assert seen == {"room", "moved", "eager"}
+
+
+def test_a_spread_swap_plan_counts_the_blocks_it_picks_and_hands_them_on(assets, demo_data, tmp_path, monkeypatch):
+    """train.block_swap_layout = "spread": the planner prices the blocks blockswap.swapped_positions
+    picks (FLUX's double blocks outweigh its single ones; the two slots hold the largest swapped block
+    each, so the resident bytes are the base less the swapped blocks plus two of the largest), the
+    settings name the layout, and the load and the swap get it."""
+    from diffusers import FluxTransformer2DModel
+
+    from stages.core.runtime import Runtime
+
+    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)
+    folder = _deeper_flux(assets, tmp_path, 4, 8)
+    sets = {"train.base_precision": "bf16", "data.resolution": 256, "model": folder}
+    with torch.device("meta"):
+        meta = FluxTransformer2DModel.from_config(json.loads((Path(folder) / "transformer" / "config.json").read_text()))
+    size = [memory.weight_bytes(b, "bf16", codes_only=True) for b in blockswap.repeated_blocks(meta)]
+    assert size[0] > 2 * size[-1]  # a double block, a single block
+    plans = {layout: _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.block_swap_layout": layout}), 1000.0)
+             for layout in ("last", "spread")}
+    swaps = {layout: {t["swapped_blocks"]: t for t in p.tried if t["swapped_blocks"]} for layout, p in plans.items()}
+    n = plans["last"].settings["blocks"]
+    assert sorted(swaps["last"]) == sorted(swaps["spread"]) == list(range(1, n + 1))
+    assert all("swap_layout" not in t for t in swaps["last"].values())
+    assert all(t["swap_layout"] == "spread" for t in swaps["spread"].values())
+    kept = lambda k, layout: -sum(h := [size[i] for i in blockswap.swapped_positions(n, k, layout)]) + 2 * max(h)  # noqa: E731
+    differed = 0
+    for k in range(1, n + 1):
+        last, spread = swaps["last"][k]["predicted_peak_gb"], swaps["spread"][k]["predicted_peak_gb"]
+        assert spread - last == pytest.approx((kept(k, "spread") - kept(k, "last")) / memory.GB, abs=2e-6), k
+        differed += kept(k, "spread") != kept(k, "last")
+    assert differed  # e.g. one double block among the spread ones: its slots are larger, a single block stays
+    gb = _just_above(swaps["spread"][6]["predicted_peak_gb"])
+    tight = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.block_swap_layout": "spread",
+                                                                                     "train.cuda_graphs": "off"}), gb)
+    assert tight.settings["swap_layout"] == "spread" and tight.settings["swapped_blocks"] >= 6
+    monkeypatch.setattr(memory, "host_shortfall", lambda plan: "")
+    load = memory.load_device(tight, Runtime(torch.device("cuda"), torch.bfloat16))
+    assert (load.swapped_blocks, load.swap_layout) == (tight.settings["swapped_blocks"], "spread")

@@ -8,7 +8,9 @@ How it works (same math as the unswapped model, only placement changes):
 - The blocks are the members of the model's ModuleLists whose class is in diffusers'
   `_repeated_blocks` (FLUX: FluxTransformerBlock + FluxSingleTransformerBlock, 19 + 38; Qwen-Image:
   60 QwenImageTransformerBlock; Z-Image: 30 ZImageTransformerBlock; SDXL: its 70 BasicTransformerBlock
-  inside the attention layers). The last `n_blocks` of them (in execution order) are swapped.
+  inside the attention layers). Which `n_blocks` of them are swapped is `swapped_positions`' choice:
+  the last ones in execution order (train.block_swap_layout = "last", the default), or spread evenly
+  among them ("spread").
 - A swapped block's frozen parameters are packed into one buffer in host memory (pinned on CUDA;
   blocks share power-of-two chunks, `host_chunks`, as the pinned allocator rounds every allocation up
   to one); each parameter becomes a view of it. Trainable parameters (LoRA A/B) stay on the GPU and stay the
@@ -60,6 +62,26 @@ def repeated_block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
     classes = set(getattr(model, "_repeated_blocks", ()) or ())
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, torch.nn.ModuleList) and len(m) and all(type(b).__name__ in classes for b in m)]
+
+
+SWAP_LAYOUTS = ("last", "spread")
+
+
+def swapped_positions(n_blocks: int, swapped: int, layout: str = "last") -> list[int]:
+    """Which of `n_blocks` repeated blocks (in execution order) a plan that swaps `swapped` of them keeps
+    in host memory; the planner, the nf4 load and `install_block_swap` all ask here. "last": the last
+    ones. "spread": evenly among all blocks, the last block among them (so the recompute still starts
+    with the forward's last two swapped blocks in the slots). A copy runs on the side stream while the
+    blocks before its own compute: with "last" only the swapped blocks, whose compute at small images
+    is shorter than a copy (512 px, Qwen-Image nf4: ~3.2 ms a copy, ~0.8 ms a block pass), so the
+    resident blocks' compute and the copies add up; "spread" puts resident blocks between swapped ones
+    for the copies to overlap. Same math either way (only placement changes)."""
+    if layout not in SWAP_LAYOUTS:
+        raise ValueError(f"block swap layout {layout!r} is not one of {', '.join(SWAP_LAYOUTS)}")
+    k = max(0, min(swapped, n_blocks))
+    if layout == "last" or k == 0:
+        return list(range(n_blocks - k, n_blocks))
+    return [(j + 1) * n_blocks // k - 1 for j in range(k)]
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -294,13 +316,15 @@ def forget_slots(model: torch.nn.Module) -> None:
             m._block_swap.forget()
 
 
-def install_block_swap(model: torch.nn.Module, n_blocks: int, device: torch.device) -> BlockSwap | None:
-    """Swap the last `n_blocks` repeated blocks of `model` (call after LoRA is attached, so its
-    parameters are known as trainable and stay on the device). None when there is nothing to swap."""
+def install_block_swap(model: torch.nn.Module, n_blocks: int, device: torch.device,
+                       layout: str = "last") -> BlockSwap | None:
+    """Swap `n_blocks` repeated blocks of `model`, those `swapped_positions` picks for `layout` (call
+    after LoRA is attached, so its parameters are known as trainable and stay on the device). None when
+    there is nothing to swap."""
     blocks = repeated_blocks(model)
     if n_blocks <= 0 or not blocks:
         return None
-    swap = BlockSwap(device, blocks[len(blocks) - min(n_blocks, len(blocks)):])
+    swap = BlockSwap(device, [blocks[i] for i in swapped_positions(len(blocks), n_blocks, layout)])
     for _, blocks_list in repeated_block_lists(model):
         if any(id(b) in swap.order for b in blocks_list):
             blocks_list.__class__ = SwappedModuleList

@@ -191,6 +191,11 @@ class TrainConfig:
     where the budget has 2x the eager step's activations free at the capture (capturing needs memory a
     swap plan may not have; else eager; the planner swaps more blocks where that leaves the room).
     LORAPIPE_CUDA_GRAPHS overrides it."""
+    block_swap_layout: Literal["last", "spread"] = "last"
+    """Which blocks a memory plan that swaps N blocks keeps in host memory: the last N in execution order,
+    or N spread evenly among all blocks, so their copies overlap the compute of the resident blocks
+    between them (at small images a copy outlasts a block's compute). Same loss either way. "last" is
+    measured (bench/RESULTS.md "Memory budgets"); "spread" not yet on a GPU."""
     enable_tf32: bool = True
     """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
     cudnn_attention: bool = False

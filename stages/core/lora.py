@@ -30,7 +30,7 @@ def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt
     if precision == "nf4" and getattr(rt, "swapped_blocks", 0):  # a HostLoad: blocks will be swapped
         from stages.core.nf4_blocks import load_nf4_by_block
 
-        return load_nf4_by_block(cls, src, subfolder, rt.target, rt.swapped_blocks, double_quant)
+        return load_nf4_by_block(cls, src, subfolder, rt.target, rt.swapped_blocks, double_quant, rt.swap_layout)
     kwargs: dict[str, Any] = {"torch_dtype": rt.dtype}
     require_cuda_for_nf4("train.base_precision", precision, rt)
     if precision != "nf4" and rt.is_cuda and has_accelerate():

@@ -370,7 +370,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
     precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
-    n = len(blocks)
+    n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     # per precision: the whole base, and each block's bytes that swapping it moves to host memory
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
     host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
@@ -382,7 +382,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
         total, block = sizes[precision]
-        host = block[len(block) - swapped:] if swapped else []  # the last `swapped` blocks: two slots of the largest
+        host = [block[i] for i in blockswap.swapped_positions(n, swapped, layout)]  # two slots of the largest
         resident = total - sum(host) + min(2, len(host)) * max(host, default=0)
         peak = resident + lora + activations(checkpointed) + SWAP_EXTRA_GB * GB * (swapped > 0)
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
@@ -392,6 +392,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
         if swapped or precision == "fp8":  # these read the bf16 base into host memory first (nf4_blocks, fp8)
             settings["host_gb"] = host_gb
+        if swapped and layout != "last":
+            settings["swap_layout"] = layout
         candidates.append((settings, peak / GB))
     plan = _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
     grads_gb = lora / LORA_BYTES_PER_PARAM * 4 / GB  # the LoRA's fp32 gradients: a step allocates them anew
@@ -686,7 +688,8 @@ def load_device(plan: StagePlan, rt: Any) -> Any:
     swapped = plan.settings.get("swapped_blocks")
     if not swapped:
         return rt
-    return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped)
+    return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped,
+                    swap_layout=plan.settings.get("swap_layout", "last"))
 
 
 def text_encoder_runtime(plan: StagePlan, rt: Any) -> Any:
@@ -713,7 +716,8 @@ def checkpointed_blocks(plan: StagePlan, blocks: int) -> int:
 
 def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blockswap.BlockSwap | None:
     """Install the plan's block swap (after LoRA is attached, before the optimizer is made)."""
-    swap = blockswap.install_block_swap(model, plan.settings.get("swapped_blocks", 0), rt.device)
+    swap = blockswap.install_block_swap(model, plan.settings.get("swapped_blocks", 0), rt.device,
+                                        plan.settings.get("swap_layout", "last"))
     blockswap.move_unswapped(model, swap, rt.device)
     return swap
 

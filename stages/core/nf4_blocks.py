@@ -43,11 +43,11 @@ def _keep_in_fp32(model: torch.nn.Module) -> list[str]:
     return [] if keep is None else list(keep) if isinstance(keep, (list, tuple)) else [keep]
 
 
-def _groups(model: torch.nn.Module, swapped_blocks: int) -> list[tuple[list[torch.nn.Module], bool]]:
+def _groups(model: torch.nn.Module, swapped_blocks: int, layout: str = "last") -> list[tuple[list[torch.nn.Module], bool]]:
     """(modules, goes to host) in quantization order: the modules outside the repeated blocks, then
-    each block with its submodules; the last `swapped_blocks` blocks (blockswap's choice) go to host."""
+    each block with its submodules; the `swapped_blocks` blocks blockswap swaps for `layout` go to host."""
     blocks = blockswap.repeated_blocks(model)
-    swapped = {id(b) for b in blocks[len(blocks) - min(swapped_blocks, len(blocks)):]} if swapped_blocks > 0 else set()
+    swapped = {id(blocks[i]) for i in blockswap.swapped_positions(len(blocks), swapped_blocks, layout)}
     inside = {id(m) for b in blocks for m in b.modules()}
     rest = [m for m in model.modules() if id(m) not in inside]
     return [(rest, False)] + [(list(b.modules()), id(b) in swapped) for b in blocks]
@@ -68,9 +68,9 @@ def _move_own(module: torch.nn.Module, device: torch.device | str) -> None:
 
 
 def quantize_nf4_by_block(model: torch.nn.Module, double_quant: bool, device: torch.device | str,
-                          swapped_blocks: int) -> torch.nn.Module:
+                          swapped_blocks: int, layout: str = "last") -> torch.nn.Module:
     """Turn a dense bf16 `model` (in host memory) into diffusers' nf4 model, block by block on `device`;
-    the last `swapped_blocks` repeated blocks end in host memory, everything else on `device`."""
+    the `swapped_blocks` repeated blocks swapped for `layout` end in host memory, everything else on `device`."""
     import bitsandbytes as bnb
     from diffusers.quantizers import DiffusersAutoQuantizer
 
@@ -79,7 +79,7 @@ def quantize_nf4_by_block(model: torch.nn.Module, double_quant: bool, device: to
     quantizer = DiffusersAutoQuantizer.from_config(nf4_config(double_quant), pre_quantized=False)
     quantizer.preprocess_model(model=model, device_map=None, keep_in_fp32_modules=_keep_in_fp32(model))
     names = {id(m): name for name, m in model.named_modules()}
-    for modules, to_host in _groups(model, swapped_blocks):
+    for modules, to_host in _groups(model, swapped_blocks, layout):
         for module in modules:
             if isinstance(module, bnb.nn.Linear4bit):  # quantized on `device` (one layer there at a time)
                 name, old = names[id(module)], dense.pop(names[id(module)])
@@ -98,7 +98,7 @@ def quantize_nf4_by_block(model: torch.nn.Module, double_quant: bool, device: to
 
 
 def load_nf4_by_block(cls: Any, src: Any, subfolder: str, device: torch.device, swapped_blocks: int,
-                      double_quant: bool) -> torch.nn.Module:
+                      double_quant: bool, layout: str = "last") -> torch.nn.Module:
     """Read the bf16 base into host memory and quantize it block by block (see the module doc)."""
     model = src.load(cls, subfolder, torch_dtype=torch.bfloat16)
-    return quantize_nf4_by_block(model, double_quant, device, swapped_blocks)
+    return quantize_nf4_by_block(model, double_quant, device, swapped_blocks, layout)

@@ -35,12 +35,13 @@ class Runtime:
 
 @dataclass
 class HostLoad(Runtime):
-    """Where train loads a base whose last `swapped_blocks` blocks the plan swaps: host memory
-    (`device` is the CPU); `target` is the GPU it trains on (an nf4 base is quantized there block by
-    block, stages/core/nf4_blocks.py)."""
+    """Where train loads a base of which the plan swaps `swapped_blocks` blocks (which ones:
+    `swap_layout`, blockswap.swapped_positions): host memory (`device` is the CPU); `target` is the GPU
+    it trains on (an nf4 base is quantized there block by block, stages/core/nf4_blocks.py)."""
 
     target: torch.device = field(default_factory=lambda: torch.device("cpu"))
     swapped_blocks: int = 0
+    swap_layout: str = "last"
 
 
 @dataclass
