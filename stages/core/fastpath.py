@@ -112,9 +112,10 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # steps took ~0.55 s at 512 and at 1024 px alike, whatever the blocks swapped (the host's Python and
 # launches set the pace; Qwen-Image's ~0.93 s), so FLUX at 6 GB ran 0.19x and Qwen-Image at 8 GB 0.16x
 # (memory-flux-512-h200.json, memory-qwen-image-512-h200.json); by the planner's figures of the time
-# those plans had 2.8-3.4x their activations free (measured at the capture since: 1.7-2.2x). So "auto" captures under swap only where the memory free under the budget, measured
-# at the capture, is CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated
-# before the first step), and runs eager otherwise; the capture skips the side-stream warmup
+# those plans had 2.8-3.4x their activations free (measured at the capture since: 1.7-2.2x). So "auto"
+# captures under swap only where the memory free under the budget, measured at the capture, is
+# CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated before the first
+# step), and runs eager otherwise; the capture skips the side-stream warmup
 # (SWAP_WARMUP_ITERS). The planner swaps more blocks where that leaves the room (memory.graph_room).
 # Measured (bench/memory.md, memory-*-room-h200.json): captures under swap took 1.18-1.43x the eager
 # activations (FLUX 6 GB and Qwen-Image 8 GB at 1024 px, Qwen-Image 8 GB at 512 px: 0.91x, 0.90x and
