@@ -490,8 +490,8 @@ def finished_before_kill(run_dir: Path, kind: str, since: float, steps: int) -> 
     return manifest.get("complete") is True and manifest.get("step") == steps
 
 
-KILLED_AFTER_MANIFEST = "the budget's timeout killed the process (rc {rc}) after it had written its final manifest " \
-                        "for all {steps} steps: the row is read from that manifest"
+KILLED_AFTER_MANIFEST = "the process ended with rc {rc} (-9: the budget's timeout killed it) after it had written its " \
+                        "final manifest for all {steps} steps: the row is read from that manifest"
 
 
 def _failed(rc: int) -> str:
