@@ -401,3 +401,13 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
         room = memory.graph_room(same["predicted_peak_gb"], same["activations_gb"], same["lora_grads_gb"], budget)
         ratios.append(room / (free / need))
     assert all(0.9 <= x <= 1.0 for x in ratios), ratios
+
+
+def test_results_md_carries_the_hand_written_notes_as_they_are_now() -> None:
+    """bench/RESULTS.md appends memory.md and fp8.md (the hand-written reading of those result files):
+    one edited without `bench.py report --write` regenerating RESULTS.md leaves it stale."""
+    bench_dir = Path(__file__).parents[1] / "bench"
+    results = (bench_dir / "RESULTS.md").read_text()
+    for name in ("memory.md", "fp8.md"):
+        assert (bench_dir / name).read_text() in results, f"bench/{name} changed since RESULTS.md was written: " \
+            "run `python3 bench/bench.py report bench/results/*.json --write bench/RESULTS.md`"
