@@ -87,7 +87,8 @@ class CaptionsConfig:
     max_sequence_length: int = 512
     """Text tokens kept per caption (FLUX's T5: 512 for dev, 256 for schnell; longer is truncated)."""
     text_encoder_precision: Literal["auto", "fp32", "bf16", "nf4"] = "auto"
-    """auto: bf16 on CUDA, fp32 on CPU. nf4 needs CUDA (bitsandbytes)."""
+    """auto: on CUDA bf16 if it fits the stage's memory budget, else nf4 (else bf16 with layer offload);
+    fp32 on CPU. nf4 needs CUDA (bitsandbytes)."""
     batch_size: int = 8
     """Captions per text-encoder forward."""
 
@@ -164,7 +165,8 @@ class TrainConfig:
     dynamic_shift: bool = False
     """Shift by image token count as FLUX's scheduler does at inference (overrides shift)."""
     guidance_scale: float = 1.0
-    """FLUX-dev guidance embedding value during training (ignored by models without one)."""
+    """Guidance embedding value during training, for models with one (FLUX.1-dev, FLUX.2 dev); ignored
+    by the others."""
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
     """DDPM families only (SDXL): auto reads the scheduler config."""
     snr_gamma: float = 5.0
@@ -276,7 +278,8 @@ class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
     family: str = "flux"
-    """Model family: flux, qwen-image, z-image or sdxl."""
+    """Model family: flux, flux-kontext, qwen-image, qwen-image-edit, qwen-image-2.1, z-image, sdxl,
+    flux2-klein, flux2 or krea2 (stages/families/__init__.py)."""
     model: str = ""
     """A local diffusers pipeline folder, a hub id (e.g. black-forest-labs/FLUX.1-dev), or a single-file
     denoiser checkpoint (.safetensors; fp8_scaled files are converted once into <artifacts>/.model-cache)."""
