@@ -50,11 +50,11 @@
 #   Y2: what Y lost: FLUX at 6 GB, 512 px (Y's row finished its 8 steps and was killed while exiting: memory.py now
 #       reads such a row from its final manifest), then Z-Image at 4 GB and auto, 512 px
 #   Y3: the 512 px plans the planner's corrected room gives (eighth session: FLUX at 6 GB 29 swapped, Z-Image at 4 GB
-#       12; with 26 and 8 they found 1.90x and 1.70x free at the capture and ran eager), and Z-Image's 512 px auto
-#       row (cut off in S and Y2), auto first
-#   SP: train.block_swap_layout = "spread" (the swapped blocks spread among the resident ones, so the copies overlap
-#       their compute) at 512 px: Qwen-Image at 8 GB (with "last", 27 swapped under graphs: 0.28 s a step, 0.53x),
-#       then FLUX at 6 GB; their own tables ("with train.block_swap_layout=spread")
+#       12; with 26 and 8 they found 1.90x and 1.70x free at the capture and ran eager): FLUX at 6 GB, then the same
+#       with train.block_swap_layout = "spread" on the kept model (the swapped blocks among the resident ones, so the
+#       copies overlap their compute; its own table), then Z-Image at 4 GB and its 512 px auto row (cut off in S, Y2)
+#   SP: Qwen-Image at 8 GB, 512 px, "spread" then "last" on the kept model (with "last" and 27 swapped, under graphs:
+#       0.28 s a step, 0.53x; the planner now swaps 28)
 #   S2: what S left for Z-Image: 512 px at 4 GB (with the room rule) and auto
 #   S3: what S left for SDXL: 512 px at auto, 4 and 8 GB
 #   T: bench/tiling.py: what the tiled VAE encode changes in the posterior, every distinct VAE (~150 s)
@@ -176,15 +176,20 @@ case $phase in
        --budget-s $(( $(left) * 48 / 100 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets 4,auto --models /tmp/lorapipe-models \
        --out "$OUT/memory-zimage-512-room-h200.json" --budget-s $(( $(left) - 15 )) > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300 ;;
-  Y3) python3 bench/memory.py run --res 512 --families flux --budgets 6 --models /tmp/lorapipe-models --out "$OUT/memory-flux-512-6gb-room2-h200.json" \
-       --budget-s $(( $(left) * 45 / 100 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
-     python3 bench/memory.py run --res 512 --families z-image --budgets auto,4 --models /tmp/lorapipe-models \
+  Y3) m=(--res 512 --models /tmp/lorapipe-models)
+     python3 bench/memory.py run "${m[@]}" --families flux --budgets 6 --keep --out "$OUT/memory-flux-512-6gb-room2-h200.json" \
+       --budget-s $(( $(left) * 40 / 100 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
+     python3 bench/memory.py run "${m[@]}" --families flux --budgets 6 --set train.block_swap_layout=spread \
+       --out "$OUT/memory-flux-512-6gb-spread-h200.json" --budget-s $(( $(left) / 2 )) > "$OUT/memory-flux-512-s.log" 2>&1
+     grep "^\[memory\]" "$OUT/memory-flux-512-s.log" | cut -c1-300
+     python3 bench/memory.py run "${m[@]}" --families z-image --budgets 4,auto \
        --out "$OUT/memory-zimage-512-room2-h200.json" --budget-s $(( $(left) - 15 )) > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300 ;;
-  SP) m=(--models /tmp/lorapipe-models --set train.block_swap_layout=spread)
-     python3 bench/memory.py run --res 512 --families qwen-image --budgets 8 "${m[@]}" --out "$OUT/memory-qwen-image-512-8gb-spread-h200.json" \
-       --budget-s $(( $(left) / 2 )) > "$OUT/memory-qwen-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-512.log" | cut -c1-300
-     python3 bench/memory.py run --res 512 --families flux --budgets 6 "${m[@]}" --out "$OUT/memory-flux-512-6gb-spread-h200.json" \
-       --budget-s $(( $(left) - 15 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300 ;;
+  SP) m=(--res 512 --models /tmp/lorapipe-models)
+     python3 bench/memory.py run "${m[@]}" --families qwen-image --budgets 8 --keep --set train.block_swap_layout=spread \
+       --out "$OUT/memory-qwen-image-512-8gb-spread-h200.json" --budget-s $(( $(left) * 55 / 100 )) > "$OUT/memory-qwen-512-s.log" 2>&1
+     grep "^\[memory\]" "$OUT/memory-qwen-512-s.log" | cut -c1-300
+     python3 bench/memory.py run "${m[@]}" --families qwen-image --budgets 8 --out "$OUT/memory-qwen-image-512-8gb-room2-h200.json" \
+       --budget-s $(( $(left) - 15 )) > "$OUT/memory-qwen-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen-512.log" | cut -c1-300 ;;
   S2) python3 bench/memory.py run --res 512 --families z-image --budgets 4 --models /tmp/lorapipe-models --keep \
        --out "$OUT/memory-zimage-512-4gb-room-h200.json" --budget-s $(( $(left) * 6 / 10 )) > "$OUT/memory-z-g.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z-g.log" | cut -c1-300
      python3 bench/memory.py run --res 512 --families z-image --budgets auto --models /tmp/lorapipe-models \
