@@ -50,9 +50,10 @@
 #   Y2: what Y lost: FLUX at 6 GB, 512 px (Y's row finished its 8 steps and was killed while exiting: memory.py now
 #       reads such a row from its final manifest), then Z-Image at 4 GB and auto, 512 px
 #   Y3: the 512 px plans the planner's corrected room gives (eighth session: FLUX at 6 GB 29 swapped, Z-Image at 4 GB
-#       12; with 26 and 8 they found 1.90x and 1.70x free at the capture and ran eager): FLUX at 6 GB, then the same
-#       with train.block_swap_layout = "spread" on the kept model (the swapped blocks among the resident ones, so the
-#       copies overlap their compute; its own table), then Z-Image at 4 GB and its 512 px auto row (cut off in S, Y2)
+#       12; with 26 and 8 they found 1.90x and 1.70x free at the capture and ran eager), and Z-Image's 512 px auto row
+#       (cut off in S and Y2)
+#   SP2: FLUX at 6 GB, 512 px, with train.block_swap_layout = "spread" (the swapped blocks among the resident ones,
+#       so the copies overlap their compute; its own table), then S3 (SDXL's 512 px rows)
 #   SP: Qwen-Image at 8 GB, 512 px, "spread" then "last" on the kept model (with "last" and 27 swapped, under graphs:
 #       0.28 s a step, 0.53x; the planner now swaps 28)
 #   S2: what S left for Z-Image: 512 px at 4 GB (with the room rule) and auto
@@ -177,13 +178,15 @@ case $phase in
      python3 bench/memory.py run --res 512 --families z-image --budgets 4,auto --models /tmp/lorapipe-models \
        --out "$OUT/memory-zimage-512-room-h200.json" --budget-s $(( $(left) - 15 )) > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300 ;;
   Y3) m=(--res 512 --models /tmp/lorapipe-models)
-     python3 bench/memory.py run "${m[@]}" --families flux --budgets 6 --keep --out "$OUT/memory-flux-512-6gb-room2-h200.json" \
-       --budget-s $(( $(left) * 40 / 100 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
-     python3 bench/memory.py run "${m[@]}" --families flux --budgets 6 --set train.block_swap_layout=spread \
-       --out "$OUT/memory-flux-512-6gb-spread-h200.json" --budget-s $(( $(left) / 2 )) > "$OUT/memory-flux-512-s.log" 2>&1
-     grep "^\[memory\]" "$OUT/memory-flux-512-s.log" | cut -c1-300
+     python3 bench/memory.py run "${m[@]}" --families flux --budgets 6 --out "$OUT/memory-flux-512-6gb-room2-h200.json" \
+       --budget-s $(( $(left) * 48 / 100 )) > "$OUT/memory-flux-512.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-512.log" | cut -c1-300
      python3 bench/memory.py run "${m[@]}" --families z-image --budgets 4,auto \
        --out "$OUT/memory-zimage-512-room2-h200.json" --budget-s $(( $(left) - 15 )) > "$OUT/memory-z.log" 2>&1; grep "^\[memory\]" "$OUT/memory-z.log" | cut -c1-300 ;;
+  SP2) python3 bench/memory.py run --res 512 --models /tmp/lorapipe-models --families flux --budgets 6 --set train.block_swap_layout=spread \
+       --out "$OUT/memory-flux-512-6gb-spread-h200.json" --budget-s $(( $(left) * 48 / 100 )) > "$OUT/memory-flux-512-s.log" 2>&1
+     grep "^\[memory\]" "$OUT/memory-flux-512-s.log" | cut -c1-300
+     python3 bench/memory.py run --res 512 --families sdxl --budgets auto,4,8 --models /tmp/lorapipe-models \
+       --out "$OUT/memory-sdxl-512-h200.json" --budget-s $(( $(left) - 15 )) > "$OUT/memory-sdxl.log" 2>&1; grep "^\[memory\]" "$OUT/memory-sdxl.log" | cut -c1-300 ;;
   SP) m=(--res 512 --models /tmp/lorapipe-models)
      python3 bench/memory.py run "${m[@]}" --families qwen-image --budgets 8 --keep --set train.block_swap_layout=spread \
        --out "$OUT/memory-qwen-image-512-8gb-spread-h200.json" --budget-s $(( $(left) * 55 / 100 )) > "$OUT/memory-qwen-512-s.log" 2>&1
