@@ -201,7 +201,7 @@ class Trainer:
         activations of the un-checkpointed (last) blocks before the first recompute rebuilds a block's
         activations: the two never add up. Checkpointing the last k instead would recompute while every
         kept activation is still held, the full sum the planner budgets (stages/core/memory.py). Swap
-        plans checkpoint every block (block swap swaps the last ones). Modules the model checkpoints
+        plans checkpoint every block (which ones they swap: blockswap.swapped_positions). Modules the model checkpoints
         outside its repeated blocks (SDXL's resnets) stay checkpointed whenever checkpointing is on."""
         blocks = blockswap.repeated_blocks(self.model)
         self.checkpointed = memory.checkpointed_blocks(self.plan, len(blocks))

@@ -533,3 +533,15 @@ def test_a_spread_swap_plan_counts_the_blocks_it_picks_and_hands_them_on(assets,
     monkeypatch.setattr(memory, "host_shortfall", lambda plan: "")
     load = memory.load_device(tight, Runtime(torch.device("cuda"), torch.bfloat16))
     assert (load.swapped_blocks, load.swap_layout) == (tight.settings["swapped_blocks"], "spread")
+
+
+def test_a_spread_swap_is_refused_where_blocks_run_in_another_order(assets, demo_data, tmp_path):
+    """SDXL's UNet lists its blocks down, up, mid and runs them down, mid, up: with swapped blocks
+    spread among resident ones the swap could not copy the next one ahead, so the planner refuses
+    "spread" there with a message naming the key and the fix; "last" plans as before."""
+    from stages.core.errors import ConfigError
+
+    cfg = make_cfg("sdxl", assets, demo_data, tmp_path, **{"train.block_swap_layout": "spread"})
+    with pytest.raises(ConfigError, match=r"train.block_swap_layout = 'spread' does not suit sdxl: .* Set train.block_swap_layout = 'last'"):
+        _plan("train", cfg, 0.01)
+    assert _plan("train", make_cfg("sdxl", assets, demo_data, tmp_path), 0.01).stage == "train"

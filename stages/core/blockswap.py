@@ -8,9 +8,11 @@ How it works (same math as the unswapped model, only placement changes):
 - The blocks are the members of the model's ModuleLists whose class is in diffusers'
   `_repeated_blocks` (FLUX: FluxTransformerBlock + FluxSingleTransformerBlock, 19 + 38; Qwen-Image:
   60 QwenImageTransformerBlock; Z-Image: 30 ZImageTransformerBlock; SDXL: its 70 BasicTransformerBlock
-  inside the attention layers). Which `n_blocks` of them are swapped is `swapped_positions`' choice:
-  the last ones in execution order (train.block_swap_layout = "last", the default), or spread evenly
-  among them ("spread").
+  inside the attention layers), in the order the model lists them, which is the order the DiT families
+  run them in (SDXL's UNet lists down, up, mid and runs down, mid, up). Which `n_blocks` of them are
+  swapped is `swapped_positions`' choice: the last ones (train.block_swap_layout = "last", the
+  default), or spread evenly among them ("spread"; refused for SDXL, whose next block in the list is
+  not always the next one run).
 - A swapped block's frozen parameters are packed into one buffer in host memory (pinned on CUDA;
   blocks share power-of-two chunks, `host_chunks`, as the pinned allocator rounds every allocation up
   to one); each parameter becomes a view of it. Trainable parameters (LoRA A/B) stay on the GPU and stay the

@@ -197,7 +197,8 @@ class TrainConfig:
     """Which blocks a memory plan that swaps N blocks keeps in host memory: the last N in execution order,
     or N spread evenly among all blocks, so their copies overlap the compute of the resident blocks
     between them (at small images a copy outlasts a block's compute). Same loss either way. "last" is
-    measured (bench/RESULTS.md "Memory budgets"); "spread" not yet on a GPU."""
+    measured (bench/RESULTS.md "Memory budgets"); "spread" not yet on a GPU, and refused for SDXL (its
+    UNet runs its blocks in another order than it lists them)."""
     enable_tf32: bool = True
     """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
     cudnn_attention: bool = False

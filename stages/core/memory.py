@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from stages.core import blockswap
-from stages.core.errors import ResourceError
+from stages.core.errors import ConfigError, ResourceError
 
 GB = 2**30
 AUTO_MARGIN_GB = 0.75  # "auto": left free for the CUDA context's growth and other processes' jitter
@@ -371,6 +371,10 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
     precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
+    if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
+        raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
+                          f"in another order than it runs them (SDXL's UNet runs down, mid, up), so block swap could not "
+                          f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
     # per precision: the whole base, and each block's bytes that swapping it moves to host memory
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
     host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first

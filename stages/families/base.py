@@ -66,6 +66,10 @@ class Family(Protocol):
     """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
     # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
     # train.base_precision = "auto", fastest first (default `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, nf4)
+    # optional: blocks_in_run_order (bool, default True): False where the denoiser lists its repeated
+    # blocks in another order than it runs them (SDXL's UNet: down, up, mid; run down, mid, up), so a
+    # block swap cannot copy the next block ahead once resident blocks sit between swapped ones:
+    # train.block_swap_layout = "spread" is refused there (stages/core/memory.py plan_train)
     # optional: text_offload_components (tuple[str, ...]), text encoders loaded through
     # `text_encoders.load_text_model`, whose layers encode-captions may offload to CPU memory when
     # not even nf4 fits its budget (default none: the planner never offloads)

@@ -132,6 +132,7 @@ class SDXL:
     vae_components = ("vae",)
     denoiser_components = ("unet", "scheduler")
     kohya_layout = KOHYA_LAYOUT
+    blocks_in_run_order = False  # the UNet lists its blocks down, up, mid and runs them down, mid, up
 
     def __init__(self) -> None:
         self.scheduler: Any = None  # DDPMScheduler of the model, set by load_denoiser (config only)
