@@ -397,6 +397,14 @@ class Runner:
             raise RuntimeError(f"the caches of run {run} could not be built (see the encode/latents rows)")
         self.broken.discard(run)
 
+    def finished_note(self, fam: str, item: Item, run_dir: Path, rc: int, since: float) -> str | None:
+        """For a stage call that failed (rc != 0): the row's note when it was a train stage killed after
+        writing its complete final manifest (`finished_before_kill`: the row is read from it), else None."""
+        if rc == 0 or item.kind != "train":
+            return None
+        steps = int({**self.base_sets(fam, item.res, item.controls), **item.sets}["train.steps"])
+        return KILLED_AFTER_MANIFEST.format(rc=rc, steps=steps) if finished_before_kill(run_dir, "train", since, steps) else None
+
     def execute(self, fam: str, item: Item) -> dict[str, Any]:
         kind = item.kind
         model = self.ensure_model(fam, kind) if kind != "pytest" else model_dir(self.args, fam)
@@ -408,9 +416,9 @@ class Runner:
             rc, wall, tail = self.call(cmd, item.env, item.id)
             fields = {"cmd": _shell(cmd, item.env), "rc": rc, "wall_s": wall}
             run_dir = self.run_dir(run_name(fam, item))
-            steps = int({**self.base_sets(fam, item.res, item.controls), **item.sets}["train.steps"]) if kind == "train" else 0
-            if rc != 0 and finished_before_kill(run_dir, kind, t0, steps):
-                fields["note"] = KILLED_AFTER_MANIFEST.format(rc=rc, steps=steps)
+            note = self.finished_note(fam, item, run_dir, rc, t0)
+            if note:
+                fields["note"] = note
             elif rc != 0:
                 return self.record(item, _failed(rc), **fields, log_tail=tail)
             return self.record(item, "ok", **fields, summary=collect(run_dir, kind, t0))

@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import KILLED_AFTER_MANIFEST, Item, Runner, collect, family_full, finished_before_kill, model_dir  # noqa: E402
+from bench.bench import Item, Runner, collect, family_full, model_dir  # noqa: E402
 
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
@@ -92,9 +92,9 @@ class MemoryRunner(Runner):
         rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
         row: dict[str, Any] = {"family": fam, "resolution": res, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                                "rc": rc, "wall_s": wall}
-        steps = int({**self.base_sets(fam, res), **item.sets}["train.steps"]) if kind == "train" else 0
-        if rc != 0 and finished_before_kill(run_dir, kind, t0, steps):  # killed while exiting (the seventh
-            row["note"] = KILLED_AFTER_MANIFEST.format(rc=rc, steps=steps)  # session's FLUX 512 px 6 GB row)
+        note = self.finished_note(fam, item, run_dir, rc, t0)  # killed while exiting (Y's FLUX 512 px 6 GB row)
+        if note:
+            row["note"] = note
         elif rc != 0:  # the plan it ran and the warnings before it failed (a failed capture, say), where logged
             return {**row, "status": "failed", "plan": _plan_event(run_dir, stage, t0), "log_tail": tail[-1500:],
                     "warnings": [e.get("message") for e in _events(run_dir, t0) if e["event"] == "warning"]}

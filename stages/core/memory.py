@@ -404,9 +404,9 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     for tried in plan.tried:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"]) / GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
-    if plan.fits and plan.settings["swapped_blocks"] and _graphs_wanted(tcfg, budget):
+    if plan.fits and plan.settings["swapped_blocks"] and (mode := _graphs_mode(tcfg, budget)):
         plan = _with_graph_room(plan, candidates, activations(plan.settings["checkpointed_blocks"]) / GB, grads_gb,
-                                budget, getattr(tcfg, "cuda_graphs", "auto"))
+                                budget, mode)
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()
@@ -438,15 +438,17 @@ def graph_room(settings_peak_gb: float, acts_gb: float, grads_gb: float, budget:
     return free / (acts_gb + grads_gb + GRAPH_ACTIVATIONS_EXTRA_GB) if acts_gb > 0 else math.inf
 
 
-def _graphs_wanted(tcfg: Any, budget: Budget) -> bool:
+def _graphs_mode(tcfg: Any, budget: Budget) -> str | None:
+    """train.cuda_graphs' mode ("auto" or "on") where train may capture CUDA graphs under this budget,
+    else None (CPU, LoRA dropout, or "off")."""
     from stages.core import fastpath
 
-    return budget.source != "cpu" and budget.gb is not None and tcfg.dropout == 0 \
-        and fastpath.graphs_mode(getattr(tcfg, "cuda_graphs", "auto")) != "off"
+    mode = fastpath.graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
+    return mode if budget.source != "cpu" and budget.gb is not None and tcfg.dropout == 0 and mode != "off" else None
 
 
 def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts_gb: float,
-                     grads_gb: float, budget: Budget, configured: str) -> StagePlan:
+                     grads_gb: float, budget: Budget, mode: str) -> StagePlan:
     """The swap plan with the fewest blocks swapped (same precision and checkpointing, so the same
     activations `acts_gb`) that leaves CUDA graphs room to capture, else `plan` as it is (under "auto"
     it will run eager); its note says which."""
@@ -469,7 +471,7 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
                 break
         else:
             then = ("train.cuda_graphs = 'on' captures anyway and may run out of memory there"
-                    if fastpath.graphs_mode(configured) == "on" else
+                    if mode == "on" else
                     "train checks at the capture, else runs eager, which can be host-bound, most at small images")
             plan.note = (f"CUDA graphs may have no room to capture under this swap plan ({room:.1f}x the step's "
                          f"activations free, {want:.1f}x wanted; {then}; a larger --vram gives them room)")
