@@ -13,8 +13,13 @@
 #   G: FLUX.2 klein: the dtype fix's A/B (bench/dtype_probe.py), then the side-by-side with diffusers' script again
 #   H: FLUX.1 Kontext side by side with diffusers' script (its base is bf16: the product's nf4 and bf16 rows)
 #   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
+#   I2: Krea 2's rows of I again (I's full-size folder tapped the tiny model's 2 text layers, not the 12 its
+#       transformer takes: its train failed; full.py PIPELINE_EXTRA now sets them)
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
+#   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
+#   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)
+#   K5: Qwen-Image at 512 px b1, bf16 and fp8 in one run, then both profiled (bench/profile_step.py)
 #   L: torchao float8 against the product's fp8 layer (bench/fp8_torchao.py, torchao from .whl/extra), then
 #      FLUX.2 klein 1024 b1 nf4 train A/B: profiled, cuDNN attention (product only; the 2026-12-01 run also had
 #      a since-removed LoRA-under-bf16-autocast switch)
@@ -91,12 +96,23 @@ case $phase in
   G) python3 bench/dtype_probe.py --family flux2-klein --res 1024 --out "$OUT/dtype-probe-klein.json" > "$OUT/dtype-probe.log" 2>&1
      tail -3 "$OUT/dtype-probe.log"; PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   H) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 15 ;;
-  I) o=(--only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' --only '*/export/nf4-512-b1'
+  I|I2) o=(--only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' --only '*/export/nf4-512-b1'
         --only '*/verify/nf4-512-b1' --only '*/train/bf16-512-b1')
-     bench 0 qwen-image-2.1 I $(( $(left) / 2 - 20 )) "${o[@]}"; bench 0 krea2 I $(( $(left) - 30 )) "${o[@]}" ;;
+     if [ "$phase" = I ]; then bench 0 qwen-image-2.1 I $(( $(left) / 2 - 20 )) "${o[@]}"; bench 0 krea2 I $(( $(left) - 30 )) "${o[@]}"
+     else bench 0 krea2 I2 $(( $(left) - 20 )) "${o[@]}"; fi ;;
   J) bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
   K) timeout 120 python3 -m pytest -q -x tests/test_text_offload.py -k cuda > "$OUT/offload-cuda.log" 2>&1; tail -2 "$OUT/offload-cuda.log"
      bench 0 qwen-image K $(( $(left) - 30 )) --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/bf16-1024-b1' ;;
+  K3) w=(--work /tmp/lorapipe-bench-0 --keep)  # no --skip-done: bf16 beside fp8 in the same run
+     python3 bench/bench.py run --families qwen-image "${w[@]}" --out "$OUT/bench-qwen-image-K3.json" --budget-s $(( $(left) - 25 )) \
+       --only 'qwen-image/train/bf16-1024-b1' --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/fp8-512-b1' \
+       > "$OUT/bench-qwen-image-K3.log" 2>&1 ;;
+  K4) o=(--only '*/train/fp8-1024-b1' --only '*/train/fp8-512-b1')
+     bench 0 z-image K4 $(( $(left) / 2 )) "${o[@]}"; bench 0 sdxl K4 $(( $(left) - 25 )) "${o[@]}" ;;
+  K5) w=(--work /tmp/lorapipe-bench-0 --keep)  # Qwen-Image's fp8 512 px b1 step (1.03x a bf16 row of another run)
+     python3 bench/bench.py run --families qwen-image "${w[@]}" --out "$OUT/bench-qwen-image-K5.json" --budget-s $(( $(left) - 25 )) \
+       --only 'qwen-image/train/bf16-512-b1' --only 'qwen-image/train/fp8-512-b1' --only 'qwen-image/profile/*-512-b1' \
+       > "$OUT/bench-qwen-image-K5.log" 2>&1 ;;
   L) pip install -q --no-deps --no-compile --target /tmp/tao .whl/extra/torchao-*.whl
      PYTHONPATH=/tmp/tao:$PYTHONPATH timeout 180 python3 bench/fp8_torchao.py --out "$OUT/fp8-torchao-h200.json" > "$OUT/fp8-torchao.log" 2>&1
      tail -30 "$OUT/fp8-torchao.log"

@@ -59,6 +59,13 @@ def build_module(family: str, name: str, device: str, dtype: torch.dtype = torch
         return FULL[family][name](tiny).eval()
 
 
+def pipeline_extra(family: str) -> dict[str, Any]:
+    """The pipeline's own init arguments for the full-size folder (model_index.json): full.py's
+    PIPELINE_EXTRA where the released checkpoint's differ from the tiny model's (Krea 2's tapped text
+    layers), else the tiny module's."""
+    return getattr(full(family), "PIPELINE_EXTRA", None) or family_part(family, "tiny").PIPELINE_EXTRA
+
+
 def build_full_pipeline(family: str, folder: str | Path, device: str = "cuda",
                         dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """Build every component at full size on `device` and save_pretrained the pipeline into folder.
@@ -72,7 +79,7 @@ def build_full_pipeline(family: str, folder: str | Path, device: str = "cuda",
         for name, build in FULL[family].items():
             parts[name] = build(tiny).eval()
     counts = {name: sum(p.numel() for p in parts[name].parameters()) / 1e9 for name in FULL[family]}
-    pipe = getattr(diffusers, tiny_module.PIPELINE_CLASS)(**parts, **tiny_module.PIPELINE_EXTRA)
+    pipe = getattr(diffusers, tiny_module.PIPELINE_CLASS)(**parts, **pipeline_extra(family))
     Path(folder).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(str(folder), safe_serialization=True)
     return counts

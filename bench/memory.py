@@ -343,7 +343,7 @@ def plan_table(args: argparse.Namespace) -> str:
             for budget in args.budgets.split(","):
                 train = runner.stage_plans(fam, model, budget, res)[-1]
                 settings = ", ".join(f"{k}={v}" for k, v in train["settings"].items() if k not in ("blocks", "host_gb"))
-                note = train["note"].split("train: the plan swaps")[0].strip()  # not this machine's host memory
+                note = train["note"]
                 lines.append(f"| {fam} | {res} | {budget} | {settings} | {train['predicted_peak_gb']:.2f} | {note} |")
     return "\n".join(lines)
 
@@ -370,6 +370,8 @@ def main() -> None:
     t.add_argument("--budgets", default="8,6,4")
     t.add_argument("--res", default=f"512,{RESOLUTION}", help="comma-separated px")
     t.add_argument("--work", default="/tmp/lorapipe-memory-plan")
+    t.add_argument("--fp8-gpu", action="store_true", help="plan as on a GPU with fp8 tensor cores (the H200), where "
+                   "train.base_precision = 'auto' tries fp8 after bf16")
     args = ap.parse_args()
     if args.cmd == "report":
         print(report([Path(f) for f in args.files]))
@@ -377,6 +379,11 @@ def main() -> None:
     if args.cmd == "plan":
         args.tiny, args.set, args.models, args.out, args.budget_s, args.keep = False, [], "", "", 1e9, False
         args.skip_done, args.only = [], []
+        from stages.core import fp8, memory
+
+        memory.host_available_bytes = lambda: None  # the GPU machine's plan, not this host's memory
+        if args.fp8_gpu:
+            fp8.fp8_supported = lambda: True
         print(plan_table(args))
         return
     args.skip_done, args.only = [], []

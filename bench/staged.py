@@ -88,7 +88,7 @@ def build_components(family: str, folder: Path, names: list[str], tiny: bool, de
     Each component is saved under a temporary name and renamed, so a killed build leaves none half-made."""
     import diffusers
 
-    from bench.full_configs import FULL
+    from bench.full_configs import FULL, pipeline_extra
     from stages.families import demo_variant, family_part
 
     tiny_module = family_part(family, "tiny")
@@ -105,7 +105,8 @@ def build_components(family: str, folder: Path, names: list[str], tiny: bool, de
             module = parts[name] if tiny else _build(family, name, parts, "meta", dtype)  # latents: the UNet's)
             _save(module, folder, name, config_only=True)
             _mark(folder, name, "config")
-        pipe = getattr(diffusers, tiny_module.PIPELINE_CLASS)(**parts, **tiny_module.PIPELINE_EXTRA)
+        extra = tiny_module.PIPELINE_EXTRA if tiny else pipeline_extra(family)
+        pipe = getattr(diffusers, tiny_module.PIPELINE_CLASS)(**parts, **extra)
         pipe.save_config(str(folder))  # the same model_index.json as save_pretrained: the classes are the full ones'
     counts = {}
     for name in names:

@@ -161,3 +161,15 @@ def test_tiny_config_relations(krea):
     assert len(tok(pipe.prompt_template_encode_prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
     assert len(tok(pipe.prompt_template_encode_suffix).input_ids) == pipe.prompt_template_encode_num_suffix_tokens
     assert pipe.text_encoder.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+
+
+def test_full_size_folder_taps_as_many_text_layers_as_its_transformer_takes():
+    """The bench's full-size folder (model_index.json) must carry the released taps, not the tiny model's
+    2: with them, I's first H200 run cached (77, 2, 2560) rows that the 12-layer transformer refused."""
+    from bench.full_configs import pipeline_extra
+    from stages.families.krea2 import full
+
+    layers = pipeline_extra("krea2")["text_encoder_select_layers"]
+    assert full.TRANSFORMER["num_text_layers"] == len(layers)
+    assert max(layers) <= full.QWEN3_VL_4B_TEXT["num_hidden_layers"]  # hidden_states has layers + 1 entries
+    assert full.TRANSFORMER["text_hidden_dim"] == full.QWEN3_VL_4B_TEXT["hidden_size"]

@@ -132,6 +132,11 @@ class Fp8Linear(nn.Linear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8=e4m3"
 
 
+def fp8_supported() -> bool:
+    """Whether this process's GPU has fp8 tensor cores (train.base_precision = "auto" tries fp8 only then)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= MIN_CAPABILITY
+
+
 def fp8_bytes(module: nn.Module) -> int:
     """Bytes of the fp8 weights and their scales (out*in + 4*out per layer; biases not counted)."""
     return sum(m.weight.numel() * m.weight.element_size() + m.weight_scale.numel() * 4

@@ -45,15 +45,18 @@ LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 # at 8 GB predicted 7.03, allocated 6.80, reserved 7.92 (memory-zimage-4gb-slots-h200.json,
 # memory-qwen-image-8gb-slots-h200.json). Reserved, which the cap limits, still needs it.
 SWAP_EXTRA_GB = 0.4
-# train.base_precision = "auto": the precisions tried whole, fastest first, by measurement (a family may
-# override). On the H200 the nf4 step was slower than the bf16 one in every row measured (bench/RESULTS.md,
-# CUDA graphs on): 1.08-1.39x with nf4 compiled (all four families at 512 px; FLUX.1-dev 1.806 against
-# 1.95 samples/s and Qwen-Image 1.586 against 1.730 at 1024 px b1, memory-*-h200.json "auto" rows beside
-# bench-*.json), up to 1.83x uncompiled. So bf16 comes first wherever it fits the budget, nf4 when only
-# it does. fp8 is not tried: its step beat bf16's in the one row measured (FLUX 1024 px b4,
-# 0.86x) and is unmeasured at the others, where one compiled fp8 layer's ~1 ms floor can lose; it
-# needs compute capability 8.9 as well. Swap plans try the smallest precision first (below).
-AUTO_BASE_PRECISIONS = ("bf16", "nf4")
+# train.base_precision = "auto": the precisions tried whole, in this order (a family may override). On the
+# H200 (bench/RESULTS.md, compiled, CUDA graphs on) nf4's step was 1.08-1.39x bf16's compiled (all four
+# families at 512 px; FLUX.1-dev 1.806 against 1.95 samples/s and Qwen-Image 1.586 against 1.730 at 1024 px
+# b1, memory-*-h200.json "auto" rows beside bench-*.json), up to 1.83x uncompiled. fp8 (compute capability
+# >= 8.9 only) beat nf4 in every row where both were measured (2026-12-02: 0.53-0.75x nf4's step: Qwen-Image
+# 1024 px b1 0.521 s against 0.813, 512 px b1 0.163 against 0.220; Z-Image 1024 b1 0.356 against 0.654;
+# SDXL 1024 b1 0.128 against 0.189; FLUX 1024 b4 1.701 against 2.596) at about half bf16's memory, and with
+# gradients closer to bf16's (step-1 cosine 0.9986 against nf4's 0.985). It beat bf16 in 5 of 6 rows
+# (0.83-0.94x) but not Qwen-Image at 512 px b1 (1.03x), and it changes the base's numbers, so bf16 stays
+# first wherever it fits whole: fp8 takes the budgets between bf16's peak and nf4's (Qwen-Image at 1024 px
+# b1: 21.7 GB against 40.5 and 12.6). Swap plans use nf4 or bf16 blocks, never fp8 (below).
+AUTO_BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 
 
 @dataclass
@@ -143,6 +146,8 @@ def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = Fal
     """Bytes of `module`'s weights at `precision` (nf4: every Linear weight 4-bit, the rest bf16).
     `codes_only`: an nf4 weight's 4-bit codes without its absmax (what block swap moves to host
     memory; the quant_state stays on the GPU, stages/core/blockswap.py)."""
+    if precision == "fp8":
+        return _fp8_weight_bytes(module)
     if precision != "nf4":
         return sum(p.numel() for p in module.parameters()) * (4 if precision == "fp32" else 2)
     # transformers leaves `_keep_in_fp32_modules` unquantized (T5's `wo`: measured 4.41 GB for FLUX's
@@ -156,6 +161,31 @@ def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = Fal
               if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)} - skip
     per_weight = 0.5 if codes_only else NF4_BYTES_PER_WEIGHT
     return sum(p.numel() * (per_weight if id(p) in linear else 2) for p in module.parameters())
+
+
+def _fp8_weight_bytes(module: torch.nn.Module) -> float:
+    """An fp8 base as stages/core/fp8.py makes it: each eligible Linear inside the repeated blocks one
+    byte per weight plus a 4-byte scale per output channel, everything else bf16. A module without a
+    block list (one block, as the swap planner sizes it) counts all its eligible Linears."""
+    from stages.core import fp8
+
+    try:
+        keep = fp8.inside_repeated_blocks(module)
+    except ValueError:
+        keep = lambda name, linear: False  # noqa: E731
+    quantized = {id(m.weight): m.weight.shape[0] for name, m in module.named_modules()
+                 if type(m) is torch.nn.Linear and fp8.fp8_eligible(m) and not keep(name, m)}
+    return sum(p.numel() + 4 * quantized[id(p)] if id(p) in quantized else 2 * p.numel() for p in module.parameters())
+
+
+def fp8_host_short(host_gb: float) -> str:
+    """Why "auto" leaves out an fp8 base that the GPU could run: the bf16 read an fp8 load makes into host
+    memory first does not fit what is available (nf4 loads shard by shard); "" when it fits or the host
+    cannot tell."""
+    available = host_available_bytes()
+    if available is None or host_gb * GB <= available:
+        return ""
+    return f"its bf16 read ({host_gb:.1f} GB) exceeds the {available / GB:.1f} GB of host memory available"
 
 
 def _width(module: torch.nn.Module) -> int:
@@ -370,6 +400,14 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
     precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
+    host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
+    no_fp8 = ""
+    if tcfg.base_precision == "auto" and "fp8" in precisions:  # tried only where it runs and loads
+        from stages.core.fp8 import fp8_supported
+
+        no_fp8 = fp8_host_short(host_gb) if fp8_supported() else "no fp8 tensor cores"
+        if no_fp8:
+            precisions.remove("fp8")
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
@@ -377,13 +415,12 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
                           f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
     # per precision: the whole base, and each block's bytes that swapping it moves to host memory
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
-    host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
     activations = lambda checkpointed: unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
                                                + (n - checkpointed) * BLOCK_SAVED_UNITS + BLOCK_WORK_UNITS)
     candidates = []
-    smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
+    smallest_first = sorted((p for p in precisions if p != "fp8"), key=lambda p: sizes[p][0])  # fp8 is never swapped
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
         total, block = sizes[precision]
         host = [block[i] for i in blockswap.swapped_positions(n, swapped, layout)]  # two slots of the largest
@@ -407,6 +444,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if plan.fits and plan.settings["swapped_blocks"] and (mode := _graphs_mode(tcfg, budget)):
         plan = _with_graph_room(plan, candidates, activations(plan.settings["checkpointed_blocks"]) / GB, grads_gb,
                                 budget, mode)
+    if no_fp8 and no_fp8 != "no fp8 tensor cores":  # (a GPU without them is not news)
+        plan.note = f"{plan.note} auto left fp8 out: {no_fp8}.".strip()
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()
@@ -484,7 +523,8 @@ def _train_options(configured: bool | str, precisions: list[str], n: int,
     """(precision, swapped blocks, checkpointed blocks) in the order train tries them, cheapest in speed
     first: every precision without swapping (in `precisions`' order, fastest first; as configured,
     then checkpointed), then more and more blocks swapped, all checkpointed, the precisions in
-    `swap_order` (smallest first: an nf4 block copies a quarter of a bf16 block's bytes, and fewer
+    `swap_order` (never fp8: its base is quantized on the GPU from a host copy, with no block kept in
+    host memory; smallest first: an nf4 block copies a quarter of a bf16 block's bytes, and fewer
     of them must be swapped). A smaller precision that fits whole beats swapping: SDXL at a 4 GB cap
     ran 0.23x with 38 of 70 bf16 blocks swapped, where its nf4 base fits at 3.0 GB and runs 0.79x of
     bf16 (bench/results/memory-zimage-sdxl-h200.json, bench-sdxl-E.json); Qwen-Image at 8 GB ran
@@ -500,7 +540,8 @@ def _train_options(configured: bool | str, precisions: list[str], n: int,
         whole = [(p, 0, k) for p in precisions for k in range(n + 1)]
     else:
         whole = [(p, 0, n if c else 0) for p in precisions for c in dict.fromkeys((configured, True))]
-    return whole + [(p, k, n) for p in (swap_order or precisions) for k in range(1, n + 1)]
+    swap = swap_order if swap_order is not None else [p for p in precisions if p != "fp8"]
+    return whole + [(p, k, n) for p in swap for k in range(1, n + 1)]
 
 
 PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train}

@@ -65,7 +65,7 @@ def pick_device(name: str) -> torch.device:
 
 # What "auto" means per role, on CUDA (on CPU every role is fp32), where no memory plan chose
 # (on CUDA each stage's plan resolves "auto" first, stages/core/memory.py): the precision that plan
-# tries first, bf16 for every role (the denoiser's nf4 step took 1.08-1.83x bf16's, memory.AUTO_BASE_PRECISIONS).
+# tries first, bf16 for every role (memory.AUTO_BASE_PRECISIONS says why for the denoiser).
 AUTO_ON_CUDA = {"denoiser": "bf16", "text_encoder": "bf16", "vae": "bf16"}
 
 

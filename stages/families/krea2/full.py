@@ -51,6 +51,11 @@ def _qwen3_vl(tok: Any) -> Any:
         tie_word_embeddings=True))
 
 
+# Krea2Pipeline's init arguments as the released folder has them: the 12 taps of Qwen3-VL-4B's hidden
+# states (the pipeline's default; the tiny model taps 2 of its 4) and the base, not the distilled, schedule.
+PIPELINE_EXTRA: dict[str, Any] = {"text_encoder_select_layers": (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35),
+                                  "is_distilled": False}
+
 COMPONENTS = {
     "transformer": diffusers_model("Krea2Transformer2DModel", TRANSFORMER),
     "vae": qwen_image_full.COMPONENTS["vae"],
