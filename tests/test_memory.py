@@ -593,6 +593,11 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     short = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert short.settings["base_precision"] == "nf4" and "fp8" not in {t["base_precision"] for t in short.tried}
     assert f"auto left fp8 out: its bf16 read ({host_gb:.1f} GB)" in short.note and "host memory" in short.note
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+    cfg.train.compile_transformer = "off"  # fp8 pays only compiled
+    eager = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
+    assert eager.settings["base_precision"] == "nf4" and "compile_transformer = 'off'" in eager.note
+    cfg.train.compile_transformer = "auto"
     monkeypatch.setattr(fp8, "fp8_supported", lambda: False)
     older = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert "fp8" not in {t["base_precision"] for t in older.tried} and "fp8" not in older.note

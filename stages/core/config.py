@@ -186,7 +186,7 @@ class TrainConfig:
     nf4_double_quant: bool = True
     """bitsandbytes double quantization of the nf4 scales."""
     compile_transformer: Literal["off", "on", "auto"] = "auto"
-    """Regional torch.compile of the repeated blocks; auto: on on CUDA (bf16 and nf4 bases), off on CPU.
+    """Regional torch.compile of the repeated blocks; auto: on on CUDA (bf16, fp8 and nf4 bases), off on CPU.
     Any compile failure, at setup or in the first compiled step, falls back to eager with a warning."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Replay the denoiser's forward+backward as CUDA graphs per batch shape (same kernels, less

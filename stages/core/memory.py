@@ -405,7 +405,9 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if tcfg.base_precision == "auto" and "fp8" in precisions:  # tried only where it runs and loads
         from stages.core.fp8 import fp8_supported
 
-        no_fp8 = fp8_host_short(host_gb) if fp8_supported() else "no fp8 tensor cores"
+        no_fp8 = ("no fp8 tensor cores" if not fp8_supported() else
+                  "train.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: bench/fp8.md)"
+                  if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
         if no_fp8:
             precisions.remove("fp8")
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
