@@ -19,7 +19,7 @@
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 #   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
 #   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)
-#   K5: Qwen-Image at 512 px b1, bf16 and fp8 in one run, then both profiled (bench/profile_step.py)
+#   K5: the fp8 CUDA tests, then Qwen-Image at 512 px b1, bf16 and fp8 in one run, then both profiled (bench/profile_step.py)
 #   L: torchao float8 against the product's fp8 layer (bench/fp8_torchao.py, torchao from .whl/extra), then
 #      FLUX.2 klein 1024 b1 nf4 train A/B: profiled, cuDNN attention (product only; the 2026-12-01 run also had
 #      a since-removed LoRA-under-bf16-autocast switch)
@@ -109,7 +109,9 @@ case $phase in
        > "$OUT/bench-qwen-image-K3.log" 2>&1 ;;
   K4) o=(--only '*/train/fp8-1024-b1' --only '*/train/fp8-512-b1')
      bench 0 z-image K4 $(( $(left) / 2 )) "${o[@]}"; bench 0 sdxl K4 $(( $(left) - 25 )) "${o[@]}" ;;
-  K5) w=(--work /tmp/lorapipe-bench-0 --keep)  # Qwen-Image's fp8 512 px b1 step (1.03x a bf16 row of another run)
+  K5) timeout 150 python3 -m pytest -q tests/test_trainer_paths.py tests/test_fp8.py -k "fp8 and cuda" > "$OUT/fp8-cuda-tests.log" 2>&1
+     tail -3 "$OUT/fp8-cuda-tests.log"  # graphs/compile keep an fp8 run's losses, its export loads; fp8 like bf16
+     w=(--work /tmp/lorapipe-bench-0 --keep)  # Qwen-Image's fp8 512 px b1 step (1.03x a bf16 row of another run)
      python3 bench/bench.py run --families qwen-image "${w[@]}" --out "$OUT/bench-qwen-image-K5.json" --budget-s $(( $(left) - 25 )) \
        --only 'qwen-image/train/bf16-512-b1' --only 'qwen-image/train/fp8-512-b1' --only 'qwen-image/profile/*-512-b1' \
        > "$OUT/bench-qwen-image-K5.log" 2>&1 ;;

@@ -143,9 +143,9 @@ def fp8_bytes(module: nn.Module) -> int:
                for m in module.modules() if isinstance(m, Fp8Linear))
 
 
-def fp8_eligible(linear: nn.Linear, min_width: int = MIN_WIDTH) -> bool:
+def fp8_eligible(linear: nn.Linear, min_width: int | None = None) -> bool:
     out_f, in_f = linear.weight.shape
-    return min(out_f, in_f) >= min_width and out_f % 16 == 0 and in_f % 16 == 0
+    return min(out_f, in_f) >= (min_width or MIN_WIDTH) and out_f % 16 == 0 and in_f % 16 == 0
 
 
 def inside_repeated_blocks(model: nn.Module) -> Keep:
@@ -161,7 +161,7 @@ def inside_repeated_blocks(model: nn.Module) -> Keep:
 
 
 def quantize_denoiser_fp8(model: nn.Module, keep: Keep, device: torch.device | str,
-                          min_width: int = MIN_WIDTH) -> nn.Module:
+                          min_width: int | None = None) -> nn.Module:
     """Replace every eligible Linear that `keep(name, linear)` rejects by an Fp8Linear, layer by layer
     on `device`, then move the rest there: the dense model never sits whole on the GPU. Works on a
     model with LoRA attached too (it replaces the wrapped `base_layer`)."""
