@@ -250,7 +250,7 @@ def test_fp8_scaled_reader_refuses_pickles(tmp_path):
 
 
 @cuda
-def test_tiny_flux_trains_in_fp8_like_bf16(assets):
+def test_tiny_flux_trains_in_fp8_like_bf16_on_cuda(assets):
     """20 AdamW steps of a tiny FLUX from the same LoRA and batches: fp8 losses within 1 % of bf16's (the
     issue's fidelity bound; the same loop on the CPU differed by 0.009 % at most)."""
     from stages.core import lora
