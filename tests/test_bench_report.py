@@ -405,10 +405,12 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
 
 def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_h200(tmp_path: Path) -> None:
     """The planner's train peak (full-size configs on the meta device, each row's own settings) against
-    the peak every checkpointed bf16 and fp8 train row of bench/results allocated on the H200: 0.9-1.02x
-    (measured 0.92-1.01x), so "auto" sizes an fp8 base as stages/core/fp8.py makes it (one byte per
-    block weight plus a scale per output channel) and the budgets it picks hold; the reserve on top is
-    memory.FRAGMENTATION's."""
+    the peak every checkpointed bf16 and fp8 train row of bench/results allocated on the H200: 0.93-1.05x
+    (0.94-1.04x: over 1 only in eager rows, which allocate less), so "auto" sizes an fp8 base as
+    stages/core/fp8.py makes it (one byte per block weight plus a scale per output channel) and SDXL's
+    activations outside its transformer blocks (family.outside_block_gb, fitted on these rows: it had
+    been 0.92-0.96x, which would have planned fp8 at 4 GB for a row that reserved 4.30), and the
+    budgets it picks hold; the reserve on top is memory.FRAGMENTATION's."""
     import argparse
 
     from bench.bench import ROOT, Runner, family_full
@@ -433,7 +435,7 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
             plan = memory.plan_train(cfg, get_family(fam), model_source(cfg), memory.Budget(1000.0, "cap"))
             ratios[f"{f.name}:{r['id']}"] = plan.predicted_peak_gb / r["summary"]["peak_vram_gb"]["allocated"]
     assert sum("/fp8-" in k for k in ratios) >= 5 and len(ratios) >= 25
-    assert all(0.9 <= x <= 1.02 for x in ratios.values()), {k: round(v, 3) for k, v in ratios.items()}
+    assert all(0.93 <= x <= 1.05 for x in ratios.values()), {k: round(v, 3) for k, v in ratios.items()}
 
 
 def test_results_md_carries_the_hand_written_notes_as_they_are_now() -> None:

@@ -419,8 +419,10 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
-    activations = lambda checkpointed: unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
-                                               + (n - checkpointed) * BLOCK_SAVED_UNITS + BLOCK_WORK_UNITS)
+    fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # activations outside the blocks
+    outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side * 16 / 512) ** 2) * GB
+    activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
+                                                         + (n - checkpointed) * BLOCK_SAVED_UNITS + BLOCK_WORK_UNITS)
     candidates = []
     smallest_first = sorted((p for p in precisions if p != "fp8"), key=lambda p: sizes[p][0])  # fp8 is never swapped
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):

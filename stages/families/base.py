@@ -66,6 +66,8 @@ class Family(Protocol):
     """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
     # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
     # train.base_precision = "auto", fastest first (default `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, fp8, nf4)
+    # optional: outside_block_gb ((GB, GB per 512x512 sample), default (0, 0)): train activations outside the
+    # repeated blocks that the memory planner's per-block model does not see (SDXL's ResNets)
     # optional: blocks_in_run_order (bool, default True): False where the denoiser lists its repeated
     # blocks in another order than it runs them (SDXL's UNet: down, up, mid; run down, mid, up), so a
     # block swap cannot copy the next block ahead once resident blocks sit between swapped ones:

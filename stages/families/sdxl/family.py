@@ -133,6 +133,11 @@ class SDXL:
     denoiser_components = ("unet", "scheduler")
     kohya_layout = KOHYA_LAYOUT
     blocks_in_run_order = False  # the UNet lists its blocks down, up, mid and runs them down, mid, up
+    # The train activations outside the repeated (transformer) blocks, which the planner's per-block units
+    # do not see: the ResNets, down/upsamplers and time embedding. (GB, GB per 512x512 sample): what the
+    # H200's SDXL rows allocated over the block model, 0.21-0.25 GB at 512 px b1 and b4 / 1024 px b1,
+    # 0.40-0.46 at 1024 px b4, in bf16, nf4 and fp8 alike (bench/results/bench-sdxl-*.json).
+    outside_block_gb = (0.2, 0.015)
 
     def __init__(self) -> None:
         self.scheduler: Any = None  # DDPMScheduler of the model, set by load_denoiser (config only)
