@@ -51,6 +51,7 @@ def one_precision(folder: Path, precision: str, batch: int, px: int) -> dict[str
     from stages.core.model_source import ModelSource
     from stages.core.runtime import make_runtime, torch_flags
     from stages.families.flux.family import Flux
+    from stages.families.base import BatchMeta
 
     fam = Flux()
     tcfg = SimpleNamespace(nf4_double_quant=True, guidance_scale=1.0, dropout=0.0)
@@ -72,7 +73,7 @@ def one_precision(folder: Path, precision: str, batch: int, px: int) -> dict[str
         cond = {"prompt_embeds": torch.randn(batch, 77, 4096, generator=g).cuda(), "pooled": torch.randn(batch, 768, generator=g).cuda()}
 
         def step(denoiser: Any, update: bool = True) -> tuple[float, list[Any]]:
-            loss = fam.loss(denoiser, x0, noise, t_, cond, None, tcfg).mean()
+            loss = fam.loss(denoiser, x0, noise, t_, cond, BatchMeta(None, None, None), tcfg).mean()
             loss.backward()
             grads = [p.grad.detach().clone() for p in params] if not update else []
             if update:

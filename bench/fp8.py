@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stages.core.fp8 import Fp8Linear, fp8_eligible, inside_repeated_blocks, quantize_denoiser_fp8, text_encoder_keep  # noqa: E402
 from bench.fp8_torchao import rel  # noqa: E402
+from stages.families.base import BatchMeta  # noqa: E402
+
+NO_META = BatchMeta(None, None, None)  # FLUX's loss reads only the batch's (absent) loss mask
 
 MICRO_SHAPES = [(m, k, n) for m in (4096, 16384) for k, n in ((3072, 3072), (3072, 12288), (12288, 3072), (3072, 21504))]
 SMOKE_FLUX = dict(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=2, joint_attention_dim=256)
@@ -178,7 +181,7 @@ class FluxBench:
 
     def step(self, opt: torch.optim.Optimizer, drawn: tuple[torch.Tensor, ...]) -> float:
         x0, noise, t, cond = drawn
-        loss = self.fam.loss(self.model, x0, noise, t, cond, None, self.tcfg).mean()
+        loss = self.fam.loss(self.model, x0, noise, t, cond, NO_META, self.tcfg).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         opt.step()
@@ -200,7 +203,7 @@ class FluxBench:
             if time.time() > deadline:
                 break
             x0, noise, t, cond = self.batch(1000 + i, 1, 512)
-            loss = self.fam.loss(self.model, x0, noise, t, cond, None, self.tcfg).mean()
+            loss = self.fam.loss(self.model, x0, noise, t, cond, NO_META, self.tcfg).mean()
             loss.backward()
             if grad is None:
                 grad = torch.cat([p.grad.detach().float().flatten() for p in self.params])
@@ -286,6 +289,8 @@ def main() -> None:
     ap.add_argument("--fidelity-steps", type=int, default=50)
     ap.add_argument("--deadline", type=float, default=420.0, help="start no item after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="CPU, narrow 2-block FLUX, tiny shapes: code paths only")
+    ap.add_argument("--fidelity-only", action="store_true", help="skip the layer timings, the text encoder and the "
+                    "step times: the fidelity runs alone (the 50-step run within one device call)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     rec = Recorder(Path(args.out), args.deadline)
@@ -294,9 +299,10 @@ def main() -> None:
     from stages.core.runtime import torch_flags
 
     with torch_flags(True, False, True):
-        if not args.smoke:
+        if not (args.smoke or args.fidelity_only):
             res["micro"] = [rec.item(f"micro {s}", lambda s=s: micro(*s)) for s in MICRO_SHAPES]
-        res["text_encoder"] = rec.item("text_encoder", lambda: text_encoder(device, args.smoke))
+        if not args.fidelity_only:
+            res["text_encoder"] = rec.item("text_encoder", lambda: text_encoder(device, args.smoke))
         bench = rec.item("build", lambda: FluxBench(device, args.smoke))
         shapes = ((64, 1),) if args.smoke else ((1024, 4), (512, 1))
         runs: dict[str, Any] = {}
@@ -312,7 +318,7 @@ def main() -> None:
                 res["fidelity"][kind] = {"steps": len(runs[kind]["losses"]), "losses": runs[kind]["losses"]}
                 if kind != "bf16" and runs.get("bf16"):
                     res["fidelity"][kind]["vs_bf16"] = compare(runs[kind], runs["bf16"])
-        for kind in ("fp8", "bf16"):
+        for kind in () if args.fidelity_only else ("fp8", "bf16"):
             if bench is None or time.time() > rec.deadline:
                 break
             if kind == "bf16":

@@ -6,6 +6,7 @@ cores (a tiny family trained in fp8 against bf16) is the `cuda` test at the end.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -277,3 +278,22 @@ def test_tiny_flux_trains_in_fp8_like_bf16_on_cuda(assets):
             losses.append(float(loss))
         runs[precision] = torch.tensor(losses)
     assert ((runs["fp8"] - runs["bf16"]).abs() / runs["bf16"]).max() < 0.01
+
+
+@pytest.mark.parametrize("only", [False, True])
+def test_the_fp8_bench_runs_every_item_on_the_cpu(tmp_path, only):
+    """bench/fp8.py --smoke: every item it runs on the H200 (the text encoder, the bf16/fp8 fidelity
+    runs, the step times) runs on a narrow FLUX on the CPU without error, so a device call does not
+    find the script broken (it was: the family loss's batch meta); --fidelity-only runs the fidelity
+    alone."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "fp8.json"
+    cmd = [sys.executable, "bench/fp8.py", "--smoke", "--out", str(out)] + (["--fidelity-only"] if only else [])
+    subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["errors"] == {} and set(res["fidelity"]) == {"bf16", "fp8"}
+    assert res["fidelity"]["fp8"]["steps"] == 1 and "vs_bf16" in res["fidelity"]["fp8"]
+    assert (res["step"] == {} and "text_encoder" not in res) if only else set(res["step"]) == {"fp8", "bf16"}
