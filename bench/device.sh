@@ -114,7 +114,7 @@ case $phase in
      tail -3 "$OUT/fp8-cuda-tests.log"  # graphs/compile keep an fp8 run's losses, its export loads; fp8 like bf16
      w=(--work /tmp/lorapipe-bench-0 --keep)  # Qwen-Image's fp8 512 px b1 step (1.03x a bf16 row of another run)
      python3 bench/bench.py run --families qwen-image "${w[@]}" --out "$OUT/bench-qwen-image-K5.json" --budget-s $(( $(left) - 25 )) \
-       --only 'qwen-image/train/bf16-512-b1' --only 'qwen-image/train/fp8-512-b1' --only 'qwen-image/profile/*-512-b1' \
+       --only 'qwen-image/train/bf16-512-b1' --only 'qwen-image/train/fp8-512-b1' --only 'qwen-image/profile/fp8-512-b1' --only 'qwen-image/profile/bf16-512-b1' \
        > "$OUT/bench-qwen-image-K5.log" 2>&1 ;;
   F50) timeout $(( $(left) - 10 )) python3 bench/fp8.py --fidelity-only --fidelity-steps 50 --deadline $(( $(left) - 60 )) \
        --out "$OUT/fp8-fidelity50-h200.json" > "$OUT/fp8-fidelity50.log" 2>&1; tail -5 "$OUT/fp8-fidelity50.log" ;;
