@@ -401,14 +401,15 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
     precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
     host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
-    no_fp8 = ""
-    if tcfg.base_precision == "auto" and "fp8" in precisions:  # tried only where it runs and loads
+    fp8_left_out = ""  # why "auto" leaves out an fp8 base this GPU could run (the plan's note says it)
+    if tcfg.base_precision == "auto" and "fp8" in precisions:
         from stages.core.fp8 import fp8_supported
 
-        no_fp8 = ("no fp8 tensor cores" if not fp8_supported() else
-                  "train.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: bench/fp8.md)"
-                  if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
-        if no_fp8:
+        supported = fp8_supported()  # (a GPU without fp8 tensor cores is not news: no note)
+        if supported:
+            fp8_left_out = ("train.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: "
+                            "bench/fp8.md)" if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
+        if fp8_left_out or not supported:
             precisions.remove("fp8")
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
@@ -424,7 +425,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
                                                          + (n - checkpointed) * BLOCK_SAVED_UNITS + BLOCK_WORK_UNITS)
     candidates = []
-    smallest_first = sorted((p for p in precisions if p != "fp8"), key=lambda p: sizes[p][0])  # fp8 is never swapped
+    smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
     for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
         total, block = sizes[precision]
         host = [block[i] for i in blockswap.swapped_positions(n, swapped, layout)]  # two slots of the largest
@@ -448,8 +449,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if plan.fits and plan.settings["swapped_blocks"] and (mode := _graphs_mode(tcfg, budget)):
         plan = _with_graph_room(plan, candidates, activations(plan.settings["checkpointed_blocks"]) / GB, grads_gb,
                                 budget, mode)
-    if no_fp8 and no_fp8 != "no fp8 tensor cores":  # (a GPU without them is not news)
-        plan.note = f"{plan.note} auto left fp8 out: {no_fp8}.".strip()
+    if fp8_left_out:
+        plan.note = f"{plan.note} auto left fp8 out: {fp8_left_out}.".strip()
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()
@@ -544,8 +545,7 @@ def _train_options(configured: bool | str, precisions: list[str], n: int,
         whole = [(p, 0, k) for p in precisions for k in range(n + 1)]
     else:
         whole = [(p, 0, n if c else 0) for p in precisions for c in dict.fromkeys((configured, True))]
-    swap = swap_order if swap_order is not None else [p for p in precisions if p != "fp8"]
-    return whole + [(p, k, n) for p in swap for k in range(1, n + 1)]
+    return whole + [(p, k, n) for p in (swap_order or precisions) if p != "fp8" for k in range(1, n + 1)]
 
 
 PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train}
