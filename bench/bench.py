@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -567,7 +567,19 @@ def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def run_args(make_parser: Callable[[], argparse.ArgumentParser] | None = None, **overrides: Any) -> argparse.Namespace:
+    """`run`'s arguments as `make_parser` (default: this script's; bench/memory.py's `parser` for a
+    MemoryRunner) gives them, defaults and no --out (""), then `overrides`: for the code that drives a
+    runner without the command line (bench/peers.py, `bench/memory.py plan`, the tests)."""
+    args = (make_parser or parser)().parse_args(["run", "--out", ""])
+    for key, value in overrides.items():
+        if not hasattr(args, key):
+            raise TypeError(f"`run` has no argument {key!r}")
+        setattr(args, key, value)
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="build, run the stages, write results JSON")
@@ -594,7 +606,11 @@ def main() -> None:
     p = sub.add_parser("report", help="results JSON files -> bench/RESULTS.md and bench/APPENDIX.md")
     p.add_argument("files", nargs="+")
     p.add_argument("--write", default="")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.cmd == "build":
         build(args.family, Path(args.folder), Path(args.counts), args.tiny, [c for c in args.components.split(",") if c])
         return

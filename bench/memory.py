@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import Item, Runner, collect, family_full, model_dir  # noqa: E402
+from bench.bench import Item, Runner, collect, family_full, model_dir, run_args  # noqa: E402
 
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
@@ -327,28 +327,28 @@ def report(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def plan_table(args: argparse.Namespace) -> str:
-    """The train stage's plan per family, px and budget, from full-size configs on the meta device (no
-    weights, no GPU: bench/plan_cost.py's config-only folders), with the rows' settings: what `run`
-    would train, and its CUDA graph room under swap."""
+def plan_table(families: str, budgets: str, res: str, work: str) -> str:
+    """The train stage's plan per family, px and budget (comma lists), from full-size configs on the meta
+    device (no weights, no GPU: bench/plan_cost.py's config-only folders under `work`), with the rows'
+    settings: what `run` would train, and its CUDA graph room under swap."""
     from bench.plan_cost import config_only_model
 
-    runner = MemoryRunner(args)
+    runner = MemoryRunner(run_args(parser, work=work))
     lines = ["| family | px | budget GB | train plan | predicted GB | note |", "|---|---|---|---|---|---|"]
-    for fam in args.families.split(","):
-        folder = Path(args.work) / "config-only" / fam
+    for fam in families.split(","):
+        folder = Path(work) / "config-only" / fam
         shutil.rmtree(folder, ignore_errors=True)  # made afresh: a folder cut off, or older configs, would be reused
         model = config_only_model(fam, folder)
-        for res in map(int, str(args.res).split(",")):
-            for budget in args.budgets.split(","):
-                train = runner.stage_plans(fam, model, budget, res)[-1]
+        for px in map(int, str(res).split(",")):
+            for budget in budgets.split(","):
+                train = runner.stage_plans(fam, model, budget, px)[-1]
                 settings = ", ".join(f"{k}={v}" for k, v in train["settings"].items() if k not in ("blocks", "host_gb"))
                 note = train["note"]
-                lines.append(f"| {fam} | {res} | {budget} | {settings} | {train['predicted_peak_gb']:.2f} | {note} |")
+                lines.append(f"| {fam} | {px} | {budget} | {settings} | {train['predicted_peak_gb']:.2f} | {note} |")
     return "\n".join(lines)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
@@ -363,6 +363,7 @@ def main() -> None:
     r.add_argument("--keep", action="store_true")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every row's stages (repeatable), e.g. train.profile_steps=2")
+    r.set_defaults(skip_done=[], only=[])  # what bench.py's Runner reads: every row runs
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
     t = sub.add_parser("plan", help="the train plans `run` would measure, from full-size configs (CPU, no weights)")
@@ -372,21 +373,22 @@ def main() -> None:
     t.add_argument("--work", default="/tmp/lorapipe-memory-plan")
     t.add_argument("--fp8-gpu", action="store_true", help="plan as on a GPU with fp8 tensor cores (the H200), where "
                    "train.base_precision = 'auto' tries fp8 after bf16")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.cmd == "report":
         print(report([Path(f) for f in args.files]))
         return
     if args.cmd == "plan":
-        args.tiny, args.set, args.models, args.out, args.budget_s, args.keep = False, [], "", "", 1e9, False
-        args.skip_done, args.only = [], []
         from stages.core import fp8, memory
 
         memory.host_available_bytes = lambda: None  # the GPU machine's plan, not this host's memory
         if args.fp8_gpu:
             fp8.fp8_supported = lambda: True
-        print(plan_table(args))
+        print(plan_table(args.families, args.budgets, args.res, args.work))
         return
-    args.skip_done, args.only = [], []
     runner = MemoryRunner(args)
     for fam in args.families.split(","):
         try:

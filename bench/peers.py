@@ -381,7 +381,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
 
 
 def run(a: argparse.Namespace) -> None:
-    from bench.bench import Runner, family_full, machine_info
+    from bench.bench import Runner, family_full, machine_info, run_args
     from stages.families import get_family
 
     fam = a.family
@@ -422,9 +422,8 @@ def run(a: argparse.Namespace) -> None:
         except Exception as e:  # noqa: BLE001 - the product's rows still count
             add({"side": "diffusers script", "status": "failed", "reason": f"{type(e).__name__}: {e}"})
     if "product" in sides:
-        ns = argparse.Namespace(work=str(work / "product"), budget_s=max(30.0, deadline - time.time()), skip_done=[],
-                                out=str(work / "product" / "runner.json"), tiny=a.tiny, models="", keep=True, only=[])
-        runner = Runner(ns)
+        runner = Runner(run_args(work=str(work / "product"), budget_s=max(30.0, deadline - time.time()),
+                                 out=str(work / "product" / "runner.json"), tiny=a.tiny, keep=True))
         runner.ensure_data = lambda controls=0: Path(a.data).resolve()  # the side-by-side data, not the bench's own
         res_sets = {**runner.base_sets(fam, a.res), "data.path": str(Path(a.data).resolve()),
                     "data.resolution": a.res, "captions.max_sequence_length": a.text_tokens,

@@ -346,16 +346,12 @@ def test_memory_plan_shows_the_full_size_train_plans_with_their_graph_room(tmp_p
     device: FLUX at 6 GB swaps blocks at 512 and 1024 px, with room for CUDA graphs at both, each only
     with more blocks swapped than fit needs (the note says how many: 3 at 512 px, whose 26 left 1.90x
     free at the capture on the H200 and ran eager)."""
-    import argparse
-
     from bench.memory import plan_table
     from stages.core import fastpath, memory
 
     monkeypatch.delenv(fastpath.ENV, raising=False)
 
-    args = argparse.Namespace(families="flux", budgets="6", res="512,1024", work=str(tmp_path), tiny=False, set=[],
-                              models="", out="", budget_s=1e9, keep=False, skip_done=[], only=[])
-    rows = [ln.split(" | ") for ln in plan_table(args).splitlines()[2:]]
+    rows = [ln.split(" | ") for ln in plan_table("flux", "6", "512,1024", str(tmp_path)).splitlines()[2:]]
     assert [(r[1], r[2]) for r in rows] == [("512", "6"), ("1024", "6")]
     for r in rows:
         assert "base_precision=nf4" in r[3] and "swapped_blocks=" in r[3] and float(r[4]) * memory.FRAGMENTATION <= 6
@@ -370,10 +366,10 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
     result file's train row that recorded it (runtime.cuda_graphs.room; full-size configs on the meta
     device, the row's own plan): never above the measured room, so a plan the planner gives room has
     it, and within 10 % of it, so it does not swap blocks for nothing."""
-    import argparse
     import re
 
-    from bench.memory import MemoryRunner, _variant
+    from bench.bench import run_args
+    from bench.memory import MemoryRunner, _variant, parser
     from bench.plan_cost import config_only_model
     from stages.core import fastpath, memory
     from stages.core.model_source import model_source
@@ -386,9 +382,7 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
     rows = [r for d in calls if not _variant(d.get("meta", {}).get("command", ""))  # the presets' rows, no --set overrides
             for r in d["items"] if ((r.get("runtime") or {}).get("cuda_graphs") or {}).get("room")]
     assert len(rows) >= 5 and {r["family"] for r in rows} >= {"flux", "qwen-image", "z-image"}
-    args = argparse.Namespace(families="", budgets="", res="", work=str(tmp_path), tiny=False, set=[], models="",
-                              out="", budget_s=1e9, keep=False, skip_done=[], only=[])
-    runner, ratios = MemoryRunner(args), []
+    runner, ratios = MemoryRunner(run_args(parser, work=str(tmp_path))), []
     for r in rows:
         free, budget_gb, need = map(float, figures.search(r["runtime"]["cuda_graphs"]["room"][0]).groups())
         assert budget_gb == float(r["budget"])
@@ -411,17 +405,14 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
     activations outside its transformer blocks (family.outside_block_gb, fitted on these rows: it had
     been 0.92-0.96x, which would have planned fp8 at 4 GB for a row that reserved 4.30), and the
     budgets it picks hold; the reserve on top is memory.FRAGMENTATION's."""
-    import argparse
-
-    from bench.bench import ROOT, Runner, family_full
+    from bench.bench import ROOT, Runner, family_full, run_args
     from bench.plan_cost import config_only_model
     from stages.core import memory
     from stages.core.config import load_config
     from stages.core.model_source import model_source
     from stages.families import get_family
 
-    runner = Runner(argparse.Namespace(work=str(tmp_path), out=str(tmp_path / "x.json"), budget_s=1e9, tiny=False,
-                                       skip_done=[], models="", keep=False, only=[]))
+    runner = Runner(run_args(work=str(tmp_path)))
     ratios: dict[str, float] = {}
     for f in sorted((Path(__file__).parents[1] / "bench" / "results").glob("bench-*.json")):
         for r in json.loads(f.read_text())["items"]:

@@ -16,7 +16,6 @@ FLUX.2 dev, whose 112.6 GB the 1-GPU host cannot hold whole.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench import staged
-from bench.bench import Runner, _short_plan, plan
+from bench.bench import Runner, _short_plan, plan, run_args
 from conftest import FAMILIES, make_cfg, tiny_model
 from stages.core.model_source import ModelSource
 
@@ -52,9 +51,7 @@ def test_a_stand_in_keeps_the_identity_and_drops_the_weights(tmp_path: Path) -> 
 
 
 def _runner(tmp_path: Path, models: Path, tiny: bool) -> Runner:
-    args = argparse.Namespace(work=str(tmp_path / "w"), out=str(tmp_path / "out.json"), budget_s=1e9, skip_done=[],
-                              only=[], tiny=tiny, keep=False, models=str(models), staged=False)
-    return Runner(args)
+    return Runner(run_args(work=str(tmp_path / "w"), out=str(tmp_path / "out.json"), tiny=tiny, models=str(models)))
 
 
 def _dirs(folder: Path) -> set[str]:
