@@ -49,9 +49,10 @@ SWAP_EXTRA_GB = 0.4
 # H200 (bench/RESULTS.md, compiled, CUDA graphs on) nf4's step was 1.08-1.39x bf16's compiled (all four
 # families at 512 px; FLUX.1-dev 1.806 against 1.95 samples/s and Qwen-Image 1.586 against 1.730 at 1024 px
 # b1, memory-*-h200.json "auto" rows beside bench-*.json), up to 1.83x uncompiled. fp8 (compute capability
-# >= 8.9 only) beat nf4 in every row where both were measured (2026-12-02: 0.53-0.75x nf4's step: Qwen-Image
-# 1024 px b1 0.521 s against 0.813, 512 px b1 0.163 against 0.220; Z-Image 1024 b1 0.356 against 0.654;
-# SDXL 1024 b1 0.128 against 0.189; FLUX 1024 b4 1.701 against 2.596) at about half bf16's memory, and with
+# >= 8.9 only) beat compiled nf4 in every row where both were measured (2026-12-02: 0.68-0.85x its step:
+# 1024 px b1 against the memory tables' nf4-whole rows, Qwen-Image 0.521 s against 0.613, Z-Image 0.356
+# against 0.436, SDXL 0.128 against 0.170; 512 px b1 Qwen-Image 0.163 against 0.220, SDXL 0.077 against
+# 0.114) at about half bf16's memory, and with
 # gradients closer to bf16's (step-1 cosine 0.9986 against nf4's 0.985). It beat bf16 in 5 of 6 rows
 # (0.83-0.94x) but not Qwen-Image at 512 px b1 (1.03x), and it changes the base's numbers, so bf16 stays
 # first wherever it fits whole: fp8 takes the budgets between bf16's peak and nf4's (Qwen-Image at 1024 px
