@@ -389,6 +389,26 @@ def _planned_controls(cfg: Any, family: Any) -> int:
     return dataset.most_controls(cfg)  # file names only: no image is read or hashed here
 
 
+def _base_precisions(tcfg: Any, family: Any, host_gb: float) -> tuple[list[str], str]:
+    """The base precisions train tries whole, in order: the configured one, or under "auto" the family's
+    (AUTO_BASE_PRECISIONS) less fp8 where this process could not use it; and why fp8 was left out where
+    the GPU could run it ("" otherwise: a GPU without fp8 tensor cores is not news)."""
+    if tcfg.base_precision != "auto":
+        return [tcfg.base_precision], ""
+    precisions = list(getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS))
+    if "fp8" not in precisions:
+        return precisions, ""
+    from stages.core.fp8 import fp8_supported
+
+    why = ""
+    if fp8_supported():
+        why = ("train.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: bench/fp8.md)"
+               if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
+    if why or not fp8_supported():
+        precisions.remove("fp8")
+    return precisions, why
+
+
 def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     tcfg = cfg.train
     model = meta_component(src, family.denoiser_components[0])
@@ -399,19 +419,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     images = 1 + _planned_controls(cfg, family)  # edit families: control tokens join the sequence
     tokens = tcfg.batch_size * (images * side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
-    auto = getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS)
-    precisions = list(auto) if tcfg.base_precision == "auto" else [tcfg.base_precision]
     host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
-    fp8_left_out = ""  # why "auto" leaves out an fp8 base this GPU could run (the plan's note says it)
-    if tcfg.base_precision == "auto" and "fp8" in precisions:
-        from stages.core.fp8 import fp8_supported
-
-        supported = fp8_supported()  # (a GPU without fp8 tensor cores is not news: no note)
-        if supported:
-            fp8_left_out = ("train.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: "
-                            "bench/fp8.md)" if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
-        if fp8_left_out or not supported:
-            precisions.remove("fp8")
+    precisions, fp8_left_out = _base_precisions(tcfg, family, host_gb)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
