@@ -103,7 +103,7 @@ def denoiser_flops(family: str, batch: int, latent_hw: tuple[int, int], text_tok
         if isinstance(mod, torch.nn.Linear):
             mod.register_forward_hook(hook)
     h, w = latent_hw
-    img = (h // 2) * (w // 2)
+    img = getattr(full(family), "image_tokens", lambda h, w: (h // 2) * (w // 2))(h, w)  # 2x2 packing by default
     with torch.no_grad():
         full(family).meta_forward(model, batch, h, w, text_tokens, _meta_empty)
     attn = full(family).attention_flops(model.config, batch, img, text_tokens)

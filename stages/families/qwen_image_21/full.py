@@ -76,10 +76,24 @@ def attention_flops(cfg: Any, batch: int, img: int, txt: int) -> float:
     return 4.0 * (img + txt) ** 2 * cfg.num_attention_heads * cfg.attention_head_dim * cfg.num_layers * batch
 
 
+def image_tokens(h: int, w: int) -> int:
+    """One token per latent pixel (16x VAE, no 2x2 packing): bench/full_configs.denoiser_flops' count."""
+    return h * w
+
+
 def meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> Any:
+    """The image-slot mask stays on the CPU (the model expands it by slot, which a meta tensor cannot
+    size), so the per-token modulation rows it selects are picked on the meta device with it moved
+    there: the FLOPs are the same."""
+    from unittest import mock
+
     import torch
+    from diffusers.models.transformers import transformer_qwenimage21 as module
 
     cfg = model.config
     img_mask = torch.cat([torch.zeros(b, txt, dtype=torch.bool), torch.ones(b, h * w // 4, dtype=torch.bool)], 1)
-    return model(hidden_states=empty(b, h * w, cfg.in_channels), encoder_hidden_states=empty(b, txt, cfg.context_in_dim),
-                 timestep=empty(b), img_shapes=[[(1, h, w)]] * b, img_mask=img_mask, return_dict=False)
+    select = module._select_modulation_rows
+    with mock.patch.object(module, "_select_modulation_rows",
+                           lambda params, mask: select(params, None if mask is None else mask.to(params.device))):
+        return model(hidden_states=empty(b, h * w, cfg.in_channels), encoder_hidden_states=empty(b, txt, cfg.context_in_dim),
+                     timestep=empty(b), img_shapes=[[(1, h, w)]] * b, img_mask=img_mask, return_dict=False)
