@@ -439,18 +439,19 @@ def test_results_md_carries_the_hand_written_notes_as_they_are_now() -> None:
             "run `python3 bench/bench.py report bench/results/*.json --write bench/RESULTS.md`"
 
 
-def test_every_familys_denoiser_flops_count_on_the_meta_device() -> None:
+def test_the_denoiser_flops_count_on_the_meta_device_for_each_token_layout() -> None:
     """The MFU column's FLOPs (bench/full_configs.denoiser_flops: the full-size denoiser run on the meta
-    device with a hook on every Linear) for every family at 512 px b1: it runs (Qwen-Image 2.1's image-slot
-    mask once stopped it, so its rows had no MFU), and the token count is the family's own: 77 text
-    tokens beside 32x32 packed latent tokens (Qwen-Image 2.1: 32x32 unpacked latents of its 16x VAE; the
-    edit families: twice the image tokens; SDXL: the image alone, and no attention count: DiT families
-    only)."""
+    device with a hook on every Linear) at 512 px b1, for the families whose token layout differs (the
+    others share FLUX's or Qwen-Image's code path, which bench/RESULTS.md's MFU columns exercise): it runs
+    (Qwen-Image 2.1's image-slot mask once stopped it, so its rows had no MFU), and the token count is the
+    family's own: Qwen-Image 2.1 77 text tokens beside 32x32 unpacked latents of its 16x VAE; Kontext
+    twice the 32x32 packed tokens; SDXL the image alone, and no attention count (DiT families only)."""
     from bench.full_configs import denoiser_flops
     from bench.report import VAE_DOWN
 
-    for fam, down in VAE_DOWN.items():
+    for fam in ("qwen-image-2.1", "flux-kontext", "sdxl"):
+        down = VAE_DOWN[fam]
         f = denoiser_flops(fam, 1, (512 // down, 512 // down), 77)
-        images = 2 if fam in ("flux-kontext", "qwen-image-edit") else 1
+        images = 2 if fam == "flux-kontext" else 1
         assert f["tokens"] == images * 1024 + (0 if fam == "sdxl" else 77), fam
         assert f["linear_fwd"] > 0 and f["params"] > 1e9 and (f["attention_fwd"] > 0) == (fam != "sdxl"), fam

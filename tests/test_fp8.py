@@ -280,20 +280,18 @@ def test_tiny_flux_trains_in_fp8_like_bf16_on_cuda(assets):
     assert ((runs["fp8"] - runs["bf16"]).abs() / runs["bf16"]).max() < 0.01
 
 
-@pytest.mark.parametrize("only", [False, True])
-def test_the_fp8_bench_runs_every_item_on_the_cpu(tmp_path, only):
+def test_the_fp8_bench_runs_every_item_on_the_cpu(tmp_path):
     """bench/fp8.py --smoke: every item it runs on the H200 (the text encoder, the bf16/fp8 fidelity
     runs, the step times) runs on a narrow FLUX on the CPU without error, so a device call does not
-    find the script broken (it was: the family loss's batch meta); --fidelity-only runs the fidelity
-    alone."""
+    find the script broken (it was: the family loss's batch meta)."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "fp8.json"
-    cmd = [sys.executable, "bench/fp8.py", "--smoke", "--out", str(out)] + (["--fidelity-only"] if only else [])
+    cmd = [sys.executable, "bench/fp8.py", "--smoke", "--out", str(out)]
     subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert res["errors"] == {} and set(res["fidelity"]) == {"bf16", "fp8"}
     assert res["fidelity"]["fp8"]["steps"] == 1 and "vs_bf16" in res["fidelity"]["fp8"]
-    assert (res["step"] == {} and "text_encoder" not in res) if only else set(res["step"]) == {"fp8", "bf16"}
+    assert set(res["step"]) == {"fp8", "bf16"} and "text_encoder" in res
