@@ -166,14 +166,11 @@ def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = Fal
 
 def _fp8_weight_bytes(module: torch.nn.Module) -> float:
     """An fp8 base as stages/core/fp8.py makes it: each eligible Linear inside the repeated blocks one
-    byte per weight plus a 4-byte scale per output channel, everything else bf16. A module without a
-    block list (one block, as the swap planner sizes it) counts all its eligible Linears."""
+    byte per weight plus a 4-byte scale per output channel, everything else bf16 (a denoiser: fp8 blocks
+    are never swapped, so no single block is sized)."""
     from stages.core import fp8
 
-    try:
-        keep = fp8.inside_repeated_blocks(module)
-    except ValueError:
-        keep = lambda name, linear: False  # noqa: E731
+    keep = fp8.inside_repeated_blocks(module)
     quantized = {id(m.weight): m.weight.shape[0] for name, m in module.named_modules()
                  if type(m) is torch.nn.Linear and fp8.fp8_eligible(m) and not keep(name, m)}
     return sum(p.numel() + 4 * quantized[id(p)] if id(p) in quantized else 2 * p.numel() for p in module.parameters())
@@ -400,11 +397,11 @@ def _base_precisions(tcfg: Any, family: Any, host_gb: float) -> tuple[list[str],
         return precisions, ""
     from stages.core.fp8 import fp8_supported
 
-    why = ""
-    if fp8_supported():
+    supported, why = fp8_supported(), ""
+    if supported:
         why = ("train.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: bench/fp8.md)"
                if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
-    if why or not fp8_supported():
+    if why or not supported:
         precisions.remove("fp8")
     return precisions, why
 
@@ -426,19 +423,20 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
                           f"in another order than it runs them (SDXL's UNet runs down, mid, up), so block swap could not "
                           f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
-    # per precision: the whole base, and each block's bytes that swapping it moves to host memory
-    sizes = {p: (weight_bytes(model, p), [weight_bytes(b, p, codes_only=True) for b in blocks]) for p in precisions}
+    whole = {p: weight_bytes(model, p) for p in precisions}  # the whole base per precision
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
     fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # activations outside the blocks
     outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side * 16 / 512) ** 2) * GB
     activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
                                                          + (n - checkpointed) * BLOCK_SAVED_UNITS + BLOCK_WORK_UNITS)
+    options = _train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get))
+    # each block's bytes that swapping it moves to host memory, for the precisions a swap option uses
+    block_bytes = {p: [weight_bytes(b, p, codes_only=True) for b in blocks] for p in {p for p, k, _ in options if k}}
     candidates = []
-    smallest_first = sorted(precisions, key=lambda p: sizes[p][0])
-    for precision, swapped, checkpointed in _train_options(tcfg.gradient_checkpointing, precisions, n, smallest_first):
-        total, block = sizes[precision]
-        host = [block[i] for i in blockswap.swapped_positions(n, swapped, layout)]  # two slots of the largest
+    for precision, swapped, checkpointed in options:
+        total = whole[precision]
+        host = [block_bytes[precision][i] for i in blockswap.swapped_positions(n, swapped, layout)]  # two slots of the largest
         resident = total - sum(host) + min(2, len(host)) * max(host, default=0)
         peak = resident + lora + activations(checkpointed) + SWAP_EXTRA_GB * GB * (swapped > 0)
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
