@@ -331,6 +331,14 @@ class Runner:
                 "train.checkpoint_every": 0, "train.log_every": 1, "train.lr_warmup_steps": 0,
                 "train.gradient_checkpointing": True}
 
+    def config(self, fam: str, model: Path, res: int, sets: dict[str, Any]) -> Any:
+        """The config a row's stages run with on the GPU (the preset, the bench's settings and the row's
+        `sets`), loaded here for planning: no stage runs."""
+        from stages.core.config import load_config
+
+        return load_config(ROOT / family_full(fam).PRESET,
+                           {**self.base_sets(fam, res), **sets, "model": str(model), "device": "cuda"})
+
     def stage_cmd(self, fam: str, item: Item, stage: str, model: Path, extra: list[str] = ()) -> list[str]:
         sets = {**self.base_sets(fam, item.res, item.controls), **item.sets}
         if self.args.tiny:  # nf4/bf16 need CUDA: the tiny run checks the plumbing in fp32

@@ -29,7 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import Item, Runner, collect, family_full, model_dir, run_args  # noqa: E402
+from bench.bench import Item, Runner, collect, model_dir, run_args  # noqa: E402
 
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
@@ -65,10 +65,7 @@ class MemoryRunner(Runner):
 
     def row_config(self, fam: str, model: Path, budget: str, res: int) -> Any:
         """The config a row's stages run with (the preset and the row's overrides), for planning."""
-        from stages.core.config import load_config
-
-        sets = {**self.base_sets(fam, res), **self.row_sets(budget), "model": str(model), "device": "cuda"}
-        return load_config(ROOT / family_full(fam).PRESET, sets)
+        return self.config(fam, model, res, self.row_sets(budget))
 
     def stage_plans(self, fam: str, model: Path, budget: str, res: int) -> list[dict[str, Any]]:
         """Each GPU stage's plan (`pipeline.py plan --json`'s "stages") for a row at a numeric budget,

@@ -405,10 +405,9 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
     activations outside its transformer blocks (family.outside_block_gb, fitted on these rows: it had
     been 0.92-0.96x, which would have planned fp8 at 4 GB for a row that reserved 4.30), and the
     budgets it picks hold; the reserve on top is memory.FRAGMENTATION's."""
-    from bench.bench import ROOT, Runner, family_full, run_args
+    from bench.bench import Runner, run_args
     from bench.plan_cost import config_only_model
     from stages.core import memory
-    from stages.core.config import load_config
     from stages.core.model_source import model_source
     from stages.families import get_family
 
@@ -421,8 +420,7 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
                     or sets.get("train.base_precision") not in ("bf16", "fp8") or sets.get("train.gradient_checkpointing") is False:
                 continue
             model = config_only_model(fam, tmp_path / "config-only" / fam)
-            cfg = load_config(ROOT / family_full(fam).PRESET,
-                              {**runner.base_sets(fam, r["res"]), **sets, "model": str(model), "device": "cuda"})
+            cfg = runner.config(fam, model, r["res"], sets)
             plan = memory.plan_train(cfg, get_family(fam), model_source(cfg), memory.Budget(1000.0, "cap"))
             ratios[f"{f.name}:{r['id']}"] = plan.predicted_peak_gb / r["summary"]["peak_vram_gb"]["allocated"]
     assert sum("/fp8-" in k for k in ratios) >= 5 and len(ratios) >= 25
