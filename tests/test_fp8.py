@@ -19,7 +19,6 @@ from stages.core.fp8 import (FP8_MAX, Fp8Linear, fp8_bytes, inside_repeated_bloc
                              require_fp8_device)
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-cuda = pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9)")
 # where the fp8 matmuls run: torch 2.13's CPU build has `_scaled_mm`, torch 2.11's (the GPU machine) has not
 MATMUL_DEVICE = "cuda" if FP8_GPU else "cpu"
 
@@ -248,36 +247,6 @@ def test_fp8_scaled_reader_refuses_pickles(tmp_path):
 
 
 # ---- on the GPU machine ----------------------------------------------------------------------------------
-
-
-@cuda
-def test_tiny_flux_trains_in_fp8_like_bf16_on_cuda(assets):
-    """20 AdamW steps of a tiny FLUX from the same LoRA and batches: fp8 losses within 1 % of bf16's (the
-    issue's fidelity bound; the same loop on the CPU differed by 0.009 % at most)."""
-    from stages.core import lora
-    from stages.families.flux.family import Flux
-
-    runs = {}
-    for precision in ("bf16", "fp8"):
-        model = _flux(assets)
-        if precision == "fp8":
-            quantize_denoiser_fp8(model, inside_repeated_blocks(model), "cuda", min_width=16)
-        model.to("cuda").requires_grad_(False)
-        torch.manual_seed(0)
-        params = lora.attach_lora(model, lora.lora_config(4, 4, 0.0, list(Flux.default_lora_targets)))
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        g, losses = torch.Generator().manual_seed(1), []
-        for _ in range(20):
-            x0, noise = torch.randn(4, 16, 16, 16, generator=g).cuda(), torch.randn(4, 16, 16, 16, generator=g).cuda()
-            cond = {"prompt_embeds": torch.randn(4, 32, 32, generator=g).cuda(), "pooled": torch.randn(4, 32, generator=g).cuda()}
-            t = torch.rand(4, generator=g).cuda()
-            loss = Flux().loss(model, x0, noise, t, cond, NO_GEOMETRY, SimpleNamespace(guidance_scale=1.0)).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
-        runs[precision] = torch.tensor(losses)
-    assert ((runs["fp8"] - runs["bf16"]).abs() / runs["bf16"]).max() < 0.01
 
 
 def test_the_fp8_bench_runs_every_item_on_the_cpu(tmp_path):
