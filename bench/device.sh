@@ -21,6 +21,8 @@
 #   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)
 #   K5: the fp8 CUDA tests, then Qwen-Image at 512 px b1, bf16 and fp8 in one run, then both profiled (bench/profile_step.py)
 #   F50: bench/fp8.py's fidelity alone over the 50 steps (bf16, nf4, fp8 from one FLUX; 30 measured so far)
+#   FL: train's fp8 load on the GPU, streamed against read whole (bench/fp8_load.py; a full-width FLUX with 4 + 8
+#       blocks, bf16 then fp32 files): host and GPU peaks
 #   A8: FLUX at 16 GB, 1024 px, where "auto" now plans an fp8 base whole (13.37 GB predicted; was nf4): every
 #       stage under the budget, and its speed against the 12 GB nf4 and the unconstrained bf16 rows
 #   L: torchao float8 against the product's fp8 layer (bench/fp8_torchao.py, torchao from .whl/extra), then
@@ -120,6 +122,8 @@ case $phase in
        > "$OUT/bench-qwen-image-K5.log" 2>&1 ;;
   F50) timeout $(( $(left) - 10 )) python3 bench/fp8.py --fidelity-only --fidelity-steps 50 --deadline $(( $(left) - 60 )) \
        --out "$OUT/fp8-fidelity50-h200.json" > "$OUT/fp8-fidelity50.log" 2>&1; tail -5 "$OUT/fp8-fidelity50.log" ;;
+  FL) for d in bfloat16 float32; do timeout $(( $(left) / 2 )) python3 bench/fp8_load.py --device cuda --layers 4 --single-layers 8 \
+       --file-dtype $d --out "$OUT/fp8-load-h200-$d.json" > "$OUT/fp8-load-$d.log" 2>&1; tail -22 "$OUT/fp8-load-$d.log"; done ;;
   A8) python3 bench/memory.py run --families flux --budgets 16 --models /tmp/lorapipe-models --out "$OUT/memory-flux-16gb-fp8-h200.json" \
        --budget-s $(( $(left) - 20 )) > "$OUT/memory-flux-16.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-16.log" | cut -c1-300 ;;
   L) pip install -q --no-deps --no-compile --target /tmp/tao .whl/extra/torchao-*.whl

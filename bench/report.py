@@ -512,7 +512,7 @@ def _kind(data: dict[str, Any]) -> str:
         return "swap"
     if "checked_with" in data:
         return "meta"
-    if {"micro", "fidelity", "torchao"} & data.keys():  # bench/fp8.py (--fidelity-only too), bench/fp8_torchao.py: read in bench/fp8.md
+    if {"micro", "fidelity", "torchao", "loads"} & data.keys():  # bench/fp8*.py: read in bench/fp8.md
         return "fp8"
     if "base_dtype" in data:
         return "dtype"

@@ -291,12 +291,13 @@ def test_config_checks_import_no_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
-def test_an_fp8_base_predicts_as_the_bf16_base(built_run):
+def test_an_fp8_base_predicts_as_the_bf16_base_and_streams_its_load(built_run, monkeypatch):
     """train.base_precision = "fp8" for every family: the Linears inside the denoiser's repeated blocks
     become e4m3 with per-channel scales (the tiny widths made eligible: min_width 16, the one change from
     a real run), none outside them, and the prediction on two cached items stays within e4m3's error of
     the bf16 base's: 0.3-2.4 % relative RMS across the ten families (one layer's output is ~3.7 % off,
-    bench/fp8.md)."""
+    bench/fp8.md). train's fp8 load, which streams the folder's safetensors tensor by tensor instead of
+    reading the bf16 base into host memory, gives that quantized model bit for bit."""
     from stages.core import fp8
 
     cfg = built_run
@@ -312,3 +313,15 @@ def test_an_fp8_base_predicts_as_the_bf16_base(built_run):
     want, got = _denoiser_output(cfg, family, dense).float(), _denoiser_output(cfg, family, quantized).float()
     rel = float((got - want).norm() / want.norm())
     assert 0 < rel < 0.05, rel
+    # the load train makes: the folder's shards streamed tensor by tensor, never read whole in bf16
+    monkeypatch.setattr(fp8, "MIN_WIDTH", 16)
+    monkeypatch.setattr(fp8, "require_fp8_device", lambda device: None)  # the CPU has no fp8 matmul to refuse
+    monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the fp8 load read the whole bf16 base"))
+    streamed = fp8.load_fp8_denoiser(type(dense), src, family.denoiser_components[0], torch.device("cpu"))
+    assert [n for n, m in streamed.named_modules() if isinstance(m, fp8.Fp8Linear)] == made
+    want_state = dict(quantized.named_buffers()) | dict(quantized.named_parameters())
+    got_state = dict(streamed.named_buffers()) | dict(streamed.named_parameters())
+    assert want_state.keys() == got_state.keys()
+    for k, v in want_state.items():  # bit for bit, e4m3 codes and scales included
+        assert got_state[k].dtype == v.dtype and torch.equal(got_state[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert not streamed.training and not any(p.requires_grad for p in streamed.parameters())

@@ -70,6 +70,8 @@ def _deeper_flux(assets, tmp_path, layers: int, single_layers: int, width: int |
     if width:
         config.update(num_attention_heads=width // config["attention_head_dim"])
     (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    # planning only asks whether the weights are a diffusers safetensors file (an fp8 load streams it)
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
     return str(folder)
 
 
@@ -424,13 +426,14 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
     assert memory.load_device(roomy, rt) is rt  # no swap: the runtime's device, nothing checked
     fp8_cfg = make_cfg("flux", assets, demo_data, tmp_path / "fp8", **{"train.base_precision": "fp8",
                        "data.resolution": 256, "model": cfg.model})
-    assert _plan("train", fp8_cfg, 1000.0).settings["host_gb"] == round(bf16 / memory.GB, 2)
+    assert "host_gb" not in _plan("train", fp8_cfg, 1000.0).settings  # a diffusers folder: fp8 streams its shards
     fp8 = memory.StagePlan("train", memory.Budget(60.0, "cap"), {**roomy.settings, "base_precision": "fp8",
                                                                    "host_gb": 40.0}, 20.0, True)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: int(30 * memory.GB))
-    with pytest.raises(ResourceError) as err:  # fp8 reads the bf16 base into host memory too
+    with pytest.raises(ResourceError) as err:  # fp8 from a single file reads the bf16 base into host memory
         memory.load_device(fp8, rt)
-    assert all(s in str(err.value) for s in ("an fp8 base", "40.0 GB", "30.0 GB", "'nf4'"))
+    assert all(s in str(err.value) for s in ("an fp8 base from a single-file checkpoint", "40.0 GB", "30.0 GB",
+                                             "diffusers folder", "'nf4'"))
     import pathlib
 
     if pathlib.Path("/proc/meminfo").exists():  # Linux: the real figure is read
@@ -567,8 +570,9 @@ def test_fp8_weight_bytes_equal_the_quantized_model(assets, tmp_path):
 def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_data, tmp_path, monkeypatch):
     """On a GPU with fp8 tensor cores "auto" tries bf16 whole, then fp8 whole (faster than nf4 in every
     row measured on the H200, at about half bf16's memory), then nf4; fp8 blocks are never swapped.
-    Without enough host memory for fp8's bf16 read it is left out and the plan says why; without fp8
-    tensor cores it is left out quietly."""
+    A diffusers folder's fp8 load streams its shards, so host memory does not matter; from a source read
+    whole (a single file) without enough host memory for its bf16 read fp8 is left out and the plan says
+    why; without fp8 tensor cores it is left out quietly."""
     from stages.core import fp8
 
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "auto", "data.resolution": 256,
@@ -586,10 +590,12 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     assert whole["nf4"] < whole["fp8"] < whole["bf16"]
     between = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert between.settings["base_precision"] == "fp8" and between.settings["swapped_blocks"] == 0
-    assert between.settings["host_gb"] > 0 and "fp8" not in between.note
+    assert "host_gb" not in between.settings and "fp8" not in between.note
     assert at(whole["fp8"] * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "nf4"
-    host_gb = between.settings["host_gb"]
+    host_gb = round(memory.weight_bytes(memory.meta_component(src, "transformer"), "bf16") / memory.GB, 2)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: int(host_gb * memory.GB / 2))
+    assert at(whole["bf16"] * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "fp8"  # streamed
+    monkeypatch.setattr(ModelSource, "weight_files", lambda self, sub: None)  # a source fp8 reads whole
     short = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert short.settings["base_precision"] == "nf4" and "fp8" not in {t["base_precision"] for t in short.tried}
     assert f"auto left fp8 out: its bf16 read ({host_gb:.1f} GB)" in short.note and "host memory" in short.note

@@ -176,11 +176,69 @@ def quantize_denoiser_fp8(model: nn.Module, keep: Keep, device: torch.device | s
 
 
 def load_fp8_denoiser(cls: Any, src: Any, subfolder: str, device: torch.device) -> nn.Module:
-    """`train.base_precision = "fp8"`: read the bf16 weights into CPU memory, then quantize them
-    on `device` one Linear at a time (FLUX.1: 24 GB bf16 read, 12 GB fp8 on the GPU)."""
+    """`train.base_precision = "fp8"`: stream the safetensors shards of a diffusers folder (local or in the
+    hub cache) tensor by tensor onto `device`, quantizing each block Linear's weight there as it
+    arrives (`load_fp8_streamed`: host memory holds one tensor at a time). A single-file checkpoint, or
+    a folder whose keys need diffusers' conversion, is read whole in bf16 into host memory first and
+    quantized one Linear at a time (FLUX.1: a 24 GB bf16 read for 12 GB of fp8 on the GPU)."""
     require_fp8_device(device)
+    files = src.weight_files(subfolder)
+    model = load_fp8_streamed(cls, files, src.component_config(subfolder), device) if files else None
+    if model is not None:
+        return model
     model = src.load(cls, subfolder, torch_dtype=torch.bfloat16)
     return quantize_denoiser_fp8(model, inside_repeated_blocks(model), device)
+
+
+def load_fp8_streamed(cls: Any, files: list[Any], config: dict[str, Any], device: torch.device | str,
+                      min_width: int | None = None) -> nn.Module | None:
+    """The model `cls.from_pretrained(torch_dtype=bf16)` then `quantize_denoiser_fp8` give, built on the
+    meta device (accelerate's `init_empty_weights`, as diffusers builds it) and filled from `files` one
+    tensor at a time: a block Linear's weight is cast to bf16 on `device` and quantized there, every other
+    tensor is cast as diffusers casts it (bf16, fp32 in the class's `_keep_in_fp32_modules`) and put on
+    `device`. None when the files' keys are not exactly the model's (a checkpoint that diffusers converts
+    on load): the caller reads it the ordinary way."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import safe_open
+
+    with init_empty_weights():
+        model = cls.from_config(config)
+    keys: dict[str, Any] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            keys.update(dict.fromkeys(h.keys(), f))
+    if set(keys) != set(model.state_dict()):
+        return None
+    modules = dict(model.named_modules())
+    keep = inside_repeated_blocks(model)
+    targets = {name for name, m in modules.items()
+               if type(m) is nn.Linear and fp8_eligible(m, min_width) and not keep(name, m)}
+    fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    pending: dict[str, dict[str, Any]] = {}  # a target Linear's quantized weight or bias, until both came
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            for key in h.keys():
+                module_name, _, leaf = key.rpartition(".")
+                tensor = h.get_tensor(key)
+                if module_name not in targets:
+                    dtype = tensor.dtype  # (accelerate would cast to the meta model's fp32 without one)
+                    if tensor.is_floating_point():
+                        dtype = torch.float32 if any(m in key.split(".") for m in fp32) else torch.bfloat16
+                    set_module_tensor_to_device(model, key, device, value=tensor, dtype=dtype)
+                    continue
+                slot = pending.setdefault(module_name, {})
+                if leaf == "weight":
+                    q, scale = quantize_rows(tensor.to(torch.bfloat16).to(device))
+                    slot["weight"] = (q, scale.squeeze(1))
+                else:
+                    slot["bias"] = tensor.to(torch.bfloat16).to(device)
+                if "weight" in slot and ("bias" in slot or modules[module_name].bias is None):
+                    parent_name, _, child = module_name.rpartition(".")
+                    setattr(modules[parent_name], child, Fp8Linear(*pending.pop(module_name)["weight"], slot.get("bias")))
+    model.to(device)  # the buffers diffusers does not save (rope tables) were built on the CPU
+    model.requires_grad_(False)
+    return model.eval()
 
 
 def text_encoder_keep(model: nn.Module) -> Keep:

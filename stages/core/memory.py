@@ -177,9 +177,9 @@ def _fp8_weight_bytes(module: torch.nn.Module) -> float:
 
 
 def fp8_host_short(host_gb: float) -> str:
-    """Why "auto" leaves out an fp8 base that the GPU could run: the bf16 read an fp8 load makes into host
-    memory first does not fit what is available (nf4 loads shard by shard); "" when it fits or the host
-    cannot tell."""
+    """Why "auto" leaves out an fp8 base that the GPU could run: the bf16 read an fp8 load of a single-file
+    checkpoint makes into host memory first does not fit what is available (a diffusers folder streams, as
+    nf4 loads shard by shard; its host_gb is 0); "" when it fits or the host cannot tell."""
     available = host_available_bytes()
     if available is None or host_gb * GB <= available:
         return ""
@@ -416,8 +416,10 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     images = 1 + _planned_controls(cfg, family)  # edit families: control tokens join the sequence
     tokens = tcfg.batch_size * (images * side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
-    host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan or fp8 reads into host memory first
-    precisions, fp8_left_out = _base_precisions(tcfg, family, host_gb)
+    host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan reads into host memory first
+    # fp8 streams a diffusers folder's shards tensor by tensor (fp8.load_fp8_streamed); only a single file is read whole
+    fp8_host_gb = 0.0 if src.weight_files(family.denoiser_components[0]) else host_gb
+    precisions, fp8_left_out = _base_precisions(tcfg, family, fp8_host_gb)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
@@ -444,7 +446,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
         settings = {"base_precision": precision, "gradient_checkpointing": checkpointing,
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
-        if swapped or precision == "fp8":  # these read the bf16 base into host memory first (nf4_blocks, fp8)
+        if swapped or (precision == "fp8" and fp8_host_gb):  # these read the bf16 base into host memory first
             settings["host_gb"] = host_gb
         if swapped and layout != "last":
             settings["swap_layout"] = layout
@@ -727,9 +729,10 @@ def host_shortfall(plan: StagePlan) -> str:
     if not need or available is None or need * GB <= available:
         return ""
     why = (f"the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
-           f"({plan.budget.gb or 0:.1f} GB), which" if swapped else "an fp8 base")
+           f"({plan.budget.gb or 0:.1f} GB), which" if swapped else "an fp8 base from a single-file checkpoint")
     fix = ("give the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped" if swapped
-           else "use train.base_precision = 'nf4' or 'bf16', which load shard by shard")
+           else "point 'model' at a diffusers folder (an fp8 load streams its shards), or use train.base_precision "
+                "= 'nf4' or 'bf16', which load shard by shard")
     return (f"train: {why} reads the base in bf16 ({need:.1f} GB) into host memory first, but only "
             f"{available / GB:.1f} GB of host memory is available: free host memory, or {fix}")
 

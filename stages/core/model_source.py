@@ -157,6 +157,31 @@ class ModelSource:
         except FileNotFoundError:
             raise ModelError(f"model '{self.ref}' has no {subfolder}/{name}") from None
 
+    def weight_files(self, subfolder: str) -> list[Path] | None:
+        """A diffusers component's safetensors weights (every shard of an index, or the one file), local or
+        in the hub cache; None for a single-file checkpoint or a component saved otherwise (.bin, variants)."""
+        if self.is_single_file:
+            return None
+        name = f"{subfolder}/diffusion_pytorch_model.safetensors" if subfolder else "diffusion_pytorch_model.safetensors"
+
+        def fetch(rel: str) -> Path | None:
+            if self.is_local:
+                return self.path / rel if (self.path / rel).is_file() else None
+            from huggingface_hub import hf_hub_download
+
+            try:
+                return Path(hf_hub_download(self.ref, rel, revision=self.revision or None, local_files_only=True))
+            except Exception:  # noqa: BLE001 - not in the hub cache: the caller loads the ordinary way (and downloads)
+                return None
+
+        index = fetch(f"{name}.index.json")
+        if index is None:
+            single = fetch(name)
+            return [single] if single else None
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [fetch(f"{subfolder}/{shard}" if subfolder else shard) for shard in shards]
+        return paths if all(paths) else None
+
     def identity(self, components: tuple[str, ...]) -> str:
         """Content identity of the named components (configs, weight sizes and edges; not the path)."""
         if self.is_single_file:
