@@ -452,13 +452,8 @@ class Runner:
 
     def run_family(self, fam: str) -> None:
         items = plan(fam)
-        skips = {} if self.args.tiny else getattr(family_full(fam), "BENCH_SKIP", {})  # full size only: what the host cannot hold
         for item in items:
             if item.id in self.done or (self.args.only and not any(fnmatch.fnmatch(item.id, p) for p in self.args.only)):
-                continue
-            skip = next((why for pattern, why in skips.items() if fnmatch.fnmatch(item.id, pattern)), "")
-            if skip:
-                self.record(item, "skipped", reason=skip)
                 continue
             build_s = self.build_seconds(fam, item.kind) if item.kind != "pytest" else 0.0
             need = (item.est_s + build_s) * (0.05 if self.args.tiny else 1.0)

@@ -397,6 +397,28 @@ def test_auto_checkpointing_never_lowers_the_precision_to_uncheckpoint(assets, d
     assert (chosen["base_precision"], chosen["checkpointed_blocks"], chosen["swapped_blocks"]) == ("bf16", n, 0)
 
 
+def test_a_swap_plan_counts_a_host_copy_of_the_base_only_where_its_files_are_not_bf16(assets, demo_data, tmp_path):
+    """A bf16 load reads a base stored as bf16 safetensors as mapped file pages, not a copy (bench/fp8.md:
+    1.74 GB of anonymous memory for a 2.44 GB model), so a swap plan's host memory is its swapped blocks;
+    stored in fp32 the cast to bf16 is a copy, and the plan adds the base's bf16 size."""
+    from diffusers import FluxTransformer2DModel
+
+    plans, bf16_gb = {}, None
+    for dtype in (torch.bfloat16, torch.float32):
+        folder = Path(_deeper_flux(assets, tmp_path / str(dtype), 4, 8, width=256))
+        config = json.loads((folder / "transformer" / "config.json").read_text())
+        FluxTransformer2DModel.from_config(config).to(dtype).save_pretrained(folder / "transformer")
+        assert ModelSource(str(folder)).maps_bf16("transformer") == (dtype == torch.bfloat16)
+        cfg = make_cfg("flux", assets, demo_data, tmp_path / f"run-{dtype}", **{"train.base_precision": "nf4",
+                       "data.resolution": 256, "model": str(folder)})
+        plans[dtype] = _plan("train", cfg, 1000.0)
+        bf16_gb = memory.weight_bytes(memory.meta_component(ModelSource(str(folder)), "transformer"), "bf16") / memory.GB
+    pairs = [(a, b) for a, b in zip(plans[torch.bfloat16].tried, plans[torch.float32].tried) if a["swapped_blocks"]]
+    assert pairs and all(a["swapped_blocks"] == b["swapped_blocks"] for a, b in pairs)
+    assert bf16_gb > 0.025 and all(abs(b["host_gb"] - a["host_gb"] - bf16_gb) <= 0.011 for a, b in pairs), (bf16_gb, pairs[:2])
+    assert max(a["host_gb"] for a, _ in pairs) < bf16_gb  # the swapped blocks alone (nf4: a quarter of bf16)
+
+
 def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_path, monkeypatch):
     """A swap plan reads the bf16 base into host memory first: the plan says how much (`host_gb`, the
     denoiser's bf16 bytes, shown by `plan`), and train stops before loading when the host has less

@@ -416,9 +416,12 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     images = 1 + _planned_controls(cfg, family)  # edit families: control tokens join the sequence
     tokens = tcfg.batch_size * (images * side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
-    host_gb = round(weight_bytes(model, "bf16") / GB, 2)  # what a swap plan reads into host memory first
-    # fp8 streams a diffusers folder's shards tensor by tensor (fp8.load_fp8_streamed); only a single file is read whole
-    fp8_host_gb = 0.0 if src.weight_files(family.denoiser_components[0]) else host_gb
+    # host memory a load needs besides what the plan keeps there: a bf16 read of the base is a copy unless the
+    # files are bf16 safetensors (then mapped pages: bench/fp8.md); fp8 streams a folder's shards anyway
+    denoiser = family.denoiser_components[0]
+    bf16_gb = weight_bytes(model, "bf16") / GB
+    read_gb = 0.0 if src.maps_bf16(denoiser) else bf16_gb
+    fp8_host_gb = 0.0 if src.weight_files(denoiser) else bf16_gb
     precisions, fp8_left_out = _base_precisions(tcfg, family, fp8_host_gb)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
@@ -446,8 +449,10 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
         settings = {"base_precision": precision, "gradient_checkpointing": checkpointing,
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
-        if swapped or (precision == "fp8" and fp8_host_gb):  # these read the bf16 base into host memory first
-            settings["host_gb"] = host_gb
+        if swapped:  # the swapped blocks live in host memory (pinned), after the load's read
+            settings["host_gb"] = round(read_gb + sum(host) / GB, 2)
+        elif precision == "fp8" and fp8_host_gb:  # a single file: read whole in bf16 first
+            settings["host_gb"] = round(fp8_host_gb, 2)
         if swapped and layout != "last":
             settings["swap_layout"] = layout
         candidates.append((settings, peak / GB))
@@ -722,19 +727,23 @@ def host_available_bytes() -> int | None:
 
 
 def host_shortfall(plan: StagePlan) -> str:
-    """What stops a train plan whose bf16 read into host memory (a swap plan, an fp8 base) needs more
+    """What stops a train plan whose host memory (a swap plan's swapped blocks, plus a bf16 copy of the base
+    where its files are not bf16 safetensors; an fp8 base from a single file: its bf16 read) needs more
     than the host has available; "" when it fits or the host cannot tell."""
     swapped = plan.settings.get("swapped_blocks")
     need, available = plan.settings.get("host_gb"), host_available_bytes()
     if not need or available is None or need * GB <= available:
         return ""
-    why = (f"the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
-           f"({plan.budget.gb or 0:.1f} GB), which" if swapped else "an fp8 base from a single-file checkpoint")
-    fix = ("give the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped" if swapped
-           else "point 'model' at a diffusers folder (an fp8 load streams its shards), or use train.base_precision "
-                "= 'nf4' or 'bf16', which load shard by shard")
-    return (f"train: {why} reads the base in bf16 ({need:.1f} GB) into host memory first, but only "
-            f"{available / GB:.1f} GB of host memory is available: free host memory, or {fix}")
+    if swapped:
+        why = (f"the plan swaps {swapped} of {plan.settings.get('blocks')} blocks to fit the GPU budget "
+               f"({plan.budget.gb or 0:.1f} GB), which needs {need:.1f} GB of host memory (the swapped blocks, "
+               f"plus a bf16 copy of the base where its files are not bf16 safetensors)")
+        fix = "give the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped"
+    else:
+        why = f"an fp8 base from a single-file checkpoint reads the base in bf16 ({need:.1f} GB) into host memory first"
+        fix = ("point 'model' at a diffusers folder (an fp8 load streams its shards), or use train.base_precision "
+               "= 'nf4' or 'bf16', which load shard by shard")
+    return f"train: {why}, but only {available / GB:.1f} GB of host memory is available: free host memory, or {fix}"
 
 
 def load_device(plan: StagePlan, rt: Any) -> Any:

@@ -182,6 +182,21 @@ class ModelSource:
         paths = [fetch(f"{subfolder}/{shard}" if subfolder else shard) for shard in shards]
         return paths if all(paths) else None
 
+    def maps_bf16(self, subfolder: str) -> bool:
+        """Whether the component's floating tensors are all stored as bf16 in safetensors files (their
+        headers read, no data): then a bf16 load reads them as mapped file pages, which the kernel can
+        drop and read again, not as a copy in host memory (bench/fp8.md "Loading an fp8 base")."""
+        from safetensors import safe_open
+
+        dtypes: set[str] = set()
+        try:
+            for f in self.weight_files(subfolder) or []:
+                with safe_open(str(f), framework="pt") as h:
+                    dtypes.update(h.get_slice(k).get_dtype() for k in h.keys())
+        except Exception:  # noqa: BLE001 - an unreadable header: assume the load copies
+            return False
+        return bool(dtypes) and {d for d in dtypes if d.startswith(("F", "BF"))} == {"BF16"}
+
     def identity(self, components: tuple[str, ...]) -> str:
         """Content identity of the named components (configs, weight sizes and edges; not the path)."""
         if self.is_single_file:

@@ -43,9 +43,8 @@ ENCODE_SECONDS = 75  # estimate: reading and quantizing 48 GB of Mistral to nf4,
 # What the host cannot run even one stage at a time: train.base_precision = "fp8" reads the whole bf16
 # base into host memory before quantizing it (stages/core/fp8.py load_fp8_denoiser): 64.4 GB beside
 # the 64.4 GB of files in /dev/shm is more than the 125 GB of RAM, and the disk cannot hold the files.
-BENCH_SKIP = {"*/train/fp8-*": "FLUX.2 dev fp8: load_fp8_denoiser reads the 64.4 GB bf16 transformer into host RAM "
-                               "while /dev/shm holds its 64.4 GB of files (the 1-GPU host has 125 GB; its 64 GB "
-                               "disk cannot hold them); see stages/families/flux2/full.py"}
+# (its fp8 row was skipped while load_fp8_denoiser read the 64.4 GB bf16 transformer into host memory beside its
+# 64.4 GB of files in /dev/shm; the fp8 load now streams the shards tensor by tensor)
 TEXT_IN_SEQUENCE = True
 
 TRANSFORMER = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=8, num_single_layers=48,
