@@ -20,6 +20,8 @@
 #   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
 #   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)
 #   K5: the fp8 CUDA tests, then Qwen-Image at 512 px b1, bf16 and fp8 in one run, then both profiled (bench/profile_step.py)
+#   K6: the fp8 CUDA tests again (K5 found the trainer-path test's last part training on caches encoded in another
+#       precision: fixed, unverified), then FL
 #   F50: bench/fp8.py's fidelity alone over the issue's 50 steps (bf16, nf4, fp8 from one FLUX; 30 measured so far)
 #   FL: train's fp8 load on the GPU, streamed against read whole (bench/fp8_load.py; a full-width FLUX with 4 + 8
 #       blocks, bf16 then fp32 files): host and GPU peaks
@@ -120,6 +122,8 @@ case $phase in
      python3 bench/bench.py run --families qwen-image "${w[@]}" --out "$OUT/bench-qwen-image-K5.json" --budget-s $(( $(left) - 25 )) \
        --only 'qwen-image/train/bf16-512-b1' --only 'qwen-image/train/fp8-512-b1' --only 'qwen-image/profile/fp8-512-b1' --only 'qwen-image/profile/bf16-512-b1' \
        > "$OUT/bench-qwen-image-K5.log" 2>&1 ;;
+  K6) timeout 150 python3 -m pytest -q tests/test_trainer_paths.py -k "fp8 and cuda" > "$OUT/fp8-cuda-tests.log" 2>&1
+      tail -3 "$OUT/fp8-cuda-tests.log"; exec bash "$0" FL $(( $(left) - 5 )) ;;
   F50) timeout $(( $(left) - 10 )) python3 bench/fp8.py --fidelity-only --fidelity-steps 50 --deadline $(( $(left) - 60 )) \
        --out "$OUT/fp8-fidelity50-h200.json" > "$OUT/fp8-fidelity50.log" 2>&1; tail -5 "$OUT/fp8-fidelity50.log" ;;
   FL) for d in bfloat16 float32; do timeout $(( $(left) / 2 )) python3 bench/fp8_load.py --device cuda --layers 4 --single-layers 8 \
