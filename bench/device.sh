@@ -15,6 +15,7 @@
 #   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
 #   I2: Krea 2's rows of I again (I's full-size folder tapped the tiny model's 2 text layers, not the 12 its
 #       transformer takes: its train failed; full.py PIPELINE_EXTRA now sets them)
+#   I3: the rest of Qwen-Image 2.1's then Krea 2's plans (bf16, 1024 px, batch 4, fp8; what bench/results holds is skipped)
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 #   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
@@ -33,6 +34,7 @@
 #   M: H within all but ~170 s, then T
 #   N: H again with the whole call (both sides and both product rows in one run: 2026-12-01 got them in two calls)
 #   O: the edit families' own rows (flux-kontext, then qwen-image-edit): encode, latents, train nf4/bf16, export
+#   O2: the rest of the edit families' plans (verify, bf16, batch 4, 1024 px), FLUX.1 Kontext then Qwen-Image-Edit
 #   P: Qwen-Image at 8 GB (swap) and auto, each train profiled (train.profile_steps=2): where the swap row's
 #      time goes (issue 16's 0.50x), then FLUX at 16/24 GB with train.gradient_checkpointing=auto (partial)
 #   Q: block swap into two reused device slots, replayed by CUDA graphs (2026-12-01, fifth session): the CUDA
@@ -107,6 +109,7 @@ case $phase in
         --only '*/verify/nf4-512-b1' --only '*/train/bf16-512-b1')
      if [ "$phase" = I ]; then bench 0 qwen-image-2.1 I $(( $(left) / 2 - 20 )) "${o[@]}"; bench 0 krea2 I $(( $(left) - 30 )) "${o[@]}"
      else bench 0 krea2 I2 $(( $(left) - 20 )) "${o[@]}"; fi ;;
+  I3) rm -rf /dev/shm/lorapipe-bench/*; bench 0 qwen-image-2.1 I3 $(( $(left) / 2 - 20 )); bench 0 krea2 I3 $(( $(left) - 30 )) ;;
   J) bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
   K) timeout 120 python3 -m pytest -q -x tests/test_text_offload.py -k cuda > "$OUT/offload-cuda.log" 2>&1; tail -2 "$OUT/offload-cuda.log"
      bench 0 qwen-image K $(( $(left) - 30 )) --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/bf16-1024-b1' ;;
@@ -140,6 +143,7 @@ case $phase in
      tail -5 "$OUT/tiling.log" ;;
   N) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
   O) bench 0 flux-kontext O $(( $(left) / 2 - 20 )) --keep; bench 0 qwen-image-edit O $(( $(left) - 30 )) --keep ;;
+  O2) rm -rf /dev/shm/lorapipe-bench/*; bench 0 flux-kontext O2 $(( $(left) / 2 - 20 )); bench 0 qwen-image-edit O2 $(( $(left) - 30 )) ;;
   P) python3 bench/memory.py run --families qwen-image --budgets 8,auto --set train.profile_steps=2 --keep \
        --models /tmp/lorapipe-models --out "$OUT/memory-qwen-image-8gb-profiled-h200.json" --budget-s $(( $(left) * 11 / 20 )) \
        > "$OUT/memory-qwen.log" 2>&1; grep "^\[memory\]" "$OUT/memory-qwen.log" | cut -c1-300
