@@ -420,8 +420,9 @@ def test_a_swap_plan_counts_a_host_copy_of_the_base_only_where_its_files_are_not
 
 
 def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_path, monkeypatch):
-    """A swap plan reads the bf16 base into host memory first: the plan says how much (`host_gb`, the
-    denoiser's bf16 bytes, shown by `plan`), and train stops before loading when the host has less
+    """A swap plan keeps its swapped blocks in host memory, after a bf16 read of the base that copies it
+    where the files are not bf16 safetensors (here: the folder's weights file is a placeholder): the plan
+    says how much (`host_gb`, shown by `plan`), and train stops before loading when the host has less
     available, naming both figures and what to do; with enough, or where it cannot tell, it loads."""
     from stages.core.errors import ResourceError
     from stages.core.runtime import HostLoad, make_runtime
@@ -432,7 +433,7 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
     roomy = _plan("train", cfg, 1000.0)
     bf16 = memory.weight_bytes(memory.meta_component(ModelSource(cfg.model, cfg.revision), "transformer"), "bf16")
     swapping = [t for t in roomy.tried if t["swapped_blocks"]]
-    assert swapping and all(t["host_gb"] == round(bf16 / memory.GB, 2) for t in swapping)
+    assert swapping and all(round(bf16 / memory.GB, 2) <= t["host_gb"] <= round(2 * bf16 / memory.GB, 2) for t in swapping)
     assert all("host_gb" not in t for t in roomy.tried if not t["swapped_blocks"])  # nf4 whole: shard by shard
     plan = memory.StagePlan("train", memory.Budget(6.0, "cap"), {**swapping[-1], "host_gb": 40.0}, 5.0, True)
     assert "host_gb=40.0" in _settings_text(plan.settings)
