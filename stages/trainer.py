@@ -21,6 +21,7 @@ from stages import cache_latents, encode_captions, train
 from stages.checkpoints import Checkpoints
 from stages.core import blockswap, distributed, fastpath, faults, lora, memory, validation
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
+from stages.core.errors import TrainingDiverged
 from stages.core.model_source import model_source
 from stages.core.profiling import StepProfiler
 from stages.core.runtime import alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
@@ -449,7 +450,7 @@ class Trainer:
                     self.log.emit("profile", path=str(profiler.path), ms_per_step=table["ms_per_step"], device=table["device"],
                                   top=[f"{r['pct']}% {r['name'][:60]}" for r in table["top"][:5]])
                 if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {step}; lower train.learning_rate")
+                    raise self._diverged(loss, step)
                 stats.add(step - start, n, loss, self.rt)
                 if step % tcfg.log_every == 0 or step == tcfg.steps:
                     self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n,
@@ -476,6 +477,20 @@ class Trainer:
         if self.dist.is_main:  # the replicas are identical: rank 0 alone evaluates
             loss, n = self.validation_loss()
             self.log.emit("validation", step=step, loss=loss, items=n)
+
+    def _diverged(self, loss: float, step: int) -> TrainingDiverged:
+        """The error for a non-finite loss: which step, and what to change before training again (the
+        checkpoints written before it are kept)."""
+        tcfg = self.tcfg
+        fixes = [f"lower train.learning_rate (now {tcfg.learning_rate:g})"]
+        if tcfg.max_grad_norm <= 0:
+            fixes.append("set train.max_grad_norm (e.g. 1.0: gradient clipping is off)")
+        if tcfg.cudnn_attention:
+            fixes.append("set train.cudnn_attention = false (cuDNN's attention backward has failed on this stack: "
+                         "README \"GPU settings and speed\")")
+        return TrainingDiverged(f"train: the loss became {loss} at step {step}: the LoRA diverged or a step went "
+                                f"wrong; {', or '.join(fixes)}, and train again (checkpoints written before step "
+                                f"{step} are kept)")
 
     def _stop_requested(self, stop: Any) -> bool:
         """A stop seen by any rank (a signal, or rank 0's stop file) stops every rank before the same

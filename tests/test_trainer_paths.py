@@ -63,6 +63,26 @@ def _trainer(cfg):
     return tr
 
 
+def test_a_diverged_loss_stops_train_with_what_to_change_and_keeps_the_checkpoints(cached):
+    """A learning rate far too high makes the loss non-finite within a few steps: train stops with a
+    UserError (one line in the terminal, no traceback) naming the step and the settings to change, and the
+    checkpoint written before it stays."""
+    from stages import train
+    from stages.core.errors import TrainingDiverged, UserError
+
+    cfg = _cfg(cached, **{"train.learning_rate": 1e30, "train.lr_warmup_steps": 0, "train.max_grad_norm": 0.0,
+                          "train.steps": 8, "train.checkpoint_every": 1})
+    with pytest.raises(TrainingDiverged) as err:
+        train.run(cfg)
+    assert isinstance(err.value, UserError)
+    step = int(str(err.value).split(" at step ")[1].split(":")[0])
+    assert 1 < step <= 8 and "lower train.learning_rate (now 1e+30)" in str(err.value)
+    assert "set train.max_grad_norm" in str(err.value) and "cudnn_attention" not in str(err.value)
+    from stages.checkpoints import complete_checkpoints, step_of
+
+    assert max(step_of(c) for c in complete_checkpoints(cfg.run_dir / "lora")) == step - 1
+
+
 def test_train_stage_restores_global_state(cached):
     from stages import train
 

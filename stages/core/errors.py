@@ -37,3 +37,7 @@ class StageLocked(UserError):
 
 class ResourceError(UserError):
     """The machine cannot do what was asked: no CUDA for nf4/fp8, out of GPU memory, a read-only folder."""
+
+
+class TrainingDiverged(UserError, FloatingPointError):
+    """The training loss stopped being a finite number; names the step and what to change."""
