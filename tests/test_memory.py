@@ -632,6 +632,28 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     assert "fp8" not in {t["base_precision"] for t in older.tried} and "fp8" not in older.note
 
 
+def test_auto_tries_fp8_first_from_the_step_size_it_was_measured_faster(assets, demo_data, tmp_path, monkeypatch):
+    """Where a family's fp8 step was measured faster than bf16's (family.fp8_faster_from_tokens: Qwen-Image
+    from its 1024 px b1 step, 4173 tokens; slower at 512 px b1), "auto" tries fp8 before bf16 for a step of
+    at least that many tokens and says why; below it, or for a family with no fp8 rows, bf16 stays first."""
+    from stages.core import fp8
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "auto", "data.resolution": 256,
+                                                            "model": _deeper_flux(assets, tmp_path, 2, 4, width=256)})
+    src, family = ModelSource(cfg.model, cfg.revision), get_family("flux")
+    monkeypatch.setattr(fp8, "fp8_supported", lambda: True)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+    tokens = cfg.train.batch_size * ((256 // 16) ** 2 + cfg.captions.max_sequence_length)
+    assert (get_family("qwen-image").fp8_faster_from_tokens, get_family("sdxl").fp8_faster_from_tokens) == (4173, 1101)
+    assert get_family("flux-kontext").fp8_faster_from_tokens is None  # no fp8 rows of its own
+    for faster_from, first in ((tokens, "fp8"), (tokens + 1, "bf16"), (None, "bf16")):
+        monkeypatch.setattr(type(family), "fp8_faster_from_tokens", faster_from)
+        plan = memory.plan_train(cfg, family, src, memory.Budget(1000.0, "cap"))
+        order = [t["base_precision"] for t in plan.tried if not t["swapped_blocks"]]
+        assert plan.settings["base_precision"] == first and order.index(first) == 0, order
+        assert (f"{tokens} tokens a step" in plan.note) == (first == "fp8"), plan.note
+
+
 def test_an_fp8_base_that_does_not_fit_is_not_swapped(assets, demo_data, tmp_path):
     """train.base_precision = "fp8" set by hand under a budget it does not fit: the plan says so (an fp8
     base has no host-resident blocks to swap) instead of planning a swap that could not load."""

@@ -180,8 +180,9 @@ class TrainConfig:
     Same loss and gradients either way."""
     base_precision: Literal["auto", "nf4", "bf16", "fp32", "fp8"] = "auto"
     """auto: on CUDA the memory planner picks the first precision that fits the budget without block
-    swap (bf16, then fp8 where the GPU has fp8 tensor cores (a single file: and the host can hold its bf16 read), then
-    nf4: measured, stages/core/memory.AUTO_BASE_PRECISIONS), else nf4 with blocks swapped; on CPU fp32.
+    swap (bf16, then fp8 where the GPU has fp8 tensor cores (a single file: and the host can hold its bf16
+    read); fp8 first where the family's fp8 step was measured faster at that step size; then nf4: measured,
+    stages/core/memory.AUTO_BASE_PRECISIONS), else nf4 with blocks swapped; on CPU fp32.
     fp8: e4m3 weights, fp8 matmuls (CUDA, compute capability >= 8.9)."""
     nf4_double_quant: bool = True
     """bitsandbytes double quantization of the nf4 scales."""

@@ -53,10 +53,13 @@ SWAP_EXTRA_GB = 0.4
 # 1024 px b1 against the memory tables' nf4-whole rows, Qwen-Image 0.521 s against 0.613, Z-Image 0.356
 # against 0.436, SDXL 0.128 against 0.170; 512 px b1 Qwen-Image 0.163 against 0.220, SDXL 0.077 against
 # 0.114) at about half bf16's memory, and with
-# gradients closer to bf16's (step-1 cosine 0.9986 against nf4's 0.985). It beat bf16 in 5 of 6 rows
-# (0.83-0.94x) but not Qwen-Image at 512 px b1 (1.03x), and it changes the base's numbers, so bf16 stays
-# first wherever it fits whole: fp8 takes the budgets between bf16's peak and nf4's (Qwen-Image at 1024 px
-# b1: 21.7 GB against 40.5 and 12.6). Swap plans use nf4 or bf16 blocks, never fp8 (below).
+# gradients closer to bf16's (step-1 cosine 0.9986 against nf4's 0.985; loss within 0.019 % over 50 steps).
+# Against bf16 it depends on the step's size: faster at FLUX.1 1024 px b4 (0.86x), Qwen-Image 1024 px b1
+# (0.91x), Z-Image 1024 px b1 (0.83x), ~4,100-16,700 tokens a step, and SDXL at 512 and 1024 px b1 (0.88x,
+# 0.94x); slower at Qwen-Image 512 px b1 (1.11x, ~1,100 tokens: the per-row quantization outweighs the
+# smaller matmuls). So bf16 comes first, except where the family's `fp8_faster_from_tokens` (the smallest
+# step measured faster in fp8) says fp8 is the faster at the planned step's tokens (`_base_precisions`);
+# a family with no fp8 rows keeps bf16 first. Swap plans use nf4 or bf16 blocks, never fp8 (below).
 AUTO_BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 
 
@@ -386,15 +389,16 @@ def _planned_controls(cfg: Any, family: Any) -> int:
     return dataset.most_controls(cfg)  # file names only: no image is read or hashed here
 
 
-def _base_precisions(tcfg: Any, family: Any, host_gb: float) -> tuple[list[str], str]:
+def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tuple[list[str], str, str]:
     """The base precisions train tries whole, in order: the configured one, or under "auto" the family's
-    (AUTO_BASE_PRECISIONS) less fp8 where this process could not use it; and why fp8 was left out where
-    the GPU could run it ("" otherwise: a GPU without fp8 tensor cores is not news)."""
+    (AUTO_BASE_PRECISIONS) less fp8 where this process could not use it, and fp8 before bf16 where it was
+    measured faster at a step of `tokens` (family.fp8_faster_from_tokens); why fp8 was left out where the
+    GPU could run it ("" otherwise: a GPU without fp8 tensor cores is not news), and why it went first."""
     if tcfg.base_precision != "auto":
-        return [tcfg.base_precision], ""
+        return [tcfg.base_precision], "", ""
     precisions = list(getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS))
     if "fp8" not in precisions:
-        return precisions, ""
+        return precisions, "", ""
     from stages.core.fp8 import fp8_supported
 
     supported, why = fp8_supported(), ""
@@ -403,7 +407,14 @@ def _base_precisions(tcfg: Any, family: Any, host_gb: float) -> tuple[list[str],
                if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
     if why or not supported:
         precisions.remove("fp8")
-    return precisions, why
+        return precisions, why, ""
+    faster_from = getattr(family, "fp8_faster_from_tokens", None)
+    if faster_from is None or tokens < faster_from or "bf16" not in precisions:
+        return precisions, "", ""
+    precisions.remove("fp8")
+    precisions.insert(precisions.index("bf16"), "fp8")
+    return precisions, "", (f"auto tried fp8 before bf16: {tokens} tokens a step, where {family.name}'s fp8 step was "
+                            f"measured faster from {faster_from} (bench/fp8.md)")
 
 
 def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
@@ -422,7 +433,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     bf16_gb = weight_bytes(model, "bf16") / GB
     read_gb = 0.0 if src.maps_bf16(denoiser) else bf16_gb
     fp8_host_gb = 0.0 if src.weight_files(denoiser) else bf16_gb
-    precisions, fp8_left_out = _base_precisions(tcfg, family, fp8_host_gb)
+    precisions, fp8_left_out, fp8_first = _base_precisions(tcfg, family, fp8_host_gb, tokens)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
@@ -466,6 +477,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
                                 budget, mode)
     if fp8_left_out:
         plan.note = f"{plan.note} auto left fp8 out: {fp8_left_out}.".strip()
+    if fp8_first and plan.settings["base_precision"] == "fp8":
+        plan.note = f"{plan.note} {fp8_first}.".strip()
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()

@@ -66,6 +66,9 @@ class Family(Protocol):
     """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
     # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
     # train.base_precision = "auto", fastest first (default `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, fp8, nf4)
+    # optional: fp8_faster_from_tokens (int, default None): the smallest step (batch x (image + text tokens))
+    # at which an fp8 base was measured faster than bf16 on the H200; from there "auto" tries fp8 before bf16
+    # (None: no fp8 rows, bf16 stays first)
     # optional: outside_block_gb ((GB, GB per 512x512 sample), default (0, 0)): train activations outside the
     # repeated blocks that the memory planner's per-block model does not see (SDXL's ResNets)
     # optional: blocks_in_run_order (bool, default True): False where the denoiser lists its repeated

@@ -51,6 +51,7 @@ class FluxTextEncoder:
 
 class Flux(KLVAELatents):
     name = "flux"
+    fp8_faster_from_tokens = 16692  # 1024 px b4, 77-token captions: fp8 0.86x bf16's step (its only fp8 row)
     pipeline_class = "FluxPipeline"
     lora_prefix = "transformer"
     denoiser_class = "FluxTransformer2DModel"

@@ -31,6 +31,7 @@ from stages.families.flux.family import Flux
 
 class FluxKontext(Flux):
     name = "flux-kontext"
+    fp8_faster_from_tokens = None  # no fp8 rows of its own (FLUX.1's come without control tokens)
     pipeline_class = "FluxKontextPipeline"
     control_range = (1, 1)  # FluxKontextPipeline takes one image
     text_sees_controls = False

@@ -66,6 +66,7 @@ class QwenImageTextEncoder:
 
 class QwenImage:
     name = "qwen-image"
+    fp8_faster_from_tokens = 4173  # 1024 px b1, 77-token captions: fp8 0.91x bf16's step (512 px b1: 1.11x)
     pipeline_class = "QwenImagePipeline"
     lora_prefix = "transformer"
     denoiser_class = "QwenImageTransformer2DModel"

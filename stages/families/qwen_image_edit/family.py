@@ -101,6 +101,7 @@ class QwenImageEditTextEncoder:
 
 class QwenImageEdit(QwenImage):
     name = "qwen-image-edit"
+    fp8_faster_from_tokens = None  # no fp8 rows of its own
     pipeline_class = "QwenImageEditPlusPipeline"
     text_components = ("tokenizer", "text_encoder", "processor")
     control_range = (1, 3)  # Qwen-Image-Edit-2509 is trained on 1 to 3 input images
