@@ -303,10 +303,9 @@ def test_an_fp8_base_predicts_as_the_bf16_base_and_streams_its_load(built_run, m
     cfg = built_run
     family, src, rt = get_family(cfg.family), ModelSource(cfg.model), make_runtime("cpu", "bf16")
     dense = family.load_denoiser(src, "bf16", rt, cfg.train)
-    quantized = fp8.quantize_denoiser_fp8(family.load_denoiser(src, "bf16", rt, cfg.train),
-                                          fp8.inside_repeated_blocks(dense), "cpu", min_width=16)
-    made = [n for n, m in quantized.named_modules() if isinstance(m, fp8.Fp8Linear)]
     inside = fp8.inside_repeated_blocks(dense)
+    quantized = fp8.quantize_denoiser_fp8(family.load_denoiser(src, "bf16", rt, cfg.train), inside, "cpu", min_width=16)
+    made = [n for n, m in quantized.named_modules() if isinstance(m, fp8.Fp8Linear)]
     assert made and not any(inside(n, None) for n in made)  # all inside the blocks
     assert not any(type(m) is torch.nn.Linear and fp8.fp8_eligible(m, 16) and not inside(n, m)
                    for n, m in quantized.named_modules())  # every eligible block Linear was made fp8

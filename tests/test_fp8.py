@@ -1,7 +1,8 @@
 """fp8 base weights (stages/core/fp8.py) and fp8_scaled checkpoints (stages/core/fp8_checkpoint.py).
 
 torch's `_scaled_mm` runs on the CPU too, so the fp8 math is checked here; what needs fp8 tensor
-cores (a tiny family trained in fp8 against bf16) is the `cuda` test at the end.
+cores (a tiny family trained in fp8 against bf16, graphs and compile, its export loaded) is
+tests/test_trainer_paths.py's `fp8 and cuda` test.
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ def test_fp8_scaled_reader_refuses_pickles(tmp_path):
         dense_checkpoint(bad, tmp_path / "cache")
 
 
-# ---- on the GPU machine ----------------------------------------------------------------------------------
+# ---- the bench script the GPU machine runs ---------------------------------------------------------------
 
 
 def test_the_fp8_bench_runs_every_item_on_the_cpu(tmp_path):

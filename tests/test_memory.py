@@ -403,12 +403,14 @@ def test_a_swap_plan_counts_a_host_copy_of_the_base_only_where_its_files_are_not
     stored in fp32 the cast to bf16 is a copy, and the plan adds the base's bf16 size."""
     from diffusers import FluxTransformer2DModel
 
+    from stages.core.model_source import stored_as_bf16
+
     plans, bf16_gb = {}, None
     for dtype in (torch.bfloat16, torch.float32):
         folder = Path(_deeper_flux(assets, tmp_path / str(dtype), 4, 8, width=256))
         config = json.loads((folder / "transformer" / "config.json").read_text())
         FluxTransformer2DModel.from_config(config).to(dtype).save_pretrained(folder / "transformer")
-        assert ModelSource(str(folder)).maps_bf16("transformer") == (dtype == torch.bfloat16)
+        assert stored_as_bf16(ModelSource(str(folder)).weight_files("transformer")) == (dtype == torch.bfloat16)
         cfg = make_cfg("flux", assets, demo_data, tmp_path / f"run-{dtype}", **{"train.base_precision": "nf4",
                        "data.resolution": 256, "model": str(folder)})
         plans[dtype] = _plan("train", cfg, 1000.0)

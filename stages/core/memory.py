@@ -429,10 +429,11 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     # host memory a load needs besides what the plan keeps there: a bf16 read of the base is a copy unless the
     # files are bf16 safetensors (then mapped pages: bench/fp8.md); fp8 streams a folder's shards anyway
-    denoiser = family.denoiser_components[0]
-    bf16_gb = weight_bytes(model, "bf16") / GB
-    read_gb = 0.0 if src.maps_bf16(denoiser) else bf16_gb
-    fp8_host_gb = 0.0 if src.weight_files(denoiser) else bf16_gb
+    from stages.core.model_source import stored_as_bf16
+
+    files, bf16_gb = src.weight_files(family.denoiser_components[0]), weight_bytes(model, "bf16") / GB
+    read_gb = 0.0 if files and stored_as_bf16(files) else bf16_gb
+    fp8_host_gb = 0.0 if files else bf16_gb
     precisions, fp8_left_out, fp8_first = _base_precisions(tcfg, family, fp8_host_gb, tokens)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):

@@ -182,21 +182,6 @@ class ModelSource:
         paths = [fetch(f"{subfolder}/{shard}" if subfolder else shard) for shard in shards]
         return paths if all(paths) else None
 
-    def maps_bf16(self, subfolder: str) -> bool:
-        """Whether the component's floating tensors are all stored as bf16 in safetensors files (their
-        headers read, no data): then a bf16 load reads them as mapped file pages, which the kernel can
-        drop and read again, not as a copy in host memory (bench/fp8.md "Loading an fp8 base")."""
-        from safetensors import safe_open
-
-        dtypes: set[str] = set()
-        try:
-            for f in self.weight_files(subfolder) or []:
-                with safe_open(str(f), framework="pt") as h:
-                    dtypes.update(h.get_slice(k).get_dtype() for k in h.keys())
-        except Exception:  # noqa: BLE001 - an unreadable header: assume the load copies
-            return False
-        return bool(dtypes) and {d for d in dtypes if d.startswith(("F", "BF"))} == {"BF16"}
-
     def identity(self, components: tuple[str, ...]) -> str:
         """Content identity of the named components (configs, weight sizes and edges; not the path)."""
         if self.is_single_file:
@@ -218,6 +203,22 @@ class ModelSource:
                     continue
                 h.update(f.read_bytes() if f.suffix == ".json" else _file_edges(f).encode())
         return f"local:{h.hexdigest()[:16]}"
+
+
+def stored_as_bf16(files: list[Path]) -> bool:
+    """Whether every floating tensor in these safetensors files (`ModelSource.weight_files`) is stored
+    as bf16 (their headers read, no data): then a bf16 load reads them as mapped file pages, which the
+    kernel can drop and read again, not as a copy in host memory (bench/fp8.md "Loading an fp8 base")."""
+    from safetensors import safe_open
+
+    dtypes: set[str] = set()
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                dtypes.update(h.get_slice(k).get_dtype() for k in h.keys())
+    except Exception:  # noqa: BLE001 - an unreadable header: assume the load copies
+        return False
+    return bool(dtypes) and {d for d in dtypes if d.startswith(("F", "BF"))} == {"BF16"}
 
 
 def model_source(cfg: Any) -> ModelSource:

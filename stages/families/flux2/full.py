@@ -40,11 +40,8 @@ STAGED = True
 # estimates, never measured: random init on the GPU (seconds) + a sharded save at ~1.5 GB/s to /dev/shm
 COMPONENT_BUILD_SECONDS = {"text_encoder": 45, "vae": 10, "transformer": 60}
 ENCODE_SECONDS = 75  # estimate: reading and quantizing 48 GB of Mistral to nf4, then 8 captions
-# What the host cannot run even one stage at a time: train.base_precision = "fp8" reads the whole bf16
-# base into host memory before quantizing it (stages/core/fp8.py load_fp8_denoiser): 64.4 GB beside
-# the 64.4 GB of files in /dev/shm is more than the 125 GB of RAM, and the disk cannot hold the files.
-# (its fp8 row was skipped while load_fp8_denoiser read the 64.4 GB bf16 transformer into host memory beside its
-# 64.4 GB of files in /dev/shm; the fp8 load now streams the shards tensor by tensor)
+# Its fp8 row was skipped while train's fp8 load read the 64.4 GB bf16 transformer into host memory beside
+# its 64.4 GB of files in /dev/shm (125 GB of RAM); that load now streams the shards tensor by tensor.
 TEXT_IN_SEQUENCE = True
 
 TRANSFORMER = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=8, num_single_layers=48,
