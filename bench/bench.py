@@ -185,6 +185,7 @@ def _full_plan(fam: str) -> list[Item]:
         _train(fam, "fp8", 1024, 4, 85),  # fp8 base (Hopper/Ada), beside bf16-1024-b4 (FLUX.1: 84.7 s)
         _train(fam, "fp8", 1024, 1, 75),  # Qwen-Image's fp8 target is at 1024 px b1
         _train(fam, "fp8", 512, 1, 70),
+        _train(fam, "fp8", 512, 4, 70),
         *[Item(f"{fam}/profile/{p}-512-b1", "profile", 512, {"train.base_precision": p, "train.batch_size": 1}, est_s=70)
           for p in ("fp8", "bf16")],  # where fp8's 512 px b1 step goes (Qwen-Image: 1.03x bf16's)
         *bf16_captions,

@@ -23,6 +23,8 @@
 #   K5: the fp8 CUDA tests, then Qwen-Image at 512 px b1, bf16 and fp8 in one run, then both profiled (bench/profile_step.py)
 #   K6: the fp8 CUDA tests again (K5 found the trainer-path test's last part training on caches encoded in another
 #       precision: fixed, unverified), then FL
+#   K7: the fp8 rows not yet measured (each shape of 512/1024 px, batch 1/4) for Z-Image then SDXL
+#   K8: the same for Qwen-Image then FLUX.1
 #   F50: bench/fp8.py's fidelity alone over the 50 steps (bf16, nf4, fp8 from one FLUX; 30 measured so far)
 #   FL: train's fp8 load on the GPU, streamed against read whole (bench/fp8_load.py; a full-width FLUX with 4 + 8
 #       blocks, bf16 then fp32 files): host and GPU peaks
@@ -127,6 +129,9 @@ case $phase in
        > "$OUT/bench-qwen-image-K5.log" 2>&1 ;;
   K6) timeout 150 python3 -m pytest -q tests/test_trainer_paths.py -k "fp8 and cuda" > "$OUT/fp8-cuda-tests.log" 2>&1
       tail -3 "$OUT/fp8-cuda-tests.log"; exec bash "$0" FL $(( $(left) - 5 )) ;;
+  K7) o=(--only '*/train/fp8-*'); bench 0 z-image K7 $(( $(left) / 2 )) "${o[@]}"; bench 0 sdxl K7 $(( $(left) - 25 )) "${o[@]}" ;;
+  K8) o=(--only '*/train/fp8-*'); rm -rf /dev/shm/lorapipe-bench/*
+      bench 0 qwen-image K8 $(( $(left) / 2 )) "${o[@]}"; bench 0 flux K8 $(( $(left) - 25 )) "${o[@]}" ;;
   F50) timeout $(( $(left) - 10 )) python3 bench/fp8.py --fidelity-only --fidelity-steps 50 --deadline $(( $(left) - 60 )) \
        --out "$OUT/fp8-fidelity50-h200.json" > "$OUT/fp8-fidelity50.log" 2>&1; tail -5 "$OUT/fp8-fidelity50.log" ;;
   FL) for d in bfloat16 float32; do timeout $(( $(left) / 2 )) python3 bench/fp8_load.py --device cuda --layers 4 --single-layers 8 \

@@ -528,7 +528,8 @@ def _kind(data: dict[str, Any]) -> str:
 INTRO = ("Full-size random-weight architectures on one H200, measured by `bench/bench.py` (the product's own "
          "stage commands as child processes). Real architectures (bench/full_configs.py), synthetic images with "
          "77-token captions, LoRA r16 on the family's default attention targets, fp32 LoRA weights, fused AdamW, "
-         "gradient checkpointing on unless said, 8 steps of which the first 3 are excluded from samples/s. "
+         "gradient checkpointing on unless said, 8 steps of which the first 3 are excluded from samples/s. MFU is counted against bf16's 790 "
+         "TFLOP/s in every row, fp8's included (their block matmuls run at fp8's higher rate: an fp8 row can pass 100 %). "
          "Written by `python bench/bench.py report bench/results/*.json --write bench/RESULTS.md`, which also "
          f"writes [{APPENDIX}]({APPENDIX}): every run's command, the full train and stage tables, comparisons, "
          "profiles and what did not run.\n")
@@ -599,7 +600,8 @@ def _appendix(meta: dict[str, Any], items: dict[str, dict[str, Any]], metas: lis
         f"{calls}\n\nSoftware: {versions}.\n\n{builds}\n",
         "## Train stage\n\nStep time is the median gap between steady `step` events; samples/s is the stage's own "
         "steady-state figure from its manifest; peak VRAM is torch's max allocated / reserved over the stage (model "
-        "load included). MFU = useful FLOPs / step time / 790 TFLOP/s; useful = forward + input gradients "
+        "load included). MFU = useful FLOPs / step time / 790 TFLOP/s (bf16's rate, for fp8 rows too: their "
+        "block matmuls run at fp8's higher rate, so an fp8 row can pass 100 %); useful = forward + input gradients "
         "(2 x forward), the 4·P·T rule (4 x params x tokens + attention) and the counted one (Linear FLOPs from "
         "a meta-device forward + attention) side by side; recompute not counted.\n\n" + table_train(rows) + "\n",
         "Commands (each run with `python pipeline.py ...` from the repo root on the GPU machine):\n\n" +

@@ -175,13 +175,13 @@ def test_short_plan_of_the_newer_and_edit_families() -> None:
 
 
 def test_fp8_rows_beside_bf16_for_the_measured_families() -> None:
-    """fp8 at 512 b1, 1024 b1 and 1024 b4 beside bf16's, selected by one --only glob."""
+    """fp8 at each shape (512 and 1024 px, batch 1 and 4) beside bf16's, selected by one --only glob."""
     import fnmatch
 
     for fam in ("qwen-image", "z-image", "sdxl", "flux"):
         ids = {i.id for i in plan(fam)}
         fp8 = {i for i in ids if fnmatch.fnmatch(i, f"{fam}/train/fp8-*")}
-        assert fp8 == {f"{fam}/train/fp8-{s}" for s in ("512-b1", "1024-b1", "1024-b4")}, fam
+        assert fp8 == {f"{fam}/train/fp8-{s}" for s in ("512-b1", "512-b4", "1024-b1", "1024-b4")}, fam
         assert {i.replace("fp8", "bf16") for i in fp8} <= ids
 
 

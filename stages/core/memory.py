@@ -54,10 +54,10 @@ SWAP_EXTRA_GB = 0.4
 # against 0.436, SDXL 0.128 against 0.170; 512 px b1 Qwen-Image 0.163 against 0.220, SDXL 0.077 against
 # 0.114) at about half bf16's memory, and with
 # gradients closer to bf16's (step-1 cosine 0.9986 against nf4's 0.985; loss within 0.019 % over 50 steps).
-# Against bf16 it depends on the step's size: faster at FLUX.1 1024 px b4 (0.86x), Qwen-Image 1024 px b1
-# (0.91x), Z-Image 1024 px b1 (0.83x), ~4,100-16,700 tokens a step, and SDXL at 512 and 1024 px b1 (0.88x,
-# 0.94x); slower at Qwen-Image 512 px b1 (1.11x, ~1,100 tokens: the per-row quantization outweighs the
-# smaller matmuls). So bf16 comes first, except where the family's `fp8_faster_from_tokens` (the smallest
+# Against bf16 it depends on the family and the step's size: faster at every FLUX.1 shape (0.86-0.93x),
+# Qwen-Image and Z-Image from 1024 px b1 (0.82-0.91x, ~4,100 tokens a step and up), SDXL at 512 and 1024 px
+# b1 and 512 px b4 (0.87-0.94x; 1024 px b4 1.01x against a bf16 row of another run); slower at Qwen-Image
+# 512 px b1 (1.11x, ~1,100 tokens: the per-row quantization outweighs the smaller matmuls). So bf16 comes first, except where the family's `fp8_faster_from_tokens` (the smallest
 # step measured faster in fp8) says fp8 is the faster at the planned step's tokens (`_base_precisions`);
 # a family with no fp8 rows keeps bf16 first. Swap plans use nf4 or bf16 blocks, never fp8 (below).
 AUTO_BASE_PRECISIONS = ("bf16", "fp8", "nf4")
