@@ -379,12 +379,16 @@ def main() -> None:
         print(report([Path(f) for f in args.files]))
         return
     if args.cmd == "plan":
+        from contextlib import ExitStack
+        from unittest import mock
+
         from stages.core import fp8, memory
 
-        memory.host_available_bytes = lambda: None  # the GPU machine's plan, not this host's memory
-        if args.fp8_gpu:
-            fp8.fp8_supported = lambda: True
-        print(plan_table(args.families, args.budgets, args.res, args.work))
+        with ExitStack() as stack:  # plan as on the GPU machine, not with this host's memory and GPU
+            stack.enter_context(mock.patch.object(memory, "host_available_bytes", lambda: None))
+            if args.fp8_gpu:
+                stack.enter_context(mock.patch.object(fp8, "fp8_supported", lambda: True))
+            print(plan_table(args.families, args.budgets, args.res, args.work))
         return
     runner = MemoryRunner(args)
     for fam in args.families.split(","):
