@@ -16,6 +16,9 @@
 #   I2: Krea 2's rows of I again (I's full-size folder tapped the tiny model's 2 text layers, not the 12 its
 #       transformer takes: its train failed; full.py PIPELINE_EXTRA now sets them)
 #   I3: the rest of Qwen-Image 2.1's then Krea 2's plans (bf16, 1024 px, batch 4, fp8; what bench/results holds is skipped)
+#   I4, I5, O3, O4: I3's and O2's families one a call, each with the call's whole time (a family's remaining plan
+#       is ~8 train items of 60-95 s; half a call got 2-3 of them); --keep leaves the built model in /dev/shm for
+#       a next call on the warm machine (without it K9 rebuilt FLUX, 59 s): call the same phase again to go on
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 #   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
@@ -112,6 +115,10 @@ case $phase in
      if [ "$phase" = I ]; then bench 0 qwen-image-2.1 I $(( $(left) / 2 - 20 )) "${o[@]}"; bench 0 krea2 I $(( $(left) - 30 )) "${o[@]}"
      else bench 0 krea2 I2 $(( $(left) - 20 )) "${o[@]}"; fi ;;
   I3) rm -rf /dev/shm/lorapipe-bench/*; bench 0 qwen-image-2.1 I3 $(( $(left) / 2 - 20 )); bench 0 krea2 I3 $(( $(left) - 30 )) ;;
+  I4) bench 0 qwen-image-2.1 I4 $(( $(left) - 25 )) --keep ;;
+  I5) rm -rf /dev/shm/lorapipe-bench/*; bench 0 krea2 I5 $(( $(left) - 25 )) --keep ;;
+  O3) rm -rf /dev/shm/lorapipe-bench/*; bench 0 flux-kontext O3 $(( $(left) - 25 )) --keep ;;
+  O4) rm -rf /dev/shm/lorapipe-bench/*; bench 0 qwen-image-edit O4 $(( $(left) - 25 )) --keep ;;
   J) bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
   K) timeout 120 python3 -m pytest -q -x tests/test_text_offload.py -k cuda > "$OUT/offload-cuda.log" 2>&1; tail -2 "$OUT/offload-cuda.log"
      bench 0 qwen-image K $(( $(left) - 30 )) --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/bf16-1024-b1' ;;
