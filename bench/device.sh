@@ -37,7 +37,8 @@
 #      FLUX.2 klein 1024 b1 nf4 train A/B: profiled, cuDNN attention (product only; the 2026-12-01 run also had
 #      a since-removed LoRA-under-bf16-autocast switch)
 #   M: H within all but ~170 s, then T
-#   N: H again with the whole call (both sides and both product rows in one run: 2026-12-01 got them in two calls)
+#   N: H again with the whole call (both sides and the product's rows in one run: 2026-12-01 got them in two
+#      calls): the product's fp8 within the script's peak (fitpeer), fp8, bf16, nf4, as time allows
 #   O: the edit families' own rows (flux-kontext, then qwen-image-edit): encode, latents, train nf4/bf16, export
 #   O2: the rest of the edit families' plans (verify, bf16, batch 4, 1024 px), FLUX.1 Kontext then Qwen-Image-Edit
 #   P: Qwen-Image at 8 GB (swap) and auto, each train profiled (train.profile_steps=2): where the swap row's

@@ -10,8 +10,10 @@ set -u
 which=$1; res=${2:-1024}; batch=${3:-1}; steps=${4:-20}
 case $which in
   klein) fam=flux2-klein; prec=nf4,nf4+fitpeer,nf4+cudnn+fitpeer ;;
-  # Kontext: the script trains a bf16 base (the product's bf16 row too); its backward died in cuDNN SDPA
-  kontext) fam=flux-kontext; prec=nf4,nf4+fitpeer,bf16; peer_flags=--peer-no-cudnn-sdpa ;;
+  # Kontext: the script trains a bf16 base (the product's bf16 row too); its backward died in cuDNN SDPA.
+  # fp8 first: FLUX.1's fp8 step was 0.86-0.93x bf16's at every shape, and under the script's peak
+  # (fitpeer) it can checkpoint fewer blocks, the product's best chance at 2x
+  kontext) fam=flux-kontext; prec=fp8+fitpeer,fp8,bf16,nf4; peer_flags=--peer-no-cudnn-sdpa ;;
   *) echo "usage: bash bench/peers.sh klein|kontext [res] [batch] [steps]"; exit 2 ;;
 esac
 start=$(date +%s)
