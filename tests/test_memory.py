@@ -648,7 +648,8 @@ def test_auto_tries_fp8_first_from_the_step_size_it_was_measured_faster(assets, 
     monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
     tokens = cfg.train.batch_size * ((256 // 16) ** 2 + cfg.captions.max_sequence_length)
     assert (get_family("qwen-image").fp8_faster_from_tokens, get_family("sdxl").fp8_faster_from_tokens) == (4173, 1101)
-    assert get_family("flux-kontext").fp8_faster_from_tokens is None  # no fp8 rows of its own
+    assert get_family("flux-kontext").fp8_faster_from_tokens == get_family("flux").fp8_faster_from_tokens  # its transformer
+    assert getattr(get_family("krea2"), "fp8_faster_from_tokens", None) is None  # no fp8 rows
     for faster_from, first in ((tokens, "fp8"), (tokens + 1, "bf16"), (None, "bf16")):
         monkeypatch.setattr(type(family), "fp8_faster_from_tokens", faster_from)
         plan = memory.plan_train(cfg, family, src, memory.Budget(1000.0, "cap"))

@@ -31,7 +31,8 @@ from stages.families.flux.family import Flux
 
 class FluxKontext(Flux):
     name = "flux-kontext"
-    fp8_faster_from_tokens = None  # no fp8 rows of its own (FLUX.1's come without control tokens)
+    # fp8_faster_from_tokens: FLUX.1's, the same transformer (the control's tokens only lengthen the sequence:
+    # the same Linears on more rows, where fp8 gained more, bench/fp8.md); no fp8 rows of its own yet
     pipeline_class = "FluxKontextPipeline"
     control_range = (1, 1)  # FluxKontextPipeline takes one image
     text_sees_controls = False

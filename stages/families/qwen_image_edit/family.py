@@ -101,7 +101,8 @@ class QwenImageEditTextEncoder:
 
 class QwenImageEdit(QwenImage):
     name = "qwen-image-edit"
-    fp8_faster_from_tokens = None  # no fp8 rows of its own
+    # fp8_faster_from_tokens: Qwen-Image's, the same transformer (control tokens lengthen the sequence); no
+    # fp8 rows of its own yet
     pipeline_class = "QwenImageEditPlusPipeline"
     text_components = ("tokenizer", "text_encoder", "processor")
     control_range = (1, 3)  # Qwen-Image-Edit-2509 is trained on 1 to 3 input images
