@@ -57,9 +57,10 @@ SWAP_EXTRA_GB = 0.4
 # Against bf16 it depends on the family and the step's size: faster at every FLUX.1 shape (0.86-0.93x),
 # Qwen-Image and Z-Image from 1024 px b1 (0.82-0.91x, ~4,100 tokens a step and up), SDXL at 512 and 1024 px
 # b1 and 512 px b4 (0.87-0.94x; 1024 px b4 1.01x against a bf16 row of another run); slower at Qwen-Image
-# 512 px b1 (1.11x, ~1,100 tokens: the per-row quantization outweighs the smaller matmuls). So bf16 comes first, except where the family's `fp8_faster_from_tokens` (the smallest
-# step measured faster in fp8) says fp8 is the faster at the planned step's tokens (`_base_precisions`);
-# a family with no fp8 rows keeps bf16 first. Swap plans use nf4 or bf16 blocks, never fp8 (below).
+# 512 px b1 (1.11x, ~1,100 tokens: the per-row quantization outweighs the smaller matmuls). So bf16 comes
+# first, except where the family's `fp8_faster_from_tokens` (the smallest step measured faster in fp8) says
+# fp8 is the faster at the planned step's tokens (`_base_precisions`; the edit families take their base
+# family's); a family with no fp8 rows keeps bf16 first. Swap plans use nf4 or bf16 blocks, never fp8 (below).
 AUTO_BASE_PRECISIONS = ("bf16", "fp8", "nf4")
 
 
