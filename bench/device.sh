@@ -28,6 +28,7 @@
 #       precision: fixed, unverified), then FL
 #   K7: the fp8 rows not yet measured (each shape of 512/1024 px, batch 1/4) for Z-Image then SDXL
 #   K8: the same for Qwen-Image then FLUX.1
+#   K9: what K8 left at 512 px (Qwen-Image's model is rebuilt first: ~95 s, so half a call fits none of its rows)
 #   F50: bench/fp8.py's fidelity alone over the 50 steps (bf16, nf4, fp8 from one FLUX; 30 measured so far)
 #   FL: train's fp8 load on the GPU, streamed against read whole (bench/fp8_load.py; a full-width FLUX with 4 + 8
 #       blocks, bf16 then fp32 files): host and GPU peaks
@@ -140,6 +141,7 @@ case $phase in
   K7) o=(--only '*/train/fp8-*'); bench 0 z-image K7 $(( $(left) / 2 )) "${o[@]}"; bench 0 sdxl K7 $(( $(left) - 25 )) "${o[@]}" ;;
   K8) o=(--only '*/train/fp8-*'); rm -rf /dev/shm/lorapipe-bench/*
       bench 0 qwen-image K8 $(( $(left) / 2 )) "${o[@]}"; bench 0 flux K8 $(( $(left) - 25 )) "${o[@]}" ;;
+  K9) o=(--only "*/train/fp8-512-*"); bench 0 qwen-image K9 $(( $(left) / 2 )) "${o[@]}"; bench 0 flux K9 $(( $(left) - 15 )) "${o[@]}" ;;
   F50) timeout $(( $(left) - 10 )) python3 bench/fp8.py --fidelity-only --fidelity-steps 50 --deadline $(( $(left) - 60 )) \
        --out "$OUT/fp8-fidelity50-h200.json" > "$OUT/fp8-fidelity50.log" 2>&1; tail -5 "$OUT/fp8-fidelity50.log" ;;
   FL) for d in bfloat16 float32; do timeout $(( $(left) / 2 )) python3 bench/fp8_load.py --device cuda --layers 4 --single-layers 8 \
