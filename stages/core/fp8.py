@@ -204,11 +204,11 @@ def load_fp8_streamed(cls: Any, files: list[Any], config: dict[str, Any], device
 
     with init_empty_weights():
         model = cls.from_config(config)
-    keys: dict[str, Any] = {}
+    keys: set[str] = set()
     for f in files:
         with safe_open(str(f), framework="pt") as h:
-            keys.update(dict.fromkeys(h.keys(), f))
-    if set(keys) != set(model.state_dict()):
+            keys.update(h.keys())
+    if keys != set(model.state_dict()):
         return None
     modules = dict(model.named_modules())
     keep = inside_repeated_blocks(model)
