@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -408,6 +408,25 @@ class Runner:
             raise RuntimeError(f"the caches of run {run} could not be built (see the encode/latents rows)")
         self.broken.discard(run)
 
+    def ensure_upstream(self, fam: str, item: Item, items: list[Item]) -> None:
+        """An export needs its run's trained adapter and a verify its export. When an earlier call measured
+        those (--skip-done) on a machine since given back, they are rebuilt here, recorded as reruns (O3 and
+        O4 of 2026-12-02 lost their verify rows to this)."""
+        if item.kind not in ("export", "verify"):
+            return
+        rd, tag = self.run_dir(run_name(fam, item)), item.id.split("/", 2)[2]
+        need = [("train", rd / "lora" / "final" / "manifest.json")]
+        need += [("export", rd / "export" / "manifest.json")] if item.kind == "verify" else []
+        for kind, marker in need:
+            if marker.exists():
+                continue
+            prior = next((it for it in items if it.id == f"{fam}/{kind}/{tag}"), None)
+            if prior is None:
+                raise RuntimeError(f"{item.id} needs {marker}, and the plan has no {fam}/{kind}/{tag} to make it")
+            row = self.execute(fam, replace(prior, id=prior.id + "#rerun"))
+            if row.get("status") != "ok":
+                raise RuntimeError(f"{item.id} needs {prior.id}, whose rerun failed (see its row)")
+
     def finished_note(self, fam: str, item: Item, run_dir: Path, rc: int, since: float) -> str | None:
         """For a stage call that failed (rc != 0): the row's note when it was a train stage killed after
         writing its complete final manifest (`finished_before_kill`: the row is read from it), else None."""
@@ -464,6 +483,7 @@ class Runner:
             try:
                 if item.kind in ("train", "export", "verify", "profile"):
                     self.ensure_caches(fam, item, items)
+                    self.ensure_upstream(fam, item, items)
                 self.execute(fam, item)
             except Exception as e:  # noqa: BLE001 - one broken item must not lose the others' numbers
                 self.record(item, "failed", reason=f"{type(e).__name__}: {e}")

@@ -358,7 +358,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         if rc != 0:
             info["log_tail"] = tail
             row["stages"][kind] = info
-            row["status"] = f"failed at {stage}"
+            row["status"] = _status({**row, "status": f"failed at {stage}"})
             return row
         summary = collect(Path(res_sets["artifacts"]) / run, kind, t0)
         peak = summary.get("peak_vram_gb")
@@ -498,6 +498,15 @@ def _fmt(v: Any, nd: int = 2) -> str:
     return "—" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
 
+
+def _status(row: dict[str, Any]) -> str | None:
+    """A product row's status, "failed at <stage>" read as "cut off by the budget at <stage>" when that stage's
+    process was killed at the run's --budget-s deadline (rc -9), as bench/report.py reads bench rows."""
+    status = row.get("status")
+    if status and status.startswith("failed at ") and any(s.get("rc") == -9 for s in row.get("stages", {}).values()):
+        return "cut off by the budget at " + status.removeprefix("failed at ")
+    return status
+
 def report_section(results: list[dict[str, Any]]) -> str:
     """The "Side by side with diffusers' scripts" section: per file, the script's row and each product
     row with samples/s over the script's, peak against the script's, and the target (>= 2x samples/s
@@ -530,7 +539,7 @@ def report_section(results: list[dict[str, Any]]) -> str:
                 ratio = r["samples_per_s"] / peer["samples_per_s"]
                 if r.get("peak_gb") is not None and peer.get("peak_gb") is not None:
                     met = "yes" if ratio >= 2.0 and r["peak_gb"] <= peer["peak_gb"] else "no"
-            status = "" if r.get("status") == "ok" else f" ({r.get('status')})"
+            status = "" if r.get("status") == "ok" else f" ({_status(r)})"
             out.append(head + f"| product{status} | {r.get('precision', '—')} | {_fmt(r.get('step_s'), 3)} | "
                               f"{_fmt(r.get('samples_per_s'))} | {_fmt(r.get('peak_gb'), 1)} | {_fmt(ratio)} | {met or '—'} |")
             st = r.get("stages", {})

@@ -174,6 +174,11 @@ def test_side_by_side_table_ratio_and_target(tmp_path):
     failed["rows"][0].update(status="failed", samples_per_s=None, step_s=None)
     failed["rows"].append({"side": "product", "precision": "nf4", "status": "ok", "samples_per_s": 1.0, "peak_gb": 9.0})
     assert "| product | nf4 | — | 1.00 | 9.0 | — | — |" in peers.report_section([failed])
+    for rc, shown in ((-9, "product (cut off by the budget at train)"), (1, "product (failed at train)")):
+        cut = _result(0.5, 12.0, [])  # a product train killed at the run's deadline is not a failure
+        cut["rows"].append({"side": "product", "precision": "nf4", "status": "failed at train",
+                            "stages": {"encode": {"rc": 0}, "train": {"rc": rc}}})
+        assert f"| {shown} | nf4 | — | — | — | — | — |" in peers.report_section([cut])
     tiny = {**_result(0.5, 12.0, []), "meta": {"tiny": True}}
     assert "No side-by-side run yet" in peers.report_section([tiny])
 
