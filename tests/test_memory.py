@@ -70,9 +70,25 @@ def _deeper_flux(assets, tmp_path, layers: int, single_layers: int, width: int |
     if width:
         config.update(num_attention_heads=width // config["attention_head_dim"])
     (folder / "transformer" / "config.json").write_text(json.dumps(config))
-    # planning only asks whether the weights are a diffusers safetensors file (an fp8 load streams it)
-    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"")
+    # planning reads the weights' headers only (an fp8 load streams a file whose keys are the model's)
+    _header_only(folder / "transformer" / "diffusion_pytorch_model.safetensors",
+                 memory.meta_component(ModelSource(str(folder)), "transformer").state_dict())
     return str(folder)
+
+
+def _header_only(path: Path, tensors: dict, rename: dict | None = None) -> None:
+    """A bf16 safetensors file of these tensors' names (`rename`d) and shapes whose data is a hole (a sparse
+    file): a real header, every reader's check of sizes and offsets passes, no disk written."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        size = 2 * t.numel()
+        header[(rename or {}).get(name, name)] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
 
 
 def test_train_planner_checkpoints_then_swaps_blocks_only_when_forced(assets, demo_data, tmp_path, monkeypatch):
@@ -621,10 +637,16 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     host_gb = round(memory.weight_bytes(memory.meta_component(src, "transformer"), "bf16") / memory.GB, 2)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: int(host_gb * memory.GB / 2))
     assert at(whole["bf16"] * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "fp8"  # streamed
-    monkeypatch.setattr(ModelSource, "weight_files", lambda self, sub: None)  # a source fp8 reads whole
-    short = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
-    assert short.settings["base_precision"] == "nf4" and "fp8" not in {t["base_precision"] for t in short.tried}
-    assert f"auto left fp8 out: its bf16 read ({host_gb:.1f} GB)" in short.note and "host memory" in short.note
+    meta = memory.meta_component(src, "transformer").state_dict()
+    first = next(iter(meta))  # a folder whose keys diffusers converts on load: the loader reads it whole
+    _header_only(Path(cfg.model) / "transformer" / "diffusion_pytorch_model.safetensors", meta,
+                 rename={first: "converted." + first})
+    assert not fp8.streams(memory.meta_component(src, "transformer"), src.weight_files("transformer"))
+    converted = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
+    monkeypatch.setattr(ModelSource, "weight_files", lambda self, sub: None)  # a single file: the same
+    for short in (converted, at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)):
+        assert short.settings["base_precision"] == "nf4" and "fp8" not in {t["base_precision"] for t in short.tried}
+        assert f"auto left fp8 out: its bf16 read ({host_gb:.1f} GB)" in short.note and "host memory" in short.note
     monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
     cfg.train.compile_transformer = "off"  # fp8 pays only compiled
     eager = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)

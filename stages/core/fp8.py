@@ -190,6 +190,26 @@ def load_fp8_denoiser(cls: Any, src: Any, subfolder: str, device: torch.device) 
     return quantize_denoiser_fp8(model, inside_repeated_blocks(model), device)
 
 
+def streams(model: nn.Module, files: list[Any] | None) -> bool:
+    """Whether `load_fp8_streamed` can fill `model` (built from its config, on the meta device is enough)
+    from these safetensors files (`ModelSource.weight_files`): their keys, read from the headers, are
+    exactly its state dict's. False for a single file, an unreadable header, or a checkpoint whose keys
+    diffusers converts on load, which an fp8 load reads whole in bf16 first. The train planner asks the
+    same (its fp8 plan's host memory)."""
+    from safetensors import safe_open
+
+    if not files:
+        return False
+    keys: set[str] = set()
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                keys.update(h.keys())
+    except Exception:  # noqa: BLE001 - not a readable safetensors file: the ordinary load says what is wrong
+        return False
+    return keys == set(model.state_dict())
+
+
 def load_fp8_streamed(cls: Any, files: list[Any], config: dict[str, Any], device: torch.device | str,
                       min_width: int | None = None) -> nn.Module | None:
     """The model `cls.from_pretrained(torch_dtype=bf16)` then `quantize_denoiser_fp8` give, built on the
@@ -204,11 +224,7 @@ def load_fp8_streamed(cls: Any, files: list[Any], config: dict[str, Any], device
 
     with init_empty_weights():
         model = cls.from_config(config)
-    keys: set[str] = set()
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            keys.update(h.keys())
-    if keys != set(model.state_dict()):
+    if not streams(model, files):
         return None
     modules = dict(model.named_modules())
     keep = inside_repeated_blocks(model)

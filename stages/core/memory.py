@@ -182,8 +182,9 @@ def _fp8_weight_bytes(module: torch.nn.Module) -> float:
 
 def fp8_host_short(host_gb: float) -> str:
     """Why "auto" leaves out an fp8 base that the GPU could run: the bf16 read an fp8 load of a single-file
-    checkpoint makes into host memory first does not fit what is available (a diffusers folder streams, as
-    nf4 loads shard by shard; its host_gb is 0); "" when it fits or the host cannot tell."""
+    checkpoint (or of a folder whose keys diffusers converts) makes into host memory first does not fit what
+    is available (a diffusers folder streams, as nf4 loads shard by shard; its host_gb is 0); "" when it
+    fits or the host cannot tell."""
     available = host_available_bytes()
     if available is None or host_gb * GB <= available:
         return ""
@@ -429,12 +430,14 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     tokens = tcfg.batch_size * (images * side * side + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     # host memory a load needs besides what the plan keeps there: a bf16 read of the base is a copy unless the
-    # files are bf16 safetensors (then mapped pages: bench/fp8.md); fp8 streams a folder's shards anyway
+    # files are bf16 safetensors (then mapped pages: bench/fp8.md); fp8 streams a folder's shards whose keys
+    # are the model's (fp8.streams, the loader's own test), else reads the base whole in bf16 first
+    from stages.core.fp8 import streams
     from stages.core.model_source import stored_as_bf16
 
     files, bf16_gb = src.weight_files(family.denoiser_components[0]), weight_bytes(model, "bf16") / GB
     read_gb = 0.0 if files and stored_as_bf16(files) else bf16_gb
-    fp8_host_gb = 0.0 if files else bf16_gb
+    fp8_host_gb = 0.0 if streams(model, files) else bf16_gb
     precisions, fp8_left_out, fp8_first = _base_precisions(tcfg, family, fp8_host_gb, tokens)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
@@ -464,7 +467,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
         if swapped:  # the swapped blocks live in host memory (pinned), after the load's read
             settings["host_gb"] = round(read_gb + sum(host) / GB, 2)
-        elif precision == "fp8" and fp8_host_gb:  # a single file: read whole in bf16 first
+        elif precision == "fp8" and fp8_host_gb:  # a single file or converted keys: read whole in bf16 first
             settings["host_gb"] = round(fp8_host_gb, 2)
         if swapped and layout != "last":
             settings["swap_layout"] = layout
@@ -755,9 +758,10 @@ def host_shortfall(plan: StagePlan) -> str:
                f"plus a bf16 copy of the base where its files are not bf16 safetensors)")
         fix = "give the stage more GPU memory (--vram) so that fewer blocks, or none, are swapped"
     else:
-        why = f"an fp8 base from a single-file checkpoint reads the base in bf16 ({need:.1f} GB) into host memory first"
-        fix = ("point 'model' at a diffusers folder (an fp8 load streams its shards), or use train.base_precision "
-               "= 'nf4' or 'bf16', which load shard by shard")
+        why = (f"an fp8 base from a single-file checkpoint (or from a folder whose weights diffusers converts on "
+               f"load) reads the base in bf16 ({need:.1f} GB) into host memory first")
+        fix = ("point 'model' at a diffusers folder saved by diffusers (an fp8 load streams its shards), or use "
+               "train.base_precision = 'nf4' or 'bf16', which load shard by shard")
     return f"train: {why}, but only {available / GB:.1f} GB of host memory is available: free host memory, or {fix}"
 
 
