@@ -324,13 +324,14 @@ def report(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def plan_table(families: str, budgets: str, res: str, work: str) -> str:
+def plan_table(families: str, budgets: str, res: str, work: str, sets: list[str] = ()) -> str:
     """The train stage's plan per family, px and budget (comma lists), from full-size configs on the meta
     device (no weights, no GPU: bench/plan_cost.py's config-only folders under `work`), with the rows'
-    settings: what `run` would train, and its CUDA graph room under swap."""
+    settings (and `sets`, "KEY=VALUE" as `run --set` takes them): what `run` would train, and its CUDA
+    graph room under swap."""
     from bench.plan_cost import config_only_model
 
-    runner = MemoryRunner(run_args(parser, work=work))
+    runner = MemoryRunner(run_args(parser, work=work, set=list(sets)))
     lines = ["| family | px | budget GB | train plan | predicted GB | note |", "|---|---|---|---|---|---|"]
     for fam in families.split(","):
         folder = Path(work) / "config-only" / fam
@@ -368,6 +369,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--budgets", default="8,6,4")
     t.add_argument("--res", default=f"512,{RESOLUTION}", help="comma-separated px")
     t.add_argument("--work", default="/tmp/lorapipe-memory-plan")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every row (repeatable), e.g. train.gradient_checkpointing=auto")
     t.add_argument("--fp8-gpu", action="store_true", help="plan as on a GPU with fp8 tensor cores (the H200), where "
                    "train.base_precision = 'auto' tries fp8 after bf16")
     return ap
@@ -388,7 +391,7 @@ def main() -> None:
             stack.enter_context(mock.patch.object(memory, "host_available_bytes", lambda: None))
             if args.fp8_gpu:
                 stack.enter_context(mock.patch.object(fp8, "fp8_supported", lambda: True))
-            print(plan_table(args.families, args.budgets, args.res, args.work))
+            print(plan_table(args.families, args.budgets, args.res, args.work, args.set))
         return
     runner = MemoryRunner(args)
     for fam in args.families.split(","):

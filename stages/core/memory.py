@@ -32,7 +32,9 @@ NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64  # 4-bit codes + one 8-bit absmax per 64 wei
 # Train activations of one DiT block, in units of tokens x width x 2 bytes (bf16). Estimates:
 # no checkpointing, FLUX.1-dev 512 px b1 needed 8.9 GB over bf16 weights for 57 blocks x 1536 tokens
 # x 3072 wide = 17 units per block; with checkpointing a block keeps its input (1 unit) and the block
-# being recomputed holds ~24 units (fits FLUX nf4 1024 px b1 at 8.3 GB).
+# being recomputed holds ~24 units (fits FLUX nf4 1024 px b1 at 8.3 GB). 17 is a block's own in most
+# families (Z-Image's compiled bf16 1024 px b4 row with no checkpointing: predicted 1.003x what it
+# allocated); a family whose blocks keep less names them in `block_saved_units` (FLUX.1's single-stream).
 BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
 VAE_ELEMENTS_PER_PIXEL = 780  # FLUX's fp32 VAE, 1 image at 1024 px: 3.36 GB allocated (H200; 720 predicted 3.12)
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
@@ -449,8 +451,10 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     # backward reads, and the block being run (or recomputed) works in its own
     fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # activations outside the blocks
     outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side * 16 / 512) ** 2) * GB
+    # the un-checkpointed blocks are the last ones (trainer: blocks[checkpointed:])
+    saved = [getattr(family, "block_saved_units", {}).get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
     activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
-                                                         + (n - checkpointed) * BLOCK_SAVED_UNITS + BLOCK_WORK_UNITS)
+                                                         + sum(saved[checkpointed:]) + BLOCK_WORK_UNITS)
     options = _train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get))
     # each block's bytes that swapping it moves to host memory, for the precisions a swap option uses
     block_bytes = {p: [weight_bytes(b, p, codes_only=True) for b in blocks] for p in {p for p, k, _ in options if k}}

@@ -71,6 +71,9 @@ class Family(Protocol):
     # (None: no fp8 rows, bf16 stays first)
     # optional: outside_block_gb ((GB, GB per 512x512 sample), default (0, 0)): train activations outside the
     # repeated blocks that the memory planner's per-block model does not see (SDXL's ResNets)
+    # optional: block_saved_units (dict[str, float], default {}): train activations one un-checkpointed block
+    # of that class keeps for its backward, in units of tokens x width x 2 bytes, where it is not
+    # stages/core/memory.py's BLOCK_SAVED_UNITS (measured on the H200: FLUX.1's single-stream blocks)
     # optional: blocks_in_run_order (bool, default True): False where the denoiser lists its repeated
     # blocks in another order than it runs them (SDXL's UNet: down, up, mid; run down, mid, up), so a
     # block swap cannot copy the next block ahead once resident blocks sit between swapped ones:
