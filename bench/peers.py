@@ -498,7 +498,6 @@ def _fmt(v: Any, nd: int = 2) -> str:
     return "—" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
 
-
 def _status(row: dict[str, Any]) -> str | None:
     """A product row's status, "failed at <stage>" read as "cut off by the budget at <stage>" when that stage's
     process was killed at the run's --budget-s deadline (rc -9), as bench/report.py reads bench rows."""
@@ -506,6 +505,7 @@ def _status(row: dict[str, Any]) -> str | None:
     if status and status.startswith("failed at ") and any(s.get("rc") == -9 for s in row.get("stages", {}).values()):
         return "cut off by the budget at " + status.removeprefix("failed at ")
     return status
+
 
 def report_section(results: list[dict[str, Any]]) -> str:
     """The "Side by side with diffusers' scripts" section: per file, the script's row and each product
