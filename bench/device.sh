@@ -73,6 +73,9 @@
 #   Y3: the 512 px plans the planner's corrected room gives (eighth session: FLUX at 6 GB 29 swapped, Z-Image at 4 GB
 #       12; with 26 and 8 they found 1.90x and 1.70x free at the capture and ran eager), and Z-Image's 512 px auto row
 #       (cut off in S and Y2)
+#   X2: X again after FLUX.1's single-stream blocks were counted at 13 units un-checkpointed (twelfth session; X's
+#       rows allocated 0.84-0.88x their predictions): under "auto" on the H200 fp8 with 54 and 29 of 57 checkpointed
+#       predicted (bench/memory.md), every stage under the budget?
 #   SP2: FLUX at 6 GB, 512 px, with train.block_swap_layout = "spread" (the swapped blocks among the resident ones,
 #       so the copies overlap their compute; its own table), then S3 (SDXL's 512 px rows)
 #   SP: Qwen-Image at 8 GB, 512 px, "spread" then "last" on the kept model (with "last" and 27 swapped, under graphs:
@@ -203,6 +206,9 @@ case $phase in
      python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 20 )) \
        > "$OUT/memory-flux-x.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux-x.log" | cut -c1-300 ;;
+  X2) python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
+       --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-units-h200.json" --budget-s $(( $(left) - 20 )) \
+       > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
   X) python3 bench/memory.py run --families flux --budgets 16,24 --set train.gradient_checkpointing=auto \
        --models /tmp/lorapipe-models --out "$OUT/memory-flux-partialckpt-h200.json" --budget-s $(( $(left) - 20 )) \
        > "$OUT/memory-flux.log" 2>&1; grep "^\[memory\]" "$OUT/memory-flux.log" | cut -c1-300 ;;
