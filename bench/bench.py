@@ -242,6 +242,7 @@ class Runner:
                                         "items": [], "builds": {}}
         self.work.mkdir(parents=True, exist_ok=True)
         self.broken: set[tuple[str, int]] = set()
+        self.notes: dict[str, str] = {}  # item id -> a note its row carries (record)
 
     def left(self) -> float:
         return self.deadline - time.time()
@@ -256,6 +257,8 @@ class Runner:
     def record(self, item: Item, status: str, **fields: Any) -> dict[str, Any]:
         row = {"id": item.id, "kind": item.kind, "res": item.res, "sets": item.sets, "env": item.env,
                "status": status, **fields}
+        if item.id in self.notes and "note" not in row:
+            row["note"] = self.notes[item.id]
         self.results["items"].append(row)
         self.save()
         print(f"[bench] {item.id}: {status} {json.dumps({k: v for k, v in fields.items() if k in ('wall_s', 'summary', 'reason')}, default=str)[:400]}", flush=True)
@@ -423,7 +426,10 @@ class Runner:
             prior = next((it for it in items if it.id == f"{fam}/{kind}/{tag}"), None)
             if prior is None:
                 raise RuntimeError(f"{item.id} needs {marker}, and the plan has no {fam}/{kind}/{tag} to make it")
-            row = self.execute(fam, replace(prior, id=prior.id + "#rerun"))
+            if item.id in self.notes:  # the export of the adapter `order` moved this item behind
+                self.notes[prior.id + "#rerun"] = self.notes[item.id]
+            row = self.execute(fam, replace(prior, id=prior.id + "#rerun", res=item.res, run=run_name(fam, item),
+                                            controls=item.controls))  # the run `order` may have moved it to
             if row.get("status") != "ok":
                 raise RuntimeError(f"{item.id} needs {prior.id}, whose rerun failed (see its row)")
 
@@ -470,11 +476,41 @@ class Runner:
                                summary={"last_line": log.strip().splitlines()[-1] if log.strip() else ""})
         raise ValueError(kind)
 
+    def wanted(self, item: Item) -> bool:
+        """Not measured by an earlier call (--skip-done) and selected by --only."""
+        return item.id not in self.done and (not self.args.only or any(fnmatch.fnmatch(item.id, p) for p in self.args.only))
+
+    def order(self, fam: str, items: list[Item]) -> list[Item]:
+        """The items this call runs, in plan order, except that an export or verify whose run has no adapter
+        on this machine (its train measured by an earlier call, on a machine since given back) moves to just
+        after this call's first train of the same run (else of any run: it then exports from that run), and
+        exports (and checks) that adapter: the LoRA's keys depend on neither the base's precision, the
+        resolution nor the batch, and the rerun of its own train that
+        `ensure_upstream` would make otherwise costs a whole train item (60-95 s at full size)."""
+        todo = [it for it in items if self.wanted(it)]
+        moved: dict[str, int] = {}  # train id -> items moved behind it so far
+        for item in list(todo):
+            rd = self.run_dir(run_name(fam, item))
+            if item.kind not in ("export", "verify") or (rd / "lora" / "final" / "manifest.json").exists():
+                continue
+            tag = item.id.split("/", 2)[2]
+            if any(it.id == f"{fam}/train/{tag}" for it in todo):
+                continue  # its own train runs in this call
+            pos = todo.index(item)
+            trains = [it for it in todo[pos + 1:] if it.kind == "train"]
+            later = next((it for it in trains if run_name(fam, it) == run_name(fam, item)), trains[0] if trains else None)
+            if later is None:
+                continue  # no train in this call: ensure_upstream reruns its own
+            todo[pos] = replace(item, res=later.res, run=run_name(fam, later), controls=later.controls)  # that run's
+            todo.insert(todo.index(later) + 1 + moved.get(later.id, 0), todo.pop(pos))
+            moved[later.id] = moved.get(later.id, 0) + 1
+            self.notes[item.id] = (f"the adapter of {later.id}, trained just before in this call ({fam}/train/{tag} was "
+                                   f"measured by an earlier call, on another machine)")
+        return todo
+
     def run_family(self, fam: str) -> None:
         items = plan(fam)
-        for item in items:
-            if item.id in self.done or (self.args.only and not any(fnmatch.fnmatch(item.id, p) for p in self.args.only)):
-                continue
+        for item in self.order(fam, items):
             build_s = self.build_seconds(fam, item.kind) if item.kind != "pytest" else 0.0
             need = (item.est_s + build_s) * (0.05 if self.args.tiny else 1.0)
             if self.left() < need:

@@ -1,6 +1,10 @@
-"""The bench runner on a machine that lost an earlier call's work: a verify item whose train and export
-were measured in a call on another machine (--skip-done) rebuilds them first, recorded as reruns, instead
-of failing on a missing export (O3 and O4 of 2026-12-02 lost their verify rows so).
+"""The bench runner on a machine that lost an earlier call's work (O3 and O4 of 2026-12-02 lost their verify
+rows so: the export they checked no longer existed):
+
+- a verify item whose train and export an earlier call measured (--skip-done) moves behind this call's
+  first train (of its run, else of another: here the 1024 px run's) and checks that adapter's export (no
+  rerun of its own train: a whole train item at full size), its row saying so;
+- with no train of its run in the call, it reruns its own train and export first, recorded as reruns.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_bench_runner.py
 """
@@ -16,24 +20,37 @@ from conftest import FAMILIES, tiny_model
 FAMILY = "sdxl"
 
 
-def test_a_verify_item_rebuilds_the_train_and_export_an_earlier_call_measured(tmp_path: Path, assets: Path) -> None:
+def _run(tmp_path: Path, models: Path, prior: Path, only: list[str], out: Path) -> list[dict]:
+    runner = Runner(run_args(work=str(tmp_path / "w"), out=str(out), tiny=True, models=str(models), keep=True,
+                             skip_done=[str(prior)], only=only))
+    runner.run_family(FAMILY)
+    return json.loads(out.read_text())["items"]
+
+
+def test_a_verify_item_checks_this_calls_adapter_or_rebuilds_its_own(tmp_path: Path, assets: Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
     (models / FAMILY).symlink_to(tiny_model(assets, FAMILIES[FAMILY]))  # the bench's own tiny build (same seed)
     prior = tmp_path / "prior.json"
     done = [f"{FAMILY}/{kind}/nf4-512-b1" for kind in ("encode", "latents", "train", "export")]
     prior.write_text(json.dumps({"meta": {}, "items": [{"id": i, "status": "ok"} for i in done]}))
-    out = tmp_path / "out.json"
-    runner = Runner(run_args(work=str(tmp_path / "w"), out=str(out), tiny=True, models=str(models), keep=True,
-                             skip_done=[str(prior)], only=[f"{FAMILY}/verify/*"]))
 
-    runner.run_family(FAMILY)
+    rows = _run(tmp_path, models, prior, [f"{FAMILY}/verify/*", f"{FAMILY}/train/bf16-1024-b1"], tmp_path / "a.json")
 
-    rows = json.loads(out.read_text())["items"]
-    assert [(r["id"], r["status"]) for r in rows] == [
-        (f"{FAMILY}/encode/bf16#rerun", "ok"), (f"{FAMILY}/latents/512#rerun", "ok"),
-        (f"{FAMILY}/train/nf4-512-b1#rerun", "ok"), (f"{FAMILY}/export/nf4-512-b1#rerun", "ok"),
-        (f"{FAMILY}/verify/nf4-512-b1", "ok")]
+    assert [(r["id"], r["status"], r["res"]) for r in rows] == [
+        (f"{FAMILY}/encode/bf16#rerun", "ok", 1024), (f"{FAMILY}/latents/1024#rerun", "ok", 1024),
+        (f"{FAMILY}/train/bf16-1024-b1", "ok", 1024), (f"{FAMILY}/export/nf4-512-b1#rerun", "ok", 1024),
+        (f"{FAMILY}/verify/nf4-512-b1", "ok", 1024)]  # moved behind the train; nf4-512-b1's own train not rerun
+    assert all(f"the adapter of {FAMILY}/train/bf16-1024-b1" in r["note"] for r in rows[3:])
+    assert f"bench-{FAMILY}-1024" in rows[3]["cmd"]
     verified = rows[-1]["summary"]
     assert verified["missing"] == [] and verified["unexpected"] == []
     assert verified["lora_tensors_loaded"] == verified["tensors_in_file"] > 0
+
+    rows = _run(tmp_path, models, prior, [f"{FAMILY}/verify/*"], tmp_path / "b.json")  # no train in the call
+
+    assert [(r["id"], r["status"]) for r in rows] == [
+        (f"{FAMILY}/latents/512#rerun", "ok"),  # (captions from the 1024 px run: they do not depend on the size)
+        (f"{FAMILY}/train/nf4-512-b1#rerun", "ok"), (f"{FAMILY}/export/nf4-512-b1#rerun", "ok"),
+        (f"{FAMILY}/verify/nf4-512-b1", "ok")]
+    assert "note" not in rows[-1] and rows[-1]["summary"]["missing"] == [] and rows[-1]["summary"]["unexpected"] == []
