@@ -127,11 +127,11 @@ def staged_family(fam: str) -> bool:
 def _staged_plan(fam: str) -> list[Item]:
     """The short plan regrouped by the components each stage reads, so that each big one is built once:
     encode (text encoder), every latents item (VAE), then the denoiser's items, led by the 512 px b1
-    train with its export and load check, 1024 px b1 and 512 px b4."""
+    train with its export and load check, 1024 px b1, 512 px b4 and a bf16 row where the plan has one."""
     items = _short_plan(fam)
     p = family_full(fam).BASE_PRECISIONS[0]
     lead = [f"{fam}/train/{p}-512-b1", f"{fam}/export/{p}-512-b1", f"{fam}/verify/{p}-512-b1",
-            f"{fam}/train/{p}-1024-b1", f"{fam}/train/{p}-512-b4"]
+            f"{fam}/train/{p}-1024-b1", f"{fam}/train/{p}-512-b4", f"{fam}/train/bf16-512-b1"]
     group = {"encode": 0, "latents": 1}
     order = {it.id: (group.get(it.kind, 2), lead.index(it.id) if it.id in lead else len(lead), n)
              for n, it in enumerate(items)}

@@ -27,7 +27,9 @@ PRESET = "configs/flux2.toml"
 TEXT_PRECISION = "nf4"
 BUILD_SECONDS = 180  # estimate: 112.6 GB of bf16 safetensors (FLUX.1's 34 GB took 57-68 s); never built
 TRAIN_SECONDS = 120  # estimate: a compiled nf4 512 px b1 item, 2.7x FLUX.1's weights to load and quantize
-BASE_PRECISIONS = ("nf4",)  # a 64.4 GB bf16 transformer is not a single-GPU LoRA base
+# nf4 first (the preset's); bf16 fits one H200: 61.8 GB planned at 512 px b1, 64.6 at 1024 px (`python
+# bench/memory.py plan --families flux2 --budgets 139 --res 512,1024 --set train.base_precision=bf16`)
+BASE_PRECISIONS = ("nf4", "bf16")
 # Its bf16 safetensors are 112.6 GB (parameter counts from a meta-device build of COMPONENTS): the
 # 32.2B transformer's 64.4 GB and the 24.0B Mistral's 48.0 GB. The 1-GPU bench host has a 64 GB disk,
 # and /dev/shm is RAM (128 GB tmpfs over 125 GB), so the whole folder fits nowhere there. Each stage
