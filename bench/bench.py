@@ -485,8 +485,8 @@ class Runner:
         on this machine (its train measured by an earlier call, on a machine since given back) moves to just
         after this call's first train of the same run (else of any run: it then exports from that run), and
         exports (and checks) that adapter: the LoRA's keys depend on neither the base's precision, the
-        resolution nor the batch, and the rerun of its own train that
-        `ensure_upstream` would make otherwise costs a whole train item (60-95 s at full size)."""
+        resolution nor the batch, and the rerun of its own train that `ensure_upstream` would make
+        otherwise costs a whole train item (60-95 s at full size)."""
         todo = [it for it in items if self.wanted(it)]
         moved: dict[str, int] = {}  # train id -> items moved behind it so far
         for item in list(todo):
