@@ -11,6 +11,8 @@
 #   F: nf4 with compile forced on, every family (= auto since then) (Qwen-Image then FLUX on GPU 0, Z-Image then SDXL on GPU 1)
 # One-GPU calls for what the 2026-12-01 sessions left unmeasured (carry .whl and, for G/H, .carry-peers):
 #   G: FLUX.2 klein: the dtype fix's A/B (bench/dtype_probe.py), then the side-by-side with diffusers' script again
+#   G2: the klein side by side alone: nf4, then nf4 and nf4 + cuDNN attention within the script's peak (fitpeer:
+#       partial checkpointing with the script's peak as the budget; not yet run)
 #   H: FLUX.1 Kontext side by side with diffusers' script (its base is bf16: the product's nf4 and bf16 rows)
 #   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
 #   I2: Krea 2's rows of I again (I's full-size folder tapped the tiny model's 2 text layers, not the 12 its
@@ -115,6 +117,7 @@ case $phase in
      { bench 1 z-image F $(( b / 2 )) --keep "${o[@]}"; bench 1 sdxl F $(( $(left) - 40 )) --keep "${o[@]}"; } & wait ;;
   G) python3 bench/dtype_probe.py --family flux2-klein --res 1024 --out "$OUT/dtype-probe-klein.json" > "$OUT/dtype-probe.log" 2>&1
      tail -3 "$OUT/dtype-probe.log"; PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  G2) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   H) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 15 ;;
   I|I2) o=(--only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' --only '*/export/nf4-512-b1'
         --only '*/verify/nf4-512-b1' --only '*/train/bf16-512-b1')
