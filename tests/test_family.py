@@ -318,6 +318,9 @@ def test_an_fp8_base_predicts_as_the_bf16_base_and_streams_its_load(built_run, m
     monkeypatch.setattr(ModelSource, "load", lambda *a, **k: pytest.fail("the fp8 load read the whole bf16 base"))
     streamed = fp8.load_fp8_denoiser(type(dense), src, family.denoiser_components[0], torch.device("cpu"))
     assert [n for n, m in streamed.named_modules() if isinstance(m, fp8.Fp8Linear)] == made
+    from stages.core import memory  # the train planner's test of the same folder agrees: no bf16 read planned
+    name = family.denoiser_components[0]
+    assert fp8.streams(memory.meta_component(src, name), src.weight_files(name))
     want_state = dict(quantized.named_buffers()) | dict(quantized.named_parameters())
     got_state = dict(streamed.named_buffers()) | dict(streamed.named_parameters())
     assert want_state.keys() == got_state.keys()
