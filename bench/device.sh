@@ -101,6 +101,9 @@ bench() {  # gpu families tag budget [--keep]
     --out "$OUT/bench-${fams%%,*}-$tag.json" --budget-s "$budget" "${skip[@]}" "$@" > "$OUT/bench-${fams%%,*}-$tag.log" 2>&1
   cp "$OUT/bench-${fams%%,*}-$tag.json" "$keep/" 2>/dev/null
 }
+# /dev/shm (RAM) keeps this family's model (--keep: a second call on the warm machine goes on with it) and drops
+# the other families' (FLUX.2 dev's 64 GB transformer needs the room; O3 and O4 used to drop their own too)
+shm_only() { local d; for d in /dev/shm/lorapipe-bench/*; do [ -e "$d" ] && [ "${d##*/}" != "$1" ] && rm -rf "$d"; done; }
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader; df -h /dev/shm /tmp | tail -2
 case $phase in
   A) bench 0 flux A $(( $(left) - 40 )) --keep & bench 1 qwen-image A $(( $(left) - 40 )) & wait ;;
@@ -124,11 +127,11 @@ case $phase in
      if [ "$phase" = I ]; then bench 0 qwen-image-2.1 I $(( $(left) / 2 - 20 )) "${o[@]}"; bench 0 krea2 I $(( $(left) - 30 )) "${o[@]}"
      else bench 0 krea2 I2 $(( $(left) - 20 )) "${o[@]}"; fi ;;
   I3) rm -rf /dev/shm/lorapipe-bench/*; bench 0 qwen-image-2.1 I3 $(( $(left) / 2 - 20 )); bench 0 krea2 I3 $(( $(left) - 30 )) ;;
-  I4) bench 0 qwen-image-2.1 I4 $(( $(left) - 25 )) --keep ;;
-  I5) rm -rf /dev/shm/lorapipe-bench/*; bench 0 krea2 I5 $(( $(left) - 25 )) --keep ;;
-  O3) rm -rf /dev/shm/lorapipe-bench/*; bench 0 flux-kontext O3 $(( $(left) - 25 )) --keep ;;
-  O4) rm -rf /dev/shm/lorapipe-bench/*; bench 0 qwen-image-edit O4 $(( $(left) - 25 )) --keep ;;
-  J) bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
+  I4) shm_only qwen-image-2.1; bench 0 qwen-image-2.1 I4 $(( $(left) - 25 )) --keep ;;
+  I5) shm_only krea2; bench 0 krea2 I5 $(( $(left) - 25 )) --keep ;;
+  O3) shm_only flux-kontext; bench 0 flux-kontext O3 $(( $(left) - 25 )) --keep ;;
+  O4) shm_only qwen-image-edit; bench 0 qwen-image-edit O4 $(( $(left) - 25 )) --keep ;;
+  J) shm_only flux2; bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
   K) timeout 120 python3 -m pytest -q -x tests/test_text_offload.py -k cuda > "$OUT/offload-cuda.log" 2>&1; tail -2 "$OUT/offload-cuda.log"
      bench 0 qwen-image K $(( $(left) - 30 )) --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/bf16-1024-b1' ;;
   K3) w=(--work /tmp/lorapipe-bench-0 --keep)  # no --skip-done: bf16 beside fp8 in the same run
