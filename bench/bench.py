@@ -372,8 +372,7 @@ class Runner:
 
     # -- items
     def caches_ready(self, run: str) -> bool:
-        rd = self.run_dir(run)
-        return (rd / "captions.zarr" / "manifest.json").exists() and (rd / "latents.zarr" / "manifest.json").exists()
+        return all(stage_manifest(self.run_dir(run), kind).exists() for kind in ("encode", "latents"))
 
     def caption_donor(self, fam: str, run: str) -> Path | None:
         """Another run's captions this run can reuse: the other resolution's (captions do not depend on
@@ -418,9 +417,8 @@ class Runner:
         if item.kind not in ("export", "verify"):
             return
         rd, tag = self.run_dir(run_name(fam, item)), item.id.split("/", 2)[2]
-        need = [("train", rd / "lora" / "final" / "manifest.json")]
-        need += [("export", rd / "export" / "manifest.json")] if item.kind == "verify" else []
-        for kind, marker in need:
+        for kind in ("train", "export") if item.kind == "verify" else ("train",):
+            marker = stage_manifest(rd, kind)
             if marker.exists():
                 continue
             prior = next((it for it in items if it.id == f"{fam}/{kind}/{tag}"), None)
@@ -490,8 +488,7 @@ class Runner:
         todo = [it for it in items if self.wanted(it)]
         moved: dict[str, int] = {}  # train id -> items moved behind it so far
         for item in list(todo):
-            rd = self.run_dir(run_name(fam, item))
-            if item.kind not in ("export", "verify") or (rd / "lora" / "final" / "manifest.json").exists():
+            if item.kind not in ("export", "verify") or stage_manifest(self.run_dir(run_name(fam, item)), "train").exists():
                 continue
             tag = item.id.split("/", 2)[2]
             if any(it.id == f"{fam}/train/{tag}" for it in todo):
@@ -549,11 +546,17 @@ def run_name(fam: str, item: Item) -> str:
     return item.run or f"bench-{fam}-{item.res}"
 
 
+def stage_manifest(run_dir: Path, kind: str) -> Path:
+    """The manifest a stage of item `kind` (encode, latents, train, export) writes last in its run's folder."""
+    where = {"encode": "captions.zarr", "latents": "latents.zarr", "train": "lora/final", "export": "export"}[kind]
+    return run_dir / where / "manifest.json"
+
+
 def finished_before_kill(run_dir: Path, kind: str, since: float, steps: int) -> bool:
     """A train stage that wrote its complete final manifest in this call, then was killed while its process
     was exiting (the Kontext bf16 side-by-side row of 2026-12-01: "train done in 65.7 s", then the budget's
     kill): its row is read from that manifest, with a note."""
-    final = run_dir / "lora" / "final" / "manifest.json"
+    final = stage_manifest(run_dir, "train")
     if kind != "train" or not final.exists() or final.stat().st_mtime < since:
         return False
     manifest = json.loads(final.read_text())
@@ -608,8 +611,7 @@ def make_dataset(folder: Path, n: int, side: int, controls: int = 0) -> Path:
 def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     """What one stage call produced: its manifest's timings and memory, and (train) its step events and the
     profile.json this call wrote (train.profile_steps)."""
-    where = {"encode": "captions.zarr", "latents": "latents.zarr", "train": "lora/final", "export": "export"}[kind]
-    m = json.loads((run_dir / where / "manifest.json").read_text())
+    m = json.loads(stage_manifest(run_dir, kind).read_text())
     keep = ("seconds", "peak_vram_gb", "samples_per_second", "loss_first", "loss_last", "precision", "compiled",
             "runtime", "step", "encoded_this_run", "files", "tensors", "verified", "verify", "fields", "latent_shapes")
     out = {k: m[k] for k in keep if k in m}

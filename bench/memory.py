@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,11 +157,15 @@ def _group(r: dict[str, Any]) -> tuple[str, int, str]:
     return r["family"], int(r.get("resolution", RESOLUTION)), r.get("variant", "")
 
 
+def command_sets(command: str) -> list[str]:
+    """The `--set KEY=VALUE` overrides of a command line, as "KEY=VALUE" strings (`extra_sets` reads them)."""
+    words = command.split()
+    return [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"] + [w[6:] for w in words if w.startswith("--set=")]
+
+
 def _variant(command: str) -> str:
     """The `--set KEY=VALUE` overrides of a call's command line, as "key=value, ..." ("" for none)."""
-    words = command.split()
-    pairs = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--set"] + [w[6:] for w in words if w.startswith("--set=")]
-    return ", ".join(sorted(pairs))
+    return ", ".join(sorted(command_sets(command)))
 
 
 def _newest(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -324,7 +329,7 @@ def report(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def plan_table(families: str, budgets: str, res: str, work: str, sets: list[str] = ()) -> str:
+def plan_table(families: str, budgets: str, res: str, work: str, sets: Sequence[str] = ()) -> str:
     """The train stage's plan per family, px and budget (comma lists), from full-size configs on the meta
     device (no weights, no GPU: bench/plan_cost.py's config-only folders under `work`), with the rows'
     settings (and `sets`, "KEY=VALUE" as `run --set` takes them): what `run` would train, and its CUDA

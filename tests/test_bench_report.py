@@ -431,8 +431,9 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
 
 def _cmd_sets(cmd: str) -> dict[str, Any]:
     """A stage command's `--set k=v` pairs that planning reads (the model and paths left out)."""
-    pairs = (a.strip().split("=", 1) for a in cmd.split("--set ")[1:])
-    return {k: {"true": True, "false": False}.get(v, v) for k, v in pairs
+    from bench.memory import command_sets, extra_sets
+
+    return {k: {"true": True, "false": False}.get(v, v) for k, v in extra_sets(command_sets(cmd)).items()
             if k.split(".")[0] in ("train", "captions", "gpu") or k in ("data.resolution", "data.cache_variants")}
 
 

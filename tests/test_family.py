@@ -16,7 +16,7 @@ import torch
 from stages import cache_latents, train
 from stages.core import dataset, lora
 from stages.core.events import EventLog, read_events
-from stages.core.model_source import ModelSource
+from stages.core.model_source import ModelSource, stored_dtypes
 from stages.core.runtime import make_runtime
 from stages.trainer import Trainer, build_data
 from conftest import FAMILIES, ROOT
@@ -320,7 +320,7 @@ def test_an_fp8_base_predicts_as_the_bf16_base_and_streams_its_load(built_run, m
     assert [n for n, m in streamed.named_modules() if isinstance(m, fp8.Fp8Linear)] == made
     from stages.core import memory  # the train planner's test of the same folder agrees: no bf16 read planned
     name = family.denoiser_components[0]
-    assert fp8.streams(memory.meta_component(src, name), src.weight_files(name))
+    assert fp8.streams(memory.meta_component(src, name), stored_dtypes(src.weight_files(name)))
     want_state = dict(quantized.named_buffers()) | dict(quantized.named_parameters())
     got_state = dict(streamed.named_buffers()) | dict(streamed.named_parameters())
     assert want_state.keys() == got_state.keys()

@@ -15,7 +15,7 @@ import torch
 
 from conftest import FAMILIES, demo_config_path, make_cfg, tiny_model
 from stages.core import blockswap, memory
-from stages.core.model_source import ModelSource
+from stages.core.model_source import ModelSource, stored_dtypes
 from stages.families import get_family
 
 
@@ -426,7 +426,7 @@ def test_a_swap_plan_counts_a_host_copy_of_the_base_only_where_its_files_are_not
         folder = Path(_deeper_flux(assets, tmp_path / str(dtype), 4, 8, width=256))
         config = json.loads((folder / "transformer" / "config.json").read_text())
         FluxTransformer2DModel.from_config(config).to(dtype).save_pretrained(folder / "transformer")
-        assert stored_as_bf16(ModelSource(str(folder)).weight_files("transformer")) == (dtype == torch.bfloat16)
+        assert stored_as_bf16(stored_dtypes(ModelSource(str(folder)).weight_files("transformer"))) == (dtype == torch.bfloat16)
         cfg = make_cfg("flux", assets, demo_data, tmp_path / f"run-{dtype}", **{"train.base_precision": "nf4",
                        "data.resolution": 256, "model": str(folder)})
         plans[dtype] = _plan("train", cfg, 1000.0)
@@ -641,7 +641,7 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     first = next(iter(meta))  # a folder whose keys diffusers converts on load: the loader reads it whole
     _header_only(Path(cfg.model) / "transformer" / "diffusion_pytorch_model.safetensors", meta,
                  rename={first: "converted." + first})
-    assert not fp8.streams(memory.meta_component(src, "transformer"), src.weight_files("transformer"))
+    assert not fp8.streams(memory.meta_component(src, "transformer"), stored_dtypes(src.weight_files("transformer")))
     converted = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     monkeypatch.setattr(ModelSource, "weight_files", lambda self, sub: None)  # a single file: the same
     for short in (converted, at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)):

@@ -190,24 +190,13 @@ def load_fp8_denoiser(cls: Any, src: Any, subfolder: str, device: torch.device) 
     return quantize_denoiser_fp8(model, inside_repeated_blocks(model), device)
 
 
-def streams(model: nn.Module, files: list[Any] | None) -> bool:
+def streams(model: nn.Module, stored: dict[str, str]) -> bool:
     """Whether `load_fp8_streamed` can fill `model` (built from its config, on the meta device is enough)
-    from these safetensors files (`ModelSource.weight_files`): their keys, read from the headers, are
-    exactly its state dict's. False for a single file, an unreadable header, or a checkpoint whose keys
+    from safetensors files whose headers hold these keys (`model_source.stored_dtypes`): exactly its
+    state dict's. False for a single file (no files), an unreadable header, or a checkpoint whose keys
     diffusers converts on load, which an fp8 load reads whole in bf16 first. The train planner asks the
     same (its fp8 plan's host memory)."""
-    from safetensors import safe_open
-
-    if not files:
-        return False
-    keys: set[str] = set()
-    try:
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                keys.update(h.keys())
-    except Exception:  # noqa: BLE001 - not a readable safetensors file: the ordinary load says what is wrong
-        return False
-    return keys == set(model.state_dict())
+    return bool(stored) and stored.keys() == set(model.state_dict())
 
 
 def load_fp8_streamed(cls: Any, files: list[Any], config: dict[str, Any], device: torch.device | str,
@@ -222,9 +211,11 @@ def load_fp8_streamed(cls: Any, files: list[Any], config: dict[str, Any], device
     from accelerate.utils import set_module_tensor_to_device
     from safetensors import safe_open
 
+    from stages.core.model_source import stored_dtypes
+
     with init_empty_weights():
         model = cls.from_config(config)
-    if not streams(model, files):
+    if not streams(model, stored_dtypes(files)):
         return None
     modules = dict(model.named_modules())
     keep = inside_repeated_blocks(model)

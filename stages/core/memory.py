@@ -435,11 +435,11 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     # files are bf16 safetensors (then mapped pages: bench/fp8.md); fp8 streams a folder's shards whose keys
     # are the model's (fp8.streams, the loader's own test), else reads the base whole in bf16 first
     from stages.core.fp8 import streams
-    from stages.core.model_source import stored_as_bf16
+    from stages.core.model_source import stored_as_bf16, stored_dtypes
 
-    files, bf16_gb = src.weight_files(family.denoiser_components[0]), weight_bytes(model, "bf16") / GB
-    read_gb = 0.0 if files and stored_as_bf16(files) else bf16_gb
-    fp8_host_gb = 0.0 if streams(model, files) else bf16_gb
+    stored, bf16_gb = stored_dtypes(src.weight_files(family.denoiser_components[0])), weight_bytes(model, "bf16") / GB
+    read_gb = 0.0 if stored_as_bf16(stored) else bf16_gb
+    fp8_host_gb = 0.0 if streams(model, stored) else bf16_gb
     precisions, fp8_left_out, fp8_first = _base_precisions(tcfg, family, fp8_host_gb, tokens)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
     if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
@@ -452,7 +452,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # activations outside the blocks
     outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side * 16 / 512) ** 2) * GB
     # the un-checkpointed blocks are the last ones (trainer: blocks[checkpointed:])
-    saved = [getattr(family, "block_saved_units", {}).get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
+    own_units = getattr(family, "block_saved_units", {})
+    saved = [own_units.get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
     activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
                                                          + sum(saved[checkpointed:]) + BLOCK_WORK_UNITS)
     options = _train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get))

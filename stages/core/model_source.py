@@ -205,20 +205,27 @@ class ModelSource:
         return f"local:{h.hexdigest()[:16]}"
 
 
-def stored_as_bf16(files: list[Path]) -> bool:
-    """Whether every floating tensor in these safetensors files (`ModelSource.weight_files`) is stored
-    as bf16 (their headers read, no data): then a bf16 load reads them as mapped file pages, which the
-    kernel can drop and read again, not as a copy in host memory (bench/fp8.md "Loading an fp8 base")."""
+def stored_dtypes(files: list[Path] | None) -> dict[str, str]:
+    """Each tensor's stored dtype ("BF16", "F32", ...) by key, from the headers of these safetensors files
+    (`ModelSource.weight_files`; no data read); {} for no files or an unreadable header. The train planner
+    reads them once for both questions it asks of a denoiser's files (`stored_as_bf16`, `fp8.streams`)."""
     from safetensors import safe_open
 
-    dtypes: set[str] = set()
+    dtypes: dict[str, str] = {}
     try:
-        for f in files:
+        for f in files or []:
             with safe_open(str(f), framework="pt") as h:
-                dtypes.update(h.get_slice(k).get_dtype() for k in h.keys())
-    except Exception:  # noqa: BLE001 - an unreadable header: assume the load copies
-        return False
-    return bool(dtypes) and {d for d in dtypes if d.startswith(("F", "BF"))} == {"BF16"}
+                dtypes.update((k, h.get_slice(k).get_dtype()) for k in h.keys())
+    except Exception:  # noqa: BLE001 - an unreadable header: the callers assume a copy, and no stream
+        return {}
+    return dtypes
+
+
+def stored_as_bf16(dtypes: dict[str, str]) -> bool:
+    """Whether every floating tensor of these files (`stored_dtypes`) is stored as bf16: then a bf16 load
+    reads them as mapped file pages, which the kernel can drop and read again, not as a copy in host
+    memory (bench/fp8.md "Loading an fp8 base")."""
+    return bool(dtypes) and {d for d in dtypes.values() if d.startswith(("F", "BF"))} == {"BF16"}
 
 
 def model_source(cfg: Any) -> ModelSource:
