@@ -383,13 +383,13 @@ class Runner:
         names = [f"bench-{fam}-{r}{suffix}" for r in (512, 1024)]
         if suffix and not getattr(get_family(fam), "text_sees_controls", False):
             names += [f"bench-{fam}-{r}" for r in (512, 1024)]
-        return next((self.run_dir(n) / "captions.zarr" for n in names
-                     if n != run and (self.run_dir(n) / "captions.zarr" / "manifest.json").exists()), None)
+        return next((stage_manifest(self.run_dir(n), "encode").parent for n in names
+                     if n != run and stage_manifest(self.run_dir(n), "encode").exists()), None)
 
     def copy_captions(self, fam: str, run: str) -> None:
-        caps, donor = self.run_dir(run) / "captions.zarr", self.caption_donor(fam, run)
-        if not (caps / "manifest.json").exists() and donor is not None:
-            shutil.copytree(donor, caps, dirs_exist_ok=True)
+        caps, donor = stage_manifest(self.run_dir(run), "encode"), self.caption_donor(fam, run)
+        if not caps.exists() and donor is not None:
+            shutil.copytree(donor, caps.parent, dirs_exist_ok=True)
 
     def ensure_caches(self, fam: str, item: Item, items: list[Item]) -> None:
         run = run_name(fam, item)
@@ -399,9 +399,9 @@ class Runner:
         if run in self.broken:
             raise RuntimeError(f"the caches of run {run} could not be built (see the encode/latents rows)")
         self.broken.add(run)
-        caps = self.run_dir(run) / "captions.zarr"
+        caps = stage_manifest(self.run_dir(run), "encode")
         for it in items:  # caches missing (a failed or cold earlier call): build them, recorded as a rerun
-            if it.kind == "encode" and not it.run and not (caps / "manifest.json").exists():
+            if it.kind == "encode" and not it.run and not caps.exists():
                 self.execute(fam, Item(it.id + "#rerun", "encode", item.res, it.sets, it.env, it.est_s, run,
                                        item.controls))
             if it.kind == "latents" and run_name(fam, it) == run:
