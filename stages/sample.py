@@ -196,9 +196,8 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
     from stages.families import get_family
 
     s = cfg.sample
-    kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil"}
-    if s.guidance_scale >= 0:
-        kwargs["guidance_scale"] = s.guidance_scale
+    kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil",
+                              **guidance_kwargs(pipe, s.guidance_scale)}
     family = get_family(cfg.family)
     images = []
     for r, prompt in enumerate(prompts):
@@ -210,6 +209,30 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
                                    **extra).images[0])
             bar.advance(1)
     return images
+
+
+def step_distilled(pipe: Any) -> bool:
+    """The pipeline is step-distilled (`is_distilled` in its model_index.json: FLUX.2 klein 4B/9B), so it
+    ignores guidance, and logs so for every image it is handed a scale above 1, its own default 4.0
+    included."""
+    return bool(getattr(pipe.config, "is_distilled", False))
+
+
+def guidance_kwargs(pipe: Any, scale: float) -> dict[str, float]:
+    """The pipeline call's guidance_scale: `sample.guidance_scale` where set (>= 0), else the pipeline's
+    default; 1.0 for a step-distilled pipeline, which renders the same image at any scale (its
+    `do_classifier_free_guidance` is false), without the per-image notice (`guidance_note` says it once)."""
+    if step_distilled(pipe):
+        return {"guidance_scale": 1.0}
+    return {"guidance_scale": scale} if scale >= 0 else {}
+
+
+def guidance_note(pipe: Any, scale: float) -> str | None:
+    """The stage's one warning when the user set a guidance scale a step-distilled pipeline ignores."""
+    if step_distilled(pipe) and scale > 1.0:
+        return (f"sample.guidance_scale = {scale:g} is ignored: {type(pipe).__name__} is step-distilled "
+                "(is_distilled in model_index.json) and samples without guidance")
+    return None
 
 
 def load_controls(cfg: Any, rows: Rows) -> list[list[Any]] | None:
@@ -274,6 +297,8 @@ def run(cfg: Any) -> dict[str, Any]:
         with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
             pipe, rt = load_pipeline(cfg, ctx.log)
+            if note := guidance_note(pipe, cfg.sample.guidance_scale):
+                ctx.log.emit("warning", message=note)
             reset_peak(rt)
             controls = load_controls(cfg, edits)
             labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, controls)

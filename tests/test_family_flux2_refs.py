@@ -265,3 +265,39 @@ def test_sample_grid_passes_the_references(ref_run, tmp_path):
     base = np.asarray(grid.crop((200 + cell + 4, 28, 200 + 2 * cell + 4, 28 + cell)))[::scale, ::scale]
     assert np.array_equal(base, np.asarray(direct.convert("RGB")))
     assert not np.array_equal(base, np.asarray(text_only.convert("RGB")))
+
+
+@KLEIN
+def test_a_step_distilled_pipeline_samples_without_a_notice_per_image(ref_run, tmp_path):
+    """klein's pipeline is step-distilled: it ignores guidance, and logs so for every image handed a scale
+    above 1, its own default 4.0 included (13 lines in the klein demo). The stage hands it 1.0 (the same
+    image: test_sample_grid_passes_the_references compares the grid with the pipeline at its default)
+    and says once when `sample.guidance_scale` is set above 1."""
+    import json
+    import logging
+
+    class Lines(logging.Handler):  # diffusers' own handler writes to the stderr it found at import
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    seen, said = Lines(), {}
+    logging.getLogger("diffusers").addHandler(seen)
+    try:
+        for scale in (-1.0, 4.0):
+            root = tmp_path / f"g{scale:g}"
+            shutil.copytree(ref_run.run_dir, root / ref_run.run, ignore=shutil.ignore_patterns(".*.lock", "events.jsonl"))
+            cfg = dataclasses.replace(ref_run, artifacts=str(root), sample=SampleConfig(
+                seeds=[0, 1], steps=2, width=64, height=64, guidance_scale=scale))
+            sample.run(cfg)
+            said[scale] = [e["message"] for e in map(json.loads, (cfg.run_dir / "events.jsonl").read_text().splitlines())
+                           if e["event"] == "warning"]
+    finally:
+        logging.getLogger("diffusers").removeHandler(seen)
+    assert not [line for line in seen.lines if "Guidance scale" in line]
+    assert said[-1.0] == [] and said[4.0] == [
+        "sample.guidance_scale = 4 is ignored: Flux2KleinPipeline is step-distilled (is_distilled in "
+        "model_index.json) and samples without guidance"]
