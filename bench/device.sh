@@ -2,7 +2,9 @@
 # The benchmark on the 2 x H200 machine, in calls that each fit the 10-minute limit (issue 7 and 8).
 # Each call is `bash bench/device.sh <phase> <seconds>` with `.whl` carried (bash ../shared/device/wheels.sh
 # here first); results land in $OUT and in /tmp/lorapipe-keep, which later calls on the same warm
-# machine read with --skip-done. A cold machine rebuilds what it needs.
+# machine read with --skip-done. A cold machine rebuilds what it needs, and knows only what bench/results/
+# holds: copy a call's JSON there (bench/results/bench-<family>-<phase><letter>.json) before calling that
+# phase again, or a fresh machine measures the same rows again (O3c of 2026-12-02 repeated O3b's).
 #   A: FLUX on GPU 0 and Qwen-Image on GPU 1, side by side (one process per GPU)
 #   B: the nf4 1-vs-2-GPU FLUX run (both GPUs), then FLUX (cont.) on GPU 0 and Z-Image on GPU 1
 #   C: FLUX (cont.) on GPU 0, SDXL then Z-Image (cont.) on GPU 1
