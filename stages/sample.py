@@ -195,10 +195,9 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
 
     from stages.families import get_family
 
-    s = cfg.sample
+    s, family = cfg.sample, get_family(cfg.family)
     kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil",
-                              **guidance_kwargs(pipe, s.guidance_scale)}
-    family = get_family(cfg.family)
+                              **guidance_kwargs(pipe, family, s.guidance_scale)}
     images = []
     for r, prompt in enumerate(prompts):
         extra = family.sample_image_kwargs(controls[r], size) if controls is not None else {}
@@ -211,25 +210,25 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
     return images
 
 
-def step_distilled(pipe: Any) -> bool:
-    """The pipeline is step-distilled (`is_distilled` in its model_index.json: FLUX.2 klein 4B/9B), so it
-    ignores guidance, and logs so for every image it is handed a scale above 1, its own default 4.0
-    included."""
-    return bool(getattr(pipe.config, "is_distilled", False))
+def ignores_guidance(pipe: Any, family: Any) -> bool:
+    """The pipeline is step-distilled (`is_distilled` in its model_index.json) and its family's pipeline
+    then turns guidance off (`distilled_ignores_guidance`: FLUX.2 klein 4B/9B); it logs so for every image
+    handed a scale above 1, its own default 4.0 included."""
+    return getattr(family, "distilled_ignores_guidance", False) and bool(getattr(pipe.config, "is_distilled", False))
 
 
-def guidance_kwargs(pipe: Any, scale: float) -> dict[str, float]:
+def guidance_kwargs(pipe: Any, family: Any, scale: float) -> dict[str, float]:
     """The pipeline call's guidance_scale: `sample.guidance_scale` where set (>= 0), else the pipeline's
-    default; 1.0 for a step-distilled pipeline, which renders the same image at any scale (its
-    `do_classifier_free_guidance` is false), without the per-image notice (`guidance_note` says it once)."""
-    if step_distilled(pipe):
+    default; 1.0 where the pipeline ignores guidance (the same image at any scale), without its notice
+    for every image (`guidance_note` says it once)."""
+    if ignores_guidance(pipe, family):
         return {"guidance_scale": 1.0}
     return {"guidance_scale": scale} if scale >= 0 else {}
 
 
-def guidance_note(pipe: Any, scale: float) -> str | None:
-    """The stage's one warning when the user set a guidance scale a step-distilled pipeline ignores."""
-    if step_distilled(pipe) and scale > 1.0:
+def guidance_note(pipe: Any, family: Any, scale: float) -> str | None:
+    """The stage's one warning when the user set a guidance scale the pipeline ignores."""
+    if ignores_guidance(pipe, family) and scale > 1.0:
         return (f"sample.guidance_scale = {scale:g} is ignored: {type(pipe).__name__} is step-distilled "
                 "(is_distilled in model_index.json) and samples without guidance")
     return None
@@ -286,6 +285,7 @@ def edit_errors(pipe: Any, cfg: Any, labels: list[str], decoded: list[Any], targ
 def run(cfg: Any) -> dict[str, Any]:
     from stages.core.runtime import install_model_trace, peak_vram_gb, reset_peak
     from stages.core.stage import running_stage
+    from stages.families import get_family
 
     install_model_trace(NAME)
     planned = planned_rows(cfg)
@@ -297,7 +297,7 @@ def run(cfg: Any) -> dict[str, Any]:
         with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
             pipe, rt = load_pipeline(cfg, ctx.log)
-            if note := guidance_note(pipe, cfg.sample.guidance_scale):
+            if note := guidance_note(pipe, get_family(cfg.family), cfg.sample.guidance_scale):
                 ctx.log.emit("warning", message=note)
             reset_peak(rt)
             controls = load_controls(cfg, edits)

@@ -301,3 +301,20 @@ def test_a_step_distilled_pipeline_samples_without_a_notice_per_image(ref_run, t
     assert said[-1.0] == [] and said[4.0] == [
         "sample.guidance_scale = 4 is ignored: Flux2KleinPipeline is step-distilled (is_distilled in "
         "model_index.json) and samples without guidance"]
+
+
+def test_only_a_pipeline_that_drops_guidance_when_distilled_loses_the_scale():
+    """Krea 2's Turbo pipeline is `is_distilled` too but still guides (guidance_scale > 0): it keeps the
+    user's scale, or its own default; klein's base (not distilled) guides as asked."""
+    from types import SimpleNamespace
+
+    def pipe(distilled):  # the flag as the pipelines register it from model_index.json
+        return SimpleNamespace(config=SimpleNamespace(is_distilled=distilled))
+
+    klein, krea2 = get_family("flux2-klein"), get_family("krea2")
+    assert sample.guidance_kwargs(pipe(True), klein, 4.5) == {"guidance_scale": 1.0}
+    assert sample.guidance_kwargs(pipe(True), klein, -1.0) == {"guidance_scale": 1.0}
+    assert sample.guidance_kwargs(pipe(False), klein, 4.5) == {"guidance_scale": 4.5}
+    assert sample.guidance_kwargs(pipe(True), krea2, 4.5) == {"guidance_scale": 4.5}
+    assert sample.guidance_kwargs(pipe(True), krea2, -1.0) == {}
+    assert sample.guidance_note(pipe(True), krea2, 4.5) is None

@@ -81,6 +81,9 @@ class Family(Protocol):
     # optional: text_offload_components (tuple[str, ...]), text encoders loaded through
     # `text_encoders.load_text_model`, whose layers encode-captions may offload to CPU memory when
     # not even nf4 fits its budget (default none: the planner never offloads)
+    # optional: distilled_ignores_guidance (bool, default False): the family's pipeline turns guidance off
+    # when its model_index.json says `is_distilled` (FLUX.2 klein; Krea 2's Turbo still guides), so `sample`
+    # hands it 1.0, the same image without the pipeline's notice for every image (stages/sample.py)
 
     # Edit families (flux-kontext, qwen-image-edit) and those with optional references (flux2-klein,
     # flux2) also define, and the others leave out:

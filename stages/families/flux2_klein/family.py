@@ -59,6 +59,8 @@ class Flux2Klein(Flux2DiT):
     text_component_classes = ("Qwen3Model",)
     text_components = ("tokenizer", "text_encoder")
     text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
+    # pipeline_flux2_klein.py: do_classifier_free_guidance = guidance_scale > 1 and not is_distilled
+    distilled_ignores_guidance = True
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> Flux2KleinTextEncoder:
