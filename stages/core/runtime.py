@@ -193,6 +193,8 @@ QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
     "transformers.modeling_utils": ("`torch_dtype` is deprecated",),
     # encode-captions tokenizes untruncated to count tokens, then truncates (and warns itself)
     "transformers.tokenization_utils_base": ("Token indices sequence length is longer",),
+    # Flux2Pipeline's own prompt encoding (sample) passes padding options to apply_chat_template as **kwargs
+    "transformers.processing_utils": ("Kwargs passed to `processor.__call__` have to be in `processor_kwargs`",),
     # an exported FLUX/SDXL LoRA trains only the denoiser, so the text encoders have no keys by design
     "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
     "diffusers.loaders.peft": ("No LoRA keys associated to",),
