@@ -267,14 +267,13 @@ def test_sample_grid_passes_the_references(ref_run, tmp_path):
     assert not np.array_equal(base, np.asarray(text_only.convert("RGB")))
 
 
-@BOTH
-def test_sample_shows_no_library_notices(ref_run, tmp_path):
-    """The sample stage's terminal carries no diffusers/transformers notice. Both were once there for every
-    image: klein's step-distilled pipeline logs that it ignores guidance whenever it is handed a scale
-    above 1, its own default 4.0 included (the stage hands it 1.0: the same image,
-    test_sample_grid_passes_the_references compares the grid with the pipeline at its default), and
-    Flux2Pipeline's prompt encoding passes apply_chat_template's options as **kwargs. For klein, a
-    `sample.guidance_scale` set above 1 is said once, by the stage."""
+@KLEIN
+def test_a_guidance_scale_klein_ignores_is_said_once(ref_run, tmp_path):
+    """klein's step-distilled pipeline ignores guidance and logs so for every image handed a scale above
+    1, its own default 4.0 included. The stage hands it 1.0 (the same image:
+    test_sample_grid_passes_the_references compares the grid with the pipeline at its default), and a
+    `sample.guidance_scale` set above 1 is said once, by the stage, in a run with references
+    (tests/test_sample_quiet.py checks every family's base column for library notices)."""
     import json
     import logging
 
@@ -305,7 +304,7 @@ def test_sample_shows_no_library_notices(ref_run, tmp_path):
     assert seen.lines == []
     note = ("sample.guidance_scale = 4 is ignored: Flux2KleinPipeline is step-distilled (is_distilled in "
             "model_index.json) and samples without guidance")
-    assert said == {-1.0: [], 4.0: [note] if ref_run.family == "flux2-klein" else []}
+    assert said == {-1.0: [], 4.0: [note]}
 
 
 def test_only_a_pipeline_that_drops_guidance_when_distilled_loses_the_scale():
