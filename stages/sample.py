@@ -121,8 +121,24 @@ def check_settings(cfg: Any, prompts: list[str]) -> None:
     ] if bad]
     if not prompts:
         problems.append(f"no prompts: set sample.prompts, or give the dataset at '{cfg.data.path}' captions")
+    if s.steps == 1 and (terminal := _shift_terminal(cfg)) is not None:
+        problems.append(f"'sample.steps' = 1: the model's scheduler stretches its sigmas to shift_terminal = "
+                        f"{terminal:g} (scheduler/scheduler_config.json), which divides by zero at one step and "
+                        "renders NaN images (diffusers' FlowMatchEulerDiscreteScheduler); use 2 or more steps")
     if problems:
         raise UserError("sample: " + "; ".join(problems))
+
+
+def _shift_terminal(cfg: Any) -> float | None:
+    """The scheduler's `shift_terminal` (Qwen-Image, Qwen-Image-Edit-Plus: 0.02), None where it has none or
+    its config cannot be read here (the pipeline's load then says why)."""
+    from stages.core.errors import UserError
+
+    try:
+        value = model_source(cfg).component_config("scheduler", "scheduler_config.json").get("shift_terminal")
+    except UserError:
+        return None
+    return float(value) if value else None
 
 
 def chosen_checkpoints(cfg: Any) -> list[Path]:

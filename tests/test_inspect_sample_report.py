@@ -201,6 +201,20 @@ def test_sample_refuses_without_export_or_settings(run_copy):
         sample.run(sample_cfg(run_copy))
 
 
+def test_sample_refuses_one_step_where_the_scheduler_stretches_to_a_terminal(assets, demo_data, tmp_path):
+    """Qwen-Image's scheduler (shift_terminal 0.02) divides by zero at one step: NaN images. The stage
+    says so before loading anything; a scheduler without shift_terminal (FLUX.1) samples at one step."""
+    from conftest import make_cfg
+    from stages.core.stage import UserError
+
+    qwen = make_cfg("qwen-image", assets, demo_data, tmp_path, **{"sample.steps": 1})
+    with pytest.raises(UserError, match=r"'sample.steps' = 1: the model's scheduler stretches its sigmas to "
+                                        r"shift_terminal = 0.02 \(scheduler/scheduler_config.json\)"):
+        sample.check_settings(qwen, ["a prompt"])
+    sample.check_settings(dataclasses.replace(qwen, sample=SampleConfig(steps=2)), ["a prompt"])
+    sample.check_settings(make_cfg("flux", assets, demo_data, tmp_path, **{"sample.steps": 1}), ["a prompt"])
+
+
 @pytest.mark.slow
 @once
 def test_run_renders_samples_after_train(run_copy):
