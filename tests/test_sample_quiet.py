@@ -47,3 +47,35 @@ def test_sample_loads_and_renders_without_library_notices(family, assets, tmp_pa
             logger.removeHandler(seen)
     assert len(cells[-1]) == 1 and cells[-1][0].size == (64, 64)
     assert seen.lines == []
+
+
+def test_a_processor_that_needs_torchvision_is_a_clear_error(assets, demo_data, tmp_path):
+    """The released Qwen-Image 2.1 folder names Qwen3VLProcessor, whose video processor needs torchvision;
+    encode-captions reads only its text side, but the sample stage builds the whole pipeline. Without
+    torchvision that is one error naming the package and what does not need it, not an ImportError's
+    traceback. The tiny folder, its processor made the released one's classes."""
+    import importlib.util
+    import json
+    import shutil
+
+    from conftest import tiny_model
+    from stages.core.errors import ModelError
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed here: the released processor loads")
+    model = tmp_path / "qwen-image-2.1"
+    shutil.copytree(tiny_model(assets, FAMILIES["qwen-image-2.1"]), model)
+    index = json.loads((model / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen3VLProcessor"]
+    (model / "model_index.json").write_text(json.dumps(index))
+    config = json.loads((model / "processor" / "processor_config.json").read_text())
+    (model / "processor" / "processor_config.json").write_text(json.dumps({**config, "processor_class": "Qwen3VLProcessor"}))
+    (model / "processor" / "video_preprocessor_config.json").write_text(json.dumps(
+        {"video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor", "patch_size": 16,
+         "merge_size": 2, "temporal_patch_size": 2}))
+    cfg = make_cfg("qwen-image-2.1", assets, demo_data, tmp_path / "runs", model=str(model))
+    with pytest.raises(ModelError, match=r"cannot load the QwenImage21Pipeline of '.*qwen-image-2.1' \(the sample stage "
+                                         r"builds every component of the pipeline\): Qwen3VLVideoProcessor requires the "
+                                         r"Torchvision library .* train and export-lora do not need it; install the "
+                                         r"torchvision build that matches torch "):
+        sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))

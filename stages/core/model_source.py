@@ -136,6 +136,15 @@ class ModelSource:
             return cls.from_pretrained(str(self.path) if self.is_local else self.ref, **kwargs)
         except OSError as e:
             raise ModelError(f"cannot load the {cls.__name__} of '{self.ref}': {_offline_hint(self.ref, e)}") from e
+        except ImportError as e:  # a component's class needs a package the other stages never import
+            import torch
+
+            missing = " ".join(str(e).split()).split(". ")[0].rstrip(".") + "."  # its first sentence
+            hint = (f"install the torchvision build that matches torch {torch.__version__}"
+                    if "torchvision" in str(e).lower() else "install the package it names")
+            raise ModelError(f"cannot load the {cls.__name__} of '{self.ref}' (the sample stage builds every component "
+                             f"of the pipeline): {missing} encode-captions, cache-latents, train and export-lora do not "
+                             f"need it; {hint}, or leave sampling out (sample.after_train = false)") from e
 
     def component_config(self, subfolder: str, name: str = "config.json") -> dict[str, Any]:
         """A component's JSON config without loading weights (local folders or the hub cache)."""
