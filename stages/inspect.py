@@ -165,6 +165,13 @@ def channel_stats(mean: np.ndarray, logvar: np.ndarray, family: Any, norm: dict[
             "posterior_std": std.mean(1).tolist()}
 
 
+def control_fields(fields: list[str]) -> list[str]:
+    """The control images' posteriors a bucket stores beside its targets' (edit families and references:
+    `control_<k>_mean` / `_logvar`, cache_latents.py), as "control_<k>" in k order."""
+    names = {f[: -len("_mean")] for f in fields if f.startswith("control_") and f.endswith("_mean")}
+    return sorted(names, key=lambda name: int(name.rsplit("_", 1)[1]))
+
+
 def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
     from stages.families import get_family
 
@@ -183,7 +190,9 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
         ids, written = store.ids, store.written_mask()
         referenced = {i for i, v in index.items() if v["bucket"] == name}
         row_of = store.row_of()
-        checked, data, damaged = verified_rows(store, limit, ["mean", "logvar"])
+        controls = control_fields(store.fields)
+        parts = [f"{c}_{part}" for c in controls for part in ("mean", "logvar")]
+        checked, data, damaged = verified_rows(store, limit, ["mean", "logvar", *parts])
         if checked:
             means.append(data["mean"])
             logvars.append(data["logvar"])
@@ -195,6 +204,9 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
             "missing_rows": sorted(i for i in referenced if i not in row_of or not written[row_of[i]]),
             "damaged_rows": damaged,
             "mean": nonfinite(data["mean"]) if checked else {}, "logvar": nonfinite(data["logvar"]) if checked else {},
+            "controls": [{"name": c, "shape": list(store.group[f"{c}_mean"].shape[1:]),
+                          **{part: nonfinite(data[f"{c}_{part}"]) if checked else {} for part in ("mean", "logvar")}}
+                         for c in controls],
             "rows_checked": len(checked)}
     stats = None
     if means:  # buckets differ in h, w but share C: pool per channel over every checked pixel
@@ -419,6 +431,10 @@ def _render_captions(c: dict[str, Any], console: Any) -> None:
                       f"{len(rows)} rows ({', '.join(map(str, rows[:20]))}{' ...' if len(rows) > 20 else ''})")
 
 
+def _nonfinite(counts: dict[str, int]) -> str:
+    return f"{counts.get('nan', 0)}/{counts.get('inf', 0)}"
+
+
 def _render_latents(lat: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
@@ -431,15 +447,19 @@ def _render_latents(lat: dict[str, Any], console: Any) -> None:
     console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {each}, "
                   f"{len(lat['skipped'])} skipped, {len(lat['duplicates'])} duplicated, {_mb(lat['bytes_on_disk'])}; "
                   f"normalization {lat['normalization']}")
+    with_controls = any(b.get("controls") for b in lat["buckets"].values())
     t = Table("bucket WxH", "rows", "variants, C, h, w", "dtype (stored)", "orphaned", "missing", "damaged",
-              "NaN/Inf mean", "NaN/Inf logvar", "size", title="buckets")
+              "NaN/Inf mean", "NaN/Inf logvar", *(["controls (NaN/Inf)"] if with_controls else []),
+              "size", title="buckets")
     for name, b in lat["buckets"].items():
         if b.get("missing_store"):
-            t.add_row(name, "0", "[red]store missing[/red]", "", "", "", "", "", "", "")
+            t.add_row(name, "0", "[red]store missing[/red]", *[""] * (8 if with_controls else 7))
             continue
+        controls = ["; ".join(f"{c['shape']} ({_nonfinite(Counter(c['mean']) + Counter(c['logvar']))})"
+                              for c in b["controls"])]
         t.add_row(name, str(b["rows"]), str(b["shape"]), f"{b['dtype']} ({b['stored_dtype']})",
                   str(len(b["orphaned_rows"])), str(len(b["missing_rows"])), _damaged(b["damaged_rows"]),
-                  f"{b['mean'].get('nan', 0)}/{b['mean'].get('inf', 0)}", f"{b['logvar'].get('nan', 0)}/{b['logvar'].get('inf', 0)}",
+                  _nonfinite(b["mean"]), _nonfinite(b["logvar"]), *(controls if with_controls else []),
                   _mb(b["bytes_on_disk"]))
     console.print(t)
     s = lat["channel_stats"]

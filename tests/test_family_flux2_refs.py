@@ -322,3 +322,34 @@ def test_only_a_pipeline_that_drops_guidance_when_distilled_loses_the_scale():
     assert sample.guidance_kwargs(pipe(True), krea2, 4.5) == {"guidance_scale": 4.5}
     assert sample.guidance_kwargs(pipe(True), krea2, -1.0) == {}
     assert sample.guidance_note(pipe(True), krea2, 4.5) is None
+
+
+@KLEIN
+def test_inspect_checks_the_cached_references(ref_run, tmp_path):
+    """`inspect` reads the control (reference) posteriors a bucket stores beside its targets': their
+    shapes and NaN/Inf, and their checksums, so a damaged reference row is named like a damaged target."""
+    import numpy as np
+
+    from stages import inspect as inspect_stage
+    from stages.core.artifacts import read_json
+    from stages.core.rowstore import RowStore
+
+    shutil.copytree(ref_run.run_dir, tmp_path / ref_run.run, ignore=shutil.ignore_patterns(".*.lock"))
+    cfg = dataclasses.replace(ref_run, artifacts=str(tmp_path))
+    latents = cfg.run_dir / "latents.zarr"
+    index = read_json(latents / "manifest.json")["index"]
+    bucket = max(read_json(latents / "manifest.json")["buckets"], key=lambda b: sum(v["bucket"] == b for v in index.values()))
+    store = RowStore.open(latents / bucket, mode="a")
+    clean = inspect_stage.inspect_run(cfg.run_dir, cfg)["latents"]["buckets"][bucket]
+    assert clean["controls"] == [{"name": "control_0", "shape": list(store.group["control_0_mean"].shape[1:]),
+                                  "mean": {"nan": 0, "inf": 0}, "logvar": {"nan": 0, "inf": 0}}]
+    assert clean["damaged_rows"] == []
+
+    mean = store.read("control_0_mean", 0).copy()
+    mean[0, 0, 0, :3] = np.nan
+    store.write_row(0, {"control_0_mean": mean})  # NaN, with its checksum: read, counted
+    logvar = store.read("control_0_logvar", 1).copy()
+    store.group["control_0_logvar"][1] = logvar + 1.0  # bytes changed behind the checksum: damaged
+    rep = inspect_stage.inspect_run(cfg.run_dir, cfg)["latents"]["buckets"][bucket]
+    assert rep["controls"][0]["mean"]["nan"] == 3
+    assert rep["damaged_rows"] == [store.ids[1]]
