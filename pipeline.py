@@ -333,19 +333,22 @@ def stop_cmd(spec: RunSpec, no_save: bool) -> None:
     click.echo("\n".join(stopped))
 
 
-@cli.command("inspect", epilog=examples("inspect my-lora --json", "inspect my-lora --decode cat.png --variant 1"))
+@cli.command("inspect", epilog=examples("inspect my-lora --json", "inspect my-lora --decode cat.png --variant 1",
+                                       "inspect my-edit --decode cat.png --control 0"))
 @run_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--rows", type=click.IntRange(min=1), default=64, show_default=True,
               help="Rows read per store for statistics and NaN/Inf counts (evenly spaced).")
 @click.option("--decode", "item", metavar="ITEM", help="Decode a cached variant of ITEM (dataset key or image id).")
 @click.option("--variant", type=int, default=0, show_default=True, help="Which cached crop/flip variant to decode.")
+@click.option("--control", type=click.IntRange(min=0), default=None, metavar="K",
+              help="Decode the item's K-th control image (edit families, references) as cached for that variant.")
 @click.option("--sample", "draw", is_flag=True, help="Decode a posterior sample instead of the mean.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --sample draw.")
 @click.option("--out", type=click.Path(dir_okay=False), help="PNG to write (default artifacts/<run>/inspect/...).")
 @_guarded
-def inspect_cmd(spec: RunSpec, as_json: bool, rows: int, item: str | None, variant: int, draw: bool, seed: int,
-                out: str | None) -> None:
+def inspect_cmd(spec: RunSpec, as_json: bool, rows: int, item: str | None, variant: int, control: int | None,
+                draw: bool, seed: int, out: str | None) -> None:
     """Report every artifact of the run offline; or --decode one cached latent with the VAE alone.
     Uses the run's config.json unless --config names a preset."""
     from stages import inspect as inspect_stage
@@ -366,10 +369,12 @@ def inspect_cmd(spec: RunSpec, as_json: bool, rows: int, item: str | None, varia
         raise FileNotFoundError(f"run '{run_dir.name}' has no config.json beside its artifacts; pass --config")
     from stages.core.fsaccess import short_name
 
-    name = short_name(f"{Path(item).stem or item}-v{variant}", f"-{'sample' if draw else 'mean'}.png")
+    which = "" if control is None else f"-control{control}"
+    name = short_name(f"{Path(item).stem or item}{which}-v{variant}", f"-{'sample' if draw else 'mean'}.png")
     target = Path(out) if out else run_dir / "inspect" / name
-    path, info = inspect_stage.decode(cfg, item, variant, target, sample=draw, seed=seed)
-    click.echo(inspect_stage.to_json(info) if as_json else f"decoded {item} variant {variant} -> {path}: {describe_decoded(info)}")
+    path, info = inspect_stage.decode(cfg, item, variant, target, sample=draw, seed=seed, control=control)
+    what = item if control is None else f"{item}'s control {control}"
+    click.echo(inspect_stage.to_json(info) if as_json else f"decoded {what} variant {variant} -> {path}: {describe_decoded(info)}")
 
 
 def describe_decoded(info: dict[str, Any]) -> str:

@@ -308,8 +308,9 @@ def find_image(manifest: dict[str, Any], item: str) -> str:
                        f"known items: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}")
 
 
-def cached_variant(run_dir: Path, item: str, variant: int) -> dict[str, Any]:
-    """mean, logvar (C, h, w) and the crop/flip/size of one cached variant."""
+def cached_variant(run_dir: Path, item: str, variant: int, control: int | None = None) -> dict[str, Any]:
+    """mean, logvar (C, h, w) and the crop/flip/size of one cached variant: of the item's target, or
+    with `control` = k of its k-th control image (edit families, references), cached with that crop/flip."""
     path = run_dir / "latents.zarr"
     manifest = read_manifest(path)
     if manifest is None:
@@ -319,24 +320,32 @@ def cached_variant(run_dir: Path, item: str, variant: int) -> dict[str, Any]:
     if not 0 <= variant < manifest["variants"]:
         raise InspectError(f"variant {variant} does not exist: item '{item}' has variants 0..{manifest['variants'] - 1}")
     store = RowStore.open(path / where["bucket"])
-    row = where["row"]
-    return {"image_id": image_id, "bucket": where["bucket"], "mean": store.read("mean", (row, variant)),
-            "logvar": store.read("logvar", (row, variant)), "crop_top_left": store.read("crop_top_left", (row, variant)).tolist(),
+    row, field = where["row"], "" if control is None else f"control_{control}_"
+    if control is not None and f"{field}mean" not in store.fields:
+        have = control_fields(store.fields)
+        raise InspectError(f"item '{item}' has no cached control {control}: "
+                           + (f"its controls are 0..{len(have) - 1}" if have else "its run caches no control images"))
+    return {"image_id": image_id, "bucket": where["bucket"], "mean": store.read(f"{field}mean", (row, variant)),
+            "logvar": store.read(f"{field}logvar", (row, variant)), "control": control,
+            "crop_top_left": store.read("crop_top_left", (row, variant)).tolist(),
             "flip": bool(store.read("flip", (row, variant))), "original_size": store.read("original_size", row).tolist(),
             "family": manifest["family"]}
 
 
-def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, seed: int = 0) -> tuple[Path, dict[str, Any]]:
+def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, seed: int = 0,
+           control: int | None = None) -> tuple[Path, dict[str, Any]]:
     """Decode one cached variant to a PNG with the VAE alone (the cache holds raw posterior
-    latents, before the family's normalization, which is what `vae.decode` takes)."""
+    latents, before the family's normalization, which is what `vae.decode` takes); `control` = k:
+    the item's k-th control image as cached for that variant."""
     import torch
     from PIL import Image
 
     from stages.core.model_source import model_source
-    from stages.core.runtime import make_runtime
+    from stages.core.runtime import make_runtime, quiet_libraries
     from stages.families import get_family
 
-    info = cached_variant(cfg.run_dir, item, variant)
+    quiet_libraries()  # loads the VAE as a stage does: no library notices
+    info = cached_variant(cfg.run_dir, item, variant, control)
     z = torch.from_numpy(info["mean"].astype(np.float32))[None]
     if sample:
         eps = torch.randn(z.shape, generator=torch.Generator().manual_seed(seed))
@@ -355,7 +364,7 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
     image = ((pixels[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
     out.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image).save(out)
-    meta = {k: info[k] for k in ("image_id", "bucket", "crop_top_left", "flip", "original_size")}
+    meta = {k: info[k] for k in ("image_id", "bucket", "control", "crop_top_left", "flip", "original_size")}
     return out, {**meta, "variant": variant, "latent_shape": list(info["mean"].shape), "sampled": sample,
                  "size": list(Image.open(out).size)}
 

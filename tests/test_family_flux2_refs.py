@@ -353,3 +353,41 @@ def test_inspect_checks_the_cached_references(ref_run, tmp_path):
     rep = inspect_stage.inspect_run(cfg.run_dir, cfg)["latents"]["buckets"][bucket]
     assert rep["controls"][0]["mean"]["nan"] == 3
     assert rep["damaged_rows"] == [store.ids[1]]
+
+
+@KLEIN
+def test_inspect_decodes_a_cached_reference(ref_run, tmp_path):
+    """`inspect --decode ITEM --control K` decodes the item's K-th control as cached for that variant:
+    the VAE's image of that posterior mean, not the target's; a control the item lacks is named."""
+    import numpy as np
+    from click.testing import CliRunner
+    from PIL import Image
+
+    import pipeline
+    from stages import inspect as inspect_stage
+    from stages.core.artifacts import atomic_write_json, read_manifest
+    from stages.core.rowstore import RowStore
+
+    manifest = read_manifest(ref_run.run_dir / "latents.zarr")
+    key = sorted(manifest["items"])[0]
+    where = manifest["index"][manifest["items"][key]]
+    control, info = inspect_stage.decode(ref_run, key, 1, tmp_path / "control.png", control=0)
+    target, _ = inspect_stage.decode(ref_run, key, 1, tmp_path / "target.png")
+    cached = RowStore.open(ref_run.run_dir / "latents.zarr" / where["bucket"]).read("control_0_mean", (where["row"], 1))
+    assert info["control"] == 0 and info["latent_shape"] == list(cached.shape)
+    family, rt = get_family(ref_run.family), make_runtime("cpu", ref_run.latents.vae_precision)
+    vae = family.load_vae(ModelSource(ref_run.model), rt)
+    with torch.no_grad():
+        pixels = vae.decode(torch.from_numpy(cached.astype(np.float32))[None].to(vae.dtype)).sample
+    expected = ((pixels[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+    assert np.array_equal(np.asarray(Image.open(control)), expected)
+    assert not np.array_equal(np.asarray(Image.open(control)), np.asarray(Image.open(target)))
+    with pytest.raises(inspect_stage.InspectError, match=f"item '{key}' has no cached control 1: its controls are 0..0"):
+        inspect_stage.decode(ref_run, key, 0, tmp_path / "x.png", control=1)
+    shutil.copytree(ref_run.run_dir, tmp_path / ref_run.run, ignore=shutil.ignore_patterns(".*.lock"))
+    copy = dataclasses.replace(ref_run, artifacts=str(tmp_path))
+    atomic_write_json(copy.run_dir / "config.json", copy.to_dict())  # what `pipeline.py run` leaves
+    result = CliRunner().invoke(pipeline.cli, ["inspect", copy.run, "--artifacts", copy.artifacts,
+                                               "--decode", key, "--control", "0"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"decoded {key}'s control 0 variant 0 -> ")
