@@ -329,7 +329,8 @@ def run(cfg: Any) -> dict[str, Any]:
                                       settings=dataclasses.asdict(cfg.sample), grid_size=list(grid),
                                       fingerprint=fingerprint(parts), fingerprint_parts=parts, seconds=ctx.elapsed(),
                                       peak_vram_gb=peak_vram_gb(rt), **scores)
-        ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(labels), files=[str(out / GRID)],
+        rendered = [label for label in labels if label != "control"]  # an edit grid's first column is the input
+        ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(rendered), files=[str(out / GRID)],
                      **{k: v for k, v in scores.items() if k == "edit_closer_percent"})
         return manifest
 

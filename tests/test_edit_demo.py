@@ -8,6 +8,7 @@ demo's own models ("flux-kontext-edit", "qwen-image-edit-edit") and data, in-pro
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import diffusers
 import pytest
@@ -108,3 +109,7 @@ def test_after_the_demo_training_the_lora_applies_the_edit(demo_family, assets, 
     assert abs(errors["base"] - errors[edit_error.CONTROL]) < 0.01 * errors[edit_error.CONTROL], errors
     assert errors[final] < 0.7 * errors[edit_error.CONTROL], errors
     assert manifest["edit_closer_percent"] == edit_error.closer_percent(errors, final) > 30
+    done = [e for e in map(json.loads, (cfg.run_dir / "events.jsonl").read_text().splitlines())
+            if e["event"] == "done" and e["stage"] == "sample"]
+    rendered = [c for c in manifest["columns"] if c != "control"]  # the control column is the input, not rendered
+    assert manifest["columns"][0] == "control" and done[-1]["images"] == len(controls) * len(rendered)
