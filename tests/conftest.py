@@ -94,6 +94,29 @@ BUILT_MODELS: dict[str, dict[str, set[str]]] = {}
 
 
 @contextlib.contextmanager
+def library_lines():
+    """Collects what diffusers and transformers log at WARNING and above inside the block, as
+    "logger: message" lines (their own handlers write to the stderr they found at import, which the
+    test's capture does not see)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.name}: {record.getMessage()}")
+
+    handler, loggers = Collect(logging.WARNING), [logging.getLogger(n) for n in ("diffusers", "transformers")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
 def record_models():
     """Collects the class name of every diffusers/transformers model constructed inside the block
     (in-process, what LORAPIPE_TRACE_MODELS records for a child process)."""

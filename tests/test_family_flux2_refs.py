@@ -275,21 +275,11 @@ def test_a_guidance_scale_klein_ignores_is_said_once(ref_run, tmp_path):
     `sample.guidance_scale` set above 1 is said once, by the stage, in a run with references
     (tests/test_sample_quiet.py checks every family's base column for library notices)."""
     import json
-    import logging
 
-    class Lines(logging.Handler):  # the libraries' own handlers write to the stderr they found at import
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.lines = []
+    from conftest import library_lines
 
-        def emit(self, record):
-            self.lines.append(f"{record.name}: {record.getMessage()}")
-
-    seen, said = Lines(), {}
-    loggers = [logging.getLogger(name) for name in ("diffusers", "transformers")]
-    for logger in loggers:
-        logger.addHandler(seen)
-    try:
+    said = {}
+    with library_lines() as seen:
         for scale in (-1.0, 4.0):
             root = tmp_path / f"g{scale:g}"
             shutil.copytree(ref_run.run_dir, root / ref_run.run, ignore=shutil.ignore_patterns(".*.lock", "events.jsonl"))
@@ -298,10 +288,7 @@ def test_a_guidance_scale_klein_ignores_is_said_once(ref_run, tmp_path):
             sample.run(cfg)
             said[scale] = [e["message"] for e in map(json.loads, (cfg.run_dir / "events.jsonl").read_text().splitlines())
                            if e["event"] == "warning"]
-    finally:
-        for logger in loggers:
-            logger.removeHandler(seen)
-    assert seen.lines == []
+    assert seen == []
     note = ("sample.guidance_scale = 4 is ignored: Flux2KleinPipeline is step-distilled (is_distilled in "
             "model_index.json) and samples without guidance")
     assert said == {-1.0: [], 4.0: [note]}
