@@ -112,4 +112,4 @@ def test_after_the_demo_training_the_lora_applies_the_edit(demo_family, assets, 
     done = [e for e in map(json.loads, (cfg.run_dir / "events.jsonl").read_text().splitlines())
             if e["event"] == "done" and e["stage"] == "sample"]
     rendered = [c for c in manifest["columns"] if c != "control"]  # the control column is the input, not rendered
-    assert manifest["columns"][0] == "control" and done[-1]["images"] == len(controls) * len(rendered)
+    assert manifest["columns"][0] == "control" and done[-1]["images"] == len(sample.edit_rows(cfg)) * len(cfg.sample.seeds) * len(rendered)
