@@ -57,6 +57,12 @@ class Item:
     run: str = ""  # run name (default bench-<family>-<res>)
     controls: int | None = None  # control images per item in its dataset (None: the family's least, control_range[0])
 
+    def sibling(self, kind: str) -> str:
+        """The id of this item's row of another stage, same family and tag ("flux/export/nf4-512-b1" ->
+        "flux/train/nf4-512-b1" for "train")."""
+        fam, _, tag = self.id.split("/", 2)
+        return f"{fam}/{kind}/{tag}"
+
 
 def _train(fam: str, precision: str, res: int, batch: int, est: float, tag: str = "", **extra: Any) -> Item:
     env, run, controls = extra.pop("env", {}), extra.pop("run", ""), extra.pop("controls", None)
@@ -416,14 +422,14 @@ class Runner:
         O4 of 2026-12-02 lost their verify rows to this)."""
         if item.kind not in ("export", "verify"):
             return
-        rd, tag = self.run_dir(run_name(fam, item)), item.id.split("/", 2)[2]
+        rd = self.run_dir(run_name(fam, item))
         for kind in ("train", "export") if item.kind == "verify" else ("train",):
             marker = stage_manifest(rd, kind)
             if marker.exists():
                 continue
-            prior = next((it for it in items if it.id == f"{fam}/{kind}/{tag}"), None)
+            prior = next((it for it in items if it.id == item.sibling(kind)), None)
             if prior is None:
-                raise RuntimeError(f"{item.id} needs {marker}, and the plan has no {fam}/{kind}/{tag} to make it")
+                raise RuntimeError(f"{item.id} needs {marker}, and the plan has no {item.sibling(kind)} to make it")
             if item.id in self.notes:  # the export of the adapter `order` moved this item behind
                 self.notes[prior.id + "#rerun"] = self.notes[item.id]
             row = self.execute(fam, replace(prior, id=prior.id + "#rerun", res=item.res, run=run_name(fam, item),
@@ -490,8 +496,7 @@ class Runner:
         for item in list(todo):
             if item.kind not in ("export", "verify") or stage_manifest(self.run_dir(run_name(fam, item)), "train").exists():
                 continue
-            tag = item.id.split("/", 2)[2]
-            if any(it.id == f"{fam}/train/{tag}" for it in todo):
+            if any(it.id == item.sibling("train") for it in todo):
                 continue  # its own train runs in this call
             pos = todo.index(item)
             trains = [it for it in todo[pos + 1:] if it.kind == "train"]
@@ -501,8 +506,8 @@ class Runner:
             todo[pos] = replace(item, res=later.res, run=run_name(fam, later), controls=later.controls)  # that run's
             todo.insert(todo.index(later) + 1 + moved.get(later.id, 0), todo.pop(pos))
             moved[later.id] = moved.get(later.id, 0) + 1
-            self.notes[item.id] = (f"the adapter of {later.id}, trained just before in this call ({fam}/train/{tag} was "
-                                   f"measured by an earlier call, on another machine)")
+            self.notes[item.id] = (f"the adapter of {later.id}, trained just before in this call ({item.sibling('train')} "
+                                   f"was measured by an earlier call, on another machine)")
         return todo
 
     def run_family(self, fam: str) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from stages.core.errors import UserError
 from stages.core.artifacts import dir_bytes, read_json, read_manifest
 from stages.core.rowstore import DamagedRows, RowStore
+from stages.core.schema import control_count
 from stages.core.events import read_events
 
 STAGE_MODULES = ("encode_captions", "cache_latents", "train", "export_lora", "sample")
@@ -165,13 +166,6 @@ def channel_stats(mean: np.ndarray, logvar: np.ndarray, family: Any, norm: dict[
             "posterior_std": std.mean(1).tolist()}
 
 
-def control_fields(fields: list[str]) -> list[str]:
-    """The control images' posteriors a bucket stores beside its targets' (edit families and references:
-    `control_<k>_mean` / `_logvar`, cache_latents.py), as "control_<k>" in k order."""
-    names = {f[: -len("_mean")] for f in fields if f.startswith("control_") and f.endswith("_mean")}
-    return sorted(names, key=lambda name: int(name.rsplit("_", 1)[1]))
-
-
 def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
     from stages.families import get_family
 
@@ -190,7 +184,7 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
         ids, written = store.ids, store.written_mask()
         referenced = {i for i, v in index.items() if v["bucket"] == name}
         row_of = store.row_of()
-        controls = control_fields(store.fields)
+        controls = [f"control_{k}" for k in range(control_count(store.fields))]  # beside the targets' posteriors
         parts = [f"{c}_{part}" for c in controls for part in ("mean", "logvar")]
         checked, data, damaged = verified_rows(store, limit, ["mean", "logvar", *parts])
         if checked:
@@ -322,9 +316,9 @@ def cached_variant(run_dir: Path, item: str, variant: int, control: int | None =
     store = RowStore.open(path / where["bucket"])
     row, field = where["row"], "" if control is None else f"control_{control}_"
     if control is not None and f"{field}mean" not in store.fields:
-        have = control_fields(store.fields)
+        have = control_count(store.fields)
         raise InspectError(f"item '{item}' has no cached control {control}: "
-                           + (f"its controls are 0..{len(have) - 1}" if have else "its run caches no control images"))
+                           + (f"its controls are 0..{have - 1}" if have else "its run caches no control images"))
     return {"image_id": image_id, "bucket": where["bucket"], "mean": store.read(f"{field}mean", (row, variant)),
             "logvar": store.read(f"{field}logvar", (row, variant)), "control": control,
             "crop_top_left": store.read("crop_top_left", (row, variant)).tolist(),

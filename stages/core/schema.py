@@ -77,3 +77,9 @@ class Bucket(NamedTuple):
         if not (sep and width.isdigit() and height.isdigit()):
             raise ValueError(f"'{name}' is not a bucket name (WxH, e.g. 512x768)")
         return cls(int(width), int(height))
+
+
+def control_count(fields: list[str]) -> int:
+    """How many control images a latent store's rows hold (`control_<k>_mean` fields, k = 0..n-1, as
+    cache-latents writes them beside the target's `mean` and `logvar`)."""
+    return sum(1 for f in fields if f.startswith("control_") and f.endswith("_mean"))

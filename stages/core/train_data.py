@@ -21,7 +21,7 @@ from stages.core import dataset
 from stages.core.artifacts import ArtifactError
 from stages.core.errors import ConfigError
 from stages.core.rowstore import DamagedRows, RowStore
-from stages.core.schema import Bucket
+from stages.core.schema import Bucket, control_count
 from stages.families.base import BatchMeta
 
 
@@ -292,11 +292,6 @@ def loss_mask(masks: np.ndarray) -> torch.Tensor | None:
     if bool((masks == 1).all()):
         return None
     return torch.from_numpy(masks.astype(np.float32)).unsqueeze(1)
-
-
-def control_count(fields: list[str]) -> int:
-    """How many control images a latent store's rows hold (`control_<k>_mean` fields)."""
-    return sum(1 for f in fields if f.startswith("control_") and f.endswith("_mean"))
 
 
 def _verified(store: RowStore, row: int, key: str, stage: str) -> dict[str, np.ndarray]:
