@@ -373,6 +373,8 @@ class Runner:
                                     timeout=max(30.0, self.left())).returncode
             except subprocess.TimeoutExpired:
                 rc = -9
+            else:
+                rc = KILLED_FROM_OUTSIDE if rc == -9 else rc  # -9 stays the budget's: FLUX.2 dev's export read as cut off
         tail = log.read_text()[-2500:] if rc != 0 else ""
         return rc, round(time.time() - t, 2), tail
 
@@ -572,7 +574,12 @@ KILLED_AFTER_MANIFEST = "the process ended with rc {rc} (-9: the budget's timeou
                         "final manifest for all {steps} steps: the row is read from that manifest"
 
 
+KILLED_FROM_OUTSIDE = 137  # SIGKILL before the budget's deadline: the kernel's OOM killer, as a rule
+
+
 def _failed(rc: int) -> str:
+    if rc == KILLED_FROM_OUTSIDE:
+        return "killed (SIGKILL before the budget's deadline: out of host memory?)"
     return "cut off (budget)" if rc == -9 else "failed"
 
 

@@ -112,10 +112,13 @@ def meta_check(family: str, folder: Path) -> dict[str, Any]:
     import diffusers
 
     skeleton = build_module(family, denoiser_name(family), "meta")
-    verify.load_into(skeleton, getattr(diffusers, fam.pipeline_class), file, fam.lora_prefix, "diffusers")
+    weights = verify.load_into(skeleton, getattr(diffusers, fam.pipeline_class), file, fam.lora_prefix, "diffusers")
+    deltas = verify.delta_weights(skeleton, "diffusers", weights)  # what export --verify builds; computed when read
+    delta_gb = deltas.fp32_bytes() / 1e9
     loaded = [n for n, _ in skeleton.named_parameters() if ".diffusers." in n and ".lora_" in n]
     return {"family": family, "pipeline_class": fam.pipeline_class, "denoiser_params_b": round(
         sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e9, 3), "tensors_in_file": len(state),
+            "deltas_fp32_gb_if_held": round(delta_gb, 1),
             "lora_tensors_loaded": len(loaded), "targets": list(fam.default_lora_targets), "ok": len(loaded) == len(state),
             "checked_with": "stages.core.verify.load_into (missing/unexpected/shape) on a meta-device skeleton"}
 

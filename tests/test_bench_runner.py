@@ -54,3 +54,17 @@ def test_a_verify_item_checks_this_calls_adapter_or_rebuilds_its_own(tmp_path: P
         (f"{FAMILY}/train/nf4-512-b1#rerun", "ok"), (f"{FAMILY}/export/nf4-512-b1#rerun", "ok"),
         (f"{FAMILY}/verify/nf4-512-b1", "ok")]
     assert "note" not in rows[-1] and rows[-1]["summary"]["missing"] == [] and rows[-1]["summary"]["unexpected"] == []
+
+
+def test_a_child_killed_from_outside_is_not_read_as_cut_off_by_the_budget(tmp_path: Path) -> None:
+    """FLUX.2 dev's export was SIGKILLed by the host's OOM killer 30 s in and its rows said "cut off
+    (budget)" with minutes of budget left; only the budget's own timeout reads so."""
+    import sys
+
+    from bench.bench import _failed
+
+    runner = Runner(run_args(work=str(tmp_path / "w"), out=str(tmp_path / "o.json"), tiny=True, budget_s=600))
+    kill = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    rc, _, _ = runner.call(kill, {}, "killed")
+    assert _failed(rc).startswith("killed (SIGKILL before the budget's deadline")
+    assert _failed(-9) == "cut off (budget)"  # what call() returns when its timeout (the budget's) kills the child

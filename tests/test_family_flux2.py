@@ -130,7 +130,7 @@ def test_config_checks_and_nf4_refused_on_cpu(dev):
     assert "'data.bucket_step' = 33" in str(err.value)
     preset = load_config(ROOT / "configs" / "flux2.toml")
     assert config_errors(preset) == []
-    assert preset.captions.text_encoder_precision == "nf4" and preset.train.base_precision == "nf4"
+    assert preset.captions.text_encoder_precision == "nf4" and preset.train.base_precision == "auto"
     with pytest.raises(UserError, match="text_encoder_precision = 'nf4' needs a CUDA GPU"):
         _encoder(family, folder, 64, precision="nf4")
 

@@ -257,6 +257,20 @@ def test_verify_accepts_the_export(run_copy):
     assert summary == {"pytorch_lora_weights.safetensors": {"modules": len(state) // 2}}
 
 
+def test_verify_of_a_diffusers_file_alone_computes_no_delta(run_copy, monkeypatch):
+    """The deltas (B @ A, the size of the base layer in fp32) are only for comparing a kohya copy:
+    FLUX.2 dev's together are ~128 GB, and its export was killed for host memory computing them."""
+    from stages.core import verify
+    from stages.export_lora import artifact_dir, source_manifest
+
+    calls = []
+    real = verify._delta
+    monkeypatch.setattr(verify, "_delta", lambda a, b: calls.append(a.shape) or real(a, b))
+    _, manifest = source_manifest(run_copy)
+    summary = verify_export(run_copy, manifest, artifact_dir(run_copy) / "pytorch_lora_weights.safetensors")
+    assert summary["pytorch_lora_weights.safetensors"]["modules"] > 0 and calls == []
+
+
 def _rewrite(file: Path, edit) -> None:
     from safetensors.torch import load_file, save_file
     from safetensors import safe_open

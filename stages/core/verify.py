@@ -14,6 +14,7 @@ and a 12B FLUX checks in seconds. Fails on:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,14 +105,36 @@ def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str
     return weights
 
 
-def delta_weights(model: torch.nn.Module, adapter: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """module path -> B @ A * scale of one loaded adapter (what it adds to the base weight), with the
-    scale peft derived for each layer from the file (metadata alpha, kohya alphas or none)."""
+class Deltas(Mapping[str, torch.Tensor]):
+    """module path -> B @ A * scale of one loaded adapter (what it adds to the base weight), computed
+    when read and not kept: all of a full-size model's deltas at once are its base weights in fp32
+    (FLUX.2 dev: ~128 GB, which the 125 GB host of its benchmark could not hold)."""
+
+    def __init__(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        self._factors = factors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        a, b, scale = self._factors[name]
+        return _delta(a.float(), b.float()) * scale
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._factors)
+
+    def __len__(self) -> int:
+        return len(self._factors)
+
+    def fp32_bytes(self) -> int:
+        """What all the deltas would take held at once."""
+        return sum(a.shape[1:].numel() * b.shape[0] * 4 for a, b, _ in self._factors.values())
+
+
+def delta_weights(model: torch.nn.Module, adapter: str, weights: dict[str, torch.Tensor]) -> Deltas:
+    """The deltas of one loaded adapter, with the scale peft derived for each layer from the file
+    (metadata alpha, kohya alphas or none)."""
     from peft.tuners.lora import LoraLayer
 
-    return {name: _delta(weights[f"{name}.lora_A.weight"].float(), weights[f"{name}.lora_B.weight"].float())
-            * module.scaling[adapter]
-            for name, module in model.named_modules() if isinstance(module, LoraLayer) and adapter in module.lora_A}
+    return Deltas({name: (weights[f"{name}.lora_A.weight"], weights[f"{name}.lora_B.weight"], module.scaling[adapter])
+                   for name, module in model.named_modules() if isinstance(module, LoraLayer) and adapter in module.lora_A})
 
 
 def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -119,7 +142,7 @@ def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (b.flatten(1) @ a.flatten(1)).reshape(b.shape[0], *a.shape[1:])
 
 
-def compare_deltas(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor], file: Path,
+def compare_deltas(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], file: Path,
                    rtol: float = 1e-4) -> None:
     """The other file must hold every module of the reference with the same delta; extra modules
     are allowed only when their delta is zero (untrained members of a fused kohya layer)."""
@@ -130,7 +153,8 @@ def compare_deltas(reference: dict[str, torch.Tensor], other: dict[str, torch.Te
     extra = sorted(m for m in set(other) - set(reference) if other[m].abs().max() > 0)
     if extra:
         raise VerifyError(f"{file.name}: nonzero delta on module(s) the adapter never trained: {extra[:6]}")
-    for module, ref in reference.items():
+    for module in reference:
+        ref = reference[module]
         err = (other[module] - ref).abs().max().item()
         if err > rtol * max(ref.abs().max().item(), 1e-12):
             raise VerifyError(f"{file.name}: module '{module}' differs from the diffusers file by {err:.3g} "
@@ -154,7 +178,7 @@ def verify_export(cfg: Any, manifest: dict[str, Any], file: Path) -> dict[str, A
     return summary
 
 
-def _check_file(cfg: Any, pipeline_cls: Any, prefix: str, file: Path) -> dict[str, torch.Tensor]:
+def _check_file(cfg: Any, pipeline_cls: Any, prefix: str, file: Path) -> Deltas:
     from stages.core.model_source import model_source
 
     model = denoiser_skeleton(model_source(cfg), prefix)
