@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-CUDA_TESTS = ("test_trainer_paths.py", "test_runtime_flags.py", "test_fp8.py")  # their `cuda`-marked tests run in the bench
+CUDA_TESTS = ("test_trainer_paths.py", "test_runtime_flags.py", "test_fp8.py", "test_sample_memory.py")  # their `cuda`-marked tests run in the bench
 
 TRAIN_STEPS, WARMUP = 8, 3  # 3 steps excluded from samples/s (first step, graph capture, one replay)
 CAPTION_TOKENS = 77

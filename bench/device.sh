@@ -24,7 +24,9 @@
 #       is ~8 train items of 60-95 s; half a call got 2-3 of them); --keep leaves the built model in /dev/shm for
 #       a next call on the warm machine (without it K9 rebuilt FLUX, 59 s): call the same phase again to go on
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify, then
-#      bf16 (61.8 GB planned at 512 px b1: it fits the H200) and the rest of its plan; call it again to go on (--keep)
+#      bf16 (61.8 GB planned at 512 px b1: it fits the H200) and the rest of its plan; call it again to go on (--keep).
+#      2026-12-02 (fourteenth session, four calls): every train row; the export was SIGKILLed by the host's OOM killer
+#      (export --verify held 70 GB of fp32 deltas: fixed since), so what J has left is the export and its load check
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 #   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
 #   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)

@@ -344,7 +344,7 @@ def plan_table(families: str, budgets: str, res: str, work: str, sets: Sequence[
         model = config_only_model(fam, folder)
         for px in map(int, str(res).split(",")):
             for budget in budgets.split(","):
-                train = runner.stage_plans(fam, model, budget, px)[-1]
+                train = next(p for p in runner.stage_plans(fam, model, budget, px) if p["stage"] == "train")
                 settings = ", ".join(f"{k}={v}" for k, v in train["settings"].items() if k not in ("blocks", "host_gb"))
                 note = train["note"]
                 lines.append(f"| {fam} | {px} | {budget} | {settings} | {train['predicted_peak_gb']:.2f} | {note} |")

@@ -26,6 +26,7 @@ from typing import Any
 
 from stages import export_lora, train
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
+from stages.core.errors import ConfigError
 from stages.core.model_source import model_source
 
 NAME = "sample"
@@ -187,13 +188,19 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any]:
     from stages.core.runtime import make_runtime
     from stages.families import get_family
 
+    from stages.core import memory
+
     family = get_family(cfg.family)
     src = model_source(cfg)
     src.check(family.text_components + family.vae_components + family.denoiser_components)
+    cfg, _ = memory.plan_stage(cfg, family, NAME, log)  # on CUDA: bf16 or nf4, offloaded or not, to fit the budget
     rt = make_runtime(cfg.device, cfg.sample.precision)
+    if cfg.sample.precision == "nf4" and not rt.is_cuda:
+        raise ConfigError("sample.precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit); use 'auto' or 'fp32' on CPU")
     log.emit("loading", component="pipeline", **{"class": family.pipeline_class})
     t = time.time()
-    pipe = src.load_pipeline(getattr(diffusers, family.pipeline_class), torch_dtype=rt.dtype)
+    kwargs = {"quantization_config": nf4_config(family, src)} if cfg.sample.precision == "nf4" else {}
+    pipe = src.load_pipeline(getattr(diffusers, family.pipeline_class), torch_dtype=rt.dtype, **kwargs)
     if cfg.sample.cpu_offload and rt.is_cuda:
         pipe.enable_model_cpu_offload()
     else:
@@ -201,6 +208,17 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any]:
     pipe.set_progress_bar_config(disable=True)
     log.emit("loaded", component="pipeline", seconds=round(time.time() - t, 3))
     return pipe, rt
+
+
+def nf4_config(family: Any, src: Any) -> Any:
+    """The denoiser and the text encoders in bitsandbytes nf4 with bf16 compute (as train and encode-captions
+    load them), the VAE as it is: diffusers' and transformers' own 4-bit loaders, shard by shard."""
+    import torch
+    from diffusers.quantizers import PipelineQuantizationConfig
+
+    names = [c for c in family.text_components + family.denoiser_components if not c.startswith(("tokenizer", "processor"))]
+    return PipelineQuantizationConfig(quant_backend="bitsandbytes_4bit", components_to_quantize=names, quant_kwargs={
+        "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16})
 
 
 def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int], bar: Any,

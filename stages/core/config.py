@@ -264,10 +264,12 @@ class SampleConfig:
     """Also render every Nth kept checkpoint (lora/checkpoint-<step>) as its own column (0: final only)."""
     after_train: bool = False
     """`run` renders samples after export-lora (off: only `pipeline.py sample` does)."""
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """auto: bf16 on CUDA, fp32 on CPU."""
+    precision: Literal["auto", "fp32", "bf16", "nf4"] = "auto"
+    """auto: on CUDA bf16, or nf4 (denoiser and text encoders) where bf16 does not fit the budget even
+    offloaded; fp32 on CPU. nf4 needs CUDA."""
     cpu_offload: bool = False
-    """diffusers' enable_model_cpu_offload: one component on the GPU at a time (CUDA only)."""
+    """diffusers' enable_model_cpu_offload: one component on the GPU at a time (CUDA only); the memory
+    planner also turns it on where the pipeline does not fit the budget whole."""
 
 
 @dataclass

@@ -586,14 +586,68 @@ def _train_options(configured: bool | str, precisions: list[str], n: int,
     return whole + [(p, k, n) for p in (swap_order or precisions) if p != "fp8" for k in range(1, n + 1)]
 
 
-PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train}
+# ---- sample
+def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
+    """The components among `names` that are torch modules (not a tokenizer, processor or scheduler)."""
+    import importlib
+
+    index = src.component_config("", "model_index.json")
+    return [c for c in names if c in index and isinstance(index[c], list) and index[c][0]
+            and isinstance(cls := getattr(importlib.import_module(index[c][0]), index[c][1], None), type)
+            and issubclass(cls, torch.nn.Module)]
+
+
+CFG_BATCH = 2  # a guided step may run the denoiser on the prompt and the negative prompt together
+
+
+def plan_sample(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    """The whole pipeline the sample stage renders with: bf16 on the GPU, then bf16 under diffusers' model
+    CPU offload (one component on the GPU at a time), then the denoiser and text encoders in nf4 on the GPU
+    (bitsandbytes through diffusers' PipelineQuantizationConfig; the VAE stays bf16), then nf4 offloaded.
+    `sample.precision` other than "auto" fixes the precision, `sample.cpu_offload = true` the offload.
+    A bf16 pipeline is read into host memory before it reaches the GPU (an nf4 one shard by shard), so
+    bf16 is left out where its weights exceed the host memory available (FLUX.2 dev: 112.6 GB).
+    Activations are ESTIMATES, not measured: the denoiser's inference work at the sample size (the
+    text encoders' rule: BLOCK_WORK_UNITS per token and width, CFG_BATCH rows) and the VAE's decode of one
+    image (cache-latents' encode rule), the larger of the two, since they never run together."""
+    s = cfg.sample
+    models = {c: meta_component(src, c) for c in module_components(
+        src, family.text_components + family.vae_components + family.denoiser_components)}
+    names = list(models)
+    quantized = {c for c in names if c not in family.vae_components}  # what nf4 quantizes
+    width, height = s.width or cfg.data.resolution, s.height or cfg.data.resolution
+    tokens = (width // 16) * (height // 16) * (1 + _planned_controls(cfg, family)) + cfg.captions.max_sequence_length
+    work = {c: CFG_BATCH * tokens * _width(m) * 2 * BLOCK_WORK_UNITS for c, m in models.items() if c not in family.vae_components}
+    work.update({c: width * height * VAE_ELEMENTS_PER_PIXEL * 2 for c in family.vae_components})
+    fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # SDXL's ResNets (train's figure: an upper bound)
+    work[family.denoiser_components[0]] += (fixed_gb + per_sample_gb * CFG_BATCH * width * height / 512**2) * GB
+    precisions = ["bf16", "nf4"] if s.precision == "auto" else [s.precision]
+    offloads = [True] if s.cpu_offload else [False, True]
+    host, notes, candidates = host_available_bytes(), [], []
+    for precision in precisions:
+        sizes = {c: weight_bytes(m, precision if (precision != "nf4" or c in quantized) else "bf16")
+                 for c, m in models.items()}
+        if precision != "nf4" and host is not None and sum(sizes.values()) > host and len(precisions) > 1:
+            notes.append(f"{precision} left out: its {sum(sizes.values()) / GB:.1f} GB of weights exceed the "
+                         f"{host / GB:.1f} GB of host memory available")
+            continue
+        for offload in offloads:
+            peak = (max(sizes[c] + work[c] for c in models) if offload
+                    else sum(sizes.values()) + max(work.values()))
+            candidates.append(({"precision": precision, "cpu_offload": offload}, peak / GB))
+    plan = _fitting(budget, candidates, "sample", "lower sample.width and sample.height")
+    plan.note = "; ".join([*notes, plan.note] if plan.note else notes)
+    return plan
+
+
+PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "train": plan_train, "sample": plan_sample}
 
 
 def plan_for(cfg: Any, family: Any, src: Any, budget: Budget, stage: str) -> StagePlan:
     """The stage's plan. Under "auto" the cheap stages plan for the train stage's predicted peak
     when it is below the free memory, so they never set the run's memory (issue 16: on a free H200
     "auto" gave Qwen-Image's text encoder bf16 at 15.95 GB against train's 10.96 GB)."""
-    if budget.source == "auto" and stage != "train":
+    if budget.source == "auto" and stage in ("encode-captions", "cache-latents"):
         train = plan_train(cfg, family, src, budget)
         if train.fits and train.predicted_peak_gb * FRAGMENTATION < budget.gb:
             plan = PLANNERS[stage](cfg, family, src, Budget(round(train.predicted_peak_gb * FRAGMENTATION, 3), "auto"))
@@ -626,6 +680,7 @@ def unplanned(cfg: Any, stage: str, budget: Budget) -> StagePlan:
     settings = {"encode-captions": {"text_encoder_precision": cfg.captions.text_encoder_precision,
                                     "batch_size": cfg.captions.batch_size},
                 "cache-latents": {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
+                "sample": {"precision": cfg.sample.precision, "cpu_offload": cfg.sample.cpu_offload},
                 "train": {"base_precision": cfg.train.base_precision, "swapped_blocks": 0,
                           # "auto" without a budget: every block checkpointed (None: all of them)
                           "gradient_checkpointing": cfg.train.gradient_checkpointing is not False,
@@ -641,6 +696,9 @@ def with_plan(cfg: Any, plan: StagePlan) -> Any:
             cfg.captions, text_encoder_precision=s["text_encoder_precision"], batch_size=s["batch_size"]))
     if plan.stage == "cache-latents":
         return dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"]))
+    if plan.stage == "sample":
+        return dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
+                                                                   cpu_offload=s["cpu_offload"]))
     train = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
                                 gradient_checkpointing=s["gradient_checkpointing"])
     return dataclasses.replace(cfg, train=train)
@@ -823,6 +881,7 @@ SETTING_TO_CHANGE = {
     "cache-latents": "latents.vae_precision = 'bf16' or data.resolution",
     "train": ("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set train.cuda_graphs = 'off': "
               "capturing a graph takes memory of its own)"),
+    "sample": "sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true",
 }
 
 

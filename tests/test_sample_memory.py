@@ -1,0 +1,99 @@
+"""The sample stage's memory plan (stages/core/memory.py plan_sample): the whole pipeline, which is what
+the sample stage loads, in bf16 on the GPU, else bf16 under model CPU offload, else the denoiser and
+text encoders in nf4, else nf4 offloaded; the first that fits the budget. Before it, sample loaded
+the pipeline in bf16 whatever the GPU: FLUX.2 dev's is 112.6 GB, Qwen-Image's 57 GB.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_sample_memory.py
+
+The `cuda` test renders the tiny FLUX pipeline in nf4 (the bench's CUDA tests run it on the H200).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_cfg
+from stages import sample
+from stages.core import memory
+from stages.core.errors import ConfigError
+from stages.core.events import EventLog, read_events
+from stages.core.model_source import ModelSource
+from stages.families import get_family
+
+ORDER = [("bf16", False), ("bf16", True), ("nf4", False), ("nf4", True)]
+
+
+def _plan(cfg, gb: float) -> memory.StagePlan:
+    return memory.plan_for(cfg, get_family(cfg.family), ModelSource(cfg.model, cfg.revision), memory.Budget(gb, "cap"),
+                           "sample")
+
+
+def _choice(plan: memory.StagePlan) -> tuple[str, bool]:
+    return plan.settings["precision"], plan.settings["cpu_offload"]
+
+
+@pytest.fixture
+def cfg(assets, demo_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # this host's memory is not the plan's
+    return make_cfg("flux", assets, demo_data, tmp_path, **{"sample.width": 64, "sample.height": 64})
+
+
+def test_the_first_plan_that_fits_the_budget(cfg):
+    tried = _plan(cfg, 1e6).tried
+    assert [(t["precision"], t["cpu_offload"]) for t in tried] == ORDER
+    peaks = [t["predicted_peak_gb"] for t in tried]
+    assert peaks[0] == max(peaks) and peaks[3] == min(peaks) < peaks[0]
+    for peak in sorted(peaks, reverse=True):
+        budget = peak * memory.FRAGMENTATION * 1.001
+        plan = _plan(cfg, budget)
+        first = next(i for i, p in enumerate(peaks) if p * memory.FRAGMENTATION <= budget)
+        assert plan.fits and _choice(plan) == ORDER[first], budget
+    short = _plan(cfg, peaks[3] * memory.FRAGMENTATION * 0.9)
+    assert not short.fits and short.predicted_peak_gb == min(peaks) and short.settings["cpu_offload"]
+    assert "even the smallest sample plan needs" in short.note and "sample.width and sample.height" in short.note
+
+
+def test_a_configured_precision_or_offload_is_kept(cfg):
+    import dataclasses
+
+    def with_sample(**kw):
+        return dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, **kw))
+
+    tiny = 1e-9  # fits nothing: the smallest of the allowed plans comes back
+    assert [(t["precision"], t["cpu_offload"]) for t in _plan(with_sample(precision="bf16"), tiny).tried] == ORDER[:2]
+    assert [(t["precision"], t["cpu_offload"]) for t in _plan(with_sample(cpu_offload=True), 1e6).tried] == \
+        [ORDER[1], ORDER[3]]
+    assert _choice(_plan(with_sample(precision="fp32"), 1e6)) == ("fp32", False)
+
+
+def test_bf16_is_left_out_where_the_host_cannot_hold_it(cfg, monkeypatch):
+    """A bf16 pipeline is read into host memory before it reaches the GPU; nf4 loads shard by shard."""
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    plan = _plan(cfg, 1e6)
+    assert _choice(plan) == ("nf4", False) and [t["precision"] for t in plan.tried] == ["nf4", "nf4"]
+    assert plan.note.startswith("bf16 left out: its ") and "of host memory available" in plan.note
+
+
+def test_the_stage_loads_as_planned(cfg, monkeypatch):
+    """On a GPU budget (simulated) with a host that cannot hold the bf16 pipeline, load_pipeline asks for
+    nf4: on this CPU that is the clear refusal, which shows the plan reached the load."""
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(80.0, "cap"))
+    log = EventLog(cfg.run_dir, cfg.run, "sample")
+    with pytest.raises(ConfigError, match=r"sample.precision = 'nf4' needs a CUDA GPU"):
+        sample.load_pipeline(cfg, log)
+    plan = [e for e in read_events(cfg.run_dir) if e["event"] == "plan"][-1]
+    assert plan["stage"] == "sample" and plan["settings"] == {"precision": "nf4", "cpu_offload": False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="nf4 needs CUDA")
+def test_cuda_nf4_pipeline_renders(cfg):
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, device="cuda", sample=dataclasses.replace(
+        cfg.sample, precision="nf4", seeds=[0], steps=2, width=64, height=64))
+    pipe, _ = sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "sample", enabled=False))
+    assert type(pipe.transformer.transformer_blocks[0].attn.to_q).__name__ == "Linear4bit"
+    _, cells, _ = sample.render_columns(pipe, cfg, [], ["a red square"], (64, 64), None)
+    assert cells[0][0].size == (64, 64)
