@@ -27,6 +27,9 @@
 #      bf16 (61.8 GB planned at 512 px b1: it fits the H200) and the rest of its plan; call it again to go on (--keep).
 #      2026-12-02 (fourteenth session, four calls): every train row; the export was SIGKILLed by the host's OOM killer
 #      (export --verify held 70 GB of fp32 deltas: fixed since), so what J has left is the export and its load check
+#   SM: the sample stage's nf4 pipeline on CUDA (tests/test_sample_memory.py -k cuda: the tiny FLUX pipeline loaded
+#       with PipelineQuantizationConfig renders; fourteenth session, never run on a GPU), then J (FLUX.2 dev's export
+#       and its load check: what J has left)
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 #   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
 #   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)
@@ -136,6 +139,8 @@ case $phase in
   O3) shm_only flux-kontext; bench 0 flux-kontext O3 $(( $(left) - 25 )) --keep ;;
   O4) shm_only qwen-image-edit; bench 0 qwen-image-edit O4 $(( $(left) - 25 )) --keep ;;
   J) shm_only flux2; bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
+  SM) timeout 150 python3 -m pytest -q tests/test_sample_memory.py -k cuda > "$OUT/sample-cuda.log" 2>&1
+      tail -3 "$OUT/sample-cuda.log"; exec bash "$0" J $(( $(left) - 5 )) ;;
   K) timeout 120 python3 -m pytest -q -x tests/test_text_offload.py -k cuda > "$OUT/offload-cuda.log" 2>&1; tail -2 "$OUT/offload-cuda.log"
      bench 0 qwen-image K $(( $(left) - 30 )) --only 'qwen-image/train/fp8-1024-b1' --only 'qwen-image/train/bf16-1024-b1' ;;
   K3) w=(--work /tmp/lorapipe-bench-0 --keep)  # no --skip-done: bf16 beside fp8 in the same run

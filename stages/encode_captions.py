@@ -157,6 +157,7 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
             ctx.log.emit("loading", component="text encoders")
             state["encoder"] = family.load_text_encoder(model_source(cfg), cfg.captions, rt)
             ctx.log.emit("loaded", component="text encoders", seconds=ctx.elapsed())
+            state["template_tokens"] = template_tokens(family, state["encoder"], cfg.captions.max_sequence_length)
         batch_texts = [texts[c] for c in batch]
         with torch.no_grad():
             if getattr(family, "text_sees_controls", False):
@@ -185,7 +186,24 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
                  reopen=reopen, done_before=len(texts) - len(todo_ids), total=len(texts))
     truncated = {c: n for part in distributed.all_gather(state["truncated"], dist) for c, n in part.items()}
     state.pop("encoder")
-    return {"store": state["store"], "truncated": truncated, "rt": rt}
+    return {"store": state["store"], "truncated": truncated, "rt": rt, "template_tokens": state.get("template_tokens")}
+
+
+def template_tokens(family: Any, encoder: Any, max_length: int) -> int:
+    """The tokens the family's prompt template takes before any caption (an empty caption's count);
+    a ConfigError where they leave no room for the caption: every caption would be cut away whole and
+    the LoRA trained on the template alone (FLUX.2's template holds a 30-word system message before every
+    caption, and counts against the limit as the pipeline does)."""
+    from stages.core.errors import ConfigError
+
+    if getattr(family, "text_sees_controls", False):  # its counts are of the last encode's rows, controls included
+        return 0
+    n = encoder.token_counts([""])[0]
+    if n >= max_length:
+        raise ConfigError(f"captions.max_sequence_length = {max_length} leaves no token for the captions: "
+                          f"{family.name}'s prompt template alone takes {n}; raise it well above {n} (the "
+                          f"family's preset in configs/ has the pipeline's own value)")
+    return n
 
 
 def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str], encoded: dict[str, Any],
@@ -195,11 +213,13 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str],
 
     store, truncated = encoded["store"], encoded["truncated"]
     owners = row_owners(items)
+    template = encoded.get("template_tokens") or 0
+    with_template = f" with the prompt template ({template} of them)" if template > 2 else ""  # > BOS and EOS
     for cid, n in truncated.items():
         key = owners[cid]
         what, fix = (("the empty caption (caption dropout) of", "smaller control images") if texts[cid] == EMPTY_CAPTION
                      else ("caption of", "shorten it"))
-        ctx.log.emit("warning", message=f"{what} '{key}' has {n} tokens; truncated to "
+        ctx.log.emit("warning", message=f"{what} '{key}' has {n} tokens{with_template}; truncated to "
                      f"{cfg.captions.max_sequence_length}, the rest is ignored: {fix} or raise "
                      f"captions.max_sequence_length", item=key)
     assert store is not None

@@ -171,3 +171,36 @@ def test_legacy_processor_chat_template_file_is_read(dev, tmp_path):
     rows = _encoder(family, copy, 40).encode(CAPTIONS)["prompt_embeds"]
     torch.testing.assert_close(rows, pipe.encode_prompt(list(CAPTIONS), device="cpu", max_sequence_length=40)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_length_the_system_message_fills_is_refused_and_truncation_names_the_template(assets, demo_data, tmp_path):
+    """FLUX.2 dev's prompt template (BFL's 30-word system message) comes before the caption and counts
+    against captions.max_sequence_length, as in the pipeline. Where it leaves no room, encode-captions
+    refuses before writing a row; a truncation warning says how many of the tokens are the template's."""
+    import json
+    import shutil
+
+    from conftest import make_cfg
+    from stages import encode_captions
+
+    family = get_family(NAME)
+    encoder = family.load_text_encoder(ModelSource(str(tiny_model(assets, FAMILIES[NAME]))), CaptionsConfig(),
+                                       make_runtime("cpu", "fp32"))
+    template = encoder.token_counts([""])[0]
+    assert template > 2
+    cfg = make_cfg(NAME, assets, demo_data, tmp_path / "a", **{"captions.max_sequence_length": template})
+    with pytest.raises(ConfigError, match=rf"captions.max_sequence_length = {template} leaves no token for the "
+                                          rf"captions: flux2's prompt template alone takes {template}; raise it"):
+        encode_captions.run(cfg)
+    assert not (cfg.run_dir / "captions.zarr").exists()
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    first = sorted(data.glob("*.txt"))[0]
+    first.write_text("a large blue square at the top left " * 4)
+    cfg = make_cfg(NAME, assets, data, tmp_path / "b", **{"captions.max_sequence_length": template + 8})
+    encode_captions.run(cfg)
+    warnings = [e["message"] for e in map(json.loads, (cfg.run_dir / "events.jsonl").read_text().splitlines())
+                if e["event"] == "warning"]
+    assert any(m.startswith(f"caption of '{first.with_suffix('.png').name}' has ")
+               and f"tokens with the prompt template ({template} of them); truncated to {template + 8}" in m
+               for m in warnings), warnings
