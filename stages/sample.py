@@ -180,20 +180,21 @@ def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
     return out
 
 
-def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any]:
+def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(pipeline, runtime, the memory plan's settings: precision and cpu_offload as loaded)."""
     import time
 
     import diffusers
-
-    from stages.core.runtime import make_runtime
-    from stages.families import get_family
+    import torch
 
     from stages.core import memory
+    from stages.core.runtime import make_runtime
+    from stages.families import get_family
 
     family = get_family(cfg.family)
     src = model_source(cfg)
     src.check(family.text_components + family.vae_components + family.denoiser_components)
-    cfg, _ = memory.plan_stage(cfg, family, NAME, log)  # on CUDA: bf16 or nf4, offloaded or not, to fit the budget
+    cfg, plan = memory.plan_stage(cfg, family, NAME, log)  # on CUDA: bf16 or nf4, offloaded or not, to fit the budget
     rt = make_runtime(cfg.device, cfg.sample.precision)
     if cfg.sample.precision == "nf4" and not rt.is_cuda:
         raise ConfigError("sample.precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit); use 'auto' or 'fp32' on CPU")
@@ -207,7 +208,9 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any]:
         pipe.to(rt.device)
     pipe.set_progress_bar_config(disable=True)
     log.emit("loaded", component="pipeline", seconds=round(time.time() - t, 3))
-    return pipe, rt
+    dense = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(rt.dtype, str(rt.dtype))
+    return pipe, rt, {"precision": "nf4" if cfg.sample.precision == "nf4" else dense,
+                      "cpu_offload": bool(cfg.sample.cpu_offload and rt.is_cuda), "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}
 
 
 def nf4_config(family: Any, src: Any) -> Any:
@@ -330,7 +333,7 @@ def run(cfg: Any) -> dict[str, Any]:
         out = artifact_dir(cfg)
         with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
-            pipe, rt = load_pipeline(cfg, ctx.log)
+            pipe, rt, loaded_as = load_pipeline(cfg, ctx.log)
             if note := guidance_note(pipe, get_family(cfg.family), cfg.sample.guidance_scale):
                 ctx.log.emit("warning", message=note)
             reset_peak(rt)
@@ -344,7 +347,7 @@ def run(cfg: Any) -> dict[str, Any]:
                          **{k: v for k, v in scores.items() if k != "edit_summary"})
             manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=[GRID], columns=labels,
                                       prompts=prompts, seeds=list(cfg.sample.seeds), size=list(size),
-                                      settings=dataclasses.asdict(cfg.sample), grid_size=list(grid),
+                                      settings=dataclasses.asdict(cfg.sample), loaded_as=loaded_as, grid_size=list(grid),
                                       fingerprint=fingerprint(parts), fingerprint_parts=parts, seconds=ctx.elapsed(),
                                       peak_vram_gb=peak_vram_gb(rt), **scores)
         rendered = [label for label in labels if label != "control"]  # an edit grid's first column is the input

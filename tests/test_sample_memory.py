@@ -93,7 +93,7 @@ def test_cuda_nf4_pipeline_renders(cfg):
 
     cfg = dataclasses.replace(cfg, device="cuda", sample=dataclasses.replace(
         cfg.sample, precision="nf4", seeds=[0], steps=2, width=64, height=64))
-    pipe, _ = sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "sample", enabled=False))
+    pipe, _, _ = sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "sample", enabled=False))
     assert type(pipe.transformer.transformer_blocks[0].attn.to_q).__name__ == "Linear4bit"
     _, cells, _ = sample.render_columns(pipe, cfg, [], ["a red square"], (64, 64), None)
     assert cells[0][0].size == (64, 64)

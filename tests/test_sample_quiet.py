@@ -21,11 +21,12 @@ def test_sample_loads_and_renders_without_library_notices(family, assets, tmp_pa
     rows, prompts, _ = sample.planned_rows(cfg)
     quiet_libraries()  # as every stage does first (install_model_trace)
     with library_lines() as seen:
-        pipe, _ = sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
+        pipe, _, loaded_as = sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
         controls = sample.load_controls(cfg, rows[:1] if rows else rows)
         _, cells, _ = sample.render_columns(pipe, cfg, [], prompts[:1], (64, 64), controls)
     assert len(cells[-1]) == 1 and cells[-1][0].size == (64, 64)
     assert seen == []
+    assert loaded_as == {"precision": "fp32", "cpu_offload": False, "predicted_peak_gb": 0.0}  # CPU: no plan, as configured
 
 
 def test_a_processor_that_needs_torchvision_is_a_clear_error(assets, demo_data, tmp_path):
