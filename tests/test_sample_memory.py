@@ -87,6 +87,14 @@ def test_the_stage_loads_as_planned(cfg, monkeypatch):
     assert plan["stage"] == "sample" and plan["settings"] == {"precision": "nf4", "cpu_offload": False}
 
 
+def test_nf4_quantizes_the_text_encoders_and_the_denoiser_only(assets, demo_data, tmp_path):
+    """Not the VAE, nor a tokenizer or scheduler (SDXL lists its scheduler among the denoiser's components)."""
+    cfg = make_cfg("sdxl", assets, demo_data, tmp_path)
+    quant = sample.nf4_config(get_family("sdxl"), ModelSource(cfg.model, cfg.revision))
+    assert quant.components_to_quantize == ["text_encoder", "text_encoder_2", "unet"]
+    assert quant.quant_kwargs["bnb_4bit_quant_type"] == "nf4" and quant.quant_kwargs["bnb_4bit_compute_dtype"] == torch.bfloat16
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="nf4 needs CUDA")
 def test_cuda_nf4_pipeline_renders(cfg):
     import dataclasses
