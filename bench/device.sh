@@ -27,9 +27,10 @@
 #      bf16 (61.8 GB planned at 512 px b1: it fits the H200) and the rest of its plan; call it again to go on (--keep).
 #      2026-12-02 (fourteenth session, four calls): every train row; the export was SIGKILLed by the host's OOM killer
 #      (export --verify held 70 GB of fp32 deltas: fixed since), so what J has left is the export and its load check
-#   SM: the sample stage's nf4 pipeline on CUDA (tests/test_sample_memory.py -k cuda: the tiny FLUX pipeline loaded
-#       with PipelineQuantizationConfig renders; fourteenth session, never run on a GPU), then J (FLUX.2 dev's export
-#       and its load check: what J has left)
+#   SM: the sample stage's memory plans on CUDA (tests/test_sample_memory.py -k cuda: the tiny FLUX pipeline loaded
+#       in nf4 through PipelineQuantizationConfig, in bf16 through device_map="cuda" and in bf16 offloaded, each
+#       rendering; fourteenth session, never run on a GPU), then J (FLUX.2 dev's export and its load check: what
+#       J has left)
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
 #   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
 #   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)

@@ -200,11 +200,15 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
         raise ConfigError("sample.precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit); use 'auto' or 'fp32' on CPU")
     log.emit("loading", component="pipeline", **{"class": family.pipeline_class})
     t = time.time()
-    kwargs = {"quantization_config": nf4_config(family, src)} if cfg.sample.precision == "nf4" else {}
+    kwargs: dict[str, Any] = {"quantization_config": nf4_config(family, src)} if cfg.sample.precision == "nf4" else {}
+    offload = cfg.sample.cpu_offload and rt.is_cuda
+    straight = rt.is_cuda and not offload and not src.is_single_file  # a single-file denoiser is read on the host first
+    if straight:  # each component read to the GPU shard by shard, never whole in host memory (memory.plan_sample)
+        kwargs["device_map"] = "cuda"
     pipe = src.load_pipeline(getattr(diffusers, family.pipeline_class), torch_dtype=rt.dtype, **kwargs)
-    if cfg.sample.cpu_offload and rt.is_cuda:
+    if offload:
         pipe.enable_model_cpu_offload()
-    else:
+    elif not straight:  # a device-mapped pipeline refuses .to()
         pipe.to(rt.device)
     pipe.set_progress_bar_config(disable=True)
     log.emit("loaded", component="pipeline", seconds=round(time.time() - t, 3))

@@ -67,19 +67,23 @@ def test_a_configured_precision_or_offload_is_kept(cfg):
     assert _choice(_plan(with_sample(precision="fp32"), 1e6)) == ("fp32", False)
 
 
-def test_bf16_is_left_out_where_the_host_cannot_hold_it(cfg, monkeypatch):
-    """A bf16 pipeline is read into host memory before it reaches the GPU; nf4 loads shard by shard."""
+def test_bf16_offload_is_left_out_where_the_host_cannot_hold_it(cfg, monkeypatch):
+    """An offloaded pipeline lives in host memory; one on the GPU whole is read there shard by shard."""
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
     plan = _plan(cfg, 1e6)
-    assert _choice(plan) == ("nf4", False) and [t["precision"] for t in plan.tried] == ["nf4", "nf4"]
-    assert plan.note.startswith("bf16 left out: its ") and "of host memory available" in plan.note
+    assert _choice(plan) == ("bf16", False)
+    assert [(t["precision"], t["cpu_offload"]) for t in plan.tried] == [ORDER[0], ORDER[2], ORDER[3]]
+    assert plan.note.startswith("bf16 offloaded left out: its ") and "of host memory available" in plan.note
 
 
 def test_the_stage_loads_as_planned(cfg, monkeypatch):
-    """On a GPU budget (simulated) with a host that cannot hold the bf16 pipeline, load_pipeline asks for
-    nf4: on this CPU that is the clear refusal, which shows the plan reached the load."""
+    """On a GPU budget (simulated) that bf16 does not fit whole, with a host that cannot hold it offloaded,
+    load_pipeline asks for nf4: on this CPU that is the clear refusal, which shows the plan reached the load."""
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
-    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(80.0, "cap"))
+    peaks = {(t["precision"], t["cpu_offload"]): t["predicted_peak_gb"] for t in _plan(cfg, 1e6).tried}
+    budget = peaks[("nf4", False)] * memory.FRAGMENTATION * 1.001
+    assert budget < peaks[("bf16", False)] * memory.FRAGMENTATION
+    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(budget, "cap"))
     log = EventLog(cfg.run_dir, cfg.run, "sample")
     with pytest.raises(ConfigError, match=r"sample.precision = 'nf4' needs a CUDA GPU"):
         sample.load_pipeline(cfg, log)
@@ -105,3 +109,20 @@ def test_cuda_nf4_pipeline_renders(cfg):
     assert type(pipe.transformer.transformer_blocks[0].attn.to_q).__name__ == "Linear4bit"
     _, cells, _ = sample.render_columns(pipe, cfg, [], ["a red square"], (64, 64), None)
     assert cells[0][0].size == (64, 64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_pipeline_loads_straight_to_the_gpu_and_offloaded(cfg):
+    """Whole: every component on the GPU through device_map (no .to() after); offloaded: on the host until used."""
+    import dataclasses
+
+    for offload in (False, True):
+        c = dataclasses.replace(cfg, device="cuda", sample=dataclasses.replace(
+            cfg.sample, precision="bf16", cpu_offload=offload, seeds=[0], steps=2, width=64, height=64))
+        pipe, _, loaded_as = sample.load_pipeline(c, EventLog(c.run_dir, c.run, "sample", enabled=False))
+        assert loaded_as["precision"] == "bf16" and loaded_as["cpu_offload"] == offload
+        assert (pipe.transformer.device.type == "cuda") != offload
+        _, cells, _ = sample.render_columns(pipe, c, [], ["a red square"], (64, 64), None)
+        assert cells[0][0].size == (64, 64)
+        del pipe
+        torch.cuda.empty_cache()

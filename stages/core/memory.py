@@ -605,8 +605,9 @@ def plan_sample(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     CPU offload (one component on the GPU at a time), then the denoiser and text encoders in nf4 on the GPU
     (bitsandbytes through diffusers' PipelineQuantizationConfig; the VAE stays bf16), then nf4 offloaded.
     `sample.precision` other than "auto" fixes the precision, `sample.cpu_offload = true` the offload.
-    A bf16 pipeline is read into host memory before it reaches the GPU (an nf4 one shard by shard), so
-    bf16 is left out where its weights exceed the host memory available (FLUX.2 dev: 112.6 GB).
+    A pipeline on the GPU whole is read there shard by shard (`device_map="cuda"`), but an offloaded one
+    lives in host memory, so bf16 offload is left out where its weights exceed the host memory available
+    (FLUX.2 dev: 112.6 GB), as is bf16 whole from a single-file checkpoint (read on the host first).
     Activations are ESTIMATES, not measured: the denoiser's inference work at the sample size (the
     text encoders' rule: BLOCK_WORK_UNITS per token and width, CFG_BATCH rows) and the VAE's decode of one
     image (cache-latents' encode rule), the larger of the two, since they never run together."""
@@ -627,11 +628,12 @@ def plan_sample(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     for precision in precisions:
         sizes = {c: weight_bytes(m, precision if (precision != "nf4" or c in quantized) else "bf16")
                  for c, m in models.items()}
-        if precision != "nf4" and host is not None and sum(sizes.values()) > host and len(precisions) > 1:
-            notes.append(f"{precision} left out: its {sum(sizes.values()) / GB:.1f} GB of weights exceed the "
-                         f"{host / GB:.1f} GB of host memory available")
-            continue
         for offload in offloads:
+            on_host = precision != "nf4" and (offload or src.is_single_file)
+            if on_host and host is not None and sum(sizes.values()) > host and len(precisions) * len(offloads) > 1:
+                notes.append(f"{precision}{' offloaded' if offload else ''} left out: its {sum(sizes.values()) / GB:.1f} GB "
+                             f"of weights exceed the {host / GB:.1f} GB of host memory available")
+                continue
             peak = (max(sizes[c] + work[c] for c in models) if offload
                     else sum(sizes.values()) + max(work.values()))
             candidates.append(({"precision": precision, "cpu_offload": offload}, peak / GB))
