@@ -23,6 +23,9 @@
 #   I4, I5, O3, O4: I3's and O2's families one a call, each with the call's whole time (a family's remaining plan
 #       is ~8 train items of 60-95 s; half a call got 2-3 of them); --keep leaves the built model in /dev/shm for
 #       a next call on the warm machine (without it K9 rebuilt FLUX, 59 s): call the same phase again to go on
+#   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
+#       512 px b1 train/export/verify only; bf16 at every shape, nf4 1024 px and batch 4, 1024 px latents never ran
+#       here, its 1024 px b1 rows being the side by side's, bench/results/peers-klein-*.json)
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify, then
 #      bf16 (61.8 GB planned at 512 px b1: it fits the H200) and the rest of its plan; call it again to go on (--keep).
 #      2026-12-02 (fourteenth session, four calls): every train row; the export was SIGKILLed by the host's OOM killer
@@ -135,6 +138,7 @@ case $phase in
      if [ "$phase" = I ]; then bench 0 qwen-image-2.1 I $(( $(left) / 2 - 20 )) "${o[@]}"; bench 0 krea2 I $(( $(left) - 30 )) "${o[@]}"
      else bench 0 krea2 I2 $(( $(left) - 20 )) "${o[@]}"; fi ;;
   I3) rm -rf /dev/shm/lorapipe-bench/*; bench 0 qwen-image-2.1 I3 $(( $(left) / 2 - 20 )); bench 0 krea2 I3 $(( $(left) - 30 )) ;;
+  KL) shm_only flux2-klein; bench 0 flux2-klein KL $(( $(left) - 25 )) --keep ;;
   I4) shm_only qwen-image-2.1; bench 0 qwen-image-2.1 I4 $(( $(left) - 25 )) --keep ;;
   I5) shm_only krea2; bench 0 krea2 I5 $(( $(left) - 25 )) --keep ;;
   O3) shm_only flux-kontext; bench 0 flux-kontext O3 $(( $(left) - 25 )) --keep ;;
