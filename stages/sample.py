@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from stages import export_lora, train
+from stages.core import faults
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
 from stages.core.errors import ConfigError
 from stages.core.model_source import model_source
@@ -180,21 +181,31 @@ def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
     return out
 
 
+def plan_pipeline(cfg: Any, log: Any, below_gb: float | None = None) -> tuple[Any, Any]:
+    """(cfg with the memory plan's sample.precision and sample.cpu_offload, the plan): on CUDA bf16 or nf4,
+    offloaded or not, to fit the budget (memory.plan_sample); on CPU the settings as configured."""
+    from stages.core import memory
+    from stages.families import get_family
+
+    family = get_family(cfg.family)
+    model_source(cfg).check(family.text_components + family.vae_components + family.denoiser_components)
+    return memory.plan_stage(cfg, family, NAME, log, below_gb)
+
+
 def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """(pipeline, runtime, the memory plan's settings: precision and cpu_offload as loaded)."""
+    """The pipeline as cfg.sample says (`plan_pipeline` first for the planned settings): (pipeline, runtime,
+    what was loaded: precision and cpu_offload)."""
     import time
 
     import diffusers
     import torch
 
-    from stages.core import memory
     from stages.core.runtime import make_runtime
     from stages.families import get_family
 
     family = get_family(cfg.family)
     src = model_source(cfg)
     src.check(family.text_components + family.vae_components + family.denoiser_components)
-    cfg, plan = memory.plan_stage(cfg, family, NAME, log)  # on CUDA: bf16 or nf4, offloaded or not, to fit the budget
     rt = make_runtime(cfg.device, cfg.sample.precision)
     if cfg.sample.precision == "nf4" and not rt.is_cuda:
         raise ConfigError("sample.precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit); use 'auto' or 'fp32' on CPU")
@@ -214,7 +225,7 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
     log.emit("loaded", component="pipeline", seconds=round(time.time() - t, 3))
     dense = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(rt.dtype, str(rt.dtype))
     return pipe, rt, {"precision": "nf4" if cfg.sample.precision == "nf4" else dense,
-                      "cpu_offload": bool(cfg.sample.cpu_offload and rt.is_cuda), "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}
+                      "cpu_offload": bool(cfg.sample.cpu_offload and rt.is_cuda)}
 
 
 def nf4_config(family: Any, src: Any) -> Any:
@@ -249,6 +260,7 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
             with torch.no_grad(), context:
                 images.append(pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs,
                                    **extra).images[0])
+            faults.hit(NAME)
             bar.advance(1)
     return images
 
@@ -325,10 +337,47 @@ def edit_errors(pipe: Any, cfg: Any, labels: list[str], decoded: list[Any], targ
             "edit_summary": edit_error.summary(errors, rendered[-1])}
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    from stages.core.runtime import install_model_trace, peak_vram_gb, reset_peak
-    from stages.core.stage import running_stage
+def render_planned(cfg: Any, log: Any, columns: list[tuple[str, Path]], prompts: list[str], size: tuple[int, int],
+                   edits: Any, targets: list[Path] | None) -> dict[str, Any]:
+    """Plan, load and render every column (and score an edit grid). The plan's activations are estimates: a
+    CUDA out-of-memory error frees the pipeline and goes on with the next smaller plan (bf16 offloaded, nf4,
+    nf4 offloaded), with a warning, until none is left; then the error stands (the stage names it)."""
+    import gc
+
+    import torch
+
+    from stages.core import memory
+    from stages.core.runtime import reset_peak
     from stages.families import get_family
+
+    below = None
+    while True:
+        planned, plan = plan_pipeline(cfg, log, below)
+        pipe = None
+        try:
+            pipe, rt, loaded_as = load_pipeline(planned, log)
+            if note := guidance_note(pipe, get_family(cfg.family), cfg.sample.guidance_scale):
+                log.emit("warning", message=note)
+            reset_peak(rt)
+            controls = load_controls(cfg, edits)
+            labels, cells, decoded = render_columns(pipe, planned, columns, prompts, size, controls)
+            return {"labels": labels, "cells": cells, "rt": rt, "scores": edit_errors(pipe, planned, labels, decoded, targets, controls, size),
+                    "loaded_as": {**loaded_as, "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}}
+        except torch.cuda.OutOfMemoryError:
+            del pipe
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            below = plan.predicted_peak_gb * memory.FRAGMENTATION * 0.999
+            if plan.budget.gb is None or not any(t["predicted_peak_gb"] * memory.FRAGMENTATION <= below for t in plan.tried):
+                raise
+            log.emit("warning", message=f"sample ran out of GPU memory with {plan.settings} (predicted "
+                                        f"{plan.predicted_peak_gb:.2f} GB): going on with the next smaller plan")
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    from stages.core.runtime import install_model_trace, peak_vram_gb
+    from stages.core.stage import running_stage
 
     install_model_trace(NAME)
     planned = planned_rows(cfg)
@@ -339,13 +388,8 @@ def run(cfg: Any) -> dict[str, Any]:
         out = artifact_dir(cfg)
         with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
-            pipe, rt, loaded_as = load_pipeline(cfg, ctx.log)
-            if note := guidance_note(pipe, get_family(cfg.family), cfg.sample.guidance_scale):
-                ctx.log.emit("warning", message=note)
-            reset_peak(rt)
-            controls = load_controls(cfg, edits)
-            labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, controls)
-            scores = edit_errors(pipe, cfg, labels, decoded, targets, controls, size)
+            done = render_planned(cfg, ctx.log, columns, prompts, size, edits, targets)
+            labels, cells, scores, rt, loaded_as = (done[k] for k in ("labels", "cells", "scores", "rt", "loaded_as"))
             rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
             grid = draw_grid(labels, rows, cells, tmp / GRID)
             ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),

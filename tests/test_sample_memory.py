@@ -86,9 +86,45 @@ def test_the_stage_loads_as_planned(cfg, monkeypatch):
     monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(budget, "cap"))
     log = EventLog(cfg.run_dir, cfg.run, "sample")
     with pytest.raises(ConfigError, match=r"sample.precision = 'nf4' needs a CUDA GPU"):
-        sample.load_pipeline(cfg, log)
+        sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
     plan = [e for e in read_events(cfg.run_dir) if e["event"] == "plan"][-1]
     assert plan["stage"] == "sample" and plan["settings"] == {"precision": "nf4", "cpu_offload": False}
+
+
+def test_out_of_memory_goes_on_with_the_next_smaller_plan(cfg, monkeypatch):
+    """The plan's activations are estimates: a CUDA out-of-memory error while rendering (injected after the
+    first image) frees the pipeline, warns and renders everything with the next smaller plan; with no smaller
+    plan left the error stands. Simulated GPU budget, rendered on this CPU."""
+    from stages.core import faults
+
+    real_hit, hits = faults.hit, []
+
+    def oom_once(point: str) -> None:
+        real_hit(point)
+        hits.append(point)
+        if hits.count("sample") == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(faults, "hit", oom_once)
+    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(1e6, "cap"))
+    log = EventLog(cfg.run_dir, cfg.run, "sample")
+    done = sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
+    events = read_events(cfg.run_dir)
+    plans = [e["settings"] for e in events if e["event"] == "plan"]
+    assert plans == [{"precision": "bf16", "cpu_offload": False}, {"precision": "bf16", "cpu_offload": True}]
+    warned = [e["message"] for e in events if e["event"] == "warning"]
+    assert len(warned) == 1 and warned[0].startswith("sample ran out of GPU memory with {'precision': 'bf16', "
+                                                     "'cpu_offload': False} (predicted ")
+    assert len(done["cells"][0]) == len(cfg.sample.seeds) and hits.count("sample") == 1 + len(cfg.sample.seeds)
+    peaks = [t["predicted_peak_gb"] for t in sample.plan_pipeline(cfg, log)[1].tried]
+    assert done["loaded_as"]["predicted_peak_gb"] == round(peaks[1], 3)
+
+    hits.clear()
+    monkeypatch.setattr(faults, "hit", lambda point: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    smallest = min(peaks) * memory.FRAGMENTATION * 1.0001
+    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(smallest, "cap"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
 
 
 def test_nf4_quantizes_the_text_encoders_and_the_denoiser_only(assets, demo_data, tmp_path):

@@ -12,6 +12,7 @@ catch: the same as a pre-empted job or the OOM killer). Points the stages call:
     train                            after each optimizer step
     mid-save                         inside a checkpoint or lora/final save: adapter and state written,
                                      manifest not yet, folder not yet renamed into place
+    sample                           after each rendered image
 
 Unset (always, outside tests) a hit costs one environment lookup.
 """

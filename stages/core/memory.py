@@ -761,12 +761,16 @@ def forced_by_memory(cfg: Any, plan: StagePlan) -> str | None:
             f"(bench/results/tiling-h200.json)")
 
 
-def plan_stage(cfg: Any, family: Any, stage: str, log: Any) -> tuple[Any, StagePlan]:
-    """Resolve (and enforce) the budget, plan the stage, log a `plan` event; the config to run with."""
+def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | None = None) -> tuple[Any, StagePlan]:
+    """Resolve (and enforce) the budget, plan the stage, log a `plan` event; the config to run with.
+    `below_gb`: plan as if the budget were at most that (the sample stage's retry after an out-of-memory
+    error: the next smaller plan), without enforcing it."""
     from stages.core.model_source import model_source
     from stages.core.runtime import pick_device
 
     budget = resolve_budget(cfg.gpu.vram_budget_gb, pick_device(cfg.device))
+    if below_gb is not None and budget.gb is not None:
+        budget = Budget(min(budget.gb, below_gb), budget.source)
     if budget.gb is None:
         plan = unplanned(cfg, stage, budget)
     else:
