@@ -329,22 +329,22 @@ def report(files: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def plan_table(families: str, budgets: str, res: str, work: str, sets: Sequence[str] = ()) -> str:
-    """The train stage's plan per family, px and budget (comma lists), from full-size configs on the meta
+def plan_table(families: str, budgets: str, res: str, work: str, sets: Sequence[str] = (), stage: str = "train") -> str:
+    """The stage's plan (train unless `stage` says) per family, px and budget (comma lists), from full-size configs on the meta
     device (no weights, no GPU: bench/plan_cost.py's config-only folders under `work`), with the rows'
     settings (and `sets`, "KEY=VALUE" as `run --set` takes them): what `run` would train, and its CUDA
     graph room under swap."""
     from bench.plan_cost import config_only_model
 
     runner = MemoryRunner(run_args(parser, work=work, set=list(sets)))
-    lines = ["| family | px | budget GB | train plan | predicted GB | note |", "|---|---|---|---|---|---|"]
+    lines = [f"| family | px | budget GB | {stage} plan | predicted GB | note |", "|---|---|---|---|---|---|"]
     for fam in families.split(","):
         folder = Path(work) / "config-only" / fam
         shutil.rmtree(folder, ignore_errors=True)  # made afresh: a folder cut off, or older configs, would be reused
         model = config_only_model(fam, folder)
         for px in map(int, str(res).split(",")):
             for budget in budgets.split(","):
-                train = next(p for p in runner.stage_plans(fam, model, budget, px) if p["stage"] == "train")
+                train = next(p for p in runner.stage_plans(fam, model, budget, px) if p["stage"] == stage)
                 settings = ", ".join(f"{k}={v}" for k, v in train["settings"].items() if k not in ("blocks", "host_gb"))
                 note = train["note"]
                 lines.append(f"| {fam} | {px} | {budget} | {settings} | {train['predicted_peak_gb']:.2f} | {note} |")
@@ -376,6 +376,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--work", default="/tmp/lorapipe-memory-plan")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every row (repeatable), e.g. train.gradient_checkpointing=auto")
+    t.add_argument("--stage", default="train", choices=("encode-captions", "cache-latents", "train", "sample"))
     t.add_argument("--fp8-gpu", action="store_true", help="plan as on a GPU with fp8 tensor cores (the H200), where "
                    "train.base_precision = 'auto' tries fp8 after bf16")
     return ap
@@ -396,7 +397,7 @@ def main() -> None:
             stack.enter_context(mock.patch.object(memory, "host_available_bytes", lambda: None))
             if args.fp8_gpu:
                 stack.enter_context(mock.patch.object(fp8, "fp8_supported", lambda: True))
-            print(plan_table(args.families, args.budgets, args.res, args.work, args.set))
+            print(plan_table(args.families, args.budgets, args.res, args.work, args.set, args.stage))
         return
     runner = MemoryRunner(args)
     for fam in args.families.split(","):
