@@ -259,7 +259,8 @@ def test_verify_accepts_the_export(run_copy):
 
 def test_verify_of_a_diffusers_file_alone_computes_no_delta(run_copy, monkeypatch):
     """The deltas (B @ A, the size of the base layer in fp32) are only for comparing a kohya copy:
-    FLUX.2 dev's together are ~128 GB, and its export was killed for host memory computing them."""
+    FLUX.2 dev's together are 70.1 GB for its default targets, and its export was killed for host memory
+    computing them."""
     from stages.core import verify
     from stages.export_lora import artifact_dir, source_manifest
 

@@ -107,8 +107,9 @@ def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str
 
 class Deltas(Mapping[str, torch.Tensor]):
     """module path -> B @ A * scale of one loaded adapter (what it adds to the base weight), computed
-    when read and not kept: all of a full-size model's deltas at once are its base weights in fp32
-    (FLUX.2 dev: ~128 GB, which the 125 GB host of its benchmark could not hold)."""
+    when read and not kept: all of a full-size model's deltas at once are its targeted weights in fp32
+    (FLUX.2 dev's default targets: 70.1 GB, which its benchmark's host, 125 GB with 61 GB of model files
+    in /dev/shm, could not hold; `bench/verify_export.py --meta flux2`)."""
 
     def __init__(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         self._factors = factors
