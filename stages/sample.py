@@ -181,19 +181,8 @@ def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
     return out
 
 
-def plan_pipeline(cfg: Any, log: Any, below_gb: float | None = None) -> tuple[Any, Any]:
-    """(cfg with the memory plan's sample.precision and sample.cpu_offload, the plan): on CUDA bf16 or nf4,
-    offloaded or not, to fit the budget (memory.plan_sample); on CPU the settings as configured."""
-    from stages.core import memory
-    from stages.families import get_family
-
-    family = get_family(cfg.family)
-    model_source(cfg).check(family.text_components + family.vae_components + family.denoiser_components)
-    return memory.plan_stage(cfg, family, NAME, log, below_gb)
-
-
 def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """The pipeline as cfg.sample says (`plan_pipeline` first for the planned settings): (pipeline, runtime,
+    """The pipeline as cfg.sample says (`render_planned` plans those settings first): (pipeline, runtime,
     what was loaded: precision and cpu_offload)."""
     import time
 
@@ -205,7 +194,6 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
 
     family = get_family(cfg.family)
     src = model_source(cfg)
-    src.check(family.text_components + family.vae_components + family.denoiser_components)
     rt = make_runtime(cfg.device, cfg.sample.precision)
     if cfg.sample.precision == "nf4" and not rt.is_cuda:
         raise ConfigError("sample.precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit); use 'auto' or 'fp32' on CPU")
@@ -224,8 +212,7 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
     pipe.set_progress_bar_config(disable=True)
     log.emit("loaded", component="pipeline", seconds=round(time.time() - t, 3))
     dense = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(rt.dtype, str(rt.dtype))
-    return pipe, rt, {"precision": "nf4" if cfg.sample.precision == "nf4" else dense,
-                      "cpu_offload": bool(cfg.sample.cpu_offload and rt.is_cuda)}
+    return pipe, rt, {"precision": "nf4" if cfg.sample.precision == "nf4" else dense, "cpu_offload": bool(offload)}
 
 
 def nf4_config(family: Any, src: Any) -> Any:
@@ -347,32 +334,41 @@ def render_planned(cfg: Any, log: Any, columns: list[tuple[str, Path]], prompts:
     import torch
 
     from stages.core import memory
-    from stages.core.runtime import reset_peak
     from stages.families import get_family
 
+    family = get_family(cfg.family)
+    model_source(cfg).check(family.text_components + family.vae_components + family.denoiser_components)
+    controls = load_controls(cfg, edits)
     below = None
     while True:
-        planned, plan = plan_pipeline(cfg, log, below)
-        pipe = None
+        planned, plan = memory.plan_stage(cfg, family, NAME, log, below)
         try:
-            pipe, rt, loaded_as = load_pipeline(planned, log)
-            if note := guidance_note(pipe, get_family(cfg.family), cfg.sample.guidance_scale):
-                log.emit("warning", message=note)
-            reset_peak(rt)
-            controls = load_controls(cfg, edits)
-            labels, cells, decoded = render_columns(pipe, planned, columns, prompts, size, controls)
-            return {"labels": labels, "cells": cells, "rt": rt, "scores": edit_errors(pipe, planned, labels, decoded, targets, controls, size),
-                    "loaded_as": {**loaded_as, "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}}
+            return _render(planned, plan, log, columns, prompts, size, controls, targets)
         except torch.cuda.OutOfMemoryError:
-            del pipe
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
             below = plan.predicted_peak_gb * memory.FRAGMENTATION * 0.999
             if plan.budget.gb is None or not any(t["predicted_peak_gb"] * memory.FRAGMENTATION <= below for t in plan.tried):
                 raise
             log.emit("warning", message=f"sample ran out of GPU memory with {plan.settings} (predicted "
                                         f"{plan.predicted_peak_gb:.2f} GB): going on with the next smaller plan")
+        # out of the except block, the error's traceback (whose frames hold the failed pipeline) is gone
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _render(cfg: Any, plan: Any, log: Any, columns: list[tuple[str, Path]], prompts: list[str], size: tuple[int, int],
+            controls: list[list[Any]] | None, targets: list[Path] | None) -> dict[str, Any]:
+    """One attempt of `render_planned` with `cfg` as planned: the pipeline lives in this frame only."""
+    from stages.core.runtime import reset_peak
+    from stages.families import get_family
+
+    pipe, rt, loaded_as = load_pipeline(cfg, log)
+    if note := guidance_note(pipe, get_family(cfg.family), cfg.sample.guidance_scale):
+        log.emit("warning", message=note)
+    reset_peak(rt)
+    labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, controls)
+    return {"labels": labels, "cells": cells, "rt": rt, "scores": edit_errors(pipe, cfg, labels, decoded, targets, controls, size),
+            "loaded_as": {**loaded_as, "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}}
 
 
 def run(cfg: Any) -> dict[str, Any]:

@@ -614,11 +614,10 @@ def plan_sample(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     s = cfg.sample
     models = {c: meta_component(src, c) for c in module_components(
         src, family.text_components + family.vae_components + family.denoiser_components)}
-    names = list(models)
-    quantized = {c for c in names if c not in family.vae_components}  # what nf4 quantizes
+    quantized = set(models) - set(family.vae_components)  # what nf4 quantizes: the text encoders and the denoiser
     width, height = s.width or cfg.data.resolution, s.height or cfg.data.resolution
     tokens = (width // 16) * (height // 16) * (1 + _planned_controls(cfg, family)) + cfg.captions.max_sequence_length
-    work = {c: CFG_BATCH * tokens * _width(m) * 2 * BLOCK_WORK_UNITS for c, m in models.items() if c not in family.vae_components}
+    work = {c: CFG_BATCH * tokens * _width(models[c]) * 2 * BLOCK_WORK_UNITS for c in quantized}
     work.update({c: width * height * VAE_ELEMENTS_PER_PIXEL * 2 for c in family.vae_components})
     fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # SDXL's ResNets (train's figure: an upper bound)
     work[family.denoiser_components[0]] += (fixed_gb + per_sample_gb * CFG_BATCH * width * height / 512**2) * GB
