@@ -15,6 +15,12 @@
 #   G: FLUX.2 klein: the dtype fix's A/B (bench/dtype_probe.py), then the side-by-side with diffusers' script again
 #   G2: the klein side by side alone: nf4, then nf4 and nf4 + cuDNN attention within the script's peak (fitpeer:
 #       partial checkpointing with the script's peak as the budget; not yet run)
+#   G3: G2's product rows again (G2 of 2026-12-02, fifteenth session: peers.py ran main() above _status, so both
+#       fitpeer rows died in a NameError that hid their log), beside fitreserved (the script's reserved peak as the
+#       cap), then plain cuDNN
+#   G4: G3's capped rows after its finding (a capture without room under the cap ran out of memory, and the eager
+#       steps after it): "auto" now captures under a cap only with room, and the planner checkpoints more blocks
+#       to leave it (memory._with_graph_room)
 #   H: FLUX.1 Kontext side by side with diffusers' script (its base is bf16: the product's nf4 and bf16 rows)
 #   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
 #   I2: Krea 2's rows of I again (I's full-size folder tapped the tiny model's 2 text layers, not the 12 its
@@ -132,6 +138,10 @@ case $phase in
   G) python3 bench/dtype_probe.py --family flux2-klein --res 1024 --out "$OUT/dtype-probe-klein.json" > "$OUT/dtype-probe.log" 2>&1
      tail -3 "$OUT/dtype-probe.log"; PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   G2) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  G4) PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+fitpeer,nf4+cudnn+fitreserved \
+        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  G3) PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+cudnn+fitreserved,nf4+fitreserved,nf4+cudnn \
+        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   H) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 15 ;;
   I|I2) o=(--only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' --only '*/export/nf4-512-b1'
         --only '*/verify/nf4-512-b1' --only '*/train/bf16-512-b1')

@@ -163,25 +163,33 @@ def test_graphs_plan(monkeypatch):
 
 
 
-def test_a_swapped_run_captures_without_the_side_stream_warmup(monkeypatch):
-    """Under block swap the capture skips make_graphed_callables' warmup pass: its activations would stay
+def test_a_swapped_or_capped_run_captures_without_the_side_stream_warmup(monkeypatch):
+    """Under block swap (or "auto" under a cap) the capture skips make_graphed_callables' warmup pass: its activations would stay
     cached for a side stream the capture cannot use, about twice the step's activations under a cap."""
     from types import SimpleNamespace
 
     monkeypatch.delenv(fastpath.ENV, raising=False)
     gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
     model = torch.nn.Linear(2, 2)
-    made = {}
+    made, why = {}, {}
     for mode in ("on", "auto"):
         for swapped in (0, 5):
-            den, _ = fastpath.wrap_denoiser(model, list(model.parameters()), gpu, SimpleNamespace(dropout=0.0, cuda_graphs=mode),
-                                            SimpleNamespace(emit=print), swapped=swapped, budget_gb=8.0)
-            assert isinstance(den, fastpath.GraphedDenoiser)
-            made[mode, swapped] = (den._capture.keywords["warmup"], den._room)
-    assert fastpath.SWAP_WARMUP_ITERS == 0 and made["on", 0] == made["auto", 0] == (fastpath.WARMUP_ITERS, None)
-    assert made["on", 5] == (0, None)  # "on" captures regardless of room
-    warmup, room = made["auto", 5]  # "auto" under swap captures where it has room under the budget
-    assert warmup == 0 and isinstance(room, fastpath.CaptureRoom) and room.budget == 8 * 2**30
+            for capped in (False, True):
+                den, why[mode, swapped, capped] = fastpath.wrap_denoiser(
+                    model, list(model.parameters()), gpu, SimpleNamespace(dropout=0.0, cuda_graphs=mode),
+                    SimpleNamespace(emit=print), swapped=swapped, budget_gb=8.0, capped=capped)
+                assert isinstance(den, fastpath.GraphedDenoiser)
+                made[mode, swapped, capped] = (den._capture.keywords["warmup"], den._room)
+    assert fastpath.SWAP_WARMUP_ITERS == 0 and made["on", 0, False] == made["auto", 0, False] == (fastpath.WARMUP_ITERS, None)
+    assert made["on", 5, False] == made["on", 5, True] == (0, None)  # "on" captures regardless of room
+    assert made["on", 0, True] == (fastpath.WARMUP_ITERS, None)
+    # "auto" under swap, or under a budget given as a number (a hard cap: a capture without room ran out of
+    # memory there, and so did the eager steps after it), captures where it has room under the budget
+    for key in (("auto", 5, False), ("auto", 5, True), ("auto", 0, True)):
+        warmup, room = made[key]
+        assert warmup == 0 and isinstance(room, fastpath.CaptureRoom) and room.budget == 8 * 2**30, key
+    assert "under the 8 GB cap only where the capture has room" in why["auto", 0, True]
+    assert "cap" not in why["auto", 0, False] and "cap" not in why["on", 0, True]
 
 
 class _Room:

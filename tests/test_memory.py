@@ -372,7 +372,8 @@ def test_auto_checkpointing_checkpoints_the_fewest_blocks_that_fit(assets, demo_
     monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)
     model = _deeper_flux(assets, tmp_path, 4, 8)
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
-                                                            "train.gradient_checkpointing": "auto", "model": model})
+                                                            "train.gradient_checkpointing": "auto", "model": model,
+                                                            "train.cuda_graphs": "off"})  # graph room: the next test
     roomy = _plan("train", cfg, 1000.0)
     n = roomy.settings["blocks"]
     assert n == 12 and roomy.fits
@@ -393,6 +394,53 @@ def test_auto_checkpointing_checkpoints_the_fewest_blocks_that_fit(assets, demo_
             "train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": configured,
             "model": model}), 1000.0)
         assert {t["checkpointed_blocks"] for t in plan.tried if not t["swapped_blocks"]} == ks
+
+
+def test_auto_checkpointing_under_a_cap_checkpoints_more_blocks_to_leave_cuda_graphs_room(assets, demo_data, tmp_path,
+                                                                                          monkeypatch):
+    """At a cap (a budget given as a number) the trainer captures CUDA graphs only with room for them
+    (fastpath.CaptureRoom): FLUX.2 klein's capture at 23 of 25 blocks checkpointed under a 5.08 GB cap ran
+    out of memory and so did the eager steps after it. So where the fewest checkpointed blocks that fit
+    leave too little room, the plan checkpoints more, the fewest that leave it (same precision, no swap),
+    and says so; where none does, it keeps the fewest and says train runs eager. A budget of "auto" (the
+    free memory, no cap) and cuda_graphs = "off" plan the fewest blocks that fit, as before."""
+    from stages.core import fastpath
+
+    monkeypatch.setattr(memory, "GRAPH_FREE_SLACK_GB", 0.0)  # the measured allowances outweigh the tiny model
+    monkeypatch.setattr(memory, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
+    monkeypatch.delenv(fastpath.ENV, raising=False)
+    want = fastpath.CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
+    sets = {"train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": "auto",
+            "model": _deeper_flux(assets, tmp_path, 4, 8)}
+    cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+    family, src = get_family("flux"), ModelSource(cfgs["auto"].model, cfgs["auto"].revision)
+    roomy = _plan("train", cfgs["off"], 1000.0)
+    n, seen = roomy.settings["blocks"], set()
+    whole = {t["checkpointed_blocks"]: t for t in roomy.tried if not t["swapped_blocks"]}
+    room_of = lambda t, gb: memory.graph_room(t["predicted_peak_gb"], t["activations_gb"], t["lora_grads_gb"],  # noqa: E731
+                                              memory.Budget(gb, "cap"), swapped=False)
+    for k, gb in [(k, _just_above(whole[k]["predicted_peak_gb"])) for k in range(n)] + [(0, 1000.0)]:
+        auto, off = _plan("train", cfgs["auto"], gb), _plan("train", cfgs["off"], gb)
+        free = memory.plan_train(cfgs["auto"], family, src, memory.Budget(gb, "auto"))  # no cap: as before
+        assert off.settings["checkpointed_blocks"] == free.settings["checkpointed_blocks"] == k
+        assert "graph_room" not in off.settings and "graph_room" not in free.settings
+        got = auto.settings["checkpointed_blocks"]
+        assert auto.fits and auto.settings["swapped_blocks"] == 0 and auto.predicted_peak_gb * memory.FRAGMENTATION <= gb
+        if room_of(whole[k], gb) >= want:
+            assert got == k and auto.settings["graph_room"] == pytest.approx(room_of(whole[k], gb), rel=1e-4, abs=0.01)
+            assert auto.note == ""
+            seen.add("room")
+        elif got > k:
+            assert auto.settings["graph_room"] == pytest.approx(room_of(whole[got], gb), rel=1e-4, abs=0.01)
+            assert auto.settings["graph_room"] >= want
+            assert f"{got - k} more block{'s' * (got - k > 1)} checkpointed than the budget needs" in auto.note
+            assert all(room_of(whole[j], gb) < want for j in range(k + 1, got))  # the fewest that leave it
+            seen.add("moved")
+        else:
+            assert got == k and all(room_of(whole[j], gb) < want for j in range(k, n + 1))
+            assert "CUDA graphs may have no room to capture under this plan" in auto.note and "else runs eager" in auto.note
+            seen.add("eager")
+    assert {"room", "moved"} <= seen, seen
 
 
 def test_auto_checkpointing_never_lowers_the_precision_to_uncheckpoint(assets, demo_data, tmp_path):

@@ -305,13 +305,19 @@ def _replay(graphed: Callable[..., Any], at: list[int], params: tuple[torch.Tens
 
 
 def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: Any, tcfg: Any,
-                  log: Any, swapped: int = 0, budget_gb: float | None = None) -> tuple[Any, str]:
+                  log: Any, swapped: int = 0, budget_gb: float | None = None, capped: bool = False) -> tuple[Any, str]:
     """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself. Under
-    block swap the capture skips the side-stream warmup, and "auto" captures only where it has room
-    under the stage's budget (`budget_gb`, CaptureRoom)."""
+    block swap or a budget given as a number (`capped`: a hard cap on what the process may reserve),
+    "auto" captures only where it has room under the stage's budget (`budget_gb`, CaptureRoom), and
+    the capture skips the side-stream warmup (whose cached activations the capture cannot reuse): at
+    FLUX.2 klein's 5.08 GB cap a capture without room ran out of memory, and the eager steps after it
+    too (bench/results/peers-klein-1024-b1-g3.json)."""
     mode = graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
     use, why = graphs_plan(rt, tcfg, mode, swapped=swapped)
     if not use:
         return model, why
-    room = CaptureRoom(rt.device, budget_gb, CAPTURE_ROOM) if swapped and mode == "auto" and budget_gb is not None else None
-    return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped else WARMUP_ITERS, room=room), why
+    checked = (swapped or capped) and mode == "auto" and budget_gb is not None
+    if checked and not swapped:
+        why = f"{why}; under the {budget_gb:g} GB cap only where the capture has room ({CAPTURE_ROOM:g}x the eager step's activations free)"
+    room = CaptureRoom(rt.device, budget_gb, CAPTURE_ROOM) if checked else None
+    return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped or checked else WARMUP_ITERS, room=room), why

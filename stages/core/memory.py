@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -482,8 +482,10 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     for tried in plan.tried:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"]) / GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
-    if plan.fits and plan.settings["swapped_blocks"] and (mode := _graphs_mode(tcfg, budget)):
-        plan = _with_graph_room(plan, candidates, activations(plan.settings["checkpointed_blocks"]) / GB, grads_gb,
+    partial = tcfg.gradient_checkpointing == "auto" and budget.source == "cap"  # checkpointing chosen within a cap
+    if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n)) \
+            and (mode := _graphs_mode(tcfg, budget)):
+        plan = _with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"]) / GB, grads_gb,
                                 budget, mode)
     if fp8_left_out:
         plan.note = f"{plan.note} auto left fp8 out: {fp8_left_out}.".strip()
@@ -511,12 +513,12 @@ GRAPH_FREE_SLACK_GB, GRAPH_ACTIVATIONS_EXTRA_GB = 0.25, 0.13
 GRAPH_ROOM_MARGIN = 1.05
 
 
-def graph_room(settings_peak_gb: float, acts_gb: float, grads_gb: float, budget: Budget) -> float:
-    """A swap plan's room for a capture as the runtime will measure it, by the planner's figures: the
-    budget less what stays allocated between steps (the predicted peak without the activations and the
-    swap's allocator margin) and the measured slack, over what a step allocates (its activations, the
-    LoRA's gradients `grads_gb`, and the measured extra)."""
-    free = budget.gb - (settings_peak_gb - acts_gb - SWAP_EXTRA_GB) - GRAPH_FREE_SLACK_GB
+def graph_room(settings_peak_gb: float, acts_gb: float, grads_gb: float, budget: Budget, swapped: bool = True) -> float:
+    """A plan's room for a capture as the runtime will measure it, by the planner's figures: the
+    budget less what stays allocated between steps (the predicted peak without the activations and, under
+    swap, the swap's allocator margin) and the measured slack, over what a step allocates (its
+    activations, the LoRA's gradients `grads_gb`, and the measured extra)."""
+    free = budget.gb - (settings_peak_gb - acts_gb - SWAP_EXTRA_GB * swapped) - GRAPH_FREE_SLACK_GB
     return free / (acts_gb + grads_gb + GRAPH_ACTIVATIONS_EXTRA_GB) if acts_gb > 0 else math.inf
 
 
@@ -529,33 +531,42 @@ def _graphs_mode(tcfg: Any, budget: Budget) -> str | None:
     return mode if budget.source != "cpu" and budget.gb is not None and tcfg.dropout == 0 and mode != "off" else None
 
 
-def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts_gb: float,
+def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts_of: Callable[[dict[str, Any]], float],
                      grads_gb: float, budget: Budget, mode: str) -> StagePlan:
-    """The swap plan with the fewest blocks swapped (same precision and checkpointing, so the same
-    activations `acts_gb`) that leaves CUDA graphs room to capture, else `plan` as it is (under "auto"
-    it will run eager); its note says which."""
+    """A budget-bound plan that leaves CUDA graphs room to capture, else `plan` as it is (under "auto" it
+    will run eager); its note says which. A swap plan swaps more blocks (the fewest more that leave the
+    room; same precision and checkpointing); a plan whose checkpointing `auto` chose within a cap (no swap)
+    checkpoints more blocks (the fewest more; same precision): at a cap near the step's peak a capture
+    without room ran out of memory and so did the eager steps after it (FLUX.2 klein, nf4, 1024 px at the
+    diffusers script's 5.08 GB: 23 of 25 blocks checkpointed; bench/results/peers-klein-1024-b1-g3.json).
+    `acts_of(settings)`: a plan's activations in GB."""
     from stages.core import fastpath
 
     want = fastpath.CAPTURE_ROOM * GRAPH_ROOM_MARGIN
-    same = lambda s: all(s[k] == plan.settings[k] for k in ("base_precision", "checkpointed_blocks"))  # noqa: E731
-    room_at = lambda peak: graph_room(peak, acts_gb, grads_gb, budget)  # noqa: E731
-    room = room_at(plan.predicted_peak_gb)
+    swapped = bool(plan.settings["swapped_blocks"])
+    vary, keep = (("swapped_blocks", ("base_precision", "checkpointed_blocks")) if swapped
+                  else ("checkpointed_blocks", ("base_precision", "swapped_blocks")))
+    same = lambda s: all(s[k] == plan.settings[k] for k in keep)  # noqa: E731
+    room_at = lambda s, peak: graph_room(peak, acts_of(s), grads_gb, budget, swapped)  # noqa: E731
+    room = room_at(plan.settings, plan.predicted_peak_gb)
+    what = "swapped" if swapped else "checkpointed"
     if room < want:
         for settings, peak in candidates:
-            if (same(settings) and settings["swapped_blocks"] > plan.settings["swapped_blocks"]
-                    and peak * FRAGMENTATION <= budget.gb and room_at(peak) >= want):
-                extra = settings["swapped_blocks"] - plan.settings["swapped_blocks"]
-                room = room_at(peak)
-                note = (f"{extra} more block{'s' * (extra > 1)} swapped than the budget needs, to leave CUDA graphs room to capture "
-                        f"({room:.1f}x the step's activations free; {want:.1f}x wanted): eager steps under swap "
-                        f"can be host-bound, most at small images")
+            if (same(settings) and settings[vary] > plan.settings[vary]
+                    and peak * FRAGMENTATION <= budget.gb and room_at(settings, peak) >= want):
+                extra = settings[vary] - plan.settings[vary]
+                room = room_at(settings, peak)
+                why = ("eager steps under swap can be host-bound, most at small images" if swapped else
+                       "a capture without room can run out of memory")
+                note = (f"{extra} more block{'s' * (extra > 1)} {what} than the budget needs, to leave CUDA graphs room to "
+                        f"capture ({room:.1f}x the step's activations free; {want:.1f}x wanted): {why}")
                 plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
                 break
         else:
             then = ("train.cuda_graphs = 'on' captures anyway and may run out of memory there"
                     if mode == "on" else
                     "train checks at the capture, else runs eager, which can be host-bound, most at small images")
-            plan.note = (f"CUDA graphs may have no room to capture under this swap plan ({room:.1f}x the step's "
+            plan.note = (f"CUDA graphs may have no room to capture under this {'swap ' * swapped}plan ({room:.1f}x the step's "
                          f"activations free, {want:.1f}x wanted; {then}; a larger --vram gives them room)")
     plan.settings = {**plan.settings, "graph_room": round(room, 2)}
     return plan
