@@ -185,11 +185,13 @@ def test_a_swapped_or_capped_run_captures_without_the_side_stream_warmup(monkeyp
     assert made["on", 0, True] == (fastpath.WARMUP_ITERS, None)
     # "auto" under swap, or under a budget given as a number (a hard cap: a capture without room ran out of
     # memory there, and so did the eager steps after it), captures where it has room under the budget
-    for key in (("auto", 5, False), ("auto", 5, True), ("auto", 0, True)):
+    for key, factor in ((("auto", 5, False), fastpath.CAPTURE_ROOM), (("auto", 5, True), fastpath.CAPTURE_ROOM),
+                        (("auto", 0, True), fastpath.CAPPED_CAPTURE_ROOM)):
         warmup, room = made[key]
         assert warmup == 0 and isinstance(room, fastpath.CaptureRoom) and room.budget == 8 * 2**30, key
+        assert room.factor == factor, key
     assert "under the 8 GB cap only where the capture has room" in why["auto", 0, True]
-    assert "cap" not in why["auto", 0, False] and "cap" not in why["on", 0, True]
+    assert "GB cap" not in why["auto", 0, False] and "GB cap" not in why["on", 0, True]
 
 
 class _Room:

@@ -409,7 +409,7 @@ def test_auto_checkpointing_under_a_cap_checkpoints_more_blocks_to_leave_cuda_gr
     monkeypatch.setattr(memory, "GRAPH_FREE_SLACK_GB", 0.0)  # the measured allowances outweigh the tiny model
     monkeypatch.setattr(memory, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
     monkeypatch.delenv(fastpath.ENV, raising=False)
-    want = fastpath.CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
+    want = fastpath.CAPPED_CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
     sets = {"train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": "auto",
             "model": _deeper_flux(assets, tmp_path, 4, 8)}
     cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}

@@ -121,6 +121,13 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # activations (FLUX 6 GB and Qwen-Image 8 GB at 1024 px, Qwen-Image 8 GB at 512 px: 0.91x, 0.90x and
 # 0.53x their unconstrained speed, the last 0.16x eager), so 2x leaves a margin.
 CAPTURE_ROOM = 2.0
+# Under a cap without swap (train.gradient_checkpointing = "auto" plans fill it with un-checkpointed blocks), by
+# the planner's room (memory.graph_room, swapped=False) the captures that ran there, with the side-stream warmup,
+# had 1.45x (FLUX nf4 at 16 GB, 41 of 57 checkpointed), 1.46x (24 GB, 22) and 1.47x (FLUX.1 Kontext fp8 at 26.74
+# GB, 47) their step's activations free, and those that ran out of memory 1.21x and ~1.1x (FLUX.2 klein nf4 at
+# 5.08 GB, 23 of 25, and at 5.74 GB, 21; memory-flux-partialckpt-h200.json, peers-kontext-1024-b1-run3.json,
+# peers-klein-1024-b1-g3.json): five rows, so the factor is the lowest that captured, now without the warmup.
+CAPPED_CAPTURE_ROOM = 1.45
 SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
                f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "
                f"train.cuda_graphs = 'on' captures regardless, 'off' never")
@@ -318,6 +325,7 @@ def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: 
         return model, why
     checked = (swapped or capped) and mode == "auto" and budget_gb is not None
     if checked and not swapped:
-        why = f"{why}; under the {budget_gb:g} GB cap only where the capture has room ({CAPTURE_ROOM:g}x the eager step's activations free)"
-    room = CaptureRoom(rt.device, budget_gb, CAPTURE_ROOM) if checked else None
+        why = (f"{why}; under the {budget_gb:g} GB cap only where the capture has room ({CAPPED_CAPTURE_ROOM:g}x the eager "
+               f"step's activations free)")
+    room = CaptureRoom(rt.device, budget_gb, CAPTURE_ROOM if swapped else CAPPED_CAPTURE_ROOM) if checked else None
     return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped or checked else WARMUP_ITERS, room=room), why

@@ -542,8 +542,8 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
     `acts_of(settings)`: a plan's activations in GB."""
     from stages.core import fastpath
 
-    want = fastpath.CAPTURE_ROOM * GRAPH_ROOM_MARGIN
     swapped = bool(plan.settings["swapped_blocks"])
+    want = (fastpath.CAPTURE_ROOM if swapped else fastpath.CAPPED_CAPTURE_ROOM) * GRAPH_ROOM_MARGIN
     vary, keep = (("swapped_blocks", ("base_precision", "checkpointed_blocks")) if swapped
                   else ("checkpointed_blocks", ("base_precision", "swapped_blocks")))
     same = lambda s: all(s[k] == plan.settings[k] for k in keep)  # noqa: E731
