@@ -494,8 +494,6 @@ def main() -> None:
     run(a)
 
 
-
-
 # ---- report (bench/report.py's write_report calls it for every peers-*.json) ----------------------
 
 
