@@ -19,8 +19,8 @@
 #       fitpeer rows died in a NameError that hid their log), beside fitreserved (the script's reserved peak as the
 #       cap), then plain cuDNN
 #   G4: G3's capped rows after its finding (a capture without room under the cap ran out of memory, and the eager
-#       steps after it): "auto" now captures under a cap only with room, and the planner checkpoints more blocks
-#       to leave it (memory._with_graph_room)
+#       steps after it): "auto" now captures only with room under the budget, and the planner checkpoints more
+#       blocks to leave it (memory._with_graph_room)
 #   H: FLUX.1 Kontext side by side with diffusers' script (its base is bf16: the product's nf4 and bf16 rows)
 #   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
 #   I2: Krea 2's rows of I again (I's full-size folder tapped the tiny model's 2 text layers, not the 12 its

@@ -193,8 +193,7 @@ class Trainer:
         # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
         swapped = len(self.swap.blocks) if self.swap is not None else 0
         self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log,
-                                                                 swapped=swapped, budget_gb=self.plan.budget.gb,
-                                                                 capped=self.plan.budget.source == "cap")
+                                                                 swapped=swapped, budget_gb=self.plan.budget.gb)
 
     def enable_checkpointing(self) -> None:
         """Gradient checkpointing of the plan's number k of repeated blocks: the FIRST k in forward order

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import os
 from collections import Counter
 from typing import Any, Callable, Iterable
@@ -121,13 +122,13 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
 # activations (FLUX 6 GB and Qwen-Image 8 GB at 1024 px, Qwen-Image 8 GB at 512 px: 0.91x, 0.90x and
 # 0.53x their unconstrained speed, the last 0.16x eager), so 2x leaves a margin.
 CAPTURE_ROOM = 2.0
-# Under a cap without swap (train.gradient_checkpointing = "auto" plans fill it with un-checkpointed blocks), by
-# the planner's room (memory.graph_room, swapped=False) the captures that ran there, with the side-stream warmup,
+# Without swap (train.gradient_checkpointing = "auto" plans fill a budget with un-checkpointed blocks), by the
+# planner's room (memory.graph_room, swapped=False) the captures that ran under a cap, with the side-stream warmup,
 # had 1.45x (FLUX nf4 at 16 GB, 41 of 57 checkpointed), 1.46x (24 GB, 22) and 1.47x (FLUX.1 Kontext fp8 at 26.74
 # GB, 47) their step's activations free, and those that ran out of memory 1.21x and ~1.1x (FLUX.2 klein nf4 at
 # 5.08 GB, 23 of 25, and at 5.74 GB, 21; memory-flux-partialckpt-h200.json, peers-kontext-1024-b1-run3.json,
-# peers-klein-1024-b1-g3.json): five rows, so the factor is the lowest that captured, now without the warmup.
-CAPPED_CAPTURE_ROOM = 1.45
+# peers-klein-1024-b1-g3.json): five rows, so the factor is the lowest that captured.
+UNSWAPPED_CAPTURE_ROOM = 1.45
 SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
                f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "
                f"train.cuda_graphs = 'on' captures regardless, 'off' never")
@@ -312,20 +313,20 @@ def _replay(graphed: Callable[..., Any], at: list[int], params: tuple[torch.Tens
 
 
 def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: Any, tcfg: Any,
-                  log: Any, swapped: int = 0, budget_gb: float | None = None, capped: bool = False) -> tuple[Any, str]:
-    """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself. Under
-    block swap or a budget given as a number (`capped`: a hard cap on what the process may reserve),
-    "auto" captures only where it has room under the stage's budget (`budget_gb`, CaptureRoom), and
-    the capture skips the side-stream warmup (whose cached activations the capture cannot reuse): at
-    FLUX.2 klein's 5.08 GB cap a capture without room ran out of memory, and the eager steps after it
-    too (bench/results/peers-klein-1024-b1-g3.json)."""
+                  log: Any, swapped: int = 0, budget_gb: float | None = None) -> tuple[Any, str]:
+    """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself. "auto"
+    captures only where the capture has room under the stage's budget (`budget_gb`, CaptureRoom):
+    UNSWAPPED_CAPTURE_ROOM times the eager step's activations free, CAPTURE_ROOM under block swap, where
+    the capture also skips the side-stream warmup. At FLUX.2 klein's 5.08 GB cap a capture without room
+    ran out of memory, and the eager steps after it too (bench/results/peers-klein-1024-b1-g3.json)."""
     mode = graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
     use, why = graphs_plan(rt, tcfg, mode, swapped=swapped)
     if not use:
         return model, why
-    checked = (swapped or capped) and mode == "auto" and budget_gb is not None
-    if checked and not swapped:
-        why = (f"{why}; under the {budget_gb:g} GB cap only where the capture has room ({CAPPED_CAPTURE_ROOM:g}x the eager "
-               f"step's activations free)")
-    room = CaptureRoom(rt.device, budget_gb, CAPTURE_ROOM if swapped else CAPPED_CAPTURE_ROOM) if checked else None
-    return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped or checked else WARMUP_ITERS, room=room), why
+    room = None
+    if mode == "auto" and budget_gb is not None and math.isfinite(budget_gb):
+        room = CaptureRoom(rt.device, budget_gb, CAPTURE_ROOM if swapped else UNSWAPPED_CAPTURE_ROOM)
+        if not swapped:
+            why = (f"{why}, where {UNSWAPPED_CAPTURE_ROOM:g}x the eager step's activations are free under the "
+                   f"{budget_gb:g} GB budget (else eager)")
+    return GraphedDenoiser(model, params, log, warmup=SWAP_WARMUP_ITERS if swapped else WARMUP_ITERS, room=room), why

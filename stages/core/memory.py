@@ -482,7 +482,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     for tried in plan.tried:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"]) / GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
-    partial = tcfg.gradient_checkpointing == "auto" and budget.source == "cap"  # checkpointing chosen within a cap
+    partial = tcfg.gradient_checkpointing == "auto"  # the checkpointed blocks chosen within the budget
     if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n)) \
             and (mode := _graphs_mode(tcfg, budget)):
         plan = _with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"]) / GB, grads_gb,
@@ -535,15 +535,15 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
                      grads_gb: float, budget: Budget, mode: str) -> StagePlan:
     """A budget-bound plan that leaves CUDA graphs room to capture, else `plan` as it is (under "auto" it
     will run eager); its note says which. A swap plan swaps more blocks (the fewest more that leave the
-    room; same precision and checkpointing); a plan whose checkpointing `auto` chose within a cap (no swap)
-    checkpoints more blocks (the fewest more; same precision): at a cap near the step's peak a capture
+    room; same precision and checkpointing); a plan whose checkpointing `auto` chose within the budget (no
+    swap) checkpoints more blocks (the fewest more; same precision): at a cap near the step's peak a capture
     without room ran out of memory and so did the eager steps after it (FLUX.2 klein, nf4, 1024 px at the
     diffusers script's 5.08 GB: 23 of 25 blocks checkpointed; bench/results/peers-klein-1024-b1-g3.json).
     `acts_of(settings)`: a plan's activations in GB."""
     from stages.core import fastpath
 
     swapped = bool(plan.settings["swapped_blocks"])
-    want = (fastpath.CAPTURE_ROOM if swapped else fastpath.CAPPED_CAPTURE_ROOM) * GRAPH_ROOM_MARGIN
+    want = (fastpath.CAPTURE_ROOM if swapped else fastpath.UNSWAPPED_CAPTURE_ROOM) * GRAPH_ROOM_MARGIN
     vary, keep = (("swapped_blocks", ("base_precision", "checkpointed_blocks")) if swapped
                   else ("checkpointed_blocks", ("base_precision", "swapped_blocks")))
     same = lambda s: all(s[k] == plan.settings[k] for k in keep)  # noqa: E731
