@@ -229,8 +229,7 @@ def plan_captions(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     """bf16 whole (halving the batch), then nf4 whole, then layer offload (`_offload_candidates`)."""
     from stages.core.runtime import has_accelerate
 
-    names = [c for c in family.text_components if not c.startswith(("tokenizer", "processor"))]
-    models = {c: meta_component(src, c) for c in names}
+    models = {c: meta_component(src, c) for c in module_components(src, family.text_components)}
     configured = cfg.captions.text_encoder_precision
     precisions = ["bf16", "nf4"] if configured == "auto" else [configured]
     tokens = cfg.captions.max_sequence_length + 77  # + the longest template/CLIP prefix
