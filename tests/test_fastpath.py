@@ -119,6 +119,34 @@ def test_a_failed_capture_frees_its_tensors_before_the_cache_is_released(monkeyp
     assert "CUDA out of memory inside the capture" in log.events[0][1]["message"]
 
 
+def test_after_a_capture_runs_out_of_memory_no_other_shape_is_captured():
+    """A capture that ran out of memory stops capturing altogether (another shape would need as much
+    room; FLUX.2 klein's capped rows crashed after one), where another failure stops only its shape; the
+    graphs captured before keep replaying."""
+    model, log, record = _Model(), _Log(), []
+    ok = _fake_capture(record)
+    tiny, small, big, other = (torch.randn(n, 4) for n in (1, 2, 3, 5))
+
+    def capture(fn, sample_args, pool):
+        if sample_args[0].shape[0] == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 486.00 MiB")
+        if sample_args[0].shape[0] == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return ok(fn, sample_args, pool)
+
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=capture)
+    for x in (tiny, tiny, small, small, small):  # tiny's capture fails (not memory), small's is captured
+        g(x, return_dict=False)
+    assert g.summary() == {"graphs": 1, "failed": 1, "replays": 2}  # the capturing call replays too
+    for x in (big, big, other, other, other, small):  # big's runs out of memory: other is never captured
+        assert torch.equal(g(x, return_dict=False)[0], model(x, return_dict=False)[0])
+    assert len(record) == 1 and g.summary() == {"graphs": 1, "failed": 2, "replays": 3,
+                                                "stopped": "a capture ran out of memory"}
+    messages = [f["message"] for e, f in log.events if e == "warning"]
+    assert len(messages) == 2 and "no other shape" not in messages[0]
+    assert "no other shape is captured either" in messages[1] and "486.00 MiB" in messages[1]
+
+
 def test_graphed_denoiser_skips_no_grad_and_odd_arguments():
     model, log, record = _Model(), _Log(), []
     g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record))

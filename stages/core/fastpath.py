@@ -219,6 +219,7 @@ class GraphedDenoiser:
         self._seen: Counter = Counter()
         self._graphs: dict[Any, Callable[..., Any]] = {}
         self._failed: set[Any] = set()
+        self._oom = False  # a capture ran out of memory: no further shape is captured (each would need as much)
         self.replays = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -238,7 +239,7 @@ class GraphedDenoiser:
                 self._room.first_call()
             if self._seen[key] == CAPTURE_AT and len(self._graphs) >= self.max_graphs and key not in self._failed:
                 self._warn_full(leaves)
-            if (self._seen[key] < CAPTURE_AT or key in self._failed or key in self._no_room
+            if (self._seen[key] < CAPTURE_AT or key in self._failed or key in self._no_room or self._oom
                     or len(self._graphs) >= self.max_graphs):
                 return self.model(*args, **kwargs)
             if self._room is not None:
@@ -280,20 +281,23 @@ class GraphedDenoiser:
             graphed = self._capture(forward, static + self.params, self._pool)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
             failure = f"{type(e).__name__}: {str(e)[:300]}"  # only text: the exception's frames hold its tensors
+            self._oom = self._oom or isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
         if failure is not None:  # out of the except block, so what the capture allocated can be freed now
             del static
             self._failed.add(key)
             forget_slots(self.model)
             _release_failed_capture()
+            then = "; no other shape is captured either (each would need as much memory)" if self._oom else ""
             self.log.emit("warning", message=f"CUDA graph capture failed for input shapes "
-                                             f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager: {failure}")
+                                             f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager{then}: {failure}")
             return None
         self._graphs[key] = functools.partial(_replay, graphed, at, self.params)
         return self._graphs[key]
 
     def summary(self) -> dict[str, Any]:
         room = {"no_room": len(self._no_room), "room": self._room_checks} if self._room is not None else {}
-        return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays, **room}
+        stopped = {"stopped": "a capture ran out of memory"} if self._oom else {}
+        return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays, **room, **stopped}
 
 
 def _release_failed_capture() -> None:
