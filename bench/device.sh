@@ -20,7 +20,7 @@
 #       cap), then plain cuDNN
 #   G4: G3's capped rows after its finding (a capture without room under the cap ran out of memory, and the eager
 #       steps after it): "auto" now captures only with room under the budget, and the planner checkpoints more
-#       blocks to leave it (memory._with_graph_room)
+#       blocks to leave it (memory._with_graph_room); first the CUDA tests of the room check (never run on a GPU)
 #   H: FLUX.1 Kontext side by side with diffusers' script (its base is bf16: the product's nf4 and bf16 rows)
 #   I: Qwen-Image 2.1 then Krea 2: their core rows (encode, latents, nf4/bf16 512 b1, export + verify)
 #   I2: Krea 2's rows of I again (I's full-size folder tapped the tiny model's 2 text layers, not the 12 its
@@ -138,7 +138,9 @@ case $phase in
   G) python3 bench/dtype_probe.py --family flux2-klein --res 1024 --out "$OUT/dtype-probe-klein.json" > "$OUT/dtype-probe.log" 2>&1
      tail -3 "$OUT/dtype-probe.log"; PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   G2) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
-  G4) PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+fitpeer,nf4+cudnn+fitreserved \
+  G4) timeout 150 python3 -m pytest -q tests/test_partial_checkpointing.py tests/test_fastpath.py -k cuda > "$OUT/room-cuda.log" 2>&1
+      tail -2 "$OUT/room-cuda.log"
+      PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+fitpeer,nf4+cudnn+fitreserved \
         PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   G3) PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+cudnn+fitreserved,nf4+fitreserved,nf4+cudnn \
         PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;

@@ -160,3 +160,36 @@ def test_partial_checkpointing_under_compile_and_cuda_graphs(built_run, monkeypa
     # other bf16 roundings): a 1e-3 relative floor over ten times the run-to-run difference
     assert (l2 - l0).abs().max() <= 10 * (l1 - l0).abs().max() + 1e-3 * l0.abs().max()
     assert (w2 - w0).abs().max() <= 10 * (w1 - w0).abs().max() + 1e-3 * w0.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+def test_under_a_budget_auto_captures_only_with_room_and_trains_eager_without(built_run, monkeypatch):
+    """On the GPU under a budget, train.cuda_graphs = "auto" weighs the room at the capture (fastpath.CaptureRoom
+    with the unswapped factor): with room it captures and replays; with the factor past any room it trains
+    eager to the end (FLUX.2 klein's capped rows crashed after a capture without room), the same losses
+    within bf16 rounding, and the summary says why."""
+    from stages.core import fastpath
+    from stages.core.runtime import torch_flags
+    from stages.trainer import Trainer
+
+    monkeypatch.delenv(fastpath.ENV, raising=False)
+    runs = {}
+    for name, factor in (("room", 0.0), ("no-room", 1e6)):
+        monkeypatch.setattr(fastpath, "UNSWAPPED_CAPTURE_ROOM", factor)
+        cfg = run_beside(built_run, f"room-cuda-{name}", **{
+            "device": "cuda", "train.base_precision": "bf16", "train.gradient_checkpointing": True,
+            "train.cuda_graphs": "auto", "train.compile_transformer": "off", "train.steps": 6})
+        tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "train"))
+        torch.manual_seed(cfg.seed)
+        with torch_flags(True, False, True):
+            tr.setup_model()
+            assert isinstance(tr.denoiser, fastpath.GraphedDenoiser) and tr.denoiser._room.factor == factor
+            losses, _ = losses_and_lora(tr)
+        runs[name] = (losses, tr.denoiser.summary())
+    (l0, room), (l1, none) = runs["room"], runs["no-room"]
+    assert room["graphs"] == 1 and room["replays"] >= 4 and room["no_room"] == 0
+    assert not room["room"][0].startswith("no room")
+    assert none["graphs"] == 0 and none["replays"] == 0 and none["no_room"] == 1
+    assert none["room"][0].startswith("no room: ") and "GB free under the" in none["room"][0]
+    assert torch.isfinite(l1).all() and (l1 - l0).abs().max() <= 1e-2 * l0.abs().max()
