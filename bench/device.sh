@@ -138,11 +138,11 @@ case $phase in
   G) python3 bench/dtype_probe.py --family flux2-klein --res 1024 --out "$OUT/dtype-probe-klein.json" > "$OUT/dtype-probe.log" 2>&1
      tail -3 "$OUT/dtype-probe.log"; PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   G2) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  G3) PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+cudnn+fitreserved,nf4+fitreserved,nf4+cudnn \
+        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   G4) timeout 150 python3 -m pytest -q tests/test_partial_checkpointing.py tests/test_fastpath.py -k cuda > "$OUT/room-cuda.log" 2>&1
       tail -2 "$OUT/room-cuda.log"
       PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+fitpeer,nf4+cudnn+fitreserved \
-        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
-  G3) PEERS_PRODUCT=nf4+cudnn+fitpeer,nf4+cudnn+fitreserved,nf4+fitreserved,nf4+cudnn \
         PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   H) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 15 ;;
   I|I2) o=(--only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' --only '*/export/nf4-512-b1'

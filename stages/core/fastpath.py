@@ -212,7 +212,7 @@ class GraphedDenoiser:
         self.model, self.params, self.log = model, tuple(params), log
         self.max_graphs = max_graphs
         self._capture = capture or functools.partial(_cuda_capture, warmup=warmup)
-        self._room = room  # a CaptureRoom: capture only where it fits ("auto" under block swap)
+        self._room = room  # a CaptureRoom: capture only where it fits ("auto" under a GPU budget)
         self._no_room: set[Any] = set()  # shapes left eager for want of room
         self._room_checks: list[str] = []  # each check's figures, in order
         self._pool: Any = None
@@ -281,7 +281,7 @@ class GraphedDenoiser:
             graphed = self._capture(forward, static + self.params, self._pool)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
             failure = f"{type(e).__name__}: {str(e)[:300]}"  # only text: the exception's frames hold its tensors
-            self._oom = self._oom or isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+            self._oom = self._oom or "out of memory" in failure  # torch.cuda.OutOfMemoryError's text says so too
         if failure is not None:  # out of the except block, so what the capture allocated can be freed now
             del static
             self._failed.add(key)
