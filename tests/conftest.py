@@ -123,12 +123,14 @@ def record_models():
     import diffusers
     import transformers
 
+    from stages.core.runtime import library_class
+
     seen: set[str] = set()
     originals = {base: base.__init__ for base in (diffusers.ModelMixin, transformers.PreTrainedModel)}
 
     def wrap(original):
         def traced(self, *args, **kwargs):
-            seen.add(type(self).__name__)
+            seen.add(library_class(self))
             original(self, *args, **kwargs)
         return traced
 

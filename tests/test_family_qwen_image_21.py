@@ -8,7 +8,9 @@
   `_encode_vae_image` computes them; `denormalize_latents` is the decode's inverse;
 - sigmas as the scheduler makes them with the pipeline's `calculate_shift` over h*w tokens;
 - one training loss equals the transformer called as the pipeline's denoising step calls it, and a
-  batch of captions of different lengths (left-padded) equals its items one by one.
+  batch of captions of different lengths (left-padded) equals its items one by one;
+- the loss's layout forward (denoiser.py) equals the stock forward in values and LoRA gradients,
+  and traces with no graph break where the stock one breaks (what lets a CUDA graph capture it).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def test_sigmas_follow_the_scheduler_with_the_pipelines_shift(fam, hw):
 
 
 def _denoiser(folder):
-    return diffusers.QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer").eval()
+    """The train stage's load (denoiser.py's subclass): without `layout` its forward is the stock one."""
+    return get_family(NAME).load_denoiser(ModelSource(str(folder)), "fp32", CPU, TrainConfig()).eval()
 
 
 def _batch(family, folder, captions):
@@ -146,9 +149,120 @@ def test_left_padding_has_no_nan_in_the_masked_rows(fam):
     """Left-padded caption rows attend to nothing in the causal text segment; SDPA must give them
     zeros, not NaN, or the NaN would reach every later token through the values."""
     family, folder, _ = fam
-    denoiser = _denoiser(folder)
+    denoiser = _denoiser(folder).requires_grad_(True)  # every weight's gradient checked, not only a LoRA's
     cond, x0, noise, t, meta = _batch(family, folder, CAPTIONS[:2])
     assert cond["prompt_length"][0] != cond["prompt_length"][1]
     loss = family.loss(denoiser, x0, noise, t, cond, meta, TrainConfig())
     loss.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in denoiser.parameters() if p.grad is not None)
+
+
+def _lora(denoiser):
+    from peft import LoraConfig
+
+    denoiser.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=list(get_family(NAME).default_lora_targets),
+                                    init_lora_weights=False))  # non-zero B: the adapter changes the output
+    return [p for n, p in denoiser.named_parameters() if "lora_" in n]
+
+
+def _stock_and_layout_calls(family, denoiser, b, text_len, h, w, masked):
+    from stages.families.qwen_image_21.denoiser import layout
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(b, h * w, denoiser.config.in_channels, generator=gen)
+    text = torch.randn(b, text_len, denoiser.config.context_in_dim, generator=gen)
+    mask = torch.ones(b, text_len, dtype=torch.bool)
+    if masked:
+        mask[0, :2] = False  # a left-padded shorter caption
+    t = torch.tensor([0.3, 0.7][:b])
+    common = {"hidden_states": x, "encoder_hidden_states": text, "timestep": t,
+              "encoder_hidden_states_mask": mask if masked else None}
+    img_mask = torch.cat([torch.zeros(b, text_len, dtype=torch.bool), torch.ones(b, h * w // 4, dtype=torch.bool)], 1)
+    stock = {**common, "img_shapes": [[(1, h, w)]] * b, "img_mask": img_mask, "return_dict": False}
+    return stock, {**common, "layout": layout(denoiser, text_len, h, w, torch.device("cpu"))}
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_layout_forward_equals_the_stock_forward_in_values_and_lora_gradients(fam, masked):
+    family, folder, _ = fam
+    denoiser = _denoiser(folder)
+    params = _lora(denoiser)
+    denoiser.enable_gradient_checkpointing()  # the train stage's path through _gradient_checkpointing_func
+    denoiser.train()
+    stock, ours = _stock_and_layout_calls(family, denoiser, 2, 5, 4, 6, masked)
+    results = []
+    for kwargs in (stock, ours):
+        out = denoiser(**kwargs)[0]
+        grads = torch.autograd.grad((out ** 2).sum(), params)
+        results.append((out.detach(), grads))
+    (o1, g1), (o2, g2) = results
+    assert o1.shape[:2] == (2, 5 + 24)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in g1)
+
+
+def test_layout_forward_traces_without_a_graph_break_where_the_stock_one_breaks(fam):
+    """A device sync (tolist, nonzero, boolean indexing) breaks a dynamo graph as it breaks a CUDA
+    graph capture: the layout path must trace whole, the stock one does not."""
+    import torch._dynamo
+
+    family, folder, _ = fam
+    denoiser = _denoiser(folder)
+    stock, ours = _stock_and_layout_calls(family, denoiser, 2, 5, 4, 6, True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = denoiser(**ours)[0]
+        got = torch.compile(lambda kw: denoiser(**kw)[0], backend="eager", fullgraph=True)(ours)
+        torch.testing.assert_close(got, expected)
+        torch._dynamo.reset()
+        with pytest.raises(Exception):
+            torch.compile(lambda kw: denoiser(**kw)[0], backend="eager", fullgraph=True)(stock)
+    torch._dynamo.reset()
+
+
+def test_layout_forward_refuses_flex_attention(fam):
+    family, folder, _ = fam
+    denoiser = _denoiser(folder)
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21FlexAttnProcessor
+
+    denoiser.transformer_blocks[0].attn.set_processor(QwenImage21FlexAttnProcessor())
+    _, ours = _stock_and_layout_calls(family, denoiser, 1, 5, 4, 6, False)
+    with pytest.raises(ValueError, match="QwenImage21AttnProcessor's segments"):
+        denoiser(**ours)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["nf4", "bf16"])
+def test_cuda_graphs_capture_the_training_step_with_the_eager_losses(assets, demo_data, tmp_path, precision,
+                                                                      monkeypatch):
+    """On the H200 every capture of the stock forward failed (bench-qwen-image-2.1-I4.json); with the
+    layout forward the train stage captures one graph and replays it, with the eager steps' losses."""
+    from conftest import losses_and_lora, make_cfg
+    from stages import cache_latents, encode_captions
+    from stages.core import fastpath
+    from stages.core.events import EventLog
+    from stages.core.runtime import torch_flags
+    from stages.trainer import Trainer
+
+    cfg = make_cfg(NAME, assets, demo_data, tmp_path, **{"device": "cuda", "train.base_precision": precision,
+                                                         "train.steps": 6, "train.checkpoint_every": 0,
+                                                         "train.batch_size": 2, "train.gradient_checkpointing": True,
+                                                         "train.compile_transformer": "off"})
+    encode_captions.run(cfg)
+    cache_latents.run(cfg)
+    runs = []
+    for mode in ("off", "on"):
+        monkeypatch.setenv(fastpath.ENV, mode)
+        with torch_flags(True, False, True):
+            tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, f"train-{mode}"))
+            torch.manual_seed(cfg.seed)
+            tr.setup_model()
+            runs.append((*losses_and_lora(tr), tr.denoiser))
+    (l0, w0, _), (l1, w1, graphed) = runs
+    assert isinstance(graphed, fastpath.GraphedDenoiser)
+    summary = graphed.summary()
+    assert summary["failed"] == 0 and summary["graphs"] >= 1 and summary["replays"] >= 3, summary
+    assert l1[0] == l0[0]
+    assert (l1 - l0).abs().max() <= 2e-3 and (w1 - w0).abs().max() <= 1e-3 * max(1.0, float(w0.abs().max()))

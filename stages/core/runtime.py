@@ -260,6 +260,15 @@ def quiet_libraries(verbose: bool | None = None) -> None:
     torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(verbose)
 
 
+def library_class(model: Any) -> str:
+    """The diffusers/transformers class a model is: a project subclass (one that only adds a training
+    forward, stages/families/qwen_image_21/denoiser.py) reports the library class it extends."""
+    for cls in type(model).__mro__:
+        if cls.__module__.split(".")[0] in ("diffusers", "transformers"):
+            return cls.__name__
+    return type(model).__name__
+
+
 def install_model_trace(stage: str) -> None:
     """Called at each stage's start: quiets the libraries (`quiet_libraries`), and if
     LORAPIPE_TRACE_MODELS names a folder, records every diffusers/transformers model class this
@@ -277,7 +286,7 @@ def install_model_trace(stage: str) -> None:
         original = base.__init__
 
         def traced(self: Any, *args: Any, _orig: Any = original, **kwargs: Any) -> None:
-            seen.append(type(self).__name__)
+            seen.append(library_class(self))
             _orig(self, *args, **kwargs)
 
         base.__init__ = traced  # type: ignore[method-assign]

@@ -20,7 +20,9 @@ Checked against diffusers 0.42.1:
   converts images with `img.convert("RGBA")`, so an opaque image has alpha +1 in [-1, 1]); the
   posterior a DiagonalGaussianDistribution (logvar clamped to [-30, 20]).
 - `models/transformers/transformer_qwenimage21.py`: no guidance embedding and no distilled variant;
-  text tokens are modulated from t = 0 (`causal_condition`). The scheduler steps
+  text tokens are modulated from t = 0 (`causal_condition`). Training calls it with the sequence
+  layout built once per shape (`denoiser.py`: the stock forward syncs with the GPU, so no CUDA graph
+  could capture it). The scheduler steps
   `x + (sigma_next - sigma) * pred`, so the flow target is noise - x0.
 
 Captions are stored padded with their lengths. A batch is LEFT-padded to its longest caption and
@@ -48,6 +50,7 @@ SYSTEM_PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"  # the chat t
 PROMPT_TEMPLATE = SYSTEM_PREFIX + "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 VAE_SCALE_FACTOR = 16  # QwenImage21Pipeline.vae_scale_factor, fixed in its __init__
 IMG_TOKENS_PER_SLOT = 4  # transformer_qwenimage21._IMG_TOKENS_PER_SLOT: one slot per 2x2 latent tokens
+LAYOUT_CACHE = 16  # (caption length, h, w) layouts kept: buckets times caption lengths in a batch
 
 
 class QwenImage21TextEncoder:
@@ -149,10 +152,22 @@ class QwenImage21:
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
-        from diffusers import QwenImage21Transformer2DModel
+        from stages.families.qwen_image_21.denoiser import QwenImage21Trainable
 
-        return load_denoiser_weights(QwenImage21Transformer2DModel, src, "transformer", precision, rt,
-                                     tcfg.nf4_double_quant)
+        return load_denoiser_weights(QwenImage21Trainable, src, "transformer", precision, rt, tcfg.nf4_double_quant)
+
+    def _layout(self, denoiser: Any, text_len: int, h: int, w: int, device: torch.device) -> dict[str, Any]:
+        """denoiser.py's `layout` for this shape, built once (its values never change)."""
+        from stages.families.qwen_image_21.denoiser import layout
+
+        cache = self.__dict__.setdefault("_layouts", {})
+        rope = denoiser.pos_embed
+        key = (text_len, h, w, str(device), rope.theta, tuple(rope.axes_dim))
+        if key not in cache:
+            if len(cache) >= LAYOUT_CACHE:
+                cache.pop(next(iter(cache)))
+            cache[key] = layout(denoiser, text_len, h, w, device)
+        return cache[key]
 
     def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
         # One token per latent pixel (no 2x2 packing): the shift's sequence length is h * w.
@@ -160,16 +175,20 @@ class QwenImage21:
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
+        from stages.families.qwen_image_21.denoiser import QwenImage21Trainable
+
         b, c, h, w = x0.shape
         dtype, device = base_dtype(denoiser), x0.device
         text, mask = left_padded(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
-        pred = denoiser(
-            hidden_states=flow.noisy_latents(x0, noise, t).flatten(2).transpose(1, 2).to(dtype),  # _pack_latents
-            encoder_hidden_states=text,
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            timestep=t.to(device, dtype),  # the pipeline passes t / 1000 = sigma
-            img_shapes=[[(1, h, w)]] * b,
-            img_mask=joint_img_mask(b, text.shape[1], h * w, device),
-            return_dict=False,
-        )[0][:, -h * w:]  # the target image's tokens, as the pipeline slices them
+        kwargs = {"hidden_states": flow.noisy_latents(x0, noise, t).flatten(2).transpose(1, 2).to(dtype),  # _pack_latents
+                  "encoder_hidden_states": text, "encoder_hidden_states_mask": None if bool(mask.all()) else mask,
+                  "timestep": t.to(device, dtype)}  # the pipeline passes t / 1000 = sigma
+        if isinstance(getattr(denoiser, "model", denoiser), QwenImage21Trainable):  # the train stage's (maybe graphed)
+            # The pipeline's img_shapes and img_mask below, as the layout they make (denoiser.py: the stock
+            # forward waits on the GPU, so no CUDA graph could capture it).
+            kwargs["layout"] = self._layout(denoiser, text.shape[1], h, w, device)
+        else:  # a pipeline's own transformer (the export check loads one): the pipeline's call
+            kwargs.update(img_shapes=[[(1, h, w)]] * b, img_mask=joint_img_mask(b, text.shape[1], h * w, device),
+                          return_dict=False)
+        pred = denoiser(**kwargs)[0][:, -h * w:]  # the target image's tokens, as the pipeline slices them
         return flow.per_sample_mse(pred.transpose(1, 2).reshape(b, c, h, w), flow.flow_target(x0, noise), meta.loss_mask)
