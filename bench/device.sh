@@ -29,6 +29,9 @@
 #   I4, I5, O3, O4: I3's and O2's families one a call, each with the call's whole time (a family's remaining plan
 #       is ~8 train items of 60-95 s; half a call got 2-3 of them); --keep leaves the built model in /dev/shm for
 #       a next call on the warm machine (without it K9 rebuilt FLUX, 59 s): call the same phase again to go on
+#   I6: Qwen-Image 2.1's nf4 512 px b1 train again, after its layout forward let CUDA graphs capture (commit 4bac159;
+#       the sixteenth session ran this bench.py line by hand with its last ~200 s: bench-qwen-image-2.1-I6.json)
+#   I7: Qwen-Image 2.1's other train rows again under graphs (I4's ran eager), then the two I4 left (not yet run)
 #   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
 #       512 px b1 train/export/verify only; bf16 at every shape, nf4 1024 px and batch 4, 1024 px latents never ran
 #       here, its 1024 px b1 rows being the side by side's, bench/results/peers-klein-*.json)
@@ -153,6 +156,13 @@ case $phase in
   KL) shm_only flux2-klein; bench 0 flux2-klein KL $(( $(left) - 25 )) --keep ;;
   I4) shm_only qwen-image-2.1; bench 0 qwen-image-2.1 I4 $(( $(left) - 25 )) --keep ;;
   I5) shm_only krea2; bench 0 krea2 I5 $(( $(left) - 25 )) --keep ;;
+  I6) python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --out "$OUT/bench-qwen-image-2.1-I6.json" \
+        --budget-s $(( $(left) - 15 )) --only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' \
+        > "$OUT/bench-qwen-image-2.1-I6.log" 2>&1 ;;
+  I7) shm_only qwen-image-2.1  # no --skip-done for train rows: I4's ran eager
+      python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --out "$OUT/bench-qwen-image-2.1-I7.json" \
+        --budget-s $(( $(left) - 15 )) --keep --only '*/encode/*' --only '*/latents/*' --only '*/train/*' \
+        --skip-done bench/results/bench-qwen-image-2.1-I6.json > "$OUT/bench-qwen-image-2.1-I7.log" 2>&1 ;;
   O3) shm_only flux-kontext; bench 0 flux-kontext O3 $(( $(left) - 25 )) --keep ;;
   O4) shm_only qwen-image-edit; bench 0 qwen-image-edit O4 $(( $(left) - 25 )) --keep ;;
   J) shm_only flux2; bench 0 flux2 J $(( $(left) - 30 )) --keep ;;

@@ -227,7 +227,7 @@ def targets(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]]) -> str
                 n, d = _default(rows, fam, f"nf4-{res}-b{b}"), _by(rows, fam, f"bf16-{res}-b{b}")
                 if n and d and n["step_s"] and d["step_s"]:
                     ratio = n["step_s"] / d["step_s"]
-                    t.append(f"| {NAMES[fam]} nf4 step ≤ 1.3x bf16 step ({res} px b{b}) | {ratio:.2f}x{_run(n)} | "
+                    t.append(f"| {NAMES[fam]} nf4 step ≤ 1.3x bf16 step ({res} px b{b}) | {ratio:.2f}x{_run(n)}{_graphs(n, d)} | "
                              f"{'yes' if ratio <= 1.3 else 'no'} |")
     e, d = _by(rows, "flux", "fp8-1024-b4"), _by(rows, "flux", "bf16-1024-b4")
     if e and d and e["step_s"] and d["step_s"]:
@@ -268,6 +268,15 @@ def _run(r: dict[str, Any]) -> str:
     if r["name"].endswith("-compile"):
         return f" (run {r['name']}, compiled)"
     return " (nf4 uncompiled: run before `auto` compiled nf4)" if _predates_nf4_compile(r) else ""
+
+
+def _graphs(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Says when only one side of a ratio replayed CUDA graphs (the other ran eager): not a like-for-like step."""
+    used = [bool(r.get("graphs_used")) for r in (a, b)]
+    if used[0] == used[1]:
+        return ""
+    return f" ({a['precision']} under CUDA graphs, {b['precision']} eager)" if used[0] else \
+        f" ({a['precision']} eager, {b['precision']} under CUDA graphs)"
 
 
 def profile_section(items: dict[str, dict[str, Any]]) -> str:

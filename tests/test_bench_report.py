@@ -90,6 +90,17 @@ def test_targets_say_missed_with_the_ratio(tmp_path: Path) -> None:
     assert speed["measured"].startswith("6.67 samples/s") and speed["met?"] == "yes"  # 6.67 >= 6.0 at 8 GB
 
 
+def test_a_ratio_says_when_only_one_side_ran_under_cuda_graphs(tmp_path: Path) -> None:
+    rows = [_train_row("flux", "bf16-512-b1", 0.20, True), _train_row("flux", "nf4-512-b1", 0.15, True),
+            _train_row("flux", "bf16-512-b4", 0.40, True), _train_row("flux", "nf4-512-b4", 0.44, True)]
+    for row, graphs in zip(rows, (0, 1, 1, 1)):
+        row["summary"]["runtime"] = {"cuda_graphs": {"graphs": graphs}}
+    _, items, _ = report.load([_write(tmp_path, rows)])
+    t = table(report.targets(report.train_rows(items, NO_MFU), items), "target")
+    assert t["FLUX nf4 step ≤ 1.3x bf16 step (512 px b1)"]["measured"] == "0.75x (nf4 under CUDA graphs, bf16 eager)"
+    assert t["FLUX nf4 step ≤ 1.3x bf16 step (512 px b4)"]["measured"] == "1.10x"
+
+
 def test_killed_at_budget_is_cut_off_and_unplanned_failures_drop_out(tmp_path: Path) -> None:
     rows = [{"id": "flux/train/nf4-512-b1", "kind": "train", "res": 512, "status": "failed", "rc": -9, "sets": {},
              "env": {}, "log_tail": "[train] 4/8 steps"},
