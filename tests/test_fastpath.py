@@ -86,8 +86,10 @@ def test_graphed_denoiser_gradients_reach_parameters():
 def test_graphed_denoiser_capture_failure_runs_eager_with_warning():
     model, log = _Model(), _Log()
 
-    def broken(fn, sample_args, pool):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def broken(fn, sample_args, pool):  # the text CUDA gave a Qwen-Image 2.1 capture on the H200
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nSearch for "
+                           "`cudaErrorStreamCaptureInvalidated' in https://docs.nvidia.com/cuda/...\nCUDA kernel "
+                           "errors might be asynchronously reported at some other API call")
 
     g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=broken)
     x = torch.randn(2, 4)
@@ -97,6 +99,7 @@ def test_graphed_denoiser_capture_failure_runs_eager_with_warning():
     assert model.calls == 4
     (event, fields), = log.events
     assert event == "warning" and "CUDA graph capture failed" in fields["message"] and "eager" in fields["message"]
+    assert fields["message"].endswith("RuntimeError: CUDA error: operation failed due to a previous error during capture")
 
 
 def test_a_failed_capture_frees_its_tensors_before_the_cache_is_released(monkeypatch):

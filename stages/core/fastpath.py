@@ -280,7 +280,9 @@ class GraphedDenoiser:
                 self._pool = torch.cuda.graph_pool_handle()
             graphed = self._capture(forward, static + self.params, self._pool)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
-            failure = f"{type(e).__name__}: {str(e)[:300]}"  # only text: the exception's frames hold its tensors
+            # only text (the exception's frames hold its tensors), its first line: CUDA's errors go on with a
+            # docs link and advice about CUDA_LAUNCH_BLOCKING that say nothing about this capture
+            failure = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
             self._oom = self._oom or "out of memory" in failure  # torch.cuda.OutOfMemoryError's text says so too
         if failure is not None:  # out of the except block, so what the capture allocated can be freed now
             del static

@@ -7,7 +7,7 @@ in the prefix segments, `nonzero()` and boolean indexing, `torch.tensor(<list>)`
 H200 every capture failed and every step ran eager (bench/results/bench-qwen-image-2.1-I4.json).
 
 For training, the layout is a function of (caption length, latent h, w) alone: the text, then the
-target image's h*w tokens. `Layout.build` makes it once per shape, eagerly, and
+target image's h*w tokens. `layout()` makes it once per shape, eagerly (the family keeps it), and
 `forward(..., layout=...)` runs the rest of the stock forward on it: the same modules, in the same
 order, on the same values (tests/test_family_qwen_image_21.py checks it against the stock forward,
 and that the layout path traces with no graph break). Without `layout` the stock forward runs.
@@ -25,7 +25,7 @@ from diffusers.models.transformers import transformer_qwenimage21 as stock
 def layout(model: QwenImage21Transformer2DModel, text_len: int, h: int, w: int,
            device: torch.device) -> dict[str, Any]:
     """What the stock forward derives from `img_mask` and `img_shapes` for [text, one h x w image],
-    as graph-capturable inputs: the RoPE table (as real pairs: a graph's inputs are real tensors),
+    as graph-capturable inputs: the RoPE table (kept as real pairs, so a graph's static inputs are all real tensors),
     the target-token mask, the text length and the prefix segments (plain ints)."""
     image_pad_mask = torch.cat([torch.zeros(text_len, dtype=torch.bool), torch.ones(h * w, dtype=torch.bool)])
     image_pad_mask = image_pad_mask.to(device)
