@@ -165,7 +165,7 @@ def _lora(denoiser):
     return [p for n, p in denoiser.named_parameters() if "lora_" in n]
 
 
-def _stock_and_layout_calls(family, denoiser, b, text_len, h, w, masked):
+def _stock_and_layout_calls(denoiser, b, text_len, h, w, masked):
     from stages.families.qwen_image_21.denoiser import layout
 
     gen = torch.Generator().manual_seed(3)
@@ -177,19 +177,19 @@ def _stock_and_layout_calls(family, denoiser, b, text_len, h, w, masked):
     t = torch.tensor([0.3, 0.7][:b])
     common = {"hidden_states": x, "encoder_hidden_states": text, "timestep": t,
               "encoder_hidden_states_mask": mask if masked else None}
-    img_mask = torch.cat([torch.zeros(b, text_len, dtype=torch.bool), torch.ones(b, h * w // 4, dtype=torch.bool)], 1)
-    stock = {**common, "img_shapes": [[(1, h, w)]] * b, "img_mask": img_mask, "return_dict": False}
+    stock = {**common, "img_shapes": [[(1, h, w)]] * b, "img_mask": joint_img_mask(b, text_len, h * w, "cpu"),
+             "return_dict": False}
     return stock, {**common, "layout": layout(denoiser, text_len, h, w, torch.device("cpu"))}
 
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_layout_forward_equals_the_stock_forward_in_values_and_lora_gradients(fam, masked):
-    family, folder, _ = fam
+    _, folder, _ = fam
     denoiser = _denoiser(folder)
     params = _lora(denoiser)
     denoiser.enable_gradient_checkpointing()  # the train stage's path through _gradient_checkpointing_func
     denoiser.train()
-    stock, ours = _stock_and_layout_calls(family, denoiser, 2, 5, 4, 6, masked)
+    stock, ours = _stock_and_layout_calls(denoiser, 2, 5, 4, 6, masked)
     results = []
     for kwargs in (stock, ours):
         out = denoiser(**kwargs)[0]
@@ -208,9 +208,9 @@ def test_layout_forward_traces_without_a_graph_break_where_the_stock_one_breaks(
     graph capture: the layout path must trace whole, the stock one does not."""
     import torch._dynamo
 
-    family, folder, _ = fam
+    _, folder, _ = fam
     denoiser = _denoiser(folder)
-    stock, ours = _stock_and_layout_calls(family, denoiser, 2, 5, 4, 6, True)
+    stock, ours = _stock_and_layout_calls(denoiser, 2, 5, 4, 6, True)
     torch._dynamo.reset()
     with torch.no_grad():
         expected = denoiser(**ours)[0]
@@ -223,12 +223,12 @@ def test_layout_forward_traces_without_a_graph_break_where_the_stock_one_breaks(
 
 
 def test_layout_forward_refuses_flex_attention(fam):
-    family, folder, _ = fam
+    _, folder, _ = fam
     denoiser = _denoiser(folder)
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21FlexAttnProcessor
 
     denoiser.transformer_blocks[0].attn.set_processor(QwenImage21FlexAttnProcessor())
-    _, ours = _stock_and_layout_calls(family, denoiser, 1, 5, 4, 6, False)
+    _, ours = _stock_and_layout_calls(denoiser, 1, 5, 4, 6, False)
     with pytest.raises(ValueError, match="QwenImage21AttnProcessor's segments"):
         denoiser(**ours)
 

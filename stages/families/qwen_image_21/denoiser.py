@@ -75,9 +75,8 @@ class QwenImage21Trainable(QwenImage21Transformer2DModel):
             key_valid = torch.cat([encoder_hidden_states_mask.bool(),
                                    encoder_hidden_states_mask.new_ones(batch_size, joint.shape[1] - text_len,
                                                                        dtype=torch.bool)], dim=1)
-        segments = [tuple(s) for s in layout["segments"]]
         for block in self.transformer_blocks:
-            args = (joint, modulation, rotary_emb, None, modulation_mask, None, None, None, segments, key_valid)
+            args = (joint, modulation, rotary_emb, None, modulation_mask, None, None, None, layout["segments"], key_valid)
             if torch.is_grad_enabled() and self.gradient_checkpointing:
                 joint = self._gradient_checkpointing_func(block, *args)
             else:
