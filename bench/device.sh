@@ -32,6 +32,9 @@
 #   I6: Qwen-Image 2.1's nf4 512 px b1 train again, after its layout forward let CUDA graphs capture (commit 4bac159;
 #       the sixteenth session ran this bench.py line by hand with its last ~200 s: bench-qwen-image-2.1-I6.json)
 #   I7: Qwen-Image 2.1's other train rows again under graphs (I4's ran eager), then the two I4 left (not yet run)
+#   I8: I7 in the order that matters (seventeenth session): Qwen-Image 2.1's 1024 px train rows under graphs first
+#       (bf16 1024 b4 and fp8 never ran), then its 512 px rows (I4's ran eager)
+#   O6: what O4 left for Qwen-Image-Edit-Plus (bf16 1024 b4, fp8 1024 b1), then FLUX.2 klein's bf16 1024 b4
 #   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
 #       512 px b1 train/export/verify only; bf16 at every shape, nf4 1024 px and batch 4, 1024 px latents never ran
 #       here, its 1024 px b1 rows being the side by side's, bench/results/peers-klein-*.json)
@@ -163,6 +166,15 @@ case $phase in
       python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --out "$OUT/bench-qwen-image-2.1-I7.json" \
         --budget-s $(( $(left) - 15 )) --keep --only '*/encode/*' --only '*/latents/*' --only '*/train/*' \
         --skip-done bench/results/bench-qwen-image-2.1-I6.json > "$OUT/bench-qwen-image-2.1-I7.log" 2>&1 ;;
+  I8) shm_only qwen-image-2.1  # no --skip-done for train rows: I4's ran eager
+      q() { python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --keep "$@"; }
+      q --out "$OUT/bench-qwen-image-2.1-I8.json" --budget-s $(( $(left) - 15 )) --only '*/train/*-1024-*' \
+        > "$OUT/bench-qwen-image-2.1-I8.log" 2>&1
+      q --out "$OUT/bench-qwen-image-2.1-I8b.json" --budget-s $(( $(left) - 15 )) --only '*/train/*-512-*' \
+        --skip-done bench/results/bench-qwen-image-2.1-I6.json > "$OUT/bench-qwen-image-2.1-I8b.log" 2>&1 ;;
+  O6) shm_only qwen-image-edit
+      bench 0 qwen-image-edit O6 $(( $(left) - 190 )) --only '*/train/bf16-1024-b4' --only '*/train/fp8-1024-b1'
+      rm -rf /dev/shm/lorapipe-bench/qwen-image-edit; bench 0 flux2-klein O6 $(( $(left) - 20 )) --only '*/train/bf16-1024-b4' ;;
   O3) shm_only flux-kontext; bench 0 flux-kontext O3 $(( $(left) - 25 )) --keep ;;
   O4) shm_only qwen-image-edit; bench 0 qwen-image-edit O4 $(( $(left) - 25 )) --keep ;;
   J) shm_only flux2; bench 0 flux2 J $(( $(left) - 30 )) --keep ;;
