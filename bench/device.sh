@@ -31,9 +31,8 @@
 #       a next call on the warm machine (without it K9 rebuilt FLUX, 59 s): call the same phase again to go on
 #   I6: Qwen-Image 2.1's nf4 512 px b1 train again, after its layout forward let CUDA graphs capture (commit 4bac159;
 #       the sixteenth session ran this bench.py line by hand with its last ~200 s: bench-qwen-image-2.1-I6.json)
-#   I7: Qwen-Image 2.1's other train rows again under graphs (I4's ran eager), then the two I4 left (not yet run)
-#   I8: I7 in the order that matters (seventeenth session): Qwen-Image 2.1's 1024 px train rows under graphs first
-#       (bf16 1024 b4 and fp8 never ran), then its 512 px rows (I4's ran eager)
+#   I8: Qwen-Image 2.1's other train rows again under graphs (I4's ran eager), 1024 px first (bf16 1024 b4 and fp8
+#       had never run), then 512 px
 #   O6: what O4 left for Qwen-Image-Edit-Plus (bf16 1024 b4, fp8 1024 b1), then FLUX.2 klein's bf16 1024 b4
 #   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
 #       512 px b1 train/export/verify only; bf16 at every shape, nf4 1024 px and batch 4, 1024 px latents never ran
@@ -162,10 +161,6 @@ case $phase in
   I6) python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --out "$OUT/bench-qwen-image-2.1-I6.json" \
         --budget-s $(( $(left) - 15 )) --only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' \
         > "$OUT/bench-qwen-image-2.1-I6.log" 2>&1 ;;
-  I7) shm_only qwen-image-2.1  # no --skip-done for train rows: I4's ran eager
-      python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --out "$OUT/bench-qwen-image-2.1-I7.json" \
-        --budget-s $(( $(left) - 15 )) --keep --only '*/encode/*' --only '*/latents/*' --only '*/train/*' \
-        --skip-done bench/results/bench-qwen-image-2.1-I6.json > "$OUT/bench-qwen-image-2.1-I7.log" 2>&1 ;;
   I8) shm_only qwen-image-2.1  # no --skip-done for train rows: I4's ran eager
       q() { python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --keep "$@"; }
       q --out "$OUT/bench-qwen-image-2.1-I8.json" --budget-s $(( $(left) - 15 )) --only '*/train/*-1024-*' \
