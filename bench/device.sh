@@ -117,6 +117,8 @@ start=$(date +%s)
 left() { echo $(( secs - ($(date +%s) - start) )); }
 bench() {  # gpu families tag budget [--keep]
   local gpu=$1 fams=$2 tag=$3 budget=$4; shift 4
+  local t=$tag l; for l in b c d e f g h; do  # a name bench/results already holds gets the next letter (O3 -> O3d)
+    [ -e "bench/results/bench-${fams%%,*}-$t.json" ] || break; t=$tag$l; done; tag=$t
   local skip=(); for f in bench/results/bench-"${fams%%,*}"-*.json "$keep"/bench-"${fams%%,*}"-*.json; do
     [ -e "$f" ] && skip+=(--skip-done "$f"); done
   CUDA_VISIBLE_DEVICES=$gpu python3 bench/bench.py run --families "$fams" --work /tmp/lorapipe-bench-$gpu \
