@@ -324,6 +324,19 @@ VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
 }
 
 
+def peer_row_from(path: Path, fam: str, res: int, batch: int) -> dict[str, Any]:
+    """The script's finished row from an earlier peers JSON of the same family and shape (--peer-row)."""
+    earlier = json.loads(path.read_text())
+    shape = (earlier.get("family"), earlier.get("res"), earlier.get("batch"))
+    if shape != (fam, res, batch):
+        raise SystemExit(f"--peer-row {path}: it holds {shape[0]} at {shape[1]} px batch {shape[2]}, "
+                         f"this run is {fam} at {res} px batch {batch}")
+    peers = [r for r in earlier.get("rows", []) if r.get("side") != "product" and r.get("status") == "ok"]
+    if not peers:
+        raise SystemExit(f"--peer-row {path}: no finished row of the script in that file")
+    return {**peers[-1], "from_file": str(path)}
+
+
 def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runner: Any, res_sets: dict[str, Any],
                 rows: dict[str, Any], peer_peak: dict[str, Any] | None = None) -> dict[str, Any]:
     from bench.bench import KILLED_AFTER_MANIFEST, Item, collect, finished_before_kill
@@ -428,6 +441,9 @@ def run(a: argparse.Namespace) -> None:
             peer_peak = result["rows"][-1]
         except Exception as e:  # noqa: BLE001 - the product's rows still count
             add({"side": "diffusers script", "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+    elif a.peer_row:  # a product-only probe: the script's row (its peak for fitpeer/fitreserved) from an earlier run
+        peer_peak = peer_row_from(Path(a.peer_row), fam, a.res, a.batch)
+        add(peer_peak)
     if "product" in sides:
         runner = Runner(run_args(work=str(work / "product"), budget_s=max(30.0, deadline - time.time()),
                                  out=str(work / "product" / "runner.json"), tiny=a.tiny, keep=True))
@@ -468,6 +484,8 @@ def main() -> None:
                         "script's backward died in it on torch 2.11 + CUDA 13")
     r.add_argument("--product-precisions", default="nf4", help="base precisions of the product's train runs, e.g. nf4,bf16")
     r.add_argument("--sides", default="peer,product")
+    r.add_argument("--peer-row", default="", help="with --sides product: the script's row from an earlier run's JSON "
+                   "(shown beside the product's rows and giving fitpeer/fitreserved its peak; not a same-run comparison)")
     r.add_argument("--peer-no-cache-latents", action="store_true", help="let the script encode latents every step")
     r.add_argument("--peer-timeout-s", type=float, default=420.0)
     r.add_argument("--budget-s", type=float, default=560.0, help="no child starts or runs past this many seconds")
@@ -531,6 +549,8 @@ def report_section(results: list[dict[str, Any]]) -> str:
         head = f"| {res['family']} | {res['res']} | {res['batch']} "
         if peer is not None:
             status = "" if peer.get("status") == "ok" else f" ({peer.get('status')})"
+            if peer.get("from_file"):  # a product-only probe (--peer-row)
+                status += f" (its row of `{Path(peer['from_file']).name}`, an earlier run)"
             out.append(head + f"| diffusers `{peer.get('script', '?')}`{status} | {peer.get('precision', '—')} | "
                               f"{_fmt(peer.get('step_s'), 3)} | {_fmt(peer.get('samples_per_s'))} | "
                               f"{_fmt(peer.get('peak_gb'), 1)} | {'1.00' if peer.get('samples_per_s') else '—'} | |")
@@ -542,6 +562,7 @@ def report_section(results: list[dict[str, Any]]) -> str:
                 ratio = r["samples_per_s"] / peer["samples_per_s"]
                 if r.get("peak_gb") is not None and peer.get("peak_gb") is not None:
                     met = "yes" if ratio >= 2.0 and r["peak_gb"] <= peer["peak_gb"] else "no"
+                    met += " (across runs)" if peer.get("from_file") else ""
             status = "" if r.get("status") == "ok" else f" ({_status(r)})"
             out.append(head + f"| product{status} | {r.get('precision', '—')} | {_fmt(r.get('step_s'), 3)} | "
                               f"{_fmt(r.get('samples_per_s'))} | {_fmt(r.get('peak_gb'), 1)} | {_fmt(ratio)} | {met or '—'} |")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One side-by-side call on the H200 machine (bench/peers.md), results and logs in $OUT:
 #   bash bench/peers.sh klein|kontext [RES=1024] [BATCH=1] [STEPS=20]
-# PEERS_SIDES=product runs the product only; PEERS_PRODUCT=nf4,nf4+profile,... its train variants
+# PEERS_SIDES=product runs the product only (PEERS_PEER_ROW=<an earlier peers JSON> shows the script's row from it); PEERS_PRODUCT=nf4,nf4+profile,... its train variants
 # (bench/peers.py VARIANT_FLAGS); PEERS_TAG=x names the files peers-<which>-<res>-b<batch>-x.*.
 # after `pip install ... --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD`, with .whl and
 # .carry-peers carried. Builds the full-size random-weight pipeline in /dev/shm unless a warm machine
@@ -27,7 +27,7 @@ fi
 left=$(( ${PEERS_BUDGET_S:-560} - ($(date +%s) - start) ))
 tag=$which-$res-b$batch${PEERS_TAG:+-$PEERS_TAG}
 python3 bench/peers.py run --family $fam --model $m --data /tmp/peers-data/$which --res $res --batch $batch \
-  --steps $steps ${peer_flags:-} --product-precisions ${PEERS_PRODUCT:-$prec} --sides ${PEERS_SIDES:-peer,product} --budget-s $left --peer-timeout-s $(( left * 45 / 100 )) \
+  --steps $steps ${peer_flags:-} --product-precisions ${PEERS_PRODUCT:-$prec} --sides ${PEERS_SIDES:-peer,product} ${PEERS_PEER_ROW:+--peer-row $PEERS_PEER_ROW} --budget-s $left --peer-timeout-s $(( left * 45 / 100 )) \
   --out $OUT/peers-$tag.json > $OUT/peers-$tag.log 2>&1
 echo "rc $? after $(( $(date +%s) - start )) s"
 grep -h "^\[peers\]" $OUT/peers-$tag.log | cut -c1-400

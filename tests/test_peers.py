@@ -207,3 +207,19 @@ def test_a_train_killed_after_its_final_manifest_is_read_not_failed(tmp_path):
     (final / "manifest.json").write_text(json.dumps({"complete": True, "step": 15}))
     os.utime(final / "manifest.json", (since - 100, since - 100))  # written before this call
     assert not finished_before_kill(tmp_path, "train", since - 1, 15)
+
+
+def test_a_product_only_probe_takes_the_scripts_row_from_an_earlier_run_of_the_same_shape(tmp_path):
+    from bench.peers import peer_row_from
+
+    rows = [{"side": "diffusers script", "status": "ok", "peak_gb": 26.747, "step_s": 1.7676},
+            {"side": "product", "precision": "fp8", "status": "ok", "peak_gb": 15.9}]
+    f = tmp_path / "run3.json"
+    f.write_text(json.dumps({"family": "flux-kontext", "res": 1024, "batch": 1, "rows": rows}))
+    row = peer_row_from(f, "flux-kontext", 1024, 1)
+    assert (row["peak_gb"], row["step_s"], row["from_file"]) == (26.747, 1.7676, str(f))
+    with pytest.raises(SystemExit, match="holds flux-kontext at 1024 px batch 1, this run is flux-kontext at 512 px"):
+        peer_row_from(f, "flux-kontext", 512, 1)
+    f.write_text(json.dumps({"family": "flux-kontext", "res": 1024, "batch": 1, "rows": rows[1:]}))
+    with pytest.raises(SystemExit, match="no finished row of the script"):
+        peer_row_from(f, "flux-kontext", 1024, 1)
