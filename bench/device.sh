@@ -33,8 +33,8 @@
 #       the sixteenth session ran this bench.py line by hand with its last ~200 s: bench-qwen-image-2.1-I6.json)
 #   I8: Qwen-Image 2.1's other train rows again under graphs (I4's ran eager), 1024 px first (bf16 1024 b4 and fp8
 #       had never run), then 512 px
-#   P: FLUX.1 Kontext's product rows with cuDNN attention (never run for Kontext; on klein it halved attention's
-#      time), product only, the script's row of run3 beside them; if they reach 2x, a side-by-side in one run next
+#   P: FLUX.1 Kontext side by side again, the product's rows with cuDNN attention (never run for Kontext; on klein it
+#      halved attention's time); P1: the same product rows alone, beside the script's row of run3 (--peer-row)
 #   O6: what O4 left for Qwen-Image-Edit-Plus (bf16 1024 b4, fp8 1024 b1), then FLUX.2 klein's bf16 1024 b4
 #   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
 #       512 px b1 train/export/verify only; bf16 at every shape, nf4 1024 px and batch 4, 1024 px latents never ran
@@ -213,7 +213,9 @@ case $phase in
   M) PEERS_BUDGET_S=$(( $(left) - 175 )) bash bench/peers.sh kontext 1024 1 15
      timeout $(( $(left) - 5 )) python3 bench/tiling.py --budget-s $(( $(left) - 25 )) --out "$OUT/tiling-h200.json" > "$OUT/tiling.log" 2>&1
      tail -5 "$OUT/tiling.log" ;;
-  P) PEERS_SIDES=product PEERS_TAG=cudnn PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-run3.json \
+  P) PEERS_TAG=cudnn PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn,bf16+cudnn \
+       PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  P1) PEERS_SIDES=product PEERS_TAG=cudnn1 PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-run3.json \
        PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn,bf16+cudnn PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
   N) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
   O) bench 0 flux-kontext O $(( $(left) / 2 - 20 )) --keep; bench 0 qwen-image-edit O $(( $(left) - 30 )) --keep ;;
