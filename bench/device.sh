@@ -35,6 +35,7 @@
 #       had never run), then 512 px
 #   P: FLUX.1 Kontext side by side again, the product's rows with cuDNN attention (never run for Kontext; on klein it
 #      halved attention's time); P1: the same product rows alone, beside the script's row of run3 (--peer-row)
+#   I9: Krea 2's last bf16/nf4 row (bf16 1024 b4), then its fp8 1024 b1
 #   O6: what O4 left for Qwen-Image-Edit-Plus (bf16 1024 b4, fp8 1024 b1), then FLUX.2 klein's bf16 1024 b4
 #   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
 #       512 px b1 train/export/verify only; bf16 at every shape, nf4 1024 px and batch 4, 1024 px latents never ran
@@ -162,6 +163,7 @@ case $phase in
   KL) shm_only flux2-klein; bench 0 flux2-klein KL $(( $(left) - 25 )) --keep ;;
   I4) shm_only qwen-image-2.1; bench 0 qwen-image-2.1 I4 $(( $(left) - 25 )) --keep ;;
   I5) shm_only krea2; bench 0 krea2 I5 $(( $(left) - 25 )) --keep ;;
+  I9) shm_only krea2; bench 0 krea2 I9 $(( $(left) - 20 )) --only '*/train/bf16-1024-b4' --only '*/train/fp8-1024-b1' ;;
   I6) python3 bench/bench.py run --families qwen-image-2.1 --work /tmp/lorapipe-bench-0 --out "$OUT/bench-qwen-image-2.1-I6.json" \
         --budget-s $(( $(left) - 15 )) --only '*/encode/*' --only '*/latents/512' --only '*/train/nf4-512-b1' \
         > "$OUT/bench-qwen-image-2.1-I6.log" 2>&1 ;;
