@@ -297,7 +297,7 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
         plan.run(cfg, "lots", as_json=True)
 
 
-def _oom_at(point: str, n: int):
+def _oom_at(point: str, n: int, error: Exception | None = None):
     from stages.core import faults
 
     original = faults.hit
@@ -308,7 +308,7 @@ def _oom_at(point: str, n: int):
         if name == point:
             count["n"] += 1
             if count["n"] == n:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                raise error or torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     return hit
 
 
@@ -737,3 +737,47 @@ def test_an_fp8_base_that_does_not_fit_is_not_swapped(assets, demo_data, tmp_pat
     assert {t["swapped_blocks"] for t in roomy.tried} == {0}
     tight = _plan("train", cfg, min(t["predicted_peak_gb"] for t in roomy.tried) * 0.9)
     assert not tight.fits and "more than the" in tight.note
+
+
+def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the_resume(assets, demo_data, tmp_path,
+                                                                                          monkeypatch):
+    """FLUX.1 Kontext's steps died in "an illegal memory access" with train.cudnn_attention = true: one line naming
+    the setting and the command that resumes without it; the checkpoints before the crash are kept and that
+    command finishes the run. Without the opt-in the same error stays a bug (a traceback)."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from pipeline import cli
+    from stages.core.artifacts import read_manifest
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.steps": 3})
+    args = ["--config", str(demo_config_path("flux")), "--model", cfg.model, "--set", f"data.path={demo_data}",
+            "--set", f"artifacts={cfg.artifacts}", "--set", "device=cpu", "--set", "train.steps=3",
+            "--set", "train.checkpoint_every=1"]
+    for stage in ("encode-captions", "cache-latents"):
+        assert CliRunner().invoke(cli, [stage, *args]).exit_code == 0
+    crash = torch.AcceleratorError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
+                                   "asynchronously reported")
+    monkeypatch.setattr("stages.core.faults.hit", _oom_at("train", 2, crash))
+    result = CliRunner().invoke(cli, ["train", *args, "--set", "train.cudnn_attention=true"])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert ("train: a step died in a CUDA error (CUDA error: an illegal memory access was encountered) with "
+            "train.cudnn_attention = true" in line), line
+    assert "Traceback" not in result.output and "asynchronously" not in result.output
+    resume = line.split("resume with `")[1].split("`")[0]
+    assert shlex.split(resume)[:3] == ["lorapipe", "train", cfg.run]
+    assert "--resume" in resume and "train.cudnn_attention=false" in resume
+    from stages.checkpoints import complete_checkpoints
+
+    assert [p.name for p in complete_checkpoints(cfg.run_dir / "lora")] == ["checkpoint-1"]  # the step before it
+    monkeypatch.undo()
+    result = CliRunner().invoke(cli, shlex.split(resume)[1:])  # the printed command, as the user would paste it
+    assert result.exit_code == 0, result.output
+    final = read_manifest(cfg.run_dir / "lora" / "final")
+    assert final["step"] == 3 and final["complete"]
+
+    monkeypatch.setattr("stages.core.faults.hit", _oom_at("train", 1, crash))
+    result = CliRunner().invoke(cli, ["train", *args, "--force"])  # cuDNN attention off (the default)
+    assert result.exit_code != 2 and isinstance(result.exception, torch.AcceleratorError)

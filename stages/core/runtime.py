@@ -111,6 +111,30 @@ CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA is allowed (train.cudnn_attention = 
                      "dies that way, set train.cudnn_attention = false and resume")
 
 
+def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Exception | None:
+    """A CUDA error in train with train.cudnn_attention = true as one line that names the setting: cuDNN's
+    attention is the known cause on this stack (FLUX.1 Kontext at 1024 px died in its first steps at every
+    base, bench/results/peers-kontext-1024-b1-cudnn.json). None for any other error or setting: a CUDA error
+    without the opt-in stays a bug with its traceback."""
+    import sys
+
+    from stages.core.errors import ResourceError
+
+    torch_mod = sys.modules.get("torch")
+    accelerator_error = getattr(torch_mod, "AcceleratorError", ()) if torch_mod is not None else ()
+    crashed = isinstance(error, accelerator_error) or isinstance(error, RuntimeError) and "CUDA error" in str(error)
+    if stage != "train" or not crashed or not getattr(getattr(cfg, "train", None), "cudnn_attention", False):
+        return None
+    from stages.train import command
+
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return ResourceError(
+        f"train: a step died in a CUDA error ({first}) with train.cudnn_attention = true; cuDNN's attention has "
+        f"crashed this way on this stack (FLUX.1 Kontext at 1024 px, every time): set train.cudnn_attention = "
+        f"false and resume with `{command(cfg, 'train', '--resume', '--set', 'train.cudnn_attention=false')}` "
+        f"(checkpoints written before the error are kept)")
+
+
 def global_flags() -> dict[str, Any]:
     """The global torch settings a stage may change (the restore test compares these)."""
     return _flags()

@@ -68,8 +68,10 @@ def _logged(cfg: Any, stage: str, dist: Any) -> Iterator[StageContext]:
         raise
     except Exception as e:
         from stages.core.memory import translate_oom  # a CUDA OOM becomes a ResourceError (exit 2)
+        from stages.core.runtime import translate_cudnn_crash  # so does a crash under the cuDNN attention opt-in
 
-        full = translate_oom(e, cfg, stage) or disk_full(e, cfg.run_dir, f" ({stage})")  # a bare ENOSPC gets named
+        full = (translate_oom(e, cfg, stage) or translate_cudnn_crash(e, cfg, stage)
+                or disk_full(e, cfg.run_dir, f" ({stage})"))  # a bare ENOSPC gets named
         err = full or e
         errors.emit("error", message=str(err), item=getattr(e, "item", None), type=type(err).__name__, **rank)
         if full is not None:
