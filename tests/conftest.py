@@ -34,6 +34,63 @@ once = pytest.mark.parametrize("built_run", [ONE_FAMILY], indirect=True)
 """For family-independent wiring (CLI paths, signals): the test runs on one family's built run."""
 
 
+# ---- how `make test` (pytest-xdist, --dist loadfile) hands the files to its workers -------------------------
+#
+# Every worker builds its own `built_run` of each family it meets (5-10 s of CPU each) and two workers that
+# both meet all ten build all ten twice. So a file's tests are split by family, and a worker takes the files,
+# or the parts of them, of its own half of the families (FAMILIES in sorted order, dealt out in turn), or
+# those naming no family, before another's; with none left it takes another's (and builds what that needs).
+# ONE_FAMILY counts as no family: the `@once` tests of many files run on it, too many for one worker.
+# Of what it may take, it takes the longest first, so that no long file starts last: SLOW_FILES (seconds
+# on a 2-core machine, --durations), then its own half's parts (the others' would cost builds), then
+# xdist's order (most tests first). Where each test runs is all that changes; with one worker, or --dist
+# other than loadfile, nothing does.
+SLOW_FILES = ("test_family.py", "test_inspect_sample_report.py", "test_bench_runner.py",  # 94, 64, 56 s
+              "test_edit_demo.py", "test_e2e.py", "test_distributed.py",  # ~50 s each
+              "test_bench_report.py", "test_bench_staged.py", "test_kohya_verify.py", "test_resume.py")  # 20-26 s
+
+
+def _family_of(nodeid: str) -> str | None:
+    """The family a test's id names among its parameters ("...::test_x[qwen-image-edit]", "[flux-2]"), if any."""
+    if not nodeid.endswith("]") or "[" not in nodeid:
+        return None
+    params = nodeid[nodeid.index("[") + 1:-1]
+    named = [f for f in FAMILIES if f"-{params}-".find(f"-{f}-") >= 0]
+    return max(named, key=len) if named else None
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    order = sorted(set(FAMILIES) - {ONE_FAMILY})
+
+    class FamilyHalves(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file, family = super()._split_scope(nodeid), _family_of(nodeid)
+            if family in (None, ONE_FAMILY) or self.numnodes < 2:
+                return file
+            return f"{file}::{order.index(family) % self.numnodes}"
+
+        def _assign_work_unit(self, node) -> None:
+            mine = str(int(node.gateway.id.removeprefix("gw")) % self.numnodes) if self.numnodes > 1 else None
+            scopes = list(self.workqueue)
+            own = [s for s in scopes if "::" not in s or s.rsplit("::", 1)[1] == mine] or scopes
+
+            def rank(scope: str) -> tuple[int, bool, int]:  # of files alike, its own half's part before the rest
+                name = Path(scope.split("::", 1)[0]).name
+                slow = SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)
+                return slow, "::" not in scope, scopes.index(scope)
+
+            scope = min(own, key=rank)
+            self.workqueue.move_to_end(scope, last=False)  # the unit the parent class takes
+            super()._assign_work_unit(node)
+
+    return FamilyHalves(config, log)
+
+
 def demo_config_path(family: str) -> Path:
     from stages.demo import demo_config
 
