@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
 import signal
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 from stages import cache_latents, encode_captions
 from stages.core.artifacts import ArtifactError, fingerprint, read_manifest
+from stages.core.config import command  # noqa: F401 - train.command, used by the other stages
 from stages.core.model_source import model_source
 
 NAME = "train"
@@ -62,12 +62,6 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
             **({"sampling": sampling} if sampling != [{"repeats": 1, "weight": 0.0, "caption_dropout": 0.0}] else {}),
             # a split moves items out of training; off adds no key (older runs stay up to date)
             **({"validation_split": cfg.validation.split} if cfg.validation.split else {})}
-
-
-def command(cfg: Any, name: str, *flags: str) -> str:
-    """A command line the user can paste: the run by name and its artifacts folder (the resolved
-    config is saved there as config.json)."""
-    return shlex.join(["lorapipe", name, cfg.run, "--artifacts", str(cfg.run_dir.parent), *flags])
 
 
 def partial_state(cfg: Any) -> str | None:

@@ -609,3 +609,11 @@ def _field_docs(cls: type) -> dict[str, str]:
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
     return docs
+
+
+def command(cfg: Any, name: str, *flags: str) -> str:
+    """A command line the user can paste: the run by name and its artifacts folder (the resolved
+    config is saved there as config.json)."""
+    import shlex
+
+    return shlex.join(["lorapipe", name, cfg.run, "--artifacts", str(cfg.run_dir.parent), *flags])

@@ -125,7 +125,7 @@ def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Excepti
     crashed = isinstance(error, accelerator_error) or isinstance(error, RuntimeError) and "CUDA error" in str(error)
     if stage != "train" or not crashed or not getattr(getattr(cfg, "train", None), "cudnn_attention", False):
         return None
-    from stages.train import command
+    from stages.core.config import command
 
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return ResourceError(
