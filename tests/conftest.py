@@ -55,7 +55,7 @@ def _family_of(nodeid: str) -> str | None:
     if not nodeid.endswith("]") or "[" not in nodeid:
         return None
     params = nodeid[nodeid.index("[") + 1:-1]
-    named = [f for f in FAMILIES if f"-{params}-".find(f"-{f}-") >= 0]
+    named = [f for f in FAMILIES if f"-{f}-" in f"-{params}-"]
     return max(named, key=len) if named else None
 
 
@@ -79,14 +79,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def _assign_work_unit(self, node) -> None:
             mine = str(int(node.gateway.id.removeprefix("gw")) % self.numnodes) if self.numnodes > 1 else None
             scopes = list(self.workqueue)
-            own = [s for s in scopes if "::" not in s or s.rsplit("::", 1)[1] == mine] or scopes
+            own = [(i, s) for i, s in enumerate(scopes) if "::" not in s or s.rsplit("::", 1)[1] == mine]
 
-            def rank(scope: str) -> tuple[int, bool, int]:  # of files alike, its own half's part before the rest
+            def rank(entry: tuple[int, str]) -> tuple[int, bool, int]:  # of files alike, its own half's part first
+                i, scope = entry
                 name = Path(scope.split("::", 1)[0]).name
                 slow = SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)
-                return slow, "::" not in scope, scopes.index(scope)
+                return slow, "::" not in scope, i
 
-            scope = min(own, key=rank)
+            _, scope = min(own or list(enumerate(scopes)), key=rank)
             self.workqueue.move_to_end(scope, last=False)  # the unit the parent class takes
             super()._assign_work_unit(node)
 

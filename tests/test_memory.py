@@ -297,7 +297,7 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
         plan.run(cfg, "lots", as_json=True)
 
 
-def _oom_at(point: str, n: int, error: Exception | None = None):
+def _raise_at(point: str, n: int, error: Exception | None = None):
     from stages.core import faults
 
     original = faults.hit
@@ -326,7 +326,7 @@ def test_oom_in_each_stage_is_one_clear_error_and_loses_nothing(assets, demo_dat
             "--set", "train.checkpoint_every=1", "--set", "gpu.vram_budget_gb=6"]
     for stage, point, rerun in [("encode-captions", "encode-captions", []), ("cache-latents", "cache-latents", []),
                                 ("train", "train", ["--resume"])]:
-        monkeypatch.setattr("stages.core.faults.hit", _oom_at(point, 2))
+        monkeypatch.setattr("stages.core.faults.hit", _raise_at(point, 2))
         result = CliRunner().invoke(cli, [stage, *args])
         assert result.exit_code == 2, result.output
         assert f"{stage} ran out of GPU memory (budget 6.0 GB" in result.output
@@ -759,7 +759,7 @@ def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the
         assert CliRunner().invoke(cli, [stage, *args]).exit_code == 0
     crash = torch.AcceleratorError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
                                    "asynchronously reported")
-    monkeypatch.setattr("stages.core.faults.hit", _oom_at("train", 2, crash))
+    monkeypatch.setattr("stages.core.faults.hit", _raise_at("train", 2, crash))
     result = CliRunner().invoke(cli, ["train", *args, "--set", "train.cudnn_attention=true"])
     assert result.exit_code == 2, result.output
     line = " ".join(result.output.split())
@@ -778,6 +778,6 @@ def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the
     final = read_manifest(cfg.run_dir / "lora" / "final")
     assert final["step"] == 3 and final["complete"]
 
-    monkeypatch.setattr("stages.core.faults.hit", _oom_at("train", 1, crash))
+    monkeypatch.setattr("stages.core.faults.hit", _raise_at("train", 1, crash))
     result = CliRunner().invoke(cli, ["train", *args, "--force"])  # cuDNN attention off (the default)
     assert result.exit_code != 2 and isinstance(result.exception, torch.AcceleratorError)
