@@ -21,7 +21,7 @@ venv: .venv/.installed
 	python3 -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
 	.venv/bin/pip install -q torch==2.13.0
-	.venv/bin/pip install -q -e '.[test]'
+	PYTHONWARNINGS=ignore .venv/bin/pip install -q -e '.[test]'  # setuptools' editable-install banner is not ours to show
 	touch $@
 
 demo: venv
