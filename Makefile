@@ -21,7 +21,8 @@ venv: .venv/.installed
 	python3 -m venv .venv
 	.venv/bin/pip install -q --upgrade pip
 	.venv/bin/pip install -q torch==2.13.0
-	PYTHONWARNINGS=ignore .venv/bin/pip install -q -e '.[test]'  # setuptools' editable-install banner is not ours to show
+# (PYTHONWARNINGS: setuptools' editable-install banner is not ours to show; errors still print)
+	PYTHONWARNINGS=ignore .venv/bin/pip install -q -e '.[test]'
 	touch $@
 
 demo: venv
