@@ -35,6 +35,16 @@
 #       had never run), then 512 px
 #   P: FLUX.1 Kontext side by side again, the product's rows with cuDNN attention (never run for Kontext; on klein it
 #      halved attention's time); P1: the same product rows alone, beside the script's row of run3 (--peer-row)
+#   KA: FLUX.2 klein product-only probe (the script's row from G4): fp8 with cuDNN attention and fp8, every block
+#       checkpointed, at the side by side's 512 text tokens (the bench's fp8 1024 b1 ran 0.209 s at 77 tokens)
+#   KB: KA's finding (fp8 + cuDNN 0.201 s at 5.82 GB, over the script's 5.09) as a plan: the script, then fp8 within its
+#       peak (the planner keeps the first blocks fp8, the rest nf4: stages/core/fp8.py quantize_fp8_nf4) with and
+#       without cuDNN attention, beside nf4 + cuDNN within it (G4's best row); first the mixed base's CUDA test
+#   KC: KB's capped fp8 rows ran out of memory at the 5.08 GB cap (the planner had 16 fp8 blocks at 4.49 GB; the whole
+#       fp8 base measured 5.82 allocated against its 5.26 predicted): the script, then fp8 + cuDNN with the first 16, 14
+#       and 12 blocks fp8 (train.fp8_blocks, the rest nf4), uncapped, compared allocated to allocated
+#   KE: KC's best row (16 fp8 blocks, 4.93 GB allocated against the script's 5.09) with 18, the most that may stay under
+#       its allocated peak (~0.056 GB a single block); not run yet: the nineteenth session's device time ran out
 #   I9: Krea 2's last bf16/nf4 row (bf16 1024 b4), then its fp8 1024 b1
 #   O6: what O4 left for Qwen-Image-Edit-Plus (bf16 1024 b4, fp8 1024 b1), then FLUX.2 klein's bf16 1024 b4
 #   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
@@ -217,6 +227,17 @@ case $phase in
      tail -5 "$OUT/tiling.log" ;;
   P) PEERS_TAG=cudnn PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn,bf16+cudnn \
        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  KA) PEERS_SIDES=product PEERS_TAG=fp8probe PEERS_PEER_ROW=bench/results/peers-klein-1024-b1-g4.json \
+       PEERS_PRODUCT=fp8+cudnn,fp8 PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  KB) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k mixed > "$OUT/mixed-cuda.log" 2>&1; tail -2 "$OUT/mixed-cuda.log"
+      PEERS_TAG=mixed PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+fitpeer,nf4+cudnn+fitpeer \
+        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  KC) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "mixed or lora_wraps" > "$OUT/mixed-cuda.log" 2>&1
+      tail -2 "$OUT/mixed-cuda.log"
+      PEERS_TAG=fp8blocks PEERS_PRODUCT=fp8+cudnn+fp8blocks16,fp8+cudnn+fp8blocks14,fp8+cudnn+fp8blocks12 \
+        PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
+  KE) PEERS_TAG=fp8blocks2 PEERS_PRODUCT=fp8+cudnn+fp8blocks18 \
+        PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
   P1) PEERS_SIDES=product PEERS_TAG=cudnn1 PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-run3.json \
        PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn,bf16+cudnn PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
   N) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;

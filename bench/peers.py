@@ -324,6 +324,16 @@ VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
 }
 
 
+def variant_flag(flag: str) -> tuple[dict[str, str], dict[str, Any]] | None:
+    """A flag's (environment, train keys): VARIANT_FLAGS', or `fp8blocks<N>` (train.fp8_blocks = N: the first N
+    blocks of an fp8 base in fp8, the rest nf4); None for an unknown flag."""
+    if flag in VARIANT_FLAGS:
+        return VARIANT_FLAGS[flag]
+    if flag.startswith("fp8blocks") and flag[len("fp8blocks"):].isdigit():
+        return {}, {"train.fp8_blocks": int(flag[len("fp8blocks"):])}
+    return None
+
+
 def peer_row_from(path: Path, fam: str, res: int, batch: int) -> dict[str, Any]:
     """The script's finished row from an earlier peers JSON of the same family and shape (--peer-row)."""
     earlier = json.loads(path.read_text())
@@ -342,10 +352,10 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
     from bench.bench import KILLED_AFTER_MANIFEST, Item, collect, finished_before_kill
 
     precision, *flags = variant.split("+")
-    unknown = [f for f in flags if f not in VARIANT_FLAGS]
+    unknown = [f for f in flags if variant_flag(f) is None]
     if unknown:
-        raise SystemExit(f"unknown product variant flag(s) {unknown}; known: {', '.join(VARIANT_FLAGS)}")
-    env = {k: v for f in flags for k, v in VARIANT_FLAGS[f][0].items()}
+        raise SystemExit(f"unknown product variant flag(s) {unknown}; known: {', '.join(VARIANT_FLAGS)}, fp8blocks<N>")
+    env = {k: v for f in flags for k, v in variant_flag(f)[0].items()}
     run = f"peers-{fam}-{a.res}"
     row: dict[str, Any] = {"side": "product", "precision": "fp32" if a.tiny else variant, "stages": {}}
     total = 0.0
@@ -353,7 +363,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         sets = dict(res_sets)
         if kind == "train":
             sets.update({"train.base_precision": precision, "train.batch_size": a.batch})
-            sets.update({k: v for f in flags for k, v in VARIANT_FLAGS[f][1].items()})
+            sets.update({k: v for f in flags for k, v in variant_flag(f)[1].items()})
             fit = [f for f in flags if f in ("fitpeer", "fitreserved")]
             if fit:
                 cap = (peer_peak or {}).get("peak_reserved_gb" if fit[0] == "fitreserved" else "peak_gb")

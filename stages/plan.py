@@ -48,9 +48,10 @@ def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
-    """`key=value, ...`; the checkpointed blocks as k/N of the model's repeated blocks."""
+    """`key=value, ...`; the checkpointed (and fp8) blocks as k/N of the model's repeated blocks."""
     def text(k: str, v: Any) -> str:
-        return f"{k}={v}/{settings['blocks']}" if k == "checkpointed_blocks" and "blocks" in settings else f"{k}={v}"
+        return (f"{k}={v}/{settings['blocks']}" if k in ("checkpointed_blocks", "fp8_blocks") and "blocks" in settings
+                else f"{k}={v}")
     return ", ".join(text(k, v) for k, v in settings.items() if k not in ("blocks", "layers"))
 
 

@@ -32,7 +32,7 @@ NOT_FINGERPRINTED = {"log_every", "checkpoint_every", "keep_checkpoints", "resum
                      "compile_transformer", "enable_tf32", "cudnn_benchmark", "cuda_graphs", "ema_device"}
 # Keys added after runs were made: at their default they stay out of the fingerprint, so a run made
 # before them (which trained exactly as the default does) stays up to date and resumable.
-LATER_KEYS = {"ema_decay": 0.0, "adapter": "lora", "rank_pattern": {}, "alpha_pattern": {}}
+LATER_KEYS = {"ema_decay": 0.0, "adapter": "lora", "rank_pattern": {}, "alpha_pattern": {}, "fp8_blocks": "auto"}
 
 
 def artifact_dir(cfg: Any) -> Path:

@@ -33,6 +33,7 @@ BAD_VALUES = [
     ({"device": "tpu"}, "'device' = 'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     ({"train.steps": "many"}, "'train.steps' must be an integer, got 'many'"),
     ({"train.gradient_checkpointing": "some"}, "'train.gradient_checkpointing' = 'some' must be true, false or 'auto'"),
+    ({"train.fp8_blocks": 0}, "'train.fp8_blocks' = 0 must be 'auto' or a number >= 1"),
 ]
 
 
@@ -159,3 +160,11 @@ def test_machine_limits_are_resource_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ResourceError, match="device = 'cuda' but torch sees no CUDA GPU"):
             pick_device("cuda")
+
+
+def test_fp8_blocks_with_a_base_that_is_not_fp8_is_named():
+    """A number of fp8 blocks means nothing for an nf4 or bf16 base: an error, not a setting silently ignored."""
+    with pytest.raises(ConfigError, match=r"'train.fp8_blocks' = 16 applies to an fp8 base only, but "
+                                          r"'train.base_precision' = 'nf4': set train.base_precision = 'fp8'"):
+        _demo({"train.fp8_blocks": 16, "train.base_precision": "nf4"})
+    assert _demo({"train.fp8_blocks": 16, "train.base_precision": "fp8"}).train.fp8_blocks == 16

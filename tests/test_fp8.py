@@ -114,39 +114,83 @@ def test_only_linears_inside_repeated_blocks_become_fp8(assets):
     assert model.dtype == torch.bfloat16  # diffusers' model.dtype (the family casts inputs to it)
 
 
+def _lora_step(model) -> float:
+    """A rank-4 LoRA on `model` (its B filled, so every adapter weight gets a gradient), one FLUX loss and its
+    backward on MATMUL_DEVICE; asserts each adapter weight is fp32 with a non-zero finite gradient (naming the
+    ones that are not) and returns the loss."""
+    from stages.core import lora
+    from stages.families.flux.family import Flux
+
+    model.to(MATMUL_DEVICE).requires_grad_(False)
+    torch.manual_seed(0)
+    params = lora.attach_lora(model, lora.lora_config(4, 4, 0.0, list(Flux.default_lora_targets)))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
+    cond = {"prompt_embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
+    x0, noise, cond = x0.to(MATMUL_DEVICE), noise.to(MATMUL_DEVICE), {k: v.to(MATMUL_DEVICE) for k, v in cond.items()}
+    t = torch.full((2,), 0.5, device=MATMUL_DEVICE)
+    loss = Flux().loss(model, x0, noise, t, cond, NO_GEOMETRY, SimpleNamespace(guidance_scale=1.0))
+    loss.mean().backward()
+    bad = [(n, p.dtype, None if p.grad is None else float(p.grad.abs().sum())) for n, p in model.named_parameters()
+           if p.requires_grad and not (p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0)]
+    assert params and not bad, bad
+    return float(loss.mean())
+
+
 def test_lora_wraps_fp8_base_and_trains(assets):
     """peft wraps an Fp8Linear as any Linear; the LoRA weights stay fp32 and get gradients, the base
     none, and one loss is within a few percent of the bf16 base's with the same LoRA."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from stages.core import lora
+    fp8 = _flux(assets)
+    quantize_denoiser_fp8(fp8, inside_repeated_blocks(fp8), MATMUL_DEVICE, min_width=16)
+    losses = {"bf16": _lora_step(_flux(assets)), "fp8": _lora_step(fp8)}
+    to_q = fp8.transformer_blocks[0].attn.to_q
+    assert isinstance(to_q, LoraLinear) and isinstance(to_q.base_layer, Fp8Linear)
+    assert abs(losses["fp8"] - losses["bf16"]) / losses["bf16"] < 0.05
+
+
+def test_a_mixed_base_holds_its_first_blocks_in_fp8_and_the_rest_in_nf4(assets):
+    """An fp8 plan that keeps only its first blocks in fp8 (the budget's choice, stages/core/memory.py):
+    those blocks' Linears are Fp8Linear, every other Linear (the other blocks, the embedders, the
+    modulation, proj_out) is bitsandbytes' nf4 as diffusers' load makes it. peft wraps both kinds; the
+    LoRA weights get gradients in both; one loss is within a few percent of the bf16 base's."""
+    import bitsandbytes as bnb
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from stages.core import blockswap
+    from stages.core.fp8 import quantize_fp8_nf4
+
+    mixed = _flux(assets)
+    blocks = blockswap.repeated_blocks(mixed)
+    assert len(blocks) >= 2
+    quantize_fp8_nf4(mixed, 1, MATMUL_DEVICE, double_quant=True, min_width=16)
+    first = {id(m) for m in blocks[0].modules()}
+    kinds = {n: type(m) for n, m in mixed.named_modules() if isinstance(m, nn.Linear)}
+    assert {kinds[n] for n, m in mixed.named_modules() if id(m) in first and n in kinds} == {Fp8Linear}
+    assert {k for n, k in kinds.items() if not n.startswith("transformer_blocks.0.")} == {bnb.nn.Linear4bit}
+    assert getattr(mixed, "is_loaded_in_4bit", False)  # what peft reads to wrap the nf4 layers
+    losses = {"bf16": _lora_step(_flux(assets)), "fp8+nf4": _lora_step(mixed)}
+    fp8_q, nf4_q = mixed.transformer_blocks[0].attn.to_q, blocks[-1].attn.to_q
+    assert isinstance(fp8_q, LoraLinear) and isinstance(fp8_q.base_layer, Fp8Linear)
+    assert isinstance(nf4_q.base_layer, bnb.nn.Linear4bit)
+    assert abs(losses["fp8+nf4"] - losses["bf16"]) / losses["bf16"] < 0.05, losses
+
+
+def test_the_mixed_base_on_cpu_is_the_fp8_error(assets):
+    """The fp8 part of a mixed base needs fp8 tensor cores as a whole fp8 base does: the same error."""
+    from stages.core.model_source import ModelSource
+    from stages.core.runtime import MixedLoad
     from stages.families.flux.family import Flux
 
-    losses = {}
-    for precision in ("bf16", "fp8"):
-        model = _flux(assets)
-        if precision == "fp8":
-            quantize_denoiser_fp8(model, inside_repeated_blocks(model), MATMUL_DEVICE, min_width=16)
-        model.to(MATMUL_DEVICE).requires_grad_(False)
-        torch.manual_seed(0)
-        params = lora.attach_lora(model, lora.lora_config(4, 4, 0.0, list(Flux.default_lora_targets)))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
-        g = torch.Generator().manual_seed(1)
-        x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
-        cond = {"prompt_embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
-        x0, noise, cond = x0.to(MATMUL_DEVICE), noise.to(MATMUL_DEVICE), {k: v.to(MATMUL_DEVICE) for k, v in cond.items()}
-        t = torch.full((2,), 0.5, device=MATMUL_DEVICE)
-        loss = Flux().loss(model, x0, noise, t, cond, NO_GEOMETRY, SimpleNamespace(guidance_scale=1.0))
-        loss.mean().backward()
-        losses[precision] = float(loss.mean())
-        assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0 for p in params)
-        if precision == "fp8":
-            to_q = model.transformer_blocks[0].attn.to_q
-            assert isinstance(to_q, LoraLinear) and isinstance(to_q.base_layer, Fp8Linear)
-    assert abs(losses["fp8"] - losses["bf16"]) / losses["bf16"] < 0.05
+    rt = MixedLoad(torch.device("cpu"), torch.bfloat16, fp8_blocks=1)
+    with pytest.raises(ResourceError, match=r"train\.base_precision = 'fp8' needs a CUDA GPU"):
+        Flux().load_denoiser(ModelSource(str(tiny_model(assets, "flux-dev"))), "fp8", rt,
+                             SimpleNamespace(nf4_double_quant=True))
 
 
 def test_fp8_on_cpu_is_a_clear_error(assets):

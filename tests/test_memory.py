@@ -25,7 +25,7 @@ def _plan(stage: str, cfg, gb: float) -> memory.StagePlan:
 
 
 def _peak_of(plan: memory.StagePlan, **settings) -> float:
-    return next(t["predicted_peak_gb"] for t in plan.tried if all(t[k] == v for k, v in settings.items()))
+    return next(t["predicted_peak_gb"] for t in plan.tried if all(t.get(k) == v for k, v in settings.items()))
 
 
 def _just_above(gb: float) -> float:
@@ -658,7 +658,8 @@ def test_fp8_weight_bytes_equal_the_quantized_model(assets, tmp_path):
 
 def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_data, tmp_path, monkeypatch):
     """On a GPU with fp8 tensor cores "auto" tries bf16 whole, then fp8 whole (faster than nf4 in every
-    row measured on the H200, at about half bf16's memory), then nf4; fp8 blocks are never swapped.
+    row measured on the H200, at about half bf16's memory), then fp8 in fewer and fewer of the first
+    blocks with the rest nf4, then nf4; fp8 blocks are never swapped.
     A diffusers folder's fp8 load streams its shards, so host memory does not matter; from a source read
     whole (a single file) without enough host memory for its bf16 read fp8 is left out and the plan says
     why; without fp8 tensor cores it is left out quietly."""
@@ -681,7 +682,10 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     between = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert between.settings["base_precision"] == "fp8" and between.settings["swapped_blocks"] == 0
     assert "host_gb" not in between.settings and "fp8" not in between.note
-    assert at(whole["fp8"] * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "nf4"
+    below = at(whole["fp8"] * 0.999 * memory.FRAGMENTATION)  # fp8 in the first blocks, the rest nf4
+    assert below.settings["base_precision"] == "fp8" and below.settings["fp8_blocks"] == 5
+    fewest = _peak_of(roomy, base_precision="fp8", fp8_blocks=1, gradient_checkpointing=True)
+    assert at(fewest * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "nf4"
     host_gb = round(memory.weight_bytes(memory.meta_component(src, "transformer"), "bf16") / memory.GB, 2)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: int(host_gb * memory.GB / 2))
     assert at(whole["bf16"] * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "fp8"  # streamed
@@ -737,6 +741,65 @@ def test_an_fp8_base_that_does_not_fit_is_not_swapped(assets, demo_data, tmp_pat
     assert {t["swapped_blocks"] for t in roomy.tried} == {0}
     tight = _plan("train", cfg, min(t["predicted_peak_gb"] for t in roomy.tried) * 0.9)
     assert not tight.fits and "more than the" in tight.note
+
+
+def test_an_fp8_base_that_does_not_fit_keeps_its_first_blocks_in_fp8_and_the_rest_in_nf4(assets, demo_data, tmp_path):
+    """train.base_precision = "fp8" under a budget its whole base does not fit: the plan keeps the most of
+    the first blocks in fp8 that fit, the rest nf4 (a GB of fp8 blocks saved FLUX.2 klein more time than a GB
+    of un-checkpointed blocks: under checkpointing "auto" more fp8 blocks come first), says so, and train
+    loads it as a MixedLoad."""
+    from stages.core.runtime import MixedLoad, make_runtime
+
+    model = _deeper_flux(assets, tmp_path, 2, 4, width=256)
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "fp8", "data.resolution": 256,
+                                                            "model": model, "train.gradient_checkpointing": True})
+    roomy = _plan("train", cfg, 1000.0)
+    assert roomy.settings["base_precision"] == "fp8" and "fp8_blocks" not in roomy.settings
+    mixed = [t for t in roomy.tried if "fp8_blocks" in t]
+    assert [t["fp8_blocks"] for t in mixed] == [5, 4, 3, 2, 1] and all(t["base_precision"] == "fp8" for t in mixed)
+    peaks = [t["predicted_peak_gb"] for t in mixed]
+    assert roomy.predicted_peak_gb > peaks[0] and peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 5
+    plan = _plan("train", cfg, _just_above(peaks[2]))
+    assert plan.fits and (plan.settings["fp8_blocks"], plan.settings["checkpointed_blocks"]) == (3, 6)
+    assert f"fp8 for the first 3 of 6 blocks, nf4 for the other blocks and outside them: the whole fp8 base needs " \
+           f"{roomy.predicted_peak_gb * memory.FRAGMENTATION:.1f} GB" in plan.note
+    load = memory.load_device(plan, make_runtime("cpu", "bf16"))
+    assert isinstance(load, MixedLoad) and load.fp8_blocks == 3
+    assert not isinstance(memory.load_device(roomy, make_runtime("cpu", "bf16")), MixedLoad)
+    auto = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **{
+        "train.base_precision": "fp8", "data.resolution": 256, "model": model, "train.gradient_checkpointing": "auto"}), 1000.0)
+    order = [(t.get("fp8_blocks"), t["checkpointed_blocks"]) for t in auto.tried]
+    assert order.index((5, 6)) < order.index((4, 0))  # another fp8 block before fewer checkpointed ones
+    fixed = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **{
+        "train.base_precision": "fp8", "data.resolution": 256, "model": model, "train.fp8_blocks": 2}), 1000.0)
+    assert fixed.settings["fp8_blocks"] == 2 and {t.get("fp8_blocks") for t in fixed.tried} == {2}
+    assert "fp8 for the first 2 of 6 blocks, nf4 for the other blocks and outside them: train.fp8_blocks." in fixed.note
+    every = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **{
+        "train.base_precision": "fp8", "data.resolution": 256, "model": model, "train.fp8_blocks": 6}), 1000.0)
+    assert every.settings["base_precision"] == "fp8" and not any("fp8_blocks" in t for t in every.tried)
+
+
+def test_mixed_fp8_nf4_weight_bytes_match_the_built_base(assets, tmp_path):
+    """The planner's bytes for a base with its first m blocks fp8 and the rest nf4 (memory.fp8_nf4_weight_bytes)
+    are those of the model stages/core/fp8.py builds (nf4's absmax counted as the planner's 1/64 byte a weight)."""
+    from diffusers import FluxTransformer2DModel
+
+    from stages.core import fp8
+
+    src = ModelSource(_deeper_flux(assets, tmp_path, 2, 2, width=256))
+    meta = memory.meta_component(src, "transformer")
+    sizes = memory.fp8_nf4_weight_bytes(meta)
+    assert len(sizes) == 5 and sizes[0] == memory.weight_bytes(meta, "nf4") and sizes[0] < sizes[2] < sizes[4]
+    model = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(src.path / "transformer"))
+    fp8.quantize_fp8_nf4(model.to(torch.bfloat16), 2, "cpu", double_quant=True)
+    real = 0
+    for m in model.modules():
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is not None:
+                real += t.numel() * t.element_size()
+                if blockswap.quantized(t):  # nf4 codes (counted above) and their absmax
+                    real += t.quant_state.absmax.numel() * t.quant_state.absmax.element_size()
+    assert fp8.fp8_bytes(model) > 0 and abs(real - sizes[2]) / sizes[2] < 0.01, (real, sizes[2])
 
 
 def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the_resume(assets, demo_data, tmp_path,

@@ -223,3 +223,15 @@ def test_a_product_only_probe_takes_the_scripts_row_from_an_earlier_run_of_the_s
     f.write_text(json.dumps({"family": "flux-kontext", "res": 1024, "batch": 1, "rows": rows[1:]}))
     with pytest.raises(SystemExit, match="no finished row of the script"):
         peer_row_from(f, "flux-kontext", 1024, 1)
+
+
+def test_variant_flags_set_their_train_keys_and_an_unknown_one_is_named():
+    """`fp8+cudnn+fp8blocks16` is an fp8 row with cuDNN attention and train.fp8_blocks = 16; a misspelt flag stops
+    the run with the flags it knows."""
+    from types import SimpleNamespace
+
+    assert peers.variant_flag("fp8blocks16") == ({}, {"train.fp8_blocks": 16})
+    assert peers.variant_flag("cudnn") == ({}, {"train.cudnn_attention": True})
+    assert peers.variant_flag("fp8blocks") is None and peers.variant_flag("fp8blockz3") is None
+    with pytest.raises(SystemExit, match=r"unknown product variant flag\(s\) \['cudnnn'\]; known: cudnn, .*fp8blocks<N>"):
+        peers.run_product(SimpleNamespace(tiny=False, res=1024), "flux2-klein", None, "fp8+cudnnn", None, {}, {})

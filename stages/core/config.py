@@ -184,6 +184,10 @@ class TrainConfig:
     read); fp8 first where the family's fp8 step was measured faster at that step size; then nf4: measured,
     stages/core/memory.AUTO_BASE_PRECISIONS), else nf4 with blocks swapped; on CPU fp32.
     fp8: e4m3 weights, fp8 matmuls (CUDA, compute capability >= 8.9)."""
+    fp8_blocks: int | str = "auto"
+    """With an fp8 base: how many of the denoiser's repeated blocks (the first ones, in forward order) are fp8,
+    the rest of the base nf4. auto: all of them where the budget holds the whole fp8 base, else the most that
+    fit (fp8 blocks before un-checkpointed ones under gradient_checkpointing = "auto"). A number fixes it."""
     nf4_double_quant: bool = True
     """bitsandbytes double quantization of the nf4 scales."""
     compile_transformer: Literal["off", "on", "auto"] = "auto"

@@ -99,7 +99,7 @@ RANGES: dict[str, Range] = {
 }
 
 # Keys whose values are not one type (checked in value_errors), as `pipeline.py keys` states them.
-FORMS = {"train.gradient_checkpointing": "true | false | 'auto'"}
+FORMS = {"train.gradient_checkpointing": "true | false | 'auto'", "train.fp8_blocks": "'auto' | a number >= 1"}
 
 
 def value_errors(cfg: Any) -> list[str]:
@@ -111,6 +111,13 @@ def value_errors(cfg: Any) -> list[str]:
     if not isinstance(cfg.train.gradient_checkpointing, bool) and cfg.train.gradient_checkpointing != "auto":
         errors.append(f"'train.gradient_checkpointing' = {cfg.train.gradient_checkpointing!r} must be true, false or "
                       f"'auto' (the planner checkpoints as few blocks as the GPU budget allows)")
+    fp8_blocks = cfg.train.fp8_blocks
+    if fp8_blocks != "auto" and (isinstance(fp8_blocks, bool) or not isinstance(fp8_blocks, int) or fp8_blocks < 1):
+        errors.append(f"'train.fp8_blocks' = {fp8_blocks!r} must be 'auto' or a number >= 1 (how many of the first "
+                      f"repeated blocks of an fp8 base stay fp8; the rest are nf4)")
+    elif fp8_blocks != "auto" and cfg.train.base_precision not in ("fp8", "auto"):
+        errors.append(f"'train.fp8_blocks' = {fp8_blocks} applies to an fp8 base only, but 'train.base_precision' = "
+                      f"{cfg.train.base_precision!r}: set train.base_precision = 'fp8' (or 'auto'), or remove train.fp8_blocks")
     if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
         errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
     return errors + _data_errors(cfg.data) + _datasets_errors(cfg) + _name_errors(cfg) + _train_errors(cfg) + \

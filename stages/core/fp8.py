@@ -161,18 +161,48 @@ def inside_repeated_blocks(model: nn.Module) -> Keep:
 
 
 def quantize_denoiser_fp8(model: nn.Module, keep: Keep, device: torch.device | str,
-                          min_width: int | None = None) -> nn.Module:
+                          min_width: int | None = None, move: bool = True) -> nn.Module:
     """Replace every eligible Linear that `keep(name, linear)` rejects by an Fp8Linear, layer by layer
-    on `device`, then move the rest there: the dense model never sits whole on the GPU. Works on a
-    model with LoRA attached too (it replaces the wrapped `base_layer`)."""
+    on `device`, then move the rest there (`move`): the dense model never sits whole on the GPU. Works
+    on a model with LoRA attached too (it replaces the wrapped `base_layer`)."""
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if type(child) is nn.Linear and fp8_eligible(child, min_width) and not keep(name, child):
                 setattr(parent, child_name, Fp8Linear.from_linear(child, device))
-    model.to(device)
+    if move:
+        model.to(device)
     model.requires_grad_(False)
     return model
+
+
+def quantize_fp8_nf4(model: nn.Module, fp8_blocks: int, device: torch.device | str, double_quant: bool,
+                     min_width: int | None = None) -> nn.Module:
+    """A dense bf16 `model` in host memory made the base of a plan that holds only its first `fp8_blocks`
+    repeated blocks (forward order, `blockswap.repeated_blocks`) in fp8, as `train.base_precision = "fp8"`
+    would (their eligible Linears e4m3, the rest of them bf16), and everything else in nf4 as diffusers'
+    bitsandbytes load makes it (the other blocks and the Linears outside the blocks: the modulation and
+    embedders, bf16 under a whole fp8 base). The planner picks this where the whole fp8 base does not fit
+    the budget (stages/core/memory.py): an nf4 block holds ~0.56 of an fp8 block's bytes, and FLUX.2 klein's
+    fp8 step at 1024 px was 0.80x its nf4 one (bench/results/peers-klein-1024-b1-fp8probe.json). Each layer
+    is quantized on `device` in turn; the dense model never sits on it whole."""
+    from stages.core import blockswap
+    from stages.core.nf4_blocks import quantize_nf4_by_block
+
+    first = blockswap.repeated_blocks(model)[:fp8_blocks]
+    inside = {id(m) for b in first for m in b.modules()}
+    # the fp8 blocks' Linears: Fp8Linear below, or bf16 where too narrow for fp8; nf4 leaves them as they are
+    kept = [name for name, m in model.named_modules() if id(m) in inside and isinstance(m, nn.Linear)]
+    quantize_denoiser_fp8(model, lambda name, linear: id(linear) not in inside, device, min_width, move=False)
+    return quantize_nf4_by_block(model, double_quant, device, 0, keep=kept)
+
+
+def load_fp8_nf4(cls: Any, src: Any, subfolder: str, device: torch.device, fp8_blocks: int, double_quant: bool) -> nn.Module:
+    """Read the bf16 base into host memory (mapped pages for bf16 safetensors) and make it
+    `quantize_fp8_nf4`'s mixed base on `device`."""
+    require_fp8_device(device)
+    model = src.load(cls, subfolder, torch_dtype=torch.bfloat16)
+    return quantize_fp8_nf4(model, fp8_blocks, device, double_quant)
 
 
 def load_fp8_denoiser(cls: Any, src: Any, subfolder: str, device: torch.device) -> nn.Module:

@@ -20,9 +20,14 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt: Any, double_quant: bool) -> torch.nn.Module:
     """`cls.from_pretrained` in bf16/fp32, or nf4 through diffusers' bitsandbytes integration (quantized
-    block by block from host memory when `rt` is a HostLoad whose plan swaps blocks)."""
+    block by block from host memory when `rt` is a HostLoad whose plan swaps blocks), or fp8 (its first
+    `rt.fp8_blocks` blocks only when `rt` is a MixedLoad, the rest nf4)."""
     from stages.core.runtime import has_accelerate, require_cuda_for_nf4
 
+    if precision == "fp8" and getattr(rt, "fp8_blocks", None) is not None:  # a MixedLoad: the rest in nf4
+        from stages.core.fp8 import load_fp8_nf4
+
+        return load_fp8_nf4(cls, src, subfolder, rt.device, rt.fp8_blocks, double_quant)
     if precision == "fp8":  # e4m3 base weights (stages/core/fp8.py)
         from stages.core.fp8 import load_fp8_denoiser
 

@@ -157,6 +157,11 @@ def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = Fal
         return _fp8_weight_bytes(module)
     if precision != "nf4":
         return sum(p.numel() for p in module.parameters()) * (4 if precision == "fp32" else 2)
+    return sum(_nf4_param_bytes(module, codes_only).values())
+
+
+def _nf4_param_bytes(module: torch.nn.Module, codes_only: bool = False) -> dict[int, float]:
+    """Each parameter's bytes (by id) in an nf4 load of `module` (weight_bytes)."""
     # transformers leaves `_keep_in_fp32_modules` unquantized (T5's `wo`: measured 4.41 GB for FLUX's
     # nf4 text encoders on the H200 where all-4-bit predicted 2.81; bench/results/memory-flux-h200.json)
     kept = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
@@ -167,7 +172,23 @@ def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = Fal
     linear = {id(m.weight) for name, m in module.named_modules()
               if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)} - skip
     per_weight = 0.5 if codes_only else NF4_BYTES_PER_WEIGHT
-    return sum(p.numel() * (per_weight if id(p) in linear else 2) for p in module.parameters())
+    return {id(p): p.numel() * (per_weight if id(p) in linear else 2) for p in module.parameters()}
+
+
+def fp8_nf4_weight_bytes(model: torch.nn.Module) -> list[float]:
+    """Bytes of the base with its first m repeated blocks in fp8 and the rest of it in nf4, for m = 0..n
+    (stages/core/fp8.py `quantize_fp8_nf4`): m = 0 is the nf4 base; a block in fp8 counts its eligible
+    Linears' weights at one byte plus a 4-byte scale per output channel, its other weights bf16."""
+    from stages.core import fp8
+
+    nf4 = _nf4_param_bytes(model)
+    sizes = [sum(nf4.values())]
+    for block in blockswap.repeated_blocks(model):
+        rows = {id(m.weight): m.weight.shape[0] for m in block.modules()
+                if type(m) is torch.nn.Linear and fp8.fp8_eligible(m)}
+        as_fp8 = sum(p.numel() + 4 * rows[id(p)] if id(p) in rows else 2 * p.numel() for p in block.parameters())
+        sizes.append(sizes[-1] - sum(nf4[id(p)] for p in block.parameters()) + as_fp8)
+    return sizes
 
 
 def _fp8_weight_bytes(module: torch.nn.Module) -> float:
@@ -455,12 +476,14 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     saved = [own_units.get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
     activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
                                                          + sum(saved[checkpointed:]) + BLOCK_WORK_UNITS)
-    options = _train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get))
+    options = _with_fp8_nf4(_train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
+                            n, getattr(tcfg, "fp8_blocks", "auto"))
+    mixed = fp8_nf4_weight_bytes(model) if any(m is not None for *_, m in options) else []
     # each block's bytes that swapping it moves to host memory, for the precisions a swap option uses
-    block_bytes = {p: [weight_bytes(b, p, codes_only=True) for b in blocks] for p in {p for p, k, _ in options if k}}
+    block_bytes = {p: [weight_bytes(b, p, codes_only=True) for b in blocks] for p in {p for p, k, _, _ in options if k}}
     candidates = []
-    for precision, swapped, checkpointed in options:
-        total = whole[precision]
+    for precision, swapped, checkpointed, fp8_blocks in options:
+        total = whole[precision] if fp8_blocks is None else mixed[fp8_blocks]
         host = [block_bytes[precision][i] for i in blockswap.swapped_positions(n, swapped, layout)]  # two slots of the largest
         resident = total - sum(host) + min(2, len(host)) * max(host, default=0)
         peak = resident + lora + activations(checkpointed) + SWAP_EXTRA_GB * GB * (swapped > 0)
@@ -469,7 +492,11 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
         settings = {"base_precision": precision, "gradient_checkpointing": checkpointing,
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
-        if swapped:  # the swapped blocks live in host memory (pinned), after the load's read
+        if fp8_blocks is not None:  # read whole in bf16 into host memory, then quantized layer by layer
+            settings["fp8_blocks"] = fp8_blocks
+            if read_gb:
+                settings["host_gb"] = round(read_gb, 2)
+        elif swapped:  # the swapped blocks live in host memory (pinned), after the load's read
             settings["host_gb"] = round(read_gb + sum(host) / GB, 2)
         elif precision == "fp8" and fp8_host_gb:  # a single file or converted keys: read whole in bf16 first
             settings["host_gb"] = round(fp8_host_gb, 2)
@@ -486,6 +513,13 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             and (mode := _graphs_mode(tcfg, budget)):
         plan = _with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"]) / GB, grads_gb,
                                 budget, mode)
+    if plan.fits and plan.settings.get("fp8_blocks") is not None:
+        whole_fp8 = [peak for settings, peak in candidates
+                     if settings["base_precision"] == "fp8" and "fp8_blocks" not in settings]
+        why = (f"the whole fp8 base needs {min(whole_fp8) * FRAGMENTATION:.1f} GB" if whole_fp8 else
+               "train.fp8_blocks")
+        plan.note = (f"{plan.note} fp8 for the first {plan.settings['fp8_blocks']} of {n} blocks, nf4 for the other "
+                     f"blocks and outside them: {why}.").strip()
     if fp8_left_out:
         plan.note = f"{plan.note} auto left fp8 out: {fp8_left_out}.".strip()
     if fp8_first and plan.settings["base_precision"] == "fp8":
@@ -544,8 +578,8 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
     swapped = bool(plan.settings["swapped_blocks"])
     want = (fastpath.CAPTURE_ROOM if swapped else fastpath.UNSWAPPED_CAPTURE_ROOM) * GRAPH_ROOM_MARGIN
     vary, keep = (("swapped_blocks", ("base_precision", "checkpointed_blocks")) if swapped
-                  else ("checkpointed_blocks", ("base_precision", "swapped_blocks")))
-    same = lambda s: all(s[k] == plan.settings[k] for k in keep)  # noqa: E731
+                  else ("checkpointed_blocks", ("base_precision", "swapped_blocks", "fp8_blocks")))
+    same = lambda s: all(s.get(k) == plan.settings.get(k) for k in keep)  # noqa: E731
     room_at = lambda s, peak: graph_room(peak, acts_of(s), grads_gb, budget, swapped)  # noqa: E731
     room = room_at(plan.settings, plan.predicted_peak_gb)
     what = "swapped" if swapped else "checkpointed"
@@ -594,6 +628,26 @@ def _train_options(configured: bool | str, precisions: list[str], n: int,
     else:
         whole = [(p, 0, n if c else 0) for p in precisions for c in dict.fromkeys((configured, True))]
     return whole + [(p, k, n) for p in (swap_order or precisions) if p != "fp8" for k in range(1, n + 1)]
+
+
+def _with_fp8_nf4(options: list[tuple[str, int, int]], n: int, fixed: int | str = "auto") -> list[tuple[str, int, int, int | None]]:
+    """`_train_options`' options with how many blocks stay fp8 (None: the precision whole), and after the
+    last whole fp8 option the same checkpointing with the first n-1, n-2, ..., 1 blocks in fp8 and the rest
+    nf4 (stages/core/fp8.py `quantize_fp8_nf4`): where the whole fp8 base does not fit, its fastest
+    blocks go as far as the budget allows before the plan falls to nf4 whole. Most fp8 blocks first, then
+    fewest checkpointed: on FLUX.2 klein at 1024 px a GB of fp8 blocks saved ~21 ms a step (nf4 0.252 s,
+    fp8 0.209 s, 2.0 GB apart: bench/RESULTS.md), a GB of un-checkpointed blocks ~9 ms (README "Side by side").
+    `fixed` (train.fp8_blocks as a number below n): the fp8 options have exactly that many fp8 blocks."""
+    out: list[tuple[str, int, int, int | None]] = [(p, s, k, None) for p, s, k in options]
+    whole_fp8 = [i for i, (p, s, _, _) in enumerate(out) if p == "fp8" and not s]
+    if not whole_fp8 or n < 2 or (fixed != "auto" and fixed >= n):
+        return out
+    at = whole_fp8[-1] + 1
+    counts = range(n - 1, 0, -1) if fixed == "auto" else [fixed]
+    mixed = [("fp8", 0, out[i][2], m) for m in counts for i in whole_fp8]
+    if fixed != "auto":  # the whole fp8 base is not an option then
+        return [o for i, o in enumerate(out[:at]) if i not in whole_fp8] + mixed + out[at:]
+    return out[:at] + mixed + out[at:]
 
 
 # ---- sample
@@ -847,13 +901,16 @@ def load_device(plan: StagePlan, rt: Any) -> Any:
     """Where train loads the base: host memory when blocks will be swapped (only what stays resident
     then reaches the GPU; an nf4 base is quantized there block by block), else the runtime's device.
     A plan whose bf16 read (swap, fp8) does not fit the available host memory stops here with what to
-    do, before anything loads (the kernel's OOM killer would end the process without a word)."""
-    from stages.core.runtime import HostLoad
+    do, before anything loads (the kernel's OOM killer would end the process without a word). A plan
+    whose fp8 base keeps only its first blocks in fp8 loads it as a MixedLoad."""
+    from stages.core.runtime import HostLoad, MixedLoad
 
     short = host_shortfall(plan)
     if short:
         raise ResourceError(short)
     swapped = plan.settings.get("swapped_blocks")
+    if plan.settings.get("fp8_blocks") is not None:  # fp8 for the first blocks, nf4 for the rest
+        return MixedLoad(rt.device, rt.dtype, fp8_blocks=plan.settings["fp8_blocks"])
     if not swapped:
         return rt
     return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped,

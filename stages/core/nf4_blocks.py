@@ -68,16 +68,19 @@ def _move_own(module: torch.nn.Module, device: torch.device | str) -> None:
 
 
 def quantize_nf4_by_block(model: torch.nn.Module, double_quant: bool, device: torch.device | str,
-                          swapped_blocks: int, layout: str = "last") -> torch.nn.Module:
+                          swapped_blocks: int, layout: str = "last", keep: list[str] = ()) -> torch.nn.Module:
     """Turn a dense bf16 `model` (in host memory) into diffusers' nf4 model, block by block on `device`;
-    the `swapped_blocks` repeated blocks swapped for `layout` end in host memory, everything else on `device`."""
+    the `swapped_blocks` repeated blocks swapped for `layout` end in host memory, everything else on `device`.
+    The Linears named in `keep` (full module names) are not quantized, only moved (a mixed fp8/nf4 base's
+    fp8 blocks, stages/core/fp8.py `quantize_fp8_nf4`)."""
     import bitsandbytes as bnb
     from diffusers.quantizers import DiffusersAutoQuantizer
 
     device = torch.device(device)
     dense = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     quantizer = DiffusersAutoQuantizer.from_config(nf4_config(double_quant), pre_quantized=False)
-    quantizer.preprocess_model(model=model, device_map=None, keep_in_fp32_modules=_keep_in_fp32(model))
+    # diffusers leaves a Linear unconverted whose full name equals one of these (or has one as a prefix + ".")
+    quantizer.preprocess_model(model=model, device_map=None, keep_in_fp32_modules=_keep_in_fp32(model) + list(keep))
     names = {id(m): name for name, m in model.named_modules()}
     for modules, to_host in _groups(model, swapped_blocks, layout):
         for module in modules:

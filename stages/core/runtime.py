@@ -45,6 +45,14 @@ class HostLoad(Runtime):
 
 
 @dataclass
+class MixedLoad(Runtime):
+    """Where train loads an fp8 base of which the plan keeps only the first `fp8_blocks` repeated blocks in
+    fp8 and the rest in nf4, to fit its budget (stages/core/fp8.py `quantize_fp8_nf4`)."""
+
+    fp8_blocks: int = 0
+
+
+@dataclass
 class OffloadLoad(Runtime):
     """Where encode-captions loads a text encoder whose weights do not all fit its budget (layer
     offload, stages/families/text_encoders.py): `device` runs every layer but holds only
