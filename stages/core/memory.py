@@ -474,8 +474,9 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     # the un-checkpointed blocks are the last ones (trainer: blocks[checkpointed:])
     own_units = getattr(family, "block_saved_units", {})
     saved = [own_units.get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
+    work = getattr(family, "block_work_units", BLOCK_WORK_UNITS)
     activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
-                                                         + sum(saved[checkpointed:]) + BLOCK_WORK_UNITS)
+                                                         + sum(saved[checkpointed:]) + work)
     options = _with_fp8_nf4(_train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
                             n, getattr(tcfg, "fp8_blocks", "auto"))
     mixed = fp8_nf4_weight_bytes(model) if any(m is not None for *_, m in options) else []
@@ -637,13 +638,15 @@ def _with_fp8_nf4(options: list[tuple[str, int, int]], n: int, fixed: int | str 
     blocks go as far as the budget allows before the plan falls to nf4 whole. Most fp8 blocks first, then
     fewest checkpointed: on FLUX.2 klein at 1024 px a GB of fp8 blocks saved ~21 ms a step (nf4 0.252 s,
     fp8 0.209 s, 2.0 GB apart: bench/RESULTS.md), a GB of un-checkpointed blocks ~9 ms (README "Side by side").
-    `fixed` (train.fp8_blocks as a number below n): the fp8 options have exactly that many fp8 blocks."""
+    Under "auto" at least a quarter of the blocks (rounded up) stay fp8: fewer would take too little off
+    the step to be worth the memory (klein's 16 of 25 took 17 % off nf4's). `fixed` (train.fp8_blocks as a
+    number below n): the fp8 options have exactly that many fp8 blocks."""
     out: list[tuple[str, int, int, int | None]] = [(p, s, k, None) for p, s, k in options]
     whole_fp8 = [i for i, (p, s, _, _) in enumerate(out) if p == "fp8" and not s]
     if not whole_fp8 or n < 2 or (fixed != "auto" and fixed >= n):
         return out
     at = whole_fp8[-1] + 1
-    counts = range(n - 1, 0, -1) if fixed == "auto" else [fixed]
+    counts = range(n - 1, math.ceil(n / 4) - 1, -1) if fixed == "auto" else [fixed]
     mixed = [("fp8", 0, out[i][2], m) for m in counts for i in whole_fp8]
     if fixed != "auto":  # the whole fp8 base is not an option then
         return [o for i, o in enumerate(out[:at]) if i not in whole_fp8] + mixed + out[at:]

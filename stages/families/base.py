@@ -74,6 +74,8 @@ class Family(Protocol):
     # optional: block_saved_units (dict[str, float], default {}): train activations one un-checkpointed block
     # of that class keeps for its backward, in units of tokens x width x 2 bytes, where it is not
     # stages/core/memory.py's BLOCK_SAVED_UNITS (measured on the H200: FLUX.1's single-stream blocks)
+    # optional: block_work_units (float, default stages/core/memory.py's BLOCK_WORK_UNITS): train activations
+    # of the block being run or recomputed in backward, in the same units (FLUX.2's fused single blocks: 35)
     # optional: blocks_in_run_order (bool, default True): False where the denoiser lists its repeated
     # blocks in another order than it runs them (SDXL's UNet: down, up, mid; run down, mid, up), so a
     # block swap cannot copy the next block ahead once resident blocks sit between swapped ones:
