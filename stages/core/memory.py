@@ -633,7 +633,7 @@ def _train_options(configured: bool | str, precisions: list[str], n: int,
 
 def _with_fp8_nf4(options: list[tuple[str, int, int]], n: int, fixed: int | str = "auto") -> list[tuple[str, int, int, int | None]]:
     """`_train_options`' options with how many blocks stay fp8 (None: the precision whole), and after the
-    last whole fp8 option the same checkpointing with the first n-1, n-2, ..., 1 blocks in fp8 and the rest
+    last whole fp8 option the same checkpointing with the first n-1, n-2, ... blocks in fp8 and the rest
     nf4 (stages/core/fp8.py `quantize_fp8_nf4`): where the whole fp8 base does not fit, its fastest
     blocks go as far as the budget allows before the plan falls to nf4 whole. Most fp8 blocks first, then
     fewest checkpointed: on FLUX.2 klein at 1024 px a GB of fp8 blocks saved ~21 ms a step (nf4 0.252 s,
