@@ -19,6 +19,7 @@ from typing import Any
 
 from stages import train
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
+from stages.core.config import command
 
 NAME = "export-lora"
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
@@ -71,9 +72,9 @@ def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict
         return folder, manifest
     if checkpoint is None:
         raise ArtifactError(f"'{folder}' has no complete adapter (lora/final missing or unfinished): run "
-                            f"`{train.command(cfg, 'train')}` first")
+                            f"`{command(cfg, 'train')}` first")
     steps = [p.name[11:] for p in complete_checkpoints(cfg.run_dir / "lora")]
-    there = (f"the checkpoints there are: {', '.join(steps)} (e.g. `{train.command(cfg, NAME, '--checkpoint', steps[-1])}`)"
+    there = (f"the checkpoints there are: {', '.join(steps)} (e.g. `{command(cfg, NAME, '--checkpoint', steps[-1])}`)"
              if steps else "there are none (train.checkpoint_every and train.keep_checkpoints decide which are kept)")
     raise ArtifactError(f"run '{cfg.run}' has no complete lora/checkpoint-{checkpoint}: {there}")
 

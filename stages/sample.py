@@ -24,9 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stages import export_lora, train
+from stages import export_lora
 from stages.core import faults
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
+from stages.core.config import command
 from stages.core.errors import ConfigError
 from stages.core.model_source import model_source
 
@@ -166,7 +167,7 @@ def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
     final = export_lora.artifact_dir(cfg)
     export = read_manifest(final)
     if export is None:
-        raise ArtifactError(f"'{final}' has no exported LoRA: run `{train.command(cfg, export_lora.NAME)}` first")
+        raise ArtifactError(f"'{final}' has no exported LoRA: run `{command(cfg, export_lora.NAME)}` first")
     if export_lora.DIFFUSERS_FILE not in export.get("files", [export_lora.DIFFUSERS_FILE]):
         raise ArtifactError(f"'{final}' holds no diffusers LoRA file (a {export.get('adapter', 'LyCORIS')} adapter is "
                             f"exported for ComfyUI only), and sample loads that file: sample a lora or dora run")

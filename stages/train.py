@@ -22,7 +22,7 @@ from typing import Any
 
 from stages import cache_latents, encode_captions
 from stages.core.artifacts import ArtifactError, fingerprint, read_manifest
-from stages.core.config import command  # noqa: F401 - train.command, used by the other stages
+from stages.core.config import command
 from stages.core.model_source import model_source
 
 NAME = "train"

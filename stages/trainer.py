@@ -21,6 +21,7 @@ from stages import cache_latents, encode_captions, train
 from stages.checkpoints import Checkpoints
 from stages.core import blockswap, distributed, fastpath, faults, lora, memory, validation
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
+from stages.core.config import command
 from stages.core.errors import TrainingDiverged
 from stages.core.model_source import model_source
 from stages.core.profiling import StepProfiler
@@ -395,7 +396,7 @@ class Trainer:
             raise ArtifactError(
                 f"{path} was written by {saved} process(es) (global batch {saved * self.tcfg.batch_size}), this "
                 f"train runs {self.dist.world_size}: resume with --nproc-per-node/--gpus {saved}, or start over "
-                f"with `{train.command(self.cfg, 'train', '--restart')}`")
+                f"with `{command(self.cfg, 'train', '--restart')}`")
 
     def info(self) -> dict[str, Any]:
         """What export-lora needs (family, pipeline, LoRA config) and how the run was launched."""
@@ -407,7 +408,7 @@ class Trainer:
         if not self.dist.is_main:
             return {"stage": "train", "rank": self.dist.rank, "step": step, "complete": complete}
         extra = {} if complete else {"incomplete_reason": f"stopped at step {step} of {self.tcfg.steps}: run "
-                                                          f"`{train.command(self.cfg, 'train', '--resume')}` to finish"}
+                                                          f"`{command(self.cfg, 'train', '--resume')}` to finish"}
         with atomic_dir(self.lora_dir / "final") as tmp:
             self._write_adapter(tmp)
             faults.hit("mid-save")

@@ -17,6 +17,7 @@ from conftest import make_cfg
 from stages import cache_latents, encode_captions, train
 from stages.core import memory
 from stages.core.artifacts import ArtifactError, read_manifest
+from stages.core.config import command
 from stages.core.model_source import ModelSource
 from stages.core.rowstore import RowStore
 from stages.core.stage import staleness
@@ -114,7 +115,7 @@ def test_free_memory_forcing_a_tile_is_recorded_warned_and_accepted_by_train(ass
     log = Recorder()
     train.check_upstream(cfg, log)
     assert log.warnings() == [f"training on latents.zarr as it is: {forced['message']} "
-                              f"(`{train.command(cfg, 'cache-latents')}`)"]
+                              f"(`{command(cfg, 'cache-latents')}`)"]
     # a rerun with as little free memory re-encodes nothing (no loop), and train still accepts it
     again = cache_latents.run(cfg)
     assert again["encoded_this_run"] == 0 and again["fingerprint"] == manifest["fingerprint"]

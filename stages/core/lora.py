@@ -24,13 +24,11 @@ def load_denoiser_weights(cls: Any, src: Any, subfolder: str, precision: str, rt
     `rt.fp8_blocks` blocks only when `rt` is a MixedLoad, the rest nf4)."""
     from stages.core.runtime import has_accelerate, require_cuda_for_nf4
 
-    if precision == "fp8" and getattr(rt, "fp8_blocks", None) is not None:  # a MixedLoad: the rest in nf4
-        from stages.core.fp8 import load_fp8_nf4
+    if precision == "fp8":  # e4m3 base weights (stages/core/fp8.py); a MixedLoad's first blocks only, the rest nf4
+        from stages.core.fp8 import load_fp8_denoiser, load_fp8_nf4
 
-        return load_fp8_nf4(cls, src, subfolder, rt.device, rt.fp8_blocks, double_quant)
-    if precision == "fp8":  # e4m3 base weights (stages/core/fp8.py)
-        from stages.core.fp8 import load_fp8_denoiser
-
+        if getattr(rt, "fp8_blocks", None) is not None:
+            return load_fp8_nf4(cls, src, subfolder, rt.device, rt.fp8_blocks, double_quant)
         return load_fp8_denoiser(cls, src, subfolder, rt.device)
     if precision == "nf4" and getattr(rt, "swapped_blocks", 0):  # a HostLoad: blocks will be swapped
         from stages.core.nf4_blocks import load_nf4_by_block

@@ -179,14 +179,10 @@ def fp8_nf4_weight_bytes(model: torch.nn.Module) -> list[float]:
     """Bytes of the base with its first m repeated blocks in fp8 and the rest of it in nf4, for m = 0..n
     (stages/core/fp8.py `quantize_fp8_nf4`): m = 0 is the nf4 base; a block in fp8 counts its eligible
     Linears' weights at one byte plus a 4-byte scale per output channel, its other weights bf16."""
-    from stages.core import fp8
-
     nf4 = _nf4_param_bytes(model)
     sizes = [sum(nf4.values())]
     for block in blockswap.repeated_blocks(model):
-        rows = {id(m.weight): m.weight.shape[0] for m in block.modules()
-                if type(m) is torch.nn.Linear and fp8.fp8_eligible(m)}
-        as_fp8 = sum(p.numel() + 4 * rows[id(p)] if id(p) in rows else 2 * p.numel() for p in block.parameters())
+        as_fp8 = _fp8_bytes_where(block, lambda name, linear: False)  # every eligible Linear of the block
         sizes.append(sizes[-1] - sum(nf4[id(p)] for p in block.parameters()) + as_fp8)
     return sizes
 
@@ -197,7 +193,14 @@ def _fp8_weight_bytes(module: torch.nn.Module) -> float:
     are never swapped, so no single block is sized)."""
     from stages.core import fp8
 
-    keep = fp8.inside_repeated_blocks(module)
+    return _fp8_bytes_where(module, fp8.inside_repeated_blocks(module))
+
+
+def _fp8_bytes_where(module: torch.nn.Module, keep: Callable[[str, torch.nn.Module], bool]) -> float:
+    """`module`'s bytes with each eligible Linear that `keep(name, linear)` rejects in fp8 (a byte per weight
+    plus a 4-byte scale per output channel, as stages/core/fp8.py makes it) and every other weight bf16."""
+    from stages.core import fp8
+
     quantized = {id(m.weight): m.weight.shape[0] for name, m in module.named_modules()
                  if type(m) is torch.nn.Linear and fp8.fp8_eligible(m) and not keep(name, m)}
     return sum(p.numel() + 4 * quantized[id(p)] if id(p) in quantized else 2 * p.numel() for p in module.parameters())
@@ -911,9 +914,9 @@ def load_device(plan: StagePlan, rt: Any) -> Any:
     short = host_shortfall(plan)
     if short:
         raise ResourceError(short)
-    swapped = plan.settings.get("swapped_blocks")
     if plan.settings.get("fp8_blocks") is not None:  # fp8 for the first blocks, nf4 for the rest
         return MixedLoad(rt.device, rt.dtype, fp8_blocks=plan.settings["fp8_blocks"])
+    swapped = plan.settings.get("swapped_blocks")
     if not swapped:
         return rt
     return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped,
