@@ -352,10 +352,11 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
     from bench.bench import KILLED_AFTER_MANIFEST, Item, collect, finished_before_kill
 
     precision, *flags = variant.split("+")
-    unknown = [f for f in flags if variant_flag(f) is None]
+    parsed = {f: variant_flag(f) for f in flags}
+    unknown = [f for f, known in parsed.items() if known is None]
     if unknown:
         raise SystemExit(f"unknown product variant flag(s) {unknown}; known: {', '.join(VARIANT_FLAGS)}, fp8blocks<N>")
-    env = {k: v for f in flags for k, v in variant_flag(f)[0].items()}
+    env = {k: v for known in parsed.values() for k, v in known[0].items()}
     run = f"peers-{fam}-{a.res}"
     row: dict[str, Any] = {"side": "product", "precision": "fp32" if a.tiny else variant, "stages": {}}
     total = 0.0
@@ -363,7 +364,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         sets = dict(res_sets)
         if kind == "train":
             sets.update({"train.base_precision": precision, "train.batch_size": a.batch})
-            sets.update({k: v for f in flags for k, v in variant_flag(f)[1].items()})
+            sets.update({k: v for known in parsed.values() for k, v in known[1].items()})
             fit = [f for f in flags if f in ("fitpeer", "fitreserved")]
             if fit:
                 cap = (peer_peak or {}).get("peak_reserved_gb" if fit[0] == "fitreserved" else "peak_gb")
