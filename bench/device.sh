@@ -44,7 +44,13 @@
 #       fp8 base measured 5.82 allocated against its 5.26 predicted): the script, then fp8 + cuDNN with the first 16, 14
 #       and 12 blocks fp8 (train.fp8_blocks, the rest nf4), uncapped, compared allocated to allocated
 #   KE: KC's best row (16 fp8 blocks, 4.93 GB allocated against the script's 5.09) with 18, the most that may stay under
-#       its allocated peak (~0.056 GB a single block); not run yet: the nineteenth session's device time ran out
+#       its allocated peak (~0.056 GB a single block); not run: KF holds it
+#   KF: probes first (bench/fp8_tiny_probe.py: the tiny fp8 LoRA step's NaN; bench/sdpa_probe.py: where cuDNN SDPA
+#       dies), then KE's run with 18 and 17 fp8 blocks
+#   KG: bench/cudnn_flux_probe.py (cuDNN inside a FLUX.1-width transformer at Kontext's tokens), then Kontext side by
+#       side with fp8 + cuDNN (the script, fp8 + cuDNN within its peak, fp8 + cuDNN)
+#   KH: KG's rows crashed as before: the train stage's cuDNN guard (runtime.cudnn_safe_sdpa: dense q/k/v and output
+#       gradient) in the probe, then Kontext's fp8 + cuDNN within the script's peak, product only (KG's script row)
 #   I9: Krea 2's last bf16/nf4 row (bf16 1024 b4), then its fp8 1024 b1
 #   O6: what O4 left for Qwen-Image-Edit-Plus (bf16 1024 b4, fp8 1024 b1), then FLUX.2 klein's bf16 1024 b4
 #   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
@@ -238,6 +244,15 @@ case $phase in
         PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh klein 1024 1 15 ;;
   KE) PEERS_TAG=fp8blocks2 PEERS_PRODUCT=fp8+cudnn+fp8blocks18 \
         PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
+  KF) timeout 60 python3 bench/fp8_tiny_probe.py --out "$OUT/fp8-tiny-probe.json" > "$OUT/fp8-tiny-probe.log" 2>&1; tail -15 "$OUT/fp8-tiny-probe.log"
+      timeout 150 python3 bench/sdpa_probe.py --out "$OUT/sdpa-probe.json" > "$OUT/sdpa-probe.log" 2>&1; cat "$OUT/sdpa-probe.log" | cut -c1-300
+      PEERS_TAG=fp8blocks2 PEERS_PRODUCT=fp8+cudnn+fp8blocks18,fp8+cudnn+fp8blocks17 \
+        PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
+  KG) timeout 170 python3 bench/cudnn_flux_probe.py --out "$OUT/cudnn-flux-probe.json" > "$OUT/cudnn-flux-probe.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe.log"
+      PEERS_TAG=cudnn2 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  KH) timeout 60 python3 bench/cudnn_flux_probe.py --only kontext-eager-safe --out "$OUT/cudnn-flux-probe-safe.json" > "$OUT/cudnn-flux-probe-safe.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-safe.log"
+      PEERS_SIDES=product PEERS_TAG=cudnnsafe PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-cudnn2.json PEERS_PRODUCT=fp8+cudnn+fitpeer \
+        PEERS_BUDGET_S=$(( $(left) - 10 )) bash bench/peers.sh kontext 1024 1 10 ;;
   P1) PEERS_SIDES=product PEERS_TAG=cudnn1 PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-run3.json \
        PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn,bf16+cudnn PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
   N) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;

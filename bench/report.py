@@ -393,7 +393,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
     """{"RESULTS.md": targets and one headline table per family, "APPENDIX.md": every table, profile
     and run}; both from the result files alone (plus the hand-written bench/analysis.md)."""
     kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": [],
-                                   "peers": [], "dtype": [], "tiling": [], "swap": []}
+                                   "peers": [], "dtype": [], "tiling": [], "swap": [], "gpu_probe": []}
     for f in files:
         kind = _kind(json.loads(f.read_text()))
         kinds[kind].append(f if kind in ("bench", "multigpu", "memory") else json.loads(f.read_text()))
@@ -408,6 +408,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
     extra += ["## Probe: full-width FLUX blocks, eager against CUDA graphs\n\n" + probe_section(kinds["probe"]) + "\n"]
     extra += [dtype_section(d) for d in kinds["dtype"]] + [tiling_section(d) for d in kinds["tiling"]]
     extra += [swap_section(d) for d in sorted(kinds["swap"], key=lambda d: d.get("date_utc", ""))]
+    extra += [gpu_probe_section(kinds["gpu_probe"])] if kinds["gpu_probe"] else []
     export = ("## Export key layout at full size (CPU, meta device)\n\n`python bench/verify_export.py --meta <family> "
               "--out bench/results/export-meta-<family>.json`\n\n" + meta_export_section(kinds["meta"]) + "\n")
     analysis = Path(__file__).with_name("analysis.md")
@@ -512,9 +513,32 @@ def swap_section(d: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def gpu_probe_section(probes: list[dict[str, Any]]) -> str:
+    """bench/sdpa_probe.py and bench/cudnn_flux_probe.py (where cuDNN attention dies, what it saves) and
+    bench/fp8_tiny_probe.py (narrow fp8 shapes): one row per case."""
+    out = ["## Probes: cuDNN attention and narrow fp8 shapes\n"]
+    for d in probes:
+        if "shapes" in d:
+            bad = [r for r in d["shapes"] if not (r["y_finite"] and r["dx_finite"]) or max(r["y_rel"], r["dx_rel"]) > 0.1]
+            out.append(f"`python3 bench/fp8_tiny_probe.py`: {len(d['shapes'])} (rows, in, out) shapes of the fp8 Linear, "
+                       f"{len(bad)} with a non-finite or >10 % off output or input gradient; the tiny FLUX LoRA step: "
+                       + "; ".join(d.get("model", [])) + "\n")
+            continue
+        out.append(f"`python3 bench/{d['probe']}` ({d.get('date', '')}):\n\n| case | backend | ok | ms / s | TFLOP/s | error |\n|---|---|---|---|---|---|")
+        for r in d["rows"]:
+            err = r.get("err", "")
+            err = (err[0] if isinstance(err, list) and err else str(err))[:120]
+            out.append(f"| {r['case']} | {r.get('backend', 'cuDNN' + (', launch blocking' if r.get('launch_blocking') == '1' else ''))} | "
+                       f"{r['ok']} | {r.get('ms', r.get('s', ''))} | {r.get('tflops', '')} | {err} |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
 def _kind(data: dict[str, Any]) -> str:
     """Which benchmark wrote a result file (each has its own layout)."""
     items = data.get("items", [])
+    if data.get("probe") in ("sdpa_probe.py", "cudnn_flux_probe.py") or {"shapes", "model"} <= data.keys():
+        return "gpu_probe"
     if "double_blocks" in data:
         return "probe"
     if "swapped" in data and "blocks" in data:

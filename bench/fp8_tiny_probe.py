@@ -1,0 +1,108 @@
+"""Which narrow shapes make the fp8 Linear's forward or input gradient wrong on this GPU (a probe).
+
+On the H200 the tiny-model fp8 LoRA tests (tests/test_fp8.py, layers 16-64 wide with min_width=16)
+got NaN LoRA gradients in their fp8 blocks while full-size models trained. This sweeps
+`_Fp8LinearFn` over (rows, in, out) against the dense bf16 matmul and prints every shape whose
+output or input gradient is not finite or is off by more than 10 %.
+
+    python3 bench/fp8_tiny_probe.py --out $OUT/fp8-tiny-probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from stages.core.fp8 import Fp8Linear
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: plumbing only
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    rows_out = []
+    for m, k, n in itertools.product((16, 32, 64, 128), (16, 32, 48, 64, 128, 256), (16, 32, 48, 64, 128, 256)):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(k, n, bias=False).to(DEV, torch.bfloat16)
+        fp8 = Fp8Linear.from_linear(lin, DEV)
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+        y, ref = fp8(x), lin(x)
+        (dx,), (dx_ref,) = torch.autograd.grad(y, x, g), torch.autograd.grad(ref, x, g)
+        row = {"m": m, "k": k, "n": n, "y_finite": bool(y.isfinite().all()), "dx_finite": bool(dx.isfinite().all()),
+               "y_rel": round(rel(y, ref), 4), "dx_rel": round(rel(dx, dx_ref), 4)}
+        rows_out.append(row)
+        if not (row["y_finite"] and row["dx_finite"]) or row["y_rel"] > 0.1 or row["dx_rel"] > 0.1:
+            print("BAD", json.dumps(row), flush=True)
+    print(f"{len(rows_out)} shapes, {sum(1 for r in rows_out if r['y_rel'] > 0.1 or r['dx_rel'] > 0.1 or not (r['y_finite'] and r['dx_finite']))} bad")
+    found = locate()
+    print("\n".join(found))
+    with open(a.out, "w") as f:
+        json.dump({"shapes": rows_out, "model": found}, f, indent=1)
+
+
+def locate() -> list[str]:
+    """tests/test_fp8.py's LoRA step on the tiny FLUX (fp8 blocks, min_width=16), eager on the GPU, with a hook on
+    every module: the first modules whose output or input gradient is not finite, in the order they ran."""
+    import tempfile
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from diffusers import FluxTransformer2DModel
+
+    from stages.core import lora
+    from stages.core.fp8 import inside_repeated_blocks, quantize_denoiser_fp8
+    from stages.families.base import BatchMeta
+    from stages.families.flux.family import Flux
+    from stages.tiny.models import build_tiny_pipeline
+
+    folder = build_tiny_pipeline("flux-dev", Path(tempfile.mkdtemp()) / "flux-dev", seed=0)
+    model = FluxTransformer2DModel.from_pretrained(str(folder), subfolder="transformer", torch_dtype=torch.bfloat16)
+    quantize_denoiser_fp8(model, inside_repeated_blocks(model), DEV, min_width=16)
+    model.to(DEV).requires_grad_(False)
+    lora.attach_lora(model, lora.lora_config(4, 4, 0.0, list(Flux.default_lora_targets)))
+    found: list[str] = []
+
+    def bad(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(t.isfinite().all())
+
+    for name, mod in model.named_modules():
+        def fwd(m, i, o, name=name):
+            outs = o if isinstance(o, tuple) else (o,)
+            if any(bad(t) for t in outs) and len(found) < 12:
+                found.append(f"forward {name} ({type(m).__name__}) in finite={not any(bad(t) for t in i)}")
+
+        def bwd(m, gi, go, name=name):
+            if any(bad(t) for t in gi) and len(found) < 12:
+                found.append(f"backward {name} ({type(m).__name__}) grad_out finite={not any(bad(t) for t in go)}")
+        mod.register_forward_hook(fwd)
+        mod.register_full_backward_hook(bwd)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
+    g = torch.Generator().manual_seed(1)
+    x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
+    cond = {"prompt_embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
+    x0, noise, cond = x0.to(DEV), noise.to(DEV), {k: v.to(DEV) for k, v in cond.items()}
+    t = torch.full((2,), 0.5, device=DEV)
+    loss = Flux().loss(model, x0, noise, t, cond, BatchMeta(None, None, None), SimpleNamespace(guidance_scale=1.0))
+    loss.mean().backward()
+    # the test's criterion: every adapter weight fp32 with a finite, non-zero gradient
+    off = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or bad(p.grad) or p.dtype != torch.float32
+                                                                          or not p.grad.abs().sum() > 0)]
+    return found + [f"loss {float(loss.mean()):.4f}; {len(off)} LoRA weights not fp32 or with a missing, non-finite or zero "
+                    f"gradient, e.g. {off[:3]}"]
+
+
+if __name__ == "__main__":
+    main()
