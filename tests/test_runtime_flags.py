@@ -70,57 +70,6 @@ def test_torch_flags_tf32_off_leaves_precision():
     assert global_flags() == before
 
 
-def test_cudnn_opt_in_hands_attention_dense_tensors_and_changes_no_result():
-    """train.cudnn_attention = true routes SDPA through `cudnn_safe_sdpa` for the stage (and only then): dense
-    query/key/value and a dense output gradient, as a FLUX single-stream block would not give it (the attention
-    output beside the MLP's in one concatenation: a sliced gradient). Same output and gradients as plain SDPA."""
-    import torch.nn.functional as F
-
-    plain = F.scaled_dot_product_attention
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 40, 3, 8, generator=g, requires_grad=True) for _ in range(3))  # (B, S, H, D)
-    mlp = torch.randn(2, 40, 16, generator=g, requires_grad=True)
-
-    def block(sdpa):
-        seen = {}
-        out = sdpa(*(t.permute(0, 2, 1, 3) for t in (q, k, v))).permute(0, 2, 1, 3).flatten(2)
-        out.register_hook(lambda grad: seen.update(stride=grad.stride()))
-        y = torch.cat([out, mlp], dim=2)  # the single-stream block's concatenation
-        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
-        grads = [t.grad.clone() for t in (q, k, v, mlp)]
-        for t in (q, k, v, mlp):
-            t.grad = None
-        return y.detach(), grads, seen["stride"]
-
-    ref, ref_grads, sliced = block(plain)
-    assert sliced[1] == 24 + 16  # the attention output's gradient arrives as a slice of the concatenation's
-    with torch_flags(False, False, disable_cudnn_attention=False):
-        assert F.scaled_dot_product_attention is not plain and F.scaled_dot_product_attention.__wrapped__ is plain
-        out, grads, _ = block(F.scaled_dot_product_attention)
-    assert F.scaled_dot_product_attention is plain
-    torch.testing.assert_close(out, ref)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b)
-    with torch_flags(False, False, disable_cudnn_attention=True):
-        assert F.scaled_dot_product_attention is plain  # cuDNN off: nothing to guard
-
-
-def test_cudnn_guard_makes_the_gradient_dense():
-    from stages.core.runtime import cudnn_safe_sdpa
-
-    seen = {}
-
-    def spy(q, k, v, **kw):
-        seen["inputs"] = [t.is_contiguous() for t in (q, k, v)]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
-        out.register_hook(lambda grad: seen.update(grad=grad.is_contiguous()))
-        return out
-
-    q, k, v = (torch.randn(1, 6, 2, 4, requires_grad=True) for _ in range(3))
-    out = cudnn_safe_sdpa(spy)(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2).flatten(2)
-    torch.cat([out, torch.zeros(1, 6, 5)], dim=2).sum().backward()
-    assert seen == {"inputs": [True, True, True], "grad": True}
-
 
 @cuda
 def test_cuda_flags_restored():

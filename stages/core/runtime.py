@@ -148,36 +148,6 @@ def global_flags() -> dict[str, Any]:
     return _flags()
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (see `cudnn_safe_sdpa`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-def cudnn_safe_sdpa(sdpa: Any) -> Any:
-    """`F.scaled_dot_product_attention` with contiguous query/key/value and a contiguous output gradient.
-
-    cuDNN's SDPA backward died (illegal memory access, `mha_graph.execute` failing) inside FLUX.1's
-    transformer at Kontext's 8,704 tokens, eager and with checkpointing, while the same shapes alone ran
-    (bench/sdpa_probe.py, bench/cudnn_flux_probe.py). In the model the output gradient reaches the
-    attention as a slice (a single-stream block concatenates the attention output with its MLP's: a row
-    stride of 15,360, not 3,072) and the inputs as permuted views; this hands cuDNN dense tensors, as
-    diffusers' own `_native_cudnn` backend does for the inputs."""
-
-    def safe(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = sdpa(query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
-        return _ContiguousGrad.apply(out) if out.requires_grad else out
-
-    safe.__wrapped__ = sdpa  # type: ignore[attr-defined]
-    return safe
-
-
 @contextlib.contextmanager
 def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attention: bool) -> Iterator[list[str]]:
     """Set the stage's global torch flags; restore the previous values on exit (even on error)."""
@@ -195,13 +165,9 @@ def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attentio
     else:
         notes.append(CUDNN_OPT_IN_NOTE)
     _set_flags(new)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if not disable_cudnn_attention:
-        torch.nn.functional.scaled_dot_product_attention = cudnn_safe_sdpa(sdpa)
     try:
         yield notes
     finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
         _set_flags(saved)
 
 
