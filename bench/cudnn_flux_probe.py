@@ -20,64 +20,26 @@ import time
 DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: plumbing only
 
 CASES = {
-    # name: (image tokens, checkpointing, batch, safe): image tokens are target + control, two squares;
-    # safe: cudnn_safe_sdpa below (the candidate fix): "both" dense q/k/v and gradient, "grad" the gradient only
-    "kontext-eager-safe": (8192, False, 1, "both"),
-    "kontext-eager-gradonly": (8192, False, 1, "grad"),
-    "kontext-ckpt-safe": (8192, True, 1, "both"),
-    "kontext-eager": (8192, False, 1, ""),
-    "half-size-eager": (4608, False, 1, ""),
-    "tiny": (32, True, 1, "both"),  # plumbing (PROBE_DEVICE=cpu)
+    # name: (image tokens, checkpointing, batch, guard): image tokens are target + control, two squares;
+    # guard: the train stage's wrapper under train.cudnn_attention = true (stages/core/runtime.py cudnn_safe_sdpa:
+    # one output-gradient layout per cached cuDNN backward graph)
+    "kontext-eager-guard": (8192, False, 1, True),
+    "kontext-ckpt-guard": (8192, True, 1, True),
+    "kontext-eager": (8192, False, 1, False),
+    "half-size-eager": (4608, False, 1, False),
+    "tiny": (32, True, 1, True),  # plumbing (PROBE_DEVICE=cpu)
 }
 
 
-class _ContiguousGrad:
-    """Identity whose backward hands on a contiguous gradient (built lazily: torch is imported per case)."""
-
-    fn = None
-
-    @classmethod
-    def apply(cls, x):
-        import torch
-
-        if cls.fn is None:
-            class Fn(torch.autograd.Function):
-                @staticmethod
-                def forward(ctx, t):
-                    return t.view_as(t)
-
-                @staticmethod
-                def backward(ctx, grad):
-                    return grad.contiguous()
-            cls.fn = Fn
-        return cls.fn.apply(x)
-
-
-def cudnn_safe_sdpa(sdpa, inputs: bool = True):
-    """The candidate fix, not in the train stage until it runs on the GPU: `F.scaled_dot_product_attention` with
-    contiguous query/key/value (as diffusers' own `_native_cudnn` backend makes them) and a contiguous output
-    gradient. In FLUX.1's single-stream block the attention output is concatenated with the MLP's before
-    `proj_out`, so its gradient reaches cuDNN's backward as a slice (row stride 15,360, not 3,072); the
-    standalone SDPA cases (bench/sdpa_probe.py), which ran, had dense gradients."""
-
-    def safe(query, key, value, *args, **kwargs):
-        if inputs:
-            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        out = sdpa(query, key, value, *args, **kwargs)
-        return _ContiguousGrad.apply(out) if out.requires_grad else out
-
-    safe.__wrapped__ = sdpa
-    return safe
-
-
-def one(img: int, ckpt: bool, batch: int, safe: str) -> dict:
+def one(img: int, ckpt: bool, batch: int, guard: bool) -> dict:
     import torch
     from diffusers import FluxTransformer2DModel
 
     torch.backends.cuda.enable_cudnn_sdp(True)
-    if safe:
-        torch.nn.functional.scaled_dot_product_attention = cudnn_safe_sdpa(torch.nn.functional.scaled_dot_product_attention,
-                                                                           inputs=safe == "both")
+    if guard:
+        from stages.core.runtime import cudnn_safe_sdpa
+
+        torch.nn.functional.scaled_dot_product_attention = cudnn_safe_sdpa(torch.nn.functional.scaled_dot_product_attention)
     torch.manual_seed(0)
     with torch.device(DEV):
         model = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True).to(torch.bfloat16)

@@ -49,7 +49,11 @@
 #       dies), then KE's run with 18 and 17 fp8 blocks
 #   KG: bench/cudnn_flux_probe.py (cuDNN inside a FLUX.1-width transformer at Kontext's tokens), then Kontext side by
 #       side with fp8 + cuDNN (the script, fp8 + cuDNN within its peak, fp8 + cuDNN)
-#   KH: KG's probe crashed inside the model (eager and checkpointed) where bench/sdpa_probe.py's same shapes ran:
+#   KH: KG's probe crashed inside the model where bench/sdpa_probe.py's same shapes ran: torch caches cuDNN's
+#       attention backward by q/k/v layout only, and FLUX.1's single blocks hand it a sliced output gradient under
+#       the double blocks' key (tests/test_runtime_flags.py). The train stage's guard (runtime.cudnn_safe_sdpa: one
+#       gradient layout) in the probe, then Kontext side by side: the script, fp8 + cuDNN within its peak, fp8 + cuDNN
+#   KI: KF's klein rows again with the guard (it copies the single blocks' sliced gradient: ~28 MB each at 1024 px)
 #       the candidate fix (bench/cudnn_flux_probe.py cudnn_safe_sdpa: dense q/k/v and output gradient) eager and
 #       checkpointed, and a half-length control; not run yet (the twentieth session's device time ran out)
 #       gradient) in the probe, then Kontext's fp8 + cuDNN within the script's peak, product only (KG's script row)
@@ -252,8 +256,11 @@ case $phase in
         PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
   KG) timeout 170 python3 bench/cudnn_flux_probe.py --out "$OUT/cudnn-flux-probe.json" > "$OUT/cudnn-flux-probe.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe.log"
       PEERS_TAG=cudnn2 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
-  KH) timeout 300 python3 bench/cudnn_flux_probe.py --out "$OUT/cudnn-flux-probe-safe.json" > "$OUT/cudnn-flux-probe-safe.log" 2>&1
-      cut -c1-400 "$OUT/cudnn-flux-probe-safe.log" ;;
+  KH) timeout 150 python3 bench/cudnn_flux_probe.py --out "$OUT/cudnn-flux-probe-guard.json" > "$OUT/cudnn-flux-probe-guard.log" 2>&1
+      cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
+      PEERS_TAG=cudnn3 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  KI) PEERS_TAG=fp8blocks3 PEERS_PRODUCT=fp8+cudnn+fp8blocks18,fp8+cudnn+fp8blocks17 \
+        PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
   P1) PEERS_SIDES=product PEERS_TAG=cudnn1 PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-run3.json \
        PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn,bf16+cudnn PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;
   N) PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import FAMILIES, tiny_model
 from stages.core.config import ConfigError, load_config
 from stages.core.runtime import global_flags, torch_flags
 
@@ -69,6 +70,66 @@ def test_torch_flags_tf32_off_leaves_precision():
         assert len(notes) == 1 and "train.cudnn_attention = false" in notes[0]
     assert global_flags() == before
 
+
+
+# ---- cuDNN attention: one output-gradient layout per cached backward graph ----------------------------------
+
+
+def _attention_layouts(model, guard: bool) -> tuple[dict, torch.Tensor, list[torch.Tensor]]:
+    """One forward and backward of a tiny real transformer. For every attention call: its query/key/value strides
+    (what torch keys cuDNN's cached backward graph by) and the strides of the output gradient that reaches
+    SDPA's own backward; with `guard`, through the train stage's `train.cudnn_attention = true` wrapper."""
+    import torch.nn.functional as F
+
+    plain, layouts = F.scaled_dot_product_attention, {}
+
+    def spy(*args, **kwargs):
+        q, k, v = (kwargs.get(n, a) for n, a in zip(("query", "key", "value"), args + (None,) * 3))
+        out = plain(*args, **kwargs)
+        seen = layouts.setdefault((tuple(q.shape), q.stride(), k.stride(), v.stride()), set())
+        out.register_hook(lambda grad: seen.add(grad.stride()))
+        return out
+
+    c, g = model.config, torch.Generator().manual_seed(0)
+    img, txt = 64, 8
+    kw = dict(hidden_states=torch.randn(1, img, c.in_channels, generator=g),
+              encoder_hidden_states=torch.randn(1, txt, c.joint_attention_dim, generator=g), timestep=torch.full((1,), 0.5),
+              guidance=torch.ones(1) if c.guidance_embeds else None)
+    if "pooled_projection_dim" in c:  # FLUX.1: pooled text, ids (tokens, 3)
+        kw.update(pooled_projections=torch.randn(1, c.pooled_projection_dim, generator=g), img_ids=torch.zeros(img, 3),
+                  txt_ids=torch.zeros(txt, 3))
+    else:  # FLUX.2: ids (batch, tokens, 4)
+        kw.update(img_ids=torch.zeros(1, img, 4), txt_ids=torch.zeros(1, txt, 4))
+    model.zero_grad(set_to_none=True)
+    F.scaled_dot_product_attention = spy
+    try:
+        with torch_flags(False, False, disable_cudnn_attention=not guard):
+            out = model(**kw, return_dict=False)[0]
+            (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    finally:
+        F.scaled_dot_product_attention = plain
+    return layouts, out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2-klein"])
+def test_cudnn_attention_backward_sees_one_gradient_layout_per_cached_graph(assets, family):
+    """torch caches cuDNN's attention backward by query/key/value layout only and keeps the output-gradient
+    strides it was built with. FLUX.1's single-stream blocks (attention output concatenated with the MLP's)
+    hand a sliced gradient under the same key as the double blocks' dense one: the crash FLUX.1 Kontext had
+    with cuDNN. Under `train.cudnn_attention = true` every key sees one layout, and nothing else changes."""
+    import diffusers
+
+    folder = tiny_model(assets, FAMILIES[family])
+    cls = __import__("json").loads((folder / "transformer" / "config.json").read_text())["_class_name"]
+    model = getattr(diffusers, cls).from_pretrained(str(folder), subfolder="transformer")
+    plain, out, grads = _attention_layouts(model, guard=False)
+    guarded, out_g, grads_g = _attention_layouts(model, guard=True)
+    mixed = {k for k, v in plain.items() if len(v) > 1}
+    # FLUX.2's single blocks take their value from a fused projection: another key, one layout each (klein ran)
+    assert bool(mixed) == (family == "flux"), plain
+    assert guarded.keys() == plain.keys() and all(len(v) == 1 for v in guarded.values()), guarded
+    torch.testing.assert_close(out_g, out, rtol=0, atol=0)
+    assert len(grads_g) == len(grads) and all(torch.equal(a, b) for a, b in zip(grads_g, grads))
 
 
 @cuda

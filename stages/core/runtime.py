@@ -114,9 +114,10 @@ ATTENTION_NOTE = ("attention: cuDNN SDPA is off for this stage (its backward pas
                   "(train.cudnn_attention = true opts in)")
 
 
-CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA is allowed (train.cudnn_attention = true): faster on Hopper, but its "
-                     "backward crashed with an illegal memory access on torch 2.11 + CUDA 13.0 on an H200; if a step "
-                     "dies that way, set train.cudnn_attention = false and resume")
+CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA is allowed (train.cudnn_attention = true): faster on Hopper; its backward "
+                     "gets each output gradient in one layout, against the crash FLUX.1 Kontext had without it (an illegal "
+                     "memory access, torch 2.11 + CUDA 13.0, H200); if a step still dies that way, set "
+                     "train.cudnn_attention = false and resume")
 
 
 def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Exception | None:
@@ -138,7 +139,8 @@ def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Excepti
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return ResourceError(
         f"train: a step died in a CUDA error ({first}) with train.cudnn_attention = true; cuDNN's attention has "
-        f"crashed this way on this stack (FLUX.1 Kontext at 1024 px, every time): set train.cudnn_attention = "
+        f"crashed this way on this stack (FLUX.1 Kontext at 1024 px, before its backward got one gradient layout): "
+        f"set train.cudnn_attention = "
         f"false and resume with `{command(cfg, 'train', '--resume', '--set', 'train.cudnn_attention=false')}` "
         f"(checkpoints written before the error are kept)")
 
@@ -146,6 +148,41 @@ def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Excepti
 def global_flags() -> dict[str, Any]:
     """The global torch settings a stage may change (the restore test compares these)."""
     return _flags()
+
+
+class _OneGradLayout(torch.autograd.Function):
+    """Identity on an attention output (B, H, S, D) whose backward hands the gradient on laid out as (B, S, H, D)
+    in memory, the layout diffusers' attention output already has (a copy only where the gradient arrives
+    otherwise, e.g. as a slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def cudnn_safe_sdpa(sdpa: Any) -> Any:
+    """`F.scaled_dot_product_attention` whose output gradient always reaches the backward in one layout.
+
+    torch caches cuDNN's attention backward graph by the query/key/value shapes and strides only
+    (aten/src/ATen/native/cudnn/MHA.cpp, MHAParams), and with cuDNN >= 9.5.1 passes the output gradient on
+    with whatever strides it has; the cached graph keeps the strides of the gradient it was built with.
+    In FLUX.1 (and Kontext) the double- and single-stream blocks call attention with the same query/key/value
+    layout, but a single-stream block concatenates the attention output with its MLP's before `proj_out`,
+    so its gradient arrives as a slice (row stride 15,360 instead of 3,072). The backward runs the single
+    blocks first: the graph is built for the slice and then reads the double blocks' dense gradients with
+    the slice's strides, past their end (the illegal memory access at Kontext's 8,704 tokens). FLUX.2's
+    single blocks take their value from a fused projection, a different cache key, which is why klein ran."""
+
+    def safe(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = sdpa(*args, **kwargs)
+        return _OneGradLayout.apply(out) if out.requires_grad and out.dim() == 4 else out
+
+    safe.__wrapped__ = sdpa  # type: ignore[attr-defined]
+    return safe
 
 
 @contextlib.contextmanager
@@ -165,9 +202,13 @@ def torch_flags(enable_tf32: bool, cudnn_benchmark: bool, disable_cudnn_attentio
     else:
         notes.append(CUDNN_OPT_IN_NOTE)
     _set_flags(new)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if not disable_cudnn_attention:  # diffusers looks it up at each call: the stage's attention takes the guard
+        torch.nn.functional.scaled_dot_product_attention = cudnn_safe_sdpa(sdpa)
     try:
         yield notes
     finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         _set_flags(saved)
 
 
