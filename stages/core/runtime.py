@@ -140,8 +140,7 @@ def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Excepti
     return ResourceError(
         f"train: a step died in a CUDA error ({first}) with train.cudnn_attention = true; cuDNN's attention has "
         f"crashed this way on this stack (FLUX.1 Kontext at 1024 px, before its backward got one gradient layout): "
-        f"set train.cudnn_attention = "
-        f"false and resume with `{command(cfg, 'train', '--resume', '--set', 'train.cudnn_attention=false')}` "
+        f"set train.cudnn_attention = false and resume with `{command(cfg, 'train', '--resume', '--set', 'train.cudnn_attention=false')}` "
         f"(checkpoints written before the error are kept)")
 
 
@@ -174,8 +173,9 @@ def cudnn_safe_sdpa(sdpa: Any) -> Any:
     layout, but a single-stream block concatenates the attention output with its MLP's before `proj_out`,
     so its gradient arrives as a slice (row stride 15,360 instead of 3,072). The backward runs the single
     blocks first: the graph is built for the slice and then reads the double blocks' dense gradients with
-    the slice's strides, past their end (the illegal memory access at Kontext's 8,704 tokens). FLUX.2's
-    single blocks take their value from a fused projection, a different cache key, which is why klein ran."""
+    the slice's strides, past their end: by this reading the illegal memory access FLUX.1 Kontext died of at
+    8,704 tokens (bench/cudnn_flux_probe.py runs it with and without this). FLUX.2's single blocks take their
+    value from a fused projection, a different cache key, which is why klein ran."""
 
     def safe(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = sdpa(*args, **kwargs)
