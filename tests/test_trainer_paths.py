@@ -96,6 +96,23 @@ def test_train_stage_restores_global_state(cached):
     assert runtime["enable_tf32"] and runtime["cudnn_benchmark"] and runtime["cuda_graphs"]["plan"].startswith("off")
 
 
+def test_the_cudnn_attention_opt_in_trains_the_same_losses_and_restores_attention(cached):
+    """train.cudnn_attention = true routes the stage's attention through the one-gradient-layout guard
+    (stages/core/runtime.py cudnn_safe_sdpa): same losses as without it, and torch's SDPA is its own again after."""
+    import torch.nn.functional as F
+
+    from stages import train
+
+    plain = F.scaled_dot_product_attention
+    losses = {}
+    for opt_in in (False, True):
+        cfg = _cfg(cached, **{"train.cudnn_attention": opt_in, "train.steps": 3})
+        train.run(cfg)
+        losses[opt_in] = [e["loss"] for e in _events(cfg, "step")][-3:]
+        assert F.scaled_dot_product_attention is plain
+    assert losses[True] == losses[False] and len(losses[True]) == 3
+
+
 def test_nf4_on_cpu_is_a_clear_error(cached):
     from stages import train
 
