@@ -256,8 +256,8 @@ case $phase in
         PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
   KG) timeout 170 python3 bench/cudnn_flux_probe.py --out "$OUT/cudnn-flux-probe.json" > "$OUT/cudnn-flux-probe.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe.log"
       PEERS_TAG=cudnn2 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
-  KH) timeout 150 python3 bench/cudnn_flux_probe.py --out "$OUT/cudnn-flux-probe-guard.json" > "$OUT/cudnn-flux-probe-guard.log" 2>&1
-      cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
+  KH) timeout 90 python3 bench/cudnn_flux_probe.py --only kontext-eager-guard,kontext-ckpt-guard --out "$OUT/cudnn-flux-probe-guard.json" \
+        > "$OUT/cudnn-flux-probe-guard.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
       PEERS_TAG=cudnn3 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
   KI) PEERS_TAG=fp8blocks3 PEERS_PRODUCT=fp8+cudnn+fp8blocks18,fp8+cudnn+fp8blocks17 \
         PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
