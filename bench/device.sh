@@ -53,7 +53,8 @@
 #       attention backward by q/k/v layout only, and FLUX.1's single blocks hand it a sliced output gradient under
 #       the double blocks' key (tests/test_runtime_flags.py). The train stage's guard (runtime.cudnn_safe_sdpa: one
 #       gradient layout) in the probe, then Kontext side by side: the script, fp8 + cuDNN within its peak, fp8 + cuDNN
-#   KI: KF's klein rows again with the guard (it copies the single blocks' sliced gradient: ~28 MB each at 1024 px)
+#   KI: the tiny fp8 probe (now tests/test_fp8.py's own step, bf16 first as the test) and those tests on the GPU, then
+#       KF's klein rows again with the guard (it copies the single blocks' sliced gradient: ~28 MB each at 1024 px)
 #       the candidate fix (bench/cudnn_flux_probe.py cudnn_safe_sdpa: dense q/k/v and output gradient) eager and
 #       checkpointed, and a half-length control; not run yet (the twentieth session's device time ran out)
 #       gradient) in the probe, then Kontext's fp8 + cuDNN within the script's peak, product only (KG's script row)
@@ -259,7 +260,9 @@ case $phase in
   KH) timeout 90 python3 bench/cudnn_flux_probe.py --only kontext-eager-guard,kontext-ckpt-guard --out "$OUT/cudnn-flux-probe-guard.json" \
         > "$OUT/cudnn-flux-probe-guard.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
       PEERS_TAG=cudnn3 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
-  KI) PEERS_TAG=fp8blocks3 PEERS_PRODUCT=fp8+cudnn+fp8blocks18,fp8+cudnn+fp8blocks17 \
+  KI) timeout 90 python3 bench/fp8_tiny_probe.py --out "$OUT/fp8-tiny-probe.json" > "$OUT/fp8-tiny-probe.log" 2>&1; tail -3 "$OUT/fp8-tiny-probe.log"
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "mixed or lora_wraps" > "$OUT/fp8-cuda.log" 2>&1; tail -3 "$OUT/fp8-cuda.log"
+      PEERS_TAG=fp8blocks3 PEERS_PRODUCT=fp8+cudnn+fp8blocks18,fp8+cudnn+fp8blocks17 \
         PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
   P1) PEERS_SIDES=product PEERS_TAG=cudnn1 PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-run3.json \
        PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn,bf16+cudnn PEERS_BUDGET_S=$(( $(left) - 20 )) bash bench/peers.sh kontext 1024 1 10 ;;

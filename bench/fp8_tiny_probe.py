@@ -60,13 +60,11 @@ def locate() -> list[str]:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_fp8  # noqa: E402  (the test module: its step, not a copy)
-    from diffusers import FluxTransformer2DModel
-
     from stages.core.fp8 import inside_repeated_blocks, quantize_denoiser_fp8
-    from stages.tiny.models import build_tiny_pipeline
 
-    folder = build_tiny_pipeline("flux-dev", Path(tempfile.mkdtemp()) / "flux-dev", seed=0)
-    model = FluxTransformer2DModel.from_pretrained(str(folder), subfolder="transformer", torch_dtype=torch.bfloat16)
+    assets = Path(tempfile.mkdtemp())
+    bf16_loss = test_fp8._lora_step(test_fp8._flux(assets))  # the test's order: the bf16 step first, on the same device
+    model = test_fp8._flux(assets)
     quantize_denoiser_fp8(model, inside_repeated_blocks(model), DEV, min_width=16)
     found: list[str] = []
 
@@ -85,8 +83,8 @@ def locate() -> list[str]:
         mod.register_forward_hook(fwd)
         mod.register_full_backward_hook(bwd)
     try:
-        return found + [f"test_fp8._lora_step on {test_fp8.MATMUL_DEVICE}: loss {test_fp8._lora_step(model):.4f}, "
-                        f"every adapter weight fp32 with a finite non-zero gradient"]
+        return found + [f"test_fp8._lora_step on {test_fp8.MATMUL_DEVICE}: loss {test_fp8._lora_step(model):.4f} (bf16 "
+                        f"{bf16_loss:.4f}), every adapter weight fp32 with a finite non-zero gradient"]
     except AssertionError as e:
         return found + [f"test_fp8._lora_step on {test_fp8.MATMUL_DEVICE}: {str(e)[:600]}"]
 
