@@ -723,7 +723,8 @@ def test_auto_tries_fp8_first_from_the_step_size_it_was_measured_faster(assets, 
     tokens = cfg.train.batch_size * ((256 // 16) ** 2 + cfg.captions.max_sequence_length)
     assert (get_family("qwen-image").fp8_faster_from_tokens, get_family("sdxl").fp8_faster_from_tokens) == (4173, 1101)
     assert get_family("flux-kontext").fp8_faster_from_tokens == get_family("flux").fp8_faster_from_tokens  # its transformer
-    assert getattr(get_family("krea2"), "fp8_faster_from_tokens", None) is None  # no fp8 rows
+    # FLUX.2 klein and dev, Krea 2 and Qwen-Image 2.1: their one fp8 row each, 1024 px b1 (bench/results)
+    assert {get_family(n).fp8_faster_from_tokens for n in ("flux2-klein", "flux2", "krea2", "qwen-image-2.1")} == {4173}
     for faster_from, first in ((tokens, "fp8"), (tokens + 1, "bf16"), (None, "bf16")):
         monkeypatch.setattr(type(family), "fp8_faster_from_tokens", faster_from)
         plan = memory.plan_train(cfg, family, src, memory.Budget(1000.0, "cap"))

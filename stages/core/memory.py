@@ -441,7 +441,7 @@ def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tup
     precisions.remove("fp8")
     precisions.insert(precisions.index("bf16"), "fp8")
     return precisions, "", (f"auto tried fp8 before bf16: {tokens} tokens a step, where {family.name}'s fp8 step was "
-                            f"measured faster from {faster_from} (bench/fp8.md)")
+                            f"measured faster from {faster_from} (bench/RESULTS.md)")
 
 
 def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
