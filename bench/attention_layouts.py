@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import FAMILIES, make_cfg  # noqa: E402  (the tests' tiny models and configs)
+from test_runtime_flags import layout_spy  # noqa: E402  (the test's record of attention calls)
 
 from stages import cache_latents, encode_captions, train  # noqa: E402
 from stages.tiny.shapes import make_demo_dataset, make_edit_dataset  # noqa: E402
@@ -32,20 +33,11 @@ def main() -> None:
     plain = F.scaled_dot_product_attention
     for family in FAMILIES:
         layouts: dict[tuple, set] = {}
-
-        def spy(*args, **kwargs):
-            q, k, v = (kwargs.get(n, a) for n, a in zip(("query", "key", "value"), args + (None,) * 3))
-            out = plain(*args, **kwargs)
-            if out.requires_grad:
-                seen = layouts.setdefault((tuple(q.shape), q.stride(), k.stride(), v.stride()), set())
-                out.register_hook(lambda grad: seen.add(grad.stride()))
-            return out
-
         cfg = make_cfg(family, root / "assets", data[family in EDIT], root / family,
                        **{"run": "layouts", "train.steps": 1, "train.checkpoint_every": 0, "data.cache_variants": 1})
         encode_captions.run(cfg)
         cache_latents.run(cfg)
-        F.scaled_dot_product_attention = spy  # diffusers looks it up at each call
+        F.scaled_dot_product_attention = layout_spy(plain, layouts)  # diffusers looks it up at each call
         try:
             train.run(cfg)
         finally:

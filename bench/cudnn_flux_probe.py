@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.sdpa_probe import run_case  # noqa: E402  (one case a process)
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: plumbing only
 
@@ -83,16 +86,7 @@ def main() -> None:
     rows = []
     for name in (c for c in CASES if c != "tiny" and (not a.only or c in a.only.split(","))):
         for blocking in ("0", "1"):
-            env = dict(os.environ, CUDA_LAUNCH_BLOCKING=blocking)
-            try:
-                r = subprocess.run([sys.executable, __file__, "--out", a.out, "--case", name], capture_output=True,
-                                   text=True, timeout=120, env=env)
-                last = (r.stdout.strip().splitlines() or [""])[-1]
-                errs = [ln for ln in r.stderr.splitlines() if "Error" in ln or "error" in ln]
-                row = json.loads(last) if r.returncode == 0 and last.startswith("{") else \
-                    {"ok": False, "rc": r.returncode, "err": errs[-3:] or r.stderr[-600:]}
-            except subprocess.TimeoutExpired:
-                row = {"ok": False, "err": "timeout"}
+            row = run_case([__file__, "--out", a.out, "--case", name], env=dict(os.environ, CUDA_LAUNCH_BLOCKING=blocking))
             row.update(case=name, launch_blocking=blocking)
             print(json.dumps(row)[:700], flush=True)
             rows.append(row)

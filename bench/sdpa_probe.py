@@ -80,6 +80,20 @@ def one(seq: int, heads: int, layout: str, backend: str) -> dict:
     return {"ok": True, "ms": round(med * 1e3, 2), "tflops": round(flops / med / 1e12, 1)}
 
 
+def run_case(argv: list[str], env: dict[str, str] | None = None) -> dict:
+    """One case in its own Python process (a CUDA error poisons the process's context): the JSON line it
+    printed last, or {"ok": False} with its exit status and its last error lines."""
+    try:
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "err": "timeout"}
+    last = (r.stdout.strip().splitlines() or [""])[-1]
+    if r.returncode == 0 and last.startswith("{"):
+        return json.loads(last)
+    errs = [ln for ln in r.stderr.splitlines() if "Error" in ln or "error" in ln]
+    return {"ok": False, "rc": r.returncode, "err": errs[-3:] or r.stderr[-600:]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -93,14 +107,7 @@ def main() -> None:
     rows = []
     for name, *_ in CASES:
         for backend in ("cudnn", "flash"):
-            try:
-                r = subprocess.run([sys.executable, __file__, "--out", a.out, "--case", name, "--backend", backend],
-                                   capture_output=True, text=True, timeout=120)
-                last = (r.stdout.strip().splitlines() or [""])[-1]
-                row = json.loads(last) if r.returncode == 0 and last.startswith("{") else \
-                    {"ok": False, "rc": r.returncode, "err": (r.stderr.strip().splitlines() or [""])[-1][:300]}
-            except subprocess.TimeoutExpired:
-                row = {"ok": False, "err": "timeout"}
+            row = run_case([__file__, "--out", a.out, "--case", name, "--backend", backend])
             row.update(case=name, backend=backend)
             print(json.dumps(row), flush=True)
             rows.append(row)

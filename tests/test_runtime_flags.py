@@ -75,20 +75,28 @@ def test_torch_flags_tf32_off_leaves_precision():
 # ---- cuDNN attention: one output-gradient layout per cached backward graph ----------------------------------
 
 
-def _attention_layouts(model, guard: bool) -> tuple[dict, torch.Tensor, list[torch.Tensor]]:
-    """One forward and backward of a tiny real transformer. For every attention call: its query/key/value strides
-    (what torch keys cuDNN's cached backward graph by) and the strides of the output gradient that reaches
-    SDPA's own backward; with `guard`, through the train stage's `train.cudnn_attention = true` wrapper."""
-    import torch.nn.functional as F
-
-    plain, layouts = F.scaled_dot_product_attention, {}
+def layout_spy(sdpa, layouts: dict):
+    """`sdpa` recording, per attention call that takes a gradient, its query/key/value shape and strides (what
+    torch keys cuDNN's cached backward graph by) and the strides of the output gradient that reaches `sdpa`'s
+    own backward (also used by bench/attention_layouts.py)."""
 
     def spy(*args, **kwargs):
         q, k, v = (kwargs.get(n, a) for n, a in zip(("query", "key", "value"), args + (None,) * 3))
-        out = plain(*args, **kwargs)
-        seen = layouts.setdefault((tuple(q.shape), q.stride(), k.stride(), v.stride()), set())
-        out.register_hook(lambda grad: seen.add(grad.stride()))
+        out = sdpa(*args, **kwargs)
+        if out.requires_grad:
+            seen = layouts.setdefault((tuple(q.shape), q.stride(), k.stride(), v.stride()), set())
+            out.register_hook(lambda grad: seen.add(grad.stride()))
         return out
+    return spy
+
+
+def _attention_layouts(model, guard: bool) -> tuple[dict, torch.Tensor, list[torch.Tensor]]:
+    """One forward and backward of a tiny real transformer: `layout_spy`'s record of every attention call; with
+    `guard`, through the train stage's `train.cudnn_attention = true` wrapper."""
+    import torch.nn.functional as F
+
+    plain, layouts = F.scaled_dot_product_attention, {}
+    spy = layout_spy(plain, layouts)
 
     c, g = model.config, torch.Generator().manual_seed(0)
     img, txt = 64, 8

@@ -181,7 +181,6 @@ def cudnn_safe_sdpa(sdpa: Any) -> Any:
         out = sdpa(*args, **kwargs)
         return _OneGradLayout.apply(out) if out.requires_grad and out.dim() == 4 else out
 
-    safe.__wrapped__ = sdpa  # type: ignore[attr-defined]
     return safe
 
 
