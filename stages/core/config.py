@@ -209,8 +209,9 @@ class TrainConfig:
     """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
     cudnn_attention: bool = False
     """Let SDPA use cuDNN attention in train (off: flash / memory-efficient). Faster on Hopper (FLUX.2 klein
-    1024 px nf4 on an H200: 0.248 s/step against 0.289), but its backward crashed (illegal memory access)
-    in a FLUX LoRA on torch 2.11 + CUDA 13: opt in, and turn it off again if a step dies that way."""
+    1024 px nf4 on an H200: 0.248 s/step against 0.289). Its backward crashed (illegal memory access) in a
+    FLUX.1 LoRA on torch 2.11 + CUDA 13; the train stage now hands it each attention gradient in one layout,
+    the cause by torch's source (not yet run on the GPU): opt in, and turn it off again if a step dies that way."""
     cudnn_benchmark: bool = False
     """cuDNN autotuning; off by default (it doubled the fp32 VAE's peak VRAM)."""
     checkpoint_every: int = 500
