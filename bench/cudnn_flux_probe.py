@@ -23,18 +23,27 @@ from bench.sdpa_probe import run_case  # noqa: E402  (one case a process)
 DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: plumbing only
 
 CASES = {
-    # name: (image tokens, checkpointing, batch, guard): image tokens are target + control, two squares;
-    # guard: the train stage's wrapper under train.cudnn_attention = true (stages/core/runtime.py cudnn_safe_sdpa:
-    # one output-gradient layout per cached cuDNN backward graph)
+    # name: (image tokens, checkpointing, batch, guard[, (heads, head dim, text tokens)]): image tokens are target +
+    # control, two squares; guard: the train stage's wrapper under train.cudnn_attention = true (stages/core/runtime.py
+    # cudnn_safe_sdpa: one output-gradient layout per cached cuDNN backward graph); FLUX.1's 24 heads of 128 and 512
+    # text tokens unless given
     "kontext-eager-guard": (8192, False, 1, True),
     "kontext-ckpt-guard": (8192, True, 1, True),
     "kontext-eager": (8192, False, 1, False),
     "half-size-eager": (4608, False, 1, False),
+    # tests/test_fp8.py's tiny FLUX (2 heads of 16, 16 image and 16 text tokens, batch 2) got NaN gradients in its double
+    # block's attention under cuDNN, with the guard and without (bench/results/fp8-tiny-probe-modes-h200.json): the
+    # tiny widths at FLUX.1's depth here, then FLUX.1's widths at the tiny token count
+    "tiny-widths-guard": (32, False, 2, True, (2, 16, 16)),
+    "tiny-widths": (32, False, 2, False, (2, 16, 16)),
+    "tiny-tokens-guard": (32, False, 2, True, (24, 128, 16)),
     "tiny": (32, True, 1, True),  # plumbing (PROBE_DEVICE=cpu)
 }
 
 
-def one(img: int, ckpt: bool, batch: int, guard: bool) -> dict:
+def one(img: int, ckpt: bool, batch: int, guard: bool, dims: tuple[int, int, int] = (24, 128, 512)) -> dict:
+    """One case: three timed steps with cuDNN SDPA allowed, then the case's to_q weight gradients against the same
+    step's with cuDNN SDPA off (flash / memory-efficient), block by block: finite, cosine, relative error."""
     import torch
     from diffusers import FluxTransformer2DModel
 
@@ -43,16 +52,19 @@ def one(img: int, ckpt: bool, batch: int, guard: bool) -> dict:
         from stages.core.runtime import cudnn_safe_sdpa
 
         torch.nn.functional.scaled_dot_product_attention = cudnn_safe_sdpa(torch.nn.functional.scaled_dot_product_attention)
+    heads, head_dim, txt = dims
     torch.manual_seed(0)
     with torch.device(DEV):
-        model = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True).to(torch.bfloat16)
+        model = FluxTransformer2DModel(num_layers=2, num_single_layers=2, guidance_embeds=True, num_attention_heads=heads,
+                                       attention_head_dim=head_dim,
+                                       axes_dims_rope=(16, 56, 56) if head_dim == 128 else (4, 6, 6)).to(torch.bfloat16)
     model.requires_grad_(False)
-    for blk in list(model.transformer_blocks) + list(model.single_transformer_blocks):
+    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    for blk in blocks:
         blk.attn.to_q.weight.requires_grad_(True)
     if ckpt:
         model.enable_gradient_checkpointing()
     model.train()
-    txt = 512
     x = torch.randn(batch, img, 64, device=DEV, dtype=torch.bfloat16)
     enc = torch.randn(batch, txt, 4096, device=DEV, dtype=torch.bfloat16)
     pooled = torch.randn(batch, 768, device=DEV, dtype=torch.bfloat16)
@@ -61,17 +73,29 @@ def one(img: int, ckpt: bool, batch: int, guard: bool) -> dict:
     cols = torch.arange(side, device=DEV).repeat(side)
     half = torch.stack([torch.zeros_like(rows), rows, cols], 1)
     img_ids = torch.cat([half, half + torch.tensor([1, 0, 0], device=DEV)]).float()  # target (0,r,c), control (1,r,c)
-    txt_ids = torch.zeros(txt, 3, device=DEV)
+    txt_ids = torch.zeros(txt, 3, device=DEV)  # text tokens: `dims`
     t = torch.full((batch,), 0.5, device=DEV, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
     times = []
-    for _ in range(3):
-        sync(); t0 = time.perf_counter()
+
+    def step() -> list[torch.Tensor]:
+        for blk in blocks:
+            blk.attn.to_q.weight.grad = None
         out = model(hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled, timestep=t, img_ids=img_ids,
                     txt_ids=txt_ids, guidance=torch.ones(batch, device=DEV), return_dict=False)[0]
         out[:, : img // 2].float().pow(2).mean().backward()
+        return [blk.attn.to_q.weight.grad.float() for blk in blocks]
+
+    for _ in range(3):
+        sync(); t0 = time.perf_counter()
+        got = step()
         sync(); times.append(time.perf_counter() - t0)
-    return {"ok": True, "s": round(min(times), 4)}
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    want = step()
+    grads = [{"block": i, "finite": bool(g.isfinite().all()),
+              "cos": round(float(torch.nn.functional.cosine_similarity(g.flatten(), w.flatten(), dim=0)), 6),
+              "rel": round(float((g - w).norm() / w.norm().clamp(min=1e-30)), 6)} for i, (g, w) in enumerate(zip(got, want))]
+    return {"ok": True, "s": round(min(times), 4), "grads_vs_flash": grads}
 
 
 def main() -> None:

@@ -53,6 +53,12 @@
 #       attention backward by q/k/v layout only, and FLUX.1's single blocks hand it a sliced output gradient under
 #       the double blocks' key (tests/test_runtime_flags.py). The train stage's guard (runtime.cudnn_safe_sdpa: one
 #       gradient layout) in the probe, then Kontext side by side: the script, fp8 + cuDNN within its peak, fp8 + cuDNN
+#   KC: cuDNN's attention gradients against flash's (bench/cudnn_flux_probe.py: FLUX.1 at the tiny test models' widths
+#       and tokens, with and without the guard, and at Kontext's 8,704 tokens), since KK found the tiny models' NaN
+#       under cuDNN with the guard too; then Kontext's keep_attention rows without cuDNN (flash), product only
+#   KK: the tiny fp8 probe's attention modes (the tests' NaN with torch's own SDPA choice, cuDNN's, against the
+#       train stage's flags and the guard), then Kontext side by side with train.keep_attention (checkpointed
+#       blocks keep their attention outputs) on fp8 + cuDNN, within the script's peak and all checkpointed
 #   KI: the tiny fp8 probe (now tests/test_fp8.py's own step, bf16 first as the test) and those tests on the GPU, then
 #       KF's klein rows again with the guard (it copies the single blocks' sliced gradient: ~28 MB each at 1024 px)
 #       the candidate fix (bench/cudnn_flux_probe.py cudnn_safe_sdpa: dense q/k/v and output gradient) eager and
@@ -260,6 +266,14 @@ case $phase in
   KH) timeout 90 python3 bench/cudnn_flux_probe.py --only kontext-eager-guard,kontext-ckpt-guard --out "$OUT/cudnn-flux-probe-guard.json" \
         > "$OUT/cudnn-flux-probe-guard.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
       PEERS_TAG=cudnn3 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  KC) timeout 300 python3 bench/cudnn_flux_probe.py --only tiny-widths-guard,tiny-widths,tiny-tokens-guard,kontext-eager-guard,kontext-ckpt-guard \
+        --out "$OUT/cudnn-flux-probe-grads.json" > "$OUT/cudnn-flux-probe-grads.log" 2>&1; cut -c1-500 "$OUT/cudnn-flux-probe-grads.log"
+      PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-keepattn.json PEERS_TAG=keepattn-flash \
+        PEERS_PRODUCT=fp8+fitpeer+keepattn,fp8+keepattn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  KK) timeout 90 python3 bench/fp8_tiny_probe.py --out "$OUT/fp8-tiny-probe-modes.json" > "$OUT/fp8-tiny-probe-modes.log" 2>&1
+      tail -2 "$OUT/fp8-tiny-probe-modes.log" | cut -c1-600
+      PEERS_TAG=keepattn PEERS_PRODUCT=fp8+cudnn+fitpeer+keepattn,fp8+cudnn+keepattn PEERS_BUDGET_S=$(( $(left) - 15 )) \
+        bash bench/peers.sh kontext 1024 1 10 ;;
   KI) timeout 90 python3 bench/fp8_tiny_probe.py --out "$OUT/fp8-tiny-probe.json" > "$OUT/fp8-tiny-probe.log" 2>&1; tail -3 "$OUT/fp8-tiny-probe.log"
       timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "mixed or lora_wraps" > "$OUT/fp8-cuda.log" 2>&1; tail -3 "$OUT/fp8-cuda.log"
       PEERS_TAG=fp8blocks3 PEERS_PRODUCT=fp8+cudnn+fp8blocks18,fp8+cudnn+fp8blocks17 \

@@ -311,6 +311,8 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
 VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "cudnn": ({}, {"train.cudnn_attention": True}),
     "nockpt": ({}, {"train.gradient_checkpointing": False}),
+    # checkpointed blocks keep their attention outputs (no attention in the recompute)
+    "keepattn": ({}, {"train.keep_attention": True}),
     "profile": ({}, {"train.profile_steps": 2}),
     # the script's own train peak (allocated GB, from its row in this run) as the train stage's budget (a cap on
     # what the product may reserve, so its allocated peak stays below the script's), with

@@ -28,7 +28,7 @@ from stages.core.model_source import model_source
 NAME = "train"
 # Settings that change how a run is logged or saved, not what it learns: not in the fingerprint.
 NOT_FINGERPRINTED = {"log_every", "checkpoint_every", "keep_checkpoints", "resume", "warmup_steps_excluded", "profile_steps", "cudnn_attention",
-                     "block_swap_layout",
+                     "block_swap_layout", "keep_attention",
                      "compile_transformer", "enable_tf32", "cudnn_benchmark", "cuda_graphs", "ema_device"}
 # Keys added after runs were made: at their default they stay out of the fingerprint, so a run made
 # before them (which trained exactly as the default does) stays up to date and resumable.

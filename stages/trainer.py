@@ -211,7 +211,8 @@ class Trainer:
         self.checkpointing = bool(self.checkpointed or (self.plan.settings.get("gradient_checkpointing") and not blocks))
         if self.checkpointing:
             self.model.enable_gradient_checkpointing(
-                fastpath.checkpoint_function(self.tcfg.dropout, direct=blocks[self.checkpointed:]))
+                fastpath.checkpoint_function(self.tcfg.dropout, direct=blocks[self.checkpointed:],
+                                             keep_attention=self.tcfg.keep_attention))
 
     # ---- one step
     def draw(self, batch_indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:

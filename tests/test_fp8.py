@@ -114,12 +114,24 @@ def test_only_linears_inside_repeated_blocks_become_fp8(assets):
     assert model.dtype == torch.bfloat16  # diffusers' model.dtype (the family casts inputs to it)
 
 
-def _lora_step(model) -> float:
+def _lora_step(model, attention: str = "train") -> float:
     """A rank-4 LoRA on `model` (its B filled, so every adapter weight gets a gradient), one FLUX loss and its
     backward on MATMUL_DEVICE; asserts each adapter weight is fp32 with a non-zero finite gradient (naming the
-    ones that are not) and returns the loss."""
+    ones that are not) and returns the loss.
+
+    `attention`: "train", under the train stage's torch flags (train.cudnn_attention = false: no cuDNN SDPA);
+    "guard", cuDNN SDPA allowed with the stage's one-gradient-layout guard (train.cudnn_attention = true);
+    "torch", torch's own defaults. On the H200 (torch 2.11) torch's defaults pick cuDNN's SDPA, and it gave these
+    tiny models NaN gradients in the double block's attention (query, key and value), bf16 and fp8 alike, 3 of 3
+    times, with the guard as without it; with the train stage's flags 3 of 3 were finite
+    (bench/results/fp8-tiny-probe-modes-h200.json): the NaN is cuDNN's, not fp8's."""
     from stages.core import lora
+    from stages.core.runtime import torch_flags
     from stages.families.flux.family import Flux
+
+    if attention != "torch":
+        with torch_flags(False, False, disable_cudnn_attention=attention == "train"):
+            return _lora_step(model, "torch")
 
     model.to(MATMUL_DEVICE).requires_grad_(False)
     torch.manual_seed(0)

@@ -639,6 +639,41 @@ def test_a_spread_swap_is_refused_where_blocks_run_in_another_order(assets, demo
     assert _plan("train", make_cfg("sdxl", assets, demo_data, tmp_path), 0.01).stage == "train"
 
 
+def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets, demo_data, tmp_path, monkeypatch):
+    """train.keep_attention: each checkpointed block that is not swapped keeps its attention output (a block-width
+    activation: ATTENTION_KEPT_UNITS units), so at every checkpointed count the predicted peak grows by exactly
+    that, a swap plan counts only its resident blocks, and at the same budget "auto" un-checkpoints fewer blocks.
+    SDXL (UNet blocks with several attentions at other widths) is refused, naming the key and the fix."""
+    from stages.core.errors import ConfigError
+
+    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)
+    model = _deeper_flux(assets, tmp_path, 4, 8)
+    sets = {"train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": "auto",
+            "model": model, "train.cuda_graphs": "off"}
+    plain, kept = (_plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.keep_attention": k}),
+                         1000.0) for k in (False, True))
+    n = plain.settings["blocks"]
+    denoiser = memory.meta_component(ModelSource(model, None), "transformer")
+    cfg = make_cfg("flux", assets, demo_data, tmp_path)
+    tokens = cfg.train.batch_size * ((256 // 16) ** 2 + cfg.captions.max_sequence_length)
+    block_gb = memory.ATTENTION_KEPT_UNITS * tokens * memory._width(blockswap.repeated_blocks(denoiser)[0]) * 2 / memory.GB
+
+    def extra(**at) -> float:
+        return _peak_of(kept, **at) - _peak_of(plain, **at)
+
+    for k in range(n + 1):
+        assert extra(swapped_blocks=0, checkpointed_blocks=k) == pytest.approx(k * block_gb, abs=1e-6)
+    swaps = [t for t in kept.tried if t["swapped_blocks"]]
+    assert swaps and all(extra(swapped_blocks=t["swapped_blocks"], checkpointed_blocks=n)
+                         == pytest.approx((n - t["swapped_blocks"]) * block_gb, abs=1e-6) for t in swaps)
+    budget = _just_above(_peak_of(plain, swapped_blocks=0, checkpointed_blocks=5))
+    chosen = {k: _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.keep_attention": k}),
+                       budget).settings["checkpointed_blocks"] for k in (False, True)}
+    assert chosen[False] == 5 < chosen[True]
+    with pytest.raises(ConfigError, match=r"train.keep_attention = true does not suit sdxl: .* Set train.keep_attention = false"):
+        _plan("train", make_cfg("sdxl", assets, demo_data, tmp_path, **{"train.keep_attention": True}), 1000.0)
+
+
 def test_fp8_weight_bytes_equal_the_quantized_model(assets, tmp_path):
     """The planner sizes an fp8 base from its config alone as stages/core/fp8.py makes it: the block
     Linears one byte per weight plus a 4-byte scale per output channel, everything else bf16."""

@@ -9,6 +9,7 @@ the GPU machine and are skipped elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -213,6 +214,48 @@ def test_checkpoint_without_rng_state_same_gradients(cached):
     """train.gradient_checkpointing with the fast checkpoint function: same loss and LoRA gradients."""
     cfg = _cfg(cached, **{"train.gradient_checkpointing": True})
     _assert_same(_loss_and_grads(cfg, None), _loss_and_grads(cfg, fastpath.checkpoint_function(0.0)))
+
+
+def _attention_calls(cfg) -> tuple[tuple[float, list[torch.Tensor]], int]:
+    """A step's loss and LoRA gradients, and how many attention kernels (forward, recompute and backward)
+    it ran, counted by torch's profiler: the aten attention ops that allocated their outputs (a kept output
+    handed back by the checkpoint's policy allocates nothing). The step before it (compiled: the compile's
+    own tracing) is not counted."""
+    from torch.profiler import profile
+
+    tr = _trainer(cfg)
+    for profiled in (False, True):
+        tr.optimizer.zero_grad(set_to_none=True)
+        with profile() if profiled else contextlib.nullcontext() as prof:
+            loss = tr.compute_loss(*tr.draw_next()[1])
+            loss.backward()
+    calls = sum(1 for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
+                and any(c.name.startswith("aten::empty") for c in e.cpu_children))
+    return (float(loss), [p.grad.clone() for p in tr.params]), calls
+
+
+@pytest.mark.parametrize("compiled", ["off", "on"])
+def test_keep_attention_skips_the_recompute_of_attention_and_trains_the_same(cached, compiled, monkeypatch):
+    """train.keep_attention: a checkpointed block keeps its attention output, so the step runs one attention
+    kernel fewer per block (none recomputed) and gives full checkpointing's loss and LoRA gradients: bit for
+    bit eager; compiled (the policy inside torch.compile; aot_eager on the CPU, the partitioner inductor's
+    compile uses too, in seconds rather than minutes) within float rounding."""
+    from stages.core import blockswap
+
+    if compiled == "on":
+        real = torch.compile
+        monkeypatch.setattr(torch, "compile", lambda *a, **k: real(*a, **{**k, "backend": "aot_eager"}))
+    runs = {keep: _attention_calls(_cfg(cached, **{"train.gradient_checkpointing": True, "train.keep_attention": keep,
+                                                   "train.compile_transformer": compiled}))
+            for keep in (False, True)}
+    blocks = len(blockswap.repeated_blocks(_trainer(_cfg(cached)).model))
+    (full, full_calls), (kept, kept_calls) = runs[False], runs[True]
+    assert full_calls - kept_calls == blocks > 0
+    if compiled == "off":
+        _assert_same(full, kept)
+    else:
+        assert kept[0] == pytest.approx(full[0], rel=1e-5)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(full[1], kept[1]))
 
 
 # ---- read-ahead keeps resume exact ------------------------------------------------------------

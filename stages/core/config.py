@@ -210,8 +210,17 @@ class TrainConfig:
     cudnn_attention: bool = False
     """Let SDPA use cuDNN attention in train (off: flash / memory-efficient). Faster on Hopper (FLUX.2 klein
     1024 px nf4 on an H200: 0.248 s/step against 0.289). Its backward crashed (illegal memory access) in a
-    FLUX.1 LoRA on torch 2.11 + CUDA 13; the train stage now hands it each attention gradient in one layout,
-    the cause by torch's source (not yet run on the GPU): opt in, and turn it off again if a step dies that way."""
+    FLUX.1 LoRA on torch 2.11 + CUDA 13; the train stage now hands it each attention gradient in one layout, which
+    ended the crash (FLUX.1 Kontext 1024 px on an H200: 0.815 s/step with train.keep_attention, fp8, the same losses
+    as flash to 1e-5). On the tiny test models (2 heads of 16) its backward still gives NaN gradients, guarded or not
+    (not yet understood; train stops at the NaN loss and names this key): opt in, and turn it off again if a step
+    dies or the loss turns NaN."""
+    keep_attention: bool = False
+    """Checkpointed blocks keep their attention output (and its softmax statistics) for the backward instead
+    of recomputing attention with the rest of the block: the same math, one more activation of a block's
+    width per checkpointed block (the memory planner counts it), and the recompute's attention saved, the op
+    that grows with the square of the tokens (long sequences: FLUX.1 Kontext's 8,704 tokens at 1024 px).
+    Not for SDXL (its UNet blocks hold several attentions at other widths)."""
     cudnn_benchmark: bool = False
     """cuDNN autotuning; off by default (it doubled the fp32 VAE's peak VRAM)."""
     checkpoint_every: int = 500

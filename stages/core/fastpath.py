@@ -76,9 +76,59 @@ def _checkpoint_rng(module: Any, *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(_checkpointed_call(module), *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) -> Callable[..., Any]:
+# train.keep_attention: the aten attention ops whose outputs (the output and its softmax statistics) a
+# checkpointed block keeps, so its recompute skips attention, the one op in a block whose cost grows with
+# the square of the tokens (FLUX.1 Kontext at 1024 px: 8,704 tokens).
+ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name))
+
+
+def _keep_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_attention_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_attention_policy)
+
+
+def _checkpoint_keeping_attention(module: Any, rng: bool, *args: Any, **kwargs: Any) -> Any:
+    return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False, preserve_rng_state=rng,
+                                             context_fn=_keep_attention_context, **kwargs)
+
+
+def keep_attention_checkpoint(dropout: float) -> Callable[..., Any]:
+    """Checkpoint a block keeping its attention outputs (train.keep_attention): eager through the policy's
+    dispatch mode, or for a block compiled in place through `_compiled_keeping_attention`. A block that block
+    swap stands in for is checkpointed as without it (its swapped call manages its own buffers)."""
+    fallback = _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
+    compiled: list[Callable[..., Any]] = []
+
+    def call(module: Any, *args: Any, **kwargs: Any) -> Any:
+        """The selective checkpoint inside torch.compile for a block compiled in place (regional compile):
+        the policy's dispatch mode cannot see into a compiled block from outside, while a compiled call
+        traces into it and the policy marks the attention ops for the partitioner (one graph per block class)."""
+        if isinstance(module, SwappedCall):
+            return fallback(module, *args, **kwargs)
+        run = _checkpoint_keeping_attention
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            compiled[:] = compiled or [torch.compile(_checkpoint_keeping_attention)]
+            run = compiled[0]
+        return run(module, dropout != 0, *args, **kwargs)
+
+    return call
+
+
+def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = (),
+                        keep_attention: bool = False) -> Callable[..., Any]:
     """The gradient-checkpointing function for `enable_gradient_checkpointing`: without RNG state
-    bookkeeping when nothing in the blocks is random (dropout 0), else as diffusers' default.
+    bookkeeping when nothing in the blocks is random (dropout 0), else as diffusers' default; with
+    `keep_attention`, each checkpointed block keeps its attention outputs (`keep_attention_checkpoint`).
 
     Partial checkpointing: the blocks in `direct` run as plain calls (their activations are kept for
     backward, no recompute); every other module the model hands to the function is checkpointed. The
@@ -87,7 +137,8 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = ()) 
     by identity: regional compile compiles each block in place (`module.compile()`), so a compiled block
     is the same object. The choice is made in Python at each call, so a CUDA graph captures the path the
     step took."""
-    checkpoint = _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
+    checkpoint = keep_attention_checkpoint(dropout) if keep_attention else \
+        _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
     skip = frozenset(id(b) for b in direct)
     if not skip:
         return checkpoint

@@ -36,6 +36,9 @@ NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64  # 4-bit codes + one 8-bit absmax per 64 wei
 # families (Z-Image's compiled bf16 1024 px b4 row with no checkpointing: predicted 1.003x what it
 # allocated); a family whose blocks keep less names them in `block_saved_units` (FLUX.1's single-stream).
 BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
+# train.keep_attention: a checkpointed block also keeps its attention output (tokens x heads x head dim, the
+# block's width in the DiT families, bf16) and its softmax statistics (4 bytes per head and token: ~1 % more)
+ATTENTION_KEPT_UNITS = 1.02
 VAE_ELEMENTS_PER_PIXEL = 780  # FLUX's fp32 VAE, 1 image at 1024 px: 3.36 GB allocated (H200; 720 predicted 3.12)
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
 LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
@@ -469,6 +472,10 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
                           f"in another order than it runs them (SDXL's UNet runs down, mid, up), so block swap could not "
                           f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
+    if getattr(tcfg, "keep_attention", False) and not getattr(family, "attention_per_block", True):
+        raise ConfigError(f"train.keep_attention = true does not suit {family.name}: its denoiser's blocks do not each "
+                          f"run one attention at their width (SDXL's UNet blocks hold several, or none), which is what "
+                          f"the memory planner counts for it. Set train.keep_attention = false.")
     whole = {p: weight_bytes(model, p) for p in precisions}  # the whole base per precision
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
@@ -478,8 +485,9 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     own_units = getattr(family, "block_saved_units", {})
     saved = [own_units.get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
     work = getattr(family, "block_work_units", BLOCK_WORK_UNITS)
-    activations = lambda checkpointed: outside + unit * (checkpointed * CHECKPOINT_SAVED_UNITS  # noqa: E731
-                                                         + sum(saved[checkpointed:]) + work)
+    kept = ATTENTION_KEPT_UNITS if getattr(tcfg, "keep_attention", False) else 0.0  # per checkpointed unswapped block
+    activations = lambda checkpointed, swapped=0: outside + unit * (  # noqa: E731
+        checkpointed * CHECKPOINT_SAVED_UNITS + max(0, checkpointed - swapped) * kept + sum(saved[checkpointed:]) + work)
     options = _with_fp8_nf4(_train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
                             n, getattr(tcfg, "fp8_blocks", "auto"))
     mixed = fp8_nf4_weight_bytes(model) if any(m is not None for *_, m in options) else []
@@ -490,7 +498,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         total = whole[precision] if fp8_blocks is None else mixed[fp8_blocks]
         host = [block_bytes[precision][i] for i in blockswap.swapped_positions(n, swapped, layout)]  # two slots of the largest
         resident = total - sum(host) + min(2, len(host)) * max(host, default=0)
-        peak = resident + lora + activations(checkpointed) + SWAP_EXTRA_GB * GB * (swapped > 0)
+        peak = resident + lora + activations(checkpointed, swapped) + SWAP_EXTRA_GB * GB * (swapped > 0)
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
             peak = max(peak, total + lora)  # (a swap plan quantizes block by block: stages/core/nf4_blocks.py)
         checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
@@ -510,12 +518,12 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     plan = _fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
     grads_gb = lora / LORA_BYTES_PER_PARAM * 4 / GB  # the LoRA's fp32 gradients: a step allocates them anew
     for tried in plan.tried:
-        tried["activations_gb"] = round(activations(tried["checkpointed_blocks"]) / GB, 6)
+        tried["activations_gb"] = round(activations(tried["checkpointed_blocks"], tried["swapped_blocks"]) / GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
     partial = tcfg.gradient_checkpointing == "auto"  # the checkpointed blocks chosen within the budget
     if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n)) \
             and (mode := _graphs_mode(tcfg, budget)):
-        plan = _with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"]) / GB, grads_gb,
+        plan = _with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"], s["swapped_blocks"]) / GB, grads_gb,
                                 budget, mode)
     if plan.fits and plan.settings.get("fp8_blocks") is not None:
         whole_fp8 = [peak for settings, peak in candidates

@@ -80,6 +80,9 @@ class Family(Protocol):
     # blocks in another order than it runs them (SDXL's UNet: down, up, mid; run down, mid, up), so a
     # block swap cannot copy the next block ahead once resident blocks sit between swapped ones:
     # train.block_swap_layout = "spread" is refused there (stages/core/memory.py plan_train)
+    # optional: attention_per_block (bool, default True): each repeated block runs one attention at the
+    # block's width, what the planner counts for train.keep_attention; False (SDXL's UNet blocks: several
+    # attentions at other widths, or none) refuses train.keep_attention
     # optional: text_offload_components (tuple[str, ...]), text encoders loaded through
     # `text_encoders.load_text_model`, whose layers encode-captions may offload to CPU memory when
     # not even nf4 fits its budget (default none: the planner never offloads)

@@ -134,6 +134,7 @@ class SDXL:
     denoiser_components = ("unet", "scheduler")
     kohya_layout = KOHYA_LAYOUT
     blocks_in_run_order = False  # the UNet lists its blocks down, up, mid and runs them down, mid, up
+    attention_per_block = False  # a UNet block holds 0-10 transformer layers of two attentions each
     # The train activations outside the repeated (transformer) blocks, which the planner's per-block units
     # do not see: the ResNets, down/upsamplers and time embedding. (GB, GB per 512x512 sample): what the
     # H200's SDXL rows allocated over the block model, 0.21-0.25 GB at 512 px b1 and b4 / 1024 px b1,
