@@ -521,6 +521,8 @@ class Trainer:
                 "gradient_checkpointing": self.checkpointing,
                 # of the model's repeated blocks, the first `checkpointed_blocks` (the memory plan's choice)
                 "checkpointed_blocks": self.checkpointed, "blocks": self.blocks, "optimizer": type(self.optimizer).__name__,
+                # train.keep_attention: the checkpointed blocks keep their attention outputs (no attention recomputed)
+                "keep_attention": bool(self.checkpointed and self.tcfg.keep_attention),
                 # an fp8 base that keeps only its first blocks in fp8 (the rest nf4) to fit the budget
                 "fp8_blocks": self.plan.settings.get("fp8_blocks"),
                 "fused_adamw": bool(self.optimizer.defaults.get("fused")),

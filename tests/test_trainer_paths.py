@@ -231,6 +231,7 @@ def _attention_calls(cfg) -> tuple[tuple[float, list[torch.Tensor]], int]:
             loss.backward()
     calls = sum(1 for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
                 and any(c.name.startswith("aten::empty") for c in e.cpu_children))
+    assert tr._runtime_summary()["keep_attention"] is cfg.train.keep_attention  # what the manifest reports
     return (float(loss), [p.grad.clone() for p in tr.params]), calls
 
 

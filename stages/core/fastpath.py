@@ -104,8 +104,8 @@ def _checkpoint_keeping_attention(module: Any, rng: bool, *args: Any, **kwargs: 
 
 def keep_attention_checkpoint(dropout: float) -> Callable[..., Any]:
     """Checkpoint a block keeping its attention outputs (train.keep_attention): eager through the policy's
-    dispatch mode, or for a block compiled in place through `_compiled_keeping_attention`. A block that block
-    swap stands in for is checkpointed as without it (its swapped call manages its own buffers)."""
+    dispatch mode, or for a block compiled in place inside a torch.compile'd checkpoint (`call`). A block that
+    block swap stands in for is checkpointed as without it (its swapped call manages its own buffers)."""
     fallback = _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
     compiled: list[Callable[..., Any]] = []
 
