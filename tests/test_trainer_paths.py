@@ -235,19 +235,20 @@ def _attention_calls(cfg) -> tuple[tuple[float, list[torch.Tensor]], int]:
     return (float(loss), [p.grad.clone() for p in tr.params]), calls
 
 
-@pytest.mark.parametrize("compiled", ["off", "on"])
-def test_keep_attention_skips_the_recompute_of_attention_and_trains_the_same(cached, compiled, monkeypatch):
+@pytest.mark.parametrize("compiled,dropout", [("off", 0.0), ("off", 0.25), ("on", 0.0)])
+def test_keep_attention_skips_the_recompute_of_attention_and_trains_the_same(cached, compiled, dropout, monkeypatch):
     """train.keep_attention: a checkpointed block keeps its attention output, so the step runs one attention
     kernel fewer per block (none recomputed) and gives full checkpointing's loss and LoRA gradients: bit for
-    bit eager; compiled (the policy inside torch.compile; aot_eager on the CPU, the partitioner inductor's
-    compile uses too, in seconds rather than minutes) within float rounding."""
+    bit eager, with LoRA dropout too (the recompute replays the forward's masks); compiled (the policy inside
+    torch.compile; aot_eager on the CPU, the partitioner inductor's compile uses too, in seconds rather than
+    minutes) within float rounding."""
     from stages.core import blockswap
 
     if compiled == "on":
         real = torch.compile
         monkeypatch.setattr(torch, "compile", lambda *a, **k: real(*a, **{**k, "backend": "aot_eager"}))
     runs = {keep: _attention_calls(_cfg(cached, **{"train.gradient_checkpointing": True, "train.keep_attention": keep,
-                                                   "train.compile_transformer": compiled}))
+                                                   "train.compile_transformer": compiled, "train.dropout": dropout}))
             for keep in (False, True)}
     blocks = len(blockswap.repeated_blocks(_trainer(_cfg(cached)).model))
     (full, full_calls), (kept, kept_calls) = runs[False], runs[True]
