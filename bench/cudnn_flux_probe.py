@@ -117,7 +117,7 @@ def main() -> None:
             if row["ok"]:
                 break  # blocking launches only to name a crash
     with open(a.out, "w") as f:
-        json.dump({"probe": __file__.split("/")[-1], "rows": rows}, f, indent=1)  # a dict: bench.py report reads bench/results/*.json
+        json.dump({"probe": __file__.split("/")[-1], "date": time.strftime("%Y-%m-%d", time.gmtime()), "rows": rows}, f, indent=1)  # a dict: bench.py report reads bench/results/*.json
 
 
 if __name__ == "__main__":

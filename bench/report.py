@@ -523,13 +523,22 @@ def gpu_probe_section(probes: list[dict[str, Any]]) -> str:
             out.append(f"`python3 bench/fp8_tiny_probe.py`: {len(d['shapes'])} (rows, in, out) shapes of the fp8 Linear, "
                        f"{len(bad)} with a non-finite or >10 % off output or input gradient; the tiny FLUX LoRA step: "
                        + "; ".join(d.get("model", [])) + "\n")
+            if d.get("attention_modes"):  # tests/test_fp8.py's step under each attention setting
+                out.append("| attention (`_lora_step(model, attention)`) | base | steps with every LoRA gradient finite |\n|---|---|---|")
+                out += [f"| {m['attention']} | {m['base']} | {m['finite']} of {m['of']} |" for m in d["attention_modes"]]
+                out.append("")
             continue
-        out.append(f"`python3 bench/{d['probe']}` ({d.get('date', '')}):\n\n| case | backend | ok | ms / s | TFLOP/s | error |\n|---|---|---|---|---|---|")
+        when = f" ({d['date']})" if d.get("date") else ""
+        out.append(f"`python3 bench/{d['probe']}`{when}:\n\n| case | backend | ok | ms / s | TFLOP/s | error | "
+                   f"to_q gradients against flash's (blocks finite, min cosine, max relative error) |\n|---|---|---|---|---|---|---|")
         for r in d["rows"]:
             err = r.get("err", "")
             err = (err[0] if isinstance(err, list) and err else str(err))[:120]
+            grads = r.get("grads_vs_flash") or []
+            vs = (f"{sum(g['finite'] for g in grads)}/{len(grads)}, {min(g['cos'] for g in grads)}, "
+                  f"{max(g['rel'] for g in grads)}") if grads else ""
             out.append(f"| {r['case']} | {r.get('backend', 'cuDNN' + (', launch blocking' if r.get('launch_blocking') == '1' else ''))} | "
-                       f"{r['ok']} | {r.get('ms', r.get('s', ''))} | {r.get('tflops', '')} | {err} |")
+                       f"{r['ok']} | {r.get('ms', r.get('s', ''))} | {r.get('tflops', '')} | {err} | {vs} |")
         out.append("")
     return "\n".join(out) + "\n"
 

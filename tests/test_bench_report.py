@@ -520,3 +520,19 @@ def test_the_denoiser_flops_count_on_the_meta_device_for_each_token_layout() -> 
         images = 2 if fam == "flux-kontext" else 1
         assert f["tokens"] == images * 1024 + (0 if fam == "sdxl" else 77), fam
         assert f["linear_fwd"] > 0 and f["params"] > 1e9 and (f["attention_fwd"] > 0) == (fam != "sdxl"), fam
+
+
+def test_gpu_probe_section_shows_gradients_against_flash_and_the_attention_modes() -> None:
+    """The cuDNN probe's gradient comparison (worst block of each case) and the tiny fp8 probe's attention settings
+    reach bench/APPENDIX.md: a NaN block or a far-off gradient shows there, not just "ok"."""
+    cudnn = {"probe": "cudnn_flux_probe.py", "date": "2026-12-04", "rows": [
+        {"case": "tiny-widths-guard", "ok": True, "s": 0.02, "grads_vs_flash": [
+            {"block": 0, "finite": False, "cos": 0.5, "rel": 0.9}, {"block": 1, "finite": True, "cos": 0.9999, "rel": 0.01}]},
+        {"case": "kontext-eager", "ok": False, "err": ["illegal memory access"]}]}
+    tiny = {"probe": "fp8_tiny_probe.py", "shapes": [{"y_finite": True, "dx_finite": True, "y_rel": 0.01, "dx_rel": 0.02}],
+            "model": ["loss 2.48"], "attention_modes": [{"attention": "guard", "base": "fp8", "finite": 0, "of": 3}]}
+    text = report.gpu_probe_section([cudnn, tiny])
+    assert "`python3 bench/cudnn_flux_probe.py` (2026-12-04):" in text
+    assert "| tiny-widths-guard | cuDNN | True | 0.02 |  |  | 1/2, 0.5, 0.9 |" in text
+    assert "| kontext-eager | cuDNN | False |  |  | illegal memory access |  |" in text
+    assert "1 (rows, in, out) shapes of the fp8 Linear, 0 with" in text and "| guard | fp8 | 0 of 3 |" in text
