@@ -162,9 +162,12 @@ def test_compile_setup_failure_falls_back_to_eager(cached, monkeypatch):
     assert any("regional compile failed, running eager: no compiler here" in m for m in warnings)
 
 
-def test_compiled_step_failure_falls_back_to_eager_with_same_loss(cached, monkeypatch):
-    """A compile error that only shows at the first call (as inductor's do) reruns the step eager."""
-    eager = _trainer(_cfg(cached))
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_compiled_step_failure_falls_back_to_eager_with_same_loss(cached, monkeypatch, keep_attention):
+    """A compile error that only shows at the first call (as inductor's do) reruns the step eager; with
+    train.keep_attention too (its compiled checkpoint fails the same way, and the eager one takes over)."""
+    sets = {"train.keep_attention": keep_attention, "train.gradient_checkpointing": True}
+    eager = _trainer(_cfg(cached, **sets))
     expected = [eager.step()[0] for _ in range(2)]
 
     def failing_compile(fn, *args, **kwargs):
@@ -173,7 +176,7 @@ def test_compiled_step_failure_falls_back_to_eager_with_same_loss(cached, monkey
         return call
 
     monkeypatch.setattr(torch, "compile", failing_compile)
-    cfg = _cfg(cached, **{"train.compile_transformer": "on"})
+    cfg = _cfg(cached, **{"train.compile_transformer": "on", **sets})
     tr = _trainer(cfg)
     assert tr.compiled
     got = [tr.step()[0] for _ in range(2)]
