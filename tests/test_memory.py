@@ -673,11 +673,15 @@ def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets
     with pytest.raises(ConfigError, match=r"train.keep_attention = true does not suit sdxl: .* Set train.keep_attention = false"):
         _plan("train", make_cfg("sdxl", assets, demo_data, tmp_path, **{"train.keep_attention": True}), 1000.0)
 
-    # the plan's hint: only from KEEP_ATTENTION_HINT_TOKENS a step, only where the kept outputs fit the budget too
+    # the plan's hint: only from KEEP_ATTENTION_HINT_TOKENS a sample (not a batch), only where the kept outputs fit too
     hint = "train.keep_attention = true fits this budget too"
     full = {**sets, "train.gradient_checkpointing": True}
     assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0).note  # 256 px: short
-    monkeypatch.setattr(memory, "KEEP_ATTENTION_HINT_TOKENS", tokens)
+    per_sample = tokens // cfg.train.batch_size
+    assert cfg.train.batch_size > 1
+    monkeypatch.setattr(memory, "KEEP_ATTENTION_HINT_TOKENS", per_sample + 1)  # the batch's tokens are more, a sample's not
+    assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0).note
+    monkeypatch.setattr(memory, "KEEP_ATTENTION_HINT_TOKENS", per_sample)
     roomy = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0)
     assert f"{hint} (+{n * block_gb:.1f} GB): the {n} checkpointed blocks" in roomy.note
     assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full, **{"train.keep_attention": True}),

@@ -39,9 +39,10 @@ BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
 # train.keep_attention: a checkpointed block also keeps its attention output (tokens x heads x head dim, the
 # block's width in the DiT families, bf16) and its softmax statistics (4 bytes per head and token: ~1 % more)
 ATTENTION_KEPT_UNITS = 1.02
-# From this many tokens a step (FLUX.1 Kontext at 1024 px, batch 1: 8,704) a train plan that checkpoints blocks says
+# From this many tokens a sample (FLUX.1 Kontext at 1024 px: 8,704; attention's cost grows with the square of a
+# sample's sequence, not with the batch) a train plan that checkpoints blocks says
 # when train.keep_attention would fit its budget too: there it took the fp8 + cuDNN step from 0.969 to 0.825 s
-# (H200, bench/results/peers-kontext-1024-b1-{cudnn3,keepattn}.json); shorter steps are not measured
+# (H200, bench/results/peers-kontext-1024-b1-{cudnn3,keepattn}.json); shorter sequences are not measured
 KEEP_ATTENTION_HINT_TOKENS = 8704
 VAE_ELEMENTS_PER_PIXEL = 780  # FLUX's fp32 VAE, 1 image at 1024 px: 3.36 GB allocated (H200; 720 predicted 3.12)
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}  # tile side when tiling
@@ -542,7 +543,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         plan.note = f"{plan.note} {fp8_first}.".strip()
     resident = plan.settings["checkpointed_blocks"] - plan.settings["swapped_blocks"]
     extra_gb = ATTENTION_KEPT_UNITS * max(0, resident) * unit / GB
-    if (plan.fits and not kept and resident > 0 and tokens >= KEEP_ATTENTION_HINT_TOKENS and budget.gb is not None
+    if (plan.fits and not kept and resident > 0 and tokens // tcfg.batch_size >= KEEP_ATTENTION_HINT_TOKENS
+            and budget.gb is not None
             and getattr(family, "attention_per_block", True)
             and (plan.predicted_peak_gb + extra_gb) * FRAGMENTATION <= budget.gb):
         plan.note = (f"{plan.note} train.keep_attention = true fits this budget too (+{extra_gb:.1f} GB): the "
