@@ -55,7 +55,8 @@
 #       gradient layout) in the probe, then Kontext side by side: the script, fp8 + cuDNN within its peak, fp8 + cuDNN
 #   KM: cuDNN's attention gradients against flash's (bench/cudnn_flux_probe.py: FLUX.1 at the tiny test models' widths
 #       and tokens, with and without the guard, and at Kontext's 8,704 tokens), since KK found the tiny models' NaN
-#       under cuDNN with the guard too; then Kontext's keep_attention rows without cuDNN (flash), product only
+#       under cuDNN with the guard too; then Kontext's keep_attention rows without cuDNN (flash), product only; first
+#       the tiny fp8 tests on the GPU again (their step now under the train stage's flags)
 #   KK: the tiny fp8 probe's attention modes (the tests' NaN with torch's own SDPA choice, cuDNN's, against the
 #       train stage's flags and the guard), then Kontext side by side with train.keep_attention (checkpointed
 #       blocks keep their attention outputs) on fp8 + cuDNN, within the script's peak and all checkpointed
@@ -266,7 +267,8 @@ case $phase in
   KH) timeout 90 python3 bench/cudnn_flux_probe.py --only kontext-eager-guard,kontext-ckpt-guard --out "$OUT/cudnn-flux-probe-guard.json" \
         > "$OUT/cudnn-flux-probe-guard.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
       PEERS_TAG=cudnn3 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
-  KM) timeout 300 python3 bench/cudnn_flux_probe.py --only tiny-widths-guard,tiny-widths,tiny-tokens-guard,kontext-eager-guard,kontext-ckpt-guard \
+  KM) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "mixed or lora_wraps" > "$OUT/fp8-cuda.log" 2>&1; tail -2 "$OUT/fp8-cuda.log"
+      timeout 300 python3 bench/cudnn_flux_probe.py --only tiny-widths-guard,tiny-widths,tiny-tokens-guard,kontext-eager-guard,kontext-ckpt-guard \
         --out "$OUT/cudnn-flux-probe-grads.json" > "$OUT/cudnn-flux-probe-grads.log" 2>&1; cut -c1-500 "$OUT/cudnn-flux-probe-grads.log"
       PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-keepattn.json PEERS_TAG=keepattn-flash \
         PEERS_PRODUCT=fp8+fitpeer+keepattn,fp8+keepattn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
