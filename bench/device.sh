@@ -268,7 +268,7 @@ case $phase in
         > "$OUT/cudnn-flux-probe-guard.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
       PEERS_TAG=cudnn3 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
   KM) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "mixed or lora_wraps" > "$OUT/fp8-cuda.log" 2>&1; tail -2 "$OUT/fp8-cuda.log"
-      timeout 300 python3 bench/cudnn_flux_probe.py --only tiny-widths-guard,tiny-widths,tiny-tokens-guard,kontext-eager-guard,kontext-ckpt-guard \
+      timeout 300 python3 bench/cudnn_flux_probe.py --only tiny-widths-guard,tiny-widths,tiny-tokens-guard,tiny-widths-128-guard,kontext-eager-guard,kontext-ckpt-guard \
         --out "$OUT/cudnn-flux-probe-grads.json" > "$OUT/cudnn-flux-probe-grads.log" 2>&1; cut -c1-500 "$OUT/cudnn-flux-probe-grads.log"
       PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-keepattn.json PEERS_TAG=keepattn-flash \
         PEERS_PRODUCT=fp8+fitpeer+keepattn,fp8+keepattn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
