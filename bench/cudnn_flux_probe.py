@@ -38,8 +38,8 @@ CASES = {
     "tiny-widths": (32, False, 2, False, (2, 16, 16)),
     "tiny-tokens-guard": (32, False, 2, True, (24, 128, 16)),
     # the tiny widths at 128 tokens (72 image, 56 text): cuDNN's SM90 backward has given NaN where the key length
-    # leaves a partial 128-wide tile and a row's logsumexp is very negative (NVIDIA/cudnn-frontend#628 and #1072,
-    # pytorch/pytorch#196678); 32 tokens leave one, 128 none, and so do Kontext's 8,704 and klein's 4,608 at 1024 px
+    # leaves a partial 128-wide tile and a row's logsumexp is very negative (NVIDIA/cudnn-frontend#1072 and the pull
+    # request #628 it cites; pytorch/pytorch#196678, there with a mask); 32 tokens leave one, 128 none, and so do Kontext's 8,704 and klein's 4,608 at 1024 px
     "tiny-widths-128-guard": (72, False, 2, True, (2, 16, 56)),
     "tiny": (32, True, 1, True),  # plumbing (PROBE_DEVICE=cpu)
 }
