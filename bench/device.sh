@@ -57,6 +57,9 @@
 #       and tokens, with and without the guard, and at Kontext's 8,704 tokens), since KK found the tiny models' NaN
 #       under cuDNN with the guard too; then Kontext's keep_attention rows without cuDNN (flash), product only; first
 #       the tiny fp8 tests on the GPU again (their step now under the train stage's flags)
+#   KN: klein beside its script with the planner choosing the fp8 blocks itself under the script's reserved peak as
+#       the cap (`bench/memory.py plan` plans 22 of 25 fp8 blocks at 5.74 GB, 5.12 predicted; measured by hand so
+#       far: 18 blocks, 5.04 GB allocated and 6.36 reserved uncapped), with and without cuDNN
 #   KK: the tiny fp8 probe's attention modes (the tests' NaN with torch's own SDPA choice, cuDNN's, against the
 #       train stage's flags and the guard), then Kontext side by side with train.keep_attention (checkpointed
 #       blocks keep their attention outputs) on fp8 + cuDNN, within the script's peak and all checkpointed
@@ -272,6 +275,8 @@ case $phase in
         --out "$OUT/cudnn-flux-probe-grads.json" > "$OUT/cudnn-flux-probe-grads.log" 2>&1; cut -c1-500 "$OUT/cudnn-flux-probe-grads.log"
       PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-kontext-1024-b1-keepattn.json PEERS_TAG=keepattn-flash \
         PEERS_PRODUCT=fp8+fitpeer+keepattn,fp8+keepattn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  KN) PEERS_TAG=fitreserved-fp8 PEERS_PRODUCT=fp8+cudnn+fitreserved,fp8+fitreserved PEERS_BUDGET_S=$(( $(left) - 15 )) \
+        bash bench/peers.sh klein 1024 1 15 ;;
   KK) timeout 90 python3 bench/fp8_tiny_probe.py --out "$OUT/fp8-tiny-probe-modes.json" > "$OUT/fp8-tiny-probe-modes.log" 2>&1
       tail -2 "$OUT/fp8-tiny-probe-modes.log" | cut -c1-600
       PEERS_TAG=keepattn PEERS_PRODUCT=fp8+cudnn+fitpeer+keepattn,fp8+cudnn+keepattn PEERS_BUDGET_S=$(( $(left) - 15 )) \
