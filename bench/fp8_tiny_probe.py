@@ -13,6 +13,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,28 +56,36 @@ def main() -> None:
         json.dump({"probe": "fp8_tiny_probe.py", "shapes": rows_out, "model": found, "attention_modes": modes}, f, indent=1)
 
 
+def _test_module() -> tuple[Any, Path]:
+    """tests/test_fp8.py (its step and its tiny FLUX, not copies) and a fresh folder for the tiny model's files."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_fp8  # noqa: E402
+
+    return test_fp8, Path(tempfile.mkdtemp())
+
+
+def _tiny_flux(test_fp8: Any, assets: Path, base: str) -> torch.nn.Module:
+    """The test's tiny FLUX, its block Linears fp8 (min_width=16, as the test) for base "fp8"."""
+    from stages.core.fp8 import inside_repeated_blocks, quantize_denoiser_fp8
+
+    model = test_fp8._flux(assets)
+    if base == "fp8":
+        quantize_denoiser_fp8(model, inside_repeated_blocks(model), DEV, min_width=16)
+    return model
+
+
 def attention_modes(repeats: int = 3) -> list[dict]:
     """tests/test_fp8.py's step, bf16 then fp8, `repeats` times under each attention setting (its `attention`
     argument: torch's defaults, the train stage's flags without cuDNN SDPA, cuDNN SDPA with the stage's guard):
-    which ones gave a NaN gradient. Where only "torch" fails, the NaN was cuDNN's cached backward graph, not fp8."""
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_fp8  # noqa: E402
-    from stages.core.fp8 import inside_repeated_blocks, quantize_denoiser_fp8
-
-    assets, out = Path(tempfile.mkdtemp()), []
+    which ones gave a NaN gradient. Where the cuDNN settings fail and "train" does not, the NaN is cuDNN's, not fp8's."""
+    test_fp8, assets = _test_module()
+    out = []
     for attention in ("torch", "train", "guard"):
         for base in ("bf16", "fp8"):
             ok = 0
             for _ in range(repeats):
-                model = test_fp8._flux(assets)
-                if base == "fp8":
-                    quantize_denoiser_fp8(model, inside_repeated_blocks(model), DEV, min_width=16)
                 try:
-                    test_fp8._lora_step(model, attention)
+                    test_fp8._lora_step(_tiny_flux(test_fp8, assets, base), attention)
                     ok += 1
                 except AssertionError:
                     pass
@@ -85,21 +97,12 @@ def locate() -> list[str]:
     """tests/test_fp8.py's own LoRA step (`_lora_step`) on the tiny FLUX (fp8 blocks, min_width=16), eager, with a hook on
     every module: the first modules whose output or input gradient is not finite, in the order they ran, then the
     step's result or its assertion (which names the adapter weights without a finite non-zero gradient)."""
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_fp8  # noqa: E402  (the test module: its step, not a copy)
-    from stages.core.fp8 import inside_repeated_blocks, quantize_denoiser_fp8
-
-    assets = Path(tempfile.mkdtemp())
+    test_fp8, assets = _test_module()
     try:  # the test's order: the bf16 step first, on the same device (torch's flags, as the test had them)
-        bf16_loss = test_fp8._lora_step(test_fp8._flux(assets), "torch")
+        bf16_loss = test_fp8._lora_step(_tiny_flux(test_fp8, assets, "bf16"), "torch")
     except AssertionError:
         bf16_loss = float("nan")
-    model = test_fp8._flux(assets)
-    quantize_denoiser_fp8(model, inside_repeated_blocks(model), DEV, min_width=16)
+    model = _tiny_flux(test_fp8, assets, "fp8")
     found: list[str] = []
 
     def bad(t) -> bool:

@@ -76,6 +76,11 @@ def _checkpoint_rng(module: Any, *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(_checkpointed_call(module), *args, use_reentrant=False, **kwargs)
 
 
+def _plain_checkpoint(dropout: float) -> Callable[..., Any]:
+    """Without RNG state bookkeeping when nothing in the blocks is random (dropout 0), else diffusers' default."""
+    return _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
+
+
 # train.keep_attention: the aten attention ops whose outputs (the output and its softmax statistics) a
 # checkpointed block keeps, so its recompute skips attention, the one op in a block whose cost grows with
 # the square of the tokens (FLUX.1 Kontext at 1024 px: 8,704 tokens).
@@ -106,7 +111,7 @@ def keep_attention_checkpoint(dropout: float) -> Callable[..., Any]:
     """Checkpoint a block keeping its attention outputs (train.keep_attention): eager through the policy's
     dispatch mode, or for a block compiled in place inside a torch.compile'd checkpoint (`call`). A block that
     block swap stands in for is checkpointed as without it (its swapped call manages its own buffers)."""
-    fallback = _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
+    fallback = _plain_checkpoint(dropout)
     compiled: list[Callable[..., Any]] = []
 
     def call(module: Any, *args: Any, **kwargs: Any) -> Any:
@@ -137,8 +142,7 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = (),
     by identity: regional compile compiles each block in place (`module.compile()`), so a compiled block
     is the same object. The choice is made in Python at each call, so a CUDA graph captures the path the
     step took."""
-    checkpoint = keep_attention_checkpoint(dropout) if keep_attention else \
-        _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
+    checkpoint = keep_attention_checkpoint(dropout) if keep_attention else _plain_checkpoint(dropout)
     skip = frozenset(id(b) for b in direct)
     if not skip:
         return checkpoint

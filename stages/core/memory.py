@@ -477,7 +477,8 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
                           f"in another order than it runs them (SDXL's UNet runs down, mid, up), so block swap could not "
                           f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
-    if getattr(tcfg, "keep_attention", False) and not getattr(family, "attention_per_block", True):
+    keep_attention = getattr(tcfg, "keep_attention", False)
+    if keep_attention and not getattr(family, "attention_per_block", True):
         raise ConfigError(f"train.keep_attention = true does not suit {family.name}: its denoiser's blocks do not each "
                           f"run one attention at their width (SDXL's UNet blocks hold several, or none), which is what "
                           f"the memory planner counts for it. Set train.keep_attention = false.")
@@ -490,7 +491,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     own_units = getattr(family, "block_saved_units", {})
     saved = [own_units.get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
     work = getattr(family, "block_work_units", BLOCK_WORK_UNITS)
-    kept = ATTENTION_KEPT_UNITS if getattr(tcfg, "keep_attention", False) else 0.0  # per checkpointed unswapped block
+    kept = ATTENTION_KEPT_UNITS if keep_attention else 0.0  # per checkpointed unswapped block
     activations = lambda checkpointed, swapped=0: outside + unit * (  # noqa: E731
         checkpointed * CHECKPOINT_SAVED_UNITS + max(0, checkpointed - swapped) * kept + sum(saved[checkpointed:]) + work)
     options = _with_fp8_nf4(_train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
@@ -543,7 +544,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         plan.note = f"{plan.note} {fp8_first}.".strip()
     resident = plan.settings["checkpointed_blocks"] - plan.settings["swapped_blocks"]
     extra_gb = ATTENTION_KEPT_UNITS * max(0, resident) * unit / GB
-    if (plan.fits and not kept and resident > 0 and tokens // tcfg.batch_size >= KEEP_ATTENTION_HINT_TOKENS
+    if (plan.fits and not keep_attention and resident > 0 and tokens // tcfg.batch_size >= KEEP_ATTENTION_HINT_TOKENS
             and budget.gb is not None
             and getattr(family, "attention_per_block", True)
             and (plan.predicted_peak_gb + extra_gb) * FRAGMENTATION <= budget.gb):
