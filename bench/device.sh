@@ -57,6 +57,14 @@
 #       and tokens, with and without the guard, and at Kontext's 8,704 tokens), since KK found the tiny models' NaN
 #       under cuDNN with the guard too; then Kontext's keep_attention rows without cuDNN (flash), product only; first
 #       the tiny fp8 tests on the GPU again (their step now under the train stage's flags)
+#   KO: why KN's planned rows ran out of memory at the cap before their first step (5.65 GB reserved of 5.74): the
+#       planner's own choice (22 fp8 blocks) uncapped, for its allocated and reserved peaks; the capped row again,
+#       now keeping its last events; the same without CUDA graphs (product only; the script's row from KN)
+#   KR: klein beside its script under its reserved peak as the cap, now with expandable segments there and the
+#       planner keeping fewer fp8 blocks for the CUDA graph's room (9 of 25 planned), and 17 fp8 blocks set by hand
+#       under the same cap (does the runtime find room for the capture: KP found 2.10 GB free at 22, 2.33 wanted)
+#   KP: KO's capped row with expandable segments (PYTORCH_CUDA_ALLOC_CONF), with and without CUDA graphs
+#   KQ: the planner's 22 fp8 blocks uncapped with expandable segments: do CUDA graphs capture with them, how fast
 #   KN: klein beside its script with the planner choosing the fp8 blocks itself under the script's reserved peak as
 #       the cap (`bench/memory.py plan` plans 22 of 25 fp8 blocks at 5.74 GB, 5.12 predicted; measured by hand so
 #       far: 18 blocks, 5.04 GB allocated and 6.36 reserved uncapped), with and without cuDNN
@@ -270,6 +278,16 @@ case $phase in
   KH) timeout 90 python3 bench/cudnn_flux_probe.py --only kontext-eager-guard,kontext-ckpt-guard --out "$OUT/cudnn-flux-probe-guard.json" \
         > "$OUT/cudnn-flux-probe-guard.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-guard.log"
       PEERS_TAG=cudnn3 PEERS_PRODUCT=fp8+cudnn+fitpeer,fp8+cudnn PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh kontext 1024 1 10 ;;
+  KO) PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-klein-1024-b1-fitreserved-fp8.json PEERS_TAG=fitreserved-fp8-why \
+        PEERS_PRODUCT=fp8+cudnn+fp8blocks22,fp8+cudnn+fitreserved,fp8+cudnn+fitreserved+nographs PEERS_BUDGET_S=$(( $(left) - 15 )) \
+        bash bench/peers.sh klein 1024 1 15 ;;
+  KP) PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-klein-1024-b1-fitreserved-fp8.json PEERS_TAG=fitreserved-fp8-expandable \
+        PEERS_PRODUCT=fp8+cudnn+fitreserved+expandable,fp8+cudnn+fitreserved+expandable+nographs PEERS_BUDGET_S=$(( $(left) - 15 )) \
+        bash bench/peers.sh klein 1024 1 15 ;;
+  KR) PEERS_TAG=fitreserved-fp8-2 PEERS_PRODUCT=fp8+cudnn+fitreserved,fp8+cudnn+fitreserved+fp8blocks17 \
+        PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
+  KQ) PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-klein-1024-b1-fitreserved-fp8.json PEERS_TAG=fp8blocks22-expandable \
+        PEERS_PRODUCT=fp8+cudnn+fp8blocks22+expandable PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
   KM) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "mixed or lora_wraps" > "$OUT/fp8-cuda.log" 2>&1; tail -2 "$OUT/fp8-cuda.log"
       timeout 300 python3 bench/cudnn_flux_probe.py --only tiny-widths-guard,tiny-widths,tiny-tokens-guard,tiny-widths-128-guard,kontext-eager-guard,kontext-ckpt-guard \
         --out "$OUT/cudnn-flux-probe-grads.json" > "$OUT/cudnn-flux-probe-grads.log" 2>&1; cut -c1-500 "$OUT/cudnn-flux-probe-grads.log"

@@ -314,6 +314,11 @@ VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     # checkpointed blocks keep their attention outputs (no attention in the recompute)
     "keepattn": ({}, {"train.keep_attention": True}),
     "profile": ({}, {"train.profile_steps": 2}),
+    # eager steps only (no CUDA graph capture, whose private pool the caching allocator cannot hand back)
+    "nographs": ({}, {"train.cuda_graphs": "off"}),
+    # the caching allocator with expandable segments (what the product sets itself under a cap, memory.allocator_for_cap):
+    # for uncapped rows
+    "expandable": ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, {}),
     # the script's own train peak (allocated GB, from its row in this run) as the train stage's budget (a cap on
     # what the product may reserve, so its allocated peak stays below the script's), with
     # the planner choosing how many blocks to checkpoint within it: the product's answer to "at <= its peak"
@@ -324,6 +329,21 @@ VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     # compared allocated to allocated as every row
     "fitreserved": ({}, {"train.gradient_checkpointing": "auto"}),
 }
+
+
+def _events_tail(path: Path, t0: float, n: int = 25) -> list[str]:
+    """The last `n` events (as their JSON lines, cut to 400 characters) that this stage run wrote to `path`: where
+    a failed stage got to (its plan, the capture, the step it died in), which the log's last lines do not say."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    def ts(line: str) -> float:
+        try:
+            return float(json.loads(line).get("ts") or 0.0)
+        except (ValueError, AttributeError):
+            return 0.0
+    return [ln[:400] for ln in lines if ts(ln) >= t0 - 1][-n:]
 
 
 def variant_flag(flag: str) -> tuple[dict[str, str], dict[str, Any]] | None:
@@ -390,6 +410,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
             rc = 0
         if rc != 0:
             info["log_tail"] = tail
+            info["events_tail"] = _events_tail(Path(res_sets["artifacts"]) / run / "events.jsonl", t0)
             row["stages"][kind] = info
             row["status"] = _status({**row, "status": f"failed at {stage}"})
             return row

@@ -529,7 +529,8 @@ class Trainer:
                 # block swap's blocks, host GB, copies made and prefetched copies ready in time; and the
                 # allocator's retries (each one a cache flush at the budget's cap: a slow step)
                 "block_swap": self.swap.summary() if self.swap is not None else None,
-                "cuda_alloc_retries": alloc_retries(self.rt)}
+                "cuda_alloc_retries": alloc_retries(self.rt),
+                "allocator": memory.allocator_summary(self.rt.device)}
 
     def _stopped(self, step: int, save: bool, stats: RunStats, t0: float) -> dict[str, Any]:
         """After a stop request, between steps: a resumable checkpoint and the adapter (lora/final,

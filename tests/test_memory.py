@@ -832,6 +832,75 @@ def test_an_fp8_base_that_does_not_fit_keeps_its_first_blocks_in_fp8_and_the_res
     assert every.settings["base_precision"] == "fp8" and not any("fp8_blocks" in t for t in every.tried)
 
 
+def test_an_fp8_base_under_a_cap_keeps_fewer_fp8_blocks_to_leave_cuda_graphs_room(assets, demo_data, tmp_path, monkeypatch):
+    """FLUX.2 klein's planned 22 of 25 fp8 blocks under the diffusers script's 5.74 GB left a capture too little
+    room, so every step ran eager (and slower). Where the most fp8 blocks that fit leave too little room and
+    checkpointing more cannot give it, the plan keeps the fewest fewer fp8 blocks that do (same checkpointing)
+    and says so; where none does it keeps the most and says train runs eager. cuda_graphs = "off" and
+    train.fp8_blocks set by hand plan the most fp8 blocks that fit, as before."""
+    from stages.core import fastpath
+
+    monkeypatch.setattr(memory, "GRAPH_FREE_SLACK_GB", 0.0)  # the measured allowances outweigh the tiny model
+    monkeypatch.setattr(memory, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
+    monkeypatch.delenv(fastpath.ENV, raising=False)
+    want = fastpath.UNSWAPPED_CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
+    sets = {"train.base_precision": "fp8", "data.resolution": 256, "train.gradient_checkpointing": True,
+            "model": _deeper_flux(assets, tmp_path, 4, 8, width=1024)}
+    cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+    roomy = _plan("train", cfgs["off"], 1000.0)
+    mixed = {t["fp8_blocks"]: t for t in roomy.tried if "fp8_blocks" in t}
+    room_of = lambda t, gb: memory.graph_room(t["predicted_peak_gb"], t["activations_gb"], t["lora_grads_gb"],  # noqa: E731
+                                              memory.Budget(gb, "cap"), swapped=False)
+    seen = set()
+    lo, hi = _just_above(min(t["predicted_peak_gb"] for t in mixed.values())), _just_above(roomy.predicted_peak_gb)
+    for gb in [lo + (hi - lo) * i / 24 for i in range(24)]:
+        auto, off = _plan("train", cfgs["auto"], gb), _plan("train", cfgs["off"], gb)
+        m = off.settings["fp8_blocks"]
+        assert "graph_room" not in off.settings
+        got = auto.settings["fp8_blocks"]
+        assert auto.fits and auto.settings["checkpointed_blocks"] == off.settings["checkpointed_blocks"]
+        assert auto.predicted_peak_gb == mixed[got]["predicted_peak_gb"]
+        if room_of(mixed[m], gb) >= want:
+            assert got == m and "CUDA graphs" not in auto.note
+            seen.add("room")
+        elif got < m:
+            assert auto.settings["graph_room"] == round(room_of(mixed[got], gb), 2) and room_of(mixed[got], gb) >= want
+            assert f"{m - got} fewer block{'s' * (m - got > 1)} in fp8 than the budget allows" in auto.note
+            assert all(room_of(mixed[j], gb) < want for j in range(got + 1, m))  # the fewest fewer that leave it
+            seen.add("fewer")
+        else:
+            assert got == m and all(room_of(mixed[j], gb) < want for j in mixed if j <= m) and "else runs eager" in auto.note
+            seen.add("eager")
+        by_hand = make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.fp8_blocks": m})
+        assert _plan("train", by_hand, gb).settings["fp8_blocks"] == m
+    assert seen == {"room", "fewer", "eager"}, seen
+
+
+def test_a_cap_gives_the_allocator_expandable_segments_unless_the_user_configured_it(monkeypatch):
+    """Under a cap the caching allocator gets expandable segments (set in the environment before CUDA starts):
+    with torch's fixed segments FLUX.2 klein's planned run died of fragmentation in its first step under the
+    cap. The user's own allocator settings (either of torch's names) win; no cap, no change; without CUDA,
+    or once CUDA has started (too late), nothing is set."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert memory.allocator_for_cap(8.0, env := {}) is None and env == {}  # no CUDA: nothing to configure
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine before CUDA starts
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert memory.allocator_for_cap(8.0, env := {}) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert memory.allocator_for_cap("auto", env := {}) is None and env == {}
+    assert memory.allocator_for_cap(None, env := {}) is None and env == {}
+    for name in memory.ALLOC_CONF_VARS:
+        env = {name: "max_split_size_mb:128"}
+        assert memory.allocator_for_cap(8.0, env) is None and env == {name: "max_split_size_mb:128"}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert memory.allocator_for_cap(8.0, env := {}) is None and env == {}
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert memory.allocator_summary(torch.device("cpu")) == "torch's default"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert memory.allocator_summary(torch.device("cpu")) == "PYTORCH_ALLOC_CONF=expandable_segments:True"
+
+
 def test_mixed_fp8_nf4_weight_bytes_match_the_built_base(assets, tmp_path):
     """The planner's bytes for a base with its first m blocks fp8 and the rest nf4 (memory.fp8_nf4_weight_bytes)
     are those of the model stages/core/fp8.py builds (nf4's absmax counted as the planner's 1/64 byte a weight)."""

@@ -109,11 +109,51 @@ def parse_budget(value: Any) -> float | str:
     return gb
 
 
+# Under a cap the caching allocator runs with expandable segments unless the user configured it: with torch's
+# fixed segments FLUX.2 klein's planned fp8 run (22 of 25 blocks, 5.12 GB predicted, 5.31 measured uncapped) ran
+# out of memory in its first step under the diffusers script's 5.74 GB reserved peak, with and without CUDA graphs,
+# at 5.41 GB reserved: holes in segments it could not hand back (bench/results/peers-klein-1024-b1-fitreserved-fp8-why.json);
+# with expandable segments the same run trained, 5.13 GB allocated and 5.72 reserved
+# (peers-klein-1024-b1-fitreserved-fp8-expandable.json), and uncapped it captured CUDA graphs and ran as fast
+# (0.203 s a step against 0.2055) at 5.98 GB reserved against 6.45 (peers-klein-1024-b1-fp8blocks22-expandable.json).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch's names for it (the second, newer)
+CAP_ALLOC_CONF = "expandable_segments:True"
+
+
+def allocator_for_cap(setting: Any, env: Any = None) -> str | None:
+    """Under a cap (`setting` a number of GB), expandable segments for the caching allocator: set in `env`
+    (os.environ) before CUDA starts, which is when torch reads it. The setting made, else None: no cap,
+    the user's own allocator settings (they win), no CUDA, or CUDA already started in this process (too late)."""
+    import os
+
+    env = os.environ if env is None else env
+    if (setting in (None, "auto") or any(env.get(v) for v in ALLOC_CONF_VARS) or not torch.cuda.is_available()
+            or torch.cuda.is_initialized()):
+        return None
+    env[ALLOC_CONF_VARS[0]] = CAP_ALLOC_CONF
+    return CAP_ALLOC_CONF
+
+
+def allocator_summary(device: torch.device | None = None) -> str:
+    """What the caching allocator runs with, for the runtime summary: the environment's setting (or torch's
+    default) and, once CUDA holds memory, whether its segments are expandable."""
+    import os
+
+    conf = next((f"{v}={os.environ[v]}" for v in ALLOC_CONF_VARS if os.environ.get(v)), "torch's default")
+    if device is None or device.type != "cuda" or not torch.cuda.is_initialized():
+        return conf
+    segments = torch.cuda.memory_snapshot()
+    if not segments:
+        return conf
+    return f"{conf} ({'expandable' if any(s.get('is_expandable') for s in segments) else 'fixed'} segments)"
+
+
 def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> Budget:
     """The stage's budget on `device`; a number is also enforced as the allocator's cap."""
     if device.type != "cuda":
         return Budget(None, "cpu")
     value = parse_budget(setting)
+    allocator_for_cap(value)  # before mem_get_info starts CUDA
     free, total = torch.cuda.mem_get_info(device)
     if value == "auto":
         return Budget(round(max(free / GB - AUTO_MARGIN_GB, 0.0), 3), "auto")
@@ -527,16 +567,18 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"], tried["swapped_blocks"]) / GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
     partial = tcfg.gradient_checkpointing == "auto"  # the checkpointed blocks chosen within the budget
-    if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n)) \
+    fewer_fp8 = plan.settings.get("fp8_blocks") is not None and getattr(tcfg, "fp8_blocks", "auto") == "auto"
+    if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n) or fewer_fp8) \
             and (mode := _graphs_mode(tcfg, budget)):
         plan = _with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"], s["swapped_blocks"]) / GB, grads_gb,
-                                budget, mode)
+                                budget, mode, fewer_fp8)
     if plan.fits and plan.settings.get("fp8_blocks") is not None:
         whole_fp8 = [peak for settings, peak in candidates
                      if settings["base_precision"] == "fp8" and "fp8_blocks" not in settings]
         why = (f"the whole fp8 base needs {min(whole_fp8) * FRAGMENTATION:.1f} GB" if whole_fp8 else
                "train.fp8_blocks")
-        plan.note = (f"{plan.note} fp8 for the first {plan.settings['fp8_blocks']} of {n} blocks, nf4 for the other "
+        said = f"{plan.note.rstrip('.')}." if plan.note else ""
+        plan.note = (f"{said} fp8 for the first {plan.settings['fp8_blocks']} of {n} blocks, nf4 for the other "
                      f"blocks and outside them: {why}.").strip()
     if fp8_left_out:
         plan.note = f"{plan.note} auto left fp8 out: {fp8_left_out}.".strip()
@@ -592,42 +634,53 @@ def _graphs_mode(tcfg: Any, budget: Budget) -> str | None:
 
 
 def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts_of: Callable[[dict[str, Any]], float],
-                     grads_gb: float, budget: Budget, mode: str) -> StagePlan:
+                     grads_gb: float, budget: Budget, mode: str, fewer_fp8: bool = False) -> StagePlan:
     """A budget-bound plan that leaves CUDA graphs room to capture, else `plan` as it is (under "auto" it
     will run eager); its note says which. A swap plan swaps more blocks (the fewest more that leave the
     room; same precision and checkpointing); a plan whose checkpointing `auto` chose within the budget (no
     swap) checkpoints more blocks (the fewest more; same precision): at a cap near the step's peak a capture
     without room ran out of memory and so did the eager steps after it (FLUX.2 klein, nf4, 1024 px at the
     diffusers script's 5.08 GB: 23 of 25 blocks checkpointed; bench/results/peers-klein-1024-b1-g3.json).
+    `fewer_fp8` (an fp8 base whose fp8 blocks the planner chose within the budget): where checkpointing more
+    leaves no room, the fewest fewer fp8 blocks that do (same checkpointing): klein's 22 fp8 blocks at the
+    script's 5.74 GB reserved peak left 2.10 GB for a capture that wanted 2.33, so every step ran eager, 0.29 s
+    against 0.20 with graphs (bench/results/peers-klein-1024-b1-fitreserved-fp8-expandable.json).
     `acts_of(settings)`: a plan's activations in GB."""
     from stages.core import fastpath
 
     swapped = bool(plan.settings["swapped_blocks"])
     want = (fastpath.CAPTURE_ROOM if swapped else fastpath.UNSWAPPED_CAPTURE_ROOM) * GRAPH_ROOM_MARGIN
-    vary, keep = (("swapped_blocks", ("base_precision", "checkpointed_blocks")) if swapped
-                  else ("checkpointed_blocks", ("base_precision", "swapped_blocks", "fp8_blocks")))
-    same = lambda s: all(s.get(k) == plan.settings.get(k) for k in keep)  # noqa: E731
+    # (setting varied, +1: more of it gives room / -1: fewer does, settings kept, what the note calls it)
+    ways = ([("swapped_blocks", 1, ("base_precision", "checkpointed_blocks"), "more", "swapped")] if swapped else
+            [("checkpointed_blocks", 1, ("base_precision", "swapped_blocks", "fp8_blocks"), "more", "checkpointed")]
+            + [("fp8_blocks", -1, ("base_precision", "swapped_blocks", "checkpointed_blocks"), "fewer", "in fp8")] * fewer_fp8)
     room_at = lambda s, peak: graph_room(peak, acts_of(s), grads_gb, budget, swapped)  # noqa: E731
     room = room_at(plan.settings, plan.predicted_peak_gb)
-    what = "swapped" if swapped else "checkpointed"
-    if room < want:
+    found = room >= want
+    for vary, sign, keep, more, what in ways if not found else []:
+        same = lambda s: all(s.get(k) == plan.settings.get(k) for k in keep)  # noqa: E731
         for settings, peak in candidates:
-            if (same(settings) and settings[vary] > plan.settings[vary]
+            if (same(settings) and settings.get(vary) is not None and (settings[vary] - plan.settings[vary]) * sign > 0
                     and peak * FRAGMENTATION <= budget.gb and room_at(settings, peak) >= want):
-                extra = settings[vary] - plan.settings[vary]
+                extra = abs(settings[vary] - plan.settings[vary])
                 room = room_at(settings, peak)
                 why = ("eager steps under swap can be host-bound, most at small images" if swapped else
-                       "a capture without room can run out of memory")
-                note = (f"{extra} more block{'s' * (extra > 1)} {what} than the budget needs, to leave CUDA graphs room to "
+                       "a capture without room can run out of memory" if vary == "checkpointed_blocks" else
+                       "eager steps at the cap run slower")
+                than = "the budget needs" if more == "more" else "the budget allows"
+                note = (f"{extra} {more} block{'s' * (extra > 1)} {what} than {than}, to leave CUDA graphs room to "
                         f"capture ({room:.1f}x the step's activations free; {want:.1f}x wanted): {why}")
                 plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
+                found = True
                 break
-        else:
-            then = ("train.cuda_graphs = 'on' captures anyway and may run out of memory there"
-                    if mode == "on" else
-                    "train checks at the capture, else runs eager, which can be host-bound, most at small images")
-            plan.note = (f"CUDA graphs may have no room to capture under this {'swap ' * swapped}plan ({room:.1f}x the step's "
-                         f"activations free, {want:.1f}x wanted; {then}; a larger --vram gives them room)")
+        if found:
+            break
+    if not found:
+        then = ("train.cuda_graphs = 'on' captures anyway and may run out of memory there"
+                if mode == "on" else
+                "train checks at the capture, else runs eager, which can be host-bound, most at small images")
+        plan.note = (f"CUDA graphs may have no room to capture under this {'swap ' * swapped}plan ({room:.1f}x the step's "
+                     f"activations free, {want:.1f}x wanted; {then}; a larger --vram gives them room)")
     plan.settings = {**plan.settings, "graph_room": round(room, 2)}
     return plan
 

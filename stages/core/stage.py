@@ -45,7 +45,10 @@ def running_stage(cfg: Any, stage: str) -> Iterator[StageContext]:
     it holds the lock (if it cannot, it exits and torchrun stops them). On success all ranks leave
     together, after rank 0 has written its outputs."""
     from stages.core import distributed
+    from stages.core.memory import allocator_for_cap
 
+    if cfg.device != "cpu":  # before anything starts CUDA (the process group's device, the plan's free memory)
+        allocator_for_cap(getattr(getattr(cfg, "gpu", None), "vram_budget_gb", None))
     with distributed.process_group(cfg.device) as dist:
         with stage_lock(cfg.run_dir, stage) if dist.is_main else contextlib.nullcontext():
             distributed.barrier(dist)
