@@ -235,3 +235,19 @@ def test_variant_flags_set_their_train_keys_and_an_unknown_one_is_named():
     assert peers.variant_flag("fp8blocks") is None and peers.variant_flag("fp8blockz3") is None
     with pytest.raises(SystemExit, match=r"unknown product variant flag\(s\) \['cudnnn'\]; known: cudnn, .*fp8blocks<N>"):
         peers.run_product(SimpleNamespace(tiny=False, res=1024), "flux2-klein", None, "fp8+cudnnn", None, {}, {})
+
+
+def test_a_failed_stage_keeps_its_own_last_events(tmp_path):
+    """A failed product stage's row keeps the events that run wrote (its plan, the step it died in), not an
+    earlier run's from the same events.jsonl, and a damaged line does not stop it; no file gives none."""
+    events = tmp_path / "events.jsonl"
+    lines = [json.dumps({"ts": 100.0, "event": "start", "stage": "encode-captions"}),
+             json.dumps({"ts": 200.0, "event": "start", "stage": "train"}), "{not json",
+             json.dumps({"ts": 201.0, "event": "plan", "stage": "train", "note": "x" * 500}),
+             json.dumps({"ts": 202.0, "event": "error", "stage": "train", "message": "train ran out of GPU memory"})]
+    events.write_text("\n".join(lines) + "\n")
+    got = peers._events_tail(events, 200.5)
+    assert [json.loads(g)["event"] for g in got[:1]] == ["start"] and got[1].startswith('{"ts": 201.0') and len(got[1]) == 400
+    assert json.loads(got[-1])["message"] == "train ran out of GPU memory" and len(got) == 3
+    assert [json.loads(g)["event"] for g in peers._events_tail(events, 200.5, n=1)] == ["error"]
+    assert peers._events_tail(tmp_path / "missing.jsonl", 0.0) == []
