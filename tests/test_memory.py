@@ -901,6 +901,31 @@ def test_a_cap_gives_the_allocator_expandable_segments_unless_the_user_configure
     assert memory.allocator_summary(torch.device("cpu")) == "PYTORCH_ALLOC_CONF=expandable_segments:True"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("user", ["", "max_split_size_mb:256"])
+def test_a_capped_train_stage_runs_with_expandable_segments_unless_the_user_set_the_allocator(user, assets, demo_data,
+                                                                                             tmp_path):
+    """The stages in their own processes on the GPU under --vram 8: train's manifest says which allocator ran,
+    expandable segments as the stage set them, or the user's own setting with fixed segments."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in memory.ALLOC_CONF_VARS}
+    env.update({"HF_HUB_OFFLINE": "1", **({"PYTORCH_CUDA_ALLOC_CONF": user} if user else {})})
+    args = ["--config", str(demo_config_path("flux")), "--model", str(tiny_model(assets, FAMILIES["flux"])),
+            "--set", f"data.path={demo_data}", "--set", f"artifacts={tmp_path / 'artifacts'}", "--set", "train.steps=2",
+            "--set", "device=cuda", "--vram", "8"]
+    done = subprocess.run([sys.executable, str(root / "pipeline.py"), "run", *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifest = json.loads(next((tmp_path / "artifacts").glob("*/lora/final/manifest.json")).read_text())
+    want = (f"PYTORCH_CUDA_ALLOC_CONF={user} (fixed segments)" if user else
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (expandable segments)")
+    assert manifest["runtime"]["allocator"] == want
+
+
 def test_mixed_fp8_nf4_weight_bytes_match_the_built_base(assets, tmp_path):
     """The planner's bytes for a base with its first m blocks fp8 and the rest nf4 (memory.fp8_nf4_weight_bytes)
     are those of the model stages/core/fp8.py builds (nf4's absmax counted as the planner's 1/64 byte a weight)."""
