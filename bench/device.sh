@@ -60,7 +60,8 @@
 #   KO: why KN's planned rows ran out of memory at the cap before their first step (5.65 GB reserved of 5.74): the
 #       planner's own choice (22 fp8 blocks) uncapped, for its allocated and reserved peaks; the capped row again,
 #       now keeping its last events; the same without CUDA graphs (product only; the script's row from KN)
-#   KR: first the CUDA test that a capped stage runs with expandable segments (and the user's setting wins); then
+#   KR: first the CUDA test that a capped stage runs with expandable segments (and the user's setting wins), and
+#       the cuDNN probe at the tiny test models' own 32 tokens (KM's tiny case had 48); then
 #       klein beside its script under its reserved peak as the cap, now with expandable segments there and the
 #       planner keeping fewer fp8 blocks for the CUDA graph's room (9 of 25 planned), and 17 fp8 blocks set by hand
 #       under the same cap (does the runtime find room for the capture: KP found 2.10 GB free at 22, 2.33 wanted)
@@ -287,6 +288,8 @@ case $phase in
         bash bench/peers.sh klein 1024 1 15 ;;
   KR) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_memory.py -k capped_train_stage > "$OUT/allocator-cuda.log" 2>&1
       tail -2 "$OUT/allocator-cuda.log"
+      timeout 120 python3 bench/cudnn_flux_probe.py --only tiny-32-guard,tiny-32 --out "$OUT/cudnn-flux-probe-tiny32.json" \
+        > "$OUT/cudnn-flux-probe-tiny32.log" 2>&1; cut -c1-400 "$OUT/cudnn-flux-probe-tiny32.log"
       PEERS_TAG=fitreserved-fp8-2 PEERS_PRODUCT=fp8+cudnn+fitreserved,fp8+cudnn+fitreserved+fp8blocks17 \
         PEERS_BUDGET_S=$(( $(left) - 15 )) bash bench/peers.sh klein 1024 1 15 ;;
   KQ) PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-klein-1024-b1-fitreserved-fp8.json PEERS_TAG=fp8blocks22-expandable \

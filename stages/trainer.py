@@ -465,6 +465,9 @@ class Trainer:
                     self.save_checkpoint(step)
         profiler.close()  # the run ended inside the profiled steps
         summary = self._summary(stats, t0)
+        note = memory.retries_note(summary["runtime"]["cuda_alloc_retries"], step - start, self.plan.budget)
+        if note:
+            self.log.emit("warning", message=note)
         if self.saved_step != step:
             self.save_checkpoint(step)
         manifest = self.save_final(step, True, summary)

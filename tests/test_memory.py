@@ -926,6 +926,18 @@ def test_a_capped_train_stage_runs_with_expandable_segments_unless_the_user_set_
     assert manifest["runtime"]["allocator"] == want
 
 
+def test_allocator_retries_at_the_cap_get_a_warning_over_one_a_step():
+    """More retries than steps under a cap is a warning naming the cap, the counts and what to change; as many
+    as the steps or fewer, an "auto" budget (no cap), CPU or no steps is none."""
+    cap = memory.Budget(5.74, "cap")
+    note = memory.retries_note(230, 15, cap)
+    assert note.startswith("the GPU allocator reached the 5.74 GB cap and flushed its cache 230 times in 15 steps")
+    assert "a larger --vram (gpu.vram_budget_gb)" in note
+    assert memory.retries_note(15, 15, cap) is None and memory.retries_note(0, 15, cap) is None
+    assert memory.retries_note(230, 15, memory.Budget(40.0, "auto")) is None
+    assert memory.retries_note(230, 15, memory.Budget(None, "cpu")) is None and memory.retries_note(3, 0, cap) is None
+
+
 def test_mixed_fp8_nf4_weight_bytes_match_the_built_base(assets, tmp_path):
     """The planner's bytes for a base with its first m blocks fp8 and the rest nf4 (memory.fp8_nf4_weight_bytes)
     are those of the model stages/core/fp8.py builds (nf4's absmax counted as the planner's 1/64 byte a weight)."""
