@@ -72,9 +72,26 @@ def print_table(result: dict[str, Any]) -> None:
         if p["note"]:
             console.print(f"{p['stage']}: {p['note']}", style=None if p["fits"] else "red")
     console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory.py).")
+    if result["budget_source"] == "cap":
+        console.print(allocator_line())
+
+
+def allocator_line() -> str:
+    """What a capped stage's caching allocator will run with (stages/core/memory.py `allocator_for_cap`)."""
+    import os
+
+    from stages.core import memory
+
+    mine = next((f"{v}={os.environ[v]}" for v in memory.ALLOC_CONF_VARS if os.environ.get(v)), None)
+    return (f"Under this cap the stages keep your allocator setting ({mine})." if mine else
+            f"Under this cap the stages run torch's allocator with {memory.CAP_ALLOC_CONF} (less fragmentation at the "
+            f"cap; set PYTORCH_CUDA_ALLOC_CONF to choose yourself).")
 
 
 def run(cfg: Any, budget_gb: Any, as_json: bool) -> dict[str, Any]:
+    from stages.core.runtime import quiet_libraries
+
+    quiet_libraries()  # the planner imports the libraries a stage loads: their notices stay out, as in every stage
     result = plans(cfg, budget_gb if budget_gb is not None else cfg.gpu.vram_budget_gb)
     if as_json:
         print(json.dumps(result, indent=2))

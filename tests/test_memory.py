@@ -938,6 +938,21 @@ def test_allocator_retries_at_the_cap_get_a_warning_over_one_a_step():
     assert memory.retries_note(230, 15, memory.Budget(None, "cpu")) is None and memory.retries_note(3, 0, cap) is None
 
 
+def test_the_plan_table_says_what_allocator_a_capped_stage_runs(monkeypatch, capsys):
+    """`pipeline.py plan` under a cap says the stages will give the allocator expandable segments, or keep the
+    user's setting; under "auto" it says nothing of it."""
+    from stages.plan import allocator_line, print_table
+
+    for name in memory.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert "torch's allocator with expandable_segments:True" in allocator_line()
+    for source in ("cap", "auto"):
+        print_table({"run": "r", "family": "flux", "budget_gb": 8.0, "budget_source": source, "stages": []})
+        assert ("expandable_segments:True" in " ".join(capsys.readouterr().out.split())) == (source == "cap")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:256")
+    assert allocator_line() == "Under this cap the stages keep your allocator setting (PYTORCH_ALLOC_CONF=max_split_size_mb:256)."
+
+
 def test_mixed_fp8_nf4_weight_bytes_match_the_built_base(assets, tmp_path):
     """The planner's bytes for a base with its first m blocks fp8 and the rest nf4 (memory.fp8_nf4_weight_bytes)
     are those of the model stages/core/fp8.py builds (nf4's absmax counted as the planner's 1/64 byte a weight)."""

@@ -40,6 +40,20 @@ def test_a_stage_prints_its_warnings_and_summary_and_no_library_noise(assets, de
     assert [n for n in NOISE if n in r.stderr] == [], r.stderr
 
 
+def test_plan_prints_its_table_and_no_library_noise(assets, demo_data, tmp_path):
+    """`pipeline.py plan` imports what the stages load (bitsandbytes among them) and stays as quiet as they do;
+    under a cap it says which allocator the stages will run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LORAPIPE_DEBUG", "LORAPIPE_VERBOSE", "PYTORCH_CUDA_ALLOC_CONF",
+                                                            "PYTORCH_ALLOC_CONF")}
+    r = subprocess.run([sys.executable, "pipeline.py", "plan", "--config", str(demo_config_path("flux")),
+                        "--model", str(tiny_model(assets, "flux-dev")), "--set", f"data.path={demo_data}",
+                        "--set", f"artifacts={tmp_path / 'artifacts'}", "--vram", "8"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "memory plan of run" in r.stdout and "expandable_segments:True" in " ".join(r.stdout.split()), r.stdout
+    assert [n for n in NOISE if n in r.stdout + r.stderr] == [] and r.stderr.strip() == "", r.stderr
+
+
 class _Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
