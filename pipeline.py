@@ -77,7 +77,7 @@ def run_options(f: Callable[..., None]) -> Callable[..., None]:
                 sets: tuple[str, ...], **kwargs: Any) -> None:
         if run_name and run and run_name != run:
             raise click.UsageError(f"run named twice: '{run_name}' and --run '{run}'")
-        f(spec=RunSpec(run_name or run, config, artifacts, model, sets), **kwargs)
+        f(spec=RunSpec(run_name or run, config, artifacts, model, sets).from_path(), **kwargs)
 
     wrapper = click.option("--verbose", is_flag=True, expose_value=False, callback=_verbose,
                            help="Show the libraries' own warnings and loading bars (also LORAPIPE_DEBUG=1).")(wrapper)
@@ -111,7 +111,8 @@ def examples(*lines: str) -> str:
 def cli() -> None:
     """Staged LoRA training for diffusion models: encode-captions, cache-latents, train, export-lora.
 
-    Every command that names a run takes RUN (read from <artifacts>/RUN/config.json) or --config
+    Every command that names a run takes RUN (read from <artifacts>/RUN/config.json; a run folder's
+    path works too, e.g. artifacts/my-lora) or --config
     PRESET, plus --artifacts DIR."""
     from stages.core.proc import die_with_parent_if_asked
 

@@ -300,3 +300,14 @@ def test_stop_reaches_a_running_cache_stage(tmp_path):
         assert holder.wait(timeout=10) == -signal.SIGTERM
     finally:
         holder.kill()
+
+
+def test_a_run_folder_path_names_the_run_and_its_root():
+    """RUN as a path (`inspect artifacts/my-lora`): the run is its last part, the root the rest; --artifacts, or a
+    plain name, leave it as given."""
+    assert RunSpec("artifacts/my-lora").from_path() == RunSpec("my-lora", artifacts="artifacts")
+    assert RunSpec("/data/runs/x/").from_path() == RunSpec("x", artifacts="/data/runs")
+    assert RunSpec("./x").from_path().run_dir() == Path("x")
+    assert RunSpec("my-lora").from_path() == RunSpec("my-lora")
+    assert RunSpec("a/b", artifacts="/r").from_path() == RunSpec("a/b", artifacts="/r")
+    assert RunSpec(None, "configs/flux-dev.toml").from_path() == RunSpec(None, "configs/flux-dev.toml")

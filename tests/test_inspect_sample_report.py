@@ -104,6 +104,10 @@ def test_inspect_cli_json_and_tables(run_copy):
     assert tables.exit_code == 0 and "per-channel latent statistics" in tables.output and "captions.zarr" in tables.output
     missing = CliRunner().invoke(pipeline.cli, ["inspect", "no-such-run", "--artifacts", run_copy.artifacts])
     assert missing.exit_code == 2 and run_copy.run in missing.output  # names the runs that exist
+    # the run folder's path as RUN (what `ls` shows): the same report
+    by_path = CliRunner().invoke(pipeline.cli, ["inspect", str(run_copy.run_dir) + "/", "--json"])
+    assert by_path.exit_code == 0, by_path.output
+    assert json.loads(by_path.output)["path"] == str(run_copy.run_dir)
 
 
 def test_decode_cached_variant_with_the_vae(run_copy, tmp_path):

@@ -10,6 +10,7 @@ config that the run's last stage saved beside its artifacts. Imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,14 @@ class RunSpec:
     artifacts: str | None = None
     model: str | None = None
     sets: tuple[str, ...] = ()
+
+    def from_path(self) -> RunSpec:
+        """RUN given as a run folder's path (`lorapipe inspect artifacts/my-lora`, `status runs/x/`): its last part
+        is the run's name and the rest its artifacts root, unless --artifacts names the root itself."""
+        if not self.name or self.artifacts or not any(sep in self.name for sep in ("/", "\\")):
+            return self
+        path = Path(self.name)
+        return dataclasses.replace(self, name=path.name, artifacts=str(path.parent)) if path.name else self
 
     def _overrides(self) -> dict[str, Any]:
         from stages.core.config import parse_override
