@@ -78,11 +78,9 @@ def print_table(result: dict[str, Any]) -> None:
 
 def allocator_line() -> str:
     """What a capped stage's caching allocator will run with (stages/core/memory.py `allocator_for_cap`)."""
-    import os
-
     from stages.core import memory
 
-    mine = next((f"{v}={os.environ[v]}" for v in memory.ALLOC_CONF_VARS if os.environ.get(v)), None)
+    mine = memory.allocator_setting()
     return (f"Under this cap the stages keep your allocator setting ({mine})." if mine else
             f"Under this cap the stages run torch's allocator with {memory.CAP_ALLOC_CONF} (less fragmentation at the "
             f"cap; set PYTORCH_CUDA_ALLOC_CONF to choose yourself).")

@@ -120,6 +120,14 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # torch's n
 CAP_ALLOC_CONF = "expandable_segments:True"
 
 
+def allocator_setting(env: Any = None) -> str | None:
+    """The caching allocator's setting in the environment (`NAME=value`, os.environ's unless `env`), else None."""
+    import os
+
+    env = os.environ if env is None else env
+    return next((f"{v}={env[v]}" for v in ALLOC_CONF_VARS if env.get(v)), None)
+
+
 def allocator_for_cap(setting: Any, env: Any = None) -> str | None:
     """Under a cap (`setting` a number of GB), expandable segments for the caching allocator: set in `env`
     (os.environ) before CUDA starts, which is when torch reads it. The setting made, else None: no cap,
@@ -127,7 +135,7 @@ def allocator_for_cap(setting: Any, env: Any = None) -> str | None:
     import os
 
     env = os.environ if env is None else env
-    if (setting in (None, "auto") or any(env.get(v) for v in ALLOC_CONF_VARS) or not torch.cuda.is_available()
+    if (setting in (None, "auto") or allocator_setting(env) or not torch.cuda.is_available()
             or torch.cuda.is_initialized()):
         return None
     env[ALLOC_CONF_VARS[0]] = CAP_ALLOC_CONF
@@ -137,9 +145,7 @@ def allocator_for_cap(setting: Any, env: Any = None) -> str | None:
 def allocator_summary(device: torch.device | None = None) -> str:
     """What the caching allocator runs with, for the runtime summary: the environment's setting (or torch's
     default) and, once CUDA holds memory, whether its segments are expandable."""
-    import os
-
-    conf = next((f"{v}={os.environ[v]}" for v in ALLOC_CONF_VARS if os.environ.get(v)), "torch's default")
+    conf = allocator_setting() or "torch's default"
     if device is None or device.type != "cuda" or not torch.cuda.is_initialized():
         return conf
     segments = torch.cuda.memory_snapshot()
