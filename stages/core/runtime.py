@@ -261,6 +261,9 @@ def alloc_retries(rt: Runtime) -> int:
 QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
     # the optional `kernels` package (a faster CPU 4-bit gemm); bitsandbytes' own CPU path runs instead
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+    # ... which, with `kernels` installed (transformers >= 5.25 requires it) and the Hub offline, says it skips the
+    # kernel repository's publisher check (the kernel is then not loaded: the same CPU path runs)
+    "kernels._internals.hf_hub": ("Skipping publisher trust check for",),
     # image processors of pipelines we never run on images; the PIL fallback is what we would use
     "transformers.utils.import_utils": ("requires torchvision (not installed); falling back",),
     "transformers.modeling_utils": ("`torch_dtype` is deprecated",),
