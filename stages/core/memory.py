@@ -171,7 +171,6 @@ def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> 
     if device.type != "cuda":
         return Budget(None, "cpu")
     value = parse_budget(setting)
-    allocator_for_cap(value)  # before mem_get_info starts CUDA
     free, total = torch.cuda.mem_get_info(device)
     if value == "auto":
         return Budget(round(max(free / GB - AUTO_MARGIN_GB, 0.0), 3), "auto")
@@ -535,8 +534,9 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
                           f"in another order than it runs them (SDXL's UNet runs down, mid, up), so block swap could not "
                           f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
-    keep_attention = getattr(tcfg, "keep_attention", False)
-    if keep_attention and not getattr(family, "attention_per_block", True):
+    keep_attention, per_block = getattr(tcfg, "keep_attention", False), getattr(family, "attention_per_block", True)
+    fp8_fixed = getattr(tcfg, "fp8_blocks", "auto")
+    if keep_attention and not per_block:
         raise ConfigError(f"train.keep_attention = true does not suit {family.name}: its denoiser's blocks do not each "
                           f"run one attention at their width (SDXL's UNet blocks hold several, or none), which is what "
                           f"the memory planner counts for it. Set train.keep_attention = false.")
@@ -553,7 +553,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     activations = lambda checkpointed, swapped=0: outside + unit * (  # noqa: E731
         checkpointed * CHECKPOINT_SAVED_UNITS + max(0, checkpointed - swapped) * kept + sum(saved[checkpointed:]) + work)
     options = _with_fp8_nf4(_train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
-                            n, getattr(tcfg, "fp8_blocks", "auto"))
+                            n, fp8_fixed)
     mixed = fp8_nf4_weight_bytes(model) if any(m is not None for *_, m in options) else []
     # each block's bytes that swapping it moves to host memory, for the precisions a swap option uses
     block_bytes = {p: [weight_bytes(b, p, codes_only=True) for b in blocks] for p in {p for p, k, _, _ in options if k}}
@@ -585,7 +585,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"], tried["swapped_blocks"]) / GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
     partial = tcfg.gradient_checkpointing == "auto"  # the checkpointed blocks chosen within the budget
-    fewer_fp8 = plan.settings.get("fp8_blocks") is not None and getattr(tcfg, "fp8_blocks", "auto") == "auto"
+    fewer_fp8 = plan.settings.get("fp8_blocks") is not None and fp8_fixed == "auto"
     if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n) or fewer_fp8) \
             and (mode := _graphs_mode(tcfg, budget)):
         plan = _with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"], s["swapped_blocks"]) / GB, grads_gb,
@@ -605,8 +605,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     resident = plan.settings["checkpointed_blocks"] - plan.settings["swapped_blocks"]
     extra_gb = ATTENTION_KEPT_UNITS * max(0, resident) * unit / GB
     if (plan.fits and not keep_attention and resident > 0 and tokens // tcfg.batch_size >= KEEP_ATTENTION_HINT_TOKENS
-            and budget.gb is not None
-            and getattr(family, "attention_per_block", True)
+            and budget.gb is not None and per_block
             and (plan.predicted_peak_gb + extra_gb) * FRAGMENTATION <= budget.gb):
         plan.note = (f"{plan.note} train.keep_attention = true fits this budget too (+{extra_gb:.1f} GB): the "
                      f"{resident} checkpointed blocks would keep their attention outputs and the recompute skip "
@@ -671,29 +670,30 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
     # (setting varied, +1: more of it gives room / -1: fewer does, settings kept, what the note calls it)
     ways = ([("swapped_blocks", 1, ("base_precision", "checkpointed_blocks"), "more", "swapped")] if swapped else
             [("checkpointed_blocks", 1, ("base_precision", "swapped_blocks", "fp8_blocks"), "more", "checkpointed")]
-            + [("fp8_blocks", -1, ("base_precision", "swapped_blocks", "checkpointed_blocks"), "fewer", "in fp8")] * fewer_fp8)
+            + ([("fp8_blocks", -1, ("base_precision", "swapped_blocks", "checkpointed_blocks"), "fewer", "in fp8")]
+               if fewer_fp8 else []))
     room_at = lambda s, peak: graph_room(peak, acts_of(s), grads_gb, budget, swapped)  # noqa: E731
     room = room_at(plan.settings, plan.predicted_peak_gb)
-    found = room >= want
-    for vary, sign, keep, more, what in ways if not found else []:
-        same = lambda s: all(s.get(k) == plan.settings.get(k) for k in keep)  # noqa: E731
-        for settings, peak in candidates:
-            if (same(settings) and settings.get(vary) is not None and (settings[vary] - plan.settings[vary]) * sign > 0
-                    and peak * FRAGMENTATION <= budget.gb and room_at(settings, peak) >= want):
-                extra = abs(settings[vary] - plan.settings[vary])
-                room = room_at(settings, peak)
-                why = ("eager steps under swap can be host-bound, most at small images" if swapped else
-                       "a capture without room can run out of memory" if vary == "checkpointed_blocks" else
-                       "eager steps at the cap run slower")
-                than = "the budget needs" if more == "more" else "the budget allows"
-                note = (f"{extra} {more} block{'s' * (extra > 1)} {what} than {than}, to leave CUDA graphs room to "
-                        f"capture ({room:.1f}x the step's activations free; {want:.1f}x wanted): {why}")
-                plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
-                found = True
-                break
-        if found:
-            break
-    if not found:
+
+    def first_with_room(vary: str, sign: int, keep: tuple[str, ...]) -> tuple[dict[str, Any], float] | None:
+        """The first candidate (the fewest more, or fewer, of `vary`) with the rest as planned that fits and leaves the room."""
+        return next(((s, peak) for s, peak in candidates
+                     if all(s.get(k) == plan.settings.get(k) for k in keep) and s.get(vary) is not None
+                     and (s[vary] - plan.settings[vary]) * sign > 0
+                     and peak * FRAGMENTATION <= budget.gb and room_at(s, peak) >= want), None)
+
+    hit = None if room >= want else next(((way, h) for way in ways if (h := first_with_room(*way[:3])) is not None), None)
+    if hit is not None:
+        (vary, _, _, more, what), (settings, peak) = hit
+        extra, room = abs(settings[vary] - plan.settings[vary]), room_at(settings, peak)
+        why = ("eager steps under swap can be host-bound, most at small images" if swapped else
+               "a capture without room can run out of memory" if vary == "checkpointed_blocks" else
+               "eager steps at the cap run slower")
+        than = "the budget needs" if more == "more" else "the budget allows"
+        note = (f"{extra} {more} block{'s' * (extra > 1)} {what} than {than}, to leave CUDA graphs room to "
+                f"capture ({room:.1f}x the step's activations free; {want:.1f}x wanted): {why}")
+        plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
+    elif room < want:
         then = ("train.cuda_graphs = 'on' captures anyway and may run out of memory there"
                 if mode == "on" else
                 "train checks at the capture, else runs eager, which can be host-bound, most at small images")

@@ -48,7 +48,7 @@ def running_stage(cfg: Any, stage: str) -> Iterator[StageContext]:
     from stages.core.memory import allocator_for_cap
 
     if cfg.device != "cpu":  # before anything starts CUDA (the process group's device, the plan's free memory)
-        allocator_for_cap(getattr(getattr(cfg, "gpu", None), "vram_budget_gb", None))
+        allocator_for_cap(cfg.gpu.vram_budget_gb)
     with distributed.process_group(cfg.device) as dist:
         with stage_lock(cfg.run_dir, stage) if dist.is_main else contextlib.nullcontext():
             distributed.barrier(dist)
