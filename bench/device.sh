@@ -60,6 +60,8 @@
 #   KO: why KN's planned rows ran out of memory at the cap before their first step (5.65 GB reserved of 5.74): the
 #       planner's own choice (22 fp8 blocks) uncapped, for its allocated and reserved peaks; the capped row again,
 #       now keeping its last events; the same without CUDA graphs (product only; the script's row from KN)
+#   KS: KR's klein rows first (KR's pytest ran out its 240 s on the tiny model's torch.compile: the first case passed,
+#       the second never finished; the product rows were cut off by the budget), then that test with compile off
 #   KR: first the CUDA test that a capped stage runs with expandable segments (and the user's setting wins), and
 #       the cuDNN probe at the tiny test models' own 32 tokens (KM's tiny case had 48); then
 #       klein beside its script under its reserved peak as the cap, now with expandable segments there and the
@@ -286,6 +288,10 @@ case $phase in
   KP) PEERS_SIDES=product PEERS_PEER_ROW=bench/results/peers-klein-1024-b1-fitreserved-fp8.json PEERS_TAG=fitreserved-fp8-expandable \
         PEERS_PRODUCT=fp8+cudnn+fitreserved+expandable,fp8+cudnn+fitreserved+expandable+nographs PEERS_BUDGET_S=$(( $(left) - 15 )) \
         bash bench/peers.sh klein 1024 1 15 ;;
+  KS) PEERS_TAG=fitreserved-fp8-3 PEERS_PRODUCT=fp8+cudnn+fitreserved,fp8+cudnn+fitreserved+fp8blocks17 \
+        PEERS_BUDGET_S=$(( $(left) - 90 )) bash bench/peers.sh klein 1024 1 15
+      timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider tests/test_memory.py -k capped_train_stage \
+        > "$OUT/allocator-cuda.log" 2>&1; tail -2 "$OUT/allocator-cuda.log" ;;
   KR) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_memory.py -k capped_train_stage > "$OUT/allocator-cuda.log" 2>&1
       tail -2 "$OUT/allocator-cuda.log"
       timeout 120 python3 bench/cudnn_flux_probe.py --only tiny-32-guard,tiny-32 --out "$OUT/cudnn-flux-probe-tiny32.json" \
