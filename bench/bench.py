@@ -620,6 +620,22 @@ def make_dataset(folder: Path, n: int, side: int, controls: int = 0) -> Path:
     return folder
 
 
+def events_since(run_dir: Path, since: float) -> list[dict[str, Any]]:
+    """The events a stage call started at `since` wrote to the run's events.jsonl (none where there is no file);
+    a line that is not a JSON object, such as one a killed stage left half-written, is passed over."""
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    events = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and float(event.get("ts") or 0.0) >= since - 1:
+            events.append(event)
+    return events
+
+
 def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     """What one stage call produced: its manifest's timings and memory, and (train) its step events and the
     profile.json this call wrote (train.profile_steps)."""
@@ -627,8 +643,7 @@ def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     keep = ("seconds", "peak_vram_gb", "samples_per_second", "loss_first", "loss_last", "precision", "compiled",
             "runtime", "step", "encoded_this_run", "files", "tensors", "verified", "verify", "fields", "latent_shapes")
     out = {k: m[k] for k in keep if k in m}
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    mine = [e for e in events if e["ts"] >= since - 1 and e.get("stage") == {"encode": "encode-captions", "latents":
+    mine = [e for e in events_since(run_dir, since) if e.get("stage") == {"encode": "encode-captions", "latents":
             "cache-latents", "train": "train", "export": "export-lora"}[kind]]
     out["warnings"] = [e["message"] for e in mine if e["event"] == "warning"][:8]
     out["loaded_s"] = [e.get("seconds") for e in mine if e["event"] == "loaded"]

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import Item, Runner, collect, model_dir, run_args  # noqa: E402
+from bench.bench import Item, Runner, collect, events_since, model_dir, run_args  # noqa: E402
 
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
@@ -95,7 +95,7 @@ class MemoryRunner(Runner):
             row["note"] = note
         elif rc != 0:  # the plan it ran and the warnings before it failed (a failed capture, say), where logged
             return {**row, "status": "failed", "plan": _plan_event(run_dir, stage, t0), "log_tail": tail[-1500:],
-                    "warnings": [e.get("message") for e in _events(run_dir, t0) if e["event"] == "warning"]}
+                    "warnings": [e.get("message") for e in events_since(run_dir, t0) if e["event"] == "warning"]}
         summary = collect(run_dir, kind, t0)
         manifest = json.loads((run_dir / where / "manifest.json").read_text())
         return {**row, "status": "ok", "plan": _plan_event(run_dir, stage, t0), "peak_vram_gb": summary.get("peak_vram_gb"),
@@ -136,15 +136,8 @@ class MemoryRunner(Runner):
         print(f"[memory] {row['family']} {row['stage']} @{row['budget']}: {json.dumps(brief)[:300]}", flush=True)
 
 
-def _events(run_dir: Path, t0: float) -> list[dict[str, Any]]:
-    """The run's events since `t0` (a call's own; none when the stage died before logging)."""
-    path = run_dir / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e.get("ts", 0) >= t0 - 1]
-
-
 def _plan_event(run_dir: Path, stage: str, t0: float) -> dict[str, Any] | None:
-    plans = [e for e in _events(run_dir, t0) if e["event"] == "plan" and e.get("stage") == stage]
+    plans = [e for e in events_since(run_dir, t0) if e["event"] == "plan" and e.get("stage") == stage]
     return plans[-1] if plans else None
 
 

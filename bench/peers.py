@@ -331,19 +331,13 @@ VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
 }
 
 
-def _events_tail(path: Path, t0: float, n: int = 25) -> list[str]:
-    """The last `n` events (as their JSON lines, cut to 400 characters) that this stage run wrote to `path`: where
-    a failed stage got to (its plan, the capture, the step it died in), which the log's last lines do not say."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    def ts(line: str) -> float:
-        try:
-            return float(json.loads(line).get("ts") or 0.0)
-        except (ValueError, AttributeError):
-            return 0.0
-    return [ln[:400] for ln in lines if ts(ln) >= t0 - 1][-n:]
+def _events_tail(run_dir: Path, t0: float, n: int = 25) -> list[str]:
+    """The last `n` events (as JSON lines, cut to 400 characters) that this stage run wrote to the run's
+    events.jsonl: where a failed stage got to (its plan, the capture, the step it died in), which the log's last
+    lines do not say."""
+    from bench.bench import events_since
+
+    return [json.dumps(e)[:400] for e in events_since(run_dir, t0)][-n:]
 
 
 def variant_flag(flag: str) -> tuple[dict[str, str], dict[str, Any]] | None:
@@ -410,7 +404,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
             rc = 0
         if rc != 0:
             info["log_tail"] = tail
-            info["events_tail"] = _events_tail(Path(res_sets["artifacts"]) / run / "events.jsonl", t0)
+            info["events_tail"] = _events_tail(Path(res_sets["artifacts"]) / run, t0)
             row["stages"][kind] = info
             row["status"] = _status({**row, "status": f"failed at {stage}"})
             return row

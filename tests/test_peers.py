@@ -246,8 +246,8 @@ def test_a_failed_stage_keeps_its_own_last_events(tmp_path):
              json.dumps({"ts": 201.0, "event": "plan", "stage": "train", "note": "x" * 500}),
              json.dumps({"ts": 202.0, "event": "error", "stage": "train", "message": "train ran out of GPU memory"})]
     events.write_text("\n".join(lines) + "\n")
-    got = peers._events_tail(events, 200.5)
+    got = peers._events_tail(tmp_path, 200.5)
     assert [json.loads(g)["event"] for g in got[:1]] == ["start"] and got[1].startswith('{"ts": 201.0') and len(got[1]) == 400
     assert json.loads(got[-1])["message"] == "train ran out of GPU memory" and len(got) == 3
-    assert [json.loads(g)["event"] for g in peers._events_tail(events, 200.5, n=1)] == ["error"]
-    assert peers._events_tail(tmp_path / "missing.jsonl", 0.0) == []
+    assert [json.loads(g)["event"] for g in peers._events_tail(tmp_path, 200.5, n=1)] == ["error"]
+    assert peers._events_tail(tmp_path / "missing", 0.0) == []
