@@ -668,9 +668,9 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
     swapped = bool(plan.settings["swapped_blocks"])
     want = (fastpath.CAPTURE_ROOM if swapped else fastpath.UNSWAPPED_CAPTURE_ROOM) * GRAPH_ROOM_MARGIN
     # (setting varied, +1: more of it gives room / -1: fewer does, settings kept, what the note calls it)
-    ways = ([("swapped_blocks", 1, ("base_precision", "checkpointed_blocks"), "more", "swapped")] if swapped else
-            [("checkpointed_blocks", 1, ("base_precision", "swapped_blocks", "fp8_blocks"), "more", "checkpointed")]
-            + ([("fp8_blocks", -1, ("base_precision", "swapped_blocks", "checkpointed_blocks"), "fewer", "in fp8")]
+    ways = ([("swapped_blocks", 1, ("base_precision", "checkpointed_blocks"), "swapped")] if swapped else
+            [("checkpointed_blocks", 1, ("base_precision", "swapped_blocks", "fp8_blocks"), "checkpointed")]
+            + ([("fp8_blocks", -1, ("base_precision", "swapped_blocks", "checkpointed_blocks"), "in fp8")]
                if fewer_fp8 else []))
     room_at = lambda s, peak: graph_room(peak, acts_of(s), grads_gb, budget, swapped)  # noqa: E731
     room = room_at(plan.settings, plan.predicted_peak_gb)
@@ -684,12 +684,12 @@ def _with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], flo
 
     hit = None if room >= want else next(((way, h) for way in ways if (h := first_with_room(*way[:3])) is not None), None)
     if hit is not None:
-        (vary, _, _, more, what), (settings, peak) = hit
+        (vary, sign, _, what), (settings, peak) = hit
         extra, room = abs(settings[vary] - plan.settings[vary]), room_at(settings, peak)
+        more, than = ("more", "the budget needs") if sign > 0 else ("fewer", "the budget allows")
         why = ("eager steps under swap can be host-bound, most at small images" if swapped else
                "a capture without room can run out of memory" if vary == "checkpointed_blocks" else
                "eager steps at the cap run slower")
-        than = "the budget needs" if more == "more" else "the budget allows"
         note = (f"{extra} {more} block{'s' * (extra > 1)} {what} than {than}, to leave CUDA graphs room to "
                 f"capture ({room:.1f}x the step's activations free; {want:.1f}x wanted): {why}")
         plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
