@@ -23,7 +23,8 @@ from stages.core.config import command
 
 NAME = "export-lora"
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
-LYCORIS_ONLY = ("lokr", "loha")  # adapter types diffusers' loader cannot read: exported as LyCORIS only
+LYCORIS_ONLY = ("lokr", "loha")  # adapter types diffusers' loader cannot read: their ComfyUI file is LyCORIS
+EXPORT_LAYOUT = 2  # 2: the diffusers file's scale folded into lora_B; the ComfyUI-ready file
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -46,7 +47,12 @@ def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]
 
 
 def _ema_part(cfg: Any) -> dict[str, Any]:
-    return {"ema": True} if cfg.export.ema else {}  # off adds no key: older exports stay up to date
+    return {"ema": True, **_layout_part(cfg)} if cfg.export.ema else _layout_part(cfg)
+
+
+def _layout_part(cfg: Any) -> dict[str, Any]:
+    """The files' layout: which files are written, and the version of their contents."""
+    return {"comfyui": cfg.export.comfyui, "layout": EXPORT_LAYOUT}
 
 
 def adapter_weights(cfg: Any, folder: Path) -> str:
@@ -100,63 +106,80 @@ def run(cfg: Any, checkpoint: int | None = None, force: bool = False) -> dict[st
         out, parts = export_dir(cfg, checkpoint), fingerprint_parts(cfg, checkpoint)
         current = read_manifest(out)
         if not force and current is not None and current.get("fingerprint") == fingerprint(parts):
-            if cfg.export.verify:
-                from stages.core.verify import verify_export
-
-                verify_export(cfg, manifest, out / DIFFUSERS_FILE)
-            ctx.log.emit("up_to_date", fingerprint=current["fingerprint"])
+            checks = verify(cfg, folder, manifest, [out / f for f in current["files"]]) if cfg.export.verify else {}
+            ctx.log.emit("up_to_date", fingerprint=current["fingerprint"], notes=notes(checks))
             return current
         with atomic_dir(out) as tmp:
-            fields = write_export(cfg, folder, manifest, parts, tmp, complete=checkpoint is not None)
+            fields = write_export(cfg, folder, manifest, parts, tmp, complete=checkpoint is not None,
+                                  checkpoint=checkpoint)
             result = write_manifest(tmp, NAME, **fields, seconds=ctx.elapsed())
             if checkpoint is None:
                 keep_checkpoint_exports(out, tmp)
-        ctx.log.emit("done", seconds=ctx.elapsed(), files=[str(out / f) for f in result["files"]])
+        ctx.log.emit("done", seconds=ctx.elapsed(), files=[str(out / f) for f in result["files"]],
+                     notes=notes(result.get("checks", {})))
         return result
 
 
 def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[str, Any], tmp: Path,
-                 complete: bool) -> dict[str, Any]:
+                 complete: bool, checkpoint: int | None = None) -> dict[str, Any]:
     """Write the export files into `tmp` (and verify them if asked); returns the manifest fields.
-    A checkpoint is complete by construction; lora/final says itself whether it is."""
+    A checkpoint is complete by construction; lora/final says itself whether it is.
+
+    Files: the diffusers file (LoRA, DoRA), the ComfyUI-ready file (export.comfyui; always for LoKr
+    and LoHa, which have no other), and with export.format = "kohya" the kohya/LyCORIS copy."""
     from stages.core import lora
-
-    state, lora_cfg = lora.load_adapter_files(folder, adapter_weights(cfg, folder))
-    if lora.adapter_type(lora_cfg) in LYCORIS_ONLY:
-        return _lycoris_export(cfg, folder, manifest, parts, tmp, complete, state, lora_cfg)
-    files = [write_diffusers(state, lora_cfg, manifest, tmp)]
-    if cfg.export.format == "kohya":
-        from stages.core.kohya import write_kohya
-        from stages.core.model_source import model_source
-        from stages.families import get_family
-
-        layout = get_family(manifest["family"]).kohya_layout
-        files.append(write_kohya(state, lora_cfg, manifest, tmp, layout, model_source(cfg)))
-    if cfg.export.verify:
-        from stages.core.verify import verify_export
-
-        verify_export(cfg, manifest, files[0])
-    return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[f.name for f in files],
-                source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
-                lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state),
-                ema=cfg.export.ema, adapter=lora.adapter_type(lora_cfg))
-
-
-def _lycoris_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[str, Any], tmp: Path, complete: bool,
-                    state: dict[str, Any], lora_cfg: dict[str, Any]) -> dict[str, Any]:
-    """LoKr and LoHa: diffusers' load_lora_weights reads neither, so the export is the LyCORIS file
-    (kohya module names) that ComfyUI loads, whatever export.format says."""
-    from stages.core import lora
-    from stages.core.kohya import write_lycoris
     from stages.core.model_source import model_source
     from stages.families import get_family
 
-    layout = get_family(manifest["family"]).kohya_layout
-    file = write_lycoris(state, lora_cfg, manifest, tmp, layout, model_source(cfg))
-    return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[file.name],
+    state, lora_cfg = lora.load_adapter_files(folder, adapter_weights(cfg, folder))
+    kind, family, src = lora.adapter_type(lora_cfg), get_family(manifest["family"]), model_source(cfg)
+    files = []
+    if kind not in LYCORIS_ONLY:
+        files.append(write_diffusers(*scale_folded(state, lora_cfg), manifest, tmp))
+    if cfg.export.comfyui or kind in LYCORIS_ONLY:
+        from stages.core.comfyui_file import comfyui_file_name, write_comfyui
+
+        files.append(write_comfyui(state, lora_cfg, manifest, tmp / comfyui_file_name(cfg.run, checkpoint),
+                                   family.comfyui_layout, src))
+    if cfg.export.format == "kohya":
+        from stages.core.kohya import write_kohya, write_lycoris
+
+        writer = write_lycoris if kind in LYCORIS_ONLY else write_kohya
+        files.append(writer(state, lora_cfg, manifest, tmp, family.kohya_layout, src))
+    checks = verify(cfg, folder, manifest, files) if cfg.export.verify else {}
+    return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[f.name for f in files],
                 source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
                 lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state),
-                ema=cfg.export.ema, adapter=lora.adapter_type(lora_cfg))
+                ema=cfg.export.ema, adapter=kind, checks=checks)
+
+
+def notes(checks: dict[str, Any]) -> list[str]:
+    """The one-line results of the checks that have one (how each file loads in ComfyUI)."""
+    return [c["note"] for c in checks.values() if c.get("note")]
+
+
+def verify(cfg: Any, folder: Path, manifest: dict[str, Any], files: list[Path]) -> dict[str, Any]:
+    """Every file checked against the trained adapter, each in its reader's terms (stages.core.verify)."""
+    from stages.core import lora
+    from stages.core.verify import verify_export
+
+    state, lora_cfg = lora.load_adapter_files(folder, adapter_weights(cfg, folder))
+    return verify_export(cfg, manifest, files, state, lora_cfg)
+
+
+def scale_folded(state: dict[str, Any], lora_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The LoRA with each module's scale (alpha / rank, alpha / sqrt(rank) for rsLoRA, patterns included)
+    multiplied into lora_B, and a config whose alpha equals every module's rank: the same deltas for
+    diffusers, which reads the config from the header, and for loaders that ignore it (scale 1)."""
+    from stages.core.kohya import lora_scale
+
+    out = dict(state)
+    for key, tensor in state.items():
+        if key.endswith(".lora_B.weight"):
+            module = key[:-len(".lora_B.weight")]
+            out[key] = tensor * lora_scale(lora_cfg, module, state[f"{module}.lora_A.weight"].shape[0])
+    ranks = dict(lora_cfg.get("rank_pattern") or {})
+    return out, {**lora_cfg, "lora_alpha": lora_cfg["r"], "alpha_pattern": ranks, "use_rslora": False}
 
 
 def keep_checkpoint_exports(out: Path, tmp: Path) -> None:

@@ -60,19 +60,27 @@ def test_ema_average_resume_and_export(built_run):
     for name in ("adapter_model.safetensors", "ema_model.safetensors"):
         assert same(weights(resumed.run_dir / "lora" / "final", name), weights(lora / "final", name)), name
 
-    # export --ema: the EMA under diffusers' keys; the plain export stays the weights
+    # export --ema: the EMA under diffusers' keys (its scale folded into lora_B); the plain export stays the weights
+    saved_cfg = lora_config_of(lora / "final")
     plain = export_lora.run(cfg)
     exported = weights(cfg.run_dir / "export", "pytorch_lora_weights.safetensors")
-    assert not plain.get("ema") and _values(exported) == _values(w[3])
+    assert not plain.get("ema") and _values(exported) == _values(export_lora.scale_folded(w[3], saved_cfg)[0])
     cfg.export.ema = True
     assert export_lora.run(cfg)["ema"] is True  # another fingerprint: rewritten, not "up to date"
-    assert _values(weights(cfg.run_dir / "export", "pytorch_lora_weights.safetensors")) == _values(e[3])
+    assert _values(weights(cfg.run_dir / "export", "pytorch_lora_weights.safetensors")) \
+        == _values(export_lora.scale_folded(e[3], saved_cfg)[0])
 
     no_ema = new_run(built_run, "no-ema", **{"train.steps": 1})
     train.run(no_ema)
     no_ema.export.ema = True
     with pytest.raises(ArtifactError, match="holds no EMA of the adapter .*train.ema_decay"):
         export_lora.run(no_ema)
+
+
+def lora_config_of(folder: Path) -> dict:
+    from stages.core import lora
+
+    return lora.load_adapter_files(folder)[1]
 
 
 def _values(state: dict[str, torch.Tensor]) -> list[tuple]:
@@ -160,11 +168,16 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
 
     family = get_family(cfg.family)
     model = _in_memory(cfg, final)
+    cfg.export.verify = True  # every file checked: in diffusers' loader, and in ComfyUI's key map
+    cfg.export.format = "kohya" if adapter in ("lokr", "loha") else "diffusers"
     manifest = export_lora.run(cfg)
+    comfy = f"{cfg.run}_comfyui.safetensors"
+    strengths = manifest["checks"][comfy]
+    assert strengths["keys_loaded"] == strengths["keys"] and 0.99 < strengths["strength_min"] <= strengths["strength_max"] < 1.01
     if adapter in ("lora", "dora"):  # diffusers' own loader, output against the in-memory adapter
         from test_family import _denoiser_output
 
-        assert manifest["files"] == [export_lora.DIFFUSERS_FILE]
+        assert manifest["files"] == [export_lora.DIFFUSERS_FILE, comfy]
         pipe = getattr(diffusers, family.pipeline_class).from_pretrained(cfg.model)
         denoiser = getattr(pipe, family.lora_prefix)
         base = _denoiser_output(cfg, family, denoiser)
@@ -173,8 +186,9 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (got - base).abs().max() > 1e-4, "the adapter changed nothing: the test cannot tell files apart"
         return
-    # LoKr/LoHa: LyCORIS key names, and the delta a LyCORIS reader builds equals peft's
-    assert manifest["files"] == ["lora_lycoris.safetensors"]
+    # LoKr/LoHa: the ComfyUI file, and with --format kohya LyCORIS key names in kohya's layout, whose
+    # delta a LyCORIS reader builds equals peft's
+    assert manifest["files"] == [comfy, "lora_lycoris.safetensors"]
     tensors = load_file(str(cfg.run_dir / "export" / "lora_lycoris.safetensors"))
     import re
 
@@ -211,8 +225,7 @@ def test_adapter_settings_are_config_errors():
              ({"train.rank_pattern": {"to_q": 0}}, r"'train.rank_pattern.to_q' = 0 must be >= 1"),
              ({"train.alpha_pattern": {"(to_q": 4.0}}, r"'train.alpha_pattern' key '\(to_q' is not a regular expression"),
              ({"train.rank_pattern": ["to_q"]}, "'train.rank_pattern' must be a table"),
-             ({"train.adapter": "dora", "export.format": "kohya"}, "DoRA has no kohya form"),
-             ({"train.adapter": "lokr", "export.verify": True}, "exported only as a LyCORIS file")]
+             ({"train.adapter": "dora", "export.format": "kohya"}, "DoRA has no kohya form")]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             load_config(demo_config_path("flux"), overrides)

@@ -247,29 +247,38 @@ def run_copy(built_run, tmp_path):
     return dataclasses.replace(built_run, artifacts=str(tmp_path))
 
 
-def test_verify_accepts_the_export(run_copy):
+def _verify(cfg, files=None):
+    """verify_export on the run's export (or on `files`), against its trained adapter."""
+    import json
+
     from stages.core import lora
     from stages.export_lora import artifact_dir, source_manifest
 
-    folder, manifest = source_manifest(run_copy)
-    state, _ = lora.load_adapter_files(folder)
-    summary = verify_export(run_copy, manifest, artifact_dir(run_copy) / "pytorch_lora_weights.safetensors")
-    assert summary == {"pytorch_lora_weights.safetensors": {"modules": len(state) // 2}}
+    folder, manifest = source_manifest(cfg)
+    state, lora_cfg = lora.load_adapter_files(folder)
+    if files is None:
+        names = json.loads((artifact_dir(cfg) / "manifest.json").read_text())["files"]
+        files = [artifact_dir(cfg) / n for n in names]
+    return verify_export(cfg, manifest, files, state, lora_cfg), state
 
 
-def test_verify_of_a_diffusers_file_alone_computes_no_delta(run_copy, monkeypatch):
-    """The deltas (B @ A, the size of the base layer in fp32) are only for comparing a kohya copy:
-    FLUX.2 dev's together are 70.1 GB for its default targets, and its export was killed for host memory
-    computing them."""
-    from stages.core import verify
-    from stages.export_lora import artifact_dir, source_manifest
+def test_verify_accepts_the_export(run_copy):
+    summary, state = _verify(run_copy)
+    assert summary["pytorch_lora_weights.safetensors"] == {"modules": len(state) // 2}
+    comfy = summary[f"{run_copy.run}_comfyui.safetensors"]
+    assert comfy["keys_loaded"] == comfy["keys"] == 3 * len(state) // 2 and comfy["modules"] == len(state) // 2
+    assert 0.99 < comfy["strength_min"] <= comfy["strength_max"] < 1.01
 
-    calls = []
-    real = verify._delta
-    monkeypatch.setattr(verify, "_delta", lambda a, b: calls.append(a.shape) or real(a, b))
-    _, manifest = source_manifest(run_copy)
-    summary = verify_export(run_copy, manifest, artifact_dir(run_copy) / "pytorch_lora_weights.safetensors")
-    assert summary["pytorch_lora_weights.safetensors"]["modules"] > 0 and calls == []
+
+def test_verify_compares_the_diffusers_file_with_the_trained_adapter(run_copy):
+    """The diffusers file carries the scale in lora_B: loaded by diffusers it must give the trained deltas,
+    and a file whose lora_B lost it fails, naming the module."""
+    from stages.export_lora import artifact_dir
+
+    file = artifact_dir(run_copy) / "pytorch_lora_weights.safetensors"
+    _rewrite(file, lambda t: t[sorted(k for k in t if k.endswith(".lora_B.weight"))[0]].mul_(0.5))
+    with pytest.raises(VerifyError, match="differs from the trained adapter"):
+        _verify(run_copy, [file])
 
 
 def _rewrite(file: Path, edit) -> None:
@@ -296,7 +305,7 @@ def test_verify_names_unexpected_and_missing_keys(run_copy, tmp_path):
 
     _rewrite(file, add_unknown)
     with pytest.raises(VerifyError, match="no_such_block"):
-        verify_export(run_copy, manifest, file)
+        _verify(run_copy, [file])
 
     def drop_one_b(state):
         nonlocal some_b
@@ -307,7 +316,7 @@ def test_verify_names_unexpected_and_missing_keys(run_copy, tmp_path):
 
     _rewrite(file, drop_one_b)
     with pytest.raises(VerifyError, match="missing"):
-        verify_export(run_copy, manifest, file)
+        _verify(run_copy, [file])
 
 
 @pytest.mark.parametrize("built_run", KOHYA_READ_BY_DIFFUSERS, indirect=True)
@@ -327,15 +336,16 @@ def test_verify_checks_the_kohya_copy_against_the_diffusers_file(run_copy):
     write_diffusers(keep, lora_cfg, manifest, out)
     kohya.write_kohya(keep, lora_cfg, manifest, out, get_family(run_copy.family).kohya_layout,
                       ModelSource(run_copy.model, run_copy.revision))
-    summary = verify_export(run_copy, manifest, out / "pytorch_lora_weights.safetensors")
+    files = [out / "pytorch_lora_weights.safetensors", out / kohya.KOHYA_FILE]
+    summary = verify_export(run_copy, manifest, files, keep, lora_cfg)
     assert summary[kohya.KOHYA_FILE]["modules"] == len(keep) // 2 > 0
 
     def tamper(tensors):
         tensors[sorted(k for k in tensors if k.endswith(".lora_up.weight"))[0]].mul_(1.5)
 
     _rewrite(out / kohya.KOHYA_FILE, tamper)
-    with pytest.raises(VerifyError, match="differs from the diffusers file"):
-        verify_export(run_copy, manifest, out / "pytorch_lora_weights.safetensors")
+    with pytest.raises(VerifyError, match="differs from the trained adapter"):
+        verify_export(run_copy, manifest, files, keep, lora_cfg)
 
 
 @pytest.mark.slow
@@ -351,7 +361,9 @@ def test_cli_export_verify(run_copy):
     ok = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-2000:]
     manifest = json.loads((run_copy.run_dir / "export" / "manifest.json").read_text())
-    assert manifest["files"] == ["pytorch_lora_weights.safetensors"] and manifest["step"] == run_copy.train.steps
+    assert manifest["files"] == ["pytorch_lora_weights.safetensors", f"{run_copy.run}_comfyui.safetensors"]
+    assert manifest["step"] == run_copy.train.steps
+    assert "ComfyUI loads" in ok.stderr + ok.stdout  # the summary says how the ComfyUI file loads
 
 
 def test_export_kohya_with_verify_per_family(run_copy):
@@ -369,4 +381,5 @@ def test_export_kohya_with_verify_per_family(run_copy):
             export_lora.run(both)
         assert json.loads((run_copy.run_dir / "export" / "manifest.json").read_text()) == before
     else:
-        assert export_lora.run(both)["files"] == ["pytorch_lora_weights.safetensors", kohya.KOHYA_FILE]
+        assert export_lora.run(both)["files"] == ["pytorch_lora_weights.safetensors",
+                                                  f"{run_copy.run}_comfyui.safetensors", kohya.KOHYA_FILE]

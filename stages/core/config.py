@@ -141,7 +141,7 @@ class TrainConfig:
     """Module names for LoRA (empty: the family's default, e.g. FLUX attention q/k/v/out)."""
     adapter: Literal["lora", "dora", "lokr", "loha"] = "lora"
     """Adapter type (peft): lora; dora (LoRA plus a learned magnitude; diffusers loads it); lokr (Kronecker
-    product) and loha (Hadamard product), exported only as a LyCORIS file for ComfyUI (README)."""
+    product) and loha (Hadamard product), exported only as a LyCORIS file for ComfyUI (docs/exporting.md)."""
     rank_pattern: dict[str, int] = field(default_factory=dict)
     """Rank of the modules whose path ends in a regex, e.g. {"to_out.0" = 4} (peft rank_pattern); others: rank."""
     alpha_pattern: dict[str, float] = field(default_factory=dict)
@@ -251,9 +251,12 @@ class ValidationConfig:
 @dataclass
 class ExportConfig:
     format: Literal["diffusers", "kohya"] = "diffusers"
-    """kohya also writes a kohya/ComfyUI-keyed copy."""
+    """kohya also writes lora_kohya.safetensors (LoKr/LoHa: lora_lycoris.safetensors) for sd-scripts-style tools."""
+    comfyui: bool = True
+    """Also write <run>_comfyui.safetensors, the file to load in ComfyUI (LoKr/LoHa: always written)."""
     verify: bool = False
-    """Load the exported file into the family's pipeline and fail on any missing/unexpected key."""
+    """Check every file against the trained adapter: through the pipeline's own loader, and the ComfyUI
+    file through ComfyUI's key map (every key loads, every module at its trained strength)."""
     ema: bool = False
     """Export the EMA of the adapter weights (trained with train.ema_decay > 0) instead of the weights."""
 

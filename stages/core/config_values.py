@@ -193,9 +193,6 @@ def _train_errors(cfg: Any) -> list[str]:
                 errors.append(f"'train.{name}' key {pattern!r} is not a regular expression ({e})")
             if not (value >= 1 if low else value > 0):
                 errors.append(f"'train.{name}.{pattern}' = {value!r} must be {'>= 1' if low else '> 0'}")
-    if t.adapter in ("lokr", "loha") and cfg.export.verify:
-        errors.append(f"'export.verify' = true with 'train.adapter' = {t.adapter!r}: verify loads the diffusers file, "
-                      f"and a {t.adapter} adapter is exported only as a LyCORIS file for ComfyUI; set export.verify = false")
     if t.adapter == "dora" and cfg.export.format == "kohya":
         errors.append("'export.format' = 'kohya' with 'train.adapter' = 'dora': DoRA has no kohya form here; use "
                       "export.format = 'diffusers' (diffusers' load_lora_weights reads DoRA)")

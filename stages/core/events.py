@@ -59,8 +59,8 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
     "done": {"required": {"seconds": "number"}, "extra": True,
              "optional": {"encoded": "integer", "total": "integer", "skipped": "integer", "step": "integer",
                           "loss_first": ["number", "null"], "loss_last": ["number", "null"], "files": "array",
-                          "images": "integer"}},
-    "up_to_date": {"required": {}, "optional": {"fingerprint": "string"}},
+                          "images": "integer", "notes": "array"}},
+    "up_to_date": {"required": {}, "optional": {"fingerprint": "string", "notes": "array"}},
     "error": {"required": {"message": "string"},
               "optional": {"item": ["string", "null"], "type": "string", "rank": "integer"}},
     "plan": {"required": {"budget_gb": ["number", "null"], "budget_source": "string", "settings": "object",
@@ -169,9 +169,11 @@ def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple
         text = f"{stage} done in {record['seconds']:.1f} s: " + "; ".join(_summary_parts(record, warnings, run_dir))
     elif event == "error":
         text = f"{stage} failed ({_count(warnings, 'warning')} before it; events in {run_dir / 'events.jsonl'})"
+    elif event == "up_to_date" and record.get("notes"):  # a check asked of an up-to-date stage: its result
+        text = f"{stage} up to date: " + "; ".join(record["notes"])
     else:
         return None
-    return text, _STYLES[event]
+    return text, _STYLES.get(event, "green")
 
 
 def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[str]:
@@ -193,7 +195,7 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
     parts.append(_count(warnings, "warning") + (" (above, and in events.jsonl)" if warnings else ""))
     files = done.get("files") or []
     parts.append(f"output: {', '.join(map(str, files))}" if files else f"output in {run_dir}")
-    return parts
+    return parts + list(done.get("notes") or [])
 
 
 def _gpu_part(done: dict[str, Any]) -> str | None:

@@ -59,7 +59,27 @@ def peft_form(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
     return own
 
 
+def unreadable_layers(pipeline_cls: Any, file: Path) -> list[str]:
+    """The file's modules that the pipeline's converter fails on, each tried alone."""
+    from safetensors.torch import load_file
+
+    from stages.core.comfyui import group_keys
+
+    tensors = load_file(str(file))
+    groups, _ = group_keys(tensors)
+    bad = []
+    for stem, keys in sorted(groups.items()):
+        try:
+            pipeline_cls.lora_state_dict({k: tensors[k] for k in keys.values()})
+        except Exception:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
+            bad.append(stem)
+    return bad
+
+
 def _param_name(key: str, adapter: str) -> str:
+    """The parameter a file key becomes once loaded as `adapter` (DoRA's magnitude included)."""
+    if key.endswith(".lora_magnitude_vector"):
+        return f"{key}.{adapter}.weight"
     return key.replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}.")
 
 
@@ -75,16 +95,22 @@ def _what_failed(e: BaseException) -> str:
     return f"{type(e).__name__} in {frame.name} ({Path(frame.filename).name}:{frame.lineno}{check})"
 
 
-def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str, adapter: str) -> dict[str, torch.Tensor]:
+def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str, adapter: str,
+              origin: Mapping[str, list[str]] | None = None) -> dict[str, torch.Tensor]:
     """Load one exported file into the skeleton as `adapter`; VerifyError on any key problem.
-    Returns the weights as loaded, in peft keys (the skeleton itself keeps them on the meta device)."""
+    Returns the weights as loaded, in peft keys (the skeleton itself keeps them on the meta device).
+    `origin`: a file module's name -> the trained modules it holds, to name them when one can't be read."""
     try:
         state, alphas, metadata = pipeline_state_dict(pipeline_cls, file)
     except Exception as e:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
-        raise VerifyError(f"{file.name}: {pipeline_cls.__name__}.lora_state_dict cannot read it "
-                          f"({_what_failed(e)}). diffusers' kohya converters have known limits (README, "
-                          f"'Export formats'); ComfyUI may still read the file: export without --verify to keep "
-                          f"it, or drop the layers it names from train.target_modules") from e
+        bad = unreadable_layers(pipeline_cls, file)
+        trained = sorted({m for layer in bad for m in (origin or {}).get(layer, [])})
+        named = (f"the layers it cannot read: {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}"
+                 + (f" (train.target_modules matched {', '.join(trained[:6])})" if trained else "")) if bad \
+            else _what_failed(e)
+        raise VerifyError(f"{file.name}: {pipeline_cls.__name__}.lora_state_dict cannot read it; {named}. Drop "
+                          f"those layers from train.target_modules for a kohya file diffusers reads, or use the "
+                          f"*_comfyui.safetensors file in ComfyUI (README, 'Using your LoRA')") from e
     others = sorted({k.split(".", 1)[0] for k in state if not k.startswith(f"{prefix}.")})
     if others:
         raise VerifyError(f"{file.name}: keys outside '{prefix}' after {pipeline_cls.__name__}'s conversion "
@@ -145,12 +171,12 @@ def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def compare_deltas(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], file: Path,
                    rtol: float = 1e-4) -> None:
-    """The other file must hold every module of the reference with the same delta; extra modules
+    """The file must hold every module of the trained adapter with the same delta; extra modules
     are allowed only when their delta is zero (untrained members of a fused kohya layer)."""
     dropped = sorted(set(reference) - set(other))
     if dropped:
         raise VerifyError(f"{file.name}: {len(dropped)} trained module(s) are lost when the pipeline loads it: "
-                          f"{dropped[:6]} (its converter does not map them; ComfyUI may still read the file)")
+                          f"{dropped[:6]} (its converter does not map them; the ComfyUI file still holds them)")
     extra = sorted(m for m in set(other) - set(reference) if other[m].abs().max() > 0)
     if extra:
         raise VerifyError(f"{file.name}: nonzero delta on module(s) the adapter never trained: {extra[:6]}")
@@ -158,30 +184,98 @@ def compare_deltas(reference: Mapping[str, torch.Tensor], other: Mapping[str, to
         ref = reference[module]
         err = (other[module] - ref).abs().max().item()
         if err > rtol * max(ref.abs().max().item(), 1e-12):
-            raise VerifyError(f"{file.name}: module '{module}' differs from the diffusers file by {err:.3g} "
+            raise VerifyError(f"{file.name}: module '{module}' differs from the trained adapter by {err:.3g} "
                               f"(max |delta| {ref.abs().max().item():.3g})")
 
 
-def verify_export(cfg: Any, manifest: dict[str, Any], file: Path) -> dict[str, Any]:
-    """Check the diffusers file, and a kohya copy beside it if one was written. Returns a summary."""
-    import diffusers
-
+def verify_export(cfg: Any, manifest: dict[str, Any], files: list[Path], state: dict[str, torch.Tensor],
+                  lora_cfg: dict[str, Any]) -> dict[str, Any]:
+    """Check every exported file against the trained adapter (`state`, `lora_cfg`): the diffusers and kohya
+    files through the pipeline's own loader, the ComfyUI file (and the kohya file, for the summary) through
+    ComfyUI's key map. VerifyError on any file that would not apply the trained delta in its reader;
+    returns a summary per file, with a one-line note where one is due."""
+    from stages.core.comfyui_file import COMFYUI_SUFFIX, TrainedDeltas, base_reader
     from stages.core.kohya import KOHYA_FILE
+    from stages.core.lora import adapter_type
+    from stages.core.model_source import model_source
 
-    pipeline_cls = getattr(diffusers, manifest["pipeline_class"])
-    prefix = manifest["lora_prefix"]
-    reference = _check_file(cfg, pipeline_cls, prefix, file)
-    summary: dict[str, Any] = {file.name: {"modules": len(reference)}}
-    kohya = file.parent / KOHYA_FILE
-    if kohya.exists():
-        compare_deltas(reference, _check_file(cfg, pipeline_cls, prefix, kohya), kohya)
-        summary[kohya.name] = {"modules": len(reference)}
+    src, prefix = model_source(cfg), manifest["lora_prefix"]
+    base = base_reader(src.weight_files(prefix)) if adapter_type(lora_cfg) == "dora" else None
+    trained = TrainedDeltas(state, lora_cfg, base)
+    lora_part = TrainedDeltas({k: v for k, v in state.items() if "magnitude" not in k}, lora_cfg)
+    comfy = _ComfyCheck(cfg, manifest, trained)
+    summary: dict[str, Any] = {}
+    for file in files:
+        if file.name.endswith(COMFYUI_SUFFIX):
+            summary[file.name] = comfy.require(file)
+            continue
+        if file.name.endswith(".safetensors") and (file.name == KOHYA_FILE or trained.kind in ("lokr", "loha")):
+            summary[file.name] = comfy.describe(file)
+        if trained.kind in ("lokr", "loha"):
+            continue
+        compare_deltas(lora_part, _check_file(cfg, manifest, file, list(lora_part)), file)
+        summary.setdefault(file.name, {})["modules"] = len(lora_part)
     return summary
 
 
-def _check_file(cfg: Any, pipeline_cls: Any, prefix: str, file: Path) -> Deltas:
-    from stages.core.model_source import model_source
+class _ComfyCheck:
+    """ComfyUI's key map of the run's denoiser (built once, on the meta device) and the trained deltas."""
 
+    def __init__(self, cfg: Any, manifest: dict[str, Any], trained: Any) -> None:
+        """`trained`: the run's TrainedDeltas (with the base weights' reader for DoRA)."""
+        from stages.core.comfyui import key_map
+        from stages.core.model_source import model_source
+        from stages.families import get_family
+
+        src, prefix = model_source(cfg), manifest["lora_prefix"]
+        skeleton = denoiser_skeleton(src, prefix)
+        shapes = {n: tuple(m.weight.shape) for n, m in skeleton.named_modules()
+                  if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+        self.kmap = key_map(get_family(manifest["family"]).comfyui_layout, shapes, src.component_config(prefix))
+        self.trained = trained
+
+    def report(self, file: Path) -> Any:
+        from safetensors.torch import load_file
+
+        from stages.core.comfyui import check
+
+        return check(file.name, load_file(str(file)), self.kmap, self.trained, self.trained.base)
+
+    def require(self, file: Path) -> dict[str, Any]:
+        report = self.report(file)
+        if report.problems():
+            raise VerifyError(f"{file.name}: in ComfyUI {'; '.join(report.problems())}. Nothing was replaced; "
+                              f"export with --set export.comfyui=false to skip this file")
+        out = report.summary()
+        out["note"] = (f"{file.name}: ComfyUI loads {out['keys_loaded']}/{out['keys']} keys, {out['modules']} modules "
+                       f"at strength {out['strength_min']:.3f}-{out['strength_max']:.3f}")
+        return out
+
+    def describe(self, file: Path) -> dict[str, Any]:
+        report = self.report(file)
+        out = report.summary()
+        if report.problems():
+            out["note"] = (f"{file.name} is not ComfyUI-ready ({report.problems()[0]}); in ComfyUI load the "
+                           f"*_comfyui.safetensors file")
+        return out
+
+
+def _check_file(cfg: Any, manifest: dict[str, Any], file: Path, modules: list[str]) -> Deltas:
+    import diffusers
+
+    from stages.core.kohya import PREFIX, KohyaError
+    from stages.core.model_source import model_source
+    from stages.families import get_family
+
+    layout = get_family(manifest["family"]).kohya_layout
+    origin: dict[str, list[str]] = {}
+    for module in modules:
+        try:
+            origin.setdefault(PREFIX + layout.name(module)[0], []).append(module)
+        except KohyaError:
+            continue
+    prefix = manifest["lora_prefix"]
+    pipeline_cls = getattr(diffusers, manifest["pipeline_class"])
     model = denoiser_skeleton(model_source(cfg), prefix)
-    weights = load_into(model, pipeline_cls, file, prefix, "verify")
+    weights = load_into(model, pipeline_cls, file, prefix, "verify", origin)
     return delta_weights(model, "verify", weights)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from stages.core.comfyui import ComfyLayout
     from stages.core.config import CaptionsConfig, TrainConfig
     from stages.core.kohya import Layout
     from stages.core.model_source import ModelSource
@@ -63,7 +64,10 @@ class Family(Protocol):
     vae_components: tuple[str, ...]
     denoiser_components: tuple[str, ...]
     kohya_layout: "Layout"
-    """kohya/ComfyUI key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
+    """kohya (sd-scripts) key names of the denoiser's modules (`stages.core.kohya.GENERIC`: the diffusers paths)."""
+    comfyui_layout: "ComfyLayout"
+    """The denoiser as ComfyUI loads it: its model class and where each diffusers module lands
+    (`stages/families/<family>/comfyui.py`); the ComfyUI-ready export and its check follow it."""
     # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
     # train.base_precision = "auto", fastest first (default `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, fp8, nf4)
     # optional: fp8_faster_from_tokens (int, default None): the smallest step (batch x (image + text tokens))

@@ -49,6 +49,7 @@ from stages.core import dataset, flow
 from stages.core.errors import DatasetError, ModelError
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
+from stages.families.common.bfl import FLUX2 as COMFYUI_LAYOUT
 from stages.families.flux2_klein.kohya import LAYOUT as KOHYA_LAYOUT
 
 SHIFT_STEPS = 50  # both pipelines' default num_inference_steps, for the resolution shift
@@ -85,6 +86,7 @@ class Flux2DiT:
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
+    comfyui_layout = COMFYUI_LAYOUT
     # Reference images are optional (0: text-to-image); the pipelines take any number, the folder
     # convention names up to dataset.MAX_CONTROLS.
     control_range = (0, dataset.MAX_CONTROLS)

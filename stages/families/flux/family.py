@@ -17,6 +17,7 @@ import torch
 from stages.core import flow
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
+from stages.families.common.bfl import FLUX1 as COMFYUI_LAYOUT
 from stages.families.flux.kohya import LAYOUT as KOHYA_LAYOUT
 from stages.families.kl_vae import KLVAELatents
 from stages.families.text_encoders import load_text_model
@@ -65,6 +66,7 @@ class Flux(KLVAELatents):
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
+    comfyui_layout = COMFYUI_LAYOUT
 
     def __init__(self) -> None:
         self._ids: dict[tuple, torch.Tensor] = {}  # image/text ids and guidance, per shape

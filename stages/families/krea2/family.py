@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from stages.core import flow
+from stages.families.krea2.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
@@ -98,6 +99,7 @@ class Krea2:
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
+    comfyui_layout = COMFYUI_LAYOUT
 
     # ---- cache-latents: Krea2Pipeline uses the Qwen-Image VAE exactly as QwenImagePipeline does
     load_vae = QwenImage.load_vae

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from stages.core import flow
+from stages.families.qwen_image.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
@@ -81,6 +82,7 @@ class QwenImage:
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
+    comfyui_layout = COMFYUI_LAYOUT
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> QwenImageTextEncoder:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from stages.core import flow
+from stages.families.qwen_image_21.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta
@@ -125,6 +126,7 @@ class QwenImage21:
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
+    comfyui_layout = COMFYUI_LAYOUT
 
     # The same per-channel statistics as Qwen-Image: x = (z - latents_mean) / latents_std.
     latent_normalization = QwenImage.latent_normalization

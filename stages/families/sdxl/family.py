@@ -27,6 +27,7 @@ from stages.core.config import ConfigError
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta
+from stages.families.sdxl.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.sdxl.kohya import LAYOUT as KOHYA_LAYOUT
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -133,6 +134,7 @@ class SDXL:
     vae_components = ("vae",)
     denoiser_components = ("unet", "scheduler")
     kohya_layout = KOHYA_LAYOUT
+    comfyui_layout = COMFYUI_LAYOUT
     blocks_in_run_order = False  # the UNet lists its blocks down, up, mid and runs them down, mid, up
     attention_per_block = False  # a UNet block holds 0-10 transformer layers of two attentions each
     # The train activations outside the repeated (transformer) blocks, which the planner's per-block units
