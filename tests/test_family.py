@@ -134,6 +134,8 @@ def _denoiser_output(cfg, family, model, seed=5):
 
 def test_export_round_trip(built_run):
     from peft.utils import get_peft_model_state_dict
+
+    from stages import export_lora
     from safetensors import safe_open
 
     cfg = built_run
@@ -154,7 +156,8 @@ def test_export_round_trip(built_run):
     loaded = {k.replace(".default_0", "").replace(".default", ""): v for k, v in get_peft_model_state_dict(denoiser, adapter_name="default_0").items()}
     assert file_keys == set(adapter), "exported keys differ from the trained adapter's"
     assert set(loaded) == set(adapter), "pipeline loaded a different set of LoRA keys (missing/unexpected)"
-    for k, v in adapter.items():
+    folded, _ = export_lora.scale_folded(adapter, adapter_cfg)  # the file carries alpha / rank in lora_B
+    for k, v in folded.items():
         torch.testing.assert_close(loaded[k].float(), v)
 
     in_memory = family.load_denoiser(ModelSource(cfg.model), "fp32", make_runtime("cpu", "fp32"), cfg.train)

@@ -60,12 +60,16 @@ def peft_form(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
 
 
 def unreadable_layers(pipeline_cls: Any, file: Path) -> list[str]:
-    """The file's modules that the pipeline's converter fails on, each tried alone."""
+    """The file's modules that the pipeline's converter fails on, each tried alone (none when the file
+    itself cannot be read)."""
     from safetensors.torch import load_file
 
     from stages.core.comfyui import group_keys
 
-    tensors = load_file(str(file))
+    try:
+        tensors = load_file(str(file))
+    except (OSError, ValueError):
+        return []
     groups, _ = group_keys(tensors)
     bad = []
     for stem, keys in sorted(groups.items()):
