@@ -492,7 +492,7 @@ class Trainer:
             fixes.append("set train.max_grad_norm (e.g. 1.0: gradient clipping is off)")
         if tcfg.cudnn_attention:
             fixes.append("set train.cudnn_attention = false (cuDNN's attention backward has failed on this stack: "
-                         "README \"GPU settings and speed\")")
+                         "docs/troubleshooting.md)")
         return TrainingDiverged(f"train: the loss became {loss} at step {step}: the LoRA diverged or a step went "
                                 f"wrong; {', or '.join(fixes)}, and train again (checkpoints written before step "
                                 f"{step} are kept)")

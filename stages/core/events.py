@@ -199,7 +199,7 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
 def _gpu_part(done: dict[str, Any]) -> str | None:
     """On a GPU: the stage's reserved peak (what a budget caps) and, for train, how the denoiser ran:
     blocks swapped, and under CUDA graphs or eager and why (under block swap eager can be several
-    times slower: README "Small and shared GPUs"). None on CPU."""
+    times slower: docs/memory-and-speed.md). None on CPU."""
     peak = (done.get("peak_vram_gb") or {}).get("reserved")
     if not (str(done.get("device", "")).startswith("cuda") or (isinstance(peak, (int, float)) and peak > 0)):
         return None

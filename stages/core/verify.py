@@ -83,7 +83,7 @@ def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str
     except Exception as e:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
         raise VerifyError(f"{file.name}: {pipeline_cls.__name__}.lora_state_dict cannot read it "
                           f"({_what_failed(e)}). diffusers' kohya converters have known limits (README, "
-                          f"'Export formats'); ComfyUI may still read the file: export without --verify to keep "
+                          f"'Using your LoRA'); ComfyUI may still read the file: export without --verify to keep "
                           f"it, or drop the layers it names from train.target_modules") from e
     others = sorted({k.split(".", 1)[0] for k in state if not k.startswith(f"{prefix}.")})
     if others:
