@@ -7,7 +7,7 @@ gradient checkpointing runs ~500 Linears three times (forward, recompute, backwa
 chain of Python in diffusers, peft and bitsandbytes (nf4: a dequantize op plus a matmul per pass),
 and the GPU waits between those launches. A CUDA graph replays the same kernels with no Python
 between them: on an H200, full-width FLUX blocks at 512 px, batch 4 ran 1.19x faster in nf4 and
-1.05x in bf16, which brought nf4 from 1.18x to 1.05x the bf16 step (bench/RESULTS.md).
+1.05x in bf16, which brought nf4 from 1.18x to 1.05x the bf16 step (docs/performance.md).
 
 The math is unchanged: a graph replays the kernels the eager step launched (bitsandbytes' ops,
 cuBLAS, SDPA) on copies of the same inputs, so the loss is the same for the same inputs
