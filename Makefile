@@ -1,4 +1,4 @@
-# make demo | make test | make encode-captions CONFIG=configs/flux-dev.toml | make train RUN=my-lora (README "Using make")
+# make demo | make test | make encode-captions CONFIG=configs/flux-dev.toml | make train RUN=my-lora (docs/configuration.md, "Using make")
 PY      ?= .venv/bin/python
 CONFIG  ?= configs/demo.toml
 FAMILY  ?= flux

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark on the 2 x H200 machine, in calls that each fit the 10-minute limit (issue 7 and 8).
+# The benchmark on the 2 x H200 machine, in calls that each fit the 10-minute limit.
 # Each call is `bash bench/device.sh <phase> <seconds>` with `.whl` carried (bash ../shared/device/wheels.sh
 # here first); results land in $OUT and in /tmp/lorapipe-keep, which later calls on the same warm
 # machine read with --skip-done. A cold machine rebuilds what it needs, and knows only what bench/results/
@@ -11,11 +11,11 @@
 #   D: what A-C left (items ok in bench/results/ are skipped): FLUX then Z-Image on GPU 0, SDXL on GPU 1
 #   E: what A-D left: Qwen-Image on GPU 0, SDXL (cont.) then Z-Image (cont.) on GPU 1
 #   F: nf4 with compile forced on, every family (= auto since then) (Qwen-Image then FLUX on GPU 0, Z-Image then SDXL on GPU 1)
-# One-GPU calls for what the 2026-12-01 sessions left unmeasured (carry .whl and, for G/H, .carry-peers):
+# One-GPU calls for what the 2026-12-01 calls left unmeasured (carry .whl and, for G/H, .carry-peers):
 #   G: FLUX.2 klein: the dtype fix's A/B (bench/dtype_probe.py), then the side-by-side with diffusers' script again
 #   G2: the klein side by side alone: nf4, then nf4 and nf4 + cuDNN attention within the script's peak (fitpeer:
 #       partial checkpointing with the script's peak as the budget; not yet run)
-#   G3: G2's product rows again (G2 of 2026-12-02, fifteenth session: peers.py ran main() above _status, so both
+#   G3: G2's product rows again (G2 of 2026-12-02: peers.py ran main() above _status, so both
 #       fitpeer rows died in a NameError that hid their log), beside fitreserved (the script's reserved peak as the
 #       cap), then plain cuDNN
 #   G4: G3's capped rows after its finding (a capture without room under the cap ran out of memory, and the eager
@@ -30,7 +30,7 @@
 #       is ~8 train items of 60-95 s; half a call got 2-3 of them); --keep leaves the built model in /dev/shm for
 #       a next call on the warm machine (without it K9 rebuilt FLUX, 59 s): call the same phase again to go on
 #   I6: Qwen-Image 2.1's nf4 512 px b1 train again, after its layout forward let CUDA graphs capture (commit 4bac159;
-#       the sixteenth session ran this bench.py line by hand with its last ~200 s: bench-qwen-image-2.1-I6.json)
+#       run by this bench.py line by hand with its last ~200 s: bench-qwen-image-2.1-I6.json)
 #   I8: Qwen-Image 2.1's other train rows again under graphs (I4's ran eager), 1024 px first (bf16 1024 b4 and fp8
 #       had never run), then 512 px
 #   P: FLUX.1 Kontext side by side again, the product's rows with cuDNN attention (never run for Kontext; on klein it
@@ -78,23 +78,23 @@
 #   KI: the tiny fp8 probe (now tests/test_fp8.py's own step, bf16 first as the test) and those tests on the GPU, then
 #       KF's klein rows again with the guard (it copies the single blocks' sliced gradient: ~28 MB each at 1024 px)
 #       the candidate fix (bench/cudnn_flux_probe.py cudnn_safe_sdpa: dense q/k/v and output gradient) eager and
-#       checkpointed, and a half-length control; not run yet (the twentieth session's device time ran out)
+#       checkpointed, and a half-length control; not run yet (the device time ran out)
 #       gradient) in the probe, then Kontext's fp8 + cuDNN within the script's peak, product only (KG's script row)
 #   I9: Krea 2's last bf16/nf4 row (bf16 1024 b4), then its fp8 1024 b1
 #   O6: what O4 left for Qwen-Image-Edit-Plus (bf16 1024 b4, fp8 1024 b1), then FLUX.2 klein's bf16 1024 b4
-#   KL: FLUX.2 klein's own plan (fourteenth session's count: bench/results holds its encode, 512 px latents and nf4
+#   KL: FLUX.2 klein's own plan (bench/results holds its encode, 512 px latents and nf4
 #       512 px b1 train/export/verify only; bf16 at every shape, nf4 1024 px and batch 4, 1024 px latents never ran
 #       here, its 1024 px b1 rows being the side by side's, bench/results/peers-klein-*.json)
 #   J: FLUX.2 [dev] built one component at a time (bench/staged.py): encode, latents, nf4 train, export, verify, then
 #      bf16 (61.8 GB planned at 512 px b1: it fits the H200) and the rest of its plan; call it again to go on (--keep).
-#      2026-12-02 (fourteenth session, four calls): every train row; the export was SIGKILLed by the host's OOM killer
+#      2026-12-02 (four calls): every train row; the export was SIGKILLed by the host's OOM killer
 #      (export --verify held 70 GB of fp32 deltas: fixed since), so what J has left is the export and its load check
 #   SM: the sample stage's memory plans on CUDA (tests/test_sample_memory.py -k cuda: the tiny FLUX pipeline loaded
 #       in nf4 through PipelineQuantizationConfig, in bf16 through device_map="cuda" and in bf16 offloaded, each
-#       rendering; fourteenth session, never run on a GPU), then J (FLUX.2 dev's export and its load check: what
+#       rendering; never run on a GPU), then J (FLUX.2 dev's export and its load check: what
 #       J has left)
 #   K: fp8 beside bf16 on Qwen-Image (its 1024 b1 target) and the text-encoder offload CUDA test
-#   K3: issue 17's Qwen-Image target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
+#   K3: the Qwen-Image fp8 target in one run: bf16 and fp8 at 1024 px b1, then fp8 at 512 px b1
 #   K4: fp8 rows for Z-Image then SDXL at 1024 and 512 px b1 (their bf16 rows are in bench/results)
 #   K5: the fp8 CUDA tests, then Qwen-Image at 512 px b1, bf16 and fp8 in one run, then both profiled (bench/profile_step.py)
 #   K6: the fp8 CUDA tests again (K5 found the trainer-path test's last part training on caches encoded in another
@@ -116,37 +116,37 @@
 #   O: the edit families' own rows (flux-kontext, then qwen-image-edit): encode, latents, train nf4/bf16, export
 #   O2: the rest of the edit families' plans (verify, bf16, batch 4, 1024 px), FLUX.1 Kontext then Qwen-Image-Edit
 #   P: Qwen-Image at 8 GB (swap) and auto, each train profiled (train.profile_steps=2): where the swap row's
-#      time goes (issue 16's 0.50x), then FLUX at 16/24 GB with train.gradient_checkpointing=auto (partial)
-#   Q: block swap into two reused device slots, replayed by CUDA graphs (2026-12-01, fifth session): the CUDA
+#      time goes (the 0.50x row), then FLUX at 16/24 GB with train.gradient_checkpointing=auto (partial)
+#   Q: block swap into two reused device slots, replayed by CUDA graphs (2026-12-01): the CUDA
 #      swap tests, then Qwen-Image at 8 GB (swap), 16 GB (nf4 whole: the swap's overhead) and auto (now bf16: issue
 #      16's 0.6x target), then FLUX at 16/24 GB with partial
 #      checkpointing (train.gradient_checkpointing=auto) in what is left
 #   R: the other swap rows again with the slot swap under CUDA graphs: FLUX at 6 GB and Z-Image at 4 GB, each beside
 #      nf4 whole (12 GB, 8 GB) and its unconstrained ("auto": now bf16 where it fits) row
-#   S: issue 16's 512 px rows: Qwen-Image and FLUX at 8/6 GB and auto, then Z-Image and SDXL at 4 GB and auto
+#   S: the memory targets' 512 px rows: Qwen-Image and FLUX at 8/6 GB and auto, then Z-Image and SDXL at 4 GB and auto
 #   U: Qwen-Image's unconstrained row (auto: bf16) in Q's harness (Q ran out of time before it), then Z-Image at
 #      4 GB (slot swap) beside 8 GB and auto; the Qwen-Image models are deleted first (the 64 GB disk held Qwen-Image
 #      but not FLUX beside it in Q)
 #   V: FLUX at 6 GB (slot swap) beside 12 GB and auto, then (time left) the swap probe compiled without graphs, 20 steps
-#   W: FLUX at 6 and 8 GB, after the sixth session made "auto" leave CUDA graphs off under block swap (V's capture
-#      failed at 6 GB and its eager steps then ran out of memory; the sixth session's W, which also had Qwen-Image
+#   W: FLUX at 6 and 8 GB, after a change made "auto" leave CUDA graphs off under block swap (V's capture
+#      failed at 6 GB and its eager steps then ran out of memory; that W, which also had Qwen-Image
 #      at 8 GB, ran out of device time after FLUX's encode and latents), then X on the same built model
 #   X: FLUX at 16 and 24 GB with partial checkpointing (train.gradient_checkpointing = auto; Q's attempt found the
 #      disk full of its kept Qwen-Image model)
-#   Y: the CUDA swap test, then CUDA graphs under block swap where the budget has room (seventh session: the planner swaps more blocks to
+#   Y: the CUDA swap test, then CUDA graphs under block swap where the budget has room (the planner swaps more blocks to
 #      leave it, memory.GRAPH_ROOM_MARGIN; the trainer checks it at the capture, fastpath.CaptureRoom; the capture
 #      skips the side-stream warmup): FLUX at 6 GB, 512 px (eager ran 0.19x: host-bound), then 6 and 8 GB at 1024 px
 #      (eager 0.89x and 0.86x with 43 and 21 blocks swapped; the plans then swapped 54 and 41)
 #   Z: the same for Qwen-Image at 8 GB: 512 px (eager 0.16x), 1024 px, and 1024 px with graphs off (its eager speed:
 #      the target row's 0.90x ran under graphs)
-#   Z2: Z's rows in the order that matters (issue 16's target first): Qwen-Image at 8 GB, 1024 px (the plan now swaps 47
+#   Z2: Z's rows in the order that matters (the memory target first): Qwen-Image at 8 GB, 1024 px (the plan now swaps 47
 #       blocks, was 37) then 512 px (eager ran 0.16x)
 #   Y2: what Y lost: FLUX at 6 GB, 512 px (Y's row finished its 8 steps and was killed while exiting: memory.py now
 #       reads such a row from its final manifest), then Z-Image at 4 GB and auto, 512 px
-#   Y3: the 512 px plans the planner's corrected room gives (eighth session: FLUX at 6 GB 29 swapped, Z-Image at 4 GB
+#   Y3: the 512 px plans the planner's corrected room gives (FLUX at 6 GB 29 swapped, Z-Image at 4 GB
 #       12; with 26 and 8 they found 1.90x and 1.70x free at the capture and ran eager), and Z-Image's 512 px auto row
 #       (cut off in S and Y2)
-#   X2: X again after FLUX.1's single-stream blocks were counted at 13 units un-checkpointed (twelfth session; X's
+#   X2: X again after FLUX.1's single-stream blocks were counted at 13 units un-checkpointed (X's
 #       rows allocated 0.84-0.88x their predictions): under "auto" on the H200 fp8 with 54 and 29 of 57 checkpointed
 #       predicted (bench/memory.md), every stage under the budget?
 #   SP2: FLUX at 6 GB, 512 px, with train.block_swap_layout = "spread" (the swapped blocks among the resident ones,

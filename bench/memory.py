@@ -1,4 +1,4 @@
-"""Memory budgets on the GPU (issue 16): each stage's plan, predicted and measured peak, and speed
+"""Memory budgets on the GPU: each stage's plan, predicted and measured peak, and speed
 under simulated small cards, run through the product's own stage commands.
 
     python bench/memory.py run --families flux,qwen-image --out $OUT/memory.json --budget-s 400
@@ -246,15 +246,15 @@ def _table_rows(stamped: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return _earlier(_newest([r for items in stamped for r in _resolved(items)]))
 
 
-# issue 16's targets at 1024 px, batch 1: every stage within the budget, train at >= 0.6x its unconstrained speed
+# The memory targets at 1024 px, batch 1: every stage within the budget, train at >= 0.6x its unconstrained speed
 TARGETS_GB = {"qwen-image": 8, "flux": 6, "z-image": 4, "sdxl": 4}
 TARGET_SPEED = 0.6
 
 
 def _graphs(r: dict[str, Any]) -> str:
     """How a train row ran ("train under CUDA graphs, ", "... eager after a failed capture, ", "... eager
-    (no room to capture), ", "... eager, "), or "" for a row recorded before the runtime was (fifth
-    session and older)."""
+    (no room to capture), ", "... eager, "), or "" for a row recorded before the runtime was
+    (the oldest rows)."""
     from stages.core.events import graphs_ran
 
     g = (r.get("runtime") or {}).get("cuda_graphs")

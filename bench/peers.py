@@ -5,7 +5,7 @@
     python bench/peers.py run --tiny --family flux2-klein --model /tmp/m/klein --data /tmp/d --out /tmp/p.json  # CPU
     python bench/peers.py steps LOG_OR_STEPS_FILE          # what the parser reads from a peer's log
 
-The peers (issues 18 and 19) are diffusers' examples/dreambooth scripts, carried as files in the
+The peers are diffusers' examples/dreambooth scripts, carried as files in the
 git-ignored .carry-peers/ (bench/peers.md: which upstream commit, how to fetch). `run` copies the
 family's script into --work (applying PATCHES, none needed with diffusers 0.42.1) and runs it as a
 child process (plain python, one process, accelerate's Accelerator inside, HF_HUB_OFFLINE=1) with:

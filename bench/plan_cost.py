@@ -1,4 +1,4 @@
-"""Seconds each GPU stage process spends planning before it loads weights, on CPU (issue 16 leftover).
+"""Seconds each GPU stage process spends planning before it loads weights, on CPU.
 
     python bench/plan_cost.py --family qwen-image --work /tmp/plan-cost      # this checkout
     PYTHONPATH=<another checkout> python bench/plan_cost.py ...               # the same measured on other code

@@ -235,7 +235,7 @@ def targets(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]]) -> str
         t.append(f"| FLUX fp8 1024 px b4: step ≤ 0.8x bf16's, peak ≤ 0.6x bf16's | {step:.2f}x step ({e['step_s']:.3f} s / "
                  f"{d['step_s']:.3f} s), {peak:.2f}x peak ({e['peak']['allocated']:.2f} / {d['peak']['allocated']:.2f} GB) | "
                  f"{'yes' if step <= 0.8 and peak <= 0.6 else 'no'} |")
-    for fam in FAMILY_ORDER:  # issue 17: Qwen-Image 1024 px b1 fp8 ≤ 0.85x bf16; no fp8 step slower than bf16's
+    for fam in FAMILY_ORDER:  # fp8 targets: Qwen-Image 1024 px b1 fp8 ≤ 0.85x bf16; no fp8 step slower than bf16's
         for res in (512, 1024):
             for b in (1, 4):
                 f8, bf = _by(rows, fam, f"fp8-{res}-b{b}"), _by(rows, fam, f"bf16-{res}-b{b}")
@@ -438,7 +438,7 @@ auto,8,12,16,24 --models /tmp/lorapipe-models --out $OUT/memory-qwen-image-h200.
 `... --families z-image,sdxl --budgets auto,4 ...`, `... --families sdxl --budgets 4 ...`, and with nf4
 quantized block by block for block swap (2026-12-01): `... --families flux --budgets 6,8 ...`,
 `... --families qwen-image --budgets 8 ...`, at 512 px `... --res 512 --families flux --budgets
-6,8,12,16,24,auto ...` (bench/device.sh W, Q, U, and this session's calls; the files' `meta.command` has each).
+6,8,12,16,24,auto ...` (bench/device.sh W, Q, U, and later calls; the files' `meta.command` has each).
 A newer call's row replaces an older one. "same plan" rows reuse the measurement of the budget the planner chose
 identically for. A call with `--set` overrides (partial checkpointing, graphs forced on) is a variant of the
 presets' defaults and has a table of its own ("with ..."); without an "auto" (or unswapped) row of its own,

@@ -1,7 +1,7 @@
 """Where cuDNN's SDPA backward dies on this stack, and what it would save (a GPU probe, not a test).
 
 FLUX.1 Kontext at 1024 px (8,704 tokens, 24 heads of 128) crashed in cuDNN attention's backward every
-time (README, "Side by side"); klein at 4,608 tokens ran. Each case here runs in its own process (an
+time (bench/LOG.md); klein at 4,608 tokens ran. Each case here runs in its own process (an
 illegal memory access poisons the CUDA context) and reports ok/crash and the forward+backward time
 of cuDNN against flash attention for the same shape.
 

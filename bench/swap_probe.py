@@ -2,7 +2,7 @@
 
     python bench/swap_probe.py --out swap-probe.json [--blocks 8 --swapped 6 --px 1024]
 
-Issue 16's Qwen-Image 8 GB row swaps 36 of 60 nf4 blocks and trains at 0.50x the unswapped step.
+The memory table's Qwen-Image 8 GB row swaps 36 of 60 nf4 blocks and trains at 0.50x the unswapped step.
 This splits that gap, one process, the product's own pieces (nf4_blocks.quantize_nf4_by_block,
 blockswap.install_block_swap, lora.attach_lora, fastpath.checkpoint_function / GraphedDenoiser,
 regional compile, the family's loss): per configuration the median of timed full steps (forward,

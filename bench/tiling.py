@@ -1,4 +1,4 @@
-"""What the tiled VAE encode that cache-latents falls back to changes in the posterior (issue 16).
+"""What the tiled VAE encode that cache-latents falls back to changes in the posterior.
 
     python bench/tiling.py --out $OUT/tiling.json                  # H200: every distinct full-size VAE (--budget-s 140)
     python bench/tiling.py --tiny --out /tmp/tiling-tiny.json      # CPU plumbing: the tiny VAEs, 64 px tiles

@@ -33,7 +33,7 @@ from stages.families import get_family
 def compile_wanted(mode: str, is_cuda: bool) -> bool:
     """train.compile_transformer: `auto` compiles on CUDA, over bf16, fp8 and nf4 bases alike (on the
     H200 the compiled nf4 step was 1.08-1.57x faster than uncompiled nf4 on all four families, same loss;
-    bench/RESULTS.md), and leaves CPU runs eager (inductor's CPU build costs more than it gives there)."""
+    docs/performance.md), and leaves CPU runs eager (inductor's CPU build costs more than it gives there)."""
     return mode == "on" or (mode == "auto" and is_cuda)
 
 
@@ -492,7 +492,7 @@ class Trainer:
             fixes.append("set train.max_grad_norm (e.g. 1.0: gradient clipping is off)")
         if tcfg.cudnn_attention:
             fixes.append("set train.cudnn_attention = false (cuDNN's attention backward has failed on this stack: "
-                         "README \"GPU settings and speed\")")
+                         "docs/troubleshooting.md)")
         return TrainingDiverged(f"train: the loss became {loss} at step {step}: the LoRA diverged or a step went "
                                 f"wrong; {', or '.join(fixes)}, and train again (checkpoints written before step "
                                 f"{step} are kept)")

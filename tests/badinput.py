@@ -8,7 +8,7 @@ PNG, palette and RGBA PNGs with transparency, grayscale, an EXIF-rotated JPEG, a
 than any bucket, an extreme aspect ratio, a byte-identical duplicate, a very long caption; and the
 broken ones: truncated, corrupt, zero-byte, not an image at all. Every image gets a caption file.
 
-Dataset-level cases (issue 14): paths that leave the dataset folder (symlinks to files outside,
+Dataset-level cases: paths that leave the dataset folder (symlinks to files outside,
 `../` and absolute metadata.jsonl names), files the scan leaves out or merges (a FIFO, a broken
 symlink, an unread format, two images sharing one caption), captions with a BOM or NUL bytes.
 """

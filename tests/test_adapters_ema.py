@@ -1,4 +1,4 @@
-"""EMA of the adapter weights, adapter types and per-module rank/alpha (issue 20), on tiny models.
+"""EMA of the adapter weights, adapter types and per-module rank/alpha, on tiny models.
 
 EMA: the saved EMA is the running average the formula gives (checked against the saved weights of
 consecutive steps), a resumed run with EMA on ends bit-identical to an uninterrupted one (weights

@@ -1,4 +1,4 @@
-"""Bad input (issue 5): every case of the generated corpus (tests/badinput.py) gets a specific
+"""Bad input: every case of the generated corpus (tests/badinput.py) gets a specific
 message naming the file, item or key and what to do; images follow data.on_bad_image; skips are
 listed in the manifest and the events; nothing already cached is lost, not even when the disk fills
 up (simulated: a write raises ENOSPC); train refuses caches made for another model or resolution

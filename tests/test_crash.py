@@ -1,4 +1,4 @@
-"""Crash safety (issue 5): SIGKILL each stage at several points, rerun, compare with an
+"""Crash safety: SIGKILL each stage at several points, rerun, compare with an
 uninterrupted run: the same item ids, the same array bytes, the same adapter.
 
 The stages run as the user runs them (`python pipeline.py <stage>`, child processes) and kill

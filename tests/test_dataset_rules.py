@@ -1,4 +1,4 @@
-"""Dataset rules (issue 14 points 3, 5, 7; issue 15): reads stay inside the dataset folder unless
+"""Dataset rules: reads stay inside the dataset folder unless
 data.follow_symlinks_outside; unreadable files are messages (an image follows data.on_bad_image);
 files left out or merged are warned about once per kind, naming them; a caption's BOM is stripped
 and NUL bytes refused; buckets that cannot fill a batch are warned about with the numbers, and

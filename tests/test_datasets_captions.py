@@ -1,4 +1,4 @@
-"""Several datasets in one run, caption dropout and caption variants (issue 20, part A).
+"""Several datasets in one run, caption dropout and caption variants.
 
 The sampler's repeats and weights and the caption draws are checked over many epochs and steps on
 their own (no model); one three-dataset run of the tiny FLUX pipeline shows that a shared image is

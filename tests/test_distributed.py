@@ -1,4 +1,4 @@
-"""Several processes through torch.distributed (issue 7), on CPU with gloo and 2 processes.
+"""Several processes through torch.distributed, on CPU with gloo and 2 processes.
 
     .venv/bin/python -m pytest tests/test_distributed.py -q
 

@@ -1,4 +1,4 @@
-"""events.jsonl keeps the schema documented in stages/core/events.py (EVENT_SCHEMA) and the README.
+"""events.jsonl keeps the schema documented in stages/core/events.py (EVENT_SCHEMA) and docs/configuration.md.
 
 Real runs are validated line by line: the four stages of a built run, then a run that is stopped,
 resumed, skipped as up to date by the CLI, fails on a missing cache and skips a broken image, so

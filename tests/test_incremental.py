@@ -1,4 +1,4 @@
-"""Incremental, content-addressed reruns (issue 5), in-process on the tiny FLUX model.
+"""Incremental, content-addressed reruns, in-process on the tiny FLUX model.
 
 Counts what each caching stage actually encoded (`encoded_this_run` in its manifest) and checks,
 independently, that the zarr chunk files of untouched rows were not rewritten (same inode and

@@ -1,4 +1,4 @@
-"""Damaged caches (issue 14 point 1) and the artifact schema (issue 13 point 3).
+"""Damaged caches and the artifact schema.
 
 Each damage (a deleted chunk, a truncated chunk, a flipped byte, a truncated manifest) is detected
 by `status` or by the first read, named, and repaired by the cache stage re-encoding exactly the

@@ -1,4 +1,4 @@
-"""Masked loss and held-out validation loss (issue 20).
+"""Masked loss and held-out validation loss.
 
 Masks: the mask math, the cached masks, and bad mask files.
 

@@ -198,7 +198,7 @@ def test_sigterm_to_pipeline_run_stops_train_cleanly(built_run):
 
 @pytest.mark.parametrize("built_run", ["flux"], indirect=True)
 def test_plain_train_refuses_then_restart_keeps_new_lineage(built_run, monkeypatch):
-    """Issue 15's lost work: a run stopped at step 5, then a plain `train`, a `--restart` stopped at
+    """Lost work: a run stopped at step 5, then a plain `train`, a `--restart` stopped at
     step 2, then `--resume`. The plain train refuses, naming both commands; the restart sets the
     old checkpoints aside (not deleted); its checkpoint-2 survives retention although the abandoned
     run reached step 5; the resume continues from it and ends bit-identical to an uninterrupted run,

@@ -1,4 +1,4 @@
-"""A tiled latents cache is never read as an untiled one (issue 16: tiling moved the posterior mean of
+"""A tiled latents cache is never read as an untiled one (tiling moved the posterior mean of
 random-weight VAEs by 24-81 % relative RMS on the H200, bench/results/tiling-h200.json).
 
 The stages run in-process on CPU, planning as on a GPU: `memory.plans_for_gpu` says CUDA and

@@ -141,7 +141,7 @@ class TrainConfig:
     """Module names for LoRA (empty: the family's default, e.g. FLUX attention q/k/v/out)."""
     adapter: Literal["lora", "dora", "lokr", "loha"] = "lora"
     """Adapter type (peft): lora; dora (LoRA plus a learned magnitude; diffusers loads it); lokr (Kronecker
-    product) and loha (Hadamard product), exported only as a LyCORIS file for ComfyUI (docs/exporting.md)."""
+    product) and loha (Hadamard product), exported for ComfyUI (docs/exporting.md)."""
     rank_pattern: dict[str, int] = field(default_factory=dict)
     """Rank of the modules whose path ends in a regex, e.g. {"to_out.0" = 4} (peft rank_pattern); others: rank."""
     alpha_pattern: dict[str, float] = field(default_factory=dict)
@@ -203,18 +203,13 @@ class TrainConfig:
     """Which blocks a memory plan that swaps N blocks keeps in host memory: the last N in execution order,
     or N spread evenly among all blocks, so their copies overlap the compute of the resident blocks
     between them (at small images a copy outlasts a block's compute). Same loss either way. "last" is
-    measured (bench/RESULTS.md "Memory budgets"); "spread" not yet on a GPU, and refused for SDXL (its
+    measured (docs/performance.md); "spread" not yet on a GPU, and refused for SDXL (its
     UNet runs its blocks in another order than it lists them)."""
     enable_tf32: bool = True
     """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
     cudnn_attention: bool = False
-    """Let SDPA use cuDNN attention in train (off: flash / memory-efficient). Faster on Hopper (FLUX.2 klein
-    1024 px nf4 on an H200: 0.248 s/step against 0.289). Its backward crashed (illegal memory access) in a
-    FLUX.1 LoRA on torch 2.11 + CUDA 13; the train stage now hands it each attention gradient in one layout, which
-    ended the crash (FLUX.1 Kontext 1024 px on an H200: 0.815 s/step with train.keep_attention, fp8, the same losses
-    as flash to 1e-5). On the tiny test models (2 heads of 16) its backward still gives NaN gradients, guarded or not
-    (not yet understood; train stops at the NaN loss and names this key): opt in, and turn it off again if a step
-    dies or the loss turns NaN."""
+    """Let train use cuDNN attention (off: flash / memory-efficient): faster on Hopper GPUs. Turn it on for
+    speed; turn it off again if a step dies with a CUDA error or the loss turns NaN."""
     keep_attention: bool = False
     """Checkpointed blocks keep their attention output (and its softmax statistics) for the backward instead
     of recomputing attention with the rest of the block: the same math, one more activation of a block's

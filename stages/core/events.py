@@ -1,7 +1,7 @@
 """events.jsonl and progress display.
 
 Every stage appends one JSON object per line to artifacts/<run>/events.jsonl, each with `ts`,
-`run`, `stage`, `event` and the event's fields (README: "Events"). Lines are written with one
+`run`, `stage`, `event` and the event's fields (docs/configuration.md, "Events"). Lines are written with one
 `write` on an O_APPEND file, so concurrent stages never interleave inside a line.
 
 Progress: a rich bar with rate and ETA on a terminal; plain periodic lines otherwise (CI, logs).
@@ -41,7 +41,7 @@ EVENT_TYPES = {
 # The stable schema of events.jsonl: JSON type names per field (a list allows several). `ts`, `run`,
 # `stage` and `event` are on every line. A field not listed here is a violation, except on `done`,
 # which carries each stage's summary. tests/test_events_schema.py validates real runs against it and
-# the README's events table is printed from it (`describe_events`); change all three together.
+# the events table of docs/configuration.md is printed from it (`describe_events`); change all three together.
 COMMON_FIELDS: dict[str, Any] = {"ts": "number", "run": "string", "stage": "string", "event": "string"}
 EVENT_SCHEMA: dict[str, dict[str, Any]] = {
     "start": {"required": {"pid": "integer"}, "optional": {"world_size": "integer"}},
@@ -102,11 +102,11 @@ def validate_event(record: dict[str, Any]) -> list[str]:
     event = record.get("event")
     if event not in EVENT_SCHEMA:
         return [f"unknown event {event!r}"]
-    return record_problems(event, EVENT_SCHEMA[event], COMMON_FIELDS, record, "EVENT_SCHEMA and the README")
+    return record_problems(event, EVENT_SCHEMA[event], COMMON_FIELDS, record, "EVENT_SCHEMA and docs/configuration.md")
 
 
 def describe_events() -> list[tuple[str, str, str]]:
-    """(event, meaning, fields) rows for the README table."""
+    """(event, meaning, fields) rows for the events table of docs/configuration.md."""
     def fmt(fields: dict[str, Any], optional: bool) -> list[str]:
         return [f"{k}{'?' if optional else ''}: {' or '.join([t] if isinstance(t, str) else t)}" for k, t in fields.items()]
 
@@ -201,7 +201,7 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
 def _gpu_part(done: dict[str, Any]) -> str | None:
     """On a GPU: the stage's reserved peak (what a budget caps) and, for train, how the denoiser ran:
     blocks swapped, and under CUDA graphs or eager and why (under block swap eager can be several
-    times slower: README "Small and shared GPUs"). None on CPU."""
+    times slower: docs/memory-and-speed.md). None on CPU."""
     peak = (done.get("peak_vram_gb") or {}).get("reserved")
     if not (str(done.get("device", "")).startswith("cuda") or (isinstance(peak, (int, float)) and peak > 0)):
         return None

@@ -7,7 +7,7 @@ gradient checkpointing runs ~500 Linears three times (forward, recompute, backwa
 chain of Python in diffusers, peft and bitsandbytes (nf4: a dequantize op plus a matmul per pass),
 and the GPU waits between those launches. A CUDA graph replays the same kernels with no Python
 between them: on an H200, full-width FLUX blocks at 512 px, batch 4 ran 1.19x faster in nf4 and
-1.05x in bf16, which brought nf4 from 1.18x to 1.05x the bf16 step (bench/RESULTS.md).
+1.05x in bf16, which brought nf4 from 1.18x to 1.05x the bf16 step (docs/performance.md).
 
 The math is unchanged: a graph replays the kernels the eager step launched (bitsandbytes' ops,
 cuBLAS, SDPA) on copies of the same inputs, so the loss is the same for the same inputs
@@ -155,37 +155,12 @@ def checkpoint_function(dropout: float, direct: Iterable[torch.nn.Module] = (),
     return partial
 
 
-# Graphs under block swap, "auto" (H200, 2026-12-01, sixth and seventh sessions). A swap plan sits close
-# to its budget, and capturing needed memory the eager step does not: at a 4 GB cap Z-Image's capture ran
-# out of memory (1.73 GiB in the graph's pool) and FLUX's at 6 GB failed and left the eager steps too
-# little (bench/results/memory-zimage-4gb-slots-h200.json, memory-flux-6gb-slots-h200.json); Qwen-Image's
-# at 8 GB fit (memory-qwen-image-8gb-slots-h200.json). By the planner's figures (the budget less its
-# predicted peak without the activations and the swap's extra, over the activations) those plans had
-# 1.48x (Z-Image), 1.54x (FLUX) and 1.68x (Qwen-Image) their step's activations free at capture. Eager, the slot
-# swap overlaps its copies (8 full-width Qwen-Image blocks, 6 swapped, compiled, 20 steps: 0.1161 s
-# against 0.1111 s unswapped, swap-probe-qwen-compiled-20-h200.json), and at 1024 px FLUX at 6 GB ran
-# 0.89x and Z-Image at 4 GB 0.91x their unconstrained speed eager. At 512 px eager costs: FLUX's eager
-# steps took ~0.55 s at 512 and at 1024 px alike, whatever the blocks swapped (the host's Python and
-# launches set the pace; Qwen-Image's ~0.93 s), so FLUX at 6 GB ran 0.19x and Qwen-Image at 8 GB 0.16x
-# (memory-flux-512-h200.json, memory-qwen-image-512-h200.json); by the planner's figures of the time
-# those plans had 2.8-3.4x their activations free (measured at the capture since: 1.7-2.2x). So "auto"
-# captures under swap only where the memory free under the budget, measured at the capture, is
-# CAPTURE_ROOM times the eager steps' activations (their peak over what was allocated before the first
-# step), and runs eager otherwise; the capture skips the side-stream warmup
-# (SWAP_WARMUP_ITERS). The planner swaps more blocks where that leaves the room (memory.graph_room).
-# Measured (bench/memory.md, memory-*-room-h200.json): captures under swap took 1.18-1.43x the eager
-# activations (FLUX 6 GB and Qwen-Image 8 GB at 1024 px, Qwen-Image 8 GB at 512 px: 0.91x, 0.90x and
-# 0.53x their unconstrained speed, the last 0.16x eager), so 2x leaves a margin.
+# Under block swap a capture needs memory the eager step does not, and a swap plan sits close to its
+# budget: "auto" captures only where the memory free at the capture is CAPTURE_ROOM times the eager
+# step's activations, else runs eager (the measurements behind the factor: bench/LOG.md).
 CAPTURE_ROOM = 2.0
-# Without swap (train.gradient_checkpointing = "auto" plans fill a budget with un-checkpointed blocks), by the
-# planner's room (memory.graph_room, swapped=False) the captures that ran under a cap, with the side-stream warmup,
-# had 1.45x (FLUX nf4 at 16 GB, 41 of 57 checkpointed), 1.46x (24 GB, 22) and 1.47x (FLUX.1 Kontext fp8 at 26.74
-# GB, 47) their step's activations free, and those that ran out of memory 1.21x and ~1.1x (FLUX.2 klein nf4 at
-# 5.08 GB, 23 of 25, and at 5.74 GB, 21; memory-flux-partialckpt-h200.json, peers-kontext-1024-b1-run3.json,
-# peers-klein-1024-b1-g3.json): five rows, so the factor is the lowest that captured. In expandable segments
-# (klein fp8 + cuDNN at 5.74 GB, peers-klein-1024-b1-fitreserved-fp8-3.json) 9 fp8 blocks captured at 1.70x and
-# 17 ran out at 1.50x, then ran eager at 0.233 s against 0.229 captured: a failed capture costs little there,
-# and the planner's room (memory.graph_room) is what keeps plans clear of it.
+# Without swap (partial checkpointing fills a budget with un-checkpointed blocks) 1.45x is the lowest room
+# at which a measured capture ran; lower ones ran out of memory (bench/LOG.md).
 UNSWAPPED_CAPTURE_ROOM = 1.45
 SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
                f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "

@@ -9,7 +9,7 @@ less a safety margin; a number is a hard cap, enforced with `torch.cuda.set_per_
 
 Sizes come from the meta device (each component built from its config.json, no weights read) and
 bytes per precision. Activations come from the small models below; their constants are ESTIMATES
-fitted to the figures in the H200 notes and bench/RESULTS.md until `bench/memory.py` measures them.
+fitted to the figures in the H200 notes and docs/performance.md until `bench/memory.py` measures them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ LORA_BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 # memory-qwen-image-8gb-slots-h200.json). Reserved, which the cap limits, still needs it.
 SWAP_EXTRA_GB = 0.4
 # train.base_precision = "auto": the precisions tried whole, in this order (a family may override). On the
-# H200 (bench/RESULTS.md, compiled, CUDA graphs on) nf4's step was 1.08-1.39x bf16's compiled (all four
+# H200 (docs/performance.md, compiled, CUDA graphs on) nf4's step was 1.08-1.39x bf16's compiled (all four
 # families at 512 px; FLUX.1-dev 1.806 against 1.95 samples/s and Qwen-Image 1.586 against 1.730 at 1024 px
 # b1, memory-*-h200.json "auto" rows beside bench-*.json), up to 1.83x uncompiled. fp8 (compute capability
 # >= 8.9 only) beat compiled nf4 in every row where both were measured (2026-12-02: 0.68-0.85x its step:
@@ -506,7 +506,7 @@ def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tup
     precisions.remove("fp8")
     precisions.insert(precisions.index("bf16"), "fp8")
     return precisions, "", (f"auto tried fp8 before bf16: {tokens} tokens a step, where {family.name}'s fp8 step was "
-                            f"measured faster from {faster_from} (bench/RESULTS.md)")
+                            f"measured faster from {faster_from} (docs/performance.md)")
 
 
 def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
@@ -609,7 +609,7 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             and (plan.predicted_peak_gb + extra_gb) * FRAGMENTATION <= budget.gb):
         plan.note = (f"{plan.note} train.keep_attention = true fits this budget too (+{extra_gb:.1f} GB): the "
                      f"{resident} checkpointed blocks would keep their attention outputs and the recompute skip "
-                     f"attention (FLUX.1 Kontext at 1024 px, fp8 with cuDNN attention: 0.969 -> 0.825 s a step).").strip()
+                     f"attention, which makes long sequences faster.").strip()
     short = host_shortfall(plan)
     if short:  # `plan` shows it now; train stops with it before loading (load_device)
         plan.note = f"{plan.note} {short}".strip()
@@ -717,8 +717,8 @@ def _train_options(configured: bool | str, precisions: list[str], n: int,
     CUDA graphs).
 
     "auto" tries, at each precision in turn, 0, 1, ..., n checkpointed blocks (fewest first: each
-    un-checkpointed block saves its recompute: 29 % of an eager FLUX.2 klein step for all of them, README
-    "Side by side"), so it un-checkpoints only what fits at the precision the other settings would pick,
+    un-checkpointed block saves its recompute: 29 % of an eager FLUX.2 klein step for all of them,
+    bench/LOG.md), so it un-checkpoints only what fits at the precision the other settings would pick,
     and never swaps a block or moves to the next precision to un-checkpoint one: swapping costs far more
     than recompute (FLUX at 8 GB, 15 blocks swapped: 0.85x)."""
     if configured == "auto":
@@ -734,7 +734,7 @@ def _with_fp8_nf4(options: list[tuple[str, int, int]], n: int, fixed: int | str 
     nf4 (stages/core/fp8.py `quantize_fp8_nf4`): where the whole fp8 base does not fit, its fastest
     blocks go as far as the budget allows before the plan falls to nf4 whole. Most fp8 blocks first, then
     fewest checkpointed: on FLUX.2 klein at 1024 px a GB of fp8 blocks saved ~21 ms a step (nf4 0.252 s,
-    fp8 0.209 s, 2.0 GB apart: bench/RESULTS.md), a GB of un-checkpointed blocks ~9 ms (README "Side by side").
+    fp8 0.209 s, 2.0 GB apart: docs/performance.md), a GB of un-checkpointed blocks ~9 ms.
     Under "auto" at least a quarter of the blocks (rounded up) stay fp8: fewer would take too little off
     the step to be worth the memory (klein's 16 of 25 took 17 % off nf4's). `fixed` (train.fp8_blocks as a
     number below n): the fp8 options have exactly that many fp8 blocks."""
@@ -810,8 +810,7 @@ PLANNERS = {"encode-captions": plan_captions, "cache-latents": plan_latents, "tr
 
 def plan_for(cfg: Any, family: Any, src: Any, budget: Budget, stage: str) -> StagePlan:
     """The stage's plan. Under "auto" the cheap stages plan for the train stage's predicted peak
-    when it is below the free memory, so they never set the run's memory (issue 16: on a free H200
-    "auto" gave Qwen-Image's text encoder bf16 at 15.95 GB against train's 10.96 GB)."""
+    when it is below the free memory, so they never set the run's memory."""
     if budget.source == "auto" and stage in ("encode-captions", "cache-latents"):
         train = plan_train(cfg, family, src, budget)
         if train.fits and train.predicted_peak_gb * FRAGMENTATION < budget.gb:

@@ -98,7 +98,7 @@ class Flux2DiT:
     # (tests/test_bench_report.py; left out: klein's nf4 512 px b1 row, run with fp32 activations before
     # commit e6730df, and dev's with a reference image, whose tokens the plan does not count); klein's whole
     # fp8 base had planned 5.26 GB for the 5.82 the diffusers script's shape allocated, so a budget near it
-    # planned more fp8 blocks than fit (README "Side by side").
+    # planned more fp8 blocks than fit (bench/LOG.md).
     block_work_units = 35.0
 
     def __init__(self) -> None:
