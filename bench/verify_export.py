@@ -116,11 +116,31 @@ def meta_check(family: str, folder: Path) -> dict[str, Any]:
     deltas = verify.delta_weights(skeleton, "diffusers", weights)  # what export --verify builds; computed when read
     delta_gb = deltas.fp32_bytes() / 1e9
     loaded = [n for n, _ in skeleton.named_parameters() if ".diffusers." in n and ".lora_" in n]
+    comfy = comfyui_names(fam, build_module(family, denoiser_name(family), "meta"), state, lora.config_dict(config))
     return {"family": family, "pipeline_class": fam.pipeline_class, "denoiser_params_b": round(
         sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e9, 3), "tensors_in_file": len(state),
             "deltas_fp32_gb_if_held": round(delta_gb, 1),
-            "lora_tensors_loaded": len(loaded), "targets": list(fam.default_lora_targets), "ok": len(loaded) == len(state),
-            "checked_with": "stages.core.verify.load_into (missing/unexpected/shape) on a meta-device skeleton"}
+            "lora_tensors_loaded": len(loaded), "targets": list(fam.default_lora_targets),
+            "comfyui": comfy, "ok": len(loaded) == len(state) and comfy["ok"],
+            "checked_with": "stages.core.verify.load_into (missing/unexpected/shape) on a meta-device skeleton; the "
+                            "ComfyUI file by stages.core.comfyui.check_names against ComfyUI's key map"}
+
+
+def comfyui_names(fam: Any, skeleton: Any, state: dict[str, Any], lora_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ComfyUI file of the same LoRA, keys and shapes against ComfyUI's key map of the full-size model."""
+    import torch
+
+    from stages.core import comfyui
+    from stages.core.comfyui_file import TrainedDeltas, comfyui_state
+
+    config = dict(skeleton.config)
+    shapes = {n: tuple(m.weight.shape) for n, m in skeleton.named_modules()
+              if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+    deltas = TrainedDeltas(state, lora_cfg)
+    tensors = comfyui_state(deltas, fam.comfyui_layout, config)
+    report = comfyui.check_names("comfyui", tensors, comfyui.key_map(fam.comfyui_layout, shapes, config), list(deltas))
+    return {"keys": report.keys, "keys_loaded": report.keys - len(report.not_loaded), "modules": len(deltas),
+            "missing": report.missing[:5], "shape_errors": report.shape_errors[:5], "ok": not report.problems()}
 
 
 def main() -> None:

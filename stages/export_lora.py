@@ -147,6 +147,11 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
         writer = write_lycoris if kind in LYCORIS_ONLY else write_kohya
         files.append(writer(state, lora_cfg, manifest, tmp, family.kohya_layout, src))
     checks = verify(cfg, folder, manifest, files) if cfg.export.verify else {}
+    if cfg.export.format == "kohya" and not cfg.export.verify:  # say whether the kohya file also suits ComfyUI
+        from stages.core.comfyui_file import TrainedDeltas
+        from stages.core.verify import comfyui_readiness
+
+        checks[files[-1].name] = comfyui_readiness(cfg, manifest, files[-1], list(TrainedDeltas(state, lora_cfg)))
     return dict(family=manifest["family"], pipeline_class=manifest["pipeline_class"], files=[f.name for f in files],
                 source=str(folder), step=manifest.get("step"), complete=complete or manifest.get("complete", True),
                 lora_config=lora_cfg, fingerprint=fingerprint(parts), fingerprint_parts=parts, tensors=len(state),

@@ -333,3 +333,37 @@ def check(file: str, tensors: Mapping[str, torch.Tensor], kmap: Mapping[str, Tar
             continue
         report.strength[module] = (float((got * ref).sum()) / denom, math.sqrt(float(((got - ref) ** 2).sum()) / denom))
     return report
+
+
+def check_names(file: str, tensors: Mapping[str, torch.Tensor], kmap: Mapping[str, Target],
+                modules: Iterable[str]) -> Report:
+    """The key and shape half of `check`, from the factors' shapes alone (no delta is computed): which keys
+    load, which of `modules` get no entry, and which entries do not fit their layer. For full-size models."""
+    report = Report(file, keys=len(tensors))
+    groups, report.not_loaded = group_keys(tensors)
+    reached: set[str] = set()
+    for stem, keys in groups.items():
+        target = kmap.get(stem)
+        if target is None:
+            report.not_loaded += sorted(keys.values())
+            continue
+        shape = _factor_shape({p: tensors[k] for p, k in keys.items()})
+        if math.prod(shape) != math.prod(target.shape) or (len(shape) == 2 == len(target.shape) and shape != target.shape):
+            report.shape_errors.append(f"{stem}: its delta has shape {shape} for a weight of shape {target.shape}")
+            continue
+        reached.update(target.modules)
+    report.missing = sorted(set(modules) - reached)
+    return report
+
+
+def _factor_shape(parts: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """The shape of the delta a module's factors make, without making it."""
+    if "lora_up" in parts:
+        return (parts["lora_up"].shape[0], *parts["lora_down"].shape[1:])
+    if "hada_w1_a" in parts:
+        return (parts["hada_w1_a"].shape[0], parts["hada_w1_b"].shape[1])
+    if "diff" in parts:
+        return tuple(parts["diff"].shape)
+    sides = [tuple(parts[w].shape) if w in parts else (parts[f"{w}_a"].shape[0], parts[f"{w}_b"].shape[1])
+             for w in ("lokr_w1", "lokr_w2")]
+    return (sides[0][0] * sides[1][0], sides[0][1] * sides[1][1])

@@ -222,20 +222,39 @@ def verify_export(cfg: Any, manifest: dict[str, Any], files: list[Path], state: 
     return summary
 
 
+def comfyui_key_map(cfg: Any, manifest: dict[str, Any]) -> dict[str, Any]:
+    """ComfyUI's key map for the run's denoiser, sized from its config on the meta device."""
+    from stages.core.comfyui import key_map
+    from stages.core.model_source import model_source
+    from stages.families import get_family
+
+    src, prefix = model_source(cfg), manifest["lora_prefix"]
+    skeleton = denoiser_skeleton(src, prefix)
+    shapes = {n: tuple(m.weight.shape) for n, m in skeleton.named_modules()
+              if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+    return key_map(get_family(manifest["family"]).comfyui_layout, shapes, src.component_config(prefix))
+
+
+def comfyui_readiness(cfg: Any, manifest: dict[str, Any], file: Path, modules: list[str]) -> dict[str, Any]:
+    """Whether a file's keys all load in ComfyUI and reach every trained module (names and shapes only)."""
+    from safetensors.torch import load_file
+
+    from stages.core.comfyui import check_names
+
+    report = check_names(file.name, load_file(str(file)), comfyui_key_map(cfg, manifest), modules)
+    out = {"keys": report.keys, "keys_loaded": report.keys - len(report.not_loaded)}
+    if report.problems():
+        out["note"] = (f"{file.name} is not ComfyUI-ready ({report.problems()[0]}); in ComfyUI load the "
+                       f"*_comfyui.safetensors file")
+    return out
+
+
 class _ComfyCheck:
     """ComfyUI's key map of the run's denoiser (built once, on the meta device) and the trained deltas."""
 
     def __init__(self, cfg: Any, manifest: dict[str, Any], trained: Any) -> None:
         """`trained`: the run's TrainedDeltas (with the base weights' reader for DoRA)."""
-        from stages.core.comfyui import key_map
-        from stages.core.model_source import model_source
-        from stages.families import get_family
-
-        src, prefix = model_source(cfg), manifest["lora_prefix"]
-        skeleton = denoiser_skeleton(src, prefix)
-        shapes = {n: tuple(m.weight.shape) for n, m in skeleton.named_modules()
-                  if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
-        self.kmap = key_map(get_family(manifest["family"]).comfyui_layout, shapes, src.component_config(prefix))
+        self.kmap = comfyui_key_map(cfg, manifest)
         self.trained = trained
 
     def report(self, file: Path) -> Any:
