@@ -94,7 +94,7 @@ def shapes_of(folder, family):
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_comfyui_file_applies_the_trained_delta(assets, family, adapter):
+def test_comfyui_file_applies_the_trained_delta(assets, family, adapter, tmp_path):
     folder = tiny_model(assets, FAMILIES[family])
     state, lora_cfg, base, merged, config = trained(family, adapter, folder)
     deltas = TrainedDeltas(state, lora_cfg, base=base.__getitem__)
@@ -107,9 +107,30 @@ def test_comfyui_file_applies_the_trained_delta(assets, family, adapter):
     assert report.problems() == [], report.problems()
     assert sorted(report.strength) == sorted(merged)
     assert all(abs(r - 1) < 1e-3 and e < 1e-3 for r, e in report.strength.values()), report.strength
-    assert not [k for k in tensors if k.endswith(".alpha")] == [] or adapter == "lokr"
     if adapter in ("lora", "dora"):  # every module carries its alpha
         assert sum(k.endswith(".alpha") for k in tensors) == len(merged)
+        diffusers_file_keeps_the_deltas(family, folder, state, lora_cfg, tmp_path)
+
+
+def diffusers_file_keeps_the_deltas(family, folder, state, lora_cfg, tmp_path):
+    """The diffusers file, its scale folded into lora_B, read by the pipeline's own loader: the trained
+    LoRA deltas (DoRA: its low-rank part; the magnitude is loaded as it is)."""
+    import diffusers
+
+    from stages.core import verify
+    from stages.core.model_source import ModelSource
+    from stages.export_lora import scale_folded, write_diffusers
+
+    fam = get_family(family)
+    manifest = {"pipeline_class": fam.pipeline_class, "lora_prefix": fam.lora_prefix}
+    file = write_diffusers(*scale_folded(state, lora_cfg), manifest, tmp_path)
+    skeleton = verify.denoiser_skeleton(ModelSource(str(folder)), fam.lora_prefix)
+    weights = verify.load_into(skeleton, getattr(diffusers, fam.pipeline_class), file, fam.lora_prefix, "check")
+    loaded = verify.delta_weights(skeleton, "check", weights)
+    want = TrainedDeltas({k: v for k, v in state.items() if "magnitude" not in k}, lora_cfg)
+    assert sorted(loaded) == sorted(want)
+    for module in want:
+        torch.testing.assert_close(loaded[module].float(), want[module].float(), rtol=1e-5, atol=1e-6, msg=module)
 
 
 @pytest.mark.parametrize("family", ["flux", "z-image", "sdxl"])
