@@ -20,6 +20,14 @@ _DOUBLE_ATTENTION = (
     Rule(rf"{D}attn\.to_out\.0", rf"{DB}img_attn.proj"),
     Rule(rf"{D}attn\.to_add_out", rf"{DB}txt_attn.proj"),
 )
+
+
+def _mlps(first: str, second: str) -> tuple[Rule, ...]:
+    """Both streams' MLPs of a double block: the diffusers names of their two linears -> BFL's mlp.0, mlp.2."""
+    return tuple(Rule(rf"{D}{ff}\.{d}", rf"{DB}{stream}_mlp.{c}")
+                 for ff, stream in (("ff", "img"), ("ff_context", "txt")) for d, c in ((first, 0), (second, 2)))
+
+
 _FINAL = (
     Rule(r"x_embedder", "img_in"),
     Rule(r"context_embedder", "txt_in"),
@@ -29,10 +37,7 @@ _FINAL = (
 
 FLUX1 = ComfyLayout("flux", (
     *_DOUBLE_ATTENTION,
-    Rule(rf"{D}ff\.net\.0\.proj", rf"{DB}img_mlp.0"),
-    Rule(rf"{D}ff\.net\.2", rf"{DB}img_mlp.2"),
-    Rule(rf"{D}ff_context\.net\.0\.proj", rf"{DB}txt_mlp.0"),
-    Rule(rf"{D}ff_context\.net\.2", rf"{DB}txt_mlp.2"),
+    *_mlps(r"net\.0\.proj", r"net\.2"),
     Rule(rf"{D}norm1\.linear", rf"{DB}img_mod.lin"),
     Rule(rf"{D}norm1_context\.linear", rf"{DB}txt_mod.lin"),
     *[Rule(rf"{S}attn\.to_{p}", rf"{SB}linear1", i, 4) for i, p in enumerate("qkv")],
@@ -48,10 +53,7 @@ FLUX1 = ComfyLayout("flux", (
 
 FLUX2 = ComfyLayout("flux", (
     *_DOUBLE_ATTENTION,
-    Rule(rf"{D}ff\.linear_in", rf"{DB}img_mlp.0"),
-    Rule(rf"{D}ff\.linear_out", rf"{DB}img_mlp.2"),
-    Rule(rf"{D}ff_context\.linear_in", rf"{DB}txt_mlp.0"),
-    Rule(rf"{D}ff_context\.linear_out", rf"{DB}txt_mlp.2"),
+    *_mlps("linear_in", "linear_out"),
     Rule(rf"{S}attn\.to_qkv_mlp_proj", rf"{SB}linear1"),
     Rule(rf"{S}attn\.to_out", rf"{SB}linear2"),
     *_FINAL,
