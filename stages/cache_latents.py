@@ -20,6 +20,7 @@ from stages.core import faults
 from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir, require_manifest,
                                    sweep_leftovers, write_manifest)
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
+from stages.core.config import command
 from stages.core.errors import ConfigError
 from stages.core.model_source import ModelSource, model_source
 from stages.core.rowstore import RowStore
@@ -200,7 +201,7 @@ def check(cfg: Any) -> dict[int, list[Bucket]]:
 
     family = get_family(cfg.family)
     src = model_source(cfg)
-    src.check(family.vae_components)
+    src.check(family.vae_components, family)
     make_runtime(cfg.device, cfg.latents.vae_precision)
     return {r: buckets_for(cfg, family, src, r) for r in sorted({d.resolution for d in cfg.dataset_configs()})}
 
@@ -433,13 +434,13 @@ def damaged_rows(cfg: Any, manifest: dict[str, Any]) -> list[str]:
     for name in manifest["buckets"]:
         referenced = {i: loc["row"] for i, loc in manifest["index"].items() if loc["bucket"] == name}
         store = RowStore.open(out / name) if (out / name / "zarr.json").exists() else None
-        reasons += damage_report(store, referenced, keys, f"{out.name}/{name}", NAME) if referenced else []
+        reasons += damage_report(store, referenced, keys, f"{out.name}/{name}", command(cfg, NAME)) if referenced else []
     return reasons
 
 
 def load_latents(cfg: Any) -> tuple[dict[str, RowStore], dict[str, Any]]:
     """Bucket name -> RowStore, and the manifest (refuses if missing)."""
     out = artifact_dir(cfg)
-    manifest = require_manifest(out, f"cache-latents --config <your config>  (run '{cfg.run}')")
+    manifest = require_manifest(out, command(cfg, NAME))
     stores = {name: RowStore.open(out / name) for name in manifest["buckets"] if (out / name / "zarr.json").exists()}
     return stores, manifest

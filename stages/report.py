@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.core.events import read_events
+from stages.core.runspec import command_for
 
 WIDTH, PANEL_H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 960, 230, 78, 24, 34, 30
 RAW, SMOOTH, LR, SPEED, GRID, TEXT = "#9ecae1", "#08519c", "#d94801", "#238b45", "#e5e5e5", "#333333"
@@ -239,7 +240,7 @@ def run(run_dir: Path, out: Path | None = None, weight: float = 0.9) -> tuple[Pa
     curve = train_curve(events)
     if not curve.steps:
         raise UserError(f"run '{run_dir.name}' has no training steps in its events.jsonl yet: "
-                        f"run `python pipeline.py train --config <your config>` first")
+                        f"run `{command_for(run_dir, 'train')}` first")
     if not 0 <= weight < 1:
         raise UserError(f"--smooth must be in [0, 1), got {weight}")
     png = draw_report(curve, weight, f"run '{run_dir.name}': {len(curve.steps)} steps", out or run_dir / "report.png")

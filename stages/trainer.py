@@ -43,11 +43,11 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
     if cap_manifest["family"] != cfg.family or lat_manifest["family"] != cfg.family:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
-                            f"encode-captions and cache-latents with --force")
+                            f"`{command(cfg, 'encode-captions', '--force')}` and `{command(cfg, 'cache-latents', '--force')}`")
     train_items, held_out = validation.partition(cfg, cache_latents.scan_items(cfg))
-    pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run, cfg.dataset_configs())
+    pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run_dir, cfg.dataset_configs())
     data = TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"])
-    data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run), cap_store, lat_stores,
+    data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run_dir), cap_store, lat_stores,
                               lat_manifest["variants"]) if held_out else None
     return data, lat_manifest
 
@@ -172,7 +172,7 @@ class Trainer:
         self.rt = make_runtime(self.cfg.device, "bf16" if precision == "nf4" else precision)
         require_cuda_for_nf4("train.base_precision", precision, self.rt)
         reset_peak(self.rt)
-        self.src.check(self.family.denoiser_components)
+        self.src.check(self.family.denoiser_components, self.family)
         self.log.emit("loading", component=self.family.denoiser_class, precision=precision)
         t = time.time()
         self.model = self.family.load_denoiser(self.src, precision, memory.load_device(self.plan, self.rt), self.tcfg)
