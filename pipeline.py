@@ -271,7 +271,7 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
             EventLog(cfg.run_dir, cfg.run, name).emit("up_to_date")
             click.echo(f"{name}: up to date, skipped")
             continue
-        click.echo(f"{name}: running ({'; '.join(reasons)[:200] or 'forced'})")
+        click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
         extra = ["--force"] if force and name != "train" else []
         extra += [_train_start(cfg, force)] if name == "train" else []
         code = call_child(stage_command(name, [*spec.child_args(), *extra], 1 if name in OPTIONAL_STAGES else gpus))
@@ -281,6 +281,15 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         if name == "train" and not staleness(_stage_module(name), cfg)[0]:
             click.echo("train was stopped before its last step; later stages not run (run again to continue)")
             return
+
+
+def clip(reasons: list[str], n: int) -> str:
+    """Reasons joined and cut to about `n` characters of prose each; a command in backticks is kept whole
+    (it must paste and work)."""
+    def one(reason: str) -> str:
+        prose, tick, rest = reason.partition("`")
+        return reason if len(reason) <= n else (prose[:n] + ("… `" + rest if tick else "…"))
+    return "; ".join(one(r) for r in reasons)
 
 
 def _train_start(cfg: Any, force: bool) -> str:
@@ -313,7 +322,7 @@ def status_cmd(spec: RunSpec) -> None:
         mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
         pid = lock_holder_pid(cfg.run_dir, name)
         running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
-        click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({'; '.join(reasons)[:300]})") + running)
+        click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({clip(reasons, 300)})") + running)
     sizes = (read_manifest(_stage_module("train").artifact_dir(cfg)) or {}).get("batch_sizes")
     if sizes:
         steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))

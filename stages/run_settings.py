@@ -98,14 +98,14 @@ def settle(spec: RunSpec, write: bool) -> list[str]:
         return preset_note(spec)
     new = spec.settings()
     old = saved(new.run_dir)
-    if old is None or not (lines := describe(old, new)):
-        if write and (old is None or not (new.run_dir / PRESET).is_file()):
-            save(new, spec)
+    lines = describe(old, new) if old is not None else []
+    if write:
+        save(new, spec)
+    if not lines:
         return []
     if not write:
         return [f"{spec.config} differs from the settings of run '{new.run}' (shown as they would be with it; "
                 f"`{_cmd('config', spec)}` saves it):", *lines]
-    save(new, spec)
     return [f"run '{new.run}' takes the settings of {spec.config} (saved in {new.run_dir / 'config.json'}):", *lines]
 
 
@@ -144,6 +144,8 @@ def configure(spec: RunSpec, dry_run: bool) -> list[str]:
             save(new, spec)
         return [f"run '{new.run}': new, settings saved in {new.run_dir / 'config.json'}" + (" (not saved: --dry-run)" if dry_run else "")]
     lines = describe(old, new)
+    if spec.config and not dry_run:
+        save(new, spec)  # also when nothing changed: the preset is now the one the run follows
     if not lines:
         defaults = comparable(load_config(None, {"model": new.model}).to_dict())
         own = [f"  {k} = {v!r}" for k, v in comparable(new.to_dict()).items() if defaults.get(k) != v or k == "model"]
