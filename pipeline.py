@@ -74,6 +74,13 @@ def _guarded(f: Callable[..., None]) -> Callable[..., None]:
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
             f(*args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM to a stage (stages.core.stage): one line, no "Aborted!"
+            from stages.core.runspec import command_for
+
+            name = click.get_current_context().info_name
+            click.secho(f"{name}: stopped; what it wrote is kept, and `{command_for(None, name)}` continues",
+                        fg="yellow", err=True)
+            sys.exit(130)
         except Exception as e:  # noqa: BLE001 - _fail re-raises what is not the user's
             _fail(e)
     return wrapper

@@ -54,6 +54,15 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     return {**layout_parts(cfg), "captions": sorted(caption_texts(cfg, scan_items(cfg)))}
 
 
+def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new: Any) -> str:
+    """A change of the captions, by the images whose caption changed (status names files, not ids)."""
+    from stages.core.stage import changed_items, describe_change as plain
+
+    if key != "captions":
+        return plain(key, old, new)
+    return changed_items(manifest.get("items", {}), {it.key: it.caption_id for it in scan_items(cfg)}, "caption")
+
+
 EMPTY_CAPTION = ""  # what caption dropout trains on; its row is cached like any other caption's
 
 

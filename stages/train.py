@@ -75,7 +75,7 @@ def partial_state(cfg: Any) -> str | None:
                                    f"`{command(cfg, NAME, '--resume')}` (or `run`) continues from it")
 
 
-def describe_change(key: str, old: Any, new: Any) -> str:
+def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new: Any) -> str:
     """A fingerprint part as a user reads it: the caches by name, not by hash."""
     from stages.core.stage import describe_change as plain
 
@@ -109,7 +109,7 @@ def other_settings(cfg: Any) -> str | None:
         return None
     where, manifest = newest
     old = manifest.get("fingerprint_parts", {})
-    what = [describe_change(k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
+    what = [describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
     return (f"{where} was trained with other settings ({'; '.join(what)[:400] or 'fingerprint changed'}), and no "
             f"checkpoint of these settings continues it: `{command(cfg, NAME, '--restart')}` trains again from step 0 "
             f"(the earlier checkpoints and adapter are set aside in lora/.restarted-<time>/, nothing is deleted)")
@@ -175,7 +175,7 @@ def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]
 
     install_model_trace(NAME)
     resume = (resume or cfg.train.resume == "auto") and not restart
-    with running_stage(cfg, NAME, rerun=("--resume",)) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
+    with running_stage(cfg, NAME, rerun=("--resume",), own_signals=True) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg, ctx.log)
         if not restart:
             done = up_to_date(cfg, ctx.log)

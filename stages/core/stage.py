@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +68,7 @@ class StageContext:
 
 
 @contextlib.contextmanager
-def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = ()) -> Iterator[StageContext]:
+def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = (), own_signals: bool = False) -> Iterator[StageContext]:
     """Join the torchrun job if any, hold the stage lock and log start / error for the body.
 
     Under torchrun only rank 0 takes the lock and writes events; the others wait at a barrier until
@@ -82,9 +84,24 @@ def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = ()) -> Iterator
             if dist.is_main:  # both stages hold their own lock before they look: one of two racing ones refuses
                 refuse_beside(cfg, stage)
             distributed.barrier(dist)
-            with _logged(cfg, stage, dist, rerun) as ctx:
+            with _logged(cfg, stage, dist, rerun) as ctx, _sigterm_interrupts(not own_signals):
                 yield ctx
                 distributed.barrier(dist)
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts(active: bool) -> Iterator[None]:
+    """SIGTERM (`lorapipe stop`, a supervisor) stops the stage as Ctrl-C does, by KeyboardInterrupt: every
+    block unwinds (the progress display gives the cursor back), a `stopped` event is logged and the rows
+    written are kept. (train reads its signals between steps itself: `own_signals`.)"""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -100,7 +117,7 @@ def _logged(cfg: Any, stage: str, dist: Any, rerun: tuple[str, ...]) -> Iterator
     try:
         yield ctx
     except KeyboardInterrupt:
-        errors.emit("error", message="interrupted", **rank)
+        errors.emit("stopped", saved=True, **rank)
         raise
     except Exception as e:
         from stages.core.memory import translate_oom  # a CUDA OOM becomes a ResourceError (exit 2)
@@ -127,7 +144,25 @@ def describe_change(key: str, old: Any, new: Any) -> str:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         return "; ".join(f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+    if all(isinstance(v, str) and len(v) == 16 and set(v) <= set("0123456789abcdef") for v in (old, new)):
+        return f"{key} was rebuilt since"  # another artifact's fingerprint: its hash says nothing to a user
+    if old is None or new is None:
+        return f"{key} {'was built since' if old is None else 'is missing'}"
     return f"{key}: {old!r} -> {new!r}"
+
+
+def changed_items(before: dict[str, str], now: dict[str, str], what: str) -> str:
+    """What changed among a stage's inputs, by file (item key -> content id, as built and as now):
+    'image of cat.png changed; 1 new image (dog.png); 1 removed (owl.png)'."""
+    from stages.core.dataset import listing
+
+    changed = sorted(k for k in now if k in before and before[k] != now[k])
+    new = sorted(k for k in now if k not in before)
+    gone = sorted(k for k in before if k not in now)
+    parts = [f"{what} of {listing(changed)} changed"] if changed else []
+    parts += [f"{len(new)} new {what}{'s' if len(new) > 1 else ''} ({listing(new)})"] if new else []
+    parts += [f"{len(gone)} removed ({listing(gone)})"] if gone else []
+    return "; ".join(parts) or f"{what}s changed"
 
 
 def staleness(stage_module: Any, cfg: Any) -> tuple[bool, list[str]]:
@@ -162,8 +197,9 @@ def freshness(stage_module: Any, cfg: Any) -> tuple[bool, list[str], str | None]
         message = manifest["memory_forced"]["message"]
         return False, [message], None if damaged_rows(cfg, manifest) else message
     old = manifest.get("fingerprint_parts", {})
-    describe = getattr(stage_module, "describe_change", describe_change)
-    reasons = [describe(k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
+    describe = getattr(stage_module, "describe_change", lambda cfg, manifest, *change: describe_change(*change))
+    reasons = [describe(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts))
+               if old.get(k) != parts.get(k)]
     return False, reasons or ["fingerprint changed"], None
 
 
