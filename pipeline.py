@@ -43,9 +43,10 @@ def _settled(spec: RunSpec, write: bool = True) -> Any:
     run's preset since is named. The lines go to stderr."""
     from stages import run_settings
 
+    cfg = spec.load()  # every key of the command line checked before anything is saved
     for line in run_settings.settle(spec, write):
         click.secho(line, fg="yellow", err=True)
-    return spec.load()
+    return cfg
 
 
 def _fail(e: BaseException) -> None:
@@ -146,6 +147,8 @@ def cli() -> None:
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     from stages.core.config import command
     from stages.core.fsaccess import ensure_writable
+    from stages.core.model_source import model_source
+    from stages.families import get_family
     from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
 
     module = _stage_module(name)
@@ -153,6 +156,7 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     main = _launcher_rank() == 0
     if main:
         ensure_writable(cfg.run_dir)
+        model_source(cfg).check_family(get_family(cfg.family))  # before the stage: one line, no failed stage
     if force and name in ("encode-captions", "cache-latents"):
         kwargs["force"] = True  # the stage deletes its cache once it has checked the config, under its lock
     manifest = module.run(cfg, **kwargs)

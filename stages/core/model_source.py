@@ -89,7 +89,10 @@ class ModelSource:
 
     def check_family(self, family: Any) -> None:
         """ModelError naming both when the folder's denoiser is not the class `family` trains (a FLUX folder
-        with family = "sdxl" would otherwise load T5 as a CLIP encoder and fail deep in transformers)."""
+        with family = "sdxl" would otherwise load T5 as a CLIP encoder and fail deep in transformers).
+        Only a local pipeline folder is checked (a hub id or single file is checked where it loads)."""
+        if self.is_single_file or not (self.path / "model_index.json").is_file():
+            return
         index = json.loads((self.path / "model_index.json").read_text())
         denoiser = family.denoiser_components[0]
         held = index.get(denoiser)
