@@ -20,13 +20,13 @@ from typing import Any, Callable
 
 import click
 
-from stages.core.runspec import RunSpec
+from stages.core.runspec import RunSpec, invoke
+from stages.core.stage import OPTIONAL_STAGES, STAGES
 from stages.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parent
-STAGES = ("encode-captions", "cache-latents", "train", "export-lora")
-OPTIONAL_STAGES = ("sample",)  # `run` adds it when sample.after_train is set
-# what each stage reads from the others, and what its rerun changes for the stages below it
+# what a stage's staleness passes on (the stages it reads, through the export for sample), and how
+# `status` names what a rerun changes for the stages below it
 UPSTREAM = {"train": ("encode-captions", "cache-latents"), "export-lora": ("train",), "sample": ("export-lora",)}
 PRODUCES = {"encode-captions": "captions", "cache-latents": "latents", "train": "the LoRA", "export-lora": "the export"}
 
@@ -37,6 +37,18 @@ def _stage_module(name: str) -> Any:
     return importlib.import_module(f"stages.{name.replace('-', '_')}")
 
 
+def _settled(spec: RunSpec, write: bool = True) -> Any:
+    """The command's Config, once the run's settings are settled (stages/run_settings.py): a preset
+    given with --config becomes them (saved when `write`), its changes shown; by name, an edit of the
+    run's preset since is named. The lines go to stderr."""
+    from stages import run_settings
+
+    cfg = spec.load()  # every key of the command line checked before anything is saved
+    for line in run_settings.settle(spec, write):
+        click.secho(line, fg="yellow", err=True)
+    return cfg
+
+
 def _fail(e: BaseException) -> None:
     """A user's mistake or an OS refusal (permissions, a read-only disk, a name too long) is one red
     line and exit 2; anything else is a bug and keeps its traceback."""
@@ -45,6 +57,9 @@ def _fail(e: BaseException) -> None:
 
     if os.environ.get("LORAPIPE_DEBUG"):
         raise e
+    if isinstance(e, BrokenPipeError):  # `lorapipe status x | head -1`: the reader left; nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     if isinstance(e, UserError) or isinstance(e, FileNotFoundError) and not e.filename:
         message = str(e)  # ours: it already names the file and what to do
     elif isinstance(e, OSError):
@@ -60,6 +75,13 @@ def _guarded(f: Callable[..., None]) -> Callable[..., None]:
     def wrapper(*args: Any, **kwargs: Any) -> None:
         try:
             f(*args, **kwargs)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM to a stage (stages.core.stage): one line, no "Aborted!"
+            from stages.core.runspec import command_for
+
+            name = click.get_current_context().info_name
+            click.secho(f"{name}: stopped; what it wrote is kept, and `{command_for(None, name)}` continues",
+                        fg="yellow", err=True)
+            sys.exit(130)
         except Exception as e:  # noqa: BLE001 - _fail re-raises what is not the user's
             _fail(e)
     return wrapper
@@ -74,16 +96,18 @@ def run_options(f: Callable[..., None]) -> Callable[..., None]:
     """RUN / --config / --artifacts / --model / --set / --verbose, handed to the command as `spec`."""
     @functools.wraps(f)
     def wrapper(run_name: str | None, run: str | None, config: str | None, artifacts: str | None, model: str | None,
-                sets: tuple[str, ...], **kwargs: Any) -> None:
+                sets: tuple[str, ...], once: tuple[str, ...], **kwargs: Any) -> None:
         if run_name and run and run_name != run:
             raise click.UsageError(f"run named twice: '{run_name}' and --run '{run}'")
-        f(spec=RunSpec(run_name or run, config, artifacts, model, sets).from_path(), **kwargs)
+        f(spec=invoke(RunSpec(run_name or run, config, artifacts, model, sets, once).from_path()), **kwargs)
 
     wrapper = click.option("--verbose", is_flag=True, expose_value=False, callback=_verbose,
                            help="Show the libraries' own warnings and loading bars (also LORAPIPE_DEBUG=1).")(wrapper)
+    wrapper = click.option("--once", multiple=True, hidden=True)(wrapper)  # a parent's command flags (RunSpec.flags)
     wrapper = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                           help="Override a config key, e.g. --set train.steps=200 (repeatable).")(wrapper)
-    wrapper = click.option("--model", help="Override 'model': a pipeline folder or hub id.")(wrapper)
+                           help="Set a config key, e.g. --set train.steps=200 (repeatable): for this command, or with "
+                                "--config part of the run's settings; `lorapipe config RUN --set` changes the run's.")(wrapper)
+    wrapper = click.option("--model", help="Set 'model' (a pipeline folder or hub id), as --set does.")(wrapper)
     wrapper = click.option("--artifacts", metavar="DIR",
                            help="Root folder of the runs [default: the config's 'artifacts', else ./artifacts].")(wrapper)
     wrapper = click.option("--run", help="Same as RUN (renames the run when given with --config).")(wrapper)
@@ -95,10 +119,10 @@ def vram_option(f: Callable[..., None]) -> Callable[..., None]:
     """--vram GB on the commands that load models: sets gpu.vram_budget_gb (see `lorapipe plan`)."""
     @functools.wraps(f)
     def wrapper(spec: RunSpec, vram: str | None, **kwargs: Any) -> None:
-        sets = spec.sets + ((f"gpu.vram_budget_gb={vram}",) if vram else ())
-        f(spec=RunSpec(spec.name, spec.config, spec.artifacts, spec.model, sets), **kwargs)
+        f(spec=invoke(spec.with_flags(*((f"gpu.vram_budget_gb={vram}",) if vram else ()))), **kwargs)
 
-    return click.option("--vram", metavar="GB|auto", help="GPU memory the stage may use (gpu.vram_budget_gb).")(wrapper)
+    return click.option("--vram", metavar="GB|auto",
+                        help="GPU memory the stage may use (gpu.vram_budget_gb), for this command only.")(wrapper)
 
 
 def examples(*lines: str) -> str:
@@ -108,6 +132,7 @@ def examples(*lines: str) -> str:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=examples(
     "run --config configs/flux-dev.toml", "status my-lora", "train my-lora --resume"))
+@click.version_option(package_name="lorapipe", prog_name="lorapipe", message="%(prog)s %(version)s")
 def cli() -> None:
     """Staged LoRA training for diffusion models: encode-captions, cache-latents, train, export-lora.
 
@@ -120,8 +145,10 @@ def cli() -> None:
 
 
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
-    from stages.core.artifacts import atomic_write_json
+    from stages.core.config import command
     from stages.core.fsaccess import ensure_writable
+    from stages.core.model_source import model_source
+    from stages.families import get_family
     from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
 
     module = _stage_module(name)
@@ -129,17 +156,19 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     main = _launcher_rank() == 0
     if main:
         ensure_writable(cfg.run_dir)
+        model_source(cfg).check_family(get_family(cfg.family))  # before the stage: one line, no failed stage
     if force and name in ("encode-captions", "cache-latents"):
         kwargs["force"] = True  # the stage deletes its cache once it has checked the config, under its lock
     manifest = module.run(cfg, **kwargs)
     if not main:
         return
-    # after the stage ran: a failed attempt must not change what `status <run>` compares
-    atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
+    if manifest.get("up_to_date") and name == "train":
+        click.echo(f"train: up to date (step {manifest.get('step')} of {cfg.train.steps}, made with these settings), "
+                   f"nothing to train; `{command(cfg, 'train', '--restart')}` trains again from step 0")
     if manifest.get("stopped"):
         saved = "checkpoint and lora/final (complete=false) written" if manifest.get("saved") else "nothing new written"
         click.echo(f"{name}: stopped at step {manifest.get('step')}, {saved}; continue with "
-                   f"`lorapipe train {cfg.run} --artifacts {cfg.artifacts} --resume`")
+                   f"`{command(cfg, 'train', '--resume')}`")
         return
 
 
@@ -156,7 +185,7 @@ def _launcher_rank() -> int:
 @_guarded
 def encode_captions_cmd(spec: RunSpec, force: bool) -> None:
     """Encode captions with the text encoders only -> captions.zarr."""
-    _run_stage("encode-captions", spec.load(), force)
+    _run_stage("encode-captions", _settled(spec), force)
 
 
 @cli.command("cache-latents", epilog=examples("cache-latents --config configs/flux-dev.toml",
@@ -167,7 +196,7 @@ def encode_captions_cmd(spec: RunSpec, force: bool) -> None:
 @_guarded
 def cache_latents_cmd(spec: RunSpec, force: bool) -> None:
     """Encode crop/flip variants with the VAE only -> latents.zarr (posterior mean and logvar)."""
-    _run_stage("cache-latents", spec.load(), force)
+    _run_stage("cache-latents", _settled(spec), force)
 
 
 @cli.command("train", epilog=examples("train --config configs/flux-dev.toml", "train my-lora --resume",
@@ -182,7 +211,7 @@ def train_cmd(spec: RunSpec, resume: bool, restart: bool) -> None:
     """Train a LoRA on the caches, loading only the denoiser -> lora/."""
     if resume and restart:
         raise click.UsageError("--resume and --force/--restart exclude each other")
-    _run_stage("train", spec.load(), resume=resume, **({"restart": True} if restart else {}))
+    _run_stage("train", _settled(spec), resume=resume, **({"restart": True} if restart else {}))
 
 
 @cli.command("export-lora", epilog=examples("export-lora my-lora --format kohya --verify",
@@ -197,10 +226,10 @@ def train_cmd(spec: RunSpec, resume: bool, restart: bool) -> None:
 def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: int | None, ema: bool | None,
                force: bool) -> None:
     """Write the adapter as a diffusers LoRA file (no base weights loaded) -> export/."""
-    sets = ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ()) + (
+    flags = ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ()) + (
         ("export.ema=true",) if ema else ())
-    spec = RunSpec(spec.name, spec.config, spec.artifacts, spec.model, spec.sets + sets)
-    _run_stage("export-lora", spec.load(), checkpoint=checkpoint, **({"force": True} if force else {}))
+    spec = invoke(spec.with_flags(*flags))  # this export only: the run's settings keep theirs
+    _run_stage("export-lora", _settled(spec), checkpoint=checkpoint, **({"force": True} if force else {}))
 
 
 @cli.command("sample", epilog=examples("sample my-lora", "sample --config configs/flux-dev.toml"))
@@ -209,7 +238,7 @@ def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: 
 @_guarded
 def sample_cmd(spec: RunSpec) -> None:
     """Render [sample] prompts with the base model and the LoRA (several seeds) -> samples/grid.png."""
-    _run_stage("sample", spec.load())
+    _run_stage("sample", _settled(spec))
 
 
 def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
@@ -240,7 +269,7 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
     from stages.core.fsaccess import ensure_writable
     from stages.core.stage import staleness
 
-    cfg = spec.load()
+    cfg = _settled(spec, write=not dry_run)
     if dry_run:
         from stages import plan
 
@@ -253,11 +282,9 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
             EventLog(cfg.run_dir, cfg.run, name).emit("up_to_date")
             click.echo(f"{name}: up to date, skipped")
             continue
-        click.echo(f"{name}: running ({'; '.join(reasons)[:200] or 'forced'})")
+        click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
         extra = ["--force"] if force and name != "train" else []
-        # A stopped or killed train continues from its newest checkpoint made with this same config
-        # (and ends bit-identical to an uninterrupted run); after a config change none matches.
-        extra += (["--restart"] if force else ["--resume"]) if name == "train" else []
+        extra += [_train_start(cfg, force)] if name == "train" else []
         code = call_child(stage_command(name, [*spec.child_args(), *extra], 1 if name in OPTIONAL_STAGES else gpus))
         if code != 0:
             click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
@@ -265,6 +292,25 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         if name == "train" and not staleness(_stage_module(name), cfg)[0]:
             click.echo("train was stopped before its last step; later stages not run (run again to continue)")
             return
+
+
+def clip(reasons: list[str], n: int) -> str:
+    """Reasons joined and cut to about `n` characters of prose each; a command in backticks is kept whole
+    (it must paste and work)."""
+    def one(reason: str) -> str:
+        prose, tick, rest = reason.partition("`")
+        return reason if len(reason) <= n else (prose[:n] + ("… `" + rest if tick else "…"))
+    return "; ".join(one(r) for r in reasons)
+
+
+def _train_start(cfg: Any, force: bool) -> str:
+    """How `run` starts a stale train: a stopped or killed one continues from its newest checkpoint made
+    with these settings (and ends bit-identical to an uninterrupted run); one trained with other
+    settings starts over (`run` reruns what is stale; the old checkpoints are set aside, not deleted)."""
+    train = _stage_module("train")
+    if force or train.other_settings(cfg):
+        return "--restart"
+    return "--resume"
 
 
 @cli.command("status", epilog=examples("status my-lora", "status --config configs/flux-dev.toml --artifacts /data/runs"))
@@ -275,7 +321,7 @@ def status_cmd(spec: RunSpec) -> None:
     from stages.core.artifacts import lock_holder_pid, read_manifest
     from stages.core.stage import staleness
 
-    cfg = spec.load()
+    cfg = _settled(spec, write=False)
     changing: list[str] = []  # stages that will rerun, whose outputs the stages below them read
     for name in STAGES + OPTIONAL_STAGES:
         ok, reasons = staleness(_stage_module(name), cfg)
@@ -287,12 +333,26 @@ def status_cmd(spec: RunSpec) -> None:
         mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
         pid = lock_holder_pid(cfg.run_dir, name)
         running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
-        click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({'; '.join(reasons)[:300]})") + running)
+        click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({clip(reasons, 300)})") + running)
     sizes = (read_manifest(_stage_module("train").artifact_dir(cfg)) or {}).get("batch_sizes")
     if sizes:
         steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
         click.echo(f"{'':16s} realised batch sizes (train.batch_size = {cfg.train.batch_size}): {steps}")
     _status_validation(cfg.run_dir)
+    _status_set_aside(cfg.run_dir)
+
+
+def _status_set_aside(run_dir: Path) -> None:
+    """The trainings a restart set aside (lora/.restarted-*), kept until the user removes them."""
+    import shlex
+
+    from stages.core.artifacts import dir_bytes
+
+    aside = sorted((run_dir / "lora").glob(".restarted-*"))
+    if aside:
+        size = sum(dir_bytes(p) for p in aside) / 2**20
+        click.echo(f"{'':16s} {len(aside)} earlier training(s) set aside by restarts ({size:.1f} MiB), kept until you "
+                   f"remove them: `{shlex.join(['rm', '-r', '--', *map(str, aside)])}`")
 
 
 def _status_validation(run_dir: Path) -> None:
@@ -355,7 +415,7 @@ def inspect_cmd(spec: RunSpec, as_json: bool, rows: int, item: str | None, varia
     from stages import inspect as inspect_stage
 
     run_dir = spec.run_dir()
-    cfg = spec.load() if spec.config else None
+    cfg = _settled(spec, write=False) if spec.config else None
     if item is None:
         report = inspect_stage.inspect_run(run_dir, cfg, rows)
         if as_json:
@@ -417,7 +477,20 @@ def plan_cmd(spec: RunSpec, vram: str | None, as_json: bool) -> None:
     """Show each GPU stage's memory plan (precision, batch, tiling, offload, block swap) without loading weights."""
     from stages import plan
 
-    plan.run(spec.load(), vram, as_json)
+    plan.run(_settled(spec, write=False), vram, as_json)
+
+
+@cli.command("config", epilog=examples("config my-lora", "config my-lora --set train.steps=2000 --dry-run",
+                                       "config my-lora --config configs/my-lora.toml"))
+@run_options
+@click.option("--dry-run", is_flag=True, help="Show what would change; save nothing.")
+@_guarded
+def config_cmd(spec: RunSpec, dry_run: bool) -> None:
+    """Show or change a run's settings (its config.json): --set/--model change keys, --config takes a
+    preset. Shows the change as a diff, and the stages it makes stale."""
+    from stages import run_settings
+
+    click.echo("\n".join(run_settings.configure(spec, dry_run)))
 
 
 @cli.command("keys", epilog=examples("keys", "keys | grep train."))

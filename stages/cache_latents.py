@@ -20,6 +20,7 @@ from stages.core import faults
 from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir, require_manifest,
                                    sweep_leftovers, write_manifest)
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
+from stages.core.config import command
 from stages.core.errors import ConfigError
 from stages.core.model_source import ModelSource, model_source
 from stages.core.rowstore import RowStore
@@ -81,6 +82,15 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     return {**layout_parts(cfg), "images": sorted({it.latent_key for it in items})}
 
 
+def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new: Any) -> str:
+    """A change of the images, by file (status names files, not content ids)."""
+    from stages.core.stage import changed_items, describe_change as plain
+
+    if key != "images":
+        return plain(key, old, new)
+    return changed_items(manifest.get("items", {}), {it.key: it.latent_key for it in scan_items(cfg)}, "image")
+
+
 def buckets_for(cfg: Any, family: Any, src: ModelSource, resolution: int | None = None) -> list[Bucket]:
     multiple = family.pixel_multiple(src)
     if cfg.data.bucket_step and cfg.data.bucket_step % multiple:
@@ -109,7 +119,7 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
     """latent id -> (item, size, bucket) for readable images, each bucketed among its dataset's
     resolution's `buckets`; skipped [(key, reason)]; duplicates."""
     found: dict[str, tuple[dataset.Item, tuple[int, int]]] = {}
-    skipped, duplicates = [], defaultdict(list)
+    skipped, duplicates, bad = [], defaultdict(list), []
     for it in items:
         if it.latent_key in found:
             duplicates[it.latent_key].append(it.key)
@@ -122,12 +132,15 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
         except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
             err = e if isinstance(e, dataset.BadImage) else dataset.BadImage(f"image '{it.image_path}' cannot be read ({e})")
             if cfg.data.on_bad_image == "error":
-                err.item = it.key  # type: ignore[attr-defined]
-                raise err from None
+                err.item = it.key
+                bad.append(err)
+                continue
             skipped.append((it.key, str(err)))
             log.emit("skipped", item=it.key, reason=str(err))
             continue
         found[it.latent_key] = (it, size)
+    if bad:
+        raise dataset.collected(bad, "images")
     fill = cfg.train.batch_size if cfg.data.bucket_merge else 0
     resolutions = [d.resolution for d in cfg.dataset_configs()]
     assigned: dict[str, Bucket] = {}
@@ -200,7 +213,7 @@ def check(cfg: Any) -> dict[int, list[Bucket]]:
 
     family = get_family(cfg.family)
     src = model_source(cfg)
-    src.check(family.vae_components)
+    src.check(family.vae_components, family)
     make_runtime(cfg.device, cfg.latents.vae_precision)
     return {r: buckets_for(cfg, family, src, r) for r in sorted({d.resolution for d in cfg.dataset_configs()})}
 
@@ -231,6 +244,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             stores, todo = _prepare_stores(out, layout_fp, by_bucket, writer=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(plan) - len(todo), total=len(plan), encoded=0)
         encoded = _encode(ctx, cfg, plan, by_bucket, stores, todo, layout_fp, vae_plan)
+        _raise_failed(distributed.all_gather(encoded["load_failed"], ctx.dist))
         gathered = distributed.all_gather(encoded["load_skipped"], ctx.dist)
         for part in gathered[1:]:
             for _, key, reason in part:
@@ -243,6 +257,18 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped))
         return manifest
+
+
+def _raise_failed(gathered: list[list[tuple[int, str, str]]]) -> None:
+    """Under data.on_bad_image = "error": every image that failed to load (all ranks'), in one error,
+    after the others were encoded (their rows are kept; no manifest is written)."""
+    failed = sorted(f for part in gathered for f in part)
+    errors = []
+    for _, key, reason in failed:
+        errors.append(dataset.BadImage(reason))
+        errors[-1].item = key
+    if errors:
+        raise dataset.collected(errors, "images")
 
 
 def _forced(ctx: Any, configured: Any, vae_plan: Any, layout: dict[str, Any]) -> dict[str, Any] | None:
@@ -298,6 +324,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         norm = family.latent_normalization(vae)
         ctx.log.emit("loaded", component="vae", seconds=ctx.elapsed())
     load_skipped: list[tuple[int, str, str]] = []  # (position in todo, item, reason)
+    load_failed: list[tuple[int, str, str]] = []  # the same, under data.on_bad_image = "error"
     position = {t: k for k, t in enumerate(todo)}
     rows_of = {b: s.row_of() for b, s in stores.items() if s is not None}
 
@@ -309,9 +336,9 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
             controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
         except dataset.BadImage as e:
-            if cfg.data.on_bad_image == "error":
-                e.item = item.key  # type: ignore[attr-defined]
-                raise
+            if cfg.data.on_bad_image == "error":  # reported with every other one once the rest are encoded
+                load_failed.append((position[unit], item.key, str(e)))
+                return
             load_skipped.append((position[unit], item.key, str(e)))
             ctx.log.emit("skipped", item=item.key, reason=str(e))
             return
@@ -354,7 +381,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
                  needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
                  done_before=len(plan) - len(todo), total=len(plan))
-    return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "rt": rt}
+    return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "load_failed": load_failed, "rt": rt}
 
 
 def _control_posteriors(family: Any, vae: Any, controls: list[Any], size: tuple[int, int],
@@ -433,13 +460,13 @@ def damaged_rows(cfg: Any, manifest: dict[str, Any]) -> list[str]:
     for name in manifest["buckets"]:
         referenced = {i: loc["row"] for i, loc in manifest["index"].items() if loc["bucket"] == name}
         store = RowStore.open(out / name) if (out / name / "zarr.json").exists() else None
-        reasons += damage_report(store, referenced, keys, f"{out.name}/{name}", NAME) if referenced else []
+        reasons += damage_report(store, referenced, keys, f"{out.name}/{name}", command(cfg, NAME)) if referenced else []
     return reasons
 
 
 def load_latents(cfg: Any) -> tuple[dict[str, RowStore], dict[str, Any]]:
     """Bucket name -> RowStore, and the manifest (refuses if missing)."""
     out = artifact_dir(cfg)
-    manifest = require_manifest(out, f"cache-latents --config <your config>  (run '{cfg.run}')")
+    manifest = require_manifest(out, command(cfg, NAME))
     stores = {name: RowStore.open(out / name) for name in manifest["buckets"] if (out / name / "zarr.json").exists()}
     return stores, manifest

@@ -16,6 +16,7 @@ from stages.core import dataset, distributed, validation
 from stages.core import faults
 from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
+from stages.core.config import command
 from stages.core.model_source import model_source
 from stages.core.rowstore import RowStore
 from stages.core.stage import running_stage
@@ -51,6 +52,15 @@ def layout_parts(cfg: Any) -> dict[str, Any]:
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     return {**layout_parts(cfg), "captions": sorted(caption_texts(cfg, scan_items(cfg)))}
+
+
+def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new: Any) -> str:
+    """A change of the captions, by the images whose caption changed (status names files, not ids)."""
+    from stages.core.stage import changed_items, describe_change as plain
+
+    if key != "captions":
+        return plain(key, old, new)
+    return changed_items(manifest.get("items", {}), {it.key: it.caption_id for it in scan_items(cfg)}, "caption")
 
 
 EMPTY_CAPTION = ""  # what caption dropout trains on; its row is cached like any other caption's
@@ -98,7 +108,7 @@ def check(cfg: Any) -> None:
     from stages.core.runtime import make_runtime, require_cuda_for_nf4
     from stages.families import get_family
 
-    model_source(cfg).check(get_family(cfg.family).text_components)
+    model_source(cfg).check(get_family(cfg.family).text_components, get_family(cfg.family))
     require_cuda_for_nf4("captions.text_encoder_precision", resolved_precision(cfg), make_runtime(cfg.device, "auto"))
 
 
@@ -253,7 +263,7 @@ def damaged_rows(cfg: Any, manifest: dict[str, Any]) -> list[str]:
     """For `status`: rows of the manifest that are damaged (stat only), named, with the command."""
     out = artifact_dir(cfg)
     store = RowStore.open(out) if (out / "zarr.json").exists() else None
-    return damage_report(store, manifest["rows"], keys_by_id(manifest["items"]), out.name, NAME)
+    return damage_report(store, manifest["rows"], keys_by_id(manifest["items"]), out.name, command(cfg, NAME))
 
 
 def _earlier_truncations(out: Path) -> dict[str, int]:
@@ -274,5 +284,5 @@ def load_captions(cfg: Any) -> tuple[RowStore, dict[str, Any]]:
     from stages.core.artifacts import require_manifest
 
     out = artifact_dir(cfg)
-    manifest = require_manifest(out, f"encode-captions --config <your config>  (run '{cfg.run}')")
+    manifest = require_manifest(out, command(cfg, NAME))
     return RowStore.open(out), manifest

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from stages.core.errors import UserError
+from stages.core.runspec import command_for
 from stages.core.artifacts import dir_bytes, read_json, read_manifest
 from stages.core.rowstore import DamagedRows, RowStore
 from stages.core.schema import control_count
@@ -100,7 +101,7 @@ def captions_section(run_dir: Path, limit: int, cfg: Any = None) -> dict[str, An
     path = run_dir / "captions.zarr"
     manifest = read_manifest(path)
     if manifest is None:
-        return {"present": path.exists(), "complete": False, "hint": "run `pipeline.py encode-captions`"}
+        return {"present": path.exists(), "complete": False, "hint": f"run `{command_for(run_dir, 'encode-captions')}`"}
     store = RowStore.open(path)
     ids, written = store.ids, store.written_mask()
     rows = manifest["rows"]
@@ -172,7 +173,7 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
     path = run_dir / "latents.zarr"
     manifest = read_manifest(path)
     if manifest is None:
-        return {"present": path.exists(), "complete": False, "hint": "run `pipeline.py cache-latents`"}
+        return {"present": path.exists(), "complete": False, "hint": f"run `{command_for(run_dir, 'cache-latents')}`"}
     family = get_family(manifest["family"])
     index = manifest["index"]
     buckets, means, logvars = {}, [], []
@@ -308,7 +309,7 @@ def cached_variant(run_dir: Path, item: str, variant: int, control: int | None =
     path = run_dir / "latents.zarr"
     manifest = read_manifest(path)
     if manifest is None:
-        raise InspectError(f"run '{run_dir.name}' has no complete latent cache: run `pipeline.py cache-latents` first")
+        raise InspectError(f"run '{run_dir.name}' has no complete latent cache: run `{command_for(run_dir, 'cache-latents')}` first")
     image_id = find_image(manifest, item)
     where = manifest["index"][image_id]
     if not 0 <= variant < manifest["variants"]:

@@ -38,7 +38,7 @@ def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
     from stages.families import get_family
 
     family, src, budget = get_family(cfg.family), model_source(cfg), _budget(budget_gb)
-    src.check(family.text_components + family.vae_components + family.denoiser_components[:1])  # a clear error first
+    src.check(family.text_components + family.vae_components + family.denoiser_components[:1], family)  # a clear error first
     stages = [memory.plan_for(cfg, family, src, budget, name) for name in PLANNED_STAGES]
     fitting = [p for p in stages if p.fits]
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.gb,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.core.events import read_events
+from stages.core.events import loss_ends, read_events
+from stages.core.runspec import command_for
 
 WIDTH, PANEL_H, MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 960, 230, 78, 24, 34, 30
 RAW, SMOOTH, LR, SPEED, GRID, TEXT = "#9ecae1", "#08519c", "#d94801", "#238b45", "#e5e5e5", "#333333"
@@ -101,15 +102,13 @@ def summary(events: list[dict[str, Any]], curve: Curve, weight: float) -> dict[s
     """Numbers for the printed summary and --json (counts cover the current history only)."""
     events = current_history(events)
     n = len(curve.steps)
-    k = max(1, n // 10)
     sm = smooth(curve.loss, weight)
     best = min(range(n), key=sm.__getitem__) if n else None
     speeds = [s for s in curve.speed if s is not None]
     done = [e for e in events if e.get("stage") == "train" and e["event"] == "done"]
     return {
         "steps": n, "last_step": curve.steps[-1] if n else None,
-        "loss_first": statistics.fmean(curve.loss[:k]) if n else None,
-        "loss_last": statistics.fmean(curve.loss[-k:]) if n else None,
+        **loss_ends(curve.loss),
         "loss_smoothed_min": sm[best] if best is not None else None,
         "loss_smoothed_min_step": curve.steps[best] if best is not None else None,
         "lr_max": max(curve.lr) if n else None, "lr_last": curve.lr[-1] if n else None,
@@ -239,7 +238,7 @@ def run(run_dir: Path, out: Path | None = None, weight: float = 0.9) -> tuple[Pa
     curve = train_curve(events)
     if not curve.steps:
         raise UserError(f"run '{run_dir.name}' has no training steps in its events.jsonl yet: "
-                        f"run `python pipeline.py train --config <your config>` first")
+                        f"run `{command_for(run_dir, 'train')}` first")
     if not 0 <= weight < 1:
         raise UserError(f"--smooth must be in [0, 1), got {weight}")
     png = draw_report(curve, weight, f"run '{run_dir.name}': {len(curve.steps)} steps", out or run_dir / "report.png")

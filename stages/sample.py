@@ -338,7 +338,7 @@ def render_planned(cfg: Any, log: Any, columns: list[tuple[str, Path]], prompts:
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    model_source(cfg).check(family.text_components + family.vae_components + family.denoiser_components)
+    model_source(cfg).check(family.text_components + family.vae_components + family.denoiser_components, family)
     controls = load_controls(cfg, edits)
     below = None
     while True:

@@ -65,27 +65,84 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
 
 
 def partial_state(cfg: Any) -> str | None:
-    """For `status`: a run killed before lora/final was written, and where --resume picks it up."""
+    """For `status`: a run killed before lora/final was written, and what continues it."""
     from stages.checkpoints import complete_checkpoints
 
     found = complete_checkpoints(cfg.run_dir / "lora")
     if not found:
         return None
-    return (f"interrupted: no lora/final yet, newest complete checkpoint is {found[-1].name}; "
-            f"`{command(cfg, NAME, '--resume')}` (or `run`) continues from the newest one made with this config")
+    return other_settings(cfg) or (f"interrupted: no lora/final yet, newest complete checkpoint is {found[-1].name}; "
+                                   f"`{command(cfg, NAME, '--resume')}` (or `run`) continues from it")
 
 
-def refuse_unfinished(cfg: Any) -> None:
-    """A plain `train` over an unfinished run of this same config would start at step 0 unasked."""
+def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new: Any) -> str:
+    """A fingerprint part as a user reads it: the caches by name, not by hash."""
+    from stages.core.stage import describe_change as plain
+
+    if key in ("captions", "latents"):
+        return f"{key}.zarr {'was rebuilt since' if old and new else 'is missing' if not new else 'was built since'}"
+    return plain(key, old, new)
+
+
+def trained_with(cfg: Any) -> tuple[str, dict[str, Any]] | None:
+    """The newest training of the run ('lora/final' or a checkpoint) and its manifest, if any."""
+    from stages.checkpoints import complete_checkpoints
+    from stages.core.artifacts import read_manifest
+
+    final = read_manifest(cfg.run_dir / "lora" / "final")
+    if final is not None:
+        return f"lora/final (step {final.get('step')})", final
+    found = complete_checkpoints(cfg.run_dir / "lora")
+    return (f"lora/{found[-1].name}", read_manifest(found[-1])) if found else None
+
+
+def other_settings(cfg: Any) -> str | None:
+    """When the run's newest training was made with other settings than `cfg` (and no checkpoint of
+    `cfg` continues it): what differs, and the commands that train again or go back; else None."""
+    from stages.checkpoints import Checkpoints
+
+    parts = fingerprint_parts(cfg)
+    newest = trained_with(cfg)
+    if newest is None or newest[1].get("fingerprint") == fingerprint(parts):
+        return None
+    if Checkpoints(cfg.run_dir / "lora", fingerprint(parts), 0, None).matching():
+        return None
+    where, manifest = newest
+    old = manifest.get("fingerprint_parts", {})
+    what = [describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
+    return (f"{where} was trained with other settings ({'; '.join(what)[:400] or 'fingerprint changed'}), and no "
+            f"checkpoint of these settings continues it: `{command(cfg, NAME, '--restart')}` trains again from step 0 "
+            f"(the earlier checkpoints and adapter are set aside in lora/.restarted-<time>/, nothing is deleted)")
+
+
+def refuse_unfinished(cfg: Any, resume: bool) -> None:
+    """A plain `train` never starts at step 0 over an earlier training, and `--resume` never starts over:
+    an unfinished run of this config needs --resume, one of other settings --restart."""
     from stages.checkpoints import Checkpoints, step_of
 
     found = Checkpoints(cfg.run_dir / "lora", fingerprint(fingerprint_parts(cfg)), 0, None).unfinished()
-    if found is not None:
+    if found is not None and not resume:
         raise ArtifactError(
             f"run '{cfg.run}' has an unfinished training made with this config ({found}, step {step_of(found)} of "
             f"{cfg.train.steps}): continue it with `{command(cfg, NAME, '--resume')}`, or start over with "
             f"`{command(cfg, NAME, '--restart')}` (the old checkpoints are moved to lora/.restarted-<time>/, "
             f"nothing is deleted)")
+    changed = other_settings(cfg)
+    if changed is not None:
+        raise ArtifactError(f"run '{cfg.run}': {changed}")
+
+
+def up_to_date(cfg: Any, log: Any) -> dict[str, Any] | None:
+    """The finished training's manifest when it matches `cfg` (then there is nothing to train), else None."""
+    from stages import train
+    from stages.core.artifacts import read_manifest
+    from stages.core.stage import staleness
+
+    if not staleness(train, cfg)[0]:
+        return None
+    manifest = read_manifest(artifact_dir(cfg))
+    log.emit("up_to_date", fingerprint=manifest["fingerprint"])
+    return {**manifest, "up_to_date": True}
 
 
 def check_upstream(cfg: Any, log: Any = None) -> None:
@@ -118,10 +175,13 @@ def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]
 
     install_model_trace(NAME)
     resume = (resume or cfg.train.resume == "auto") and not restart
-    with running_stage(cfg, NAME) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
+    with running_stage(cfg, NAME, rerun=("--resume",), own_signals=True) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg, ctx.log)
-        if not resume and not restart:
-            refuse_unfinished(cfg)
+        if not restart:
+            done = up_to_date(cfg, ctx.log)
+            if done is not None:
+                return done
+            refuse_unfinished(cfg, resume)
         trainer = Trainer(cfg, ctx.log, ctx.dist)
         return trainer.fit(resume=resume, stop=stop, t0=ctx.t0)
 

@@ -23,6 +23,7 @@ from stages.core import blockswap, distributed, fastpath, faults, lora, memory, 
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.config import command
 from stages.core.errors import TrainingDiverged
+from stages.core.events import loss_ends, read_events, step_losses
 from stages.core.model_source import model_source
 from stages.core.profiling import StepProfiler
 from stages.core.runtime import alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
@@ -43,11 +44,11 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
     if cap_manifest["family"] != cfg.family or lat_manifest["family"] != cfg.family:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
-                            f"encode-captions and cache-latents with --force")
+                            f"`{command(cfg, 'encode-captions', '--force')}` and `{command(cfg, 'cache-latents', '--force')}`")
     train_items, held_out = validation.partition(cfg, cache_latents.scan_items(cfg))
-    pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run, cfg.dataset_configs())
+    pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run_dir, cfg.dataset_configs())
     data = TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"])
-    data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run), cap_store, lat_stores,
+    data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run_dir), cap_store, lat_stores,
                               lat_manifest["variants"]) if held_out else None
     return data, lat_manifest
 
@@ -120,11 +121,6 @@ class RunStats:
             return None
         return self.steady_samples / (time.time() - self.steady_t0)
 
-    def loss_means(self) -> dict[str, float | None]:
-        """Means of the first and last k losses, k = a quarter of the steps, 1 to 10."""
-        k = max(1, min(10, len(self.losses) // 4))
-        return {"loss_first": sum(self.losses[:k]) / k if self.losses else None,
-                "loss_last": sum(self.losses[-k:]) / k if self.losses else None}
 
 
 class Trainer:
@@ -172,7 +168,7 @@ class Trainer:
         self.rt = make_runtime(self.cfg.device, "bf16" if precision == "nf4" else precision)
         require_cuda_for_nf4("train.base_precision", precision, self.rt)
         reset_peak(self.rt)
-        self.src.check(self.family.denoiser_components)
+        self.src.check(self.family.denoiser_components, self.family)
         self.log.emit("loading", component=self.family.denoiser_class, precision=precision)
         t = time.time()
         self.model = self.family.load_denoiser(self.src, precision, memory.load_device(self.plan, self.rt), self.tcfg)
@@ -507,7 +503,9 @@ class Trainer:
 
     def _summary(self, stats: RunStats, t0: float) -> dict[str, Any]:
         sync(self.rt)
-        return {**stats.loss_means(), "samples": stats.samples, "samples_per_second": stats.samples_per_second(),
+        # the logged steps of the whole history (resumes too), as `report` reads them
+        losses = loss_ends(step_losses(read_events(self.cfg.run_dir)))
+        return {**losses, "samples": stats.samples, "samples_per_second": stats.samples_per_second(),
                 "precision": self.precision,
                 # {batch size: steps} of the whole run (resumes included): buckets smaller than
                 # train.batch_size make smaller batches

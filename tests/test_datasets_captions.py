@@ -445,4 +445,4 @@ def test_a_data_key_every_dataset_overrides_leaves_the_latents_up_to_date(assets
     assert not up and any("crop" in r for r in reasons), reasons
     own = dataclasses.replace(cfg, datasets=[tables[0], {**tables[1], "resolution": 32}])
     # a dataset's own value counts, and status names it (its rows get new keys)
-    assert staleness(cache_latents, own) == (False, ["datasets[1].resolution: 48 -> 32", "images: 1 new, 1 removed"])
+    assert staleness(cache_latents, own) == (False, ["datasets[1].resolution: 48 -> 32", "image of small/s0.png changed"])

@@ -42,12 +42,16 @@ class DiskFull(UserError, OSError):
         return str(self.args[1]) if len(self.args) == 2 else super().__str__()
 
 
-def disk_full(error: BaseException, path: Path, detail: str = "") -> DiskFull | None:
-    """A DiskFull naming `path` when `error` is ENOSPC/EDQUOT (and not one already), else None."""
-    if isinstance(error, DiskFull) or not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+def disk_full(error: BaseException, path: Path, detail: str = "", rerun: str = "") -> DiskFull | None:
+    """A DiskFull naming `path` when `error` is ENOSPC/EDQUOT, else None; one already made gets
+    `rerun` (the command that continues the stage) when it names none."""
+    if isinstance(error, DiskFull):
+        return DiskFull(error.errno, str(error).replace("rerun the same command", f"rerun `{rerun}`")) if rerun else None
+    if not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
         return None
+    again = f"`{rerun}`" if rerun else "the same command"
     return DiskFull(error.errno, f"disk full while writing '{path}'{detail} ({_free_space(path)} free): free some "
-                                 f"space and rerun the same command; everything written before is intact and is kept")
+                                 f"space and rerun {again}; everything written before is intact and is kept")
 
 
 @contextlib.contextmanager
@@ -85,6 +89,36 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_safetensors(path: Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, atomically and with the modes of the user's umask (save_file makes 0600
+    files, which teammates on a shared machine cannot read)."""
+    from safetensors.torch import save
+
+    atomic_write_bytes(path, save(tensors, metadata=metadata))
+
+
+def user_umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def user_modes(folder: Path) -> None:
+    """Give `folder` and everything in it the modes a new file or folder gets under the user's umask,
+    whatever the library that wrote them chose."""
+    mask = user_umask()
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -158,9 +192,10 @@ def invalidate_manifest(artifact_dir: Path) -> None:
 
 
 def require_manifest(artifact_dir: Path, command: str) -> dict[str, Any]:
+    """The artifact's manifest; ArtifactError naming `command` (a whole command line) that makes it."""
     m = read_manifest(artifact_dir)
     if m is None:
-        raise ArtifactError(f"'{artifact_dir}' is missing or incomplete: run `python pipeline.py {command}` first")
+        raise ArtifactError(f"'{artifact_dir}' is missing or incomplete: run `{command}` first")
     return m
 
 
@@ -228,7 +263,8 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
     A kill, a second signal or a full disk midway leaves the previous `final` (or none), never a
     half-written one; the temporary folder is deleted on failure, and a killed writer's is swept by
-    `sweep_leftovers`. Write the folder's manifest last inside the block."""
+    `sweep_leftovers`. Write the folder's manifest last inside the block. Its files get the modes of
+    the user's umask (`user_modes`)."""
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -238,6 +274,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    user_modes(tmp)
     replace_dir(tmp, final)
 
 

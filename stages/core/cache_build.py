@@ -66,7 +66,7 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
 def damage_report(store: RowStore | None, referenced: dict[str, int], keys: dict[str, list[str]], where: str,
                   command: str) -> list[str]:
     """For `status`: the rows the manifest uses (id -> row) that are not intact, named by their
-    dataset items, and the command that re-encodes exactly them; empty when all are intact."""
+    dataset items, and `command` (a whole command line) that re-encodes exactly them; empty when all are intact."""
     intact = store.intact_mask() if store is not None else None
     bad = sorted(i for i, row in referenced.items() if intact is None or row >= len(intact) or not intact[row])
     if not bad:
@@ -74,7 +74,7 @@ def damage_report(store: RowStore | None, referenced: dict[str, int], keys: dict
     named = [k for i in bad for k in keys.get(i, [i])]
     return [f"damaged: {len(bad)} row(s) of {where} ({', '.join(named[:8])}{' ...' if len(named) > 8 else ''}) have "
             f"a chunk file missing or of the wrong size, or failed their checksum when read; "
-            f"`python pipeline.py {command} --config <your config>` re-encodes exactly those"]
+            f"`{command}` re-encodes exactly those"]
 
 
 def keys_by_id(items: dict[str, str]) -> dict[str, list[str]]:

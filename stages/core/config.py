@@ -275,7 +275,7 @@ class SampleConfig:
     every_n_checkpoints: int = 0
     """Also render every Nth kept checkpoint (lora/checkpoint-<step>) as its own column (0: final only)."""
     after_train: bool = False
-    """`run` renders samples after export-lora (off: only `pipeline.py sample` does)."""
+    """`run` renders samples after export-lora (off: only `lorapipe sample` does)."""
     precision: Literal["auto", "fp32", "bf16", "nf4"] = "auto"
     """auto: on CUDA bf16, or nf4 (denoiser and text encoders) where bf16 does not fit the budget even
     offloaded; fp32 on CPU. nf4 needs CUDA."""
@@ -405,7 +405,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"'{key}' = {value!r} has the wrong type ({tp})")
+        raise ConfigError(f"'{key}' must be {' or '.join(_type_words(a) for a in get_args(tp))}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -433,6 +433,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def _type_words(tp: Any) -> str:
+    """How a message names a type: 'a number', "'auto'", 'true or false'."""
+    if get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in get_args(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -449,11 +456,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def build_config(data: dict[str, Any], source: str = "<config>") -> Config:
+def build_config(data: dict[str, Any], source: str = "<config>", labels: dict[str, str] | None = None) -> Config:
     """Validate a nested dict (as parsed from TOML) into a Config; type and value errors reported together.
 
     A key whose type is wrong keeps its default while the values are checked, so every other key's
-    value error is still reported (and the wrong one only once)."""
+    value error is still reported (and the wrong one only once). An error about a key in `labels`
+    (key -> the flag that set it, e.g. "--set train.steps=0") is blamed on that flag, not on `source`."""
     errors: list[str] = []
     top_hints = _hints(Config)
     kwargs: dict[str, Any] = {}
@@ -472,8 +480,20 @@ def build_config(data: dict[str, Any], source: str = "<config>") -> Config:
     cfg = Config(**kwargs)
     errors += value_errors(cfg)
     if errors:
-        raise ConfigError(f"{source}: " + ("\n  " if len(errors) > 1 else "") + "\n  ".join(errors))
+        raise config_errors(errors, source, labels or {})
     return cfg
+
+
+def config_errors(errors: list[str], source: str, labels: dict[str, str]) -> ConfigError:
+    """One ConfigError for all `errors`, each under the file or the command-line flag that caused it."""
+    def origin(error: str) -> str:
+        return next((label for key, label in labels.items() if f"'{key}'" in error or f"'{key}." in error), source)
+
+    by_origin: dict[str, list[str]] = {}
+    for error in errors:
+        by_origin.setdefault(origin(error), []).append(error)
+    parts = [f"{where}: " + ("\n  " if len(errs) > 1 else "") + "\n  ".join(errs) for where, errs in by_origin.items()]
+    return ConfigError("\n".join(parts))
 
 
 def _dataset_tables(value: Any, errors: list[str]) -> list[dict[str, Any]]:
@@ -534,13 +554,14 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None, source: str = "the defaults",
+                labels: dict[str, str] | None = None) -> Config:
     """Read a TOML preset (or none) and apply dotted-key overrides (CLI flags win over the file).
 
     A relative `model` or `data.path` in the file is relative to the file's folder (so a config runs
-    the same from any working directory); overrides stay relative to the working directory."""
+    the same from any working directory); overrides stay relative to the working directory. `labels`
+    names the command-line flag of each override, for errors (build_config)."""
     data: dict[str, Any] = {}
-    source = "<defaults>"
     if path is not None:
         p = Path(path)
         source = str(p)
@@ -557,7 +578,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             data = _merge(parent, data)
     if overrides:
         data = _merge(data, _nested(overrides))
-    return build_config(data, source)
+    return build_config(data, source, labels)
 
 
 # A hub repo id: "name" or "namespace/name" (huggingface_hub's validate_repo_id allows [\w.-]).
@@ -624,8 +645,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def command(cfg: Any, name: str, *flags: str) -> str:
-    """A command line the user can paste: the run by name and its artifacts folder (the resolved
-    config is saved there as config.json)."""
-    import shlex
+    """A command line the user can paste for this run (stages.core.runspec.command_for)."""
+    from stages.core.runspec import command_for
 
-    return shlex.join(["lorapipe", name, cfg.run, "--artifacts", str(cfg.run_dir.parent), *flags])
+    return command_for(cfg.run_dir, name, *flags)

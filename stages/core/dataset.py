@@ -51,6 +51,22 @@ class BadImage(DatasetError):
     pass
 
 
+MOST_REPORTED = 20  # bad inputs named in one error; the rest are counted
+
+
+def collected(errors: list[DatasetError], what: str) -> DatasetError | None:
+    """One error naming all `errors` (the first MOST_REPORTED, and how many more), so a user fixes a
+    dataset in one round; its class is theirs when they share one. None when there are none."""
+    if len(errors) <= 1:
+        return errors[0] if errors else None
+    kind = type(errors[0]) if all(type(e) is type(errors[0]) for e in errors) else DatasetError
+    more = f"\n  ... and {len(errors) - MOST_REPORTED} more" if len(errors) > MOST_REPORTED else ""
+    error = kind(f"{len(errors)} {what} need fixing (everything already written is kept; fix them and rerun):\n  "
+                 + "\n  ".join(str(e) for e in errors[:MOST_REPORTED]) + more)
+    error.item = errors[0].item
+    return error
+
+
 @dataclass(frozen=True)
 class Item:
     key: str  # path relative to the dataset root, e.g. "cats/01.png" ("<name>/cats/01.png" under [[datasets]])
@@ -225,6 +241,7 @@ class _Dropped:
                   "convert them to PNG, JPEG or WebP",
         "special": "image names that are not readable files are left out: {files}",
         "shared": "images share one caption file and both train with it: {files}; give each image its own caption",
+        "orphan": "caption files with no image beside them are not used: {files}; add their images or remove them",
     }
 
     def __init__(self) -> None:
@@ -307,20 +324,42 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path
 
 
 def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _Dropped) -> list[tuple[Path, str]]:
-    pairs = []
+    """(image, caption) pairs; every unusable caption is named in one error (`collected`)."""
+    pairs, problems = [], []
     for path in _listed_images(root, caption_ext, dropped):
         if _is_control(root, path, caption_ext):
             continue
-        _check_inside(root, path, follow_outside)
-        cap = path.with_suffix(caption_ext)
-        problem = _file_problem(cap)
-        if problem == "does not exist":
-            raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")
-        if problem:
-            raise DatasetError(f"caption '{cap}' {problem}; make it a text file or move the image out")
-        _check_inside(root, cap, follow_outside)
-        pairs.append((path, _read_caption(cap)))
+        try:
+            pairs.append((path, _caption_of(root, path, caption_ext, follow_outside)))
+        except DatasetError as e:
+            e.item = path.relative_to(root).as_posix()
+            problems.append(e)
+    if problems:
+        raise collected(problems, "images or captions")
+    _orphan_captions(root, caption_ext, dropped)
     return pairs
+
+
+def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool) -> str:
+    _check_inside(root, path, follow_outside)
+    cap = path.with_suffix(caption_ext)
+    problem = _file_problem(cap)
+    if problem == "does not exist":
+        raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")
+    if problem:
+        raise DatasetError(f"caption '{cap}' {problem}; make it a text file or move the image out")
+    _check_inside(root, cap, follow_outside)
+    return _read_caption(cap)
+
+
+def _orphan_captions(root: Path, caption_ext: str, dropped: _Dropped) -> None:
+    """Caption files beside no file of their stem (nor a numbered variant `<stem>.<n><ext>` of one)."""
+    files = [p for p in root.rglob("*") if not p.is_dir()]
+    stems = {p.with_suffix("") for p in files if p.suffix != caption_ext}
+    for cap in sorted(p for p in files if p.suffix == caption_ext):
+        stem = cap.with_suffix("")
+        if stem not in stems and not (stem.suffix[1:].isdigit() and stem.with_suffix("") in stems):
+            dropped.add("orphan", cap.relative_to(root).as_posix())
 
 
 def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside: bool = False,

@@ -29,7 +29,8 @@ EVENT_TYPES = {
     "step": "one optimizer step (step, loss, lr, samples_per_second, peak_vram_gb)",
     "checkpoint": "a resumable checkpoint was written (step, path)",
     "validation": "held-out loss with fixed noise per item (step, loss, items)",
-    "stopped": "training stopped on request (step, saved)",
+    "stopped": "a stage stopped on request (Ctrl-C, SIGTERM, `lorapipe stop`): train after its step (step, saved), "
+               "another stage keeping what it wrote",
     "done": "stage finished (seconds, plus stage summary fields)",
     "up_to_date": "stage skipped because its manifest matches (fingerprint)",
     "error": "stage failed (message, item when one input caused it)",
@@ -55,7 +56,7 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
              "optional": {"world_size": "integer"}},
     "checkpoint": {"required": {"step": "integer", "path": "string"}, "optional": {}},
     "validation": {"required": {"step": "integer", "loss": "number", "items": "integer"}, "optional": {}},
-    "stopped": {"required": {"step": "integer", "saved": "boolean"}, "optional": {"checkpoint": "string"}},
+    "stopped": {"required": {"saved": "boolean"}, "optional": {"step": "integer", "checkpoint": "string", "rank": "integer"}},
     "done": {"required": {"seconds": "number"}, "extra": True,
              "optional": {"encoded": "integer", "total": "integer", "skipped": "integer", "step": "integer",
                           "loss_first": ["number", "null"], "loss_last": ["number", "null"], "files": "array",
@@ -103,6 +104,31 @@ def validate_event(record: dict[str, Any]) -> list[str]:
     if event not in EVENT_SCHEMA:
         return [f"unknown event {event!r}"]
     return record_problems(event, EVENT_SCHEMA[event], COMMON_FIELDS, record, "EVENT_SCHEMA and docs/configuration.md")
+
+
+def step_losses(events: list[dict[str, Any]]) -> list[float]:
+    """The logged losses of the run's training history by step: each train attempt's steps replace
+    those at and after its first one (a resume continues the curve, a restart replaces it)."""
+    by_step: dict[int, float] = {}
+    fresh = True
+    for e in events:
+        if e.get("stage") != "train" or e["event"] not in ("start", "step"):
+            continue
+        if e["event"] == "start":
+            fresh = True
+            continue
+        if fresh:
+            by_step, fresh = {s: v for s, v in by_step.items() if s < e["step"]}, False
+        by_step[e["step"]] = float(e["loss"])
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def loss_ends(losses: list[float]) -> dict[str, float | None]:
+    """Means of the first and the last tenth of `losses` (one loss at least): the "loss a -> b" of the
+    train summary, the final manifest and `report`, all from the same logged steps."""
+    k = max(1, len(losses) // 10)
+    return {"loss_first": sum(losses[:k]) / k if losses else None,
+            "loss_last": sum(losses[-k:]) / k if losses else None}
 
 
 def describe_events() -> list[tuple[str, str, str]]:
@@ -153,7 +179,7 @@ class EventLog:
         return record
 
 
-_STYLES = {"warning": "yellow", "skipped": "yellow", "done": "green", "error": "red"}
+_STYLES = {"warning": "yellow", "skipped": "yellow", "done": "green", "error": "red", "stopped": "yellow"}
 
 
 def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple[str, str] | None:
@@ -171,6 +197,8 @@ def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple
         text = f"{stage} failed ({_count(warnings, 'warning')} before it; events in {run_dir / 'events.jsonl'})"
     elif event == "up_to_date" and record.get("notes"):  # a check asked of an up-to-date stage: its result
         text = f"{stage} up to date: " + "; ".join(record["notes"])
+    elif event == "stopped" and "step" not in record:  # train says where it stopped itself
+        text = f"{stage} stopped on request; what it wrote is kept ({_count(warnings, 'warning')} before it)"
     else:
         return None
     return text, _STYLES.get(event, "green")

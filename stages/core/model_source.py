@@ -56,8 +56,9 @@ class ModelSource:
     def path(self) -> Path:
         return Path(self.ref).expanduser()
 
-    def check(self, components: tuple[str, ...]) -> None:
-        """Fail early, naming the folder, when a local model lacks a component a stage needs."""
+    def check(self, components: tuple[str, ...], family: Any = None) -> None:
+        """Fail early, naming the folder, when a local model lacks a component a stage needs, or (given
+        the run's `family`) holds another family's denoiser."""
         if self.is_single_file:
             if not self.path.is_file():
                 raise ModelError(f"single-file checkpoint '{self.ref}' does not exist")
@@ -66,6 +67,10 @@ class ModelSource:
         if not self.is_local:
             require_hub(self.ref)
             return
+        if self.path.is_file():
+            raise ModelError(
+                f"model '{self.ref}' is a file, neither a diffusers pipeline folder (with model_index.json) nor a "
+                f"single-file checkpoint ({', '.join(SINGLE_FILE_SUFFIXES)}): point 'model' at one of those")
         if not self.path.is_dir():
             raise ModelError(
                 f"model '{self.ref}' does not exist. Set 'model' to a diffusers pipeline folder "
@@ -76,9 +81,33 @@ class ModelSource:
                 f"model folder '{self.ref}' is not a diffusers pipeline (no model_index.json). "
                 f"Point 'model' at the folder that holds model_index.json and the component subfolders"
             )
+        if family is not None:
+            self.check_family(family)
         for comp in components:
             if not (self.path / comp).is_dir():
                 raise ModelError(f"model folder '{self.ref}' has no '{comp}' subfolder, which this stage needs")
+
+    def check_family(self, family: Any) -> None:
+        """ModelError naming both when the folder's denoiser is not the class `family` trains (a FLUX folder
+        with family = "sdxl" would otherwise load T5 as a CLIP encoder and fail deep in transformers).
+        Only a local pipeline folder is checked (a hub id or single file is checked where it loads)."""
+        if self.is_single_file or not (self.path / "model_index.json").is_file():
+            return
+        index = json.loads((self.path / "model_index.json").read_text())
+        denoiser = family.denoiser_components[0]
+        held = index.get(denoiser)
+        held_class = held[1] if isinstance(held, list) and len(held) == 2 else None
+        if held_class == family.denoiser_class:
+            return
+        from stages.families import families_for
+
+        pipeline = index.get("_class_name", "an unknown pipeline")
+        fits = families_for(pipeline, {v[1] for v in index.values() if isinstance(v, list) and len(v) == 2})
+        other = f"point 'model' at a {family.pipeline_class} folder"
+        fix = f"set family = '{fits[0]}' (it trains this folder), or {other}" if fits else other
+        raise ModelError(f"model folder '{self.ref}' holds a {pipeline} ({denoiser}: {held_class or 'none'}), but "
+                         f"family = '{family.name}' trains a {family.pipeline_class} ({denoiser}: "
+                         f"{family.denoiser_class}): {fix}")
 
     def load(self, cls: Any, subfolder: str, **kwargs: Any) -> Any:
         """`cls.from_pretrained(ref, subfolder=...)`; a hub id that is not cached gives a clear error."""

@@ -1,11 +1,17 @@
 """How every command names its run: a run name (positional), or `--config`, plus `--artifacts`.
 
-    lorapipe train my-lora                     # the config saved as artifacts/my-lora/config.json
+    lorapipe train my-lora                     # the run's settings, saved as artifacts/my-lora/config.json
     lorapipe train --config configs/x.toml     # a preset (its `run` names the folder)
     lorapipe status my-lora --artifacts /data/runs
 
-With a config, a run name renames the run. With only a run name, the command reads the resolved
-config that the run's last stage saved beside its artifacts. Imports no torch.
+With a config, a run name renames the run. What a command may change of the run's settings:
+
+- `--config PRESET`, with the `--set`/`--model` on that line, defines them: a writing command saves
+  them as the run's `config.json`, and says what changed (stages/run_settings.py);
+- by name, `--set`/`--model` apply to that command only (`lorapipe config RUN --set k=v` saves one);
+- command flags (`--vram`, `--verify`, `--format`, `--ema`: `flags`) apply to that command only, always.
+
+Imports no torch.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_ARTIFACTS = "artifacts"
+# the key each command flag sets, to name the flag when its value is wrong
+FLAG_KEYS = {"gpu.vram_budget_gb": "--vram", "export.verify": "--verify", "export.format": "--format",
+             "export.ema": "--ema"}
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,8 @@ class RunSpec:
     artifacts: str | None = None
     model: str | None = None
     sets: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
+    """KEY=VALUE set by a command flag (--vram, --verify, ...): this command only, never saved."""
 
     def from_path(self) -> RunSpec:
         """RUN given as a run folder's path (`lorapipe inspect artifacts/my-lora`, `status runs/x/`): its last part
@@ -35,17 +46,34 @@ class RunSpec:
         path = Path(self.name)
         return dataclasses.replace(self, name=path.name, artifacts=str(path.parent)) if path.name else self
 
-    def _overrides(self) -> dict[str, Any]:
+    def with_flags(self, *flags: str) -> RunSpec:
+        return dataclasses.replace(self, flags=self.flags + flags)
+
+    def given(self, flags: bool = True) -> dict[str, tuple[str, Any]]:
+        """The keys the command line sets: {key: (the flag that set it, value)}, later ones winning."""
         from stages.core.config import parse_override
 
-        overrides = dict(parse_override(s) for s in self.sets)
+        out: dict[str, tuple[str, Any]] = {}
+        for text in self.sets:
+            key, value = parse_override(text)
+            out[key] = (f"--set {text}", value)
         if self.model:
-            overrides["model"] = self.model
+            out["model"] = (f"--model {self.model}", self.model)
+        for text in self.flags if flags else ():
+            key, value = parse_override(text)
+            out[key] = (f"{FLAG_KEYS.get(key, '--set')} {value}", value)
+        return out
+
+    def _overrides(self, flags: bool = True) -> dict[str, Any]:
+        overrides = {key: value for key, (_, value) in self.given(flags).items()}
         if self.artifacts:
             overrides["artifacts"] = self.artifacts
         if self.name:
             overrides["run"] = self.name
         return overrides
+
+    def _labels(self) -> dict[str, str]:
+        return {key: label for key, (label, _) in self.given().items()}
 
     def root(self) -> Path:
         """The artifact root to look in before any config is read."""
@@ -54,24 +82,45 @@ class RunSpec:
     def saved_config(self) -> Path:
         return self.root() / str(self.name) / "config.json"
 
+    def saved(self) -> dict[str, Any] | None:
+        """The run's saved settings (config.json), None when it has none."""
+        from stages.core.errors import ConfigError
+
+        saved = self.saved_config()
+        if not self.name or not saved.is_file():
+            return None
+        try:
+            return json.loads(saved.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{saved} is not valid JSON ({e}); pass --config <the run's preset>") from None
+
+    def by_name(self) -> bool:
+        return not self.config and bool(self.name)
+
+    def settings(self) -> Any:
+        """The run's settings as this command defines them: the preset with the line's --set/--model, or
+        (by name) the saved ones; without the command flags."""
+        return self._load(flags=False, one_off=False)
+
     def load(self) -> Any:
-        """The run's Config: the preset with overrides, or the run's saved config with overrides."""
+        """The Config this command runs with: the run's settings, and the command's own overrides."""
+        return self._load(flags=True, one_off=True)
+
+    def _load(self, flags: bool, one_off: bool) -> Any:
         from stages.core.config import load_config
         from stages.core.errors import ConfigError
 
-        overrides = self._overrides()
-        if self.config or not self.name:
-            return load_config(self.config, overrides)
-        saved = self.saved_config()
-        if not saved.is_file():
-            raise ConfigError(f"run '{self.name}' has no {saved} (no stage of it has finished under "
+        labels = self._labels()
+        if not self.by_name():
+            return load_config(self.config, self._overrides(flags), labels=labels)
+        data = self.saved()
+        if data is None:
+            raise ConfigError(f"run '{self.name}' has no {self.saved_config()} (no stage of it has run under "
                               f"'{self.root()}'): pass --config <its preset>, or --artifacts <the folder that holds it>")
-        try:
-            data = json.loads(saved.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{saved} is not valid JSON ({e}); pass --config <the run's preset>") from None
+        overrides = self._overrides(flags) if one_off else {"run": self.name}
         # found under root(): the run lives there, wherever its saved `artifacts` pointed
-        return load_config(None, {**flatten(data), "artifacts": str(self.root()), **overrides})
+        return load_config(None, {**flatten(data), **overrides, "artifacts": str(self.root())},
+                           source=str(self.saved_config()), labels=labels)
 
     def run_dir(self) -> Path:
         """The run's folder, without reading a saved config (for commands that only read files)."""
@@ -86,7 +135,15 @@ class RunSpec:
     def child_args(self) -> list[str]:
         """The same run for a child `pipeline.py <stage>`: the name first (a positional, which torchrun
         passes on untouched), then long options that no torchrun option starts with (`--run` would
-        be "ambiguous: --run-path")."""
+        be "ambiguous: --run-path"). Command flags pass as --once, which the child never saves."""
+        args = self.user_args()
+        for s in self.flags:
+            args += ["--once", s]
+        return args
+
+    def user_args(self) -> list[str]:
+        """The run as the user named it: RUN, --config, --artifacts, --model and every --set, for a
+        command the user can paste (stages.core.config.command)."""
         args = [self.name] if self.name else []
         args += ["--config", self.config] if self.config else []
         args += ["--artifacts", self.artifacts] if self.artifacts else []
@@ -96,10 +153,42 @@ class RunSpec:
         return args
 
 
+_INVOKED: list[RunSpec] = []
+
+
+def invoke(spec: RunSpec) -> RunSpec:
+    """Remember how this process's command named its run, for the commands its messages suggest."""
+    _INVOKED[:] = [spec]
+    return spec
+
+
+def invoked(run_dir: Path) -> RunSpec | None:
+    """The spec `invoke` remembered, when it names the run in `run_dir`."""
+    from stages.core.errors import UserError
+
+    try:
+        return next((s for s in _INVOKED if s.run_dir().absolute() == run_dir.absolute()), None)
+    except (UserError, OSError):
+        return None
+
+
+def command_for(run_dir: Path | None, name: str, *flags: str) -> str:
+    """A command line the user can paste for the run in `run_dir` (None: the run this process's command
+    named): as the command named it (RUN, --config, --artifacts, --model, --set), else by name and root."""
+    import shlex
+
+    if run_dir is None:
+        spec = _INVOKED[0] if _INVOKED else None
+        return shlex.join(["lorapipe", name, *(spec.user_args() if spec else ["RUN"]), *flags])
+    spec = invoked(run_dir)
+    if spec is not None:
+        return shlex.join(["lorapipe", name, *spec.user_args(), *flags])
+    return shlex.join(["lorapipe", name, run_dir.name, "--artifacts", str(run_dir.parent), *flags])
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"train": {"steps": 5}} -> {"train.steps": 5}: a saved config as dotted overrides."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
-

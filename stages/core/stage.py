@@ -11,14 +11,44 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from stages.core.artifacts import disk_full, fingerprint, read_manifest, stage_lock
-from stages.core.errors import UserError
+from stages.core.artifacts import disk_full, fingerprint, lock_holder_pid, read_manifest, stage_lock
+from stages.core.errors import StageLocked, UserError
 from stages.core.events import EventLog
+
+# The stages of a run, in order; what each one writes, and whose outputs it reads while it runs.
+STAGES = ("encode-captions", "cache-latents", "train", "export-lora")
+OPTIONAL_STAGES = ("sample",)  # `run` adds it when sample.after_train is set
+WRITES = {"encode-captions": "captions.zarr", "cache-latents": "latents.zarr", "train": "lora/",
+          "export-lora": "export/", "sample": "samples/"}
+READS = {"train": ("encode-captions", "cache-latents"), "export-lora": ("train",), "sample": ("train", "export-lora")}
+
+
+def conflicts(stage: str) -> list[str]:
+    """The stages that may not run beside `stage`: those that read what it writes, or write what it reads."""
+    return [other for other in STAGES + OPTIONAL_STAGES
+            if other in READS.get(stage, ()) or stage in READS.get(other, ())]
+
+
+def refuse_beside(cfg: Any, stage: str) -> None:
+    """StageLocked when a stage of the run that reads what `stage` writes, or writes what it reads, is
+    running (its lock is held): naming it, its pid and how to stop it."""
+    from stages.core.config import command
+
+    for other in conflicts(stage):
+        pid = lock_holder_pid(cfg.run_dir, other)
+        if pid is None:
+            continue
+        why = (f"reads {WRITES[stage]}, which {stage} writes" if stage in READS.get(other, ())
+               else f"writes {WRITES[other]}, which {stage} reads")
+        raise StageLocked(f"stage '{other}' of run '{cfg.run}' is running (pid {pid}) and {why}: wait for it to "
+                          f"finish, or stop it with `{command(cfg, 'stop')}`")
 
 
 @dataclass
@@ -38,7 +68,7 @@ class StageContext:
 
 
 @contextlib.contextmanager
-def running_stage(cfg: Any, stage: str) -> Iterator[StageContext]:
+def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = (), own_signals: bool = False) -> Iterator[StageContext]:
     """Join the torchrun job if any, hold the stage lock and log start / error for the body.
 
     Under torchrun only rank 0 takes the lock and writes events; the others wait at a barrier until
@@ -51,14 +81,34 @@ def running_stage(cfg: Any, stage: str) -> Iterator[StageContext]:
         allocator_for_cap(cfg.gpu.vram_budget_gb)
     with distributed.process_group(cfg.device) as dist:
         with stage_lock(cfg.run_dir, stage) if dist.is_main else contextlib.nullcontext():
+            if dist.is_main:  # both stages hold their own lock before they look: one of two racing ones refuses
+                refuse_beside(cfg, stage)
             distributed.barrier(dist)
-            with _logged(cfg, stage, dist) as ctx:
+            with _logged(cfg, stage, dist, rerun) as ctx, _sigterm_interrupts(not own_signals):
                 yield ctx
                 distributed.barrier(dist)
 
 
 @contextlib.contextmanager
-def _logged(cfg: Any, stage: str, dist: Any) -> Iterator[StageContext]:
+def _sigterm_interrupts(active: bool) -> Iterator[None]:
+    """SIGTERM (`lorapipe stop`, a supervisor) stops the stage as Ctrl-C does, by KeyboardInterrupt: every
+    block unwinds (the progress display gives the cursor back), a `stopped` event is logged and the rows
+    written are kept. (train reads its signals between steps itself: `own_signals`.)"""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _logged(cfg: Any, stage: str, dist: Any, rerun: tuple[str, ...]) -> Iterator[StageContext]:
+    """Start / error events around the stage; `rerun`: the flags of the command that continues it."""
+    from stages.core.config import command
+
     ctx = StageContext(cfg, stage, EventLog(cfg.run_dir, cfg.run, stage, enabled=dist.is_main), dist=dist)
     ctx.log.emit("start", pid=os.getpid(), world_size=dist.world_size)
     # Errors are logged by whichever rank meets them (an unreadable image may be in rank 1's share).
@@ -67,14 +117,14 @@ def _logged(cfg: Any, stage: str, dist: Any) -> Iterator[StageContext]:
     try:
         yield ctx
     except KeyboardInterrupt:
-        errors.emit("error", message="interrupted", **rank)
+        errors.emit("stopped", saved=True, **rank)
         raise
     except Exception as e:
         from stages.core.memory import translate_oom  # a CUDA OOM becomes a ResourceError (exit 2)
         from stages.core.runtime import translate_cudnn_crash  # so does a crash under the cuDNN attention opt-in
 
         full = (translate_oom(e, cfg, stage) or translate_cudnn_crash(e, cfg, stage)
-                or disk_full(e, cfg.run_dir, f" ({stage})"))  # a bare ENOSPC gets named
+                or disk_full(e, cfg.run_dir, f" ({stage})", command(cfg, stage, *rerun)))  # a bare ENOSPC gets named
         err = full or e
         errors.emit("error", message=str(err), item=getattr(e, "item", None), type=type(err).__name__, **rank)
         if full is not None:
@@ -94,7 +144,25 @@ def describe_change(key: str, old: Any, new: Any) -> str:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         return "; ".join(f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+    if all(isinstance(v, str) and len(v) == 16 and set(v) <= set("0123456789abcdef") for v in (old, new)):
+        return f"{key} was rebuilt since"  # another artifact's fingerprint: its hash says nothing to a user
+    if old is None or new is None:
+        return f"{key} {'was built since' if old is None else 'is missing'}"
     return f"{key}: {old!r} -> {new!r}"
+
+
+def changed_items(before: dict[str, str], now: dict[str, str], what: str) -> str:
+    """What changed among a stage's inputs, by file (item key -> content id, as built and as now):
+    'image of cat.png changed; 1 new image (dog.png); 1 removed (owl.png)'."""
+    from stages.core.dataset import listing
+
+    changed = sorted(k for k in now if k in before and before[k] != now[k])
+    new = sorted(k for k in now if k not in before)
+    gone = sorted(k for k in before if k not in now)
+    parts = [f"{what} of {listing(changed)} changed"] if changed else []
+    parts += [f"{len(new)} new {what}{'s' if len(new) > 1 else ''} ({listing(new)})"] if new else []
+    parts += [f"{len(gone)} removed ({listing(gone)})"] if gone else []
+    return "; ".join(parts) or f"{what}s changed"
 
 
 def staleness(stage_module: Any, cfg: Any) -> tuple[bool, list[str]]:
@@ -117,9 +185,10 @@ def freshness(stage_module: Any, cfg: Any) -> tuple[bool, list[str], str | None]
                        f"rerun it to finish (caches continue where they stopped; train continues with --resume)"], None
     if manifest is None:
         return False, ["never built (no manifest)"], None
-    if not manifest.get("complete", True):
-        return False, [manifest.get("incomplete_reason", "incomplete")], None
     parts = stage_module.fingerprint_parts(cfg)
+    if not manifest.get("complete", True):
+        changed = manifest.get("fingerprint") != fingerprint(parts) and getattr(stage_module, "other_settings", None)
+        return False, [changed and changed(cfg) or manifest.get("incomplete_reason", "incomplete")], None
     damaged_rows = getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])
     if manifest.get("fingerprint") == fingerprint(parts):
         damaged = damaged_rows(cfg, manifest)
@@ -128,7 +197,9 @@ def freshness(stage_module: Any, cfg: Any) -> tuple[bool, list[str], str | None]
         message = manifest["memory_forced"]["message"]
         return False, [message], None if damaged_rows(cfg, manifest) else message
     old = manifest.get("fingerprint_parts", {})
-    reasons = [describe_change(k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
+    describe = getattr(stage_module, "describe_change", lambda cfg, manifest, *change: describe_change(*change))
+    reasons = [describe(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts))
+               if old.get(k) != parts.get(k)]
     return False, reasons or ["fingerprint changed"], None
 
 

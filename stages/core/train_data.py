@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from stages.core import dataset
 from stages.core.artifacts import ArtifactError
 from stages.core.errors import ConfigError
 from stages.core.rowstore import DamagedRows, RowStore
+from stages.core.runspec import command_for
 from stages.core.schema import Bucket, control_count
 from stages.families.base import BatchMeta
 
@@ -170,13 +172,13 @@ class BucketSampler:
 
 
 def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_manifest: dict[str, Any],
-               run: str, datasets: list[Any] | None = None) -> list[Pair]:
+               run: str | Path, datasets: list[Any] | None = None) -> list[Pair]:
     """Pair every dataset item with its cached caption and latent rows, by id. Missing rows mean a
     cache is stale: refuse, naming the item and the stage to rerun. `datasets`: the run's
     DataConfigs (repeats, weight, caption_dropout of each item's dataset)."""
     cap_rows, lat_index = cap_manifest["rows"], lat_manifest["index"]
     skipped = {s["item"] for s in lat_manifest.get("skipped", [])}
-    stale_captions = (f"run `python pipeline.py encode-captions` for run '{run}'")
+    stale_captions = f"run `{_rerun(run, 'encode-captions')}`"
     pairs = []
     for it in items:
         if it.key in skipped:
@@ -185,7 +187,7 @@ def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_mani
             raise ArtifactError(f"caption of '{it.key}' is not in captions.zarr (it changed or is new): {stale_captions}")
         if it.latent_key not in lat_index:
             raise ArtifactError(f"image '{it.key}' is not in latents.zarr (it changed or is new): "
-                                f"run `python pipeline.py cache-latents` for run '{run}'")
+                                f"run `{_rerun(run, 'cache-latents')}`")
         data = datasets[it.dataset] if datasets else None
         dropout = data.caption_dropout if data else 0.0
         empty_id = it.empty_caption_id  # one shared row, or the item's (empty, controls) row
@@ -299,8 +301,13 @@ def _verified(store: RowStore, row: int, key: str, stage: str) -> dict[str, np.n
         return store.read_row(row)
     except DamagedRows as e:
         store.mark_unwritten(e.rows)
-        raise ArtifactError(f"{e}, item '{key}': the cache is damaged; run `python pipeline.py {stage} --config "
-                            f"<your config>` (it re-encodes exactly the damaged rows), then train again") from None
+        raise ArtifactError(f"{e}, item '{key}': the cache is damaged; run `{command_for(None, stage)}` (it "
+                            f"re-encodes exactly the damaged rows), then train again") from None
+
+
+def _rerun(run: str | Path, stage: str) -> str:
+    """The command that rebuilds a stale cache of `run` (a run folder, or a bare run name)."""
+    return command_for(run, stage) if isinstance(run, Path) else f"lorapipe {stage} {run}"
 
 
 def sample_posterior(mean: torch.Tensor, logvar: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,14 @@ def get_family(name: str) -> "Family":
     return getattr(importlib.import_module(module), cls)()
 
 
+def families_for(pipeline: str, classes: set[str]) -> list[str]:
+    """The families whose denoiser class is among a model folder's `classes`, the one whose pipeline
+    class is `pipeline` first."""
+    found = [(get_family(name).pipeline_class != pipeline, name) for name in FAMILIES
+             if get_family(name).denoiser_class in classes]
+    return [name for _, name in sorted(found)]
+
+
 def family_part(name: str, part: str = "") -> ModuleType:
     """A module of the family's folder ("" = the torch-free package itself, "tiny", "full")."""
     package = FAMILIES[name].split(":")[0].rsplit(".", 1)[0]

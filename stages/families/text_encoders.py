@@ -106,8 +106,10 @@ def require_tokens(lengths: list[int]) -> None:
     """A cached caption of 0 tokens is a damaged captions.zarr row (encoding always keeps the caption
     and template tokens): the fix is to rebuild that cache."""
     if min(lengths) == 0:
+        from stages.core.runspec import command_for
+
         raise ArtifactError("a caption in this batch has 0 tokens in captions.zarr (a damaged or foreign row): "
-                            "re-run `python pipeline.py encode-captions --force` with this config")
+                            f"rebuild it with `{command_for(None, 'encode-captions', '--force')}`")
 
 
 def trim_to_longest(embeds: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
