@@ -157,8 +157,8 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     if main:
         ensure_writable(cfg.run_dir)
         model_source(cfg).check_family(get_family(cfg.family))  # before the stage: one line, no failed stage
-    if force and name in ("encode-captions", "cache-latents"):
-        kwargs["force"] = True  # the stage deletes its cache once it has checked the config, under its lock
+    if force and name in ("encode-captions", "cache-latents", "export-lora"):
+        kwargs["force"] = True  # a cache stage deletes its cache once it has checked the config, under its lock
     manifest = module.run(cfg, **kwargs)
     if not main:
         return
@@ -229,7 +229,7 @@ def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: 
     flags = ((f"export.format={fmt}",) if fmt else ()) + (("export.verify=true",) if verify else ()) + (
         ("export.ema=true",) if ema else ())
     spec = invoke(spec.with_flags(*flags))  # this export only: the run's settings keep theirs
-    _run_stage("export-lora", _settled(spec), checkpoint=checkpoint, **({"force": True} if force else {}))
+    _run_stage("export-lora", _settled(spec), force, checkpoint=checkpoint)
 
 
 @cli.command("sample", epilog=examples("sample my-lora", "sample --config configs/flux-dev.toml"))

@@ -383,3 +383,17 @@ def test_export_kohya_with_verify_per_family(run_copy):
     else:
         assert export_lora.run(both)["files"] == ["pytorch_lora_weights.safetensors",
                                                   f"{run_copy.run}_comfyui.safetensors", kohya.KOHYA_FILE]
+
+
+def test_export_force_rewrites_an_up_to_date_export(run_copy):
+    """`export-lora --force` rewrites the files even when the export is up to date."""
+    import json
+
+    import pipeline
+
+    manifest = run_copy.run_dir / "export" / "manifest.json"
+    before = manifest.stat().st_ino
+    pipeline._run_stage("export-lora", run_copy)  # up to date: nothing rewritten
+    assert manifest.stat().st_ino == before
+    pipeline._run_stage("export-lora", run_copy, True)
+    assert manifest.stat().st_ino != before and json.loads(manifest.read_text())["files"]
