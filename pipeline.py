@@ -147,8 +147,7 @@ def cli() -> None:
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     from stages.core.config import command
     from stages.core.fsaccess import ensure_writable
-    from stages.core.model_source import model_source
-    from stages.families import get_family
+    from stages.families import check_model_family
     from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
 
     module = _stage_module(name)
@@ -156,7 +155,7 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     main = _launcher_rank() == 0
     if main:
         ensure_writable(cfg.run_dir)
-        model_source(cfg).check_family(get_family(cfg.family))  # before the stage: one line, no failed stage
+        check_model_family(cfg)  # before the stage starts: one line
     if force and name in ("encode-captions", "cache-latents", "export-lora"):
         kwargs["force"] = True  # a cache stage deletes its cache once it has checked the config, under its lock
     manifest = module.run(cfg, **kwargs)

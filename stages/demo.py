@@ -88,10 +88,10 @@ def run_demo(family: str = "flux", steps: int | None = None) -> None:
 
     build_assets(family)
     config = str(demo_config(family))
-    extra = ["--set", f"train.steps={steps}"] if steps else []
+    # the run's settings: the preset with these (both commands give the same, so the second changes none)
+    extra = [a for s in DEMO_SAMPLE + ((f"train.steps={steps}",) if steps else ()) for a in ("--set", s)]
     _pipeline("run", "--config", config, *extra)
-    sample_sets = [a for s in DEMO_SAMPLE for a in ("--set", s)]
-    _pipeline("run", "--only", "sample", "--config", config, *extra, *sample_sets)  # skipped when up to date
+    _pipeline("run", "--only", "sample", "--config", config, *extra)  # skipped when up to date
     cfg = load_config(config, {"train.steps": steps} if steps else None)
     _pipeline("report", cfg.run, "--artifacts", cfg.artifacts)
     print(f"demo: sample grid (base | checkpoints | LoRA) -> {cfg.run_dir / 'samples' / 'grid.png'}")

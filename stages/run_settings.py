@@ -23,7 +23,7 @@ from typing import Any
 
 from stages.core.artifacts import atomic_write_json, read_json
 from stages.core.config import load_config
-from stages.core.errors import UserError
+from stages.core.errors import ConfigError, UserError
 from stages.core.runspec import RunSpec, flatten
 from stages.core.stage import OPTIONAL_STAGES, READS, STAGES
 
@@ -96,6 +96,8 @@ def settle(spec: RunSpec, write: bool) -> list[str]:
     Returns the lines to show."""
     if spec.by_name():
         return preset_note(spec)
+    if not spec.config:  # neither a run nor a preset named: the defaults alone define no run to save
+        return []
     new = spec.settings()
     old = saved(new.run_dir)
     lines = describe(old, new) if old is not None else []
@@ -137,6 +139,8 @@ def _cmd(name: str, spec: RunSpec) -> str:
 
 def configure(spec: RunSpec, dry_run: bool) -> list[str]:
     """`lorapipe config`: show the run's settings, or change them (--set/--model by name, or a preset)."""
+    if not spec.name and not spec.config:
+        raise ConfigError("name the run: `lorapipe config my-lora [--set KEY=VALUE]`, or a preset with --config")
     new = spec.settings() if spec.config else spec.load()
     old = saved(new.run_dir)
     if old is None:

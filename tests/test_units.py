@@ -33,7 +33,7 @@ def test_unknown_key_names_the_nearest(tmp_path):
     assert str(p) in msg
     assert "'train.learnig_rate'" in msg and "did you mean 'train.learning_rate'" in msg
     assert "did you mean 'train.steps'" in msg
-    assert "unknown key 'dta'" in msg  # all errors at once
+    assert "unknown key 'dta.path' (did you mean 'data.path'?)" in msg  # all errors at once, a misspelt section by key
 
 
 def test_types_and_choices_are_checked(tmp_path):

@@ -475,6 +475,8 @@ def build_config(data: dict[str, Any], source: str = "<config>", labels: dict[st
             kwargs[key] = top_hints[key](**_coerced(value, _hints(top_hints[key]), f"{key}.", errors))
         elif key in top_hints:
             kwargs.update(_coerced({key: value}, top_hints, "", errors))
+        elif isinstance(value, dict):  # a misspelt section: name each key in it, e.g. 'trian.steps'
+            errors += [f"unknown key '{key}.{sub}'{_nearest(f'{key}.{sub}')}" for sub in value]
         else:
             errors.append(f"unknown key '{key}'{_nearest(key)}")
     cfg = Config(**kwargs)

@@ -193,6 +193,8 @@ def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple
         text = f"skipped '{record['item']}': {record['reason']}"
     elif event == "done":
         text = f"{stage} done in {record['seconds']:.1f} s: " + "; ".join(_summary_parts(record, warnings, run_dir))
+    elif event == "error" and _is_user_error(record.get("type")):
+        return None  # the CLI's one `error:` line says it all
     elif event == "error":
         text = f"{stage} failed ({_count(warnings, 'warning')} before it; events in {run_dir / 'events.jsonl'})"
     elif event == "up_to_date" and record.get("notes"):  # a check asked of an up-to-date stage: its result
@@ -202,6 +204,16 @@ def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple
     else:
         return None
     return text, _STYLES.get(event, "green")
+
+
+def _is_user_error(name: str | None) -> bool:
+    """Whether an error event's `type` is a UserError (the user's to fix), whose message the CLI prints."""
+    from stages.core.errors import UserError
+
+    def subclasses(cls: type) -> set[str]:
+        return {cls.__name__}.union(*(subclasses(c) for c in cls.__subclasses__()))
+
+    return name is not None and name in subclasses(UserError)
 
 
 def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[str]:

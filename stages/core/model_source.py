@@ -87,10 +87,11 @@ class ModelSource:
             if not (self.path / comp).is_dir():
                 raise ModelError(f"model folder '{self.ref}' has no '{comp}' subfolder, which this stage needs")
 
-    def check_family(self, family: Any) -> None:
+    def check_family(self, family: Any, fits: list[str] | None = None) -> None:
         """ModelError naming both when the folder's denoiser is not the class `family` trains (a FLUX folder
         with family = "sdxl" would otherwise load T5 as a CLIP encoder and fail deep in transformers).
-        Only a local pipeline folder is checked (a hub id or single file is checked where it loads)."""
+        Only a local pipeline folder is checked (a hub id or single file is checked where it loads).
+        `fits`: the families that do train this folder (stages.families.check_model_family finds them)."""
         if self.is_single_file or not (self.path / "model_index.json").is_file():
             return
         index = json.loads((self.path / "model_index.json").read_text())
@@ -99,10 +100,7 @@ class ModelSource:
         held_class = held[1] if isinstance(held, list) and len(held) == 2 else None
         if held_class == family.denoiser_class:
             return
-        from stages.families import families_for
-
         pipeline = index.get("_class_name", "an unknown pipeline")
-        fits = families_for(pipeline, {v[1] for v in index.values() if isinstance(v, list) and len(v) == 2})
         other = f"point 'model' at a {family.pipeline_class} folder"
         fix = f"set family = '{fits[0]}' (it trains this folder), or {other}" if fits else other
         raise ModelError(f"model folder '{self.ref}' holds a {pipeline} ({denoiser}: {held_class or 'none'}), but "

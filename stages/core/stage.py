@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from stages.core.artifacts import disk_full, fingerprint, lock_holder_pid, read_manifest, stage_lock
-from stages.core.errors import StageLocked, UserError
+from stages.core.errors import StageLocked
 from stages.core.events import EventLog
 
 # The stages of a run, in order; what each one writes, and whose outputs it reads while it runs.

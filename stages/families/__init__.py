@@ -43,12 +43,22 @@ def get_family(name: str) -> "Family":
     return getattr(importlib.import_module(module), cls)()
 
 
-def families_for(pipeline: str, classes: set[str]) -> list[str]:
-    """The families whose denoiser class is among a model folder's `classes`, the one whose pipeline
-    class is `pipeline` first."""
-    found = [(get_family(name).pipeline_class != pipeline, name) for name in FAMILIES
+def check_model_family(cfg: Any) -> None:
+    """ModelError when the run's local model folder holds another family's denoiser, naming both and
+    the family that trains it (stages.core.model_source.ModelSource.check_family)."""
+    import json
+
+    from stages.core.model_source import model_source
+
+    src, family = model_source(cfg), get_family(cfg.family)
+    index_file = src.path / "model_index.json"
+    if src.is_single_file or not index_file.is_file():
+        return
+    index = json.loads(index_file.read_text())
+    classes = {v[1] for v in index.values() if isinstance(v, list) and len(v) == 2}
+    found = [(get_family(name).pipeline_class != index.get("_class_name"), name) for name in FAMILIES
              if get_family(name).denoiser_class in classes]
-    return [name for _, name in sorted(found)]
+    src.check_family(family, [name for _, name in sorted(found)])
 
 
 def family_part(name: str, part: str = "") -> ModuleType:
