@@ -1,6 +1,6 @@
 """Stage 2: images -> artifacts/<run>/latents.zarr. Loads only the VAE.
 
-    python pipeline.py cache-latents --config configs/flux-dev.toml
+    lorapipe cache-latents --config configs/flux-dev.toml
 
 Each image goes to the aspect bucket nearest its shape. For each of `cache_variants` crop/flip
 variants (a seeded plan keyed by image id) the VAE posterior **mean and logvar** are stored, so every

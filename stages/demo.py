@@ -1,6 +1,6 @@
 """The built-in demo: tiny random-weight model + drawn-shapes dataset, every stage on CPU.
 
-    python pipeline.py demo [--family flux]        (what `make demo` runs)
+    lorapipe demo [--family flux]        (what `make demo` runs)
 
 Builds (once) a tiny model of the family's real architecture with the real diffusers/transformers
 classes and saves it as an ordinary pipeline folder under artifacts/demo-assets/, writes a small

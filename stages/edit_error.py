@@ -1,6 +1,6 @@
 """How close an edit family's sample outputs come to the dataset's targets (the sample stage's `edit_error`).
 
-    python pipeline.py sample --config configs/demo-flux-kontext.toml   # writes it into samples/manifest.json
+    lorapipe sample --config configs/demo-flux-kontext.toml   # writes it into samples/manifest.json
 
 For each column (base, checkpoints, LoRA) the mean squared error, over the sample rows and seeds,
 between the latent the pipeline decoded into that cell's image and the row's target image encoded by

@@ -1,6 +1,6 @@
 """Stage 1: captions -> artifacts/<run>/captions.zarr. Loads only tokenizers and text encoders.
 
-    python pipeline.py encode-captions --config configs/flux-dev.toml
+    lorapipe encode-captions --config configs/flux-dev.toml
 
 One row per distinct caption text, keyed by its content id. Incremental: rows already written for
 the same encoder and settings are kept, so editing one caption encodes one caption, and a killed

@@ -1,8 +1,8 @@
 """Offline report of a run's artifacts; no GPU and no model weights needed.
 
-    python pipeline.py inspect demo                     # rich tables
-    python pipeline.py inspect demo --json              # the same report for machines
-    python pipeline.py inspect demo --decode shapes/03.png --variant 2 [--sample --seed 1] --out x.png
+    lorapipe inspect demo                     # rich tables
+    lorapipe inspect demo --json              # the same report for machines
+    lorapipe inspect demo --decode shapes/03.png --variant 2 [--sample --seed 1] --out x.png
 
 Reads the manifests and zarr stores of artifacts/<run>/: items, buckets, variants, shapes and
 dtypes, bytes on disk, per-channel latent statistics beside the family's normalization (after which

@@ -1,7 +1,7 @@
 """`pipeline.py plan`: each stage's memory plan for a config and a GPU budget, without loading weights.
 
-    python pipeline.py plan --config configs/flux-dev.toml --vram 8          # a table
-    python pipeline.py plan --config configs/qwen-image.toml --vram 8 --json  # for scripts
+    lorapipe plan --config configs/flux-dev.toml --vram 8          # a table
+    lorapipe plan --config configs/qwen-image.toml --vram 8 --json  # for scripts
 
 Sizes come from the meta device (each component built from its config.json) and the activation
 estimates in stages/core/memory.py. `--vram auto` (or none) plans for the free memory of this

@@ -1,8 +1,8 @@
 """Training report: loss (raw and smoothed, and the held-out validation loss), learning rate and
 samples/s over steps, from events.jsonl.
 
-    python pipeline.py report demo                      # -> artifacts/demo/report.png + a summary
-    python pipeline.py report demo --out loss.png --smooth 0.95 --json
+    lorapipe report demo                      # -> artifacts/demo/report.png + a summary
+    lorapipe report demo --out loss.png --smooth 0.95 --json
 
 Reads only artifacts/<run>/events.jsonl (no torch, no model): works while training runs, or on a
 copy of the file from another machine. Drawn with PIL, so it needs no plotting library.

@@ -1,7 +1,7 @@
 """Stage 5 (optional): render prompts with the base model and with the trained LoRA -> samples/grid.png.
 
-    python pipeline.py sample --config configs/flux-dev.toml      # its own process, after export-lora
-    python pipeline.py run --config ... --set sample.after_train=true
+    lorapipe sample --config configs/flux-dev.toml      # its own process, after export-lora
+    lorapipe run --config ... --set sample.after_train=true
 
 Loads the whole pipeline (text encoders, VAE, denoiser: the one stage that needs them together, so
 it runs alone, after training has freed the GPU), renders every `sample.prompts` x `sample.seeds`

@@ -1,7 +1,7 @@
 """Several processes, one per GPU, through torch.distributed; started by torchrun or accelerate.
 
     torchrun --standalone --nproc-per-node 2 pipeline.py train --config configs/flux-dev.toml
-    python pipeline.py run --config configs/flux-dev.toml --gpus 2     (each stage through torchrun)
+    lorapipe run --config configs/flux-dev.toml --gpus 2     (each stage through torchrun)
 
 The launcher sets RANK, WORLD_SIZE and LOCAL_RANK (torchrun and `accelerate launch` both do); a
 process started without them is the usual single process and nothing here does any work. The

@@ -1,6 +1,6 @@
 """The denoiser's forward and backward replayed as CUDA graphs, one per batch shape.
 
-    LORAPIPE_CUDA_GRAPHS=off python pipeline.py train --config ...   # the eager path, to compare
+    LORAPIPE_CUDA_GRAPHS=off lorapipe train --config ...   # the eager path, to compare
 
 Why: at FLUX's LoRA shapes the step is bound by host work, not by the GPU. A FLUX step with
 gradient checkpointing runs ~500 Linears three times (forward, recompute, backward), each one a

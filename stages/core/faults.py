@@ -1,7 +1,7 @@
 """Fault injection for the crash tests: make a stage signal itself at a chosen point.
 
-    LORAPIPE_KILL_AFTER="cache-latents:3" python pipeline.py cache-latents -c my.toml   # SIGKILL after 3 rows
-    LORAPIPE_KILL_AFTER="train:4:TERM,mid-save:1:TERM" python pipeline.py train ...  # stop, 2nd signal mid-save
+    LORAPIPE_KILL_AFTER="cache-latents:3" lorapipe cache-latents -c my.toml   # SIGKILL after 3 rows
+    LORAPIPE_KILL_AFTER="train:4:TERM,mid-save:1:TERM" lorapipe train ...  # stop, 2nd signal mid-save
 
 The value is a comma-separated list of `<point>:<n>[:<signal>]`; when `point` is hit for the n-th
 time in this process, the process sends itself the signal (default KILL, which no handler can

@@ -1,6 +1,6 @@
 """A kohya/ComfyUI-keyed copy of a trained LoRA: `lora_unet_<module>.lora_down.weight`, `.lora_up.weight`, `.alpha`.
 
-    python pipeline.py export-lora --config configs/flux-dev.toml --format kohya
+    lorapipe export-lora --config configs/flux-dev.toml --format kohya
 
 Names come from the denoiser's diffusers module paths with dots turned into underscores
 (`transformer_blocks.0.attn.to_q` -> `lora_unet_transformer_blocks_0_attn_to_q`: `GENERIC`), which is

@@ -1,7 +1,7 @@
 """The memory planner: every stage asks it, before loading weights, which settings fit its GPU budget.
 
     cfg, plan = memory.plan_stage(cfg, family, "train", log)   # the budget applied, a `plan` event logged
-    python pipeline.py plan --config configs/flux-dev.toml --vram 8   # the same plans, as a table
+    lorapipe plan --config configs/flux-dev.toml --vram 8   # the same plans, as a table
 
 `gpu.vram_budget_gb`: "auto" is the free memory when the stage starts (`torch.cuda.mem_get_info`)
 less a safety margin; a number is a hard cap, enforced with `torch.cuda.set_per_process_memory_fraction`

@@ -1,6 +1,6 @@
 """`export-lora --verify`: load each exported file the way the family's pipeline does and check every key.
 
-    python pipeline.py export-lora --config configs/flux-dev.toml --verify [--format kohya]
+    lorapipe export-lora --config configs/flux-dev.toml --verify [--format kohya]
 
 The file goes through the pipeline class's own `lora_state_dict` (which converts kohya keys) and the
 denoiser's `load_lora_adapter`, the two calls `<Pipeline>.load_lora_weights()` makes for the

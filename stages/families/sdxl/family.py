@@ -1,6 +1,6 @@
 """SDXL (base 1.0 and compatible fine-tunes): two CLIP text encoders, 4-channel VAE, DDPM UNet.
 
-    python pipeline.py run --config configs/sdxl.toml
+    lorapipe run --config configs/sdxl.toml
 
 Checked against diffusers 0.42 `pipelines/stable_diffusion_xl/pipeline_stable_diffusion_xl.py` and
 `training_utils.compute_snr`, and the math of `examples/text_to_image/train_text_to_image_lora_sdxl.py`:
