@@ -256,16 +256,18 @@ def test_export_loads_into_stable_diffusion_xl_pipeline(built_run):
     assert keys and all(k.startswith("unet.") for k in keys), sorted(keys)[:3]
     assert {k.removeprefix("unet.") for k in keys} == set(adapter)
     stored = json.loads(metadata["lora_adapter_metadata"])  # the adapter config, under the UNet's prefix
-    assert stored["unet.r"] == adapter_cfg["r"] and stored["unet.lora_alpha"] == adapter_cfg["lora_alpha"]
+    # the trained scale (alpha / r != 1) is folded into lora_B: the file's alpha is the rank
+    assert stored["unet.r"] == adapter_cfg["r"] == stored["unet.lora_alpha"] != adapter_cfg["lora_alpha"]
 
     pipe = StableDiffusionXLPipeline.from_pretrained(str(run.model))
     pipe.load_lora_weights(str(export.parent), weight_name=export.name)
     state = get_peft_model_state_dict(pipe.unet, adapter_name="default_0")
     loaded = {k.replace(".default_0", ""): v for k, v in state.items()}
     assert set(loaded) == set(adapter), "missing or unexpected keys after load_lora_weights"
-    for k, v in adapter.items():
+    folded, _ = export_lora.scale_folded(adapter, adapter_cfg)
+    for k, v in folded.items():
         torch.testing.assert_close(loaded[k], v)
     scalings = {m.scaling["default_0"] for m in pipe.unet.modules() if "default_0" in getattr(m, "scaling", {})}
-    assert scalings == {adapter_cfg["lora_alpha"] / adapter_cfg["r"]} != {1.0}  # alpha != r survived the file
+    assert scalings == {1.0}  # with lora_B carrying alpha / r, every reader applies the trained delta
     for enc in (pipe.text_encoder, pipe.text_encoder_2):
         assert not any("lora" in n for n, _ in enc.named_parameters())
