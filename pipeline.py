@@ -473,10 +473,15 @@ def report_cmd(spec: RunSpec, out: str | None, smooth: float, as_json: bool) -> 
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
 @_guarded
 def plan_cmd(spec: RunSpec, vram: str | None, as_json: bool) -> None:
-    """Show each GPU stage's memory plan (precision, batch, tiling, offload, block swap) without loading weights."""
+    """Show each GPU stage's memory plan (precision, batch, tiling, offload, block swap) without loading weights.
+    Exits 2 when a stage cannot fit the budget (the JSON's `fits` says which), 0 when all fit."""
     from stages import plan
 
-    plan.run(_settled(spec, write=False), vram, as_json)
+    result = plan.run(_settled(spec, write=False), vram, as_json)
+    unfit = [s["stage"] for s in result["stages"] if not s["fits"]]
+    if unfit:
+        click.echo(f"plan: {', '.join(unfit)} cannot fit {result['budget_gb']:.2f} GB (notes above)", err=True)
+        raise SystemExit(2)
 
 
 @cli.command("config", epilog=examples("config my-lora", "config my-lora --set train.steps=2000 --dry-run",

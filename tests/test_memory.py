@@ -1018,3 +1018,18 @@ def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the
     monkeypatch.setattr("stages.core.faults.hit", _raise_at("train", 1, crash))
     result = CliRunner().invoke(cli, ["train", *args, "--force"])  # cuDNN attention off (the default)
     assert result.exit_code != 2 and isinstance(result.exception, torch.AcceleratorError)
+
+
+def test_plan_exits_2_when_a_stage_cannot_fit(assets, demo_data, tmp_path):
+    """A script or Makefile can tell from `plan`'s exit code whether every stage fits the budget."""
+    from click.testing import CliRunner
+
+    import pipeline
+
+    args = ["plan", "--config", str(demo_config_path("flux")), "--model", str(tiny_model(assets, "flux-dev")),
+            "--set", f"data.path={demo_data}", "--set", f"artifacts={tmp_path}", "--json"]
+    fits = CliRunner().invoke(pipeline.cli, [*args, "--vram", "8"])
+    assert fits.exit_code == 0 and json.loads(fits.stdout)["fits"], fits.output
+    unfit = CliRunner().invoke(pipeline.cli, [*args, "--vram", "0.001"])
+    assert unfit.exit_code == 2, unfit.output
+    assert not json.loads(unfit.stdout)["fits"] and "cannot fit 0.00 GB" in unfit.stderr
