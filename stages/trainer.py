@@ -26,7 +26,7 @@ from stages.core.errors import TrainingDiverged
 from stages.core.events import loss_ends, read_events, step_losses
 from stages.core.model_source import model_source
 from stages.core.profiling import StepProfiler
-from stages.core.runtime import alloc_retries, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
+from stages.core.runtime import alloc_retries, attention_notice, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
 
@@ -421,8 +421,10 @@ class Trainer:
                          disable_cudnn_attention=not self.tcfg.cudnn_attention) as notes:
             self.setup_model()
             self.attention = notes[0] if notes and self.rt.is_cuda else "default SDPA"
-            for note in notes if self.rt.is_cuda else []:
-                self.log.emit("warning", message=note)
+            capability = torch.cuda.get_device_capability(self.rt.device) if self.rt.is_cuda else None
+            notice = attention_notice(self.tcfg.cudnn_attention, capability)
+            if notice is not None:
+                self.log.emit("info", message=notice)
             start = self.resume() if resume else 0
             steps = distributed.all_gather(start, self.dist)
             if len(set(steps)) > 1:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import pytest
+from pathlib import Path
 import torch
 
 from conftest import FAMILIES, tiny_model
@@ -49,8 +50,22 @@ def test_torch_flags_set_and_restored():
         inside = global_flags()
         assert inside["float32_matmul_precision"] == "high" and inside["matmul_tf32"] and inside["cudnn_tf32"]
         assert inside["cudnn_benchmark"] is True and inside["cudnn_sdp"] is False
-        assert notes and "cuDNN SDPA is off" in notes[0]
+        assert notes and "cuDNN's is off" in notes[0]
     assert global_flags() == before
+
+
+def test_the_attention_notice_is_info_only_where_cudnn_would_run():
+    """Train notes that cuDNN attention is off only on a GPU where PyTorch would use it (Hopper and up),
+    and says nothing once it is allowed or off a GPU; the note is an info line, never a warning."""
+    from stages.core.events import EVENT_SCHEMA, terminal_line, validate_event
+    from stages.core.runtime import attention_notice
+
+    assert attention_notice(False, (9, 0)) and attention_notice(False, (10, 0))
+    assert attention_notice(True, (9, 0)) is None and attention_notice(False, (8, 0)) is None
+    assert attention_notice(False, None) is None
+    record = {"event": "info", "stage": "train", "message": attention_notice(False, (9, 0))}
+    assert "info" in EVENT_SCHEMA and terminal_line(record, 0, Path("."))[0].startswith("note: attention")
+    assert validate_event({"ts": 1.0, "run": "r", **record}) == []
 
 
 def test_torch_flags_restored_after_error():

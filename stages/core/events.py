@@ -26,6 +26,7 @@ EVENT_TYPES = {
     "preparing": "cache-build progress (done, total, encoded)",
     "skipped": "an input was skipped (item, reason)",
     "warning": "something the user should know (message)",
+    "info": "how the stage runs, for the record (message); not a warning",
     "step": "one optimizer step (step, loss, lr, samples_per_second, peak_vram_gb)",
     "checkpoint": "a resumable checkpoint was written (step, path)",
     "validation": "held-out loss with fixed noise per item (step, loss, items)",
@@ -51,6 +52,7 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
     "preparing": {"required": {"done": "integer", "total": "integer", "encoded": "integer"}, "optional": {}},
     "skipped": {"required": {"item": "string", "reason": "string"}, "optional": {}},
     "warning": {"required": {"message": "string"}, "optional": {"item": ["string", "null"]}},
+    "info": {"required": {"message": "string"}, "optional": {}},
     "step": {"required": {"step": "integer", "loss": "number", "lr": "number", "batch_size": "integer",
                           "samples_per_second": ["number", "null"], "peak_vram_gb": "number"},
              "optional": {"world_size": "integer"}},
@@ -179,7 +181,7 @@ class EventLog:
         return record
 
 
-_STYLES = {"warning": "yellow", "skipped": "yellow", "done": "green", "error": "red", "stopped": "yellow"}
+_STYLES = {"info": "dim", "warning": "yellow", "skipped": "yellow", "done": "green", "error": "red", "stopped": "yellow"}
 
 
 def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple[str, str] | None:
@@ -189,6 +191,8 @@ def terminal_line(record: dict[str, Any], warnings: int, run_dir: Path) -> tuple
     event, stage = record["event"], record["stage"]
     if event == "warning":
         text = f"warning: {record['message']}"
+    elif event == "info":
+        text = f"note: {record['message']}"
     elif event == "skipped":
         text = f"skipped '{record['item']}': {record['reason']}"
     elif event == "done":

@@ -109,16 +109,20 @@ def _set_flags(flags: dict[str, Any]) -> None:
     torch.backends.cuda.enable_cudnn_sdp(flags["cudnn_sdp"])
 
 
-ATTENTION_NOTE = ("attention: cuDNN SDPA is off for this stage (its backward pass crashed on torch 2.11 + "
-                  "CUDA 13.0 on an H200); PyTorch uses flash or memory-efficient SDPA instead "
-                  "(train.cudnn_attention = true opts in)")
+ATTENTION_NOTE = ("attention: flash or memory-efficient SDPA (cuDNN's is off in train; train.cudnn_attention = true "
+                  "allows it, faster on Hopper)")
 
 
-CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA is allowed (train.cudnn_attention = true): faster on Hopper; its backward "
-                     "gets each output gradient in one layout, against the crash FLUX.1 Kontext had without it (an illegal "
-                     "memory access, torch 2.11 + CUDA 13.0, H200); on the tiny test models it still gives NaN "
-                     "gradients (train then stops at the NaN loss); if a step dies or the loss turns NaN, set "
-                     "train.cudnn_attention = false and resume")
+CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA allowed (train.cudnn_attention = true), each output gradient in one "
+                     "layout; if a step dies or the loss turns NaN, set train.cudnn_attention = false and resume")
+
+
+def attention_notice(cudnn_attention: bool, capability: tuple[int, int] | None) -> str | None:
+    """The info line train shows about attention: only where cuDNN's SDPA is off (the default) on a GPU
+    where PyTorch would pick it (compute capability 9.0 and up); `capability` None: not on CUDA."""
+    if cudnn_attention or capability is None or capability[0] < 9:
+        return None
+    return ATTENTION_NOTE
 
 
 def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Exception | None:
