@@ -32,7 +32,7 @@ EXTRA = {
     "qwen-image-2.1": ("transformer_blocks.0.img_mlp.gate_layer", "transformer_blocks.0.img_mlp.proj", "modulation.1"),
     "z-image": ("layers.0.feed_forward.w1", "all_final_layer.2-1.linear", "noise_refiner.0.attention.to_q"),
     "krea2": ("text_fusion.layerwise_blocks.0.attn.to_q", "img_in", "final_layer.linear"),
-    "sdxl": ("add_embedding.linear_1", "down_blocks.1.resnets.0.time_emb_proj"),
+    "sdxl": ("add_embedding.linear_1", "down_blocks.1.resnets.0.time_emb_proj", "down_blocks.1.resnets.0.conv1"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
 ADAPTERS = ("lora", "dora", "lokr", "loha")
@@ -47,13 +47,15 @@ def _denoiser(folder, family):
     return model.float().eval(), config
 
 
-def _targets(model, family: str) -> list[str]:
-    """The family's default targets and its extras, as exact module paths (linear layers only)."""
+def _targets(model, family: str, adapter: str) -> list[str]:
+    """The family's default targets and its extras, as exact module paths (convs for LoRA and DoRA only:
+    peft's LoKr and LoHa make conv factors that have no LyCORIS form here)."""
     suffixes = get_family(family).default_lora_targets
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-             and (any(n == s or n.endswith("." + s) for s in suffixes) or n in EXTRA.get(family, ()))]
+    names = [n for n, m in model.named_modules() if (isinstance(m, torch.nn.Linear) and any(
+             n == s or n.endswith("." + s) for s in suffixes)) or n in EXTRA.get(family, ())]
     assert set(EXTRA.get(family, ())) <= set(names), set(EXTRA[family]) - set(names)
-    return names
+    convs = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)}
+    return [n for n in names if adapter in ("lora", "dora") or n not in convs]
 
 
 def trained(family: str, adapter: str, folder):
@@ -64,7 +66,7 @@ def trained(family: str, adapter: str, folder):
     from stages.core.lora import config_dict
 
     model, config = _denoiser(folder, family)
-    targets = _targets(model, family)
+    targets = _targets(model, family, adapter)
     patterns = {"rank_pattern": {targets[0]: 2}, "alpha_pattern": {targets[-1]: 3.0}}
     cfg = lora_config(RANK, ALPHA, 0.0, targets, adapter, **patterns)
     base = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in targets}

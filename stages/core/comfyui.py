@@ -243,7 +243,10 @@ def _dora(dora_scale: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor) -
         norm = w.reshape(w.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (w.dim() - 1))
     else:
         norm = calc.transpose(0, 1).reshape(calc.shape[1], -1).norm(dim=1).reshape(1, -1, *[1] * (w.dim() - 2))
-    return calc * (dora_scale.reshape(norm.shape) / (norm + torch.finfo(weight.dtype).eps)) - w
+    scaled = calc * (dora_scale / (norm + torch.finfo(weight.dtype).eps))  # broadcast as ComfyUI does, in place
+    if scaled.shape != calc.shape:
+        raise ComfyError(f"its dora_scale {tuple(dora_scale.shape)} does not broadcast over the weight {tuple(calc.shape)}")
+    return scaled - w
 
 
 def swap_halves(t: torch.Tensor) -> torch.Tensor:

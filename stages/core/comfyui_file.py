@@ -30,14 +30,14 @@ def comfyui_file_name(run: str, checkpoint: int | None = None) -> str:
 
 
 def lora_parts(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """peft LoRA/DoRA state dict -> module path -> {"A", "B", and "m" for DoRA's magnitude}."""
+    """peft LoRA/DoRA state dict -> module path -> {"A", "B", and "m" for DoRA's magnitude, one per output}."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         m = re.fullmatch(r"(.+)\.(lora_A\.weight|lora_B\.weight|lora_magnitude_vector(?:\.weight)?)", key)
         if m is None:
             raise ComfyError(f"adapter key '{key}' is not a LoRA or DoRA weight; the adapter file is damaged")
-        modules.setdefault(m.group(1), {})[m.group(2)[:6].replace("lora_A", "A").replace("lora_B", "B")
-                                           .replace("lora_m", "m")] = tensor.float()
+        part = {"lora_A": "A", "lora_B": "B", "lora_m": "m"}[m.group(2)[:6]]
+        modules.setdefault(m.group(1), {})[part] = tensor.float().reshape(-1) if part == "m" else tensor.float()
     return dict(sorted(modules.items()))
 
 
@@ -130,7 +130,7 @@ def _module_tensors(deltas: TrainedDeltas, module: str, native: Native) -> dict[
             raise ComfyError(f"'{module}' is a DoRA module: its ComfyUI form needs the base weights")
         weight = deltas.base(module).float()
         calc = weight + _lora_delta(parts, scale)
-        dora_scale = (parts["m"] * _row_norms(weight) / _row_norms(calc)).reshape(-1, 1)
+        dora_scale = (parts["m"] * _row_norms(weight) / _row_norms(calc)).reshape(-1, *[1] * (weight.dim() - 1))
         out["dora_scale"] = swap_halves(dora_scale) if native.swap else dora_scale
     return out
 
