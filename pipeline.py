@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import click
 
-from stages.core.runspec import RunSpec, invoke
+from stages.core.runspec import RunSpec, forget, invoke
 from stages.core.stage import OPTIONAL_STAGES, STAGES
 from stages.families import FAMILIES
 
@@ -84,6 +84,8 @@ def _guarded(f: Callable[..., None]) -> Callable[..., None]:
             sys.exit(130)
         except Exception as e:  # noqa: BLE001 - _fail re-raises what is not the user's
             _fail(e)
+        finally:
+            forget()
     return wrapper
 
 

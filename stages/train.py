@@ -5,9 +5,11 @@
 Each step: draw a batch from one bucket, pick a random cached variant per item, draw a fresh latent
 sample mean + exp(logvar/2) * eps, normalize it as the family's VAE does, and take one denoiser
 forward over the whole batch. Writes lora/checkpoint-<step>/ (resumable) and lora/final/.
-Stop with Ctrl-C, SIGTERM or `lorapipe stop <run> [--no-save]`; `--resume` continues. A plain
-`train` refuses to start over an unfinished run of the same config (it names both commands);
-`--restart` starts over and sets the old checkpoints aside (stages/checkpoints.py).
+Stop with Ctrl-C, SIGTERM or `lorapipe stop <run> [--no-save]`; `--resume` continues. Nothing starts
+over unasked: a finished run of these settings is up to date (skipped); a plain `train` over an
+unfinished one refuses and names `--resume` and `--restart`; over a training of other settings, plain
+and `--resume` alike refuse, naming what differs. `--restart` starts over and sets the old
+checkpoints aside (stages/checkpoints.py), which `status` lists until they are removed.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ once = pytest.mark.parametrize("built_run", [ONE_FAMILY], indirect=True)
 # other than loadfile, nothing does.
 SLOW_FILES = ("test_family.py", "test_inspect_sample_report.py", "test_bench_runner.py",  # 94, 64, 56 s
               "test_edit_demo.py", "test_e2e.py", "test_distributed.py",  # ~50 s each
-              "test_bench_report.py", "test_bench_staged.py", "test_kohya_verify.py", "test_resume.py")  # 20-26 s
+              "test_bench_report.py", "test_bench_staged.py", "test_kohya_verify.py", "test_resume.py",  # 20-26 s
+              "test_run_state.py")
 
 
 def _family_of(nodeid: str) -> str | None:

@@ -267,6 +267,12 @@ def test_resume_with_another_process_count_is_refused(trained):
     from stages import train
     from stages.core.artifacts import ArtifactError
 
-    cfg = trained["two_stopped"]
+    import dataclasses
+    import shutil
+
+    done = trained["two_stopped"]  # finished by two processes: a copy without lora/final is unfinished
+    cfg = dataclasses.replace(done, run="two-unfinished")
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    shutil.copytree(done.run_dir, cfg.run_dir, ignore=shutil.ignore_patterns("final", ".*.lock"))
     with pytest.raises(ArtifactError, match="written by 2 process"):
         train.run(cfg, resume=True)

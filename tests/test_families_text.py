@@ -223,7 +223,7 @@ def test_zero_token_caption_rows_are_an_artifact_error():
     """A cached caption of 0 tokens can only be a damaged captions.zarr row: the message says how to rebuild."""
     from stages.families.text_encoders import require_tokens, trim_to_longest
 
-    with pytest.raises(ArtifactError, match="encode-captions --force"):
+    with pytest.raises(ArtifactError, match=r"`lorapipe encode-captions .+ --force`"):
         require_tokens([5, 0])
     with pytest.raises(ArtifactError, match="0 tokens in captions.zarr"):
         trim_to_longest(torch.zeros(2, 4, 3), torch.tensor([0, 0]))

@@ -117,7 +117,7 @@ def _cfg(assets, data, root, run):
                                                            "train.checkpoint_every": 0})
 
 
-def _train(cfg) -> tuple[list[float], dict]:
+def _train(cfg, restart: bool = False) -> tuple[list[float], dict]:
     from safetensors.torch import load_file
 
     from stages import cache_latents, encode_captions, train
@@ -125,7 +125,7 @@ def _train(cfg) -> tuple[list[float], dict]:
 
     encode_captions.run(cfg)
     cache_latents.run(cfg)
-    train.run(cfg)
+    train.run(cfg, restart=restart)
     events = [e for e in read_events(cfg.run_dir) if e["stage"] == "train"]
     start = max(i for i, e in enumerate(events) if e["event"] == "start")
     losses = [e["loss"] for e in events[start:] if e["event"] == "step"]
@@ -182,7 +182,7 @@ def test_masks_end_to_end(assets, demo_data, tmp_path):
         left, right = masks[k][:, : masks.shape[-1] // 4].mean(), masks[k][:, -masks.shape[-1] // 4:].mean()
         assert (left < right) if v.flip else (left > right), f"variant {k} (flip={v.flip}) is cut the wrong way"
     assert {int(f) for f in row["flip"]} == {0, 1}  # both orientations were checked
-    masked_losses, masked_adapter = _train(cfg)
+    masked_losses, masked_adapter = _train(cfg, restart=True)  # its caches changed: train starts over
     assert len(masked_losses) == 3 and all(np.isfinite(masked_losses)) and masked_losses != losses
 
     # stopped after step 1 and resumed: the masked run's adapter is bit-identical to the whole run's

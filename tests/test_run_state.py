@@ -82,8 +82,10 @@ def test_train_on_a_finished_run_is_up_to_date_and_other_settings_refuse(built_r
     assert "train.learning_rate: 0.002 -> 0.001" in changed.output and "--restart" in changed.output
     assert sorted(p.name for p in lora.iterdir()) == before and not train_events(cfg, "step")
 
-    restarted = invoke("train", *by_name(cfg), "--set", "train.learning_rate=0.001", "--set", "train.steps=2", "--restart")
-    assert restarted.exit_code == 0, restarted.output
+    restart = suggested(changed.output)  # with the command's own --set: the settings it was refused for
+    assert restart == [f"lorapipe train finished --artifacts {cfg.artifacts} --set train.learning_rate=0.001 --restart"]
+    restarted = paste(restart[0])
+    assert restarted.exit_code == 0 and train_events(cfg, "done"), restarted.output
     aside = [p for p in lora.iterdir() if p.name.startswith(".restarted-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == before
     status = invoke("status", *by_name(cfg))
@@ -168,6 +170,9 @@ def test_resume_after_a_settings_change_refuses_and_names_the_keys(built_run, mo
     assert resumed.exit_code == 2, resumed.output
     assert "train.steps: 6 -> 4" in resumed.output and "--restart" in resumed.output
     assert sorted(p.name for p in (cfg.run_dir / "lora").iterdir()) == lora and len(train_events(cfg, "step")) == steps
+    restart = suggested(resumed.output)
+    assert len(restart) == 1 and paste(restart[0]).exit_code == 0
+    assert train_events(cfg, "done")[-1]["step"] == 4
 
 
 # ---- 5. the preset and the run never silently disagree ------------------------------------------------------

@@ -153,13 +153,25 @@ class RunSpec:
         return args
 
 
-_INVOKED: list[RunSpec] = []
+_INVOKED: list[RunSpec] = []  # how the running command named its run
+_WORKING_ON: list[Path] = []  # the run a stage of this process works on
 
 
 def invoke(spec: RunSpec) -> RunSpec:
     """Remember how this process's command named its run, for the commands its messages suggest."""
     _INVOKED[:] = [spec]
     return spec
+
+
+def forget() -> None:
+    """The command is over: its run is no longer this process's (a test runs many in one process)."""
+    _INVOKED.clear()
+    _WORKING_ON.clear()
+
+
+def working_on(run_dir: Path) -> None:
+    """A stage starts on the run in `run_dir`: a suggestion that cannot name its run names this one."""
+    _WORKING_ON[:] = [run_dir]
 
 
 def invoked(run_dir: Path) -> RunSpec | None:
@@ -177,9 +189,9 @@ def command_for(run_dir: Path | None, name: str, *flags: str) -> str:
     named): as the command named it (RUN, --config, --artifacts, --model, --set), else by name and root."""
     import shlex
 
-    if run_dir is None:
-        spec = _INVOKED[0] if _INVOKED else None
-        return shlex.join(["lorapipe", name, *(spec.user_args() if spec else ["RUN"]), *flags])
+    if run_dir is None and _INVOKED:
+        return shlex.join(["lorapipe", name, *_INVOKED[0].user_args(), *flags])
+    run_dir = run_dir or (_WORKING_ON[0] if _WORKING_ON else Path(DEFAULT_ARTIFACTS) / "RUN")
     spec = invoked(run_dir)
     if spec is not None:
         return shlex.join(["lorapipe", name, *spec.user_args(), *flags])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from stages.core.artifacts import disk_full, fingerprint, lock_holder_pid, read_manifest, stage_lock
-from stages.core.errors import StageLocked
+from stages.core.errors import StageLocked, UserError  # noqa: F401 - UserError is imported from here too
 from stages.core.events import EventLog
 
 # The stages of a run, in order; what each one writes, and whose outputs it reads while it runs.
@@ -76,7 +76,9 @@ def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = (), own_signals
     together, after rank 0 has written its outputs."""
     from stages.core import distributed
     from stages.core.memory import allocator_for_cap
+    from stages.core.runspec import working_on
 
+    working_on(cfg.run_dir)
     if cfg.device != "cpu":  # before anything starts CUDA (the process group's device, the plan's free memory)
         allocator_for_cap(cfg.gpu.vram_budget_gb)
     with distributed.process_group(cfg.device) as dist:
@@ -144,10 +146,9 @@ def describe_change(key: str, old: Any, new: Any) -> str:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         return "; ".join(f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
-    if all(isinstance(v, str) and len(v) == 16 and set(v) <= set("0123456789abcdef") for v in (old, new)):
-        return f"{key} was rebuilt since"  # another artifact's fingerprint: its hash says nothing to a user
-    if old is None or new is None:
-        return f"{key} {'was built since' if old is None else 'is missing'}"
+    if any(isinstance(v, str) and len(v) == 16 and set(v) <= set("0123456789abcdef") for v in (old, new)):
+        # another artifact's fingerprint: its hash says nothing to a user
+        return f"{key} {'was rebuilt since' if old and new else 'was built since' if new else 'is missing'}"
     return f"{key}: {old!r} -> {new!r}"
 
 
