@@ -464,7 +464,7 @@ over its measured row of the same precision with no block swapped (block swap's 
 def dtype_section(d: dict[str, Any]) -> str:
     """bench/dtype_probe.py: one eager nf4 step per input dtype, and the profile of a checkpointed one."""
     out = [f"## Probe: {d['family']} nf4 step, eager, {d['res']} px b1 ({d.get('device', '?')})\n",
-           "`python bench/dtype_probe.py --family " + d["family"] + f" --res {d['res']}` "
+           "`python bench/dtype_probe.py --family " + d["family"] + f" --res {d['res']}`. "
            f"diffusers' `model.dtype` is {d['model.dtype']}; `lora.base_dtype` is {d['base_dtype']}.\n",
            "| inputs cast to | step s (median) | peak GB | loss |", "|---|---|---|---|"]
     out += [f"| {name} | {r['step_s_median']} | {r['peak_gb']} | {r['loss']:.6f} |" for name, r in d["rows"].items()]
