@@ -132,11 +132,24 @@ def keep_only(family: str) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def gpu_count() -> int:
+    try:
+        return len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines())
+    except OSError:
+        return 0
+
+
 def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float) -> None:
+    need = rows[0].gpus if isinstance(rows[0], Script) else 1
+    if need > 1 and gpu_count() < need:
+        print(f"[run] {suite}/{rows[0].key}: needs {need} GPUs (the nvidia-h200-x{need} machine); not run", flush=True)
+        return
     stage = logs / "staging"
     stage.mkdir(parents=True, exist_ok=True)
     out = stage / f"{rows[0].key}.json"
     out.unlink(missing_ok=True)
+    if isinstance(rows[0], Peers):  # rows of one shape share peers.sh's file name: never read an earlier row's
+        peers_file(rows[0], stage).unlink(missing_ok=True)
     cmd, env = command(rows, out, left - 10)
     if isinstance(rows[0], (Bench, Memory)):
         keep_only(rows[0].family)
