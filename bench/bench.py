@@ -2,7 +2,7 @@
 
     python bench/bench.py run --out $OUT/bench.json            # on the H200 machine (all families present)
     python bench/bench.py run --tiny --out /tmp/bench.json     # the same plumbing on tiny models, on CPU
-    python bench/bench.py report bench/results/*.json --write bench/RESULTS.md
+    python bench/bench.py report --write /tmp/RESULTS.md        # every file of bench/results, latest per row
 
 `run` builds each family's full-size pipeline from bench/full_configs.py (random bf16 weights, made
 on the GPU, saved as an ordinary diffusers folder on local disk or /dev/shm), writes a synthetic
@@ -420,8 +420,8 @@ class Runner:
 
     def ensure_upstream(self, fam: str, item: Item, items: list[Item]) -> None:
         """An export needs its run's trained adapter and a verify its export. When an earlier call measured
-        those (--skip-done) on a machine since given back, they are rebuilt here, recorded as reruns (O3 and
-        O4 of 2026-12-02 lost their verify rows to this)."""
+        those (--skip-done) on a machine since given back, they are rebuilt here, recorded as reruns (a verify
+        row on a fresh machine otherwise finds no export to check)."""
         if item.kind not in ("export", "verify"):
             return
         rd = self.run_dir(run_name(fam, item))
@@ -561,7 +561,7 @@ def stage_manifest(run_dir: Path, kind: str) -> Path:
 
 def finished_before_kill(run_dir: Path, kind: str, since: float, steps: int) -> bool:
     """A train stage that wrote its complete final manifest in this call, then was killed while its process
-    was exiting (the Kontext bf16 side-by-side row of 2026-12-01: "train done in 65.7 s", then the budget's
+    was exiting (a Kontext bf16 side-by-side row: "train done in 65.7 s", then the budget's
     kill): its row is read from that manifest, with a note."""
     final = stage_manifest(run_dir, "train")
     if kind != "train" or not final.exists() or final.stat().st_mtime < since:
@@ -693,7 +693,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--components", default="", help="comma list of modules to build into the folder (a staged "
                    "build: model_index.json and the weightless parts are written too; nothing else is built)")
     p = sub.add_parser("report", help="results JSON files -> bench/RESULTS.md and bench/APPENDIX.md")
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="*", help="default: every file under bench/results (bench/report.py result_files)")
     p.add_argument("--write", default="")
     return ap
 
@@ -704,9 +704,9 @@ def main() -> None:
         build(args.family, Path(args.folder), Path(args.counts), args.tiny, [c for c in args.components.split(",") if c])
         return
     if args.cmd == "report":
-        from bench.report import write_report
+        from bench.report import result_files, write_report
 
-        docs = write_report([Path(f) for f in args.files])
+        docs = write_report([Path(f) for f in args.files] or result_files())
         for name, text in docs.items():  # RESULTS.md at --write, the appendix beside it
             Path(args.write).with_name(name).write_text(text) if args.write else print(text)
         return

@@ -41,8 +41,8 @@ CASES = {
     # leaves a partial 128-wide tile and a row's logsumexp is very negative (NVIDIA/cudnn-frontend#1072 and the pull
     # request #628 it cites; pytorch/pytorch#196678, there with a mask); 32 tokens leave one, 128 none, and so do Kontext's 8,704 and klein's 4,608 at 1024 px
     "tiny-widths-128-guard": (72, False, 2, True, (2, 16, 56)),
-    # the tiny test models' own 32 tokens (one 4x4 image, no control, and 16 text tokens): KM found the guarded probe
-    # right at 48 (bench/results/cudnn-flux-probe-grads-h200.json) where the whole tiny models' step gives NaN
+    # the tiny test models' own 32 tokens (one 4x4 image, no control, and 16 text tokens): the guarded probe
+    # ran right at 48 (bench/results/cudnn-flux-probe-grads-h200.json) where the whole tiny models' step gives NaN
     "tiny-32-guard": (16, False, 2, True, (2, 16, 16)),
     "tiny-32": (16, False, 2, False, (2, 16, 16)),
     "tiny": (32, True, 1, True),  # plumbing (PROBE_DEVICE=cpu)

@@ -91,7 +91,7 @@ def build_full_pipeline(family: str, folder: str | Path, device: str = "cuda",
 def denoiser_flops(family: str, batch: int, latent_hw: tuple[int, int], text_tokens: int) -> dict[str, float]:
     """Forward FLOPs of one denoiser call on the meta device: every Linear (2 * in * out per row it
     sees) and the attention products (the family's `attention_flops`; DiT families only). Also the
-    issue's rule of thumb 2 * params * tokens."""
+    usual rule of thumb 2 * params * tokens."""
     model = build_module(family, denoiser_name(family), "meta")
     params = sum(p.numel() for p in model.parameters())
     linear = [0]

@@ -4,7 +4,7 @@ under simulated small cards, run through the product's own stage commands.
     python bench/memory.py run --families flux,qwen-image --out $OUT/memory.json --budget-s 400
     python bench/memory.py run --families flux --budgets auto,6 --res 512 --out $OUT/memory-512.json   # 512 px rows
     python bench/memory.py run --tiny --out /tmp/memory.json          # the plumbing, tiny models, CPU
-    python bench/memory.py report bench/results/memory-*.json         # markdown, one table per family
+    python bench/memory.py report bench/results/memory*.json bench/results/memory*/*.json        # markdown, one table per family
     python bench/memory.py plan --families qwen-image,flux --budgets 8,6 --res 512,1024   # train plans, CPU, no weights
 
 For each family it builds the full-size random-weight pipeline (as `bench/bench.py build`, into
@@ -90,7 +90,7 @@ class MemoryRunner(Runner):
         rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
         row: dict[str, Any] = {"family": fam, "resolution": res, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                                "rc": rc, "wall_s": wall}
-        note = self.finished_note(fam, item, run_dir, rc, t0)  # killed while exiting (Y's FLUX 512 px 6 GB row)
+        note = self.finished_note(fam, item, run_dir, rc, t0)  # killed while exiting, after its last step
         if note:
             row["note"] = note
         elif rc != 0:  # the plan it ran and the warnings before it failed (a failed capture, say), where logged
@@ -234,10 +234,20 @@ def _unswapped(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] 
 
 
 def _stamped(files: list[Path]) -> list[list[dict[str, Any]]]:
-    """Each call's rows, oldest call first, each row with the UTC time of the call that measured it."""
-    data = sorted((json.loads(f.read_text()) for f in files), key=lambda d: d.get("meta", {}).get("date_utc", ""))
-    return [[{**r, "measured_utc": d.get("meta", {}).get("date_utc", ""), "variant": _variant(d.get("meta", {}).get("command", ""))}
-             for r in d["items"]] for d in data]
+    """Each call's rows, oldest call first, each row with the UTC time of the call that measured it. The
+    per-row files bench/run.py splits one call into (same meta) are read back as that one call, so a
+    "same plan" row finds the row it names."""
+    calls: dict[str, list[dict[str, Any]]] = {}
+    metas: dict[str, dict[str, Any]] = {}
+    for f in files:
+        d = json.loads(f.read_text())
+        meta = d.get("meta", {})
+        call = json.dumps([meta.get("date_utc"), meta.get("command")]) if meta.get("date_utc") else str(f)
+        metas[call] = meta
+        calls.setdefault(call, []).extend(d["items"])
+    order = sorted(calls, key=lambda c: metas[c].get("date_utc", ""))
+    return [[{**r, "measured_utc": metas[c].get("date_utc", ""), "variant": _variant(metas[c].get("command", ""))}
+             for r in calls[c]] for c in order]
 
 
 def _table_rows(stamped: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -28,14 +28,30 @@ TARGETS = """| target | measured | met? |
 {rows}"""
 
 
+def result_files(root: Path = Path(__file__).with_name("results")) -> list[Path]:
+    """Every result file: the suites' per-row files (results/<suite>/<row key>.json) and the files of
+    the runs made before the suites (results/*.json, kept as the measured record); results/archive/
+    holds superseded ones the report leaves out."""
+    return sorted(root.glob("*.json")) + sorted(p for p in root.glob("*/*.json") if p.parent.name != "archive")
+
+
+def row_key(row: dict[str, Any]) -> str:
+    """What a bench row measures: its item id names the family, the stage, and for a train row the base
+    precision, px, batch and settings tag ("flux/train/nf4-512-b4-compile"; bench rows run unconstrained,
+    with no budget); a rerun of an item ("...#rerun") measures that item."""
+    return row["id"].split("#")[0]
+
+
 def load(files: list[Path]) -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """(meta of the first file, item id -> its latest ok/failed row, every meta) across calls."""
+    """(meta of the first call, row key -> its latest measurement, every call's meta, oldest first). Calls
+    are read in the order they ran (meta.date_utc), whatever their files are named, so a later ok row of a
+    key replaces an earlier one; a failed or cut-off row shows only where the key has no ok row."""
     metas, items = [], {}
-    for f in files:
-        data = json.loads(f.read_text())
+    loaded = [(f, json.loads(f.read_text())) for f in files]
+    for f, data in sorted(loaded, key=lambda fd: str(fd[1].get("meta", {}).get("date_utc", ""))):
         metas.append({**data["meta"], "file": f.name, "builds": data.get("builds", {})})
         for row in data["items"]:
-            rid = row["id"].split("#")[0]
+            rid = row_key(row)
             if row["status"] == "failed" and row.get("rc") == -9:  # killed at the --budget-s deadline
                 row = {**row, "status": "cut off (budget)"}
             if row["status"] == "ok" or rid not in items or items[rid]["status"] != "ok":
@@ -393,7 +409,7 @@ def write_report(files: list[Path]) -> dict[str, str]:
     """{"RESULTS.md": targets and one headline table per family, "APPENDIX.md": every table, profile
     and run}; both from the result files alone (plus the hand-written bench/analysis.md)."""
     kinds: dict[str, list[Any]] = {"bench": [], "probe": [], "meta": [], "multigpu": [], "memory": [], "fp8": [],
-                                   "peers": [], "dtype": [], "tiling": [], "swap": [], "gpu_probe": []}
+                                   "peers": [], "dtype": [], "tiling": [], "swap": [], "gpu_probe": [], "other": []}
     for f in files:
         kind = _kind(json.loads(f.read_text()))
         kinds[kind].append(f if kind in ("bench", "multigpu", "memory") else json.loads(f.read_text()))
@@ -433,12 +449,9 @@ def write_report(files: list[Path]) -> dict[str, str]:
 
 MEMORY_INTRO = """Each stage run as its own process under `gpu.vram_budget_gb` (a number is a cap enforced with
 `torch.cuda.set_per_process_memory_fraction`; "auto" is the free memory), full-size random weights,
-batch 1, on one H200. Commands: `python3 bench/memory.py run --families qwen-image --budgets
-auto,8,12,16,24 --models /tmp/lorapipe-models --out $OUT/memory-qwen-image-h200.json --budget-s 545`,
-`... --families z-image,sdxl --budgets auto,4 ...`, `... --families sdxl --budgets 4 ...`, and with nf4
-quantized block by block for block swap (2026-12-01): `... --families flux --budgets 6,8 ...`,
-`... --families qwen-image --budgets 8 ...`, at 512 px `... --res 512 --families flux --budgets
-6,8,12,16,24,auto ...` (bench/device.sh W, Q, U, and later calls; the files' `meta.command` has each).
+batch 1, on one H200. Commands: `bash bench/device.sh memory memory-512` (bench/suites.py: one
+`python3 bench/memory.py run --families <family> --res <px> --budgets <GB,...>` call per family and px;
+`python bench/run.py --list memory` prints them); each file's `meta.command` has the call that wrote it.
 A newer call's row replaces an older one. "same plan" rows reuse the measurement of the budget the planner chose
 identically for. A call with `--set` overrides (partial checkpointing, graphs forced on) is a variant of the
 presets' defaults and has a table of its own ("with ..."); without an "auto" (or unswapped) row of its own,
@@ -451,7 +464,7 @@ over its measured row of the same precision with no block swapped (block swap's 
 def dtype_section(d: dict[str, Any]) -> str:
     """bench/dtype_probe.py: one eager nf4 step per input dtype, and the profile of a checkpointed one."""
     out = [f"## Probe: {d['family']} nf4 step, eager, {d['res']} px b1 ({d.get('device', '?')})\n",
-           "`python bench/dtype_probe.py --family " + d["family"] + f" --res {d['res']}` (bench/device.sh G). "
+           "`python bench/dtype_probe.py --family " + d["family"] + f" --res {d['res']}`. "
            f"diffusers' `model.dtype` is {d['model.dtype']}; `lora.base_dtype` is {d['base_dtype']}.\n",
            "| inputs cast to | step s (median) | peak GB | loss |", "|---|---|---|---|"]
     out += [f"| {name} | {r['step_s_median']} | {r['peak_gb']} | {r['loss']:.6f} |" for name, r in d["rows"].items()]
@@ -543,8 +556,11 @@ def gpu_probe_section(probes: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _kind(data: dict[str, Any]) -> str:
-    """Which benchmark wrote a result file (each has its own layout)."""
+def _kind(data: Any) -> str:
+    """Which benchmark wrote a result file (each has its own layout); "other" for a layout no section reads
+    (a test run's record, bench/comfyui_files.py's key listing)."""
+    if not isinstance(data, dict):
+        return "other"
     items = data.get("items", [])
     if data.get("probe") in ("sdpa_probe.py", "cudnn_flux_probe.py") or {"shapes", "model"} <= data.keys():
         return "gpu_probe"
@@ -564,7 +580,9 @@ def _kind(data: dict[str, Any]) -> str:
         return "peers"
     if items and "budget" in items[0]:
         return "memory"
-    return "multigpu" if any(r["id"] == "caches-2gpu" for r in items) else "bench"
+    if any(r.get("id") == "caches-2gpu" for r in items):
+        return "multigpu"
+    return "bench" if "meta" in data and "items" in data else "other"
 
 
 INTRO = ("Full-size random-weight architectures on one H200, measured by `bench/bench.py` (the product's own "
@@ -572,7 +590,7 @@ INTRO = ("Full-size random-weight architectures on one H200, measured by `bench/
          "77-token captions, LoRA r16 on the family's default attention targets, fp32 LoRA weights, fused AdamW, "
          "gradient checkpointing on unless said, 8 steps of which the first 3 are excluded from samples/s. MFU is counted against bf16's 790 "
          "TFLOP/s in every row, fp8's included (their block matmuls run at fp8's higher rate: an fp8 row can pass 100 %). "
-         "Written by `python bench/bench.py report bench/results/*.json --write bench/RESULTS.md`, which also "
+         "Written by `python bench/bench.py report --write bench/RESULTS.md` (every file of bench/results), which also "
          f"writes [{APPENDIX}]({APPENDIX}): every run's command, the full train and stage tables, comparisons, "
          "profiles and what did not run.\n")
 
@@ -637,7 +655,7 @@ def _appendix(meta: dict[str, Any], items: dict[str, dict[str, Any]], metas: lis
         "# Benchmark appendix: every run, table and profile\n",
         "The headline tables and targets are in [RESULTS.md](RESULTS.md); this file is written beside it from the "
         "same result files.\n",
-        f"## Runs\n\nEach family ran on one GPU; `bash bench/device.sh A`-`F` ran two families side by side, one "
+        f"## Runs\n\nEach family ran on one GPU; the oldest calls ran two families side by side, one "
         "per GPU of a 2 x H200 host (their host-side work shares its 32 CPU cores).\n\n"
         f"{calls}\n\nSoftware: {versions}.\n\n{builds}\n",
         "## Train stage\n\nStep time is the median gap between steady `step` events; samples/s is the stage's own "

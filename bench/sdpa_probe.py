@@ -112,7 +112,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(a.out, "w") as f:
-        json.dump({"probe": __file__.split("/")[-1], "rows": rows}, f, indent=1)  # a dict: bench.py report reads bench/results/*.json
+        json.dump({"probe": __file__.split("/")[-1], "rows": rows}, f, indent=1)  # a dict: bench.py report reads every file of bench/results
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-ORDER = ("flux", "sdxl", "qwen-image", "flux2-klein")  # the four first; the rest (deduplicated) after
+ORDER = ("flux", "sdxl", "qwen-image", "flux2-klein")  # the four first families; the rest (deduplicated) after
 GB = 2**30
 
 

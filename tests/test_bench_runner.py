@@ -1,5 +1,5 @@
-"""The bench runner on a machine that lost an earlier call's work (O3 and O4 of 2026-12-02 lost their verify
-rows so: the export they checked no longer existed):
+"""The bench runner on a machine that lost an earlier call's work (a verify row there finds no export to check
+unless the runner makes one):
 
 - a verify item whose train and export an earlier call measured (--skip-done) moves behind this call's
   first train (of its run, else of another: here the 1024 px run's) and checks that adapter's export (no

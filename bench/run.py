@@ -1,0 +1,237 @@
+"""Runs benchmark suites (bench/suites.py) and writes one result file per row.
+
+    python bench/run.py --list [SUITE ...]                  # the rows and the command each runs (CPU)
+    python bench/run.py flux --budget-s 540                 # on the GPU machine (bash bench/device.sh flux)
+    python bench/run.py memory --only 'memory.flux-*' --missing
+
+Rows run in their suite's order, those of one call together (a family's bench items share one build;
+a family's memory budgets at one px one call, so equal plans are measured once). Results go to
+<results>/<suite>/<row key>.json (default bench/results, or $OUT/results on the GPU machine), and a
+newer run of a row overwrites its file; a row the budget left unstarted writes nothing, and a failure
+never overwrites a measurement (it goes to <key>.failed.json beside it). `--missing` runs only the rows
+that bench/results/<suite>/ holds no measurement of, which is how a suite longer than one device call
+goes on in the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.suites import SUITES, Bench, Memory, Peers, Row, Script, bench_key, memory_key  # noqa: E402
+
+RECORD = ROOT / "bench" / "results"
+SHM_MODELS = Path("/dev/shm/lorapipe-bench")  # bench.py's models; one family kept there between calls
+
+
+def call_of(row: Row) -> tuple:
+    """Rows with the same value run in one call."""
+    if isinstance(row, Bench):
+        return ("bench", row.family)
+    if isinstance(row, Memory):
+        return ("memory", row.family, row.px, row.sets)
+    return (type(row).__name__, row.key)
+
+
+def command(rows: list[Row], out: Path, budget_s: float) -> tuple[list[str], dict[str, str]]:
+    """The command line (and environment) of one call over `rows`, writing its result JSON to `out`."""
+    first, py = rows[0], sys.executable
+    if isinstance(first, Bench):
+        only = [a for r in rows for a in ("--only", f"{r.family}/{r.item}")]
+        return [py, "bench/bench.py", "run", "--families", first.family, "--keep", "--budget-s", f"{budget_s:.0f}",
+                "--out", str(out), *only], {}
+    if isinstance(first, Memory):
+        sets = [a for s in first.sets for a in ("--set", s)]
+        return [py, "bench/memory.py", "run", "--families", first.family, "--res", str(first.px), "--budgets",
+                ",".join(r.budget for r in rows), "--keep", "--budget-s", f"{budget_s:.0f}", "--out", str(out), *sets], {}
+    if isinstance(first, Peers):  # peers.sh writes $OUT/peers-<which>-<px>-b<batch>-<tag>.json
+        env = {"OUT": str(out.parent), "PEERS_PRODUCT": first.product, "PEERS_TAG": "row",
+               "PEERS_BUDGET_S": f"{budget_s:.0f}"}
+        return ["bash", "bench/peers.sh", first.which, str(first.px), str(first.batch), str(first.steps)], env
+    assert isinstance(first, Script)
+    return [py, *(str(out) if a == "{out}" else a for a in first.args)], {}
+
+
+def peers_file(row: Peers, folder: Path) -> Path:
+    return folder / f"peers-{row.which}-{row.px}-b{row.batch}-row.json"
+
+
+def split(rows: list[Row], data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A call's result JSON as {row key: that row's result}: a bench or memory call's items go to the
+    file of their row (a cache item rebuilt for a row of this call keys as that cache's row), each with
+    the call's meta and builds; a peers or script call's JSON is its one row's."""
+    first = rows[0]
+    if not isinstance(first, (Bench, Memory)):
+        return {first.key: data}
+
+    def key(item: dict[str, Any]) -> str:
+        if isinstance(first, Bench):
+            return bench_key(item["id"])
+        return memory_key(item["family"], item.get("resolution", first.px), item["budget"], first.sets)
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in data.get("items", []):
+        out.setdefault(key(item), {**{k: v for k, v in data.items() if k != "items"}, "items": []})["items"].append(item)
+    return out
+
+
+def measured(result: dict[str, Any]) -> bool:
+    """A result holds a measurement: an ok item, an ok/same-plan memory row, or a file of another layout."""
+    if result.get("status") == "failed":
+        return False
+    items = result.get("items")
+    if items is None:
+        rows = result.get("rows")
+        return bool(rows) and any(r.get("status") == "ok" for r in rows) if rows is not None else True
+    return any(str(r.get("status", "")).startswith(("ok", "same plan")) for r in items)
+
+
+def write(folder: Path, key: str, result: dict[str, Any]) -> Path | None:
+    """Writes a row's result: a measurement replaces the row's file; a failure goes beside a measurement
+    (<key>.failed.json), never over it; an item the budget left unstarted writes nothing."""
+    items = result.get("items") or []
+    if items and all(r.get("status") == "skipped" for r in items):
+        return None
+    path = folder / f"{key}.json"
+    if not measured(result) and path.exists() and measured(json.loads(path.read_text())):
+        path = folder / f"{key}.failed.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(path)
+    if path.name == f"{key}.json":
+        path.with_name(f"{key}.failed.json").unlink(missing_ok=True)
+    return path
+
+
+def done(suite: str, key: str, results: Path) -> bool:
+    """The row's latest result is a measurement, in the committed record or this machine's results."""
+    for folder in (RECORD / suite, results / suite):
+        path = folder / f"{key}.json"
+        if path.exists() and measured(json.loads(path.read_text())):
+            return True
+    return False
+
+
+def keep_only(family: str) -> None:
+    """/dev/shm keeps the one family a call works on (FLUX.2 dev's 64 GB transformer needs the room)."""
+    for d in SHM_MODELS.glob("*"):
+        if d.name != family:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def gpu_count() -> int:
+    try:
+        return len(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines())
+    except OSError:
+        return 0
+
+
+def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float) -> None:
+    need = rows[0].gpus if isinstance(rows[0], Script) else 1
+    if need > 1 and gpu_count() < need:
+        print(f"[run] {suite}/{rows[0].key}: needs {need} GPUs (the nvidia-h200-x{need} machine); not run", flush=True)
+        return
+    stage = logs / "staging"
+    stage.mkdir(parents=True, exist_ok=True)
+    out = stage / f"{rows[0].key}.json"
+    out.unlink(missing_ok=True)
+    if isinstance(rows[0], Peers):  # rows of one shape share peers.sh's file name: never read an earlier row's
+        peers_file(rows[0], stage).unlink(missing_ok=True)
+    cmd, env = command(rows, out, left - 10)
+    if isinstance(rows[0], (Bench, Memory)):
+        keep_only(rows[0].family)
+    log = logs / f"{suite}.{rows[0].key}.log"
+    print(f"[run] {suite}: {' '.join(cmd[1:] if cmd[0] == sys.executable else cmd)}", flush=True)
+    t = time.time()
+    with log.open("w") as fh:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                timeout=max(30.0, left)).returncode
+        except subprocess.TimeoutExpired:
+            rc = -9
+    if isinstance(rows[0], Peers):
+        out = peers_file(rows[0], stage)
+    if not out.exists():
+        tail = log.read_text()[-1500:]
+        wrote = isinstance(rows[0], Script) and "{out}" in rows[0].args  # a script that should have written it
+        data = {"command": " ".join(cmd[1:]), "rc": rc, "status": "ok" if rc == 0 and not wrote else "failed",
+                "log_tail": tail} if isinstance(rows[0], Script) else None
+        if data is None:
+            print(f"[run] {suite}: no result (rc {rc}); log {log}\n{tail}", flush=True)
+            return
+    else:
+        data = json.loads(out.read_text())
+    for key, result in split(rows, data).items():
+        path = write(results / suite, key, result)
+        print(f"[run] {suite}/{key}: {'written ' + path.name if path else 'not started (budget)'}", flush=True)
+    print(f"[run] {suite}: rc {rc} after {time.time() - t:.0f} s", flush=True)
+
+
+def selected(suite: str, rows: list[Row], only: list[str], missing: bool, results: Path) -> list[Row]:
+    rows = [r for r in rows if not only or any(fnmatch.fnmatch(r.key, p) for p in only)]
+    return [r for r in rows if not (missing and done(suite, r.key, results))]
+
+
+def listing(names: list[str]) -> str:
+    lines = []
+    for name in names:
+        lines.append(f"{name}:")
+        rows = SUITES[name]
+        for _, group in groupby(rows, key=call_of):
+            group = list(group)
+            cmd, env = command(group, Path("$OUT/row.json"), 540)
+            shown = " ".join(f"{k}={v}" for k, v in env.items() if k != "OUT")
+            lines.append(f"  {' '.join(r.key for r in group)}\n    {shown + ' ' if shown else ''}"
+                         f"{' '.join(['python3', *cmd[1:]] if cmd[0] == sys.executable else cmd)}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("suites", nargs="*", help=f"of: {', '.join(SUITES)}")
+    ap.add_argument("--list", action="store_true", help="print the suites' rows and commands; run nothing")
+    ap.add_argument("--only", action="append", default=[], help="row keys matching this glob only (repeatable)")
+    ap.add_argument("--missing", action="store_true", help="only rows with no measurement in bench/results")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no call after this many seconds")
+    ap.add_argument("--results", default="", help="default $OUT/results where $OUT is set, else bench/results")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        raise SystemExit(f"unknown suite(s) {unknown}; known: {', '.join(SUITES)}")
+    if args.list or not args.suites:
+        print(listing(args.suites or list(SUITES)))
+        return
+    out = os.environ.get("OUT")
+    results = Path(args.results) if args.results else Path(out) / "results" if out else RECORD
+    logs = Path(out) / "logs" if out else Path("/tmp/lorapipe-run")
+    logs.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + args.budget_s
+    for suite in args.suites:
+        rows = selected(suite, SUITES[suite], args.only, args.missing, results)
+        for _, group in groupby(rows, key=call_of):
+            left = deadline - time.time()
+            if left < 60:
+                print(f"[run] {suite}: budget spent; not started: {', '.join(r.key for r in group)}", flush=True)
+                continue
+            run_call(suite, list(group), results, logs, left)
+
+
+if __name__ == "__main__":
+    main()

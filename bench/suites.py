@@ -1,0 +1,168 @@
+"""The benchmark's suites, as data: name -> rows, each row the arguments a bench script already takes.
+
+    python bench/run.py --list                 # every suite, its rows and the command each runs
+    bash bench/device.sh flux memory           # on the GPU machine (wheels installed first)
+
+A row's `key` names its result file, bench/results/<suite>/<key>.json, which a newer run of the row
+overwrites; bench/report.py shows, per key, the latest measurement. Kinds of row:
+
+- `Bench`: one item of `bench/bench.py run` (`--families F --only F/<item>`): a train row is a family x
+  precision x px x batch cell, unconstrained (no budget), with an optional settings tag ("compile": the
+  item that forced `train.compile_transformer = on`, which `auto` does today); cache, export, verify and
+  profile rows are the same family's other stage items.
+- `Memory`: `bench/memory.py run --families F --res PX --budgets B [--set K=V]`: every stage under a
+  budget (GB, or "auto": no cap).
+- `Peers`: `bash bench/peers.sh WHICH PX BATCH STEPS` with PEERS_PRODUCT: diffusers' script beside the
+  product's rows.
+- `Script`: any other bench script whose result a doc cites; "{out}" in its arguments is the result file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+
+@dataclass(frozen=True)
+class Bench:
+    family: str
+    item: str  # the item id after "<family>/": "train/nf4-512-b1", "encode/nf4", "latents/512", "verify/nf4-512-b1"
+
+    @property
+    def key(self) -> str:
+        return bench_key(f"{self.family}/{self.item}")
+
+
+@dataclass(frozen=True)
+class Memory:
+    family: str
+    px: int
+    budget: str  # GB, or "auto"
+    sets: tuple[str, ...] = ()  # "KEY=VALUE" overrides of every stage (a variant with its own report table)
+
+    @property
+    def key(self) -> str:
+        return memory_key(self.family, self.px, self.budget, self.sets)
+
+
+@dataclass(frozen=True)
+class Peers:
+    which: str  # klein | kontext (bench/peers.sh)
+    px: int
+    batch: int
+    steps: int
+    product: str  # PEERS_PRODUCT: the product's rows, e.g. "nf4,nf4+cudnn+fitreserved"
+
+    @property
+    def key(self) -> str:
+        return f"peers.{self.which}-{self.px}-b{self.batch}-{self.product.replace(',', '_')}"
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str  # the key
+    args: tuple[str, ...]  # after `python3`; "{out}" is the result file
+    gpus: int = 1
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+
+Row = Bench | Memory | Peers | Script
+
+
+def bench_key(item_id: str) -> str:
+    """A bench item's result key: its id ("flux/train/nf4-512-b1-compile": family, stage, precision, px,
+    batch, settings) with dots for slashes; a cache rerun ("...#rerun") keys as its item."""
+    return item_id.split("#")[0].replace("/", ".")
+
+
+def memory_key(family: str, px: int, budget: str, sets: tuple[str, ...] | list[str] = ()) -> str:
+    """A memory row's result key: family, px, budget and its `--set` overrides."""
+    settings = "".join(f"-{s.replace('=', '_')}" for s in sorted(sets))
+    return f"memory.{family}-{px}-{budget if budget != '-' else 'build'}{'' if budget in ('auto', '-') else 'gb'}{settings}"
+
+
+def train(family: str, precision: str, px: int, batch: int, settings: str = "") -> Bench:
+    return Bench(family, f"train/{precision}-{px}-b{batch}" + (f"-{settings}" if settings else ""))
+
+
+def grid(family: str, precisions: tuple[str, ...], pxs: tuple[int, ...] = (512, 1024), batches: tuple[int, ...] = (1, 4),
+         settings: dict[tuple[str, int, int], str] | None = None) -> list[Bench]:
+    """Train rows for every precision x px x batch; `settings` tags some cells (the item docs cite)."""
+    return [train(family, p, px, b, (settings or {}).get((p, px, b), "")) for p, px, b in product(precisions, pxs, batches)]
+
+
+def stages(family: str, *items: str) -> list[Bench]:
+    return [Bench(family, it) for it in items]
+
+
+ALL = ("nf4", "fp8", "bf16")
+# The nf4 rows forced to compile before `auto` compiled nf4: docs/performance.md cites these items
+COMPILED = {"flux": {("nf4", 512, 1): "compile", ("nf4", 512, 4): "compile"},
+            "qwen-image": {("nf4", 512, 1): "compile"},
+            "z-image": {("nf4", 512, 4): "compile"},
+            "sdxl": {("nf4", 512, 1): "compile", ("nf4", 512, 4): "compile"}}
+
+
+def measured_family(family: str, encode: tuple[str, ...], export: str = "nf4-512-b1") -> list[Row]:
+    """FLUX.1, Qwen-Image, Z-Image, SDXL: caches, every precision at every shape, export and its load check."""
+    return [*stages(family, *encode, "latents/512", "latents/1024"),
+            *grid(family, ALL, settings=COMPILED[family]),
+            *stages(family, f"export/{export}", f"verify/{export}")]
+
+
+def short_family(family: str, precisions: tuple[str, ...] = ("nf4", "bf16"), refs: bool = False) -> list[Row]:
+    """A newer or edit family: caches, its precisions at every shape, fp8 at 1024 px b1, export and load check."""
+    latents = ("latents/512", "latents/1024") + (("latents/512-ref1",) if refs else ())
+    return [*stages(family, "encode/nf4", *latents), *grid(family, precisions), train(family, "fp8", 1024, 1),
+            *stages(family, "export/nf4-512-b1", "verify/nf4-512-b1")]
+
+
+def memory_grid(family: str, px: int, budgets: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[Memory]:
+    return [Memory(family, px, b, sets) for b in budgets]
+
+
+PARTIAL_CKPT = ("train.gradient_checkpointing=auto",)
+
+SUITES: dict[str, list[Row]] = {
+    # one train table per family (docs/performance.md, "Train speed by family")
+    "flux": measured_family("flux", ("encode/nf4", "encode/bf16"), export="nf4-512-b4"),
+    "qwen-image": measured_family("qwen-image", ("encode/nf4",)),
+    "z-image": measured_family("z-image", ("encode/nf4",)),
+    "sdxl": measured_family("sdxl", ("encode/bf16",)),
+    "flux2-klein": short_family("flux2-klein", refs=True),
+    "flux2": short_family("flux2", refs=True),
+    "krea2": short_family("krea2"),
+    "qwen-image-2.1": short_family("qwen-image-2.1"),
+    "flux-kontext": short_family("flux-kontext"),
+    "qwen-image-edit": short_family("qwen-image-edit"),
+    # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
+    "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
+               *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),
+               *memory_grid("qwen-image", 1024, ("auto", "8", "16")),
+               *memory_grid("z-image", 1024, ("auto", "4", "8")),
+               *memory_grid("sdxl", 1024, ("auto", "4"))],
+    "memory-512": [*memory_grid("flux", 512, ("auto", "6", "8")), *memory_grid("qwen-image", 512, ("auto", "8")),
+                   *memory_grid("z-image", 512, ("auto", "4")), *memory_grid("sdxl", 512, ("auto", "4", "8"))],
+    # "Side by side with diffusers' own scripts": one call each (the script's row, then the product's)
+    "peers-klein": [Peers("klein", 1024, 1, 15, "nf4,nf4+fitpeer,nf4+cudnn+fitpeer"),
+                    Peers("klein", 1024, 1, 15, "nf4+cudnn+fitreserved,fp8+cudnn+fitreserved"),
+                    Peers("klein", 1024, 1, 15, "fp8+cudnn+fp8blocks18")],
+    "peers-kontext": [Peers("kontext", 1024, 1, 10, "fp8+fitpeer,fp8,nf4"),
+                      Peers("kontext", 1024, 1, 10, "fp8+cudnn,fp8+cudnn+keepattn,fp8+cudnn+fitpeer+keepattn")],
+    # "fp8 against bf16": the loss over 50 steps from one LoRA
+    "fp8-fidelity": [Script("fp8-fidelity50", ("bench/fp8.py", "--fidelity-only", "--fidelity-steps", "50",
+                                               "--deadline", "480", "--out", "{out}"))],
+    # "Several GPUs" (the 2-GPU machine)
+    "multigpu": [Script("multigpu-flux-bf16", ("bench/multigpu.py", "run", "--out", "{out}"), gpus=2),
+                 Script("multigpu-flux-nf4", ("bench/multigpu.py", "run", "--precisions", "nf4", "--out", "{out}"), gpus=2)],
+    # the tiled VAE encode against untiled, every distinct VAE (cache-latents' last resort)
+    "tiling": [Script("tiling", ("bench/tiling.py", "--budget-s", "140", "--out", "{out}"))],
+    # the tests marked for CUDA, on the GPU (skipped on CPU)
+    "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_trainer_paths.py",
+                                         "tests/test_runtime_flags.py", "tests/test_fp8.py", "tests/test_sample_memory.py",
+                                         "tests/test_memory.py", "tests/test_partial_checkpointing.py",
+                                         "tests/test_fastpath.py", "tests/test_text_offload.py", "-k", "cuda"))],
+}
