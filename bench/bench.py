@@ -641,7 +641,7 @@ def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     profile.json this call wrote (train.profile_steps)."""
     m = json.loads(stage_manifest(run_dir, kind).read_text())
     keep = ("seconds", "peak_vram_gb", "samples_per_second", "loss_first", "loss_last", "precision", "compiled",
-            "runtime", "step", "encoded_this_run", "files", "tensors", "verified", "verify", "fields", "latent_shapes")
+            "runtime", "step", "encoded_this_run", "files", "tensors", "verified", "verify", "checks", "fields", "latent_shapes")
     out = {k: m[k] for k in keep if k in m}
     mine = [e for e in events_since(run_dir, since) if e.get("stage") == {"encode": "encode-captions", "latents":
             "cache-latents", "train": "train", "export": "export-lora"}[kind]]
