@@ -16,7 +16,7 @@ import torch
 
 from stages.core import flow
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.bfl import FLUX1 as COMFYUI_LAYOUT
 from stages.families.flux.kohya import LAYOUT as KOHYA_LAYOUT
 from stages.families.kl_vae import KLVAELatents
@@ -50,7 +50,7 @@ class FluxTextEncoder:
         return [len(ids) for ids in self.t5_tok(texts, truncation=False).input_ids]
 
 
-class Flux(KLVAELatents):
+class Flux(KLVAELatents, FamilyTraits):
     name = "flux"
     fp8_faster_from_tokens = 1101  # 512 px b1, 77-token captions: fp8 0.93x bf16's step (0.86-0.88x at the other three)
     # an un-checkpointed single-stream block keeps 13 units for its backward, not memory.BLOCK_SAVED_UNITS (17):

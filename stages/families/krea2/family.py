@@ -34,7 +34,7 @@ from stages.core import flow
 from stages.families.krea2.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.krea2 import SUFFIX_TOKENS
 from stages.families.qwen_image.family import DROP_IDX, QwenImage
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
@@ -81,7 +81,7 @@ class Krea2TextEncoder:
         return [len(i) - DROP_IDX + SUFFIX_TOKENS for i in ids]
 
 
-class Krea2:
+class Krea2(FamilyTraits):
     name = "krea2"
     pipeline_class = "Krea2Pipeline"
     lora_prefix = "transformer"

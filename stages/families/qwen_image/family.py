@@ -28,7 +28,7 @@ from stages.core import flow
 from stages.families.qwen_image.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.qwen_image import PIPELINE_MAX_SEQUENCE_LENGTH
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, trim_to_longest
 
@@ -65,7 +65,7 @@ class QwenImageTextEncoder:
         return [len(i) - DROP_IDX for i in ids]
 
 
-class QwenImage:
+class QwenImage(FamilyTraits):
     name = "qwen-image"
     fp8_faster_from_tokens = 4173  # 1024 px b1, 77-token captions: fp8 0.91x bf16's step (512 px b1: 1.11x)
     pipeline_class = "QwenImagePipeline"

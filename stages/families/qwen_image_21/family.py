@@ -41,7 +41,7 @@ from stages.core import flow
 from stages.families.qwen_image_21.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.qwen_image.family import QwenImage
 from stages.families.qwen_image_21 import ROPE_POSITIONS
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, require_tokens
@@ -108,7 +108,7 @@ def joint_img_mask(b: int, text_len: int, image_tokens: int, device: torch.devic
                       torch.ones(b, image_tokens // IMG_TOKENS_PER_SLOT, dtype=torch.bool, device=device)], dim=1)
 
 
-class QwenImage21:
+class QwenImage21(FamilyTraits):
     name = "qwen-image-2.1"
     pipeline_class = "QwenImage21Pipeline"
     lora_prefix = "transformer"
