@@ -14,9 +14,10 @@ differ; the stages read the traits as plain attributes. Shared math lives in pla
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Protocol
+
+from stages.core.batch import BatchMeta  # noqa: F401 - the families' loss takes it; core builds it
 
 if TYPE_CHECKING:
     import torch
@@ -28,21 +29,6 @@ if TYPE_CHECKING:
     from stages.core.kohya import Layout
     from stages.core.model_source import ModelSource
     from stages.core.runtime import Runtime
-
-
-@dataclass
-class BatchMeta:
-    """Per-sample geometry of a training batch, read from the latent cache (pixels, int64 (B, 2))."""
-
-    original_size: "torch.Tensor"  # (height, width) of the source image
-    crop_top_left: "torch.Tensor"  # (top, left) of the variant's crop in the resized image
-    target_size: "torch.Tensor"  # (height, width) of the bucket
-    loss_mask: "torch.Tensor | None" = None
-    """(B, 1, h, w) loss weights at latent resolution on the loss's device (None: unmasked); the
-    family hands it to `flow.per_sample_mse`, which averages the loss over it."""
-    controls: tuple["torch.Tensor", ...] = ()
-    """Edit families: each control image's normalized latents (B, C, h, w), in the item's control
-    order (sampled from their cached posterior like the target); empty for text-to-image families."""
 
 
 class TextEncoder(Protocol):

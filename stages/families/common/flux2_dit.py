@@ -50,7 +50,7 @@ from stages.core.errors import DatasetError, ModelError
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.bfl import FLUX2 as COMFYUI_LAYOUT
-from stages.families.flux2_klein.kohya import LAYOUT as KOHYA_LAYOUT
+from stages.families.common.bfl import FLUX2_KOHYA as KOHYA_LAYOUT
 
 SHIFT_STEPS = 50  # both pipelines' default num_inference_steps, for the resolution shift
 REFERENCE_TIME_SCALE = 10  # _prepare_image_ids' `scale`: reference k has time id 10 + 10 k
