@@ -159,3 +159,20 @@ def test_every_family_inherits_the_declared_traits():
     from stages.families.base import FamilyTraits
 
     assert [name for name in FAMILIES if not isinstance(get_family(name), FamilyTraits)] == []
+
+
+def test_every_module_imports_first():
+    """Each stages.* module imports as the first one of its process: the registry loads family modules by
+    name at run time, where an import cycle the static graph cannot see would surface."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys\nbad = []\n"
+            f"for m in {sorted(MODULES)!r}:\n"
+            "    for k in [k for k in sys.modules if k == 'stages' or k.startswith('stages.')]:\n"
+            "        del sys.modules[k]\n"
+            "    try:\n        importlib.import_module(m)\n"
+            "    except Exception as e:\n        bad.append(f'{m}: {type(e).__name__}: {e}')\n"
+            "print('\\n'.join(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr[-2000:]
