@@ -147,7 +147,7 @@ def _staged_plan(fam: str) -> list[Item]:
 def _control_range(fam: str) -> tuple[int, int]:
     from stages.families import get_family
 
-    return tuple(getattr(get_family(fam), "control_range", (0, 0)))  # type: ignore[return-value]
+    return get_family(fam).control_range
 
 
 def _family_controls(fam: str) -> int:
@@ -389,7 +389,7 @@ class Runner:
 
         suffix = run.split(f"bench-{fam}-", 1)[1].lstrip("0123456789")  # "" or "-ref1"
         names = [f"bench-{fam}-{r}{suffix}" for r in (512, 1024)]
-        if suffix and not getattr(get_family(fam), "text_sees_controls", False):
+        if suffix and not get_family(fam).text_sees_controls:
             names += [f"bench-{fam}-{r}" for r in (512, 1024)]
         return next((stage_manifest(self.run_dir(n), "encode").parent for n in names
                      if n != run and stage_manifest(self.run_dir(n), "encode").exists()), None)

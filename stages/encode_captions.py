@@ -170,7 +170,7 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
             state["template_tokens"] = template_tokens(family, state["encoder"], cfg.captions.max_sequence_length)
         batch_texts = [texts[c] for c in batch]
         with torch.no_grad():
-            if getattr(family, "text_sees_controls", False):
+            if family.text_sees_controls:
                 images = [[dataset.load_image(p, cfg.data.background) for p in controls[c]] for c in batch]
                 encoded = state["encoder"].encode(batch_texts, controls=images)
             else:
@@ -206,7 +206,7 @@ def template_tokens(family: Any, encoder: Any, max_length: int) -> int:
     caption, and counts against the limit as the pipeline does)."""
     from stages.core.errors import ConfigError
 
-    if getattr(family, "text_sees_controls", False):  # its counts are of the last encode's rows, controls included
+    if family.text_sees_controls:  # its counts are of the last encode's rows, controls included
         return 0
     n = encoder.token_counts([""])[0]
     if n >= max_length:

@@ -47,7 +47,7 @@ def edit_items(cfg: Any) -> list[Any] | None:
     from stages.cache_latents import scan_items
     from stages.families import get_family
 
-    if not hasattr(get_family(cfg.family), "sample_image_kwargs"):
+    if not get_family(cfg.family).control_range[1]:  # a family that takes no controls
         return None
     items = scan_items(cfg)[:3]
     if not any(it.controls for it in items):  # a family whose controls are optional, trained text-to-image
@@ -244,7 +244,7 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
     for r, prompt in enumerate(prompts):
         extra = family.sample_image_kwargs(controls[r], size) if controls is not None else {}
         for seed in s.seeds:
-            context = family.sample_context(size) if hasattr(family, "sample_context") else contextlib.nullcontext()
+            context = family.sample_context(size)
             with torch.no_grad(), context:
                 images.append(pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs,
                                    **extra).images[0])
@@ -257,7 +257,7 @@ def ignores_guidance(pipe: Any, family: Any) -> bool:
     """The pipeline is step-distilled (`is_distilled` in its model_index.json) and its family's pipeline
     then turns guidance off (`distilled_ignores_guidance`: FLUX.2 klein 4B/9B); it logs so for every image
     handed a scale above 1, its own default 4.0 included."""
-    return getattr(family, "distilled_ignores_guidance", False) and bool(getattr(pipe.config, "is_distilled", False))
+    return family.distilled_ignores_guidance and bool(getattr(pipe.config, "is_distilled", False))
 
 
 def guidance_kwargs(pipe: Any, family: Any, scale: float) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Checks of the FLUX.2 image side (stages/families/flux2_dit.py, shared by FLUX.2 dev and klein), each
+"""Checks of the FLUX.2 image side (stages/families/common/flux2_dit.py, shared by FLUX.2 dev and klein), each
 run by both families' test files against their own pipeline: Flux2Pipeline and Flux2KleinPipeline."""
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def test_ids_not_positions(built_run, vae_of):
         batch = trainer.data.load(indices, [i % cfg.data.cache_variants for i in range(len(indices))])
         for i, key in enumerate(batch.keys):
             seen.add(key)
-            sees = getattr(family, "text_sees_controls", False)  # edit families whose text reads the controls
+            sees = family.text_sees_controls  # edit families whose text reads the controls
             expected = encoder.encode([items[key].caption], **({"controls": [[dataset.load_image(p) for p in
                                                                              items[key].controls]]} if sees else {}))
             for name, value in expected.items():

@@ -10,7 +10,7 @@
   included (train.guidance_scale is the pipeline's guidance_scale);
 - `train.dynamic_shift` sigmas are the scheduler's, shifted by the dev pipeline's `compute_empirical_mu`;
 - the config checks and the nf4 refusal on CPU.
-The image side is shared with klein (stages.families.flux2_dit); tests/test_family_flux2_klein.py
+The image side is shared with klein (stages.families.common.flux2_dit); tests/test_family_flux2_klein.py
 checks packing and image ids against the pipeline helpers, which both pipelines share.
 """
 

@@ -51,7 +51,7 @@ def test_every_family_plans_every_stage(family, assets, demo_data, edit_data, tm
     """Every stage of every family plans from configs alone under a budget (the planner runs on a GPU
     only, so a family whose text side has a weightless processor folder once failed here on the H200:
     "has no processor/config.json")."""
-    edit = getattr(get_family(family), "control_range", (0, 0))[0] > 0
+    edit = get_family(family).control_range[0] > 0
     cfg = make_cfg(family, assets, edit_data if edit else demo_data, tmp_path)
     for stage in memory.PLANNERS:
         plan = _plan(stage, cfg, 80.0)

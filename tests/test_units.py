@@ -178,7 +178,7 @@ def test_text_encoder_guards_name_the_value_the_limit_and_the_model(tmp_path):
     from stages.core.model_source import ModelSource
     from stages.core.runtime import make_runtime
     from stages.families import get_family
-    from stages.families.flux2_dit import require_text_layers
+    from stages.families.common.flux2_dit import require_text_layers
     from stages.families.text_encoders import require_max_length
 
     require_max_length(CaptionsConfig(max_sequence_length=1024), 1024, "Qwen-Image")  # the limit itself is fine

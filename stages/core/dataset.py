@@ -562,7 +562,7 @@ def for_family(items: list[Item], family: Any, warn: Warn | None = None) -> list
     controls, and, when its text encoder sees the controls too (`text_sees_controls`), so does the
     caption row's. Items must have between min and max controls, all the same count. A text-to-image
     family ignores controls (its ids stay those of the target and caption) with one warning."""
-    low, high = getattr(family, "control_range", (0, 0))
+    low, high = family.control_range
     with_controls = [it for it in items if it.controls]
     if high == 0:
         if with_controls and warn is not None:
@@ -581,7 +581,7 @@ def for_family(items: list[Item], family: Any, warn: Warn | None = None) -> list
     if len(counts) > 1:
         raise DatasetError(f"every item needs the same number of control images (a batch stacks them); found "
                            f"{dict(sorted(counts.items()))} items by count: give every item the same number")
-    sees = getattr(family, "text_sees_controls", False)
+    sees = family.text_sees_controls
 
     def rekey(it: Item) -> Item:
         joined = "+".join(it.control_ids)

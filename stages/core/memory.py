@@ -331,7 +331,7 @@ def plan_captions(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             candidates.append(({"text_encoder_precision": precision, "batch_size": batch}, (weights + w) / GB))
     candidates += _offload_candidates(cfg, family, models, work, budget)
     need = "set captions.text_encoder_precision = 'nf4' and captions.batch_size = 1"
-    if OFFLOAD_PRECISION.get(configured) and getattr(family, "text_offload_components", ()) and not has_accelerate():
+    if OFFLOAD_PRECISION.get(configured) and family.text_offload_components and not has_accelerate():
         need += ", or install accelerate so the text encoder's layers can stay in CPU memory (layer offload)"
     return _fitting(budget, candidates, "encode-captions", need)
 
@@ -352,7 +352,7 @@ def _offload_candidates(cfg: Any, family: Any, models: dict[str, torch.nn.Module
     from stages.core.runtime import has_accelerate
 
     precision = OFFLOAD_PRECISION.get(cfg.captions.text_encoder_precision)
-    offloadable = [c for c in getattr(family, "text_offload_components", ()) if c in models]
+    offloadable = [c for c in family.text_offload_components if c in models]
     if precision is None or not offloadable or budget.gb is None or not math.isfinite(budget.gb) or not has_accelerate():
         return []
     name = max(offloadable, key=lambda c: weight_bytes(models[c], precision))
@@ -473,7 +473,7 @@ def plan_latents(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 def _planned_controls(cfg: Any, family: Any) -> int:
     """Control images per item the sequence carries: the family's most, or, where they are optional
     (FLUX.2 references), the most an item of this run's data has."""
-    low, high = getattr(family, "control_range", (0, 0))
+    low, high = family.control_range
     if low or not high:
         return high
     from stages.core import dataset
@@ -488,7 +488,7 @@ def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tup
     GPU could run it ("" otherwise: a GPU without fp8 tensor cores is not news), and why it went first."""
     if tcfg.base_precision != "auto":
         return [tcfg.base_precision], "", ""
-    precisions = list(getattr(family, "auto_base_precisions", AUTO_BASE_PRECISIONS))
+    precisions = list(family.auto_base_precisions or AUTO_BASE_PRECISIONS)
     if "fp8" not in precisions:
         return precisions, "", ""
     from stages.core.fp8 import fp8_supported
@@ -500,7 +500,7 @@ def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tup
     if why or not supported:
         precisions.remove("fp8")
         return precisions, why, ""
-    faster_from = getattr(family, "fp8_faster_from_tokens", None)
+    faster_from = family.fp8_faster_from_tokens
     if faster_from is None or tokens < faster_from or "bf16" not in precisions:
         return precisions, "", ""
     precisions.remove("fp8")
@@ -530,11 +530,11 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     fp8_host_gb = 0.0 if streams(model, stored) else bf16_gb
     precisions, fp8_left_out, fp8_first = _base_precisions(tcfg, family, fp8_host_gb, tokens)
     n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
-    if layout == "spread" and not getattr(family, "blocks_in_run_order", True):
+    if layout == "spread" and not family.blocks_in_run_order:
         raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
                           f"in another order than it runs them (SDXL's UNet runs down, mid, up), so block swap could not "
                           f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
-    keep_attention, per_block = getattr(tcfg, "keep_attention", False), getattr(family, "attention_per_block", True)
+    keep_attention, per_block = getattr(tcfg, "keep_attention", False), family.attention_per_block
     fp8_fixed = getattr(tcfg, "fp8_blocks", "auto")
     if keep_attention and not per_block:
         raise ConfigError(f"train.keep_attention = true does not suit {family.name}: its denoiser's blocks do not each "
@@ -543,12 +543,12 @@ def plan_train(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     whole = {p: weight_bytes(model, p) for p in precisions}  # the whole base per precision
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
-    fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # activations outside the blocks
+    fixed_gb, per_sample_gb = family.outside_block_gb  # activations outside the blocks
     outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side * 16 / 512) ** 2) * GB
     # the un-checkpointed blocks are the last ones (trainer: blocks[checkpointed:])
-    own_units = getattr(family, "block_saved_units", {})
+    own_units = family.block_saved_units
     saved = [own_units.get(type(b).__name__, BLOCK_SAVED_UNITS) for b in blocks]
-    work = getattr(family, "block_work_units", BLOCK_WORK_UNITS)
+    work = BLOCK_WORK_UNITS if family.block_work_units is None else family.block_work_units
     kept = ATTENTION_KEPT_UNITS if keep_attention else 0.0  # per checkpointed unswapped block
     activations = lambda checkpointed, swapped=0: outside + unit * (  # noqa: E731
         checkpointed * CHECKPOINT_SAVED_UNITS + max(0, checkpointed - swapped) * kept + sum(saved[checkpointed:]) + work)
@@ -783,7 +783,7 @@ def plan_sample(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     tokens = (width // 16) * (height // 16) * (1 + _planned_controls(cfg, family)) + cfg.captions.max_sequence_length
     work = {c: CFG_BATCH * tokens * _width(models[c]) * 2 * BLOCK_WORK_UNITS for c in quantized}
     work.update({c: width * height * VAE_ELEMENTS_PER_PIXEL * 2 for c in family.vae_components})
-    fixed_gb, per_sample_gb = getattr(family, "outside_block_gb", (0.0, 0.0))  # SDXL's ResNets (train's figure: an upper bound)
+    fixed_gb, per_sample_gb = family.outside_block_gb  # SDXL's ResNets (train's figure: an upper bound)
     work[family.denoiser_components[0]] += (fixed_gb + per_sample_gb * CFG_BATCH * width * height / 512**2) * GB
     precisions = ["bf16", "nf4"] if s.precision == "auto" else [s.precision]
     offloads = [True] if s.cpu_offload else [False, True]

@@ -20,11 +20,11 @@ import torch
 
 from stages.core import dataset
 from stages.core.artifacts import ArtifactError
+from stages.core.batch import BatchMeta
 from stages.core.errors import ConfigError
 from stages.core.rowstore import DamagedRows, RowStore
 from stages.core.runspec import command_for
 from stages.core.schema import Bucket, control_count
-from stages.families.base import BatchMeta
 
 
 @dataclass(frozen=True)

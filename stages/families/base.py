@@ -5,38 +5,30 @@ torch-free config checks and demo hints (`__init__.py`), its tiny pipeline (`tin
 full-size architecture for bench/ (`full.py`); `stages.families` lists what each must define.
 
 A family is a small object with no state beyond caches of shape-dependent tensors. The stages call
-only these methods, so adding a family never touches a stage. No implementation inheritance: shared
-math lives in plain functions (`stages.core.flow`), which families call.
+only these methods, so adding a family never touches a stage. A family class inherits
+`FamilyTraits`, which declares every optional trait with its default, and sets only the ones that
+differ; the stages read the traits as plain attributes. Shared math lives in plain functions
+(`stages.core.flow`) and shared family code in `stages.families.common`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+import contextlib
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Protocol
+
+from stages.core.batch import BatchMeta  # noqa: F401 - the families' loss takes it; core builds it
 
 if TYPE_CHECKING:
     import torch
+    from PIL import Image
 
     from stages.core.comfyui import ComfyLayout
     from stages.core.config import CaptionsConfig, TrainConfig
+    from stages.core.dataset import Variant
     from stages.core.kohya import Layout
     from stages.core.model_source import ModelSource
     from stages.core.runtime import Runtime
-
-
-@dataclass
-class BatchMeta:
-    """Per-sample geometry of a training batch, read from the latent cache (pixels, int64 (B, 2))."""
-
-    original_size: "torch.Tensor"  # (height, width) of the source image
-    crop_top_left: "torch.Tensor"  # (top, left) of the variant's crop in the resized image
-    target_size: "torch.Tensor"  # (height, width) of the bucket
-    loss_mask: "torch.Tensor | None" = None
-    """(B, 1, h, w) loss weights at latent resolution on the loss's device (None: unmasked); the
-    family hands it to `flow.per_sample_mse`, which averages the loss over it."""
-    controls: tuple["torch.Tensor", ...] = ()
-    """Edit families: each control image's normalized latents (B, C, h, w), in the item's control
-    order (sampled from their cached posterior like the target); empty for text-to-image families."""
 
 
 class TextEncoder(Protocol):
@@ -48,6 +40,8 @@ class TextEncoder(Protocol):
 
 
 class Family(Protocol):
+    """The members every family defines; the optional ones, with their defaults, are `FamilyTraits`."""
+
     name: str
     pipeline_class: str
     """diffusers pipeline class that loads the exported LoRA (e.g. "FluxPipeline")."""
@@ -68,43 +62,6 @@ class Family(Protocol):
     comfyui_layout: "ComfyLayout"
     """The denoiser as ComfyUI loads it: its model class and where each diffusers module lands
     (`stages/families/<family>/comfyui.py`); the ComfyUI-ready export and its check follow it."""
-    # optional: auto_base_precisions (tuple[str, ...]), the order the memory planner tries for
-    # train.base_precision = "auto", fastest first (default `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, fp8, nf4)
-    # optional: fp8_faster_from_tokens (int, default None): the smallest step (batch x (image + text tokens))
-    # at which an fp8 base was measured faster than bf16 on the H200; from there "auto" tries fp8 before bf16
-    # (None: no fp8 rows, bf16 stays first)
-    # optional: outside_block_gb ((GB, GB per 512x512 sample), default (0, 0)): train activations outside the
-    # repeated blocks that the memory planner's per-block model does not see (SDXL's ResNets)
-    # optional: block_saved_units (dict[str, float], default {}): train activations one un-checkpointed block
-    # of that class keeps for its backward, in units of tokens x width x 2 bytes, where it is not
-    # stages/core/memory.py's BLOCK_SAVED_UNITS (measured on the H200: FLUX.1's single-stream blocks)
-    # optional: block_work_units (float, default stages/core/memory.py's BLOCK_WORK_UNITS): train activations
-    # of the block being run or recomputed in backward, in the same units (FLUX.2's fused single blocks: 35)
-    # optional: blocks_in_run_order (bool, default True): False where the denoiser lists its repeated
-    # blocks in another order than it runs them (SDXL's UNet: down, up, mid; run down, mid, up), so a
-    # block swap cannot copy the next block ahead once resident blocks sit between swapped ones:
-    # train.block_swap_layout = "spread" is refused there (stages/core/memory.py plan_train)
-    # optional: attention_per_block (bool, default True): each repeated block runs one attention at the
-    # block's width, what the planner counts for train.keep_attention; False (SDXL's UNet blocks: several
-    # attentions at other widths, or none) refuses train.keep_attention
-    # optional: text_offload_components (tuple[str, ...]), text encoders loaded through
-    # `text_encoders.load_text_model`, whose layers encode-captions may offload to CPU memory when
-    # not even nf4 fits its budget (default none: the planner never offloads)
-    # optional: distilled_ignores_guidance (bool, default False): the family's pipeline turns guidance off
-    # when its model_index.json says `is_distilled` (FLUX.2 klein; Krea 2's Turbo still guides), so `sample`
-    # hands it 1.0, the same image without the pipeline's notice for every image (stages/sample.py)
-
-    # Edit families (flux-kontext, qwen-image-edit) and those with optional references (flux2-klein,
-    # flux2) also define, and the others leave out:
-    #   control_range: tuple[int, int]   min and max control images per item ((0, 0) when absent; min 0:
-    #                                    optional, the items then have all none or all the same count)
-    #   text_sees_controls: bool         the text encoder reads the controls (caption rows keyed by both;
-    #                                    its encode takes `controls=`, one list of PIL images per text)
-    #   control_images(control, size, variants, bucket) -> one PIL image per variant: the control as the
-    #                                    family's pipeline would feed it next to that crop of the target
-    #   sample_image_kwargs(controls, size) -> the pipeline call's image arguments for `sample`
-    #   sample_context(size) (optional)  -> a context manager around each `sample` pipeline call
-
     # encode-captions
     def load_text_encoder(self, src: "ModelSource", cfg: "CaptionsConfig", rt: "Runtime") -> TextEncoder: ...
 
@@ -141,3 +98,61 @@ class Family(Protocol):
         tcfg: "TrainConfig",
     ) -> "torch.Tensor":
         """Per-sample training loss (B,), from one denoiser forward over the whole batch."""
+
+
+class FamilyTraits:
+    """Every optional family trait with its default. Declarations only: a family sets the ones that
+    differ, the stages and the memory planner read them."""
+
+    # ---- memory planner (stages/core/memory.py)
+    auto_base_precisions: tuple[str, ...] | None = None
+    """train.base_precision = "auto" tries these whole, fastest first (None: the planner's
+    `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, fp8, nf4)."""
+    fp8_faster_from_tokens: int | None = None
+    """The smallest step (batch x (image + text tokens)) measured faster in fp8 than bf16 on the H200;
+    from there "auto" tries fp8 before bf16 (None: no fp8 rows, bf16 stays first)."""
+    outside_block_gb: tuple[float, float] = (0.0, 0.0)
+    """(GB, GB per 512x512 sample) of train activations outside the repeated blocks, which the
+    per-block model does not see (SDXL's ResNets)."""
+    block_saved_units: Mapping[str, float] = MappingProxyType({})
+    """Block class -> train activations one un-checkpointed block keeps for its backward, in units of
+    tokens x width x 2 bytes, where not `stages.core.memory.BLOCK_SAVED_UNITS` (FLUX.1's single blocks)."""
+    block_work_units: float | None = None
+    """Train activations of the block being run or recomputed, in the same units (None: the planner's
+    `stages.core.memory.BLOCK_WORK_UNITS`; FLUX.2's fused single blocks: 35)."""
+    blocks_in_run_order: bool = True
+    """False where the denoiser lists its repeated blocks in another order than it runs them (SDXL's
+    UNet: listed down, up, mid): train.block_swap_layout = "spread" is refused there."""
+    attention_per_block: bool = True
+    """Each repeated block runs one attention at the block's width, what train.keep_attention counts;
+    False (SDXL's UNet blocks) refuses train.keep_attention."""
+    text_offload_components: tuple[str, ...] = ()
+    """Text encoders loaded through `text_encoders.load_text_model`, whose layers encode-captions may
+    offload to CPU memory when not even nf4 fits its budget (empty: never offloaded)."""
+
+    # ---- controls: edit families (min >= 1) and those with optional references (min 0)
+    control_range: tuple[int, int] = (0, 0)
+    """Min and max control images per item ((0, 0): none; min 0: optional, and then the items have all
+    none or all the same count)."""
+    text_sees_controls: bool = False
+    """The text encoder reads the controls: caption rows are keyed by both, and its encode takes
+    `controls=`, one list of PIL images per text."""
+
+    def control_images(self, control: "Image.Image", size: tuple[int, int], variants: list["Variant"],
+                       bucket: tuple[int, int]) -> list["Image.Image"]:
+        """One PIL image per variant: the control as the family's pipeline would feed it next to that
+        crop of the target. Defined by the families with a control_range."""
+        raise NotImplementedError(f"{type(self).__name__} takes no control images")
+
+    # ---- sample
+    distilled_ignores_guidance: bool = False
+    """The pipeline turns guidance off when model_index.json says `is_distilled` (FLUX.2 klein), so
+    `sample` hands it 1.0."""
+
+    def sample_image_kwargs(self, controls: list["Image.Image"], size: tuple[int, int]) -> dict[str, Any]:
+        """The pipeline call's image arguments for `sample`. Defined by the families with a control_range."""
+        raise NotImplementedError(f"{type(self).__name__} takes no control images")
+
+    def sample_context(self, size: tuple[int, int]) -> ContextManager[Any]:
+        """A context manager around each `sample` pipeline call (default: none)."""
+        return contextlib.nullcontext()

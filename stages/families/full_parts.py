@@ -16,6 +16,11 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
                 force_upcast=True)
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
               num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+# Qwen3-4B's config.json: Z-Image's text encoder, and FLUX.2 klein 4B's
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=True)
 
 Builder = Callable[[dict[str, Any]], Any]
 

@@ -65,15 +65,16 @@ def _family_tiny(variant: str) -> ModuleType:
 
 
 def __getattr__(name: str) -> Any:
-    """VARIANTS, PIPELINE_CLASS_NAMES and TINY_DIMS, gathered from the families on first use."""
+    """VARIANTS, PIPELINE_CLASS_NAMES and TINY_DIMS, gathered from the families on first use. Any other
+    name (the import system's `__path__` probe among them) is refused before a family module loads."""
+    if name not in ("VARIANTS", "PIPELINE_CLASS_NAMES", "TINY_DIMS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from stages.families import family_part, tiny_variants
 
     variants = tiny_variants()
     tiny = {v: family_part(f, "tiny") for v, f in variants.items()}
     tables = {"VARIANTS": tuple(variants), "PIPELINE_CLASS_NAMES": {v: m.PIPELINE_CLASS for v, m in tiny.items()},
               "TINY_DIMS": {v: m.TINY_DIMS[v] for v, m in tiny.items()}}
-    if name not in tables:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return tables[name]
 
 

@@ -1,1 +1,3 @@
-"""Code that several families share (their checkpoint layouts outside diffusers); no family module here."""
+"""Code that several families share: family classes, full-size and tiny architectures, checkpoint layouts.
+
+A module here imports stages.core, stages.tiny and the shared family modules, never a family folder."""

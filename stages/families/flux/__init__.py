@@ -3,15 +3,7 @@ without torch: the config checks run before any model loads, and the demo's hint
 
 from __future__ import annotations
 
-from typing import Any
+from stages.families.common.flux1_checks import T5_MAX_TOKENS, config_errors  # noqa: F401 - FLUX.1's, as Kontext's
 
-from stages.families import checks
-
-T5_MAX_TOKENS = 512  # FluxPipeline.check_inputs refuses max_sequence_length > 512
 DEMO_VARIANT = "flux-dev"  # the tiny pipeline (stages/families/flux/tiny.py) the demo and tests build
 DEMO_CONFIG = "demo.toml"
-
-
-def config_errors(cfg: Any) -> list[str]:
-    return (checks.max_tokens(cfg, T5_MAX_TOKENS, "FluxPipeline's T5 limit")
-            + checks.bucket_step_multiple(cfg, 2, "latents are packed in 2x2 patches"))

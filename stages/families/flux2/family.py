@@ -1,5 +1,5 @@
 """FLUX.2 [dev] (32B, guidance-distilled): Mistral Small 3 states of three layers under BFL's system
-message; the image side is FLUX.2's, shared with klein (`stages.families.flux2_dit`, described there).
+message; the image side is FLUX.2's, shared with klein (`stages.families.common.flux2_dit`, described there).
 
 Checked against diffusers 0.42.1 `pipelines/flux2/pipeline_flux2.py`:
 - `_get_mistral_3_small_prompt_embeds` / `encode_prompt`: each caption ("[IMG]" removed) becomes
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from stages.families.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
+from stages.families.common.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
 from stages.families.text_encoders import load_chat_tokenizer, load_text_model
 
 HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers default

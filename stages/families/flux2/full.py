@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.flux.full import attention_flops  # noqa: F401 - the same double/single-block layout
+from stages.families.common.flux1_full import attention_flops  # noqa: F401 - the same double/single-block layout
+from stages.families.common.flux2_full import VAE
 from stages.families.flux2.tiny import mistral3
-from stages.families.flux2_klein.full import VAE
 from stages.families.full_parts import diffusers_model
 
 PRESET = "configs/flux2.toml"

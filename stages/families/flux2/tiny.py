@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.flux2_klein.tiny import LATENT_CHANNELS, flux2_vae
+from stages.families.common.flux2_tiny import LATENT_CHANNELS, flux2_vae
 from stages.tiny.parts import HEAD_DIM, HEADS, QWEN_HIDDEN, seeded
 
 PIPELINE_CLASS = "Flux2Pipeline"

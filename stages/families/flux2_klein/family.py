@@ -1,6 +1,6 @@
 """FLUX.2 [klein] (4B, 9B): Qwen3 states of three layers, 32-channel VAE with batch-norm statistics,
 2x2-patchified flow DiT with 4-axis position ids. The latent and denoiser side is FLUX.2's, shared
-with FLUX.2 [dev] (`stages.families.flux2_dit`, where it is described).
+with FLUX.2 [dev] (`stages.families.common.flux2_dit`, where it is described).
 
 Checked against diffusers 0.42.1:
 - `pipelines/flux2/pipeline_flux2_klein.py` `_get_qwen3_prompt_embeds` / `encode_prompt`: each
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from stages.families.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
+from stages.families.common.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
 from stages.families.text_encoders import chat_prompts, load_chat_tokenizer, load_text_model
 
 HIDDEN_STATES_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default

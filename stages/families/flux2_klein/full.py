@@ -8,16 +8,16 @@ Where the numbers come from (no download possible here):
   embedding); the remaining keys are Flux2Transformer2DModel's defaults in diffusers 0.42.1.
 - VAE: AutoencoderKLFlux2's defaults in diffusers 0.42.1 (the class is FLUX.2's VAE: 32 latent
   channels, 4 blocks 128-512, batch norm over 128 patchified channels).
-- text encoder: Qwen3-4B's config.json, the same values as Z-Image's (stages/families/z_image/full.py).
+- text encoder: Qwen3-4B's config.json, the same values as Z-Image's (stages/families/full_parts.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stages.families.flux.full import attention_flops  # noqa: F401 - the same double/single-block layout
-from stages.families.full_parts import diffusers_model, qwen3
-from stages.families.z_image.full import QWEN3_4B
+from stages.families.common.flux1_full import attention_flops  # noqa: F401 - the same double/single-block layout
+from stages.families.common.flux2_full import VAE
+from stages.families.full_parts import QWEN3_4B, diffusers_model, qwen3
 
 PRESET = "configs/flux2-klein.toml"
 TEXT_PRECISION = "nf4"
@@ -29,11 +29,6 @@ TRANSFORMER = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=
                    attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
                    timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000,
                    eps=1e-6, guidance_embeds=False)
-VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-           up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-           act_fn="silu", latent_channels=32, norm_num_groups=32, sample_size=1024, use_quant_conv=True,
-           use_post_quant_conv=True, mid_block_add_attention=True, batch_norm_eps=1e-4, batch_norm_momentum=0.1,
-           patch_size=(2, 2))
 
 
 COMPONENTS = {

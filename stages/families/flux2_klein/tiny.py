@@ -1,22 +1,21 @@
 """FLUX.2 klein's tiny random-weight pipeline, "flux2-klein" (stages.tiny builds and saves it).
 
-Real config values kept: 32 latent channels and batch-norm eps 1e-4 of AutoencoderKLFlux2's defaults,
-the transformer's `in_channels` = 4 x 32, four RoPE axes, `rope_theta` 2000, `mlp_ratio` 3 and no
-guidance embedding; `joint_attention_dim` = 3 x the Qwen3 hidden size (three stacked layers); 28
-Qwen3 layers so that hidden_states[27] is an intermediate layer as in Qwen3-4B's 36; `is_distilled`
-as in FLUX.2-klein-4B's model_index.json. The VAE's batch-norm running statistics are drawn at
-random (away from 0 and 1) so that a missing or misplaced normalization shows in the tests.
+Real config values kept: FLUX.2's tiny VAE (stages/families/common/flux2_tiny.py), the transformer's
+`in_channels` = 4 x 32, four RoPE axes, `rope_theta` 2000, `mlp_ratio` 3 and no guidance embedding;
+`joint_attention_dim` = 3 x the Qwen3 hidden size (three stacked layers); 28 Qwen3 layers so that
+hidden_states[27] is an intermediate layer as in Qwen3-4B's 36; `is_distilled` as in
+FLUX.2-klein-4B's model_index.json.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stages.tiny.parts import HEAD_DIM, HEADS, QWEN_HIDDEN, VAE_BLOCKS, qwen3_text, seeded
+from stages.families.common.flux2_tiny import LATENT_CHANNELS, flux2_vae
+from stages.tiny.parts import HEAD_DIM, HEADS, QWEN_HIDDEN, qwen3_text, seeded
 
 PIPELINE_CLASS = "Flux2KleinPipeline"
 PIPELINE_EXTRA: dict[str, Any] = {"is_distilled": True}
-LATENT_CHANNELS = 32
 TEXT_LAYERS = 28
 TINY_DIMS: dict[str, dict[str, Any]] = {"flux2-klein": {
     "latent_channels": LATENT_CHANNELS, "vae_scale_factor": 2, "image_multiple": 4,
@@ -24,25 +23,6 @@ TINY_DIMS: dict[str, dict[str, Any]] = {"flux2-klein": {
     "max_sequence_length": {"tokenizer": 512},  # pipeline default; chat template included
     "transformer_in_channels": 4 * LATENT_CHANNELS,
 }}
-
-
-def flux2_vae() -> Any:
-    import torch
-    from diffusers import AutoencoderKLFlux2
-
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * len(VAE_BLOCKS),
-        up_block_types=("UpDecoderBlock2D",) * len(VAE_BLOCKS),
-        block_out_channels=VAE_BLOCKS,
-        layers_per_block=1,
-        latent_channels=LATENT_CHANNELS,
-        norm_num_groups=32,
-        sample_size=64,
-    ).eval()
-    channels = vae.bn.running_mean.shape[0]
-    vae.bn.running_mean.copy_(0.5 * torch.randn(channels))
-    vae.bn.running_var.copy_(0.5 + torch.rand(channels) * 2)
-    return vae
 
 
 def build_components(variant: str, seed: int) -> dict[str, Any]:

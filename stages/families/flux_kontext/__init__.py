@@ -3,15 +3,9 @@ without torch: the config checks run before any model loads, and the demo's hint
 
 from __future__ import annotations
 
-from typing import Any
-
-from stages.families.flux import config_errors as flux_config_errors
+from stages.families.common.flux1_checks import config_errors  # noqa: F401 - FLUX.1's T5 limit and 2x2 packing
 
 DEMO_VARIANT = "flux-kontext"  # the tiny random-weight pipeline (stages/families/flux_kontext/tiny.py) the tests build
 DEMO_MODEL_VARIANT = "flux-kontext-edit"  # the demo's: its base reproduces the control, so the LoRA visibly learns the edit
 DEMO_CONFIG = "demo-flux-kontext.toml"
 DEMO_DATA = "edit"  # the demo draws edit pairs (stages.tiny.shapes.make_edit_dataset)
-
-
-def config_errors(cfg: Any) -> list[str]:
-    return flux_config_errors(cfg)  # FluxKontextPipeline has FLUX.1's T5 limit and 2x2 packing

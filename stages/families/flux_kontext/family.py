@@ -26,10 +26,10 @@ import torch
 from stages.core import dataset, flow
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
-from stages.families.flux.family import Flux
+from stages.families.common.flux1 import Flux1
 
 
-class FluxKontext(Flux):
+class FluxKontext(Flux1):
     name = "flux-kontext"
     # fp8_faster_from_tokens: FLUX.1's, the same transformer (the control's tokens only lengthen the sequence:
     # the same Linears on more rows, where fp8 gained more, bench/fp8.md); no fp8 rows of its own yet

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.flux import full as flux_full
+from stages.families.common import flux1_full as flux_full
 
 PRESET = "configs/flux-kontext.toml"
 TEXT_PRECISION = flux_full.TEXT_PRECISION

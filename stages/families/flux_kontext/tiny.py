@@ -1,6 +1,6 @@
 """FLUX.1 Kontext's tiny pipelines in a FluxKontextPipeline, as FLUX.1-Kontext-dev ships FLUX.1-dev's
 architecture (guidance embedding, same VAE and text encoders): "flux-kontext", the tests' model, is
-FLUX.1-dev's tiny random-weight components (stages/families/flux/tiny.py); "flux-kontext-edit", the
+FLUX.1-dev's tiny random-weight components (stages/families/common/flux1_tiny.py); "flux-kontext-edit", the
 edit demo's model, keeps its text encoders and scheduler, with two changes so that the demo can learn
 its edit in a couple of CPU minutes:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.flux import tiny as flux_tiny
+from stages.families.common import flux1_tiny as flux_tiny
 from stages.tiny import copy_edit
 from stages.tiny.parts import (CLIP_HIDDEN, FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR, HEAD_DIM, ROPE_AXES,
                                T5_DMODEL, seeded)

@@ -34,9 +34,9 @@ from stages.core import flow
 from stages.families.krea2.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.krea2 import SUFFIX_TOKENS
-from stages.families.qwen_image.family import DROP_IDX, QwenImage
+from stages.families.common.qwen_image import DROP_IDX, QwenImageBase
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
 
 PROMPT_PREFIX = (
@@ -81,7 +81,7 @@ class Krea2TextEncoder:
         return [len(i) - DROP_IDX + SUFFIX_TOKENS for i in ids]
 
 
-class Krea2:
+class Krea2(FamilyTraits):
     name = "krea2"
     pipeline_class = "Krea2Pipeline"
     lora_prefix = "transformer"
@@ -102,13 +102,13 @@ class Krea2:
     comfyui_layout = COMFYUI_LAYOUT
 
     # ---- cache-latents: Krea2Pipeline uses the Qwen-Image VAE exactly as QwenImagePipeline does
-    load_vae = QwenImage.load_vae
-    pixel_multiple = QwenImage.pixel_multiple  # vae_scale_factor x patch_size 2
-    encode_posterior = QwenImage.encode_posterior
-    latent_normalization = QwenImage.latent_normalization
-    _channel_stats = QwenImage._channel_stats
-    normalize_latents = QwenImage.normalize_latents
-    denormalize_latents = QwenImage.denormalize_latents
+    load_vae = QwenImageBase.load_vae
+    pixel_multiple = QwenImageBase.pixel_multiple  # vae_scale_factor x patch_size 2
+    encode_posterior = QwenImageBase.encode_posterior
+    latent_normalization = QwenImageBase.latent_normalization
+    _channel_stats = QwenImageBase._channel_stats
+    normalize_latents = QwenImageBase.normalize_latents
+    denormalize_latents = QwenImageBase.denormalize_latents
 
     def __init__(self) -> None:
         self._positions: dict[tuple, torch.Tensor] = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.families.full_parts import diffusers_model
-from stages.families.qwen_image import full as qwen_image_full
+from stages.families.common import qwen_image_full
 
 PRESET = "configs/krea2.toml"
 TEXT_PRECISION = "nf4"

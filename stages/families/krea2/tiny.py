@@ -63,7 +63,7 @@ def _qwen3_vl(tokenizer: Any) -> Any:
 def build_components(variant: str, seed: int) -> dict[str, Any]:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
 
-    from stages.families.qwen_image.tiny import LATENTS_MEAN, LATENTS_STD
+    from stages.families.common.qwen_image_tiny import LATENTS_MEAN, LATENTS_STD
     from stages.tiny.tokenizers import build_qwen_tokenizer
 
     tokenizer = build_qwen_tokenizer("qwen3")

@@ -41,8 +41,8 @@ from stages.core import flow
 from stages.families.qwen_image_21.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
-from stages.families.qwen_image.family import QwenImage
+from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.qwen_image import QwenImageBase
 from stages.families.qwen_image_21 import ROPE_POSITIONS
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, require_tokens
 
@@ -108,7 +108,7 @@ def joint_img_mask(b: int, text_len: int, image_tokens: int, device: torch.devic
                       torch.ones(b, image_tokens // IMG_TOKENS_PER_SLOT, dtype=torch.bool, device=device)], dim=1)
 
 
-class QwenImage21:
+class QwenImage21(FamilyTraits):
     name = "qwen-image-2.1"
     pipeline_class = "QwenImage21Pipeline"
     lora_prefix = "transformer"
@@ -129,10 +129,10 @@ class QwenImage21:
     comfyui_layout = COMFYUI_LAYOUT
 
     # The same per-channel statistics as Qwen-Image: x = (z - latents_mean) / latents_std.
-    latent_normalization = QwenImage.latent_normalization
-    normalize_latents = QwenImage.normalize_latents
-    denormalize_latents = QwenImage.denormalize_latents
-    _channel_stats = QwenImage._channel_stats
+    latent_normalization = QwenImageBase.latent_normalization
+    normalize_latents = QwenImageBase.normalize_latents
+    denormalize_latents = QwenImageBase.denormalize_latents
+    _channel_stats = QwenImageBase._channel_stats
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> QwenImage21TextEncoder:

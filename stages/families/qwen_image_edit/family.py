@@ -29,7 +29,7 @@ import torch
 from stages.core import dataset, flow
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
-from stages.families.qwen_image.family import QwenImage
+from stages.families.common.qwen_image import QwenImageBase
 from stages.families.qwen_image_edit import PIPELINE_MAX_SEQUENCE_LENGTH
 # imported here so diffusers finds it: a tiny pipeline's model_index.json names this module's processor,
 # and diffusers loads a class of a non-library module only once that module is imported
@@ -99,7 +99,7 @@ class QwenImageEditTextEncoder:
         return self.last[1]
 
 
-class QwenImageEdit(QwenImage):
+class QwenImageEdit(QwenImageBase):
     name = "qwen-image-edit"
     # fp8_faster_from_tokens: Qwen-Image's, the same transformer (control tokens lengthen the sequence); no
     # fp8 rows of its own yet

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.qwen_image import full as qwen_full
+from stages.families.common import qwen_image_full as qwen_full
 
 PRESET = "configs/qwen-image-edit.toml"
 TEXT_PRECISION = qwen_full.TEXT_PRECISION

@@ -4,7 +4,7 @@ images through (the video-less stand-in of `processor.py`, see there why; its im
 Qwen2-VL's defaults, patch 14, merge 2, temporal patch 2, which the tiny vision tower matches):
 
 - "qwen-image-edit", the tests' model: the tiny random-weight Qwen-Image components
-  (stages/families/qwen_image/tiny.py).
+  (stages/families/common/qwen_image_tiny.py).
 - "qwen-image-edit-edit", the edit demo's model: the same text encoder, processor and scheduler; the
   VAE is the real AutoencoderKLQwenImage with its weights set to an exact 2x2 pixel-unshuffle (12 of
   the 16 latent channels carry the pixels; normalized by the Wan statistics it keeps, a latent is
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.qwen_image import tiny as qwen_tiny
+from stages.families.common import qwen_image_tiny as qwen_tiny
 from stages.tiny import copy_edit
 from stages.tiny.parts import HEAD_DIM, QWEN_HIDDEN, ROPE_AXES, seeded
 

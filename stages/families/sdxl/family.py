@@ -26,7 +26,7 @@ from stages.core import flow
 from stages.core.config import ConfigError
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.core.model_source import ModelError
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.sdxl.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.sdxl.kohya import LAYOUT as KOHYA_LAYOUT
 
@@ -121,7 +121,7 @@ def offset_noise(noise: torch.Tensor, offset: float) -> torch.Tensor:
     return noise + offset * torch.randn(b, c, 1, 1).to(noise.device, noise.dtype)
 
 
-class SDXL:
+class SDXL(FamilyTraits):
     name = "sdxl"
     fp8_faster_from_tokens = 1101  # 512 px b1 as the planner counts it: fp8 0.88x bf16's step (1024 px: 0.94x)
     pipeline_class = "StableDiffusionXLPipeline"

@@ -25,7 +25,7 @@ from stages.core import flow
 from stages.families.z_image.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.kl_vae import KLVAELatents
 from stages.families.text_encoders import (chat_prompts, load_chat_tokenizer, load_text_model, pad_valid_tokens,
                                           require_tokens)
@@ -54,7 +54,7 @@ class ZImageTextEncoder:
         return [len(ids) for ids in self.tokenizer(self._templated(texts), truncation=False).input_ids]
 
 
-class ZImage(KLVAELatents):
+class ZImage(KLVAELatents, FamilyTraits):
     name = "z-image"
     fp8_faster_from_tokens = 4173  # 1024 px b1, 77-token captions: fp8 0.83x bf16's step
     pipeline_class = "ZImagePipeline"

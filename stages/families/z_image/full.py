@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.families.full_parts import FLUX_VAE, diffusers_model, qwen3
+from stages.families.full_parts import FLUX_VAE, QWEN3_4B, diffusers_model, qwen3
 
 PRESET = "configs/z-image.toml"
 TEXT_PRECISION = "nf4"
@@ -16,10 +16,6 @@ TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, d
                    n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True,
                    cap_feat_dim=2560, rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48],
                    axes_lens=[1536, 512, 512])
-QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                tie_word_embeddings=True)
 
 
 COMPONENTS = {

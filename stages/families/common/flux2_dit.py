@@ -48,9 +48,9 @@ import torch
 from stages.core import dataset, flow
 from stages.core.errors import DatasetError, ModelError
 from stages.core.lora import base_dtype, load_denoiser_weights
-from stages.families.base import BatchMeta
+from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.bfl import FLUX2 as COMFYUI_LAYOUT
-from stages.families.flux2_klein.kohya import LAYOUT as KOHYA_LAYOUT
+from stages.families.common.bfl import FLUX2_KOHYA as KOHYA_LAYOUT
 
 SHIFT_STEPS = 50  # both pipelines' default num_inference_steps, for the resolution shift
 REFERENCE_TIME_SCALE = 10  # _prepare_image_ids' `scale`: reference k has time id 10 + 10 k
@@ -76,7 +76,7 @@ def _patch_stats(x: torch.Tensor, values: list[float]) -> torch.Tensor:
     return torch.tensor(values, device=x.device, dtype=x.dtype).view(1, -1, 1, 2, 1, 2)
 
 
-class Flux2DiT:
+class Flux2DiT(FamilyTraits):
     lora_prefix = "transformer"
     denoiser_class = "Flux2Transformer2DModel"
     vae_class = "AutoencoderKLFlux2"
