@@ -21,22 +21,10 @@ from typing import Any, Callable
 import click
 
 from stages.core.runspec import RunSpec, forget, invoke
-from stages.core.stage import OPTIONAL_STAGES, STAGES
+from stages import registry
 from stages.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parent
-# what a stage's staleness passes on (the stages it reads, through the export for sample), and how
-# `status` names what a rerun changes for the stages below it
-UPSTREAM = {"train": ("encode-captions", "cache-latents"), "export-lora": ("train",), "sample": ("export-lora",)}
-PRODUCES = {"encode-captions": "captions", "cache-latents": "latents", "train": "the LoRA", "export-lora": "the export"}
-
-
-def _stage_module(name: str) -> Any:
-    import importlib
-
-    return importlib.import_module(f"stages.{name.replace('-', '_')}")
-
-
 def _settled(spec: RunSpec, write: bool = True) -> Any:
     """The command's Config, once the run's settings are settled (stages/run_settings.py): a preset
     given with --config becomes them (saved when `write`), its changes shown; by name, an edit of the
@@ -152,15 +140,15 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
     from stages.families import check_model_family
     from stages.core.runtime import pick_device  # noqa: F401  (imports torch once, early)
 
-    module = _stage_module(name)
+    stage = registry.get(name)
     # Under torchrun only rank 0 writes here.
     main = _launcher_rank() == 0
     if main:
         ensure_writable(cfg.run_dir)
         check_model_family(cfg)  # before the stage starts: one line
-    if force and name in ("encode-captions", "cache-latents", "export-lora"):
+    if force and stage.takes_force:
         kwargs["force"] = True  # a cache stage deletes its cache once it has checked the config, under its lock
-    manifest = module.run(cfg, **kwargs)
+    manifest = stage.run(cfg, **kwargs)
     if not main:
         return
     if manifest.get("up_to_date") and name == "train":
@@ -244,10 +232,10 @@ def sample_cmd(spec: RunSpec) -> None:
 
 def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
     """The child command of one stage: plain, or through torchrun with one process per GPU.
-    export-lora reads one small adapter and needs no GPU: it always runs as one process.
+    A stage declared `one_process` (export-lora, sample) always runs as one process.
     `args` come after the script path, where torchrun passes them on (RunSpec.child_args)."""
     script = [str(ROOT / "pipeline.py"), name, *args]
-    if gpus <= 1 or name == "export-lora":
+    if gpus <= 1 or registry.get(name).one_process:
         return [sys.executable, *script]
     # --standalone: a local rendezvous on a free port, so two runs on one host never collide.
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *script]
@@ -257,7 +245,7 @@ def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
 @run_options
 @vram_option
 @click.option("--force", is_flag=True, help="Run every stage even if up to date (train starts over).")
-@click.option("--only", multiple=True, type=click.Choice(STAGES + OPTIONAL_STAGES), help="Run only these stages.")
+@click.option("--only", multiple=True, type=click.Choice(registry.NAMES), help="Run only these stages.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes per stage, one per GPU, launched through torchrun (on CPU: gloo processes).")
 @click.option("--dry-run", is_flag=True, help="Print each stage's memory plan (as `plan` does) and run nothing.")
@@ -277,8 +265,9 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         plan.run(cfg, None, as_json=False)
         return
     ensure_writable(cfg.run_dir)
-    for name in only or STAGES + (("sample",) if cfg.sample.after_train else ()):
-        ok, reasons = staleness(_stage_module(name), cfg)
+    for name in only or registry.REQUIRED + (registry.OPTIONAL if cfg.sample.after_train else ()):
+        stage = registry.get(name)
+        ok, reasons = staleness(stage, cfg)
         if ok and not force:
             EventLog(cfg.run_dir, cfg.run, name).emit("up_to_date")
             click.echo(f"{name}: up to date, skipped")
@@ -286,11 +275,11 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
         extra = ["--force"] if force and name != "train" else []
         extra += [_train_start(cfg, force)] if name == "train" else []
-        code = call_child(stage_command(name, [*spec.child_args(), *extra], 1 if name in OPTIONAL_STAGES else gpus))
+        code = call_child(stage_command(name, [*spec.child_args(), *extra], gpus))
         if code != 0:
             click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
             sys.exit(code)
-        if name == "train" and not staleness(_stage_module(name), cfg)[0]:
+        if name == "train" and not staleness(stage, cfg)[0]:
             click.echo("train was stopped before its last step; later stages not run (run again to continue)")
             return
 
@@ -308,8 +297,7 @@ def _train_start(cfg: Any, force: bool) -> str:
     """How `run` starts a stale train: a stopped or killed one continues from its newest checkpoint made
     with these settings (and ends bit-identical to an uninterrupted run); one trained with other
     settings starts over (`run` reruns what is stale; the old checkpoints are set aside, not deleted)."""
-    train = _stage_module("train")
-    if force or train.other_settings(cfg):
+    if force or registry.get("train").other_settings(cfg):
         return "--restart"
     return "--resume"
 
@@ -324,9 +312,10 @@ def status_cmd(spec: RunSpec) -> None:
 
     cfg = _settled(spec, write=False)
     changing: list[str] = []  # stages that will rerun, whose outputs the stages below them read
-    for name in STAGES + OPTIONAL_STAGES:
-        ok, reasons = staleness(_stage_module(name), cfg)
-        upstream = [PRODUCES[u] for u in UPSTREAM.get(name, ()) if u in changing]
+    for stage in registry.ALL:
+        name = stage.name
+        ok, reasons = staleness(stage, cfg)
+        upstream = [registry.get(u).produces for u in stage.upstream if u in changing]
         if upstream:
             ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
         if not ok:
@@ -335,7 +324,7 @@ def status_cmd(spec: RunSpec) -> None:
         pid = lock_holder_pid(cfg.run_dir, name)
         running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
         click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({clip(reasons, 300)})") + running)
-    sizes = (read_manifest(_stage_module("train").artifact_dir(cfg)) or {}).get("batch_sizes")
+    sizes = (read_manifest(registry.get("train").artifact_dir(cfg)) or {}).get("batch_sizes")
     if sizes:
         steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
         click.echo(f"{'':16s} realised batch sizes (train.batch_size = {cfg.train.batch_size}): {steps}")
@@ -378,13 +367,14 @@ def stop_cmd(spec: RunSpec, no_save: bool) -> None:
 
     run_dir = spec.run_dir()
     stopped = []
-    for name in STAGES + OPTIONAL_STAGES:
+    for stage in registry.ALL:
+        name = stage.name
         pid = lock_holder_pid(run_dir, name)
         if pid is None:
             continue
-        if name == "train":
-            _stage_module("train").request_stop(run_dir, save=not no_save)
-            stopped.append(f"asked train (pid {pid}) to stop after its step{' without saving' if no_save else ''}")
+        if stage.request_stop is not None:  # train: stops between steps, and saves unless told not to
+            stage.request_stop(run_dir, not no_save)
+            stopped.append(f"asked {name} (pid {pid}) to stop after its step{' without saving' if no_save else ''}")
         else:
             signal_group(pid)
             stopped.append(f"sent SIGTERM to {name} (pid {pid}); its written rows are kept, a rerun continues")

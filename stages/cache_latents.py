@@ -15,10 +15,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset, distributed, validation
+from stages.core import dataset, distributed
 from stages.core import faults
-from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir, require_manifest,
+from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir,
                                    sweep_leftovers, write_manifest)
+from stages.core import caches
+from stages.core.caches import latents_dir, load_latents  # noqa: F401 - load_latents: still importable from here
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
 from stages.core.config import command
 from stages.core.errors import ConfigError
@@ -26,12 +28,13 @@ from stages.core.model_source import ModelSource, model_source
 from stages.core.rowstore import RowStore
 from stages.core.schema import Bucket
 from stages.core.stage import running_stage
+from stages.registry import conflicts
 
 NAME = "cache-latents"
 
 
 def artifact_dir(cfg: Any) -> Path:
-    return cfg.run_dir / "latents.zarr"
+    return latents_dir(cfg)
 
 
 def layout_parts(cfg: Any, vae_plan: Any = None) -> dict[str, Any]:
@@ -69,12 +72,10 @@ def variants_stored(cfg: Any) -> int:
 
 
 def scan_items(cfg: Any, log: Any = None) -> list[dataset.Item]:
-    """The run's items, held-out validation items included (`validation.scan_run`), as its family
-    trains them (edit families: ids cover the control images)."""
+    """The run's items as its family trains them (stages.core.caches.scan_items)."""
     from stages.families import get_family
 
-    warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
-    return dataset.for_family(validation.scan_run(cfg, log), get_family(cfg.family), warn)  # held-out items too
+    return caches.scan_items(cfg, get_family(cfg.family), log)
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
@@ -224,7 +225,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     from stages.families import get_family
 
     install_model_trace(NAME)
-    with running_stage(cfg, NAME) as ctx:
+    with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         configured = cfg
         cfg, vae_plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's VAE settings
         buckets = check(cfg)
@@ -462,11 +463,3 @@ def damaged_rows(cfg: Any, manifest: dict[str, Any]) -> list[str]:
         store = RowStore.open(out / name) if (out / name / "zarr.json").exists() else None
         reasons += damage_report(store, referenced, keys, f"{out.name}/{name}", command(cfg, NAME)) if referenced else []
     return reasons
-
-
-def load_latents(cfg: Any) -> tuple[dict[str, RowStore], dict[str, Any]]:
-    """Bucket name -> RowStore, and the manifest (refuses if missing)."""
-    out = artifact_dir(cfg)
-    manifest = require_manifest(out, command(cfg, NAME))
-    stores = {name: RowStore.open(out / name) for name in manifest["buckets"] if (out / name / "zarr.json").exists()}
-    return stores, manifest

@@ -17,16 +17,24 @@ from stages.core import faults
 from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
 from stages.core.config import command
+from stages.core.caches import captions_dir, load_captions, scan_items as scan_family_items  # noqa: F401 - load_captions: still importable from here
 from stages.core.model_source import model_source
 from stages.core.rowstore import RowStore
 from stages.core.stage import running_stage
-from stages.cache_latents import scan_items
+from stages.registry import conflicts
 
 NAME = "encode-captions"
 
 
+def scan_items(cfg: Any, log: Any = None) -> list[dataset.Item]:
+    """The run's items as its family trains them (stages.core.caches.scan_items)."""
+    from stages.families import get_family
+
+    return scan_family_items(cfg, get_family(cfg.family), log)
+
+
 def artifact_dir(cfg: Any) -> Path:
-    return cfg.run_dir / "captions.zarr"
+    return captions_dir(cfg)
 
 
 def resolved_precision(cfg: Any) -> str:
@@ -118,7 +126,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     from stages.families import get_family
 
     install_model_trace(NAME)
-    with running_stage(cfg, NAME) as ctx:
+    with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         cfg, plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's precision and batch size
         check(cfg)
         rt = memory.text_encoder_runtime(plan, make_runtime(cfg.device, "auto"))  # layer offload: placement only
@@ -277,12 +285,3 @@ def _earlier_truncations(out: Path) -> dict[str, int]:
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def load_captions(cfg: Any) -> tuple[RowStore, dict[str, Any]]:
-    """The caption store and its manifest, for train (refuses if missing)."""
-    from stages.core.artifacts import require_manifest
-
-    out = artifact_dir(cfg)
-    manifest = require_manifest(out, command(cfg, NAME))
-    return RowStore.open(out), manifest

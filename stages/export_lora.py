@@ -17,18 +17,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stages import train
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
+# DIFFUSERS_FILE and scale_folded stay importable from here
+from stages.core.caches import (DIFFUSERS_FILE, complete_checkpoints, export_dir as export_root, lora_final_dir,  # noqa: F401
+                                 scale_folded, write_diffusers)
 from stages.core.config import command
 
 NAME = "export-lora"
-DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 LYCORIS_ONLY = ("lokr", "loha")  # adapter types diffusers' loader cannot read: their ComfyUI file is LyCORIS
 EXPORT_LAYOUT = 2  # 2: the diffusers file's scale folded into lora_B; the ComfyUI-ready file
 
 
 def artifact_dir(cfg: Any) -> Path:
-    return cfg.run_dir / "export"
+    return export_root(cfg)
 
 
 def export_dir(cfg: Any, checkpoint: int | None) -> Path:
@@ -41,7 +42,7 @@ def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]
         source = read_manifest(cfg.run_dir / "lora" / f"checkpoint-{checkpoint}")
         return {"checkpoint": checkpoint, "lora": source and source.get("fingerprint"),
                 "lineage": source and source.get("lineage"), "format": cfg.export.format, **_ema_part(cfg)}
-    final = read_manifest(train.artifact_dir(cfg))
+    final = read_manifest(lora_final_dir(cfg))
     return {"lora": final and final.get("fingerprint"), "lora_step": final and final.get("step"),
             "format": cfg.export.format, **_ema_part(cfg)}
 
@@ -70,9 +71,7 @@ def adapter_weights(cfg: Any, folder: Path) -> str:
 
 
 def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict[str, Any]]:
-    from stages.checkpoints import complete_checkpoints
-
-    folder = train.artifact_dir(cfg) if checkpoint is None else cfg.run_dir / "lora" / f"checkpoint-{checkpoint}"
+    folder = lora_final_dir(cfg) if checkpoint is None else cfg.run_dir / "lora" / f"checkpoint-{checkpoint}"
     manifest = read_manifest(folder)
     if manifest is not None:
         return folder, manifest
@@ -85,23 +84,13 @@ def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict
     raise ArtifactError(f"run '{cfg.run}' has no complete lora/checkpoint-{checkpoint}: {there}")
 
 
-def write_diffusers(state: dict[str, Any], lora_cfg: dict[str, Any], manifest: dict[str, Any], out: Path) -> Path:
-    import diffusers
-
-    pipeline_cls = getattr(diffusers, manifest["pipeline_class"])
-    prefix = manifest["lora_prefix"]
-    pipeline_cls.save_lora_weights(str(out), **{f"{prefix}_lora_layers": state,
-                                                f"{prefix}_lora_adapter_metadata": lora_cfg},
-                                   weight_name=DIFFUSERS_FILE, safe_serialization=True)
-    return out / DIFFUSERS_FILE
-
-
 def run(cfg: Any, checkpoint: int | None = None, force: bool = False) -> dict[str, Any]:
     from stages.core.runtime import install_model_trace
     from stages.core.stage import running_stage
+    from stages.registry import conflicts
 
     install_model_trace(NAME)
-    with running_stage(cfg, NAME) as ctx:
+    with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         folder, manifest = source_manifest(cfg, checkpoint)
         out, parts = export_dir(cfg, checkpoint), fingerprint_parts(cfg, checkpoint)
         current = read_manifest(out)
@@ -170,21 +159,6 @@ def verify(cfg: Any, folder: Path, manifest: dict[str, Any], files: list[Path]) 
 
     state, lora_cfg = lora.load_adapter_files(folder, adapter_weights(cfg, folder))
     return verify_export(cfg, manifest, files, state, lora_cfg)
-
-
-def scale_folded(state: dict[str, Any], lora_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The LoRA with each module's scale (alpha / rank, alpha / sqrt(rank) for rsLoRA, patterns included)
-    multiplied into lora_B, and a config whose alpha equals every module's rank: the same deltas for
-    diffusers, which reads the config from the header, and for loaders that ignore it (scale 1)."""
-    from stages.core.kohya import lora_scale
-
-    out = dict(state)
-    for key, tensor in state.items():
-        if key.endswith(".lora_B.weight"):
-            module = key[:-len(".lora_B.weight")]
-            out[key] = tensor * lora_scale(lora_cfg, module, state[f"{module}.lora_A.weight"].shape[0])
-    ranks = dict(lora_cfg.get("rank_pattern") or {})
-    return out, {**lora_cfg, "lora_alpha": lora_cfg["r"], "alpha_pattern": ranks, "use_rslora": False}
 
 
 def keep_checkpoint_exports(out: Path, tmp: Path) -> None:

@@ -31,7 +31,6 @@ from stages.core.rowstore import DamagedRows, RowStore
 from stages.core.schema import control_count
 from stages.core.events import read_events
 
-STAGE_MODULES = ("encode_captions", "cache_latents", "train", "export_lora", "sample")
 
 
 class InspectError(UserError):
@@ -82,18 +81,16 @@ def nonfinite(array: np.ndarray) -> dict[str, int]:
 
 
 def stages_section(cfg: Any) -> dict[str, Any]:
-    import importlib
-
+    from stages import registry
     from stages.core.stage import staleness
 
     out = {}
-    for name in STAGE_MODULES:
-        module = importlib.import_module(f"stages.{name}")
+    for stage in registry.ALL:
         try:
-            ok, reasons = staleness(module, cfg)
-            out[module.NAME] = {"up_to_date": ok, "reasons": reasons}
+            ok, reasons = staleness(stage, cfg)
+            out[stage.name] = {"up_to_date": ok, "reasons": reasons}
         except Exception as e:  # noqa: BLE001 - a missing dataset or model must not hide the rest
-            out[module.NAME] = {"up_to_date": False, "reasons": [f"cannot check: {e}"]}
+            out[stage.name] = {"up_to_date": False, "reasons": [f"cannot check: {e}"]}
     return out
 
 
@@ -142,12 +139,13 @@ CAPTION_GONE = "(caption file changed or removed since it was encoded)"
 
 def caption_texts(cfg: Any) -> dict[str, str]:
     """caption id -> text, read from the dataset now (manifests keep only ids and lengths)."""
-    from stages.cache_latents import scan_items  # the family's ids: an edit family's cover the controls
+    from stages.core.caches import scan_items  # the family's ids: an edit family's cover the controls
+    from stages.families import get_family
 
     if cfg is None:
         return {}
     try:
-        return {cid: text for it in scan_items(cfg) for cid, text in zip(it.caption_ids, it.texts)}
+        return {cid: text for it in scan_items(cfg, get_family(cfg.family)) for cid, text in zip(it.caption_ids, it.texts)}
     except (UserError, OSError):  # a moved dataset must not hide the rest of the report
         return {}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PLANNED_STAGES = ("encode-captions", "cache-latents", "train", "sample")  # sample: the whole pipeline, to render
+from stages.registry import PLANNED as PLANNED_STAGES  # sample's plan: the whole pipeline, to render
 SCHEMA_VERSION = 1
 
 

@@ -15,7 +15,6 @@ the run's settings until the user takes the preset with `--config`.
 
 from __future__ import annotations
 
-import importlib
 import os
 import shlex
 from pathlib import Path
@@ -25,14 +24,10 @@ from stages.core.artifacts import atomic_write_json, read_json
 from stages.core.config import load_config
 from stages.core.errors import ConfigError, UserError
 from stages.core.runspec import RunSpec, flatten
-from stages.core.stage import OPTIONAL_STAGES, READS, STAGES
+from stages import registry
 
 PRESET = "preset.json"
 WHERE = ("run", "artifacts")  # where the run lives, not how its artifacts are made
-
-
-def stage_module(name: str) -> Any:
-    return importlib.import_module(f"stages.{name.replace('-', '_')}")
 
 
 def comparable(settings: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +42,7 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def _parts(name: str, cfg: Any) -> Any:
     try:
-        return stage_module(name).fingerprint_parts(cfg)
+        return registry.get(name).fingerprint_parts(cfg)
     except (UserError, OSError) as e:  # a setting the stage cannot read yet counts as a change
         return f"{type(e).__name__}: {e}"
 
@@ -56,9 +51,10 @@ def made_stale(old: Any, new: Any) -> list[str]:
     """The stages with artifacts that going from settings `old` to `new` makes stale: what they read of the
     settings changed, or a stage they read from is made stale."""
     stale: list[str] = []
-    for name in STAGES + OPTIONAL_STAGES:
-        built = stage_module(name).artifact_dir(old).exists() or (name == "train" and (old.run_dir / "lora").exists())
-        if built and (any(u in stale for u in READS.get(name, ())) or _parts(name, old) != _parts(name, new)):
+    for stage in registry.ALL:
+        name = stage.name
+        built = stage.artifact_dir(old).exists() or (name == "train" and (old.run_dir / "lora").exists())
+        if built and (any(u in stale for u in stage.reads) or _parts(name, old) != _parts(name, new)):
             stale.append(name)
     return stale
 

@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stages import export_lora
 from stages.core import faults
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
+from stages.core.caches import DIFFUSERS_FILE, export_dir, samples_dir, scan_items, write_diffusers
 from stages.core.config import command
 from stages.core.errors import ConfigError
 from stages.core.model_source import model_source
@@ -37,19 +37,18 @@ MIN_CELL = 128  # tiny demo images (64 px) are upscaled so a grid stays readable
 
 
 def artifact_dir(cfg: Any) -> Path:
-    return cfg.run_dir / "samples"
+    return samples_dir(cfg)
 
 
 def edit_items(cfg: Any) -> list[Any] | None:
     """Edit families: the first 3 dataset items, whose instructions and controls the grid renders;
     None for text-to-image families and for a family with optional references (FLUX.2) whose items
     have none."""
-    from stages.cache_latents import scan_items
     from stages.families import get_family
 
     if not get_family(cfg.family).control_range[1]:  # a family that takes no controls
         return None
-    items = scan_items(cfg)[:3]
+    items = scan_items(cfg, get_family(cfg.family))[:3]
     if not any(it.controls for it in items):  # a family whose controls are optional, trained text-to-image
         return None
     return items
@@ -97,7 +96,7 @@ def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str], list[Path] | Non
     rows, prompts, targets = planned or planned_rows(cfg)
     family = get_family(cfg.family)
     components = family.text_components + family.vae_components + family.denoiser_components
-    export = read_manifest(export_lora.artifact_dir(cfg))
+    export = read_manifest(export_dir(cfg))
     settings = {k: v for k, v in dataclasses.asdict(cfg.sample).items() if k not in ("after_train", "cpu_offload")}
     return {"family": cfg.family, "model": model_source(cfg).identity(components),
             "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts,
@@ -160,15 +159,15 @@ def chosen_checkpoints(cfg: Any) -> list[Path]:
 def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
     """(column label, diffusers LoRA file) for each column after the base: checkpoints, then final.
 
-    Checkpoints are written to `tmp` with export-lora's own writer, so every column loads through
+    Checkpoints are written to `tmp` with export-lora's own writer (stages.core.caches), so every column loads through
     the same `load_lora_weights` call the exported file does."""
     from stages.core import lora
 
-    final = export_lora.artifact_dir(cfg)
+    final = export_dir(cfg)
     export = read_manifest(final)
     if export is None:
-        raise ArtifactError(f"'{final}' has no exported LoRA: run `{command(cfg, export_lora.NAME)}` first")
-    if export_lora.DIFFUSERS_FILE not in export.get("files", [export_lora.DIFFUSERS_FILE]):
+        raise ArtifactError(f"'{final}' has no exported LoRA: run `{command(cfg, 'export-lora')}` first")
+    if DIFFUSERS_FILE not in export.get("files", [DIFFUSERS_FILE]):
         raise ArtifactError(f"'{final}' holds no diffusers LoRA file (a {export.get('adapter', 'LyCORIS')} adapter is "
                             f"exported for ComfyUI only), and sample loads that file: sample a lora or dora run")
     out = []
@@ -177,8 +176,8 @@ def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
         state, lora_cfg = lora.load_adapter_files(ckpt)
         folder = tmp / ckpt.name
         folder.mkdir()
-        out.append((ckpt.name, export_lora.write_diffusers(state, lora_cfg, manifest, folder)))
-    out.append((f"LoRA (step {export.get('step')})", final / export_lora.DIFFUSERS_FILE))
+        out.append((ckpt.name, write_diffusers(state, lora_cfg, manifest, folder)))
+    out.append((f"LoRA (step {export.get('step')})", final / DIFFUSERS_FILE))
     return out
 
 
@@ -375,11 +374,12 @@ def _render(cfg: Any, plan: Any, log: Any, columns: list[tuple[str, Path]], prom
 def run(cfg: Any) -> dict[str, Any]:
     from stages.core.runtime import install_model_trace, peak_vram_gb
     from stages.core.stage import running_stage
+    from stages.registry import conflicts
 
     install_model_trace(NAME)
     planned = planned_rows(cfg)
     check_settings(cfg, planned[1])
-    with running_stage(cfg, NAME) as ctx:
+    with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         (edits, prompts, targets), parts = planned, fingerprint_parts(cfg, planned)
         size = (cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution)
         out = artifact_dir(cfg)

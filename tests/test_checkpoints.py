@@ -1,4 +1,4 @@
-"""Checkpoints (stages/checkpoints.py), checkpoint exports and the layering of stages/core.
+"""Checkpoints (stages/train/checkpoints.py), checkpoint exports and the layering of stages/core.
 
 The training state round-trips through safetensors + JSON with no pickle; retention keeps the newest
 checkpoints by write order of the current lineage; `export-lora --checkpoint N` writes beside the
@@ -31,9 +31,11 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_core_imports_no_stage_module():
-    """stages/core is what the stages are built on: it must not import any stages/<stage>.py."""
+    """stages/core is what the stages are built on: it must not import any stages/<stage>.py, nor the
+    train package's modules."""
     stage_modules = {f"stages.{p.stem}" for p in (ROOT / "stages").glob("*.py") if p.stem != "__init__"}
-    assert {"stages.train", "stages.trainer", "stages.checkpoints"} <= stage_modules
+    stage_modules |= {"stages.train"} | {f"stages.train.{p.stem}" for p in (ROOT / "stages" / "train").glob("*.py")}
+    assert {"stages.train", "stages.train.trainer", "stages.train.checkpoints"} <= stage_modules
     found = {f"{p.name} imports {m}" for p in (ROOT / "stages" / "core").glob("*.py")
              for m in _imported_modules(p) if m in stage_modules}
     assert not found, sorted(found)
@@ -80,7 +82,7 @@ def test_training_state_round_trips_without_pickle(kind, tmp_path):
     """Optimizer (int-keyed state, tuple betas, 0-dim step tensors; bitsandbytes' quantization
     state), scheduler, RNG states and counters come back equal, with their types; the files are
     safetensors and JSON only, and the restored optimizer steps exactly as the original."""
-    from stages.checkpoints import STATE_JSON, STATE_TENSORS, read_training_state, write_training_state
+    from stages.train.checkpoints import STATE_JSON, STATE_TENSORS, read_training_state, write_training_state
 
     params, optimizer, scheduler = _trained_optimizer(kind)
     state = {"step": 3, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -104,7 +106,7 @@ def test_training_state_round_trips_without_pickle(kind, tmp_path):
 
 
 def test_damaged_training_state_is_named(tmp_path):
-    from stages.checkpoints import STATE_TENSORS, read_training_state, write_training_state
+    from stages.train.checkpoints import STATE_TENSORS, read_training_state, write_training_state
     from stages.core.errors import ArtifactError
 
     write_training_state(tmp_path, {"x": torch.arange(1000)})
@@ -135,7 +137,7 @@ def test_retention_keeps_newest_written_of_this_lineage(tmp_path):
     """An abandoned lineage's checkpoint-16 outranks nothing: after this lineage writes checkpoint-3
     (after checkpoint-2), keep_checkpoints=1 keeps checkpoint-3, not the highest step, and leaves
     the other lineage's folders alone."""
-    from stages.checkpoints import Checkpoints
+    from stages.train.checkpoints import Checkpoints
 
     for step, lineage, index in ((8, "abandoned", 4), (16, "abandoned", 5), (2, "current", 0), (3, "current", 1)):
         _checkpoint(tmp_path, step, lineage, index)
@@ -146,7 +148,7 @@ def test_retention_keeps_newest_written_of_this_lineage(tmp_path):
 
 
 def test_set_aside_moves_everything_and_deletes_nothing(tmp_path):
-    from stages.checkpoints import Checkpoints
+    from stages.train.checkpoints import Checkpoints
 
     _checkpoint(tmp_path, 4, "old", 0)
     (tmp_path / "final").mkdir()

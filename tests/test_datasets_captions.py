@@ -258,7 +258,7 @@ def test_empty_caption_and_variants_are_cached_rows(multi_run):
 def test_dropout_rate_and_variants_drawn(multi_run):
     import torch
 
-    from stages.trainer import build_data
+    from stages.train.trainer import build_data
 
     data, _ = build_data(multi_run)
     g = torch.Generator().manual_seed(0)
@@ -416,6 +416,7 @@ def test_a_data_key_every_dataset_overrides_leaves_the_latents_up_to_date(assets
     from stages import cache_latents
     from stages.core import dataset
     from stages.core.config import build_config
+    from stages import registry
     from stages.core.stage import staleness
 
     big, small = tmp_path / "big", tmp_path / "small"
@@ -432,17 +433,17 @@ def test_a_data_key_every_dataset_overrides_leaves_the_latents_up_to_date(assets
     # the first dataset's settings key its rows by the bare image id; the other's get a suffix
     assert [it.latent_key == it.image_id for it in items] == [True, True, False]
     cache_latents.run(cfg)
-    assert staleness(cache_latents, cfg) == (True, [])
+    assert staleness(registry.get("cache-latents"), cfg) == (True, [])
 
     def changed(**data):
         return build_config({**cfg.to_dict(), "data": {**cfg.to_dict()["data"], **data}})
 
     moved = changed(resolution=96, cache_variants=3)  # every table sets both: no image reads [data]'s
-    assert staleness(cache_latents, moved) == (True, [])
+    assert staleness(registry.get("cache-latents"), moved) == (True, [])
     assert dataset.scan_run(moved) == items
     assert cache_latents.run(moved)["encoded_this_run"] == 0
-    up, reasons = staleness(cache_latents, changed(crop="center"))  # read by both datasets: stale
+    up, reasons = staleness(registry.get("cache-latents"), changed(crop="center"))  # read by both datasets: stale
     assert not up and any("crop" in r for r in reasons), reasons
     own = dataclasses.replace(cfg, datasets=[tables[0], {**tables[1], "resolution": 32}])
     # a dataset's own value counts, and status names it (its rows get new keys)
-    assert staleness(cache_latents, own) == (False, ["datasets[1].resolution: 48 -> 32", "image of small/s0.png changed"])
+    assert staleness(registry.get("cache-latents"), own) == (False, ["datasets[1].resolution: 48 -> 32", "image of small/s0.png changed"])

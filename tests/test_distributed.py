@@ -140,7 +140,7 @@ class StopSeenByOneRank:
 
 def _train_until_stopped(cfg, stop) -> None:
     from stages.core.stage import running_stage
-    from stages.trainer import Trainer
+    from stages.train.trainer import Trainer
 
     with running_stage(cfg, "train") as ctx:
         Trainer(cfg, ctx.log, ctx.dist).fit(resume=False, stop=stop, t0=ctx.t0)
@@ -251,7 +251,7 @@ def test_stop_seen_by_one_rank_stops_both_and_resume_continues(trained):
     cfg = trained["two_stopped"]
     stopped = _events(cfg, "stopped")
     assert [(e["step"], e["saved"]) for e in stopped] == [(2, True)]  # one event: both ranks stopped at 2
-    from stages.checkpoints import read_training_state
+    from stages.train.checkpoints import read_training_state
 
     state = read_training_state(cfg.run_dir / "lora" / "checkpoint-2")
     assert state["step"] == 2 and state["world_size"] == 2 and len(state["torch_rng_ranks"]) == 2

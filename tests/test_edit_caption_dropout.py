@@ -20,7 +20,7 @@ from stages import cache_latents, encode_captions, train
 from stages.core import dataset, faults
 from stages.core.artifacts import ArtifactError
 from stages.inspect import captions_section
-from stages.trainer import build_data
+from stages.train.trainer import build_data
 from conftest import make_cfg, run_beside
 
 QWEN_EDIT = pytest.mark.parametrize("built_run", ["qwen-image-edit"], indirect=True)

@@ -18,7 +18,7 @@ from stages.core import dataset, lora
 from stages.core.events import EventLog, read_events
 from stages.core.model_source import ModelSource, stored_dtypes
 from stages.core.runtime import make_runtime
-from stages.trainer import Trainer, build_data
+from stages.train.trainer import Trainer, build_data
 from conftest import FAMILIES, ROOT
 from stages.families import get_family
 

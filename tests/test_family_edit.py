@@ -22,7 +22,7 @@ from stages.core.events import EventLog
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
 from stages.families import get_family
-from stages.trainer import Trainer
+from stages.train.trainer import Trainer
 from conftest import make_cfg
 
 KONTEXT = pytest.mark.parametrize("built_run", ["flux-kontext"], indirect=True)

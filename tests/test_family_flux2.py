@@ -141,7 +141,7 @@ def test_cached_rows_are_the_pipelines_encode_prompt(built_run, dev):
     pipeline's own encode_prompt of each item's caption."""
     from stages.core import dataset
     from stages.core.events import EventLog
-    from stages.trainer import Trainer
+    from stages.train.trainer import Trainer
 
     _, _, pipe = dev
     cfg = built_run

@@ -24,7 +24,7 @@ from stages.core.events import EventLog
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
 from stages.families import get_family
-from stages.trainer import Trainer
+from stages.train.trainer import Trainer
 from conftest import make_cfg
 
 FAMILIES = ["flux2-klein", "flux2"]

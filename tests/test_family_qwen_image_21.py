@@ -244,7 +244,7 @@ def test_cuda_graphs_capture_the_training_step_with_the_eager_losses(assets, dem
     from stages.core import fastpath
     from stages.core.events import EventLog
     from stages.core.runtime import torch_flags
-    from stages.trainer import Trainer
+    from stages.train.trainer import Trainer
 
     cfg = make_cfg(NAME, assets, demo_data, tmp_path, **{"device": "cuda", "train.base_precision": precision,
                                                          "train.steps": 6, "train.checkpoint_every": 0,

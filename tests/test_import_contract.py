@@ -1,6 +1,9 @@
 """The layers of stages/, read from every module's imports (module level and inside functions):
 
-- stages/core imports nothing from stages.families, stages.tiny or a stage module (stages/<name>.py);
+- stages/core imports nothing from stages.families, stages.tiny or a module above it (stages/<name>.py,
+  the stage registry, the train package);
+- no stage module imports another stage's (the stages of stages/registry.py: a module, or the train
+  package, whose own modules import each other); what two stages share lives in stages/core;
 - stages/families imports no stage module, and no family folder imports another family folder (each
   imports stages.core, stages.tiny, the shared family modules and stages/families/common/, and itself);
   common/ and the shared family modules import no family folder;
@@ -33,7 +36,10 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in sorted(STAGES.rglob("*.py"))}
-STAGE_MODULES = {f"stages.{p.stem}" for p in STAGES.glob("*.py") if p.stem != "__init__"}
+STAGE_MODULES = ({f"stages.{p.stem}" for p in STAGES.glob("*.py") if p.stem != "__init__"}
+                 | {f"stages.{p.parent.name}" for p in STAGES.glob("*/__init__.py")} - {"stages.core", "stages.families", "stages.tiny"})
+# the stages as the registry declares them; each one's own modules (a package's too) may import each other
+REGISTERED = {s.module for s in __import__("stages.registry", fromlist=["ALL"]).ALL}
 FAMILY_FOLDERS = {f"stages.families.{p.name}" for p in (STAGES / "families").iterdir()
                   if (p / "__init__.py").is_file() and p.name != "common"}
 
@@ -87,7 +93,10 @@ def violations() -> dict[tuple[str, str], str]:
     found = {}
     for module in MODULES:
         for target in imports(module):
-            if module.startswith("stages.core"):
+            own_stage, other_stage = _under(module, REGISTERED), _under(target, REGISTERED)
+            if own_stage and other_stage and other_stage != own_stage:
+                found[(module, target)] = f"the stage {own_stage} imports the stage {other_stage}"
+            elif module.startswith("stages.core"):
                 if _under(target, {"stages.families", "stages.tiny"} | STAGE_MODULES):
                     found[(module, target)] = "core imports a family, tiny or a stage module"
             elif module.startswith("stages.families"):
@@ -108,6 +117,13 @@ def test_layers_hold():
     found = violations()
     new = {k: why for k, why in found.items() if not _allowed(*k)}
     assert not new, "\n".join(f"{i} -> {t}: {why}" for (i, t), why in sorted(new.items()))
+
+
+def test_the_stage_rule_would_see_a_stage_importing_another(tmp_path):
+    """The rule reads `from stages import <stage>` and `from stages.<stage> import ...` alike."""
+    tree = ast.parse("from stages import cache_latents\nfrom stages.train.checkpoints import Checkpoints\n")
+    targets = {t for node in ast.walk(tree) for t in _targets(node, "stages.sample", STAGES / "sample.py")}
+    assert {_under(t, REGISTERED) for t in targets} == {"stages.cache_latents", "stages.train"}
 
 
 def test_every_allowed_exception_still_applies():
@@ -136,6 +152,9 @@ def test_no_import_cycle_at_module_level():
 def test_the_contract_sees_the_tree():
     """The rules read real folders: a rename that empties a set would make them pass vacuously."""
     assert {"stages.train", "stages.encode_captions", "stages.cache_latents", "stages.export_lora"} <= STAGE_MODULES
+    assert {"stages.train", "stages.encode_captions", "stages.cache_latents", "stages.export_lora",
+            "stages.sample"} == REGISTERED
+    assert {"stages.train.stage", "stages.train.trainer", "stages.train.checkpoints"} <= set(MODULES)
     assert {"stages.families.flux", "stages.families.flux_kontext", "stages.families.qwen_image"} <= FAMILY_FOLDERS
     assert "stages.families.common.bfl" in MODULES
 

@@ -117,6 +117,7 @@ def test_interrupted_rebuild_never_looks_valid(assets, demo_data, tmp_path, monk
     from stages import cache_latents
     from stages.core import faults
     from stages.core.artifacts import read_manifest
+    from stages import registry
     from stages.core.stage import staleness
 
     data = tmp_path / "data"
@@ -141,7 +142,7 @@ def test_interrupted_rebuild_never_looks_valid(assets, demo_data, tmp_path, monk
     with pytest.raises(_Died):
         cache_latents.run(new)
     assert read_manifest(latents) is None
-    assert "incomplete" in staleness(cache_latents, old)[1][0] and "incomplete" in staleness(cache_latents, new)[1][0]
+    assert "incomplete" in staleness(registry.get("cache-latents"), old)[1][0] and "incomplete" in staleness(registry.get("cache-latents"), new)[1][0]
     monkeypatch.undo()
     again = cache_latents.run(old)
     assert 1 <= again["encoded_this_run"] < 6  # buckets the rebuild had not reached yet were kept

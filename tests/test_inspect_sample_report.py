@@ -159,6 +159,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     import torch
 
     from stages.core import dataset
+    from stages import registry
     from stages.core.stage import staleness
     from stages.families import get_family
 
@@ -190,8 +191,8 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     events = [e for e in read_events(cfg.run_dir) if e["stage"] == "sample"]
     assert [e["event"] for e in events if e["event"] in ("sample", "done")] == ["sample", "done"]
     assert all(validate_event(e) == [] for e in events)
-    assert staleness(sample, cfg)[0]
-    ok, reasons = staleness(sample, dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, seeds=[7])))
+    assert staleness(registry.get("sample"), cfg)[0]
+    ok, reasons = staleness(registry.get("sample"), dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, seeds=[7])))
     assert not ok and "seeds" in reasons[0]
 
 

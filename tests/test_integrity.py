@@ -54,6 +54,7 @@ def test_deleted_and_truncated_chunks_are_named_by_status_and_reencoded(run_copy
     from stages import cache_latents, encode_captions, train
     from stages.core.errors import ArtifactError
     from stages.core.rowstore import RowStore
+    from stages import registry
     from stages.core.stage import staleness
 
     store_dir, row, key = first_latent_row(run_copy)
@@ -62,21 +63,22 @@ def test_deleted_and_truncated_chunks_are_named_by_status_and_reencoded(run_copy
     cap_chunk = chunk(cap_dir, RowStore.open(cap_dir).fields[0], 1)
     cap_chunk.write_bytes(cap_chunk.read_bytes()[:10])
 
-    ok, reasons = staleness(cache_latents, run_copy)
+    ok, reasons = staleness(registry.get("cache-latents"), run_copy)
     assert not ok and "damaged: 1 row(s)" in reasons[0] and key in reasons[0] and "cache-latents" in reasons[0]
-    ok, reasons = staleness(encode_captions, run_copy)
+    ok, reasons = staleness(registry.get("encode-captions"), run_copy)
     assert not ok and "damaged: 1 row(s) of captions.zarr" in reasons[0]
     with pytest.raises(ArtifactError, match="cache-latents"):
         train.check_upstream(run_copy)
 
     assert encoded(cache_latents.run(run_copy)) == 1 and encoded(encode_captions.run(run_copy)) == 1
-    assert staleness(cache_latents, run_copy) == (True, []) and staleness(encode_captions, run_copy) == (True, [])
+    assert staleness(registry.get("cache-latents"), run_copy) == (True, []) and staleness(registry.get("encode-captions"), run_copy) == (True, [])
 
 
 @ON_FLUX
 def test_flipped_byte_stops_train_and_one_rerun_repairs_it_to_the_same_adapter(run_copy, built_run):
     from stages import cache_latents, encode_captions, train
     from stages.core.errors import ArtifactError
+    from stages import registry
     from stages.core.stage import staleness
 
     store_dir, row, key = first_latent_row(run_copy)
@@ -88,7 +90,7 @@ def test_flipped_byte_stops_train_and_one_rerun_repairs_it_to_the_same_adapter(r
 
     with pytest.raises(ArtifactError, match=f"item '{key}'.*cache-latents"):
         train.run(run_copy)
-    assert not staleness(cache_latents, run_copy)[0]  # the read unflagged the row: status names it now
+    assert not staleness(registry.get("cache-latents"), run_copy)[0]  # the read unflagged the row: status names it now
     assert encoded(cache_latents.run(run_copy)) == 1 and encoded(encode_captions.run(run_copy)) == 0
     train.run(run_copy)
     repaired = load_file(run_copy.run_dir / "lora" / "final" / "adapter_model.safetensors")
@@ -101,6 +103,7 @@ def test_flipped_byte_stops_train_and_one_rerun_repairs_it_to_the_same_adapter(r
 def test_truncated_manifest_reads_as_missing_with_a_warning_and_reencodes_nothing(run_copy):
     from stages import cache_latents
     from stages.core.artifacts import DamagedManifest, read_manifest
+    from stages import registry
     from stages.core.stage import staleness
 
     path = run_copy.run_dir / "latents.zarr" / "manifest.json"
@@ -108,7 +111,7 @@ def test_truncated_manifest_reads_as_missing_with_a_warning_and_reencodes_nothin
     with pytest.warns(DamagedManifest, match="manifest.json' is treated as missing"):
         assert read_manifest(path.parent) is None
     with pytest.warns(DamagedManifest):
-        assert "no manifest" in staleness(cache_latents, run_copy)[1][0]
+        assert "no manifest" in staleness(registry.get("cache-latents"), run_copy)[1][0]
         assert encoded(cache_latents.run(run_copy)) == 0
     assert read_manifest(path.parent)["index"]
 

@@ -1006,7 +1006,7 @@ def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the
     resume = line.split("resume with `")[1].split("`")[0]
     assert shlex.split(resume)[:4] == ["lorapipe", "train", "--config", str(demo_config_path("flux"))]  # as named
     assert "--resume" in resume and "train.cudnn_attention=false" in resume
-    from stages.checkpoints import complete_checkpoints
+    from stages.train.checkpoints import complete_checkpoints
 
     assert [p.name for p in complete_checkpoints(cfg.run_dir / "lora")] == ["checkpoint-1"]  # the step before it
     monkeypatch.undo()

@@ -182,7 +182,7 @@ def test_load_device_routes_swapped_nf4_to_the_block_loader(assets):
 def _force_swap(monkeypatch, n: int) -> None:
     """A plan that swaps `n` blocks of an nf4 base, on CPU (which has no budget to plan for), with
     the CPU nf4 guard lifted: the trainer then loads, swaps and trains through the real code."""
-    from stages import trainer
+    from stages.train import trainer
 
     def plan_stage(cfg, family, stage, log):
         plan = memory.StagePlan(stage, memory.Budget(None, "cpu"), {"base_precision": "nf4", "swapped_blocks": n,

@@ -37,7 +37,7 @@ def _simulate_budget(monkeypatch, gb: float) -> None:
 def _step(cfg, checkpointed: list) -> tuple[object, float, list[torch.Tensor]]:
     """One step's trainer, loss and LoRA gradients, seeded as `fit` seeds it; `checkpointed` collects the
     module every checkpoint call ran."""
-    from stages.trainer import Trainer
+    from stages.train.trainer import Trainer
 
     tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "train"))
     torch.manual_seed(cfg.seed)
@@ -104,6 +104,7 @@ def test_planned_partial_checkpointing_is_logged_recorded_and_resumes_any_settin
     it stays up to date under any of them."""
     from stages import plan as plan_stage
     from stages import train
+    from stages import registry
     from stages.core.stage import staleness
 
     cfg = run_beside(built_run, "ckpt-run", **{"train.base_precision": "fp32", "train.gradient_checkpointing": "auto",
@@ -117,7 +118,7 @@ def test_planned_partial_checkpointing_is_logged_recorded_and_resumes_any_settin
     planned = [e["settings"] for e in events if e["event"] == "plan" and e["stage"] == "train"]
     assert planned[-1]["checkpointed_blocks"] == 1 and planned[-1]["blocks"] == 2
     for value in (True, False, "auto"):
-        ok, reasons = staleness(train, _same_run(cfg, value))
+        ok, reasons = staleness(registry.get("train"), _same_run(cfg, value))
         assert ok, (value, reasons)
     assert "checkpointed_blocks=1/2" in plan_stage._settings_text(planned[-1])
 
@@ -145,7 +146,7 @@ def test_partial_checkpointing_under_compile_and_cuda_graphs(built_run, monkeypa
             "train.compile_transformer": "on", "train.steps": 6})
         if name == "partial":
             _simulate_budget(monkeypatch, _budget_for(cfg, 1))
-        from stages.trainer import Trainer
+        from stages.train.trainer import Trainer
 
         tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "train"))
         torch.manual_seed(cfg.seed)
@@ -171,7 +172,7 @@ def test_under_a_budget_auto_captures_only_with_room_and_trains_eager_without(bu
     within bf16 rounding, and the summary says why."""
     from stages.core import fastpath
     from stages.core.runtime import torch_flags
-    from stages.trainer import Trainer
+    from stages.train.trainer import Trainer
 
     monkeypatch.delenv(fastpath.ENV, raising=False)
     runs = {}

@@ -66,6 +66,7 @@ def assert_same_adapter(got: dict, want: dict) -> None:
 def test_stop_then_resume_is_bit_identical(built_run, monkeypatch):
     from stages import train
     from stages.core import faults
+    from stages import registry
     from stages.core.stage import staleness
 
     want, want_steps = reference(built_run)
@@ -76,7 +77,7 @@ def test_stop_then_resume_is_bit_identical(built_run, monkeypatch):
     assert [(e["step"], e["saved"]) for e in run_events(cfg, "stopped")] == [(STOP_AT, True)]
     final = cfg.run_dir / "lora" / "final"
     assert (cfg.run_dir / "lora" / f"checkpoint-{STOP_AT}" / "manifest.json").is_file()
-    ok, reasons = staleness(train, cfg)
+    ok, reasons = staleness(registry.get("train"), cfg)
     assert not ok and "--resume" in reasons[0], reasons  # status tells how to finish
 
     monkeypatch.delenv(faults.ENV)
@@ -248,7 +249,7 @@ def test_old_pickle_training_state_is_never_loaded(built_run, monkeypatch, tmp_p
     import pickle
 
     from stages import train
-    from stages.checkpoints import STATE_JSON, STATE_TENSORS
+    from stages.train.checkpoints import STATE_JSON, STATE_TENSORS
     from stages.core import faults
     from stages.core.errors import ArtifactError
 

@@ -207,7 +207,7 @@ def test_captions_match_the_pipelines_encode_prompt(model):
 
 @sdxl_run
 def test_add_time_ids_follow_each_variants_crop(built_run):
-    from stages.trainer import build_data
+    from stages.train.trainer import build_data
 
     cfg, family = built_run, get_family("sdxl")
     data, manifest = build_data(cfg)

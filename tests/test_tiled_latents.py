@@ -20,6 +20,7 @@ from stages.core.artifacts import ArtifactError, read_manifest
 from stages.core.config import command
 from stages.core.model_source import ModelSource
 from stages.core.rowstore import RowStore
+from stages import registry
 from stages.core.stage import staleness
 from stages.families import get_family
 
@@ -79,11 +80,11 @@ def test_a_capped_tiled_cache_is_what_train_expects_and_stale_for_an_untiled_con
     capped = _cfg(assets, demo_data, tmp_path, **{"gpu.vram_budget_gb": _tiled_budget(cfg)})
     manifest = cache_latents.run(capped)
     assert manifest["fingerprint_parts"]["vae_tiled"] is True and "memory_forced" not in manifest
-    assert staleness(cache_latents, capped) == (True, [])
+    assert staleness(registry.get("cache-latents"), capped) == (True, [])
     train.check_upstream(capped)  # the same cap: train expects these tiled latents
     tiled_means = _means(capped)
     # the same cache for a config that does not tile (auto, plenty free): stale, and every row re-encoded
-    ok, reasons = staleness(cache_latents, cfg)
+    ok, reasons = staleness(registry.get("cache-latents"), cfg)
     assert not ok and "vae_tiled: True -> None" in reasons, reasons
     with pytest.raises(ArtifactError, match="vae_tiled: True -> None"):
         train.check_upstream(cfg)
@@ -92,7 +93,7 @@ def test_a_capped_tiled_cache_is_what_train_expects_and_stale_for_an_untiled_con
     assert manifest["encoded_this_run"] == len(manifest["index"]) == len(tiled_means)
     untiled_means = _means(cfg)
     assert all(not np.allclose(untiled_means[i], tiled_means[i]) for i in tiled_means)  # tiling really changed them
-    assert staleness(cache_latents, cfg) == (True, [])
+    assert staleness(registry.get("cache-latents"), cfg) == (True, [])
 
 
 def test_free_memory_forcing_a_tile_is_recorded_warned_and_accepted_by_train(assets, demo_data, tmp_path, gpu):
@@ -111,7 +112,7 @@ def test_free_memory_forcing_a_tile_is_recorded_warned_and_accepted_by_train(ass
     events = [json.loads(line) for line in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "warning" and e["message"] == forced["message"] for e in events)
     # status and `run` count it stale, with the reason; train uses it and says so
-    assert staleness(cache_latents, cfg) == (False, [forced["message"]])
+    assert staleness(registry.get("cache-latents"), cfg) == (False, [forced["message"]])
     log = Recorder()
     train.check_upstream(cfg, log)
     assert log.warnings() == [f"training on latents.zarr as it is: {forced['message']} "
@@ -130,7 +131,7 @@ def test_free_memory_forcing_a_tile_is_recorded_warned_and_accepted_by_train(ass
     assert rebuilt["encoded_this_run"] == len(rebuilt["index"]) and "memory_forced" not in rebuilt
     assert "vae_tiled" not in rebuilt["fingerprint_parts"]
     assert all(not np.allclose(m, tiled[i]) for i, m in _means(cfg).items())
-    assert staleness(cache_latents, cfg) == (True, [])
+    assert staleness(registry.get("cache-latents"), cfg) == (True, [])
 
 
 def test_gpus_that_plan_different_encodes_refuse_to_share_one_cache(assets, demo_data, tmp_path, gpu, monkeypatch):

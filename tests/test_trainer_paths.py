@@ -56,7 +56,7 @@ def _events(cfg, event=None):
 
 def _trainer(cfg):
     """A Trainer with its model set up, seeded as `fit` seeds it (the LoRA init draws from torch's RNG)."""
-    from stages.trainer import Trainer
+    from stages.train.trainer import Trainer
 
     tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "train"))
     torch.manual_seed(cfg.seed)
@@ -79,7 +79,7 @@ def test_a_diverged_loss_stops_train_with_what_to_change_and_keeps_the_checkpoin
     step = int(str(err.value).split(" at step ")[1].split(":")[0])
     assert 1 < step <= 8 and "lower train.learning_rate (now 1e+30)" in str(err.value)
     assert "set train.max_grad_norm" in str(err.value) and "cudnn_attention" not in str(err.value)
-    from stages.checkpoints import complete_checkpoints, step_of
+    from stages.train.checkpoints import complete_checkpoints, step_of
 
     assert max(step_of(c) for c in complete_checkpoints(cfg.run_dir / "lora")) == step - 1
 

@@ -1,9 +1,9 @@
 """What every stage shares: the lock, start/done/error events, and fingerprint comparison.
 
-A stage module declares NAME, `artifact_dir(cfg)`, `fingerprint_parts(cfg)` (cheap: no model
-weights) and `run(cfg) -> manifest`. The manifest stores the parts it was built from, so `status`
-and `run` can say exactly why a stage is stale (DVC's habit: staleness from content hashes computed
-before the stage runs).
+A stage is declared in stages/registry.py: its `artifact_dir(cfg)`, `fingerprint_parts(cfg)` (cheap:
+no model weights), `run(cfg) -> manifest` and optional hooks. The manifest stores the parts it was
+built from, so `status` and `run` can say exactly why a stage is stale (DVC's habit: staleness from
+content hashes computed before the stage runs).
 """
 
 from __future__ import annotations
@@ -16,37 +16,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from stages.core.artifacts import disk_full, fingerprint, lock_holder_pid, read_manifest, stage_lock
 from stages.core.errors import StageLocked, UserError  # noqa: F401 - UserError is imported from here too
 from stages.core.events import EventLog
 
-# The stages of a run, in order; what each one writes, and whose outputs it reads while it runs.
-STAGES = ("encode-captions", "cache-latents", "train", "export-lora")
-OPTIONAL_STAGES = ("sample",)  # `run` adds it when sample.after_train is set
-WRITES = {"encode-captions": "captions.zarr", "cache-latents": "latents.zarr", "train": "lora/",
-          "export-lora": "export/", "sample": "samples/"}
-READS = {"train": ("encode-captions", "cache-latents"), "export-lora": ("train",), "sample": ("train", "export-lora")}
-
-
-def conflicts(stage: str) -> list[str]:
-    """The stages that may not run beside `stage`: those that read what it writes, or write what it reads."""
-    return [other for other in STAGES + OPTIONAL_STAGES
-            if other in READS.get(stage, ()) or stage in READS.get(other, ())]
-
-
-def refuse_beside(cfg: Any, stage: str) -> None:
-    """StageLocked when a stage of the run that reads what `stage` writes, or writes what it reads, is
-    running (its lock is held): naming it, its pid and how to stop it."""
+def refuse_beside(cfg: Any, stage: str, beside: Sequence[tuple[str, str]]) -> None:
+    """StageLocked when a stage of `beside` ((stage, why), stages.registry.conflicts: those that read
+    what `stage` writes, or write what it reads) is running (its lock is held): naming it, its pid and
+    how to stop it."""
     from stages.core.config import command
 
-    for other in conflicts(stage):
+    for other, why in beside:
         pid = lock_holder_pid(cfg.run_dir, other)
         if pid is None:
             continue
-        why = (f"reads {WRITES[stage]}, which {stage} writes" if stage in READS.get(other, ())
-               else f"writes {WRITES[other]}, which {stage} reads")
         raise StageLocked(f"stage '{other}' of run '{cfg.run}' is running (pid {pid}) and {why}: wait for it to "
                           f"finish, or stop it with `{command(cfg, 'stop')}`")
 
@@ -68,8 +53,10 @@ class StageContext:
 
 
 @contextlib.contextmanager
-def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = (), own_signals: bool = False) -> Iterator[StageContext]:
-    """Join the torchrun job if any, hold the stage lock and log start / error for the body.
+def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = (), own_signals: bool = False,
+                  beside: Sequence[tuple[str, str]] = ()) -> Iterator[StageContext]:
+    """Join the torchrun job if any, hold the stage lock and log start / error for the body. The stages
+    of `beside` (stages.registry.conflicts) may not be running.
 
     Under torchrun only rank 0 takes the lock and writes events; the others wait at a barrier until
     it holds the lock (if it cannot, it exits and torchrun stops them). On success all ranks leave
@@ -84,7 +71,7 @@ def running_stage(cfg: Any, stage: str, rerun: tuple[str, ...] = (), own_signals
     with distributed.process_group(cfg.device) as dist:
         with stage_lock(cfg.run_dir, stage) if dist.is_main else contextlib.nullcontext():
             if dist.is_main:  # both stages hold their own lock before they look: one of two racing ones refuses
-                refuse_beside(cfg, stage)
+                refuse_beside(cfg, stage, beside)
             distributed.barrier(dist)
             with _logged(cfg, stage, dist, rerun) as ctx, _sigterm_interrupts(not own_signals):
                 yield ctx
@@ -166,19 +153,20 @@ def changed_items(before: dict[str, str], now: dict[str, str], what: str) -> str
     return "; ".join(parts) or f"{what}s changed"
 
 
-def staleness(stage_module: Any, cfg: Any) -> tuple[bool, list[str]]:
-    """(up_to_date, reasons) for one stage, from its manifest and its current fingerprint parts."""
-    ok, reasons, _ = freshness(stage_module, cfg)
+def staleness(stage: Any, cfg: Any) -> tuple[bool, list[str]]:
+    """(up_to_date, reasons) for one stage (a stages.registry.Stage), from its manifest and its current
+    fingerprint parts."""
+    ok, reasons, _ = freshness(stage, cfg)
     return ok, reasons
 
 
-def freshness(stage_module: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
+def freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
     """`staleness`, and the manifest's message when the artifact is stale only because the free memory
     forced its settings (no other plan fitted) and no row is damaged: a later stage may use it with
     that warning, while `staleness` still counts it stale, so `run` retries it."""
-    folder = stage_module.artifact_dir(cfg)
+    folder = stage.artifact_dir(cfg)
     manifest = read_manifest(folder)
-    partial = getattr(stage_module, "partial_state", lambda cfg: None)(cfg) if manifest is None else None
+    partial = stage.partial_state(cfg) if manifest is None else None
     if partial:
         return False, [partial], None
     if manifest is None and folder.exists():
@@ -186,20 +174,18 @@ def freshness(stage_module: Any, cfg: Any) -> tuple[bool, list[str], str | None]
                        f"rerun it to finish (caches continue where they stopped; train continues with --resume)"], None
     if manifest is None:
         return False, ["never built (no manifest)"], None
-    parts = stage_module.fingerprint_parts(cfg)
+    parts = stage.fingerprint_parts(cfg)
     if not manifest.get("complete", True):
-        changed = manifest.get("fingerprint") != fingerprint(parts) and getattr(stage_module, "other_settings", None)
-        return False, [changed and changed(cfg) or manifest.get("incomplete_reason", "incomplete")], None
-    damaged_rows = getattr(stage_module, "damaged_rows", lambda cfg, manifest: [])
+        changed = manifest.get("fingerprint") != fingerprint(parts) and stage.other_settings(cfg)
+        return False, [changed or manifest.get("incomplete_reason", "incomplete")], None
     if manifest.get("fingerprint") == fingerprint(parts):
-        damaged = damaged_rows(cfg, manifest)
+        damaged = stage.damaged_rows(cfg, manifest)
         return not damaged, damaged, None
     if forced_only(manifest, parts):
         message = manifest["memory_forced"]["message"]
-        return False, [message], None if damaged_rows(cfg, manifest) else message
+        return False, [message], None if stage.damaged_rows(cfg, manifest) else message
     old = manifest.get("fingerprint_parts", {})
-    describe = getattr(stage_module, "describe_change", lambda cfg, manifest, *change: describe_change(*change))
-    reasons = [describe(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts))
+    reasons = [stage.describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts))
                if old.get(k) != parts.get(k)]
     return False, reasons or ["fingerprint changed"], None
 

@@ -9,7 +9,7 @@ Stop with Ctrl-C, SIGTERM or `lorapipe stop <run> [--no-save]`; `--resume` conti
 over unasked: a finished run of these settings is up to date (skipped); a plain `train` over an
 unfinished one refuses and names `--resume` and `--restart`; over a training of other settings, plain
 and `--resume` alike refuse, naming what differs. `--restart` starts over and sets the old
-checkpoints aside (stages/checkpoints.py), which `status` lists until they are removed.
+checkpoints aside (stages/train/checkpoints.py), which `status` lists until they are removed.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages import cache_latents, encode_captions
 from stages.core.artifacts import ArtifactError, fingerprint, read_manifest
+from stages.core.caches import captions_dir, complete_checkpoints, latents_dir, lora_final_dir, step_of
 from stages.core.config import command
 from stages.core.model_source import model_source
 
@@ -38,7 +38,7 @@ LATER_KEYS = {"ema_decay": 0.0, "adapter": "lora", "rank_pattern": {}, "alpha_pa
 
 
 def artifact_dir(cfg: Any) -> Path:
-    return cfg.run_dir / "lora" / "final"
+    return lora_final_dir(cfg)
 
 
 def stop_file(run_dir: Path) -> Path:
@@ -56,7 +56,7 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     # as the default (true) always wrote it, so runs made with true stay up to date. (Runs made with
     # false before this rerun once.)
     train["gradient_checkpointing"] = True
-    cap, lat = read_manifest(encode_captions.artifact_dir(cfg)), read_manifest(cache_latents.artifact_dir(cfg))
+    cap, lat = read_manifest(captions_dir(cfg)), read_manifest(latents_dir(cfg))
     # repeats, weights and caption dropout change what is trained, not the caches; the defaults add no key
     sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]
     return {"family": cfg.family, "model": model_source(cfg).identity(family.denoiser_components),
@@ -68,8 +68,6 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
 
 def partial_state(cfg: Any) -> str | None:
     """For `status`: a run killed before lora/final was written, and what continues it."""
-    from stages.checkpoints import complete_checkpoints
-
     found = complete_checkpoints(cfg.run_dir / "lora")
     if not found:
         return None
@@ -88,7 +86,6 @@ def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new:
 
 def trained_with(cfg: Any) -> tuple[str, dict[str, Any]] | None:
     """The newest training of the run ('lora/final' or a checkpoint) and its manifest, if any."""
-    from stages.checkpoints import complete_checkpoints
     from stages.core.artifacts import read_manifest
 
     final = read_manifest(cfg.run_dir / "lora" / "final")
@@ -101,7 +98,7 @@ def trained_with(cfg: Any) -> tuple[str, dict[str, Any]] | None:
 def other_settings(cfg: Any) -> str | None:
     """When the run's newest training was made with other settings than `cfg` (and no checkpoint of
     `cfg` continues it): what differs, and the commands that train again or go back; else None."""
-    from stages.checkpoints import Checkpoints
+    from stages.train.checkpoints import Checkpoints
 
     parts = fingerprint_parts(cfg)
     newest = trained_with(cfg)
@@ -120,7 +117,7 @@ def other_settings(cfg: Any) -> str | None:
 def refuse_unfinished(cfg: Any, resume: bool) -> None:
     """A plain `train` never starts at step 0 over an earlier training, and `--resume` never starts over:
     an unfinished run of this config needs --resume, one of other settings --restart."""
-    from stages.checkpoints import Checkpoints, step_of
+    from stages.train.checkpoints import Checkpoints
 
     found = Checkpoints(cfg.run_dir / "lora", fingerprint(fingerprint_parts(cfg)), 0, None).unfinished()
     if found is not None and not resume:
@@ -136,11 +133,10 @@ def refuse_unfinished(cfg: Any, resume: bool) -> None:
 
 def up_to_date(cfg: Any, log: Any) -> dict[str, Any] | None:
     """The finished training's manifest when it matches `cfg` (then there is nothing to train), else None."""
-    from stages import train
-    from stages.core.artifacts import read_manifest
+    from stages import registry
     from stages.core.stage import staleness
 
-    if not staleness(train, cfg)[0]:
+    if not staleness(registry.get(NAME), cfg)[0]:
         return None
     manifest = read_manifest(artifact_dir(cfg))
     log.emit("up_to_date", fingerprint=manifest["fingerprint"])
@@ -151,19 +147,20 @@ def check_upstream(cfg: Any, log: Any = None) -> None:
     """Refuse to train on missing or stale caches, saying which stage to rerun and why. A cache that
     differs only by what the free GPU memory forced on it (tiled latents under "auto") is used, with
     a warning saying so and what re-encodes it as configured."""
+    from stages import registry
     from stages.core.stage import freshness
 
     stale = []
-    for module in (encode_captions, cache_latents):
-        ok, reasons, forced = freshness(module, cfg)
+    for stage in registry.upstream(NAME):
+        ok, reasons, forced = freshness(stage, cfg)
         if forced and log is not None:
-            log.emit("warning", message=f"training on {module.artifact_dir(cfg).name} as it is: {forced} "
-                                        f"(`{command(cfg, module.NAME)}`)")
+            log.emit("warning", message=f"training on {stage.artifact_dir(cfg).name} as it is: {forced} "
+                                        f"(`{command(cfg, stage.name)}`)")
         if not ok and not forced:
-            stale.append((module, reasons))
+            stale.append((stage, reasons))
     if stale:
-        why = "; ".join(f"{m.artifact_dir(cfg).name}: {'; '.join(r)[:300]}" for m, r in stale)
-        rerun = " and ".join(f"`{command(cfg, m.NAME)}`" for m, _ in stale)
+        why = "; ".join(f"{s.artifact_dir(cfg).name}: {'; '.join(r)[:300]}" for s, r in stale)
+        rerun = " and ".join(f"`{command(cfg, s.name)}`" for s, _ in stale)
         raise ArtifactError(f"the caches of run '{cfg.run}' were not made for this config ({why}): run {rerun} "
                             f"first (or `{command(cfg, 'run')}`, which reruns exactly the stale stages)")
 
@@ -173,11 +170,12 @@ def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]
     'auto'), `restart` starts at step 0 over an unfinished run (its checkpoints are set aside)."""
     from stages.core.runtime import install_model_trace
     from stages.core.stage import running_stage
-    from stages.trainer import Trainer
+    from stages.registry import conflicts
+    from stages.train.trainer import Trainer
 
     install_model_trace(NAME)
     resume = (resume or cfg.train.resume == "auto") and not restart
-    with running_stage(cfg, NAME, rerun=("--resume",), own_signals=True) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
+    with running_stage(cfg, NAME, rerun=("--resume",), own_signals=True, beside=conflicts(NAME)) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg, ctx.log)
         if not restart:
             done = up_to_date(cfg, ctx.log)

@@ -3,7 +3,7 @@
 All step randomness (variant choice, posterior eps, noise, timesteps) comes from one CPU generator
 seeded by `seed`, saved in every checkpoint with the sampler position, the optimizer, the LR
 scheduler and torch's global RNG (LoRA dropout), so a resumed run continues bit for bit. Saving,
-loading and retention of checkpoints are `stages/checkpoints.py`'s.
+loading and retention of checkpoints are `stages/train/checkpoints.py`'s.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from stages import cache_latents, encode_captions, train
-from stages.checkpoints import Checkpoints
 from stages.core import blockswap, distributed, fastpath, faults, lora, memory, validation
+from stages.core.caches import load_captions, load_latents, scan_items
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.config import command
 from stages.core.errors import TrainingDiverged
@@ -29,6 +28,8 @@ from stages.core.profiling import StepProfiler
 from stages.core.runtime import alloc_retries, attention_notice, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
+from stages.train.checkpoints import Checkpoints
+from stages.train.stage import fingerprint_parts
 
 
 def compile_wanted(mode: str, is_cuda: bool) -> bool:
@@ -39,13 +40,13 @@ def compile_wanted(mode: str, is_cuda: bool) -> bool:
 
 
 def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
-    cap_store, cap_manifest = encode_captions.load_captions(cfg)
-    lat_stores, lat_manifest = cache_latents.load_latents(cfg)
+    cap_store, cap_manifest = load_captions(cfg)
+    lat_stores, lat_manifest = load_latents(cfg)
     if cap_manifest["family"] != cfg.family or lat_manifest["family"] != cfg.family:
         raise ArtifactError(f"caches of run '{cfg.run}' were made for family "
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"`{command(cfg, 'encode-captions', '--force')}` and `{command(cfg, 'cache-latents', '--force')}`")
-    train_items, held_out = validation.partition(cfg, cache_latents.scan_items(cfg))
+    train_items, held_out = validation.partition(cfg, scan_items(cfg, get_family(cfg.family)))
     pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run_dir, cfg.dataset_configs())
     data = TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"])
     data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run_dir), cap_store, lat_stores,
@@ -138,7 +139,7 @@ class Trainer:
         if note := self.sampler.fill_warning(cfg.data.bucket_merge):
             log.emit("warning", message=note)
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.parts = train.fingerprint_parts(cfg)
+        self.parts = fingerprint_parts(cfg)
         self.lora_dir = cfg.run_dir / "lora"
         self.checkpoints = Checkpoints(self.lora_dir, fingerprint(self.parts), self.tcfg.keep_checkpoints, log)
         # set by setup_model
@@ -334,7 +335,7 @@ class Trainer:
         loss = self.compute_loss(*draws)
         return loss if weight == 1.0 else loss * weight
 
-    # ---- checkpoints (stages/checkpoints.py writes and reads them)
+    # ---- checkpoints (stages/train/checkpoints.py writes and reads them)
     def training_state(self, step: int) -> dict[str, Any]:
         state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),

@@ -26,6 +26,7 @@ import torch
 
 from stages.core import faults
 from stages.core.artifacts import atomic_dir, read_manifest, remove_dir, write_manifest
+from stages.core.caches import complete_checkpoints, step_of  # noqa: F401 - step_of: still importable from here
 from stages.core.errors import ArtifactError
 
 STATE_TENSORS, STATE_JSON, OLD_PICKLE = "training_state.safetensors", "training_state.json", "training_state.pt"
@@ -92,16 +93,6 @@ def read_training_state(folder: Path) -> dict[str, Any]:
 
 
 # ---- the checkpoints of one run -----------------------------------------------------------------
-
-
-def step_of(folder: Path) -> int:
-    return int(folder.name.split("-")[1])
-
-
-def complete_checkpoints(lora_dir: Path) -> list[Path]:
-    """Checkpoint folders with a manifest (complete), by step."""
-    found = [p for p in lora_dir.glob("checkpoint-*") if p.name[11:].isdigit() and read_manifest(p) is not None]
-    return sorted(found, key=step_of)
 
 
 class Checkpoints:

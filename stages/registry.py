@@ -1,0 +1,133 @@
+"""The stages of a run, each declared once: what it reads and writes, and how to call it.
+
+    from stages import registry
+    registry.get("train").fingerprint_parts(cfg)
+
+The CLI's stage commands, `run`'s order and skipping, `status`, `stop`, `inspect`, `plan`, train's
+check of its caches, the locks' conflicts and the Makefile's dependencies (tests/test_cli.py holds
+it) all read this table. A stage module is imported only when one of its callables is called, so
+`import pipeline` stays torch-free; a stage never imports another stage (tests/test_import_contract.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from stages.core import caches
+
+
+def _lazy(module: str, attr: str) -> Callable[..., Any]:
+    """`module.attr`, imported on its first call."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), attr)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = f"{module}.{attr}"
+    return call
+
+
+def _plain_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new: Any) -> str:
+    from stages.core.stage import describe_change
+
+    return describe_change(key, old, new)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    """The command, and the stage's name in events, locks and manifests."""
+    module: str
+    """The module with its `run`, `fingerprint_parts` and the hooks declared below."""
+    reads: tuple[str, ...]
+    """The stages whose outputs it reads while it runs (they may not run beside it)."""
+    writes: str
+    """What it writes, under the run's folder."""
+    produces: str
+    """What a rerun changes, as `status` names it to the stages below."""
+    artifact_dir: Callable[[Any], Path]
+    """The folder whose manifest says whether the stage is up to date."""
+    fingerprint_parts: Callable[[Any], dict[str, Any]]
+    """What the artifact is built from (cheap: no model weights); the manifest stores it."""
+    run: Callable[..., dict[str, Any]]
+    """Build the artifact; returns its manifest."""
+    follows: tuple[str, ...] | None = None
+    """The stages whose rerun makes it stale (its fingerprint holds theirs); None: those it reads."""
+    optional: bool = False
+    """Not part of a plain `run`, which adds it when the run asks (sample.after_train)."""
+    planned: bool = False
+    """`plan` shows its memory plan."""
+    takes_force: bool = False
+    """`--force` is handed to `run` (a cache deletes itself once it has checked the config)."""
+    one_process: bool = False
+    """Always one process, never one per GPU through torchrun."""
+    check: Callable[[Any], Any] | None = None
+    """Checks the model and data the stage needs, before it loads anything."""
+    partial_state: Callable[[Any], str | None] = lambda cfg: None
+    """Why an artifact without a manifest is incomplete, and what continues it (None: nothing to say)."""
+    damaged_rows: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
+    """The damaged rows of an up-to-date artifact, as reasons it is stale."""
+    describe_change: Callable[..., str] = _plain_change
+    """(cfg, manifest, key, old, new) -> a changed fingerprint part as a user reads it."""
+    other_settings: Callable[[Any], str | None] = lambda cfg: None
+    """When the artifact was made with other settings than cfg: what differs and what to run."""
+    request_stop: Callable[[Path, bool], Any] | None = None
+    """(run folder, save) -> asks the running stage to stop; None: `stop` sends it SIGTERM."""
+
+    @property
+    def upstream(self) -> tuple[str, ...]:
+        return self.reads if self.follows is None else self.follows
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+def _declare(name: str, module: str, hooks: tuple[str, ...] = (), **fields: Any) -> Stage:
+    callables = {attr: _lazy(module, attr) for attr in ("fingerprint_parts", "run", *hooks)}
+    return Stage(name=name, module=module, **callables, **fields)
+
+
+# In the order `run` runs them.
+ALL: tuple[Stage, ...] = (
+    _declare("encode-captions", "stages.encode_captions", ("check", "damaged_rows", "describe_change"),
+             reads=(), writes=caches.CAPTIONS, produces="captions", artifact_dir=caches.captions_dir,
+             planned=True, takes_force=True),
+    _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "describe_change"),
+             reads=(), writes=caches.LATENTS, produces="latents", artifact_dir=caches.latents_dir,
+             planned=True, takes_force=True),
+    _declare("train", "stages.train", ("partial_state", "describe_change", "other_settings", "request_stop"),
+             reads=("encode-captions", "cache-latents"), writes=f"{caches.LORA}/", produces="the LoRA",
+             artifact_dir=caches.lora_final_dir, planned=True),
+    # reads one small adapter and needs no GPU
+    _declare("export-lora", "stages.export_lora", reads=("train",), writes=f"{caches.EXPORT}/",
+             produces="the export", artifact_dir=caches.export_dir, takes_force=True, one_process=True),
+    # reads the checkpoints as well as the export; its fingerprint holds the export's
+    _declare("sample", "stages.sample", reads=("train", "export-lora"), follows=("export-lora",),
+             writes=f"{caches.SAMPLES}/", produces="the samples", artifact_dir=caches.samples_dir,
+             optional=True, planned=True, one_process=True),
+)
+BY_NAME = {s.name: s for s in ALL}
+NAMES = tuple(BY_NAME)
+REQUIRED = tuple(s.name for s in ALL if not s.optional)  # a plain `run`
+OPTIONAL = tuple(s.name for s in ALL if s.optional)
+PLANNED = tuple(s.name for s in ALL if s.planned)
+
+
+def get(name: str) -> Stage:
+    return BY_NAME[name]
+
+
+def upstream(name: str) -> tuple[Stage, ...]:
+    """The stages `name` reads, as declared."""
+    return tuple(BY_NAME[u] for u in BY_NAME[name].reads)
+
+
+def conflicts(name: str) -> tuple[tuple[str, str], ...]:
+    """(other stage, why) for each stage that may not run beside `name`: those that read what it
+    writes, or write what it reads."""
+    me = BY_NAME[name]
+    return tuple((s.name, f"reads {me.writes}, which {name} writes" if name in s.reads
+                  else f"writes {s.writes}, which {name} reads")
+                 for s in ALL if s.name in me.reads or name in s.reads)
