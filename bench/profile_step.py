@@ -134,7 +134,7 @@ def main() -> None:
     from stages.core.config import load_config, parse_override
     from stages.core.events import EventLog
     from stages.core.runtime import torch_flags
-    from stages.trainer import Trainer
+    from stages.train.trainer import Trainer
 
     import torch
 
