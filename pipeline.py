@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import click
 
-from stages.core.runspec import RunSpec, forget, invoke
 from stages import registry
+from stages.core.runspec import RunSpec, forget, invoke
 from stages.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parent

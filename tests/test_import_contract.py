@@ -195,3 +195,18 @@ def test_every_module_imports_first():
             "print('\\n'.join(bad))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr[-2000:]
+
+
+def test_no_getattr_on_a_stage_outside_the_registry():
+    """A stage's optional hooks are declared once, with their defaults (stages/registry.py): read as
+    attributes of its registry entry, never probed on the stage's module."""
+    stage_names = {"stage", "stage_module", "module_of_stage"} | {m.rpartition(".")[2] for m in REGISTERED}
+    found = []
+    for path in [ROOT / "pipeline.py", *STAGES.rglob("*.py")]:
+        if path == STAGES / "registry.py" or (STAGES / "families") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                    and node.args and ast.unparse(node.args[0]) in stage_names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "\n".join(found)

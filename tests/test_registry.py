@@ -80,3 +80,11 @@ def test_the_makefile_stage_targets_follow_the_registry():
             assert recipe == "$(PY) pipeline.py run $(RUN_ARGS) --only $@ $(ARGS)", targets
     phony = {t for line in text.splitlines() if line.startswith(".PHONY:") for t in line.split()[1:]}
     assert set(registry.NAMES) <= phony
+
+
+def test_every_stage_writes_a_manifest_kind_of_the_schema():
+    from stages.core.schema import MANIFEST_SCHEMA, manifest_kind
+
+    for stage in registry.ALL:
+        fields = {"kind": "final"} if stage.name == "train" else {}
+        assert manifest_kind(stage.name, fields) in MANIFEST_SCHEMA, stage.name
