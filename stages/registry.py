@@ -78,6 +78,7 @@ class Stage:
 
     @property
     def upstream(self) -> tuple[str, ...]:
+        """The stages whose rerun makes this one stale (`status` passes staleness down along these)."""
         return self.reads if self.follows is None else self.follows
 
     def load(self) -> ModuleType:
@@ -119,7 +120,7 @@ def get(name: str) -> Stage:
     return BY_NAME[name]
 
 
-def upstream(name: str) -> tuple[Stage, ...]:
+def reads_of(name: str) -> tuple[Stage, ...]:
     """The stages `name` reads, as declared."""
     return tuple(BY_NAME[u] for u in BY_NAME[name].reads)
 

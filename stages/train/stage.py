@@ -151,7 +151,7 @@ def check_upstream(cfg: Any, log: Any = None) -> None:
     from stages.core.stage import freshness
 
     stale = []
-    for stage in registry.upstream(NAME):
+    for stage in registry.reads_of(NAME):
         ok, reasons, forced = freshness(stage, cfg)
         if forced and log is not None:
             log.emit("warning", message=f"training on {stage.artifact_dir(cfg).name} as it is: {forced} "
