@@ -273,7 +273,7 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
             click.echo(f"{name}: up to date, skipped")
             continue
         click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
-        extra = ["--force"] if force and name != "train" else []
+        extra = ["--force"] if force and stage.takes_force else []  # a stage without the flag reruns anyway
         extra += [_train_start(cfg, force)] if name == "train" else []
         code = call_child(stage_command(name, [*spec.child_args(), *extra], gpus))
         if code != 0:
