@@ -1,4 +1,4 @@
-"""The memory planner (stages/core/memory.py), `plan --json`, and OOM as a clear error.
+"""The memory planner (stages/core/memory/), `plan --json`, and OOM as a clear error.
 
 Planner choices are checked by giving budgets just above / below a candidate's predicted peak, on
 the tiny families' real configs (meta-device sizes), so each option (precision, batch, slicing,
@@ -1034,3 +1034,58 @@ def test_plan_exits_2_when_a_stage_cannot_fit(assets, demo_data, tmp_path):
     unfit = CliRunner().invoke(pipeline.cli, [*args, "--vram", "0.001"])
     assert unfit.exit_code == 2, unfit.output
     assert not json.loads(unfit.stdout)["fits"] and "cannot fit 0.00 GB" in unfit.stderr
+
+
+@pytest.mark.parametrize("vram", ["auto", 0.5])
+def test_cache_fingerprints_ask_their_own_stage_planner_only(assets, demo_data, tmp_path, monkeypatch, vram):
+    """encode-captions' and cache-latents' fingerprints (what `status` and train's staleness check compute)
+    run their own stage's planner, never train's: under "auto" as well, where the stages themselves plan
+    for train's predicted peak."""
+    from stages import cache_latents, encode_captions
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"gpu.vram_budget_gb": vram})
+    monkeypatch.setattr(memory.planning, "plans_for_gpu", lambda cfg: True)  # a GPU run's fingerprints
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("train's planner ran")
+
+    monkeypatch.setattr(memory.train, "plan", refuse)
+    monkeypatch.setitem(memory.PLANNERS, "train", refuse)
+    with pytest.raises(AssertionError, match="train's planner ran"):  # the stage's own "auto" plan does ask it
+        memory.plan_for(cfg, get_family("flux"), ModelSource(cfg.model), memory.Budget(8.0, "auto"), "encode-captions")
+    assert encode_captions.fingerprint_parts(cfg)["precision"] == "bf16"
+    assert cache_latents.fingerprint_parts(cfg)["vae_precision"] == cfg.latents.vae_precision
+
+
+def _wider_t5(assets, tmp_path) -> str:
+    """The tiny FLUX's text encoders with a T5 of ~0.4 B parameters (configs only: planning builds them on
+    the meta device), so its bf16 and nf4 peaks lie apart by more than a budget's rounding."""
+    src = tiny_model(assets, FAMILIES["flux"])
+    folder = tmp_path / "wider-t5"
+    for part in ("text_encoder", "text_encoder_2"):
+        (folder / part).mkdir(parents=True)
+        config = json.loads((src / part / "config.json").read_text())
+        if part == "text_encoder_2":
+            config.update(d_model=1024, d_ff=16384, num_layers=8, num_heads=16, d_kv=64)
+        (folder / part / "config.json").write_text(json.dumps(config))
+    (folder / "model_index.json").write_text((src / "model_index.json").read_text())
+    return str(folder)
+
+
+def test_auto_captions_under_trains_peak_store_what_their_fingerprint_expects(assets, demo_data, tmp_path, monkeypatch):
+    """Under "auto", encode-captions plans for train's predicted peak, but only in the precision its own
+    planner gives with memory to spare (the one its fingerprint expects): where only nf4 encoders fit under
+    that peak, it plans bf16 within the free memory instead of storing nf4 captions train would call stale."""
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"gpu.vram_budget_gb": "auto", "model": _wider_t5(assets, tmp_path)})
+    family, src = get_family("flux"), ModelSource(cfg.model)
+    tried = memory.plan_captions(cfg, family, src, memory.Budget(float("inf"), "auto")).tried
+    least = {p: min(t["predicted_peak_gb"] for t in tried if t["text_encoder_precision"] == p) for p in ("bf16", "nf4")}
+    assert least["nf4"] * 2 < least["bf16"]
+    peak = (least["nf4"] + least["bf16"]) / 2  # nf4 fits under train's peak, bf16 does not
+    monkeypatch.setattr(memory.train, "plan", lambda *a: memory.StagePlan("train", a[-1], {}, peak, True))
+    under_peak = memory.plan_captions(cfg, family, src, memory.Budget(round(peak * memory.FRAGMENTATION, 3), "auto"))
+    assert under_peak.fits and under_peak.settings["text_encoder_precision"] == "nf4"
+    plan = memory.plan_for(cfg, family, src, memory.Budget(1e6, "auto"), "encode-captions")
+    assert plan.settings["text_encoder_precision"] == "bf16"
+    monkeypatch.setattr(memory.planning, "plans_for_gpu", lambda cfg: True)
+    assert memory.planned_caption_precision(cfg, family) == "bf16"  # what encode-captions' fingerprint expects

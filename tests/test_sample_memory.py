@@ -1,4 +1,4 @@
-"""The sample stage's memory plan (stages/core/memory.py plan_sample): the whole pipeline, which is what
+"""The sample stage's memory plan (stages/core/memory/sample.py): the whole pipeline, which is what
 the sample stage loads, in bf16 on the GPU, else bf16 under model CPU offload, else the denoiser and
 text encoders in nf4, else nf4 offloaded; the first that fits the budget. Before it, sample loaded
 the pipeline in bf16 whatever the GPU: FLUX.2 dev's is 112.6 GB, Qwen-Image's 57 GB.

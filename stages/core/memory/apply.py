@@ -26,9 +26,10 @@ def with_plan(cfg: Any, plan: StagePlan) -> Any:
     if plan.stage == "sample":
         return dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
                                                                    cpu_offload=s["cpu_offload"]))
-    train = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
-                                gradient_checkpointing=s["gradient_checkpointing"])
-    return dataclasses.replace(cfg, train=train)
+    tcfg = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
+                               gradient_checkpointing=s["gradient_checkpointing"])
+    return dataclasses.replace(cfg, train=tcfg)
+
 
 def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = None) -> None:
     """Sliced and tiled encode as the plan says. Tiles are calibration.VAE_TILE_PIXELS square (`tile_px` instead:
@@ -47,6 +48,7 @@ def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = 
         vae.enable_tiling(side, side, side * 3 // 4, side * 3 // 4)
     else:
         vae.enable_tiling()
+
 
 def load_device(plan: StagePlan, rt: Any) -> Any:
     """Where train loads the base: host memory when blocks will be swapped (only what stays resident

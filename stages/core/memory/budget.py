@@ -106,6 +106,7 @@ def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> 
         torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * cal.GB / total), index)
     return Budget(float(value), "cap")
 
+
 def host_available_bytes() -> int | None:
     """The host memory the kernel can give without swapping (/proc/meminfo MemAvailable); None where
     that file does not exist (not Linux): then nothing is checked."""
@@ -116,4 +117,3 @@ def host_available_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-

@@ -145,4 +145,3 @@ def _least_share(model: torch.nn.Module, precision: str) -> float:
     blocks = [sum(p.numel() for p in m.parameters()) * dtype_bytes for m in model.modules() if type(m).__name__ in no_split]
     first = next(n for n in own if n)
     return 1.25 * max(own + blocks) + first
-

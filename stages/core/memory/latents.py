@@ -29,7 +29,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
                            (weight_bytes(vae, precision) + work) / cal.GB))
     return fitting(budget, candidates, "cache-latents", "lower data.resolution")
 
+
 def configured_vae_precision(cfg: Any) -> str:
     """The VAE precision `cfg` asks for ("auto": bf16, the planner's first choice)."""
     return "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
-

@@ -88,17 +88,16 @@ def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
 
 
 def planned_caption_precision(cfg: Any, family: Any) -> str | None:
-    """The text-encoder precision encode-captions plans when it is "auto" (the first GPU run: train
-    refused nf4 captions as stale because it resolved "auto" to bf16)."""
+    """The text-encoder precision encode-captions plans when it is "auto", from its own planner: what its
+    fingerprint (and train's staleness check) expects the stored captions to be encoded in."""
     if cfg.captions.text_encoder_precision != "auto":
         return None
     return (own_settings(cfg, family, "encode-captions") or {}).get("text_encoder_precision")
 
 
 def planned_vae(cfg: Any, family: Any) -> dict[str, Any] | None:
-    """The VAE settings cache-latents plans (None on CPU): a budget too small for the configured
-    precision lowers it, a smaller one tiles the encode (train refused such latents as stale while it
-    expected the configured precision)."""
+    """The VAE settings cache-latents plans (None on CPU), from its own planner: a budget too small for the
+    configured precision lowers it, a smaller one tiles the encode, and the cache's fingerprint says so."""
     return own_settings(cfg, family, "cache-latents")
 
 
@@ -139,4 +138,3 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
     if not plan.fits:
         log.emit("warning", message=plan.note)
     return (with_plan(cfg, plan) if budget.gb is not None else cfg), plan
-

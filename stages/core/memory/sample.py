@@ -50,4 +50,3 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     plan = fitting(budget, candidates, "sample", "lower sample.width and sample.height")
     plan.note = "; ".join([*notes, plan.note] if plan.note else notes)
     return plan
-

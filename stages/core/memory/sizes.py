@@ -100,6 +100,7 @@ def _fp8_bytes_where(module: torch.nn.Module, keep: Callable[[str, torch.nn.Modu
                  if type(m) is torch.nn.Linear and fp8.fp8_eligible(m) and not keep(name, m)}
     return sum(p.numel() + 4 * quantized[id(p)] if id(p) in quantized else 2 * p.numel() for p in module.parameters())
 
+
 def _width(module: torch.nn.Module) -> int:
     """The hidden width activations scale with: a text model's hidden_size (a vision-language
     encoder's first Linear is its vision tower's, 1280 wide in Qwen2.5-VL against 3584), else the
@@ -118,6 +119,7 @@ def lora_params(model: torch.nn.Module, targets: list[str], rank: int) -> int:
     return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
 
+
 def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
     """The components among `names` that are torch modules (not a tokenizer, processor or scheduler)."""
     import importlib
@@ -126,4 +128,3 @@ def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
     return [c for c in names if c in index and isinstance(index[c], list) and index[c][0]
             and isinstance(cls := getattr(importlib.import_module(index[c][0]), index[c][1], None), type)
             and issubclass(cls, torch.nn.Module)]
-

@@ -25,6 +25,7 @@ class StagePlan:
                 "settings": self.settings, "predicted_peak_gb": round(self.predicted_peak_gb, 3),
                 "fits": self.fits, "note": self.note}
 
+
 def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:
     """The first candidate (settings, peak GB) that fits, else the smallest one, marked as not fitting."""
     tried = [{**s, "predicted_peak_gb": p} for s, p in candidates]
@@ -36,11 +37,13 @@ def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stag
             f"{budget.gb:.1f} GB budget: give it --vram {math.ceil(peak * cal.FRAGMENTATION)} or more, or {need}")
     return StagePlan(stage, budget, settings, peak, False, note, tried)
 
+
 def halvings(n: int) -> list[int]:
     out = [n]
     while out[-1] > 1:
         out.append(out[-1] // 2)
     return out
+
 
 def planned_controls(cfg: Any, family: Any) -> int:
     """Control images per item the sequence carries: the family's most, or, where they are optional
@@ -51,4 +54,3 @@ def planned_controls(cfg: Any, family: Any) -> int:
     from stages.core import dataset
 
     return dataset.most_controls(cfg)  # file names only: no image is read or hashed here
-

@@ -25,6 +25,7 @@ def fp8_host_short(host_gb: float) -> str:
         return ""
     return f"its bf16 read ({host_gb:.1f} GB) exceeds the {available / cal.GB:.1f} GB of host memory available"
 
+
 def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tuple[list[str], str, str]:
     """The base precisions train tries whole, in order: the configured one, or under "auto" the family's
     (calibration.AUTO_BASE_PRECISIONS) less fp8 where this process could not use it, and fp8 before bf16 where it was
@@ -159,6 +160,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         plan.note = f"{plan.note} {short}".strip()
     return plan
 
+
 def host_shortfall(plan: StagePlan) -> str:
     """What stops a train plan whose host memory (a swap plan's swapped blocks, plus a bf16 copy of the base
     where its files are not bf16 safetensors; an fp8 base from a single file: its bf16 read) needs more
@@ -178,4 +180,3 @@ def host_shortfall(plan: StagePlan) -> str:
         fix = ("point 'model' at a diffusers folder saved by diffusers (an fp8 load streams its shards), or use "
                "train.base_precision = 'nf4' or 'bf16', which load shard by shard")
     return f"train: {why}, but only {available / cal.GB:.1f} GB of host memory is available: free host memory, or {fix}"
-

@@ -144,4 +144,3 @@ def with_fp8_nf4(options: list[tuple[str, int, int]], n: int, fixed: int | str =
     if fixed != "auto":  # the whole fp8 base is not an option then
         return [o for i, o in enumerate(out[:at]) if i not in whole_fp8] + mixed + out[at:]
     return out[:at] + mixed + out[at:]
-
