@@ -397,7 +397,7 @@ def main() -> None:
         from stages.core import fp8, memory
 
         with ExitStack() as stack:  # plan as on the GPU machine, not with this host's memory and GPU
-            stack.enter_context(mock.patch.object(memory, "host_available_bytes", lambda: None))
+            stack.enter_context(mock.patch.object(memory.budget, "host_available_bytes", lambda: None))
             if args.fp8_gpu:
                 stack.enter_context(mock.patch.object(fp8, "fp8_supported", lambda: True))
             print(plan_table(args.families, args.budgets, args.res, args.work, args.set, args.stage))

@@ -120,18 +120,18 @@ def test_memory_plan_counts_the_runs_references(assets, ref_data, demo_data, tmp
     hashed: list[object] = []
     real_ids = dataset._image_ids
     monkeypatch.setattr(dataset, "_image_ids", lambda *a: hashed.append(a) or real_ids(*a))
-    assert memory._planned_controls(make_cfg("flux2-klein", assets, ref_data, tmp_path), klein) == 1
-    assert memory._planned_controls(make_cfg("flux2-klein", assets, demo_data, tmp_path), klein) == 0
+    assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, ref_data, tmp_path), klein) == 1
+    assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, demo_data, tmp_path), klein) == 0
     assert hashed == []
-    assert memory._planned_controls(None, get_family("qwen-image-edit")) == 3
-    assert memory._planned_controls(None, get_family("flux")) == 0
+    assert memory.stage_plan.planned_controls(None, get_family("qwen-image-edit")) == 3
+    assert memory.stage_plan.planned_controls(None, get_family("flux")) == 0
     meta = tmp_path / "meta"  # metadata.jsonl's control_image lists count the same way
     meta.mkdir()
     for name in ("t1.png", "t2.png", "c1.png", "c2.png"):
         shutil.copy(next(ref_data.glob("*.png")), meta / name)
     (meta / "metadata.jsonl").write_text('{"file_name": "t1.png", "text": "a", "control_image": "c1.png"}\n'
                                          '{"file_name": "t2.png", "text": "b", "control_image": ["c1.png", "c2.png"]}\n')
-    assert memory._planned_controls(make_cfg("flux2-klein", assets, meta, tmp_path / "m"), klein) == 2
+    assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, meta, tmp_path / "m"), klein) == 2
     assert max(len(it.controls) for it in dataset.scan(meta)) == 2 and len(hashed) > 0  # scan hashes; the count did not
 
 

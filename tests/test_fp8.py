@@ -167,7 +167,7 @@ def test_lora_wraps_fp8_base_and_trains(assets):
 
 
 def test_a_mixed_base_holds_its_first_blocks_in_fp8_and_the_rest_in_nf4(assets):
-    """An fp8 plan that keeps only its first blocks in fp8 (the budget's choice, stages/core/memory.py):
+    """An fp8 plan that keeps only its first blocks in fp8 (the budget's choice, stages/core/memory/train.py):
     those blocks' Linears are Fp8Linear, every other Linear (the other blocks, the embedders, the
     modulation, proj_out) is bitsandbytes' nf4 as diffusers' load makes it. peft wraps both kinds; the
     LoRA weights get gradients in both; one loss is within a few percent of the bf16 base's."""

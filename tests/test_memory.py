@@ -1,4 +1,4 @@
-"""The memory planner (stages/core/memory.py), `plan --json`, and OOM as a clear error.
+"""The memory planner (stages/core/memory/), `plan --json`, and OOM as a clear error.
 
 Planner choices are checked by giving budgets just above / below a candidate's predicted peak, on
 the tiny families' real configs (meta-device sizes), so each option (precision, batch, slicing,
@@ -15,6 +15,7 @@ import torch
 
 from conftest import FAMILIES, demo_config_path, make_cfg, tiny_model
 from stages.core import blockswap, memory
+from stages.core.errors import ResourceError
 from stages.core.model_source import ModelSource, stored_dtypes
 from stages.families import get_family
 
@@ -92,7 +93,7 @@ def _header_only(path: Path, tensors: dict, rename: dict | None = None) -> None:
 
 
 def test_train_planner_checkpoints_then_swaps_blocks_only_when_forced(assets, demo_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
+    monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
                                                             "train.gradient_checkpointing": False,
                                                             "model": _deeper_flux(assets, tmp_path, 4, 8)})
@@ -170,15 +171,15 @@ def test_a_stage_process_builds_each_meta_component_once(assets, demo_data, tmp_
     from stages.core import runtime
 
     monkeypatch.setattr(runtime, "pick_device", lambda name: torch.device("cuda"))  # plan as on a GPU (no CUDA call)
-    monkeypatch.setattr(memory, "_META_CACHE", {})
-    built, build = Counter(), memory._build_meta
-    monkeypatch.setattr(memory, "_build_meta", lambda cls, *a: built.update([cls.__name__]) or build(cls, *a))
+    monkeypatch.setattr(memory.sizes, "_META_CACHE", {})
+    built, build = Counter(), memory.sizes._build_meta
+    monkeypatch.setattr(memory.sizes, "_build_meta", lambda cls, *a: built.update([cls.__name__]) or build(cls, *a))
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"captions.text_encoder_precision": "auto"})
     family, src, budget = get_family("flux"), ModelSource(cfg.model, cfg.revision), memory.Budget(80.0, "auto")
     encode_captions.fingerprint_parts(cfg), cache_latents.fingerprint_parts(cfg)  # what train's check_upstream asks
     plans = {stage: memory.plan_for(cfg, family, src, budget, stage) for stage in memory.PLANNERS}
     assert built == {"FluxTransformer2DModel": 1, "CLIPTextModel": 1, "T5EncoderModel": 1, "AutoencoderKL": 1}, built
-    monkeypatch.setattr(memory, "_META_CACHE", {})
+    monkeypatch.setattr(memory.sizes, "_META_CACHE", {})
     assert {s: memory.plan_for(cfg, family, src, budget, s).to_dict() for s in plans} == \
         {s: p.to_dict() for s, p in plans.items()}
     deeper = make_cfg("flux", assets, demo_data, tmp_path, model=_deeper_flux(assets, tmp_path, 4, 8))
@@ -293,7 +294,7 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
     for s in printed["stages"]:
         assert set(s) == {"stage", "budget_gb", "budget_source", "settings", "predicted_peak_gb", "fits", "note"}
     assert printed["peak_gb"] == max(s["predicted_peak_gb"] for s in printed["stages"])
-    with pytest.raises(memory.ResourceError, match="--vram"):
+    with pytest.raises(ResourceError, match="--vram"):
         plan.run(cfg, "lots", as_json=True)
 
 
@@ -358,7 +359,7 @@ def test_vision_language_encoder_is_sized_by_its_text_model(assets):
     with torch.device("meta"):
         enc = type(tiny)(config)
     first = next(m.in_features for m in enc.modules() if isinstance(m, torch.nn.Linear))
-    assert memory._width(enc) == enc.config.text_config.hidden_size != first
+    assert memory.sizes._width(enc) == enc.config.text_config.hidden_size != first
     head = enc.get_output_embeddings().weight
     linear = {id(m.weight) for m in enc.modules() if isinstance(m, torch.nn.Linear)} - {id(head)}
     want = sum(p.numel() * (memory.NF4_BYTES_PER_WEIGHT if id(p) in linear else 2) for p in enc.parameters())
@@ -369,7 +370,7 @@ def test_auto_checkpointing_checkpoints_the_fewest_blocks_that_fit(assets, demo_
     """train.gradient_checkpointing = "auto": no block checkpointed at a roomy budget, all of them at a
     tight one, and in between the fewest that fit; the predicted peak falls with every block
     checkpointed; block swap only once every block is checkpointed. true and false plan as before."""
-    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)
+    monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)
     model = _deeper_flux(assets, tmp_path, 4, 8)
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
                                                             "train.gradient_checkpointing": "auto", "model": model,
@@ -406,8 +407,8 @@ def test_auto_checkpointing_under_a_cap_checkpoints_more_blocks_to_leave_cuda_gr
     memory); cuda_graphs = "off" plans the fewest blocks that fit, as before."""
     from stages.core import fastpath
 
-    monkeypatch.setattr(memory, "GRAPH_FREE_SLACK_GB", 0.0)  # the measured allowances outweigh the tiny model
-    monkeypatch.setattr(memory, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
+    monkeypatch.setattr(memory.calibration, "GRAPH_FREE_SLACK_GB", 0.0)  # the measured allowances outweigh the tiny model
+    monkeypatch.setattr(memory.calibration, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
     monkeypatch.delenv(fastpath.ENV, raising=False)
     want = fastpath.UNSWAPPED_CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
     sets = {"train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": "auto",
@@ -504,13 +505,13 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
     plan = memory.StagePlan("train", memory.Budget(6.0, "cap"), {**swapping[-1], "host_gb": 40.0}, 5.0, True)
     assert "host_gb=40.0" in _settings_text(plan.settings)
     rt = make_runtime("cpu", "fp32")
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(30 * memory.GB))
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: int(30 * memory.GB))
     with pytest.raises(ResourceError) as err:
         memory.load_device(plan, rt)
     assert all(s in str(err.value) for s in ("40.0 GB", "30.0 GB", "host memory", "--vram", f"swaps {plan.settings['swapped_blocks']} of"))
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(41 * memory.GB))
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: int(41 * memory.GB))
     assert isinstance(memory.load_device(plan, rt), HostLoad) and memory.host_shortfall(plan) == ""
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # not Linux: not checked
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: None)  # not Linux: not checked
     assert isinstance(memory.load_device(plan, rt), HostLoad)
     assert memory.load_device(roomy, rt) is rt  # no swap: the runtime's device, nothing checked
     fp8_cfg = make_cfg("flux", assets, demo_data, tmp_path / "fp8", **{"train.base_precision": "fp8",
@@ -518,7 +519,7 @@ def test_a_swap_plan_checks_host_memory_before_loading(assets, demo_data, tmp_pa
     assert "host_gb" not in _plan("train", fp8_cfg, 1000.0).settings  # a diffusers folder: fp8 streams its shards
     fp8 = memory.StagePlan("train", memory.Budget(60.0, "cap"), {**roomy.settings, "base_precision": "fp8",
                                                                    "host_gb": 40.0}, 20.0, True)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(30 * memory.GB))
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: int(30 * memory.GB))
     with pytest.raises(ResourceError) as err:  # fp8 from a single file reads the bf16 base into host memory
         memory.load_device(fp8, rt)
     assert all(s in str(err.value) for s in ("an fp8 base from a single-file checkpoint", "40.0 GB", "30.0 GB",
@@ -538,9 +539,9 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
     cuda_graphs off or LoRA dropout the fewest blocks that fit, as before."""
     from stages.core import fastpath
 
-    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
-    monkeypatch.setattr(memory, "GRAPH_FREE_SLACK_GB", 0.0)  # so are the room's measured allowances
-    monkeypatch.setattr(memory, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
+    monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
+    monkeypatch.setattr(memory.calibration, "GRAPH_FREE_SLACK_GB", 0.0)  # so are the room's measured allowances
+    monkeypatch.setattr(memory.calibration, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
     monkeypatch.delenv(fastpath.ENV, raising=False)
     want = fastpath.CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
     seen = set()
@@ -597,7 +598,7 @@ def test_a_spread_swap_plan_counts_the_blocks_it_picks_and_hands_them_on(assets,
 
     from stages.core.runtime import Runtime
 
-    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)
+    monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)
     folder = _deeper_flux(assets, tmp_path, 4, 8)
     sets = {"train.base_precision": "bf16", "data.resolution": 256, "model": folder}
     with torch.device("meta"):
@@ -622,7 +623,7 @@ def test_a_spread_swap_plan_counts_the_blocks_it_picks_and_hands_them_on(assets,
     tight = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.block_swap_layout": "spread",
                                                                                      "train.cuda_graphs": "off"}), gb)
     assert tight.settings["swap_layout"] == "spread" and tight.settings["swapped_blocks"] >= 6
-    monkeypatch.setattr(memory, "host_shortfall", lambda plan: "")
+    monkeypatch.setattr(memory.train, "host_shortfall", lambda plan: "")
     load = memory.load_device(tight, Runtime(torch.device("cuda"), torch.bfloat16))
     assert (load.swapped_blocks, load.swap_layout) == (tight.settings["swapped_blocks"], "spread")
 
@@ -646,7 +647,7 @@ def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets
     SDXL (UNet blocks with several attentions at other widths) is refused, naming the key and the fix."""
     from stages.core.errors import ConfigError
 
-    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)
+    monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)
     model = _deeper_flux(assets, tmp_path, 4, 8)
     sets = {"train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": "auto",
             "model": model, "train.cuda_graphs": "off"}
@@ -656,7 +657,7 @@ def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets
     denoiser = memory.meta_component(ModelSource(model, None), "transformer")
     cfg = make_cfg("flux", assets, demo_data, tmp_path)
     tokens = cfg.train.batch_size * ((256 // 16) ** 2 + cfg.captions.max_sequence_length)
-    block_gb = memory.ATTENTION_KEPT_UNITS * tokens * memory._width(blockswap.repeated_blocks(denoiser)[0]) * 2 / memory.GB
+    block_gb = memory.ATTENTION_KEPT_UNITS * tokens * memory.sizes._width(blockswap.repeated_blocks(denoiser)[0]) * 2 / memory.GB
 
     def extra(**at) -> float:
         return _peak_of(kept, **at) - _peak_of(plain, **at)
@@ -679,9 +680,9 @@ def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets
     assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0).note  # 256 px: short
     per_sample = tokens // cfg.train.batch_size
     assert cfg.train.batch_size > 1
-    monkeypatch.setattr(memory, "KEEP_ATTENTION_HINT_TOKENS", per_sample + 1)  # the batch's tokens are more, a sample's not
+    monkeypatch.setattr(memory.calibration, "KEEP_ATTENTION_HINT_TOKENS", per_sample + 1)  # the batch's tokens are more, a sample's not
     assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0).note
-    monkeypatch.setattr(memory, "KEEP_ATTENTION_HINT_TOKENS", per_sample)
+    monkeypatch.setattr(memory.calibration, "KEEP_ATTENTION_HINT_TOKENS", per_sample)
     roomy = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0)
     assert f"{hint} (+{n * block_gb:.1f} GB): the {n} checkpointed blocks" in roomy.note
     assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full, **{"train.keep_attention": True}),
@@ -721,7 +722,7 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     src, family = ModelSource(cfg.model, cfg.revision), get_family("flux")
     at = lambda gb: memory.plan_train(cfg, family, src, memory.Budget(gb, "cap"))  # noqa: E731
     monkeypatch.setattr(fp8, "fp8_supported", lambda: True)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: None)
     monkeypatch.setattr(type(family), "fp8_faster_from_tokens", None)  # the order without rows (next test: with)
     roomy = at(1000.0)
     order = [(t["base_precision"], t["swapped_blocks"] > 0) for t in roomy.tried]
@@ -738,7 +739,7 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     fewest = _peak_of(roomy, base_precision="fp8", fp8_blocks=2, gradient_checkpointing=True)
     assert at(fewest * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "nf4"
     host_gb = round(memory.weight_bytes(memory.meta_component(src, "transformer"), "bf16") / memory.GB, 2)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(host_gb * memory.GB / 2))
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: int(host_gb * memory.GB / 2))
     assert at(whole["bf16"] * 0.999 * memory.FRAGMENTATION).settings["base_precision"] == "fp8"  # streamed
     meta = memory.meta_component(src, "transformer").state_dict()
     first = next(iter(meta))  # a folder whose keys diffusers converts on load: the loader reads it whole
@@ -750,7 +751,7 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
     for short in (converted, at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)):
         assert short.settings["base_precision"] == "nf4" and "fp8" not in {t["base_precision"] for t in short.tried}
         assert f"auto left fp8 out: its bf16 read ({host_gb:.1f} GB)" in short.note and "host memory" in short.note
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: None)
     cfg.train.compile_transformer = "off"  # fp8 pays only compiled
     eager = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert eager.settings["base_precision"] == "nf4" and "compile_transformer = 'off'" in eager.note
@@ -770,7 +771,7 @@ def test_auto_tries_fp8_first_from_the_step_size_it_was_measured_faster(assets, 
                                                             "model": _deeper_flux(assets, tmp_path, 2, 4, width=256)})
     src, family = ModelSource(cfg.model, cfg.revision), get_family("flux")
     monkeypatch.setattr(fp8, "fp8_supported", lambda: True)
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: None)
     tokens = cfg.train.batch_size * ((256 // 16) ** 2 + cfg.captions.max_sequence_length)
     assert (get_family("qwen-image").fp8_faster_from_tokens, get_family("sdxl").fp8_faster_from_tokens) == (4173, 1101)
     assert get_family("flux-kontext").fp8_faster_from_tokens == get_family("flux").fp8_faster_from_tokens  # its transformer
@@ -840,8 +841,8 @@ def test_an_fp8_base_under_a_cap_keeps_fewer_fp8_blocks_to_leave_cuda_graphs_roo
     train.fp8_blocks set by hand plan the most fp8 blocks that fit, as before."""
     from stages.core import fastpath
 
-    monkeypatch.setattr(memory, "GRAPH_FREE_SLACK_GB", 0.0)  # the measured allowances outweigh the tiny model
-    monkeypatch.setattr(memory, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
+    monkeypatch.setattr(memory.calibration, "GRAPH_FREE_SLACK_GB", 0.0)  # the measured allowances outweigh the tiny model
+    monkeypatch.setattr(memory.calibration, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
     monkeypatch.delenv(fastpath.ENV, raising=False)
     want = fastpath.UNSWAPPED_CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
     sets = {"train.base_precision": "fp8", "data.resolution": 256, "train.gradient_checkpointing": True,
@@ -1033,3 +1034,58 @@ def test_plan_exits_2_when_a_stage_cannot_fit(assets, demo_data, tmp_path):
     unfit = CliRunner().invoke(pipeline.cli, [*args, "--vram", "0.001"])
     assert unfit.exit_code == 2, unfit.output
     assert not json.loads(unfit.stdout)["fits"] and "cannot fit 0.00 GB" in unfit.stderr
+
+
+@pytest.mark.parametrize("vram", ["auto", 0.5])
+def test_cache_fingerprints_ask_their_own_stage_planner_only(assets, demo_data, tmp_path, monkeypatch, vram):
+    """encode-captions' and cache-latents' fingerprints (what `status` and train's staleness check compute)
+    run their own stage's planner, never train's: under "auto" as well, where the stages themselves plan
+    for train's predicted peak."""
+    from stages import cache_latents, encode_captions
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"gpu.vram_budget_gb": vram})
+    monkeypatch.setattr(memory.planning, "plans_for_gpu", lambda cfg: True)  # a GPU run's fingerprints
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("train's planner ran")
+
+    monkeypatch.setattr(memory.train, "plan", refuse)
+    monkeypatch.setitem(memory.PLANNERS, "train", refuse)
+    with pytest.raises(AssertionError, match="train's planner ran"):  # the stage's own "auto" plan does ask it
+        memory.plan_for(cfg, get_family("flux"), ModelSource(cfg.model), memory.Budget(8.0, "auto"), "encode-captions")
+    assert encode_captions.fingerprint_parts(cfg)["precision"] == "bf16"
+    assert cache_latents.fingerprint_parts(cfg)["vae_precision"] == cfg.latents.vae_precision
+
+
+def _wider_t5(assets, tmp_path) -> str:
+    """The tiny FLUX's text encoders with a T5 of ~0.4 B parameters (configs only: planning builds them on
+    the meta device), so its bf16 and nf4 peaks lie apart by more than a budget's rounding."""
+    src = tiny_model(assets, FAMILIES["flux"])
+    folder = tmp_path / "wider-t5"
+    for part in ("text_encoder", "text_encoder_2"):
+        (folder / part).mkdir(parents=True)
+        config = json.loads((src / part / "config.json").read_text())
+        if part == "text_encoder_2":
+            config.update(d_model=1024, d_ff=16384, num_layers=8, num_heads=16, d_kv=64)
+        (folder / part / "config.json").write_text(json.dumps(config))
+    (folder / "model_index.json").write_text((src / "model_index.json").read_text())
+    return str(folder)
+
+
+def test_auto_captions_under_trains_peak_store_what_their_fingerprint_expects(assets, demo_data, tmp_path, monkeypatch):
+    """Under "auto", encode-captions plans for train's predicted peak, but only in the precision its own
+    planner gives with memory to spare (the one its fingerprint expects): where only nf4 encoders fit under
+    that peak, it plans bf16 within the free memory instead of storing nf4 captions train would call stale."""
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"gpu.vram_budget_gb": "auto", "model": _wider_t5(assets, tmp_path)})
+    family, src = get_family("flux"), ModelSource(cfg.model)
+    tried = memory.plan_captions(cfg, family, src, memory.Budget(float("inf"), "auto")).tried
+    least = {p: min(t["predicted_peak_gb"] for t in tried if t["text_encoder_precision"] == p) for p in ("bf16", "nf4")}
+    assert least["nf4"] * 2 < least["bf16"]
+    peak = (least["nf4"] + least["bf16"]) / 2  # nf4 fits under train's peak, bf16 does not
+    monkeypatch.setattr(memory.train, "plan", lambda *a: memory.StagePlan("train", a[-1], {}, peak, True))
+    under_peak = memory.plan_captions(cfg, family, src, memory.Budget(round(peak * memory.FRAGMENTATION, 3), "auto"))
+    assert under_peak.fits and under_peak.settings["text_encoder_precision"] == "nf4"
+    plan = memory.plan_for(cfg, family, src, memory.Budget(1e6, "auto"), "encode-captions")
+    assert plan.settings["text_encoder_precision"] == "bf16"
+    monkeypatch.setattr(memory.planning, "plans_for_gpu", lambda cfg: True)
+    assert memory.planned_caption_precision(cfg, family) == "bf16"  # what encode-captions' fingerprint expects

@@ -142,7 +142,7 @@ def test_planner_swaps_nf4_below_the_whole_nf4_size(assets, demo_data, tmp_path,
     and the planner still tries the whole model before swapping any block."""
     from test_memory import _just_above, _peak_of, _plan
 
-    monkeypatch.setattr(memory, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
+    monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "nf4", "data.resolution": 256,
                                                             "model": _wide_flux(assets, tmp_path)})
     roomy = _plan("train", cfg, 1000.0)
@@ -158,7 +158,7 @@ def test_planner_swaps_nf4_below_the_whole_nf4_size(assets, demo_data, tmp_path,
     assert tight.fits and tight.settings["base_precision"] == "nf4" and tight.settings["swapped_blocks"] > 0
     assert tight.predicted_peak_gb * memory.FRAGMENTATION < whole_nf4 and "host memory" not in tight.note
     # too little host memory for the bf16 read: `plan` says so in the swap plan's note, before anything runs
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: int(0.5 * tight.settings["host_gb"] * memory.GB))
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: int(0.5 * tight.settings["host_gb"] * memory.GB))
     short = _plan("train", cfg, _just_above(deepest))
     assert short.settings == tight.settings and short.note.endswith(memory.host_shortfall(short))
     assert "host memory" in short.note and "--vram" in short.note

@@ -1,4 +1,4 @@
-"""The sample stage's memory plan (stages/core/memory.py plan_sample): the whole pipeline, which is what
+"""The sample stage's memory plan (stages/core/memory/sample.py): the whole pipeline, which is what
 the sample stage loads, in bf16 on the GPU, else bf16 under model CPU offload, else the denoiser and
 text encoders in nf4, else nf4 offloaded; the first that fits the budget. Before it, sample loaded
 the pipeline in bf16 whatever the GPU: FLUX.2 dev's is 112.6 GB, Qwen-Image's 57 GB.
@@ -35,7 +35,7 @@ def _choice(plan: memory.StagePlan) -> tuple[str, bool]:
 
 @pytest.fixture
 def cfg(assets, demo_data, tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # this host's memory is not the plan's
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: None)  # this host's memory is not the plan's
     return make_cfg("flux", assets, demo_data, tmp_path, **{"sample.width": 64, "sample.height": 64})
 
 
@@ -69,7 +69,7 @@ def test_a_configured_precision_or_offload_is_kept(cfg):
 
 def test_bf16_offload_is_left_out_where_the_host_cannot_hold_it(cfg, monkeypatch):
     """An offloaded pipeline lives in host memory; one on the GPU whole is read there shard by shard."""
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: 1000)
     plan = _plan(cfg, 1e6)
     assert _choice(plan) == ("bf16", False)
     assert [(t["precision"], t["cpu_offload"]) for t in plan.tried] == [ORDER[0], ORDER[2], ORDER[3]]
@@ -79,11 +79,11 @@ def test_bf16_offload_is_left_out_where_the_host_cannot_hold_it(cfg, monkeypatch
 def test_the_stage_loads_as_planned(cfg, monkeypatch):
     """On a GPU budget (simulated) that bf16 does not fit whole, with a host that cannot hold it offloaded,
     load_pipeline asks for nf4: on this CPU that is the clear refusal, which shows the plan reached the load."""
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: 1000)
     peaks = {(t["precision"], t["cpu_offload"]): t["predicted_peak_gb"] for t in _plan(cfg, 1e6).tried}
     budget = peaks[("nf4", False)] * memory.FRAGMENTATION * 1.001
     assert budget < peaks[("bf16", False)] * memory.FRAGMENTATION
-    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(budget, "cap"))
+    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(budget, "cap"))
     log = EventLog(cfg.run_dir, cfg.run, "sample")
     with pytest.raises(ConfigError, match=r"sample.precision = 'nf4' needs a CUDA GPU"):
         sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
@@ -106,7 +106,7 @@ def test_out_of_memory_goes_on_with_the_next_smaller_plan(cfg, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(faults, "hit", oom_once)
-    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(1e6, "cap"))
+    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(1e6, "cap"))
     log = EventLog(cfg.run_dir, cfg.run, "sample")
     done = sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
     events = read_events(cfg.run_dir)
@@ -122,7 +122,7 @@ def test_out_of_memory_goes_on_with_the_next_smaller_plan(cfg, monkeypatch):
     hits.clear()
     monkeypatch.setattr(faults, "hit", lambda point: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory")))
     smallest = min(peaks) * memory.FRAGMENTATION * 1.0001
-    monkeypatch.setattr(memory, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(smallest, "cap"))
+    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(smallest, "cap"))
     with pytest.raises(torch.cuda.OutOfMemoryError):
         sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
 

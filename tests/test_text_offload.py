@@ -1,4 +1,4 @@
-"""Layer offload of the text encoder in encode-captions (stages/core/memory.py `_offload_candidates`,
+"""Layer offload of the text encoder in encode-captions (stages/core/memory/captions.py `_offload_candidates`,
 stages/families/text_encoders.py `offload_kwargs`): chosen only when nf4 whole does not fit, loaded
 through transformers' own device_map/max_memory, and placement only: the same rows and fingerprint.
 

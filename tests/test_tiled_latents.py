@@ -47,9 +47,9 @@ def gpu(monkeypatch):
             return memory.Budget(state["free"] - memory.AUTO_MARGIN_GB, "auto")
         return memory.Budget(value, "cap")
 
-    monkeypatch.setattr(memory, "plans_for_gpu", lambda cfg: True)
-    monkeypatch.setattr(memory, "resolve_budget", budget)
-    monkeypatch.setattr(memory, "VAE_TILE_PIXELS", {"AutoencoderKL": 32})
+    monkeypatch.setattr(memory.planning, "plans_for_gpu", lambda cfg: True)
+    monkeypatch.setattr(memory.budget, "resolve_budget", budget)
+    monkeypatch.setattr(memory.calibration, "VAE_TILE_PIXELS", {"AutoencoderKL": 32})
     return state
 
 

@@ -35,7 +35,7 @@ EVENT_TYPES = {
     "done": "stage finished (seconds, plus stage summary fields)",
     "up_to_date": "stage skipped because its manifest matches (fingerprint)",
     "error": "stage failed (message, item when one input caused it)",
-    "plan": "a stage's memory plan (budget, chosen settings, predicted peak; stages/core/memory.py)",
+    "plan": "a stage's memory plan (budget, chosen settings, predicted peak; stages/core/memory/)",
     "sample": "a sample grid was rendered, base vs LoRA (path, prompts, seeds, adapter)",
     "profile": "train.profile_steps: where profiled steps' time went (path, ms_per_step, device, top)",
 }

@@ -183,7 +183,7 @@ def quantize_fp8_nf4(model: nn.Module, fp8_blocks: int, device: torch.device | s
     would (their eligible Linears e4m3, the rest of them bf16), and everything else in nf4 as diffusers'
     bitsandbytes load makes it (the other blocks and the Linears outside the blocks: the modulation and
     embedders, bf16 under a whole fp8 base). The planner picks this where the whole fp8 base does not fit
-    the budget (stages/core/memory.py): an nf4 block holds ~0.56 of an fp8 block's bytes, and FLUX.2 klein's
+    the budget (stages/core/memory/train.py): an nf4 block holds ~0.56 of an fp8 block's bytes, and FLUX.2 klein's
     whole fp8 step at 1024 px was 0.77-0.81x nf4's (0.201 s against 0.248-0.2625 s with cuDNN attention;
     docs/performance.md). Each layer is quantized on `device` in turn; the dense model never sits on it whole."""
     from stages.core import blockswap

@@ -72,7 +72,7 @@ def pick_device(name: str) -> torch.device:
 
 
 # What "auto" means per role, on CUDA (on CPU every role is fp32), where no memory plan chose
-# (on CUDA each stage's plan resolves "auto" first, stages/core/memory.py): the precision that plan
+# (on CUDA each stage's plan resolves "auto" first, stages/core/memory/): the precision that plan
 # tries first, bf16 for every role (memory.AUTO_BASE_PRECISIONS says why for the denoiser).
 AUTO_ON_CUDA = {"denoiser": "bf16", "text_encoder": "bf16", "vae": "bf16"}
 

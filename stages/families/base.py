@@ -104,7 +104,7 @@ class FamilyTraits:
     """Every optional family trait with its default. Declarations only: a family sets the ones that
     differ, the stages and the memory planner read them."""
 
-    # ---- memory planner (stages/core/memory.py)
+    # ---- memory planner (stages/core/memory/)
     auto_base_precisions: tuple[str, ...] | None = None
     """train.base_precision = "auto" tries these whole, fastest first (None: the planner's
     `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, fp8, nf4)."""

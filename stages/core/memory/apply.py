@@ -1,0 +1,126 @@
+"""Applying a plan at run time: the config it sets, where the weights load, the VAE's slicing and tiling,
+block swap, and an out-of-memory error turned into what to change."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from stages.core import blockswap
+from stages.core.errors import ResourceError
+from stages.core.memory import calibration as cal
+from stages.core.memory import train
+from stages.core.memory.stage_plan import StagePlan
+
+
+def with_plan(cfg: Any, plan: StagePlan) -> Any:
+    """`cfg` with the plan's settings written into the stage's section."""
+    s = plan.settings
+    if plan.stage == "encode-captions":
+        return dataclasses.replace(cfg, captions=dataclasses.replace(
+            cfg.captions, text_encoder_precision=s["text_encoder_precision"], batch_size=s["batch_size"]))
+    if plan.stage == "cache-latents":
+        return dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"]))
+    if plan.stage == "sample":
+        return dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
+                                                                   cpu_offload=s["cpu_offload"]))
+    tcfg = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
+                               gradient_checkpointing=s["gradient_checkpointing"])
+    return dataclasses.replace(cfg, train=tcfg)
+
+
+def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = None) -> None:
+    """Sliced and tiled encode as the plan says. Tiles are calibration.VAE_TILE_PIXELS square (`tile_px` instead:
+    tests and `bench/tiling.py --tiny` use small tiles so tiny images really tile), overlapping by a
+    quarter, as both diffusers tilings do by default; bench/tiling.py measures what tiling changes."""
+    if plan.settings.get("sliced") and hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+    if not (plan.settings.get("tiled") and hasattr(vae, "enable_tiling")):
+        return
+    side = tile_px or cal.VAE_TILE_PIXELS.get(type(vae).__name__, 512)
+    if hasattr(vae, "tile_sample_min_size"):  # AutoencoderKL(-Flux2) tiles at its sample_size (1024) by default
+        vae.enable_tiling()
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)  # 8 for the released VAEs
+        vae.tile_sample_min_size, vae.tile_latent_min_size = side, side // scale
+    elif hasattr(vae, "tile_sample_min_height"):  # the Qwen-Image VAEs: 256 px tiles every 192 px by default
+        vae.enable_tiling(side, side, side * 3 // 4, side * 3 // 4)
+    else:
+        vae.enable_tiling()
+
+
+def load_device(plan: StagePlan, rt: Any) -> Any:
+    """Where train loads the base: host memory when blocks will be swapped (only what stays resident
+    then reaches the GPU; an nf4 base is quantized there block by block), else the runtime's device.
+    A plan whose bf16 read (swap, fp8) does not fit the available host memory stops here with what to
+    do, before anything loads (the kernel's OOM killer would end the process without a word). A plan
+    whose fp8 base keeps only its first blocks in fp8 loads it as a MixedLoad."""
+    from stages.core.runtime import HostLoad, MixedLoad
+
+    short = train.host_shortfall(plan)
+    if short:
+        raise ResourceError(short)
+    if plan.settings.get("fp8_blocks") is not None:  # fp8 for the first blocks, nf4 for the rest
+        return MixedLoad(rt.device, rt.dtype, fp8_blocks=plan.settings["fp8_blocks"])
+    swapped = plan.settings.get("swapped_blocks")
+    if not swapped:
+        return rt
+    return HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=swapped,
+                    swap_layout=plan.settings.get("swap_layout", "last"))
+
+
+def text_encoder_runtime(plan: StagePlan, rt: Any) -> Any:
+    """Where encode-captions loads its text encoders: `rt`, or under a layer-offload plan an
+    OffloadLoad giving rt's device the plan's share of the weights (accelerate checked here, before
+    anything loads)."""
+    from stages.core.runtime import OffloadLoad, require_accelerate
+
+    share = plan.settings.get("gpu_weights_gb")
+    if share is None:
+        return rt
+    require_accelerate("the encode-captions plan (layer offload of the text encoder)")
+    return OffloadLoad(rt.device, rt.dtype, device_bytes=int(share * cal.GB))
+
+
+def checkpointed_blocks(plan: StagePlan, blocks: int) -> int:
+    """How many of the model's `blocks` repeated blocks the train plan checkpoints (all of them when the
+    plan says checkpointing without a number: on CPU, or a plan made before partial checkpointing)."""
+    if not plan.settings.get("gradient_checkpointing"):
+        return 0
+    k = plan.settings.get("checkpointed_blocks")
+    return blocks if k is None else min(k, blocks)
+
+
+def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blockswap.BlockSwap | None:
+    """Install the plan's block swap (after LoRA is attached, before the optimizer is made)."""
+    swap = blockswap.install_block_swap(model, plan.settings.get("swapped_blocks", 0), rt.device,
+                                        plan.settings.get("swap_layout", "last"))
+    blockswap.move_unswapped(model, swap, rt.device)
+    return swap
+
+
+SETTING_TO_CHANGE = {
+    "encode-captions": "captions.batch_size or captions.text_encoder_precision = 'nf4'",
+    "cache-latents": "latents.vae_precision = 'bf16' or data.resolution",
+    "train": ("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set train.cuda_graphs = 'off': "
+              "capturing a graph takes memory of its own)"),
+    "sample": "sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true",
+}
+
+
+def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError | None:
+    """A CUDA out-of-memory error as a ResourceError that names the stage, the budget, the peak it
+    reached and what to change; None for any other error."""
+    import sys
+
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is None or not isinstance(error, torch_mod.cuda.OutOfMemoryError):
+        return None
+    peak = torch_mod.cuda.max_memory_reserved() / cal.GB if torch_mod.cuda.is_available() else 0.0
+    budget = getattr(getattr(cfg, "gpu", None), "vram_budget_gb", "auto")
+    budget_text = "auto: the free memory at start" if budget == "auto" else f"{budget} GB"
+    return ResourceError(
+        f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB): rerun with a lower "
+        f"--vram (gpu.vram_budget_gb) so the planner picks smaller settings, or lower {SETTING_TO_CHANGE.get(stage, 'the batch size')}; "
+        f"everything already written is kept and the rerun continues from it")

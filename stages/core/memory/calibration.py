@@ -1,0 +1,42 @@
+"""The planner's measured constants: each one's meaning and where its figure comes from.
+
+Peaks are predicted from meta-device sizes (sizes.py) and these. Where a constant is an estimate, it
+says so; `bench/memory.py` measures a plan's prediction against what the GPU allocated.
+"""
+
+GB = 2**30
+
+# "auto" budget: left free for the CUDA context's growth and other processes' jitter.
+AUTO_MARGIN_GB = 0.75
+# Reserved over allocated memory: FLUX nf4 train 9.00/8.10 = 1.11, fp32 VAE 3.90/3.36 = 1.16 (bench/results/memory-flux-h200.json).
+FRAGMENTATION = 1.12
+# An nf4 weight: 4-bit codes plus one 8-bit absmax per 64 weights (double quantization).
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64
+# Train activations of one DiT block in units of tokens x width x 2 bytes (estimates; FLUX.1-dev 512 px b1
+# 8.9 GB over its bf16 weights; docs/performance.md): an un-checkpointed block keeps 17 (a family whose blocks keep
+# less names them in `block_saved_units`), a checkpointed one its input (1), the block being run or recomputed works in 24.
+BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
+# train.keep_attention: a checkpointed block also keeps its attention output (1 unit) and softmax statistics (~1 % more).
+ATTENTION_KEPT_UNITS = 1.02
+# Tokens a sample from which a checkpointing plan says keep_attention would fit too: FLUX.1 Kontext at 1024 px,
+# where it took the fp8 step from 0.969 to 0.825 s (bench/results/peers-kontext-1024-b1-{cudnn3,keepattn}.json).
+KEEP_ATTENTION_HINT_TOKENS = 8704
+# VAE encode work per pixel of one image: FLUX's fp32 VAE at 1024 px allocated 3.36 GB (bench/results/memory-flux-h200.json).
+VAE_ELEMENTS_PER_PIXEL = 780
+# Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
+VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}
+# A LoRA parameter in training: fp32 weight + gradient + AdamW's two moments.
+LORA_BYTES_PER_PARAM = 16
+# Allocator margin of a block-swap plan beside its two fixed copy slots: Z-Image at 4 GB predicted 3.57, allocated
+# 3.32, reserved 4.00 (bench/results/memory-zimage-4gb-slots-h200.json; memory-qwen-image-8gb-slots-h200.json).
+SWAP_EXTRA_GB = 0.4
+# train.base_precision = "auto": the precisions tried whole, in this order unless the family's
+# `fp8_faster_from_tokens` puts fp8 first (compiled step times per family in docs/performance.md).
+AUTO_BASE_PRECISIONS = ("bf16", "fp8", "nf4")
+# CUDA graphs under a budget: the memory free at the capture was up to 0.25 GB below the planner's figure, and a
+# step allocated ~0.13 GB beyond its activations and the LoRA's gradients (bench/results/memory-*-room-h200.json).
+GRAPH_FREE_SLACK_GB, GRAPH_ACTIVATIONS_EXTRA_GB = 0.25, 0.13
+# With those allowances the planner's capture room came out 0.92-0.99x the measured one (the same files): this covers the rest.
+GRAPH_ROOM_MARGIN = 1.05
+# A guided sample step may run the denoiser on the prompt and the negative prompt together.
+CFG_BATCH = 2

@@ -1,0 +1,147 @@
+"""encode-captions' plan: the text encoders' precision, batch size and layer offload within a budget."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stages.core.memory import calibration as cal
+from stages.core.memory.budget import Budget
+from stages.core.memory.sizes import _width, meta_component, module_components, weight_bytes
+from stages.core.memory.stage_plan import StagePlan, fitting, halvings
+
+
+def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    """bf16 whole (halving the batch), then nf4 whole, then layer offload (`_offload_candidates`)."""
+    from stages.core.runtime import has_accelerate
+
+    models = {c: meta_component(src, c) for c in module_components(src, family.text_components)}
+    configured = cfg.captions.text_encoder_precision
+    precisions = [first_precision(cfg), "nf4"] if configured == "auto" else [configured]
+    tokens = cfg.captions.max_sequence_length + 77  # + the longest template/CLIP prefix
+    work = {batch: max(batch * tokens * _width(m) * 2 * cal.BLOCK_WORK_UNITS for m in models.values())
+            for batch in halvings(cfg.captions.batch_size)}
+    candidates = []
+    for precision in precisions:
+        weights = sum(weight_bytes(m, precision) for m in models.values())
+        for batch, w in work.items():
+            candidates.append(({"text_encoder_precision": precision, "batch_size": batch}, (weights + w) / cal.GB))
+    candidates += _offload_candidates(cfg, family, models, work, budget)
+    need = "set captions.text_encoder_precision = 'nf4' and captions.batch_size = 1"
+    if OFFLOAD_PRECISION.get(configured) and family.text_offload_components and not has_accelerate():
+        need += ", or install accelerate so the text encoder's layers can stay in CPU memory (layer offload)"
+    return fitting(budget, candidates, "encode-captions", need)
+
+
+def first_precision(cfg: Any) -> str:
+    """The text encoders' precision `plan` tries first, so gives wherever memory allows: "auto" is bf16."""
+    configured = cfg.captions.text_encoder_precision
+    return "bf16" if configured == "auto" else configured
+
+
+# Layer offload runs the encoder in a dense precision: "auto" offloads bf16 (nf4 is never offloaded:
+# stages/families/text_encoders.py offload_kwargs says why).
+OFFLOAD_PRECISION = {"auto": "bf16", "bf16": "bf16", "fp32": "fp32"}
+HOST_BYTES = 2**50  # planning assumes CPU memory holds what the GPU does not (the load gives it the free RAM)
+
+
+def _offload_candidates(cfg: Any, family: Any, models: dict[str, torch.nn.Module], work: dict[int, float],
+                        budget: Budget) -> list[tuple[dict[str, Any], float]]:
+    """Plans that keep only part of the largest offloadable text encoder (the family's
+    `text_offload_components`) on the GPU, one per batch size: the GPU share is what the budget
+    leaves after the other encoders and the work, and transformers' own device map for that share
+    (`offload_placement`) gives the layers that stay and the largest one that visits per forward.
+    Only where a whole plan at that batch would not fit (the share is below the whole encoder)."""
+    from stages.core.runtime import has_accelerate
+
+    precision = OFFLOAD_PRECISION.get(cfg.captions.text_encoder_precision)
+    offloadable = [c for c in family.text_offload_components if c in models]
+    if precision is None or not offloadable or budget.gb is None or not math.isfinite(budget.gb) or not has_accelerate():
+        return []
+    name = max(offloadable, key=lambda c: weight_bytes(models[c], precision))
+    model, whole = models[name], weight_bytes(models[name], precision)
+    others = sum(weight_bytes(m, precision) for c, m in models.items() if c != name)
+    candidates = []
+    for batch, w in work.items():
+        share = budget.gb * cal.GB / cal.FRAGMENTATION - others - w
+        if share >= whole:
+            continue
+        share_gb = math.floor(max(share, 0.0) / cal.GB * 1000) / 1000  # the stage passes this share, so it gets this map
+        placed = offload_placement(model, precision, share_gb)
+        if placed is None:  # nothing would stay on the GPU (then the encoder would run on the CPU): the least that does
+            share_gb = math.ceil(_least_share(model, precision) / cal.GB * 1000) / 1000
+            placed = offload_placement(model, precision, share_gb)
+        if placed is None:
+            continue
+        settings = {"text_encoder_precision": precision, "batch_size": batch, "offload_gb": round(placed.offloaded / cal.GB, 3),
+                    "gpu_weights_gb": share_gb, "gpu_layers": placed.gpu_layers, "layers": placed.layers}
+        candidates.append((settings, (others + placed.resident + placed.in_flight + w) / cal.GB))
+    return candidates
+
+
+@dataclass
+class Placement:
+    device_map: dict[str, Any]
+    resident: float  # bytes of weights on the GPU
+    in_flight: float  # bytes of the largest offloaded module's own weights: what a forward copies in at once
+    offloaded: float  # bytes of weights in CPU memory
+    gpu_layers: int  # blocks (the model's no-split modules: decoder layers, vision blocks) wholly on the GPU
+    layers: int
+
+
+def offload_placement(model: torch.nn.Module, precision: str, device_gb: float) -> Placement | None:
+    """Where `from_pretrained(device_map="auto", max_memory={gpu: device_gb, "cpu": ...})` puts a
+    (meta) `model`'s weights at `precision`: transformers' own device map (it keeps room on the GPU
+    for the largest layer, the one an offloaded forward copies in). None if nothing stays on GPU 0.
+    accelerate hooks every offloaded module that has weights of its own, so what visits the GPU at
+    once is one such module's weights."""
+    import logging
+
+    from transformers.integrations.accelerate import _get_device_map
+
+    from stages.core.runtime import precision_dtype
+
+    model.to(precision_dtype(precision, torch.device("cuda")))  # meta: sizes only
+    quiet = [logging.getLogger(n) for n in ("accelerate.utils.modeling", "transformers.integrations.accelerate")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)  # "Device 0 is not available" when planning on a machine without a GPU
+    try:
+        device_map = _get_device_map(model, "auto", {0: int(device_gb * cal.GB), "cpu": HOST_BYTES}, None)
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    if 0 not in device_map.values():
+        return None
+
+    def device(name: str) -> Any:
+        parts = name.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)] + [""]
+        return next((device_map[p] for p in prefixes if p in device_map), None)
+
+    own, seen = {}, set()  # a tied weight (embeddings and head) counts once, with the first module holding it
+    for name, m in model.named_modules():
+        params = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        own[name] = sum(p.numel() * p.element_size() for p in params)
+    on_gpu = {name for name, n in own.items() if n and device(name) == 0}
+    resident = sum(n for name, n in own.items() if name in on_gpu)
+    offloaded = sum(n for name, n in own.items() if name not in on_gpu)
+    no_split = set(model._no_split_modules or ())
+    blocks = [name for name, m in model.named_modules() if type(m).__name__ in no_split]
+    gpu_blocks = [b for b in blocks if all(name in on_gpu for name, n in own.items() if n and (name == b or name.startswith(b + ".")))]
+    return Placement(device_map, resident, max((n for name, n in own.items() if name not in on_gpu), default=0),
+                     offloaded, len(gpu_blocks), len(blocks))
+
+
+def _least_share(model: torch.nn.Module, precision: str) -> float:
+    """Bytes that keep the first weighted module on the GPU with room for the largest layer beside it."""
+    dtype_bytes = 4 if precision == "fp32" else 2
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) * dtype_bytes for m in model.modules()]
+    no_split = set(model._no_split_modules or ())
+    blocks = [sum(p.numel() for p in m.parameters()) * dtype_bytes for m in model.modules() if type(m).__name__ in no_split]
+    first = next(n for n in own if n)
+    return 1.25 * max(own + blocks) + first

@@ -1,0 +1,35 @@
+"""cache-latents' plan: the VAE's precision, slicing and tiling within a budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.core.memory import calibration as cal
+from stages.core.memory.budget import Budget
+from stages.core.memory.sizes import meta_component, weight_bytes
+from stages.core.memory.stage_plan import StagePlan, fitting
+
+
+def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    vae = meta_component(src, family.vae_components[0])
+    configured = configured_vae_precision(cfg)
+    tile = cal.VAE_TILE_PIXELS.get(type(vae).__name__)
+    options = [(configured, False, False), (configured, True, False), ("bf16", True, False),
+               (configured, True, True), ("bf16", True, True)]
+    candidates, seen = [], set()
+    for precision, sliced, tiled in options:
+        if (precision, sliced, tiled) in seen or (tiled and tile is None):
+            continue
+        seen.add((precision, sliced, tiled))
+        images = 1 if sliced else max(d.cache_variants for d in cfg.dataset_configs())
+        resolution = max(d.resolution for d in cfg.dataset_configs())  # the largest of several datasets
+        side = min(tile, resolution) if tiled else resolution
+        work = images * side * side * cal.VAE_ELEMENTS_PER_PIXEL * (4 if precision == "fp32" else 2)
+        candidates.append(({"vae_precision": precision, "sliced": sliced, "tiled": tiled},
+                           (weight_bytes(vae, precision) + work) / cal.GB))
+    return fitting(budget, candidates, "cache-latents", "lower data.resolution")
+
+
+def configured_vae_precision(cfg: Any) -> str:
+    """The VAE precision `cfg` asks for ("auto": bf16, the planner's first choice)."""
+    return "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision

@@ -1,0 +1,52 @@
+"""sample's plan: the whole pipeline's precision and CPU offload within a budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.core.memory import budget as budgets
+from stages.core.memory import calibration as cal
+from stages.core.memory.budget import Budget
+from stages.core.memory.sizes import _width, meta_component, module_components, weight_bytes
+from stages.core.memory.stage_plan import StagePlan, fitting, planned_controls
+
+
+def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    """The whole pipeline the sample stage renders with: bf16 on the GPU, then bf16 under diffusers' model
+    CPU offload (one component on the GPU at a time), then the denoiser and text encoders in nf4 on the GPU
+    (bitsandbytes through diffusers' PipelineQuantizationConfig; the VAE stays bf16), then nf4 offloaded.
+    `sample.precision` other than "auto" fixes the precision, `sample.cpu_offload = true` the offload.
+    A pipeline on the GPU whole is read there shard by shard (`device_map="cuda"`), but an offloaded one
+    lives in host memory, so bf16 offload is left out where its weights exceed the host memory available
+    (FLUX.2 dev: 112.6 GB), as is bf16 whole from a single-file checkpoint (read on the host first).
+    Activations are ESTIMATES, not measured: the denoiser's inference work at the sample size (the
+    text encoders' rule: calibration.BLOCK_WORK_UNITS per token and width, calibration.CFG_BATCH rows) and the VAE's decode of one
+    image (cache-latents' encode rule), the larger of the two, since they never run together."""
+    s = cfg.sample
+    models = {c: meta_component(src, c) for c in module_components(
+        src, family.text_components + family.vae_components + family.denoiser_components)}
+    quantized = set(models) - set(family.vae_components)  # what nf4 quantizes: the text encoders and the denoiser
+    width, height = s.width or cfg.data.resolution, s.height or cfg.data.resolution
+    tokens = (width // 16) * (height // 16) * (1 + planned_controls(cfg, family)) + cfg.captions.max_sequence_length
+    work = {c: cal.CFG_BATCH * tokens * _width(models[c]) * 2 * cal.BLOCK_WORK_UNITS for c in quantized}
+    work.update({c: width * height * cal.VAE_ELEMENTS_PER_PIXEL * 2 for c in family.vae_components})
+    fixed_gb, per_sample_gb = family.outside_block_gb  # SDXL's ResNets (train's figure: an upper bound)
+    work[family.denoiser_components[0]] += (fixed_gb + per_sample_gb * cal.CFG_BATCH * width * height / 512**2) * cal.GB
+    precisions = ["bf16", "nf4"] if s.precision == "auto" else [s.precision]
+    offloads = [True] if s.cpu_offload else [False, True]
+    host, notes, candidates = budgets.host_available_bytes(), [], []
+    for precision in precisions:
+        sizes = {c: weight_bytes(m, precision if (precision != "nf4" or c in quantized) else "bf16")
+                 for c, m in models.items()}
+        for offload in offloads:
+            on_host = precision != "nf4" and (offload or src.is_single_file)
+            if on_host and host is not None and sum(sizes.values()) > host and len(precisions) * len(offloads) > 1:
+                notes.append(f"{precision}{' offloaded' if offload else ''} left out: its {sum(sizes.values()) / cal.GB:.1f} GB "
+                             f"of weights exceed the {host / cal.GB:.1f} GB of host memory available")
+                continue
+            peak = (max(sizes[c] + work[c] for c in models) if offload
+                    else sum(sizes.values()) + max(work.values()))
+            candidates.append(({"precision": precision, "cpu_offload": offload}, peak / cal.GB))
+    plan = fitting(budget, candidates, "sample", "lower sample.width and sample.height")
+    plan.note = "; ".join([*notes, plan.note] if plan.note else notes)
+    return plan

@@ -1,0 +1,130 @@
+"""Sizes from the meta device: each component built from its config.json (no weights read), and its
+weights' bytes per precision (bf16, fp32, fp8, nf4, a mix of fp8 and nf4 blocks)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from stages.core import blockswap
+from stages.core.memory import calibration as cal
+
+
+# (library, class, config.json) -> its meta module: one stage process plans several times before it
+# loads anything (its own plan; the fingerprints of its cache and the upstream ones, each of which
+# asks what the stage would plan, and under "auto" plans train as well), and a big denoiser or text
+# encoder takes 0.1-0.5 s to build on the meta device each time.
+_META_CACHE: dict[tuple[str, str, str], torch.nn.Module] = {}
+_META_CACHE_SIZE = 8
+
+
+def meta_component(src: Any, subfolder: str) -> torch.nn.Module:
+    """The component's module built from its config on the meta device (no weights, no memory),
+    once per process for each class and config (`_META_CACHE`). Shared: callers only read sizes
+    (`offload_placement` sets its dtype first, which no other size here reads)."""
+    import importlib
+    import json
+
+    library, class_name = src.component_config("", "model_index.json")[subfolder]
+    config = src.component_config(subfolder)
+    key = (library, class_name, json.dumps(config, sort_keys=True))
+    if key in _META_CACHE:
+        _META_CACHE[key] = _META_CACHE.pop(key)  # most recently used last
+        return _META_CACHE[key]
+    module = _build_meta(getattr(importlib.import_module(library), class_name), library, config)
+    _META_CACHE[key] = module
+    while len(_META_CACHE) > _META_CACHE_SIZE:
+        _META_CACHE.pop(next(iter(_META_CACHE)))
+    return module
+
+
+def _build_meta(cls: type, library: str, config: dict[str, Any]) -> torch.nn.Module:
+    with torch.device("meta"):
+        return cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
+
+
+def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = False) -> float:
+    """Bytes of `module`'s weights at `precision` (nf4: every Linear weight 4-bit, the rest bf16).
+    `codes_only`: an nf4 weight's 4-bit codes without its absmax (what block swap moves to host
+    memory; the quant_state stays on the GPU, stages/core/blockswap.py)."""
+    if precision == "fp8":
+        return _fp8_weight_bytes(module)
+    if precision != "nf4":
+        return sum(p.numel() for p in module.parameters()) * (4 if precision == "fp32" else 2)
+    return sum(_nf4_param_bytes(module, codes_only).values())
+
+
+def _nf4_param_bytes(module: torch.nn.Module, codes_only: bool = False) -> dict[int, float]:
+    """Each parameter's bytes (by id) in an nf4 load of `module` (weight_bytes)."""
+    # transformers leaves `_keep_in_fp32_modules` unquantized (T5's `wo`: measured 4.41 GB for FLUX's
+    # nf4 text encoders on the H200 where all-4-bit predicted 2.81; bench/results/memory-flux-h200.json)
+    kept = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    # nor does it quantize the output embedding (Qwen2.5-VL's lm_head: 1.09 GB bf16; the nf4 encode
+    # of Qwen-Image measured 6.33 GB allocated where counting it as 4-bit predicted 4.81)
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    skip = {id(head.weight)} if isinstance(head, torch.nn.Linear) else set()
+    linear = {id(m.weight) for name, m in module.named_modules()
+              if isinstance(m, torch.nn.Linear) and not any(k in name.split(".") for k in kept)} - skip
+    per_weight = 0.5 if codes_only else cal.NF4_BYTES_PER_WEIGHT
+    return {id(p): p.numel() * (per_weight if id(p) in linear else 2) for p in module.parameters()}
+
+
+def fp8_nf4_weight_bytes(model: torch.nn.Module) -> list[float]:
+    """Bytes of the base with its first m repeated blocks in fp8 and the rest of it in nf4, for m = 0..n
+    (stages/core/fp8.py `quantize_fp8_nf4`): m = 0 is the nf4 base; a block in fp8 counts its eligible
+    Linears' weights at one byte plus a 4-byte scale per output channel, its other weights bf16."""
+    nf4 = _nf4_param_bytes(model)
+    sizes = [sum(nf4.values())]
+    for block in blockswap.repeated_blocks(model):
+        as_fp8 = _fp8_bytes_where(block, lambda name, linear: False)  # every eligible Linear of the block
+        sizes.append(sizes[-1] - sum(nf4[id(p)] for p in block.parameters()) + as_fp8)
+    return sizes
+
+
+def _fp8_weight_bytes(module: torch.nn.Module) -> float:
+    """An fp8 base as stages/core/fp8.py makes it: each eligible Linear inside the repeated blocks one
+    byte per weight plus a 4-byte scale per output channel, everything else bf16 (a denoiser: fp8 blocks
+    are never swapped, so no single block is sized)."""
+    from stages.core import fp8
+
+    return _fp8_bytes_where(module, fp8.inside_repeated_blocks(module))
+
+
+def _fp8_bytes_where(module: torch.nn.Module, keep: Callable[[str, torch.nn.Module], bool]) -> float:
+    """`module`'s bytes with each eligible Linear that `keep(name, linear)` rejects in fp8 (a byte per weight
+    plus a 4-byte scale per output channel, as stages/core/fp8.py makes it) and every other weight bf16."""
+    from stages.core import fp8
+
+    quantized = {id(m.weight): m.weight.shape[0] for name, m in module.named_modules()
+                 if type(m) is torch.nn.Linear and fp8.fp8_eligible(m) and not keep(name, m)}
+    return sum(p.numel() + 4 * quantized[id(p)] if id(p) in quantized else 2 * p.numel() for p in module.parameters())
+
+
+def _width(module: torch.nn.Module) -> int:
+    """The hidden width activations scale with: a text model's hidden_size (a vision-language
+    encoder's first Linear is its vision tower's, 1280 wide in Qwen2.5-VL against 3584), else the
+    first Linear's input width."""
+    from transformers import PretrainedConfig
+
+    config = getattr(module, "config", None)
+    if isinstance(config, PretrainedConfig):
+        hidden = getattr(getattr(config, "text_config", None) or config, "hidden_size", None)
+        if isinstance(hidden, int):
+            return hidden
+    return next(m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def lora_params(model: torch.nn.Module, targets: list[str], rank: int) -> int:
+    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+
+
+def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
+    """The components among `names` that are torch modules (not a tokenizer, processor or scheduler)."""
+    import importlib
+
+    index = src.component_config("", "model_index.json")
+    return [c for c in names if c in index and isinstance(index[c], list) and index[c][0]
+            and isinstance(cls := getattr(importlib.import_module(index[c][0]), index[c][1], None), type)
+            and issubclass(cls, torch.nn.Module)]

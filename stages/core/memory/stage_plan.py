@@ -1,0 +1,56 @@
+"""A stage's plan (the settings chosen within a budget, and the candidates tried) and what planners share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.core.memory import calibration as cal
+from stages.core.memory.budget import Budget
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    budget: Budget
+    settings: dict[str, Any]
+    predicted_peak_gb: float
+    fits: bool
+    note: str = ""
+    tried: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "budget_gb": self.budget.gb, "budget_source": self.budget.source,
+                "settings": self.settings, "predicted_peak_gb": round(self.predicted_peak_gb, 3),
+                "fits": self.fits, "note": self.note}
+
+
+def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:
+    """The first candidate (settings, peak GB) that fits, else the smallest one, marked as not fitting."""
+    tried = [{**s, "predicted_peak_gb": p} for s, p in candidates]
+    for settings, peak in candidates:
+        if budget.gb is None or peak * cal.FRAGMENTATION <= budget.gb:
+            return StagePlan(stage, budget, settings, peak, True, tried=tried)
+    settings, peak = min(candidates, key=lambda c: c[1])
+    note = (f"even the smallest {stage} plan needs {peak * cal.FRAGMENTATION:.1f} GB, more than the "
+            f"{budget.gb:.1f} GB budget: give it --vram {math.ceil(peak * cal.FRAGMENTATION)} or more, or {need}")
+    return StagePlan(stage, budget, settings, peak, False, note, tried)
+
+
+def halvings(n: int) -> list[int]:
+    out = [n]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def planned_controls(cfg: Any, family: Any) -> int:
+    """Control images per item the sequence carries: the family's most, or, where they are optional
+    (FLUX.2 references), the most an item of this run's data has."""
+    low, high = family.control_range
+    if low or not high:
+        return high
+    from stages.core import dataset
+
+    return dataset.most_controls(cfg)  # file names only: no image is read or hashed here
