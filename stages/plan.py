@@ -4,7 +4,7 @@
     lorapipe plan --config configs/qwen-image.toml --vram 8 --json  # for scripts
 
 Sizes come from the meta device (each component built from its config.json) and the activation
-estimates in stages/core/memory.py. `--vram auto` (or none) plans for the free memory of this
+estimates in stages/core/memory/. `--vram auto` (or none) plans for the free memory of this
 machine's GPU; without a GPU it needs a number.
 """
 
@@ -71,13 +71,13 @@ def print_table(result: dict[str, Any]) -> None:
     for p in result["stages"]:
         if p["note"]:
             console.print(f"{p['stage']}: {p['note']}", style=None if p["fits"] else "red")
-    console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory.py).")
+    console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory/).")
     if result["budget_source"] == "cap":
         console.print(allocator_line())
 
 
 def allocator_line() -> str:
-    """What a capped stage's caching allocator will run with (stages/core/memory.py `allocator_for_cap`)."""
+    """What a capped stage's caching allocator will run with (stages/core/memory/ `allocator_for_cap`)."""
     from stages.core import memory
 
     mine = memory.allocator_setting()

@@ -157,7 +157,7 @@ class Trainer:
         self.state_before_pending: dict[str, Any] = {}
         self.saved_step: int | None = None  # the step of the newest checkpoint on disk
         self.batch_sizes: Counter[int] = Counter()  # steps run at each batch size, over resumes too
-        self.plan: Any = None  # the memory planner's choice for this stage (stages/core/memory.py)
+        self.plan: Any = None  # the memory planner's choice for this stage (stages/core/memory/)
         self.swap: Any = None  # block swap, when the plan swaps blocks
         self.checkpointing, self.checkpointed, self.blocks = False, 0, 0  # on?; repeated blocks checkpointed / all
 
@@ -199,7 +199,7 @@ class Trainer:
         mid block after the up blocks). Backward runs the blocks last to first, so it frees the kept
         activations of the un-checkpointed (last) blocks before the first recompute rebuilds a block's
         activations: the two never add up. Checkpointing the last k instead would recompute while every
-        kept activation is still held, the full sum the planner budgets (stages/core/memory.py). Swap
+        kept activation is still held, the full sum the planner budgets (stages/core/memory/). Swap
         plans checkpoint every block (which ones they swap: blockswap.swapped_positions). Modules the model checkpoints
         outside its repeated blocks (SDXL's resnets) stay checkpointed whenever checkpointing is on."""
         blocks = blockswap.repeated_blocks(self.model)
