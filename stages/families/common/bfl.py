@@ -18,7 +18,7 @@ converter reads: they are refused.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from stages.core.comfyui import ComfyLayout, Rule
 from stages.core.kohya import KohyaError, Layout
@@ -77,42 +77,20 @@ FLUX2 = ComfyLayout("flux", (
 """FLUX.2 [dev] and [klein]."""
 
 
-# diffusers module path -> (BFL module name, member index, member count) for FLUX.1's transformer.
-# Fused members are ordered as in BFL's weights: qkv = [q, k, v]; linear1 = [q, k, v, mlp].
-FLUX_RULES: list[tuple[str, str, int, int]] = [
-    (r"transformer_blocks\.(\d+)\.attn\.to_q", r"double_blocks_\1_img_attn_qkv", 0, 3),
-    (r"transformer_blocks\.(\d+)\.attn\.to_k", r"double_blocks_\1_img_attn_qkv", 1, 3),
-    (r"transformer_blocks\.(\d+)\.attn\.to_v", r"double_blocks_\1_img_attn_qkv", 2, 3),
-    (r"transformer_blocks\.(\d+)\.attn\.to_out\.0", r"double_blocks_\1_img_attn_proj", 0, 1),
-    (r"transformer_blocks\.(\d+)\.attn\.add_q_proj", r"double_blocks_\1_txt_attn_qkv", 0, 3),
-    (r"transformer_blocks\.(\d+)\.attn\.add_k_proj", r"double_blocks_\1_txt_attn_qkv", 1, 3),
-    (r"transformer_blocks\.(\d+)\.attn\.add_v_proj", r"double_blocks_\1_txt_attn_qkv", 2, 3),
-    (r"transformer_blocks\.(\d+)\.attn\.to_add_out", r"double_blocks_\1_txt_attn_proj", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff\.net\.0\.proj", r"double_blocks_\1_img_mlp_0", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff\.net\.2", r"double_blocks_\1_img_mlp_2", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj", r"double_blocks_\1_txt_mlp_0", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff_context\.net\.2", r"double_blocks_\1_txt_mlp_2", 0, 1),
-    (r"transformer_blocks\.(\d+)\.norm1\.linear", r"double_blocks_\1_img_mod_lin", 0, 1),
-    (r"transformer_blocks\.(\d+)\.norm1_context\.linear", r"double_blocks_\1_txt_mod_lin", 0, 1),
-    (r"single_transformer_blocks\.(\d+)\.attn\.to_q", r"single_blocks_\1_linear1", 0, 4),
-    (r"single_transformer_blocks\.(\d+)\.attn\.to_k", r"single_blocks_\1_linear1", 1, 4),
-    (r"single_transformer_blocks\.(\d+)\.attn\.to_v", r"single_blocks_\1_linear1", 2, 4),
-    (r"single_transformer_blocks\.(\d+)\.proj_mlp", r"single_blocks_\1_linear1", 3, 4),
-    (r"single_transformer_blocks\.(\d+)\.proj_out", r"single_blocks_\1_linear2", 0, 1),
-    (r"single_transformer_blocks\.(\d+)\.norm\.linear", r"single_blocks_\1_modulation_lin", 0, 1),
-    (r"x_embedder", "img_in", 0, 1),
-    (r"context_embedder", "txt_in", 0, 1),
-    (r"time_text_embed\.timestep_embedder\.linear_1", "time_in_in_layer", 0, 1),
-    (r"time_text_embed\.timestep_embedder\.linear_2", "time_in_out_layer", 0, 1),
-    (r"time_text_embed\.text_embedder\.linear_1", "vector_in_in_layer", 0, 1),
-    (r"time_text_embed\.text_embedder\.linear_2", "vector_in_out_layer", 0, 1),
-    (r"time_text_embed\.guidance_embedder\.linear_1", "guidance_in_in_layer", 0, 1),
-    (r"time_text_embed\.guidance_embedder\.linear_2", "guidance_in_out_layer", 0, 1),
-    (r"proj_out", "final_layer_linear", 0, 1),
-    (r"norm_out\.linear", "final_layer_adaLN_modulation_1", 0, 1),
-]
-# BFL's final adaLN outputs (shift, scale); diffusers' norm_out.linear outputs (scale, shift).
-SWAP_HALVES = frozenset({"final_layer_adaLN_modulation_1"})
+# kohya sd-scripts names FLUX's layers as BFL's checkpoint does, with "_" for ".": the same table as ComfyUI's.
+SWAP_HALVES = frozenset(r.native.replace(".", "_") for r in FLUX1.rules if r.swap)
+"""BFL's final adaLN outputs (shift, scale); diffusers' norm_out.linear outputs (scale, shift)."""
+
+
+def kohya_rules(layout: ComfyLayout, keep: Callable[[Rule], bool] = lambda r: True) -> list[tuple[str, str, int, int]]:
+    """(diffusers pattern, kohya name, member index, member count) of the layout's rules that `keep` keeps."""
+    return [(r.pattern, r.native.replace(".", "_"), r.index, r.count) for r in layout.rules if keep(r)]
+
+
+FLUX_RULES = kohya_rules(FLUX1)
+# diffusers' FLUX.2 kohya converter reads no name for the shared modulation layers, the guidance embedder
+# or the final adaLN: the kohya layout leaves them out (refused by name)
+FLUX2_RULES = kohya_rules(FLUX2, lambda r: not r.swap and "modulation" not in r.native and "guidance" not in r.native)
 
 
 def bfl_name(rules: list[tuple[str, str, int, int]], model: str, module: str) -> tuple[str, int, int]:
@@ -148,27 +126,6 @@ def flux_widths(config: dict[str, Any]) -> dict[str, int]:
 
 FLUX1_KOHYA = Layout(flux_bfl, flux_widths, SWAP_HALVES)
 """FLUX.1's kohya key layout."""
-
-
-# diffusers module path -> (BFL module name, member index, member count); qkv = [q, k, v].
-FLUX2_RULES: list[tuple[str, str, int, int]] = [
-    *[(rf"transformer_blocks\.(\d+)\.attn\.to_{p}", r"double_blocks_\1_img_attn_qkv", i, 3) for i, p in enumerate("qkv")],
-    *[(rf"transformer_blocks\.(\d+)\.attn\.add_{p}_proj", r"double_blocks_\1_txt_attn_qkv", i, 3)
-      for i, p in enumerate("qkv")],
-    (r"transformer_blocks\.(\d+)\.attn\.to_out\.0", r"double_blocks_\1_img_attn_proj", 0, 1),
-    (r"transformer_blocks\.(\d+)\.attn\.to_add_out", r"double_blocks_\1_txt_attn_proj", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff\.linear_in", r"double_blocks_\1_img_mlp_0", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff\.linear_out", r"double_blocks_\1_img_mlp_2", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff_context\.linear_in", r"double_blocks_\1_txt_mlp_0", 0, 1),
-    (r"transformer_blocks\.(\d+)\.ff_context\.linear_out", r"double_blocks_\1_txt_mlp_2", 0, 1),
-    (r"single_transformer_blocks\.(\d+)\.attn\.to_qkv_mlp_proj", r"single_blocks_\1_linear1", 0, 1),
-    (r"single_transformer_blocks\.(\d+)\.attn\.to_out", r"single_blocks_\1_linear2", 0, 1),
-    (r"x_embedder", "img_in", 0, 1),
-    (r"context_embedder", "txt_in", 0, 1),
-    (r"time_guidance_embed\.timestep_embedder\.linear_1", "time_in_in_layer", 0, 1),
-    (r"time_guidance_embed\.timestep_embedder\.linear_2", "time_in_out_layer", 0, 1),
-    (r"proj_out", "final_layer_linear", 0, 1),
-]
 
 
 def flux2_bfl(module: str) -> tuple[str, int, int]:
