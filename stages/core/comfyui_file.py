@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from stages.core.comfyui import ComfyError, ComfyLayout, Native, swap_halves, write_name
-from stages.core.kohya import _folded, _peft_scale, lora_scale, lycoris_delta, split_lycoris
+from stages.core.kohya import folded_factors, lycoris_scale, lora_scale, lycoris_delta, split_lycoris
 
 COMFYUI_SUFFIX = "_comfyui.safetensors"
 
@@ -70,13 +70,13 @@ class TrainedDeltas(Mapping[str, torch.Tensor]):
 
     def scale(self, module: str) -> float:
         if self.kind in ("lokr", "loha"):
-            return _peft_scale(self.cfg, module)
+            return lycoris_scale(self.cfg, module)
         return lora_scale(self.cfg, module, self.parts[module]["A"].shape[0])
 
     def __getitem__(self, module: str) -> torch.Tensor:
         parts = self.parts[module]
         if self.kind in ("lokr", "loha"):
-            return lycoris_delta(*_folded(parts, self.scale(module)))
+            return lycoris_delta(*folded_factors(parts, self.scale(module)))
         if "m" not in parts:
             return _lora_delta(parts, self.scale(module))
         if self.base is None:
@@ -114,7 +114,7 @@ def _module_tensors(deltas: TrainedDeltas, module: str, native: Native) -> dict[
     parts = deltas.parts[module]
     scale = deltas.scale(module)
     if deltas.kind in ("lokr", "loha"):
-        folded, alpha = _folded(parts, scale)
+        folded, alpha = folded_factors(parts, scale)
         out = dict(folded)
         if alpha is not None:
             out["alpha"] = torch.tensor(alpha)

@@ -238,13 +238,13 @@ def lycoris_delta(parts: dict[str, torch.Tensor], alpha: float | None) -> torch.
     return torch.kron(w1, w2) * (alpha / dim if alpha is not None and dim is not None else 1.0)
 
 
-def _peft_scale(lora_cfg: dict[str, Any], module: str) -> float:
+def lycoris_scale(lora_cfg: dict[str, Any], module: str) -> float:
     """alpha / r as peft's LoKr and LoHa layers apply it, with the module's rank and alpha patterns."""
     rank = pattern_value(lora_cfg.get("rank_pattern"), module, lora_cfg.get("r"))
     return pattern_value(lora_cfg.get("alpha_pattern"), module, lora_cfg.get("alpha", lora_cfg.get("r"))) / rank
 
 
-def _folded(parts: dict[str, torch.Tensor], scale: float) -> tuple[dict[str, torch.Tensor], float | None]:
+def folded_factors(parts: dict[str, torch.Tensor], scale: float) -> tuple[dict[str, torch.Tensor], float | None]:
     """The factors with peft's scale folded into the first one, and the alpha that makes every reader
     apply scale 1 (alpha = dim; None where the reader ignores alpha: LoKr with both factors full)."""
     out = dict(parts)
@@ -276,12 +276,12 @@ def lycoris_state(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], layo
         sources[key] = [members[i][1] for i in sorted(members)]
         if counts[name] == 1 and name not in layout.swap_halves:
             parts, module = members[0]
-            folded, alpha = _folded(parts, _peft_scale(lora_cfg, module))
+            folded, alpha = folded_factors(parts, lycoris_scale(lora_cfg, module))
             out.update({f"{key}.{k}": v.contiguous() for k, v in folded.items()})
             if alpha is not None:
                 out[f"{key}.alpha"] = torch.tensor(alpha)
             continue
-        deltas = {i: lycoris_delta(*_folded(p, _peft_scale(lora_cfg, m))) for i, (p, m) in members.items()}
+        deltas = {i: lycoris_delta(*folded_factors(p, lycoris_scale(lora_cfg, m))) for i, (p, m) in members.items()}
         rows = []
         for i in range(counts[name]):
             if i not in deltas and i not in widths.get(name, {}):
