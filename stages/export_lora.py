@@ -1,9 +1,11 @@
-"""Stage 4: lora/final -> export/pytorch_lora_weights.safetensors. Loads no base weights.
+"""Stage 4: lora/final -> export/pytorch_lora_weights.safetensors and export/<run>_comfyui.safetensors.
 
     lorapipe export-lora <run> [--format kohya] [--verify] [--checkpoint N] [--ema] [--force]
 
-The diffusers file is written by the family's own `<Pipeline>.save_lora_weights` with the adapter
-config in the header metadata, so `load_lora_weights()` restores lora_alpha != rank correctly.
+The diffusers file is written by the family's own `<Pipeline>.save_lora_weights`, each module's scale
+multiplied into lora_B, so diffusers and loaders that ignore its metadata apply the trained delta. The
+ComfyUI file is the family's `ComfyLayout` (stages.core.comfyui_file). No base weights are read, except
+a DoRA adapter's for its ComfyUI file.
 Everything it needs (family, pipeline class, LoRA config) is read from lora/final/manifest.json;
 if that is missing it refuses and names the command that makes it. `--checkpoint N` exports
 lora/checkpoint-N to export/checkpoint-N/, beside the final export, which it leaves as it is. An
@@ -25,7 +27,7 @@ from stages.core.config import command
 
 NAME = "export-lora"
 LYCORIS_ONLY = ("lokr", "loha")  # adapter types diffusers' loader cannot read: their ComfyUI file is LyCORIS
-EXPORT_LAYOUT = 2  # 2: the diffusers file's scale folded into lora_B; the ComfyUI-ready file
+EXPORT_LAYOUT = 2  # the version of the files' contents: an export of another version is rewritten
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -41,19 +43,15 @@ def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]
     if checkpoint is not None:
         source = read_manifest(cfg.run_dir / "lora" / f"checkpoint-{checkpoint}")
         return {"checkpoint": checkpoint, "lora": source and source.get("fingerprint"),
-                "lineage": source and source.get("lineage"), "format": cfg.export.format, **_ema_part(cfg)}
+                "lineage": source and source.get("lineage"), **_file_parts(cfg)}
     final = read_manifest(lora_final_dir(cfg))
-    return {"lora": final and final.get("fingerprint"), "lora_step": final and final.get("step"),
-            "format": cfg.export.format, **_ema_part(cfg)}
+    return {"lora": final and final.get("fingerprint"), "lora_step": final and final.get("step"), **_file_parts(cfg)}
 
 
-def _ema_part(cfg: Any) -> dict[str, Any]:
-    return {"ema": True, **_layout_part(cfg)} if cfg.export.ema else _layout_part(cfg)
-
-
-def _layout_part(cfg: Any) -> dict[str, Any]:
-    """The files' layout: which files are written, and the version of their contents."""
-    return {"comfyui": cfg.export.comfyui, "layout": EXPORT_LAYOUT}
+def _file_parts(cfg: Any) -> dict[str, Any]:
+    """What decides the files besides the adapter: the formats written, EMA or not, and the contents' version."""
+    return {"format": cfg.export.format, **({"ema": True} if cfg.export.ema else {}), "comfyui": cfg.export.comfyui,
+            "layout": EXPORT_LAYOUT}
 
 
 def adapter_weights(cfg: Any, folder: Path) -> str:
