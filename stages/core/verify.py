@@ -242,9 +242,13 @@ def comfyui_readiness(cfg: Any, manifest: dict[str, Any], file: Path, modules: l
     from stages.core.comfyui import check_names
 
     report = check_names(file.name, load_file(str(file)), comfyui_key_map(cfg, manifest), modules)
-    out = {"keys": report.keys, "keys_loaded": report.keys - len(report.not_loaded)}
+    return _with_readiness({"keys": report.keys, "keys_loaded": report.keys - len(report.not_loaded)}, report)
+
+
+def _with_readiness(out: dict[str, Any], report: Any) -> dict[str, Any]:
+    """`out` with a note where the file's report (stages.core.comfyui.Report) says ComfyUI would not load it as trained."""
     if report.problems():
-        out["note"] = (f"{file.name} is not ComfyUI-ready ({report.problems()[0]}); in ComfyUI load the "
+        out["note"] = (f"{report.file} is not ComfyUI-ready ({report.problems()[0]}); in ComfyUI load the "
                        f"*_comfyui.safetensors file")
     return out
 
@@ -276,11 +280,7 @@ class _ComfyCheck:
 
     def describe(self, file: Path) -> dict[str, Any]:
         report = self.report(file)
-        out = report.summary()
-        if report.problems():
-            out["note"] = (f"{file.name} is not ComfyUI-ready ({report.problems()[0]}); in ComfyUI load the "
-                           f"*_comfyui.safetensors file")
-        return out
+        return _with_readiness(report.summary(), report)
 
 
 def _check_file(cfg: Any, manifest: dict[str, Any], file: Path, modules: list[str]) -> Deltas:
