@@ -191,7 +191,7 @@ def applied_delta(parts: dict[str, torch.Tensor], target: Target, base: torch.Te
     `base`: the target's base weight in diffusers' row order, which DoRA needs. ComfyError when the
     shapes disagree."""
     delta = _factor_delta(parts)
-    if delta.numel() != math.prod(target.shape) or (delta.dim() == 2 == len(target.shape) and delta.shape != target.shape):
+    if not fits(tuple(delta.shape), target.shape):
         raise ComfyError(f"its delta has shape {tuple(delta.shape)} for a weight of shape {target.shape}")
     delta = delta.reshape(target.shape)
     if target.swaps_delta:
@@ -201,6 +201,12 @@ def applied_delta(parts: dict[str, torch.Tensor], target: Target, base: torch.Te
             raise ComfyError("it is a DoRA module, whose delta depends on the base weights, which were not given")
         delta = _dora(parts["dora_scale"].double(), swap_halves(base) if target.swapped else base, delta)
     return swap_halves(delta) if target.swapped else delta
+
+
+def fits(shape: tuple[int, ...], weight: tuple[int, ...]) -> bool:
+    """Whether ComfyUI applies a delta of `shape` to a weight of shape `weight`: it reshapes the delta to the
+    weight, so the element counts must agree, and a linear delta must match row for row."""
+    return math.prod(shape) == math.prod(weight) and not (len(shape) == 2 == len(weight) and shape != weight)
 
 
 def _factor_delta(parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -351,7 +357,7 @@ def check_names(file: str, tensors: Mapping[str, torch.Tensor], kmap: Mapping[st
             report.not_loaded += sorted(keys.values())
             continue
         shape = _factor_shape({p: tensors[k] for p, k in keys.items()})
-        if math.prod(shape) != math.prod(target.shape) or (len(shape) == 2 == len(target.shape) and shape != target.shape):
+        if not fits(shape, target.shape):
             report.shape_errors.append(f"{stem}: its delta has shape {shape} for a weight of shape {target.shape}")
             continue
         reached.update(target.modules)
