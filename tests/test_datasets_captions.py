@@ -199,7 +199,7 @@ def multi_run(assets, demo_data, tmp_path_factory):
     (small / "s0.txt").write_text("a red bar")
     (small / "s1.txt").write_text("a blue bar")
     cfg = make_cfg("flux", assets, demo_data, root / "artifacts", run="multi", **{
-        "train.steps": STEPS, "train.checkpoint_every": 4, "train.batch_size": 2, "data.resolution": 64,
+        "train.steps": STEPS, "runtime.checkpoint_every": 4, "train.batch_size": 2, "data.resolution": 64,
         "datasets": [{"path": str(demo_data), "name": "shapes"},
                      {"path": str(shared), "caption_dropout": 0.5, "caption_lines": "variants",
                       "shuffle_tags": True, "keep_tokens": 1, "caption_variants": 3, "repeats": 3},

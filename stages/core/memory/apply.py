@@ -26,9 +26,8 @@ def with_plan(cfg: Any, plan: StagePlan) -> Any:
     if plan.stage == "sample":
         return dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
                                                                    cpu_offload=s["cpu_offload"]))
-    tcfg = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
-                               gradient_checkpointing=s["gradient_checkpointing"])
-    return dataclasses.replace(cfg, train=tcfg)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, base_precision=s["base_precision"]),
+                               runtime=dataclasses.replace(cfg.runtime, gradient_checkpointing=s["gradient_checkpointing"]))
 
 
 def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = None) -> None:
@@ -103,7 +102,7 @@ def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blocks
 SETTING_TO_CHANGE = {
     "encode-captions": "captions.batch_size or captions.text_encoder_precision = 'nf4'",
     "cache-latents": "latents.vae_precision = 'bf16' or data.resolution",
-    "train": ("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set train.cuda_graphs = 'off': "
+    "train": ("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set runtime.cuda_graphs = 'off': "
               "capturing a graph takes memory of its own)"),
     "sample": "sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true",
 }

@@ -60,7 +60,7 @@ def unplanned(cfg: Any, stage: str, budget: Budget) -> StagePlan:
                 "sample": {"precision": cfg.sample.precision, "cpu_offload": cfg.sample.cpu_offload},
                 "train": {"base_precision": cfg.train.base_precision, "swapped_blocks": 0,
                           # "auto" without a budget: every block checkpointed (None: all of them)
-                          "gradient_checkpointing": cfg.train.gradient_checkpointing is not False,
+                          "gradient_checkpointing": cfg.runtime.gradient_checkpointing is not False,
                           "checkpointed_blocks": None}}[stage]
     return StagePlan(stage, budget, settings, 0.0, True, "no GPU: settings as configured")
 
