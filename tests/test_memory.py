@@ -7,6 +7,7 @@ tiling, swapped blocks) is picked when and only when the budget forces it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from stages.families import get_family
 
 def _plan(stage: str, cfg, gb: float) -> memory.StagePlan:
     family = get_family(cfg.family)
-    return memory.PLANNERS[stage](cfg, family, ModelSource(cfg.model, cfg.revision), memory.Budget(gb, "cap"))
+    return memory.PLANNERS[stage].plan(cfg, family, ModelSource(cfg.model, cfg.revision), memory.Budget(gb, "cap"))
 
 
 def _peak_of(plan: memory.StagePlan, **settings) -> float:
@@ -296,6 +297,28 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
     assert printed["peak_gb"] == max(s["predicted_peak_gb"] for s in printed["stages"])
     with pytest.raises(ResourceError, match="--vram"):
         plan.run(cfg, "lots", as_json=True)
+
+
+def test_plan_json_holds_what_plan_predicted_and_what_each_stage_ran_with(assets, demo_data, tmp_path, capsys):
+    """`plan` writes its predictions to <run>/plan.json where the run's folder exists; a stage that plans adds
+    the plan it runs with beside them, without dropping the others' entries."""
+    from stages import plan
+    from stages.core.events import EventLog
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path)
+    plan.run(cfg, 0.5, as_json=True)
+    assert not (cfg.run_dir / memory.PLAN_FILE).exists()  # no run folder yet: nothing written
+    cfg.run_dir.mkdir(parents=True)
+    predicted = plan.run(cfg, 0.5, as_json=True)
+    capsys.readouterr()
+    written = json.loads((cfg.run_dir / memory.PLAN_FILE).read_text())["stages"]
+    assert sorted(written) == sorted(plan.PLANNED_STAGES)
+    assert [written[s["stage"]]["planned"] for s in predicted["stages"]] == predicted["stages"]
+    ran_cfg, ran = memory.plan_stage(cfg, get_family("flux"), "train", EventLog(cfg.run_dir, cfg.run, "train"))
+    written = json.loads((cfg.run_dir / memory.PLAN_FILE).read_text())["stages"]
+    assert written["train"]["ran"] == json.loads(json.dumps(ran.to_dict()))
+    assert written["train"]["planned"] == predicted["stages"][list(plan.PLANNED_STAGES).index("train")]
+    assert "ran" not in written["encode-captions"]
 
 
 def _raise_at(point: str, n: int, error: Exception | None = None):
@@ -1049,8 +1072,7 @@ def test_cache_fingerprints_ask_their_own_stage_planner_only(assets, demo_data, 
     def refuse(*args, **kwargs):
         raise AssertionError("train's planner ran")
 
-    monkeypatch.setattr(memory.train, "plan", refuse)
-    monkeypatch.setitem(memory.PLANNERS, "train", refuse)
+    monkeypatch.setitem(memory.PLANNERS, "train", dataclasses.replace(memory.PLANNERS["train"], plan=refuse))
     with pytest.raises(AssertionError, match="train's planner ran"):  # the stage's own "auto" plan does ask it
         memory.plan_for(cfg, get_family("flux"), ModelSource(cfg.model), memory.Budget(8.0, "auto"), "encode-captions")
     assert encode_captions.fingerprint_parts(cfg)["precision"] == "bf16"
@@ -1082,7 +1104,8 @@ def test_auto_captions_under_trains_peak_store_what_their_fingerprint_expects(as
     least = {p: min(t["predicted_peak_gb"] for t in tried if t["text_encoder_precision"] == p) for p in ("bf16", "nf4")}
     assert least["nf4"] * 2 < least["bf16"]
     peak = (least["nf4"] + least["bf16"]) / 2  # nf4 fits under train's peak, bf16 does not
-    monkeypatch.setattr(memory.train, "plan", lambda *a: memory.StagePlan("train", a[-1], {}, peak, True))
+    monkeypatch.setitem(memory.PLANNERS, "train", dataclasses.replace(
+        memory.PLANNERS["train"], plan=lambda *a: memory.StagePlan("train", a[-1], {}, peak, True)))
     under_peak = memory.plan_captions(cfg, family, src, memory.Budget(round(peak * memory.FRAGMENTATION, 3), "auto"))
     assert under_peak.fits and under_peak.settings["text_encoder_precision"] == "nf4"
     plan = memory.plan_for(cfg, family, src, memory.Budget(1e6, "auto"), "encode-captions")

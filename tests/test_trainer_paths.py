@@ -10,6 +10,7 @@ the GPU machine and are skipped elsewhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -384,7 +385,7 @@ def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
         monkeypatch.setenv(fastpath.ENV, graphs)
         monkeypatch.setattr(fastpath, "CAPTURE_ROOM", room)
         if swapped:
-            monkeypatch.setitem(memory.PLANNERS, "train", swap_one)
+            monkeypatch.setitem(memory.PLANNERS, "train", dataclasses.replace(memory.PLANNERS["train"], plan=swap_one))
         cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "train.steps": 4,
                               "runtime.gradient_checkpointing": True, "runtime.compile_transformer": "off"})
         with torch_flags(True, False, True):

@@ -137,7 +137,7 @@ def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Excepti
     torch_mod = sys.modules.get("torch")
     accelerator_error = getattr(torch_mod, "AcceleratorError", ()) if torch_mod is not None else ()
     crashed = isinstance(error, accelerator_error) or isinstance(error, RuntimeError) and "CUDA error" in str(error)
-    if stage != "train" or not crashed or not getattr(getattr(cfg, "train", None), "cudnn_attention", False):
+    if stage != "train" or not crashed or not getattr(getattr(cfg, "runtime", None), "cudnn_attention", False):
         return None
     from stages.core.config import command
 

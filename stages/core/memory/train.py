@@ -3,6 +3,7 @@ The options it tries, in order, and the room it leaves CUDA graphs are in train_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from stages.core import blockswap
@@ -11,7 +12,7 @@ from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import _width, fp8_nf4_weight_bytes, lora_params, meta_component, weight_bytes
-from stages.core.memory.stage_plan import StagePlan, fitting, planned_controls
+from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 from stages.core.memory.train_options import graphs_mode, train_options, with_fp8_nf4, with_graph_room
 
 
@@ -181,3 +182,19 @@ def host_shortfall(plan: StagePlan) -> str:
         fix = ("point 'model' at a diffusers folder saved by diffusers (an fp8 load streams its shards), or use "
                "train.base_precision = 'nf4' or 'bf16', which load shard by shard")
     return f"train: {why}, but only {available / cal.GB:.1f} GB of host memory is available: free host memory, or {fix}"
+
+
+def _apply(cfg: Any, s: dict[str, Any]) -> Any:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, base_precision=s["base_precision"]),
+                               runtime=dataclasses.replace(cfg.runtime, gradient_checkpointing=s["gradient_checkpointing"]))
+
+
+PLANNER = Planner(
+    "train", plan,
+    # "auto" without a budget: every block checkpointed (None: all of them)
+    configured=lambda cfg: {"base_precision": cfg.train.base_precision, "swapped_blocks": 0,
+                            "gradient_checkpointing": cfg.runtime.gradient_checkpointing is not False,
+                            "checkpointed_blocks": None},
+    apply=_apply,
+    to_change=("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set runtime.cuda_graphs = 'off': "
+               "capturing a graph takes memory of its own)"))
