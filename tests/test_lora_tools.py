@@ -254,3 +254,18 @@ def test_cli_resize_and_a_bad_file_in_one_line(pair, model, tmp_path):
     assert bad.exit_code == 2 and "not-a-lora.safetensors" in bad.output and "'weight'" in bad.output
     assert len(bad.output.strip().splitlines()) == 1
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_the_randomized_svd_of_a_large_difference_reports_the_measured_error():
+    from stages.tools.lowrank import LOWRANK_FROM, svd_of_matrix, truncate
+
+    n, g = LOWRANK_FROM + 16, torch.Generator().manual_seed(5)
+    u, _ = torch.linalg.qr(torch.randn(n, 6, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, 6, generator=g, dtype=torch.float64))
+    s = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.25], dtype=torch.float64)
+    d = (u * s) @ v.T
+    kept = truncate(svd_of_matrix(d, 2), rank=2)
+    assert kept.factors.rank == 2
+    assert kept.rel_error == pytest.approx(math.sqrt(float(s[2:].pow(2).sum() / s.pow(2).sum())), rel=1e-3)
+    got = kept.factors.delta()
+    assert torch.allclose(got, (u[:, :2] * s[:2]) @ v[:, :2].T, atol=1e-4)

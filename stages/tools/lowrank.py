@@ -113,18 +113,11 @@ def truncate(svd: SVD, rank: int | None = None, energy: float | None = None, dty
     s = svd.s.double()
     total, left = svd.measured or (float(s.pow(2).sum()), float(s[r:].pow(2).sum()))
     root = s[:r].sqrt()
-    if len(root) < r:  # fewer values than the rank asked: pad with zero directions
-        root = torch.cat([root, root.new_zeros(r - len(root))])
-    u = _pad_cols(svd.u.double()[:, :r], r) * root
-    vh = _pad_cols(svd.vh.double()[:r].T, r).T * root[:, None]
+    u, vh = svd.u.double()[:, :r] * root, svd.vh.double()[:r] * root[:, None]
     out, *rest = svd.shape
     down, up = vh.reshape(r, *rest), u.reshape(out, r, *([1] * (len(rest) - 1)))
     return Truncated(Factors(down.to(dtype).contiguous(), up.to(dtype).contiguous()),
                      math.sqrt(left / total) if total > 0 else 0.0, math.sqrt(total))
-
-
-def _pad_cols(m: torch.Tensor, r: int) -> torch.Tensor:
-    return m if m.shape[1] >= r else torch.cat([m, m.new_zeros(m.shape[0], r - m.shape[1])], dim=1)
 
 
 def overall_error(results: dict[str, Truncated]) -> dict[str, float | str | None]:
