@@ -27,7 +27,7 @@ from stages.core.config import command
 
 NAME = "export-lora"
 LYCORIS_ONLY = ("lokr", "loha")  # adapter types diffusers' loader cannot read: their ComfyUI file is LyCORIS
-EXPORT_LAYOUT = 2  # the version of the files' contents: an export of another version is rewritten
+EXPORT_LAYOUT = 3  # the version of the files' contents: an export of another version is rewritten
 
 
 def artifact_dir(cfg: Any) -> Path:
