@@ -306,10 +306,12 @@ def test_plan_json_holds_what_plan_predicted_and_what_each_stage_ran_with(assets
     from stages.core.events import EventLog
 
     cfg = make_cfg("flux", assets, demo_data, tmp_path)
-    plan.run(cfg, 0.5, as_json=True)
+    plan.run(cfg, 0.5, as_json=True, record=True)
     assert not (cfg.run_dir / memory.PLAN_FILE).exists()  # no run folder yet: nothing written
     cfg.run_dir.mkdir(parents=True)
-    predicted = plan.run(cfg, 0.5, as_json=True)
+    plan.run(cfg, 0.5, as_json=True)
+    assert not (cfg.run_dir / memory.PLAN_FILE).exists()  # run --dry-run's call: nothing written
+    predicted = plan.run(cfg, 0.5, as_json=True, record=True)
     capsys.readouterr()
     written = json.loads((cfg.run_dir / memory.PLAN_FILE).read_text())["stages"]
     assert sorted(written) == sorted(plan.PLANNED_STAGES)
