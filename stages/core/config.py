@@ -119,8 +119,13 @@ class TrainConfig:
     """Hard restarts of cosine_with_restarts ("cosine" is always one half cosine)."""
     lr_power: float = 1.0
     """Exponent of the polynomial schedule."""
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
-    """adamw: torch AdamW (fused on CUDA); adamw8bit: bitsandbytes AdamW8bit."""
+    optimizer: Literal["adamw", "adamw8bit", "prodigy", "prodigy_schedulefree", "adamw_schedulefree", "adafactor"] = "adamw"
+    """adamw: torch AdamW (fused on CUDA); adamw8bit: bitsandbytes AdamW8bit; prodigy (prodigyopt) and
+    prodigy_schedulefree (prodigy-plus-schedule-free) estimate their own step size: learning_rate scales it
+    (1.0; 0.5 halves it); adamw_schedulefree (schedulefree): learning_rate ~1-10x AdamW's; adafactor
+    (transformers): factored second moments, no first moment, learning_rate as AdamW's. Schedule-free ones
+    train and export their averaged weights, need lr_scheduler constant or constant_with_warmup and no
+    ema_decay; prodigy_schedulefree also max_grad_norm = 0. docs/configuration.md#optimizers."""
     adam_beta1: float = 0.9
     """AdamW first-moment decay."""
     adam_beta2: float = 0.999
@@ -231,6 +236,25 @@ class TrainConfig:
     profile_steps: int = 0
     """Profile this many steps right after the warm-up steps (torch.profiler) and write profile.json
     beside the LoRA: GPU kernels by time per step, host-to-device copies apart (CPU: operators). 0: off."""
+    loraplus_ratio: float = 0.0
+    """LoRA+: the lora_B matrices train at learning_rate x this (e.g. 16), the rest at learning_rate (0: off;
+    lora and dora adapters only)."""
+    timestep_min: float = 0.0
+    """Flow families: lowest training timestep, as a fraction of the schedule (0 clean, 1 pure noise), before
+    the shift; the density is squeezed into [timestep_min, timestep_max], its shape kept."""
+    timestep_max: float = 1.0
+    """Flow families: highest training timestep (see timestep_min); e.g. 0.5 trains only the less noisy half."""
+    timestep_buckets: int = 0
+    """Flow families: stratified timesteps (0: off): the density is cut into this many equally likely ranges
+    and consecutive draws (within a batch and across steps) take them in turn, so few steps still cover it."""
+    weighting_scheme: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    """Flow families: loss weight per sample by its sigma, as diffusers' SD3 weighting: sigma_sqrt 1/sigma^2,
+    cosmap 2/(pi(1-2 sigma+2 sigma^2)). (diffusers' logit_normal and mode are train.timestep_density here.)"""
+    loss: Literal["mse", "huber", "smooth_l1"] = "mse"
+    """Per-element loss of d = prediction - target: mse d^2; huber (pseudo-Huber) 2c(sqrt(d^2+c^2)-c), d^2
+    near 0 and linear beyond c; smooth_l1 the same / c. c = huber_c. As sd-scripts' loss_type."""
+    huber_c: float = 0.1
+    """c of train.loss = huber / smooth_l1: errors much larger than c count linearly instead of squared."""
 
 
 @dataclass

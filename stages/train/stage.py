@@ -34,7 +34,9 @@ NOT_FINGERPRINTED = {"log_every", "checkpoint_every", "keep_checkpoints", "resum
                      "compile_transformer", "enable_tf32", "cudnn_benchmark", "cuda_graphs", "ema_device"}
 # Keys added after runs were made: at their default they stay out of the fingerprint, so a run made
 # before them (which trained exactly as the default does) stays up to date and resumable.
-LATER_KEYS = {"ema_decay": 0.0, "adapter": "lora", "rank_pattern": {}, "alpha_pattern": {}, "fp8_blocks": "auto"}
+LATER_KEYS = {"ema_decay": 0.0, "adapter": "lora", "rank_pattern": {}, "alpha_pattern": {}, "fp8_blocks": "auto",
+              "loraplus_ratio": 0.0, "timestep_min": 0.0, "timestep_max": 1.0, "timestep_buckets": 0,
+              "weighting_scheme": "none", "loss": "mse", "huber_c": 0.1}
 
 
 def artifact_dir(cfg: Any) -> Path:
