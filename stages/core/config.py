@@ -108,7 +108,7 @@ class TrainConfig:
     batch_size: int = 1
     """Samples per step, all from one aspect bucket, in one denoiser forward."""
     learning_rate: float = 1e-4
-    """Peak LR of the LoRA parameters."""
+    """Peak LR of the LoRA parameters (prodigy, prodigy_schedulefree: ~1.0, a multiplier of their own estimate)."""
     lr_scheduler: Literal[
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = "constant"
@@ -120,20 +120,17 @@ class TrainConfig:
     lr_power: float = 1.0
     """Exponent of the polynomial schedule."""
     optimizer: Literal["adamw", "adamw8bit", "prodigy", "prodigy_schedulefree", "adamw_schedulefree", "adafactor"] = "adamw"
-    """adamw: torch AdamW (fused on CUDA); adamw8bit: bitsandbytes AdamW8bit; prodigy (prodigyopt) and
-    prodigy_schedulefree (prodigy-plus-schedule-free) estimate their own step size: learning_rate scales it
-    (1.0; 0.5 halves it); adamw_schedulefree (schedulefree): learning_rate ~1-10x AdamW's; adafactor
-    (transformers): factored second moments, no first moment, learning_rate as AdamW's. Schedule-free ones
-    train and export their averaged weights, need lr_scheduler constant or constant_with_warmup and no
-    ema_decay; prodigy_schedulefree also max_grad_norm = 0. docs/configuration.md#optimizers."""
+    """adamw (torch, fused on CUDA), adamw8bit (bitsandbytes), prodigy and prodigy_schedulefree (their own step
+    size: learning_rate ~1.0 scales it), adamw_schedulefree, adafactor (transformers; the smallest state). Schedule-free
+    ones need lr_scheduler constant or constant_with_warmup: docs/configuration.md#optimizers."""
     adam_beta1: float = 0.9
-    """AdamW first-moment decay."""
+    """First-moment decay of the AdamW and Prodigy optimizers."""
     adam_beta2: float = 0.999
-    """AdamW second-moment decay."""
+    """Second-moment decay of the AdamW and Prodigy optimizers."""
     adam_epsilon: float = 1e-8
-    """AdamW denominator epsilon."""
+    """Denominator epsilon of the AdamW and Prodigy optimizers."""
     weight_decay: float = 1e-4
-    """AdamW decoupled weight decay of the LoRA parameters."""
+    """Decoupled weight decay of the LoRA parameters (every optimizer)."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the LoRA parameters (0: off)."""
     rank: int = 16
