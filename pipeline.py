@@ -498,6 +498,121 @@ def keys_cmd() -> None:
         click.echo(f"{key:34s} {default:18s} {meaning}" + (f" [{choices}]" if choices else ""))
 
 
+@cli.group("lora", epilog=examples("lora merge a.safetensors b.safetensors --weights 0.7,0.3 --rank 32 -o ab.safetensors",
+                                   "lora resize my-lora_comfyui.safetensors --energy 0.99 -o small_comfyui.safetensors",
+                                   "lora posthoc-ema my-lora --sigma-rel 0.05"))
+def lora_group() -> None:
+    """Tools for finished LoRA files, on the CPU without base weights: merge, resize, extract, posthoc-ema.
+    Each writes the input's format (diffusers, comfyui or kohya) unless --format says otherwise, checks the
+    file as `export-lora --verify` does and reports the relative error of the low-rank result."""
+
+
+def _weights(ctx: click.Context, param: click.Parameter, value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        return [float(v) for v in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"'{value}' is not a comma-separated list of numbers, e.g. 0.7,0.3") from None
+
+
+def lora_file_options(f: Callable[..., None]) -> Callable[..., None]:
+    """-o, --rank, --energy, --format, --family, --model: the options merge and resize share."""
+    for option in reversed((
+            click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
+                         help="The .safetensors file to write (replaced only once written and checked)."),
+            click.option("--rank", type=click.IntRange(min=1), help="Rank of every module [default: lossless]."),
+            click.option("--energy", type=click.FloatRange(0, 1, min_open=True),
+                         help="Per module, the smallest rank keeping this fraction of the squared singular values."),
+            click.option("--format", "fmt", type=click.Choice(["diffusers", "comfyui", "kohya"]),
+                         help="Output format [default: the input's]; from a diffusers input any, else the input's."),
+            click.option("--family", type=click.Choice(sorted(FAMILIES)),
+                         help="The model family, for files whose header does not name it."),
+            click.option("--model", help="The base model (folder, hub id or file): check the output against its "
+                                         "layers [default: the family's released config].")), ):
+        f = option(f)
+    return f
+
+
+def _print_lora(report: dict[str, Any]) -> None:
+    from stages.tools.lora_tools import describe
+
+    click.echo(describe(report))
+
+
+@lora_group.command("merge", epilog=examples(
+    "lora merge a.safetensors b.safetensors --weights 0.7,0.3 --rank 32 -o ab.safetensors",
+    "lora merge a_comfyui.safetensors b_comfyui.safetensors -o ab_comfyui.safetensors   # lossless sum"))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--weights", callback=_weights, metavar="W1,W2,...", help="One weight per file [default: 1 each].")
+@lora_file_options
+@_guarded
+def lora_merge_cmd(files: tuple[str, ...], weights: list[float] | None, out: str, rank: int | None,
+                   energy: float | None, fmt: str | None, family: str | None, model: str | None) -> None:
+    """Sum the weighted deltas of LoRA files per module and factor the sum to --rank (SVD)."""
+    from stages.tools.lora_tools import merge
+
+    _print_lora(merge(list(files), weights, rank, energy, out, fmt, family, model))
+
+
+@lora_group.command("resize", epilog=examples("lora resize my-lora.safetensors --rank 8 -o my-lora-r8.safetensors",
+                                              "lora resize my-lora_comfyui.safetensors --energy 0.99 -o small_comfyui.safetensors"))
+@click.argument("file", type=click.Path(dir_okay=False))
+@lora_file_options
+@_guarded
+def lora_resize_cmd(file: str, out: str, rank: int | None, energy: float | None, fmt: str | None,
+                    family: str | None, model: str | None) -> None:
+    """Factor a LoRA file again at a lower rank (--rank R, or --energy E per module)."""
+    from stages.tools.lora_tools import resize
+
+    _print_lora(resize(file, rank, energy, out, fmt, family, model))
+
+
+@lora_group.command("extract", epilog=examples(
+    "lora extract --base black-forest-labs/FLUX.1-dev --tuned ./my-flux-finetune --family flux --rank 32 -o diff.safetensors",
+    "lora extract --base base/transformer/diffusion_pytorch_model.safetensors --tuned tuned.safetensors --family "
+    "z-image --rank 16 -o diff.safetensors"))
+@click.option("--base", required=True, help="The base model: a diffusers pipeline folder or a denoiser .safetensors file.")
+@click.option("--tuned", required=True, help="The fine-tuned model, in the same form.")
+@click.option("--family", required=True, type=click.Choice(sorted(FAMILIES)), help="The models' family.")
+@click.option("--min-change", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Skip layers whose relative change ||W_tuned - W_base|| / ||W_base|| is at most this.")
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="The .safetensors file to write.")
+@click.option("--rank", type=click.IntRange(min=1), help="Rank of every module.")
+@click.option("--energy", type=click.FloatRange(0, 1, min_open=True),
+              help="Per module, the smallest rank keeping this fraction of the squared singular values (full SVD).")
+@click.option("--format", "fmt", type=click.Choice(["diffusers", "comfyui", "kohya"]), default="diffusers",
+              show_default=True, help="Output format.")
+@_guarded
+def lora_extract_cmd(base: str, tuned: str, family: str, min_change: float, out: str, rank: int | None,
+                     energy: float | None, fmt: str) -> None:
+    """A LoRA of the difference between two models' denoiser linear weights (SVD per changed layer),
+    reading the weights one layer at a time."""
+    from stages.tools.lora_tools import describe, extract
+
+    report = extract(base, tuned, family, rank, energy, out, fmt, min_change)
+    click.echo(describe(report) + f"\n{report['unchanged']} linear layers unchanged (left out)")
+
+
+@lora_group.command("posthoc-ema", epilog=examples("lora posthoc-ema my-lora --sigma-rel 0.05",
+                                                   "lora posthoc-ema my-lora --sigma-rel 0.15 -o ema-long"))
+@run_options
+@click.option("--sigma-rel", type=float, required=True,
+              help="EMA width relative to the training length (Karras et al.): 0.05 short, 0.15-0.2 long.")
+@click.option("-o", "--out", type=click.Path(file_okay=False),
+              help="Folder to write [default: artifacts/<run>/posthoc-ema/sigma-<sigma-rel>/].")
+@_guarded
+def lora_posthoc_ema_cmd(spec: RunSpec, sigma_rel: float, out: str | None) -> None:
+    """A power-function EMA of the run's saved checkpoints (lora/checkpoint-*), written as an export
+    (diffusers and ComfyUI files, checked as `export-lora --verify` does). See docs/exporting.md."""
+    from stages.tools import posthoc_ema
+
+    result = posthoc_ema.run(_settled(spec, write=False), sigma_rel, Path(out) if out else None)
+    pairs = ", ".join(f"{s}: {w:.3f}" for s, w in zip(result["steps"], result["weights"]))
+    click.echo(f"post-hoc EMA (sigma_rel {sigma_rel:g}, gamma {result['gamma']:.2f}) of steps {pairs}\n"
+               + "\n".join([f"wrote {f}" for f in result["files"]] + result["notes"]))
+
+
 @cli.command("demo", epilog=examples("demo", "demo --family sdxl --steps 20"))
 @click.option("--family", type=click.Choice(sorted(FAMILIES)), default="flux", show_default=True,
               help="Which tiny family to demo.")

@@ -4,7 +4,7 @@ torch caches cuDNN's attention backward by query/key/value shapes and strides on
 the output gradient it was built with (stages/core/runtime.py `cudnn_safe_sdpa`). This runs one train step
 of every family's tiny real model through the train stage, with cuDNN's guard off (the default), and counts
 per family the attention cache keys and those that see more than one gradient layout: the ones
-`train.cudnn_attention = true` would have crashed on (or read wrong gradients) without the guard.
+`runtime.cudnn_attention = true` would have crashed on (or read wrong gradients) without the guard.
 
     .venv/bin/python bench/attention_layouts.py
 """
@@ -34,7 +34,7 @@ def main() -> None:
     for family in FAMILIES:
         layouts: dict[tuple, set] = {}
         cfg = make_cfg(family, root / "assets", data[family in EDIT], root / family,
-                       **{"run": "layouts", "train.steps": 1, "train.checkpoint_every": 0, "data.cache_variants": 1})
+                       **{"run": "layouts", "train.steps": 1, "runtime.checkpoint_every": 0, "data.cache_variants": 1})
         encode_captions.run(cfg)
         cache_latents.run(cfg)
         F.scaled_dot_product_attention = layout_spy(plain, layouts)  # diffusers looks it up at each call

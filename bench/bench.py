@@ -189,17 +189,17 @@ def _full_plan(fam: str) -> list[Item]:
         Item(f"{fam}/latents/1024", "latents", 1024, est_s=30),
         _train(fam, "bf16", 1024, 4, 75),
         _train(fam, "nf4", 1024, 4, 90),
-        _train(fam, "bf16", 512, 4, 40, "-nocompile", **{"train.compile_transformer": "off"}),  # auto compiles bf16
+        _train(fam, "bf16", 512, 4, 40, "-nocompile", **{"runtime.compile_transformer": "off"}),  # auto compiles bf16
         Item(f"{fam}/pytest/cuda", "pytest", est_s=90),
         _train(fam, "nf4", 1024, 1, 85),
         _train(fam, "bf16", 1024, 1, 60),
-        _train(fam, "bf16", 1024, 4, 60, "-nockpt", **{"train.gradient_checkpointing": False}),
+        _train(fam, "bf16", 1024, 4, 60, "-nockpt", **{"runtime.gradient_checkpointing": False}),
         _train(fam, "bf16", 512, 4, 50, "-eager", env=eager),
         _train(fam, "nf4", 512, 4, 60, "-eager", env=eager),
-        _train(fam, "bf16", 1024, 4, 60, "-nocompile", **{"train.compile_transformer": "off"}),
-        _train(fam, "nf4", 512, 4, 90, "-compile", **{"train.compile_transformer": "on"}),  # = auto now; was off over nf4
-        _train(fam, "nf4", 512, 1, 80, "-compile", **{"train.compile_transformer": "on"}),
-        _train(fam, "nf4", 1024, 4, 100, "-compile", **{"train.compile_transformer": "on"}),
+        _train(fam, "bf16", 1024, 4, 60, "-nocompile", **{"runtime.compile_transformer": "off"}),
+        _train(fam, "nf4", 512, 4, 90, "-compile", **{"runtime.compile_transformer": "on"}),  # = auto now; was off over nf4
+        _train(fam, "nf4", 512, 1, 80, "-compile", **{"runtime.compile_transformer": "on"}),
+        _train(fam, "nf4", 1024, 4, 100, "-compile", **{"runtime.compile_transformer": "on"}),
         _train(fam, "fp8", 1024, 4, 85),  # fp8 base (Hopper/Ada), beside bf16-1024-b4 (FLUX.1: 84.7 s)
         _train(fam, "fp8", 1024, 1, 75),  # Qwen-Image's fp8 target is at 1024 px b1
         _train(fam, "fp8", 512, 1, 70),
@@ -349,9 +349,9 @@ class Runner:
                 "data.resolution": 64 if tiny else res, "data.cache_variants": 1, "captions.batch_size": 8,
                 "captions.text_encoder_precision": _text_precision(fam),  # every train run reads these captions
                 "captions.max_sequence_length": CAPTION_TOKENS,
-                "train.steps": 4 if tiny else TRAIN_STEPS, "train.warmup_steps_excluded": 1 if tiny else WARMUP,
-                "train.checkpoint_every": 0, "train.log_every": 1, "train.lr_warmup_steps": 0,
-                "train.gradient_checkpointing": True}
+                "train.steps": 4 if tiny else TRAIN_STEPS, "runtime.warmup_steps_excluded": 1 if tiny else WARMUP,
+                "runtime.checkpoint_every": 0, "runtime.log_every": 1, "train.lr_warmup_steps": 0,
+                "runtime.gradient_checkpointing": True}
 
     def config(self, fam: str, model: Path, res: int, sets: dict[str, Any]) -> Any:
         """The config a row's stages run with on the GPU (the preset, the bench's settings and the row's
@@ -650,7 +650,7 @@ def events_since(run_dir: Path, since: float) -> list[dict[str, Any]]:
 
 def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     """What one stage call produced: its manifest's timings and memory, and (train) its step events and the
-    profile.json this call wrote (train.profile_steps)."""
+    profile.json this call wrote (runtime.profile_steps)."""
     m = json.loads(stage_manifest(run_dir, kind).read_text())
     keep = ("seconds", "peak_vram_gb", "samples_per_second", "loss_first", "loss_last", "precision", "compiled",
             "runtime", "step", "encoded_this_run", "files", "tensors", "verified", "verify", "checks", "fields", "latent_shapes")
@@ -662,7 +662,7 @@ def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     if kind == "train":
         steps = [e for e in mine if e["event"] == "step"]
         out["steps"] = [{"step": e["step"], "ts": e["ts"], "loss": e["loss"], "peak": e.get("peak_vram_gb")} for e in steps]
-        profile = run_dir / "lora" / "profile.json"  # train.profile_steps, written by this call
+        profile = run_dir / "lora" / "profile.json"  # runtime.profile_steps, written by this call
         if profile.exists() and profile.stat().st_mtime >= since:
             out["profile"] = json.loads(profile.read_text())
     return out

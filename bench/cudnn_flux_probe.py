@@ -24,7 +24,7 @@ DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: plumbing only
 
 CASES = {
     # name: (image tokens, checkpointing, batch, guard[, (heads, head dim, text tokens)]): image tokens are target +
-    # control, two squares; guard: the train stage's wrapper under train.cudnn_attention = true (stages/core/runtime.py
+    # control, two squares; guard: the train stage's wrapper under runtime.cudnn_attention = true (stages/core/runtime.py
     # cudnn_safe_sdpa: one output-gradient layout per cached cuDNN backward graph); FLUX.1's 24 heads of 128 and 512
     # text tokens unless given
     "kontext-eager-guard": (8192, False, 1, True),

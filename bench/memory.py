@@ -40,8 +40,8 @@ EST_S = {"encode": 30, "latents": 25, "train": 75}  # seconds per stage call on 
 
 
 def extra_sets(pairs: list[str]) -> dict[str, str]:
-    """`--set KEY=VALUE` options: every row's stage commands get them (e.g. train.profile_steps=2,
-    train.gradient_checkpointing=auto)."""
+    """`--set KEY=VALUE` options: every row's stage commands get them (e.g. runtime.profile_steps=2,
+    runtime.gradient_checkpointing=auto)."""
     bad = [p for p in pairs if "=" not in p]
     if bad:
         raise SystemExit(f"--set takes KEY=VALUE, got {bad}")
@@ -56,7 +56,7 @@ def _items_per_s(manifest: dict[str, Any]) -> float | None:
 class MemoryRunner(Runner):
     def row_sets(self, budget: str) -> dict[str, Any]:
         return {"gpu.vram_budget_gb": budget, "captions.text_encoder_precision": "auto",
-                "train.batch_size": 1, "train.checkpoint_every": 0, **extra_sets(self.args.set)}
+                "train.batch_size": 1, "runtime.checkpoint_every": 0, **extra_sets(self.args.set)}
 
     def planned(self, fam: str, model: Path, budget: str) -> dict[str, Any]:
         """stage -> settings the planner picks for a numeric budget (meta device, no CUDA); {} for auto."""
@@ -103,7 +103,7 @@ class MemoryRunner(Runner):
                 "items": manifest.get("encoded_this_run"), "loaded_s": summary.get("loaded_s"),
                 "warnings": summary.get("warnings"), "steps": summary.get("steps"),
                 "runtime": summary.get("runtime"),  # train: block swap's copies / prefetch hits, allocator retries
-                **({"profile": summary["profile"]} if "profile" in summary else {})}  # --set train.profile_steps=N
+                **({"profile": summary["profile"]} if "profile" in summary else {})}  # --set runtime.profile_steps=N
 
     def run_family(self, fam: str) -> None:
         model = self.ensure_model(fam, STAGES[0][0])
@@ -145,7 +145,7 @@ def _plan_event(run_dir: Path, stage: str, t0: float) -> dict[str, Any] | None:
 def _group(r: dict[str, Any]) -> tuple[str, int, str]:
     """A table of the report: (family, resolution, variant); rows written before --res existed were
     1024 px. A call run with `--set` overrides is a variant of the presets' defaults and gets a table
-    of its own, so its rows never stand in for the defaults' (a forced `train.cuda_graphs = on` row
+    of its own, so its rows never stand in for the defaults' (a forced `runtime.cuda_graphs = on` row
     is not what "auto" does)."""
     return r["family"], int(r.get("resolution", RESOLUTION)), r.get("variant", "")
 
@@ -368,7 +368,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--tiny", action="store_true")
     r.add_argument("--keep", action="store_true")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every row's stages (repeatable), e.g. train.profile_steps=2")
+                   help="a config override for every row's stages (repeatable), e.g. runtime.profile_steps=2")
     r.set_defaults(skip_done=[], only=[])  # what bench.py's Runner reads: every row runs
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
@@ -378,7 +378,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--res", default=f"512,{RESOLUTION}", help="comma-separated px")
     t.add_argument("--work", default="/tmp/lorapipe-memory-plan")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for every row (repeatable), e.g. train.gradient_checkpointing=auto")
+                   help="a config override for every row (repeatable), e.g. runtime.gradient_checkpointing=auto")
     t.add_argument("--stage", default="train", choices=("encode-captions", "cache-latents", "train", "sample"))
     t.add_argument("--fp8-gpu", action="store_true", help="plan as on a GPU with fp8 tensor cores (the H200), where "
                    "train.base_precision = 'auto' tries fp8 after bf16")

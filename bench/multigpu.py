@@ -70,9 +70,9 @@ def build_pipeline(folder: Path, tiny: bool) -> dict[str, float]:
 def sets(args: argparse.Namespace, model: Path, run: str, precision: str) -> list[str]:
     values = {"model": model, "run": run, "artifacts": Path(args.work) / "artifacts", "data.path": Path(args.work) / "data",
               "data.resolution": 64 if args.tiny else RES, "data.cache_variants": 1,
-              "captions.max_sequence_length": TOKENS, "train.steps": STEPS, "train.warmup_steps_excluded": WARMUP,
-              "train.batch_size": BATCH, "train.checkpoint_every": 0, "train.lr_warmup_steps": 0,
-              "train.base_precision": "fp32" if args.tiny else precision, "train.log_every": 1}
+              "captions.max_sequence_length": TOKENS, "train.steps": STEPS, "runtime.warmup_steps_excluded": WARMUP,
+              "train.batch_size": BATCH, "runtime.checkpoint_every": 0, "train.lr_warmup_steps": 0,
+              "train.base_precision": "fp32" if args.tiny else precision, "runtime.log_every": 1}
     if args.tiny:
         values["device"] = "cpu"
     out = ["--config", str(ROOT / "configs" / "flux-dev.toml")]

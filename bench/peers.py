@@ -309,25 +309,25 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
 # "<precision>+<flag>+...": a product train run with the train keys (and environment) each flag sets,
 # an A/B row beside the plain one.
 VARIANT_FLAGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
-    "cudnn": ({}, {"train.cudnn_attention": True}),
-    "nockpt": ({}, {"train.gradient_checkpointing": False}),
+    "cudnn": ({}, {"runtime.cudnn_attention": True}),
+    "nockpt": ({}, {"runtime.gradient_checkpointing": False}),
     # checkpointed blocks keep their attention outputs (no attention in the recompute)
-    "keepattn": ({}, {"train.keep_attention": True}),
-    "profile": ({}, {"train.profile_steps": 2}),
+    "keepattn": ({}, {"runtime.keep_attention": True}),
+    "profile": ({}, {"runtime.profile_steps": 2}),
     # eager steps only (no CUDA graph capture, whose private pool the caching allocator cannot hand back)
-    "nographs": ({}, {"train.cuda_graphs": "off"}),
+    "nographs": ({}, {"runtime.cuda_graphs": "off"}),
     # the caching allocator with expandable segments (what the product sets itself under a cap, memory.allocator_for_cap):
     # for uncapped rows
     "expandable": ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, {}),
     # the script's own train peak (allocated GB, from its row in this run) as the train stage's budget (a cap on
     # what the product may reserve, so its allocated peak stays below the script's), with
     # the planner choosing how many blocks to checkpoint within it: the product's answer to "at <= its peak"
-    "fitpeer": ({}, {"train.gradient_checkpointing": "auto"}),
+    "fitpeer": ({}, {"runtime.gradient_checkpointing": "auto"}),
     # the same with the script's reserved peak as the cap: the cap limits what the product's caching allocator
     # reserves, and the script's allocated peak can be below the product's reserved one at full checkpointing
     # (klein 1024 px: the script 5.09 GB allocated / 5.75 reserved, the product 3.77 / 5.25); the row is then
     # compared allocated to allocated as every row
-    "fitreserved": ({}, {"train.gradient_checkpointing": "auto"}),
+    "fitreserved": ({}, {"runtime.gradient_checkpointing": "auto"}),
 }
 
 
@@ -414,7 +414,7 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         if kind == "train":
             info.update(product_summary(summary, a.batch, a.warmup))
             info["loss_first"], info["loss_last"] = summary.get("loss_first"), summary.get("loss_last")
-            if "profile" in summary:  # the `profile` flag (train.profile_steps)
+            if "profile" in summary:  # the `profile` flag (runtime.profile_steps)
                 info["profile"] = summary["profile"]
         else:
             rows[kind] = info
@@ -478,8 +478,8 @@ def run(a: argparse.Namespace) -> None:
         runner.ensure_data = lambda controls=0: Path(a.data).resolve()  # the side-by-side data, not the bench's own
         res_sets = {**runner.base_sets(fam, a.res), "data.path": str(Path(a.data).resolve()),
                     "data.resolution": a.res, "captions.max_sequence_length": a.text_tokens,
-                    "train.steps": a.steps, "train.warmup_steps_excluded": a.warmup, "train.rank": 16, "train.alpha": 16,
-                    "train.gradient_checkpointing": True, "train.lr_scheduler": "constant"}
+                    "train.steps": a.steps, "runtime.warmup_steps_excluded": a.warmup, "train.rank": 16, "train.alpha": 16,
+                    "runtime.gradient_checkpointing": True, "train.lr_scheduler": "constant"}
         cache_rows: dict[str, Any] = {}
         precisions = [p for p in a.product_precisions.split(",") if p]
         for precision in precisions:

@@ -143,7 +143,7 @@ def main() -> None:
     tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "profile"))
     result: dict[str, Any] = {"batch_size": cfg.train.batch_size, "precision": cfg.train.base_precision,
                               "resolution": cfg.data.resolution}
-    with torch_flags(cfg.train.enable_tf32, cfg.train.cudnn_benchmark, disable_cudnn_attention=True):
+    with torch_flags(cfg.runtime.enable_tf32, cfg.runtime.cudnn_benchmark, disable_cudnn_attention=True):
         torch.manual_seed(cfg.seed)
         t = time.time()
         tr.setup_model()

@@ -102,7 +102,7 @@ def train_rows(items: dict[str, dict[str, Any]], flops_cache: dict) -> list[dict
         sets, s = row["sets"], row.get("summary", {})
         r = {"id": rid, "family": fam, "name": name, "status": row["status"], "precision": sets["train.base_precision"],
              "res": row["res"], "batch": sets["train.batch_size"], "cmd": row.get("cmd", ""),
-             "compile": sets.get("train.compile_transformer", "auto"), "ckpt": sets.get("train.gradient_checkpointing", True),
+             "compile": sets.get("runtime.compile_transformer", "auto"), "ckpt": sets.get("runtime.gradient_checkpointing", True),
              "graphs": row.get("env", {}).get("LORAPIPE_CUDA_GRAPHS", "auto"), "reason": row.get("reason", "")}
         if row["status"] == "ok":
             st = step_time(row)

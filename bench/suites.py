@@ -8,7 +8,7 @@ overwrites; bench/report.py shows, per key, the latest measurement. Kinds of row
 
 - `Bench`: one item of `bench/bench.py run` (`--families F --only F/<item>`): a train row is a family x
   precision x px x batch cell, unconstrained (no budget), with an optional settings tag ("compile": the
-  item that forced `train.compile_transformer = on`, which `auto` does today); cache, export, verify and
+  item that forced `runtime.compile_transformer = on`, which `auto` does today); cache, export, verify and
   profile rows are the same family's other stage items.
 - `Memory`: `bench/memory.py run --families F --res PX --budgets B [--set K=V]`: every stage under a
   budget (GB, or "auto": no cap).
@@ -124,7 +124,7 @@ def memory_grid(family: str, px: int, budgets: tuple[str, ...], sets: tuple[str,
     return [Memory(family, px, b, sets) for b in budgets]
 
 
-PARTIAL_CKPT = ("train.gradient_checkpointing=auto",)
+PARTIAL_CKPT = ("runtime.gradient_checkpointing=auto",)
 
 SUITES: dict[str, list[Row]] = {
     # one train table per family (docs/performance.md, "Train speed by family")

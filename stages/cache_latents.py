@@ -48,22 +48,18 @@ def layout_parts(cfg: Any, vae_plan: Any = None) -> dict[str, Any]:
     vae = vae or {"vae_precision": cfg.latents.vae_precision, "tiled": False}  # CPU: as configured
     src = model_source(cfg)
     d = cfg.data
-    # rows: 2 = each row holds the loss mask of every variant beside its latents (older caches rebuild)
-    return {"family": cfg.family, "rows": 2, "model": src.identity(family.vae_components),
+    return {"family": cfg.family, "model": src.identity(family.vae_components),
             # resolution, cache_variants, random_flip, crop, crop_zoom: the first dataset's, not [data]'s,
             # which [[datasets]] tables may all override (then no image reads them and they must not
-            # rebuild the cache); a plain data.path run's first dataset is [data], its parts as before
+            # rebuild the cache)
             **dataset.latent_reference(cfg),
             "bucket_step": d.bucket_step, "max_aspect": d.max_aspect, "background": d.background, "seed": cfg.seed,
-            "dtype": cfg.latents.dtype,
-            "vae_precision": vae["vae_precision"],
-            # a tiled encode gives other numbers (bench/tiling.py); untiled adds no key, so older caches stay valid
-            **({"vae_tiled": True} if vae.get("tiled") else {}),
-            # merged buckets depend on the batch they fill; off adds no key, so older caches stay valid
-            **({"bucket_merge": cfg.train.batch_size} if d.bucket_merge else {}),
-            # [[datasets]] with their own resolution or variants; a plain data.path adds no key
-            **({"datasets": [{k: getattr(c, k) for k in dataset.LATENT_KEYS} for c in cfg.dataset_configs()]}
-               if cfg.datasets else {})}
+            "dtype": cfg.latents.dtype, "vae_precision": vae["vae_precision"],
+            "vae_tiled": bool(vae.get("tiled")),  # a tiled encode gives other numbers (bench/tiling.py)
+            # merged buckets depend on the batch they fill
+            "bucket_merge": cfg.train.batch_size if d.bucket_merge else None,
+            # [[datasets]] with their own resolution or variants
+            "datasets": [{k: getattr(c, k) for k in dataset.LATENT_KEYS} for c in cfg.dataset_configs()] if cfg.datasets else []}
 
 
 def variants_stored(cfg: Any) -> int:

@@ -27,7 +27,7 @@ from stages.core.config import command
 
 NAME = "export-lora"
 LYCORIS_ONLY = ("lokr", "loha")  # adapter types diffusers' loader cannot read: their ComfyUI file is LyCORIS
-EXPORT_LAYOUT = 2  # the version of the files' contents: an export of another version is rewritten
+EXPORT_LAYOUT = 3  # the version of the files' contents: an export of another version is rewritten
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -50,7 +50,7 @@ def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]
 
 def _file_parts(cfg: Any) -> dict[str, Any]:
     """What decides the files besides the adapter: the formats written, EMA or not, and the contents' version."""
-    return {"format": cfg.export.format, **({"ema": True} if cfg.export.ema else {}), "comfyui": cfg.export.comfyui,
+    return {"format": cfg.export.format, "ema": cfg.export.ema, "comfyui": cfg.export.comfyui,
             "layout": EXPORT_LAYOUT}
 
 
@@ -78,7 +78,7 @@ def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict
                             f"`{command(cfg, 'train')}` first")
     steps = [p.name[11:] for p in complete_checkpoints(cfg.run_dir / "lora")]
     there = (f"the checkpoints there are: {', '.join(steps)} (e.g. `{command(cfg, NAME, '--checkpoint', steps[-1])}`)"
-             if steps else "there are none (train.checkpoint_every and train.keep_checkpoints decide which are kept)")
+             if steps else "there are none (runtime.checkpoint_every and runtime.keep_checkpoints decide which are kept)")
     raise ArtifactError(f"run '{cfg.run}' has no complete lora/checkpoint-{checkpoint}: {there}")
 
 

@@ -236,7 +236,7 @@ def lora_section(run_dir: Path) -> dict[str, Any]:
 
 
 def profile_section(path: Path, top: int = 10) -> dict[str, Any] | None:
-    """The last `train.profile_steps` table (stages/core/profiling.py): its longest entries; None if absent
+    """The last `runtime.profile_steps` table (stages/core/profiling.py): its longest entries; None if absent
     or unreadable (a profile is a report, never an input: a damaged one is named, not raised)."""
     if not path.exists():
         return None
@@ -245,7 +245,7 @@ def profile_section(path: Path, top: int = 10) -> dict[str, Any] | None:
         return {"path": str(path), "device": table["device"], "steps": table["steps"], "ms_per_step": table["ms_per_step"],
                 "host_to_device_ms_per_step": table.get("host_to_device_ms_per_step"), "top": table["top"][:top]}
     except (ValueError, KeyError, TypeError) as e:
-        return {"path": str(path), "error": f"unreadable ({type(e).__name__}: {e}); rerun train with train.profile_steps"}
+        return {"path": str(path), "error": f"unreadable ({type(e).__name__}: {e}); rerun train with runtime.profile_steps"}
 
 
 def export_section(run_dir: Path, name: str) -> dict[str, Any] | None:

@@ -3,6 +3,9 @@
     lorapipe plan --config configs/flux-dev.toml --vram 8          # a table
     lorapipe plan --config configs/qwen-image.toml --vram 8 --json  # for scripts
 
+Where the run's folder exists, the plans are also written to `<run>/plan.json` ("planned"), beside the
+plan each stage ran with ("ran", written by the stage).
+
 Sizes come from the meta device (each component built from its config.json) and the activation
 estimates in stages/core/memory/. `--vram auto` (or none) plans for the free memory of this
 machine's GPU; without a GPU it needs a number.
@@ -40,6 +43,7 @@ def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
     family, src, budget = get_family(cfg.family), model_source(cfg), _budget(budget_gb)
     src.check(family.text_components + family.vae_components + family.denoiser_components[:1], family)  # a clear error first
     stages = [memory.plan_for(cfg, family, src, budget, name) for name in PLANNED_STAGES]
+    memory.record_plans(cfg.run_dir, stages, "planned")
     fitting = [p for p in stages if p.fits]
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.gb,
             "budget_source": budget.source, "fits": len(fitting) == len(stages),

@@ -57,8 +57,9 @@ class Stage:
     """The stages whose rerun makes it stale (its fingerprint holds theirs); None: those it reads."""
     optional: bool = False
     """Not part of a plain `run`, which adds it when the run asks (sample.after_train)."""
-    planned: bool = False
-    """`plan` shows its memory plan."""
+    planner: str | None = None
+    """The module that declares its memory planner (its PLANNER: stages/core/memory/stage_plan.Planner);
+    None: the stage needs no GPU budget. `plan` shows the plans of the stages that have one."""
     takes_force: bool = False
     """`--force` is handed to `run` (a cache deletes itself once it has checked the config)."""
     one_process: bool = False
@@ -75,6 +76,10 @@ class Stage:
     """When the artifact was made with other settings than cfg: what differs and what to run."""
     request_stop: Callable[[Path, bool], Any] | None = None
     """(run folder, save) -> asks the running stage to stop; None: `stop` sends it SIGTERM."""
+
+    @property
+    def planned(self) -> bool:
+        return self.planner is not None
 
     @property
     def upstream(self) -> tuple[str, ...]:
@@ -94,20 +99,20 @@ def _declare(name: str, module: str, hooks: tuple[str, ...] = (), **fields: Any)
 ALL: tuple[Stage, ...] = (
     _declare("encode-captions", "stages.encode_captions", ("check", "damaged_rows", "describe_change"),
              reads=(), writes=caches.CAPTIONS, produces="captions", artifact_dir=caches.captions_dir,
-             planned=True, takes_force=True),
+             planner="stages.core.memory.captions", takes_force=True),
     _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "describe_change"),
              reads=(), writes=caches.LATENTS, produces="latents", artifact_dir=caches.latents_dir,
-             planned=True, takes_force=True),
+             planner="stages.core.memory.latents", takes_force=True),
     _declare("train", "stages.train", ("partial_state", "describe_change", "other_settings", "request_stop"),
              reads=("encode-captions", "cache-latents"), writes=f"{caches.LORA}/", produces="the LoRA",
-             artifact_dir=caches.lora_final_dir, planned=True),
+             artifact_dir=caches.lora_final_dir, planner="stages.core.memory.train"),
     # reads one small adapter and needs no GPU
     _declare("export-lora", "stages.export_lora", reads=("train",), writes=f"{caches.EXPORT}/",
              produces="the export", artifact_dir=caches.export_dir, takes_force=True, one_process=True),
     # reads the checkpoints as well as the export; its fingerprint holds the export's
     _declare("sample", "stages.sample", reads=("train", "export-lora"), follows=("export-lora",),
              writes=f"{caches.SAMPLES}/", produces="the samples", artifact_dir=caches.samples_dir,
-             optional=True, planned=True, one_process=True),
+             optional=True, planner="stages.core.memory.sample", one_process=True),
 )
 BY_NAME = {s.name: s for s in ALL}
 NAMES = tuple(BY_NAME)

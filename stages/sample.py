@@ -144,9 +144,9 @@ def _shift_terminal(cfg: Any) -> float | None:
 
 
 def chosen_checkpoints(cfg: Any) -> list[Path]:
-    """Kept checkpoints whose step is a multiple of every_n_checkpoints x train.checkpoint_every,
+    """Kept checkpoints whose step is a multiple of every_n_checkpoints x runtime.checkpoint_every,
     except the one at the final step (the exported LoRA is that column already)."""
-    n, every = cfg.sample.every_n_checkpoints, cfg.train.checkpoint_every
+    n, every = cfg.sample.every_n_checkpoints, cfg.runtime.checkpoint_every
     folder = cfg.run_dir / "lora"
     if n <= 0 or every <= 0 or not folder.is_dir():
         return []

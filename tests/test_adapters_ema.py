@@ -17,7 +17,7 @@ import torch
 from conftest import demo_config_path, once, run_beside
 
 EMA = {"train.ema_decay": 0.9}
-SHORT = {"train.steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1, "train.keep_checkpoints": 0}
+SHORT = {"train.steps": 3, "train.batch_size": 2, "runtime.checkpoint_every": 1, "runtime.keep_checkpoints": 0}
 
 
 def new_run(built, name: str, **overrides):
@@ -90,8 +90,8 @@ def _values(state: dict[str, torch.Tensor]) -> list[tuple]:
 
 @pytest.mark.parametrize("overrides, message", [
     ({"train.ema_decay": 1.0}, r"'train.ema_decay' = 1.0 must be in \[0, 1\)"),
-    ({"train.ema_device": "cuda", "train.ema_decay": 0.9, "device": "cpu"}, "'train.ema_device' = 'cuda' but 'device' = 'cpu'"),
-    ({"train.ema_device": "cpu"}, r"'train.ema_device' = 'cpu' but 'train.ema_decay' = 0"),
+    ({"runtime.ema_device": "cuda", "train.ema_decay": 0.9, "device": "cpu"}, "'runtime.ema_device' = 'cuda' but 'device' = 'cpu'"),
+    ({"runtime.ema_device": "cpu"}, r"'runtime.ema_device' = 'cpu' but 'train.ema_decay' = 0"),
 ])
 def test_invalid_settings_are_config_errors(overrides, message):
     from stages.core.config import load_config

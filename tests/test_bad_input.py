@@ -296,7 +296,7 @@ def test_full_disk_while_saving_a_checkpoint(built_run, monkeypatch):
     from stages.core.config import load_config
 
     cfg = load_config(None, {**_flat(built_run.to_dict()), "run": "disk-full", "train.steps": 4,
-                             "train.checkpoint_every": 2})
+                             "runtime.checkpoint_every": 2})
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     for cache in ("captions.zarr", "latents.zarr"):
         shutil.copytree(built_run.run_dir / cache, cfg.run_dir / cache)

@@ -51,9 +51,9 @@ def _write(tmp: Path, rows: list[dict]) -> Path:
 
 def test_compile_comparison_needs_one_compiled_side(tmp_path: Path) -> None:
     rows = [_train_row("flux", "bf16-512-b4", 0.42, True),
-            _train_row("flux", "bf16-512-b4-nocompile", 0.50, False, **{"train.compile_transformer": "off"}),
+            _train_row("flux", "bf16-512-b4-nocompile", 0.50, False, **{"runtime.compile_transformer": "off"}),
             _train_row("flux", "nf4-512-b4", 0.62, False),
-            _train_row("flux", "nf4-512-b4-compile", 0.62, False, **{"train.compile_transformer": "on"})]  # fell back
+            _train_row("flux", "nf4-512-b4-compile", 0.62, False, **{"runtime.compile_transformer": "on"})]  # fell back
     _, items, _ = report.load([_write(tmp_path, rows)])
     comp = comparison_rows(report.comparisons(report.train_rows(items, NO_MFU)))
     assert comp["compile off → on (auto), bf16 512 b4"] == [("0.500 s → 0.420 s", "1.19x faster")]
@@ -66,7 +66,7 @@ def test_compiled_nf4_row_stands_for_the_default(tmp_path: Path) -> None:
     """`auto` compiles nf4 now: where an nf4 shape's -compile row compiled, targets use it and name it;
     the comparisons show the old uncompiled row beside it."""
     rows = [_train_row("flux", "bf16-512-b4", 0.40, True), _train_row("flux", "nf4-512-b4", 0.60, False),
-            _train_row("flux", "nf4-512-b4-compile", 0.48, True, **{"train.compile_transformer": "on"})]
+            _train_row("flux", "nf4-512-b4-compile", 0.48, True, **{"runtime.compile_transformer": "on"})]
     _, items, _ = report.load([_write(tmp_path, rows)])
     train = report.train_rows(items, NO_MFU)
     t = table(report.targets(train, items), "target")
@@ -120,7 +120,7 @@ def test_results_lead_with_targets_and_a_table_per_family(tmp_path: Path) -> Non
     """RESULTS.md: targets, then one headline table per measured family (today's default row per
     shape); the full train table lives in the appendix, and neither names an issue."""
     rows = [_train_row("flux", "bf16-512-b4", 0.40, True), _train_row("flux", "nf4-512-b4", 0.60, False),
-            _train_row("flux", "nf4-512-b4-compile", 0.48, True, **{"train.compile_transformer": "on"})]
+            _train_row("flux", "nf4-512-b4-compile", 0.48, True, **{"runtime.compile_transformer": "on"})]
     docs = report.write_report([_write(tmp_path, rows)])
     assert set(docs) == {"RESULTS.md", report.APPENDIX}
     results, appendix = docs["RESULTS.md"], docs[report.APPENDIX]
@@ -296,17 +296,17 @@ def test_memory_report_gives_a_call_with_overrides_a_table_of_its_own(tmp_path: 
                                    "items": [row("auto", 8.0), row("6", 1.6)]}))
     graphs = tmp_path / "memory-flux-512-graphs.json"
     graphs.write_text(json.dumps({"meta": {"date_utc": "2026-12-02 10:00:00", "command": "bench/memory.py run --res 512 "
-                                           "--families flux --budgets 6 --set train.cuda_graphs=on --out y.json"},
+                                           "--families flux --budgets 6 --set runtime.cuda_graphs=on --out y.json"},
                                   "items": [row("6", 4.0)]}))
     md = memory_report([graphs, default])
-    assert "### flux, 512 px, batch 1\n" in md and "### flux, 512 px, batch 1, with train.cuda_graphs=on\n" in md
+    assert "### flux, 512 px, batch 1\n" in md and "### flux, 512 px, batch 1, with runtime.cuda_graphs=on\n" in md
     from bench.memory import _variant
     assert _variant("bench/memory.py run --set=b=2 --set a=1 --out x") == "a=1, b=2" and _variant("run --out x") == ""
     assert table(md, "budget GB")["6"]["samples/s"] == "1.600"  # the first table: the defaults, untouched
-    forced = table(md[md.index("with train.cuda_graphs=on"):], "budget GB")
+    forced = table(md[md.index("with runtime.cuda_graphs=on"):], "budget GB")
     assert list(forced) == ["6"] and forced["6"]["samples/s"] == "4.000" and forced["6"]["x auto"] == "0.50"
     every = [row("auto", 8.0), row("6", 1.0, "encode-captions"), row("6", 1.0, "cache-latents"), row("6", 4.0)]
-    for f, label in ((default, ""), (graphs, " --set train.cuda_graphs=on")):  # every stage of the 6 GB target, at 1024 px
+    for f, label in ((default, ""), (graphs, " --set runtime.cuda_graphs=on")):  # every stage of the 6 GB target, at 1024 px
         f.write_text(json.dumps({"meta": {"date_utc": "2026-12-02 10:00:00", "command": f"bench/memory.py run{label}"},
                                  "items": [{**r, "resolution": 1024} for r in every]}))
     assert targets([graphs], {}) == []  # the target is the defaults' to meet
@@ -432,7 +432,7 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
             fam, sets = r["id"].split("/")[0], r.get("sets") or {}
             if r["kind"] != "train" or r["status"] != "ok" \
                     or fam not in ("flux", "qwen-image", "z-image", "sdxl", "flux2", "flux2-klein") \
-                    or sets.get("train.base_precision") not in ("bf16", "fp8") or sets.get("train.gradient_checkpointing") is False:
+                    or sets.get("train.base_precision") not in ("bf16", "fp8") or sets.get("runtime.gradient_checkpointing") is False:
                 continue
             model = config_only_model(fam, tmp_path / "config-only" / fam)
             cfg = runner.config(fam, model, r["res"], sets)
@@ -468,7 +468,7 @@ def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h2
     rows = []  # (name, family, px, sets, checkpointed blocks or None for none, allocated GB)
     for f in sorted(results.glob("bench-*.json")):
         for r in json.loads(f.read_text())["items"]:
-            if r["kind"] == "train" and r["status"] == "ok" and (r.get("sets") or {}).get("train.gradient_checkpointing") is False:
+            if r["kind"] == "train" and r["status"] == "ok" and (r.get("sets") or {}).get("runtime.gradient_checkpointing") is False:
                 rows.append((f"{f.name}:{r['id']}", r["id"].split("/")[0], r["res"], r["sets"], 0, r["summary"]["peak_vram_gb"]["allocated"]))
     for r in json.loads((results / "memory-flux-partialckpt-h200.json").read_text())["items"]:
         if r["stage"] == "train":
@@ -484,7 +484,7 @@ def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h2
     for name, fam, res, sets, checkpointed, allocated in rows:
         sets = {k: v for k, v in sets.items() if k not in ("gpu.vram_budget_gb", "data.resolution")}
         if checkpointed:
-            sets["train.gradient_checkpointing"] = "auto"  # every count is tried: read the row's own
+            sets["runtime.gradient_checkpointing"] = "auto"  # every count is tried: read the row's own
         cfg = runner.config(fam, config_only_model(fam, tmp_path / "config-only" / fam), res, sets)
         plan = memory.plan_train(cfg, get_family(fam), model_source(cfg), memory.Budget(1000.0, "cap"))
         same = [t for t in plan.tried if t["checkpointed_blocks"] == checkpointed and not t["swapped_blocks"]

@@ -47,7 +47,7 @@ def _loss_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, tor
 @pytest.mark.parametrize("n_swapped, layout", [(1, "last"), (5, "last"), (3, "spread")])
 def test_swapped_loss_and_lora_grads_equal_unswapped_bit_for_bit(checkpointing: str, n_swapped: int, layout: str) -> None:
     """"spread" with 3 of the 5 blocks swaps double block 0 and single blocks 2 and 4, resident ones
-    between them: the slots (sized for the double block) serve both kinds. With train.keep_attention the
+    between them: the slots (sized for the double block) serve both kinds. With runtime.keep_attention the
     resident blocks keep their attention outputs and the swapped ones are checkpointed as without it."""
     model = _tiny_flux()
     if checkpointing:

@@ -26,13 +26,13 @@ BAD_VALUES = [
     ({"train.learning_rate": 0.0}, "'train.learning_rate' = 0.0 must be > 0"),
     ({"train.dropout": 1.0}, "'train.dropout' = 1.0 must be in [0, 1)"),
     ({"train.adam_beta2": 1.5}, "'train.adam_beta2' = 1.5 must be in [0, 1)"),
-    ({"train.keep_checkpoints": -1}, "'train.keep_checkpoints' = -1 must be >= 0"),
+    ({"runtime.keep_checkpoints": -1}, "'runtime.keep_checkpoints' = -1 must be >= 0"),
     ({"sample.seeds": [0, -3]}, "'sample.seeds[1]' = -3 must be in [0, 4294967295]"),
     ({"train.target_modules": ["to_q", " "]}, "'train.target_modules[1]' is empty"),
     ({"run": "a/b"}, "'run' = 'a/b' must be a plain folder name"),
     ({"device": "tpu"}, "'device' = 'tpu' is not one of 'auto', 'cpu', 'cuda'"),
     ({"train.steps": "many"}, "'train.steps' must be an integer, got 'many'"),
-    ({"train.gradient_checkpointing": "some"}, "'train.gradient_checkpointing' = 'some' must be true, false or 'auto'"),
+    ({"runtime.gradient_checkpointing": "some"}, "'runtime.gradient_checkpointing' = 'some' must be true, false or 'auto'"),
     ({"train.fp8_blocks": 0}, "'train.fp8_blocks' = 0 must be 'auto' or a number >= 1"),
 ]
 
@@ -125,7 +125,7 @@ def test_every_key_has_a_meaning_and_enumerated_keys_their_choices():
     assert choices["train.lr_scheduler"].startswith("'constant' | 'constant_with_warmup'")
     assert choices["device"] == "'auto' | 'cpu' | 'cuda'"
     assert choices["seed"] == "in [0, 4294967295]" and choices["data.resolution"] == ">= 16"
-    assert choices["train.gradient_checkpointing"] == "true | false | 'auto'"
+    assert choices["runtime.gradient_checkpointing"] == "true | false | 'auto'"
 
 
 def test_a_hub_id_without_network_fails_at_once(monkeypatch):

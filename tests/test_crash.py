@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT, demo_config_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("built_run", ["flux"], indirect=True)]
-TRAIN = {"train.steps": 8, "train.checkpoint_every": 2}  # built_run trains 8 steps; checkpoints change no math
+TRAIN = {"train.steps": 8, "runtime.checkpoint_every": 2}  # built_run trains 8 steps; checkpoints change no math
 
 
 def crash_cfg(built, name: str):

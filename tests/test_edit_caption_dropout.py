@@ -86,8 +86,9 @@ def test_empty_rows_per_control_set_match_the_pipeline_and_follow_their_controls
     assert encode_captions.run(cfg)["encoded_this_run"] == 0
 
 
-def _copy_run(cfg, name: str, **train):
-    new = dataclasses.replace(cfg, run=name, train=dataclasses.replace(cfg.train, **train))
+def _copy_run(cfg, name: str, steps: int, checkpoint_every: int):
+    new = dataclasses.replace(cfg, run=name, train=dataclasses.replace(cfg.train, steps=steps),
+                              runtime=dataclasses.replace(cfg.runtime, checkpoint_every=checkpoint_every))
     shutil.rmtree(new.run_dir, ignore_errors=True)
     for cache in ("captions.zarr", "latents.zarr"):
         shutil.copytree(cfg.run_dir / cache, new.run_dir / cache)

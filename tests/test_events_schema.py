@@ -66,8 +66,8 @@ def eventful_run(built_run, tmp_path, monkeypatch):
     from stages.core.config import load_config
 
     sets = {"model": built_run.model, "data.path": built_run.data.path, "artifacts": str(tmp_path),
-            "device": built_run.device, "run": "eventful", "train.steps": 4, "train.checkpoint_every": 2,
-            "train.warmup_steps_excluded": 1, "train.profile_steps": 1}  # `profile`: step 2
+            "device": built_run.device, "run": "eventful", "train.steps": 4, "runtime.checkpoint_every": 2,
+            "runtime.warmup_steps_excluded": 1, "runtime.profile_steps": 1}  # `profile`: step 2
     cfg = load_config(demo_config_path(built_run.family), sets)
     for cache in ("captions.zarr", "latents.zarr"):
         shutil.copytree(built_run.run_dir / cache, cfg.run_dir / cache)

@@ -247,9 +247,9 @@ def test_cuda_graphs_capture_the_training_step_with_the_eager_losses(assets, dem
     from stages.train.trainer import Trainer
 
     cfg = make_cfg(NAME, assets, demo_data, tmp_path, **{"device": "cuda", "train.base_precision": precision,
-                                                         "train.steps": 6, "train.checkpoint_every": 0,
-                                                         "train.batch_size": 2, "train.gradient_checkpointing": True,
-                                                         "train.compile_transformer": "off"})
+                                                         "train.steps": 6, "runtime.checkpoint_every": 0,
+                                                         "train.batch_size": 2, "runtime.gradient_checkpointing": True,
+                                                         "runtime.compile_transformer": "off"})
     encode_captions.run(cfg)
     cache_latents.run(cfg)
     runs = []

@@ -179,14 +179,14 @@ def test_graphs_plan(monkeypatch):
     from types import SimpleNamespace
 
     cpu, gpu = SimpleNamespace(is_cuda=False), SimpleNamespace(is_cuda=True)
-    assert fastpath.graphs_plan(cpu, SimpleNamespace(dropout=0.0), "auto")[0] is False
-    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "auto")[0] is True
-    on, reason = fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.1), "on")  # even when asked for
+    assert fastpath.graphs_plan(cpu, 0.0, "auto")[0] is False
+    assert fastpath.graphs_plan(gpu, 0.0, "auto")[0] is True
+    on, reason = fastpath.graphs_plan(gpu, 0.1, "on")  # even when asked for
     assert on is False and "train.dropout = 0.1" in reason
-    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "off")[0] is False
+    assert fastpath.graphs_plan(gpu, 0.0, "off")[0] is False
     # a swap plan: "auto" captures where it has room (checked at the capture: CaptureRoom), "on" captures
-    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "auto", swapped=3) == (True, fastpath.SWAP_GRAPHS)
-    assert fastpath.graphs_plan(gpu, SimpleNamespace(dropout=0.0), "on", swapped=3)[0] is True
+    assert fastpath.graphs_plan(gpu, 0.0, "auto", swapped=3) == (True, fastpath.SWAP_GRAPHS)
+    assert fastpath.graphs_plan(gpu, 0.0, "on", swapped=3)[0] is True
     monkeypatch.setenv(fastpath.ENV, "sometimes")
     with pytest.raises(ValueError, match=fastpath.ENV):
         fastpath.graphs_mode()
@@ -210,7 +210,7 @@ def test_auto_captures_only_with_room_under_the_budget_and_swap_skips_the_side_s
         for swapped in (0, 5):
             for budget in (8.0, None, float("inf")):
                 den, why[mode, swapped, budget] = fastpath.wrap_denoiser(
-                    model, list(model.parameters()), gpu, SimpleNamespace(dropout=0.0, cuda_graphs=mode),
+                    model, list(model.parameters()), gpu, SimpleNamespace(train=SimpleNamespace(dropout=0.0), runtime=SimpleNamespace(cuda_graphs=mode)),
                     SimpleNamespace(emit=print), swapped=swapped, budget_gb=budget)
                 assert isinstance(den, fastpath.GraphedDenoiser)
                 made[mode, swapped, budget] = (den._capture.keywords["warmup"], den._room)

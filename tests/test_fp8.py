@@ -120,8 +120,8 @@ def _lora_step(model, attention: str = "train") -> float:
     backward on MATMUL_DEVICE; asserts each adapter weight is fp32 with a non-zero finite gradient (naming the
     ones that are not) and returns the loss.
 
-    `attention`: "train", under the train stage's torch flags (train.cudnn_attention = false: no cuDNN SDPA);
-    "guard", cuDNN SDPA allowed with the stage's one-gradient-layout guard (train.cudnn_attention = true);
+    `attention`: "train", under the train stage's torch flags (runtime.cudnn_attention = false: no cuDNN SDPA);
+    "guard", cuDNN SDPA allowed with the stage's one-gradient-layout guard (runtime.cudnn_attention = true);
     "torch", torch's own defaults. On the H200 (torch 2.11) torch's defaults pick cuDNN's SDPA, and it gave these
     tiny models NaN gradients in the double block's attention (query, key and value), bf16 and fp8 alike, 3 of 3
     times, with the guard as without it; with the train stage's flags 3 of 3 were finite
@@ -282,7 +282,7 @@ def test_fp8_scaled_single_file_model_trains_through_the_stages(assets, demo_dat
     expected = _save_fp8_scaled(_flux(assets, torch.float32), src)
     cfg = make_cfg("flux", assets, demo_data, tmp_path / "runs", **{
         "model": str(src), "model_base": str(tiny_model(assets, "flux-dev")), "train.steps": 2,
-        "train.checkpoint_every": 0})
+        "runtime.checkpoint_every": 0})
     for stage in (encode_captions, cache_latents, train):
         stage.run(cfg)
     converted = list((tmp_path / "runs" / ".model-cache" / "fp8_scaled").glob("*/model.safetensors"))

@@ -33,7 +33,7 @@ N_ITEMS = 6
 
 
 # a 3-step run beside the built one
-SHORT = {"train.steps": 3, "train.batch_size": 2, "train.checkpoint_every": 1, "train.keep_checkpoints": 0}
+SHORT = {"train.steps": 3, "train.batch_size": 2, "runtime.checkpoint_every": 1, "runtime.keep_checkpoints": 0}
 
 def _pred_target(shape=(2, 4, 6, 8)):
     g = torch.Generator().manual_seed(0)
@@ -114,7 +114,7 @@ def _mask(image: Path, fill=255, left_only: bool = False) -> Image.Image:
 
 def _cfg(assets, data, root, run):
     return make_cfg("flux", assets, data, root, run=run, **{"train.steps": 3, "train.batch_size": 2,
-                                                           "train.checkpoint_every": 0})
+                                                           "runtime.checkpoint_every": 0})
 
 
 def _train(cfg, restart: bool = False) -> tuple[list[float], dict]:

@@ -7,6 +7,7 @@ tiling, swapped blocks) is picked when and only when the budget forces it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from stages.families import get_family
 
 def _plan(stage: str, cfg, gb: float) -> memory.StagePlan:
     family = get_family(cfg.family)
-    return memory.PLANNERS[stage](cfg, family, ModelSource(cfg.model, cfg.revision), memory.Budget(gb, "cap"))
+    return memory.PLANNERS[stage].plan(cfg, family, ModelSource(cfg.model, cfg.revision), memory.Budget(gb, "cap"))
 
 
 def _peak_of(plan: memory.StagePlan, **settings) -> float:
@@ -95,7 +96,7 @@ def _header_only(path: Path, tensors: dict, rename: dict | None = None) -> None:
 def test_train_planner_checkpoints_then_swaps_blocks_only_when_forced(assets, demo_data, tmp_path, monkeypatch):
     monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)  # an absolute margin: larger than the tiny model itself
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
-                                                            "train.gradient_checkpointing": False,
+                                                            "runtime.gradient_checkpointing": False,
                                                             "model": _deeper_flux(assets, tmp_path, 4, 8)})
     roomy = _plan("train", cfg, 1000.0)
     assert roomy.fits and roomy.settings["swapped_blocks"] == 0 and not roomy.settings["gradient_checkpointing"]
@@ -298,6 +299,28 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
         plan.run(cfg, "lots", as_json=True)
 
 
+def test_plan_json_holds_what_plan_predicted_and_what_each_stage_ran_with(assets, demo_data, tmp_path, capsys):
+    """`plan` writes its predictions to <run>/plan.json where the run's folder exists; a stage that plans adds
+    the plan it runs with beside them, without dropping the others' entries."""
+    from stages import plan
+    from stages.core.events import EventLog
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path)
+    plan.run(cfg, 0.5, as_json=True)
+    assert not (cfg.run_dir / memory.PLAN_FILE).exists()  # no run folder yet: nothing written
+    cfg.run_dir.mkdir(parents=True)
+    predicted = plan.run(cfg, 0.5, as_json=True)
+    capsys.readouterr()
+    written = json.loads((cfg.run_dir / memory.PLAN_FILE).read_text())["stages"]
+    assert sorted(written) == sorted(plan.PLANNED_STAGES)
+    assert [written[s["stage"]]["planned"] for s in predicted["stages"]] == predicted["stages"]
+    ran_cfg, ran = memory.plan_stage(cfg, get_family("flux"), "train", EventLog(cfg.run_dir, cfg.run, "train"))
+    written = json.loads((cfg.run_dir / memory.PLAN_FILE).read_text())["stages"]
+    assert written["train"]["ran"] == json.loads(json.dumps(ran.to_dict()))
+    assert written["train"]["planned"] == predicted["stages"][list(plan.PLANNED_STAGES).index("train")]
+    assert "ran" not in written["encode-captions"]
+
+
 def _raise_at(point: str, n: int, error: Exception | None = None):
     from stages.core import faults
 
@@ -321,10 +344,10 @@ def test_oom_in_each_stage_is_one_clear_error_and_loses_nothing(assets, demo_dat
     from pipeline import cli
     from stages.core.artifacts import read_manifest
 
-    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.steps": 4, "train.checkpoint_every": 1})
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.steps": 4, "runtime.checkpoint_every": 1})
     args = ["--config", str(demo_config_path("flux")), "--model", cfg.model, "--set", f"data.path={demo_data}",
             "--set", f"artifacts={cfg.artifacts}", "--set", "device=cpu", "--set", "train.steps=4",
-            "--set", "train.checkpoint_every=1", "--set", "gpu.vram_budget_gb=6"]
+            "--set", "runtime.checkpoint_every=1", "--set", "gpu.vram_budget_gb=6"]
     for stage, point, rerun in [("encode-captions", "encode-captions", []), ("cache-latents", "cache-latents", []),
                                 ("train", "train", ["--resume"])]:
         monkeypatch.setattr("stages.core.faults.hit", _raise_at(point, 2))
@@ -332,7 +355,7 @@ def test_oom_in_each_stage_is_one_clear_error_and_loses_nothing(assets, demo_dat
         assert result.exit_code == 2, result.output
         assert f"{stage} ran out of GPU memory (budget 6.0 GB" in result.output
         assert "--vram" in result.output and "Traceback" not in result.output
-        assert ("train.cuda_graphs = 'off'" in result.output) == (stage == "train")
+        assert ("runtime.cuda_graphs = 'off'" in result.output) == (stage == "train")
         monkeypatch.undo()
         result = CliRunner().invoke(cli, [stage, *args, *rerun])
         assert result.exit_code == 0, result.output
@@ -367,14 +390,14 @@ def test_vision_language_encoder_is_sized_by_its_text_model(assets):
 
 
 def test_auto_checkpointing_checkpoints_the_fewest_blocks_that_fit(assets, demo_data, tmp_path, monkeypatch):
-    """train.gradient_checkpointing = "auto": no block checkpointed at a roomy budget, all of them at a
+    """runtime.gradient_checkpointing = "auto": no block checkpointed at a roomy budget, all of them at a
     tight one, and in between the fewest that fit; the predicted peak falls with every block
     checkpointed; block swap only once every block is checkpointed. true and false plan as before."""
     monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)
     model = _deeper_flux(assets, tmp_path, 4, 8)
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "bf16", "data.resolution": 256,
-                                                            "train.gradient_checkpointing": "auto", "model": model,
-                                                            "train.cuda_graphs": "off"})  # graph room: the next test
+                                                            "runtime.gradient_checkpointing": "auto", "model": model,
+                                                            "runtime.cuda_graphs": "off"})  # graph room: the next test
     roomy = _plan("train", cfg, 1000.0)
     n = roomy.settings["blocks"]
     assert n == 12 and roomy.fits
@@ -386,13 +409,13 @@ def test_auto_checkpointing_checkpoints_the_fewest_blocks_that_fit(assets, demo_
         chosen = _plan("train", cfg, _just_above(peaks[k])).settings
         assert (chosen["checkpointed_blocks"], chosen["swapped_blocks"]) == (k, 0), (k, chosen)
         assert chosen["gradient_checkpointing"] == (k > 0)
-        assert memory.with_plan(cfg, _plan("train", cfg, _just_above(peaks[k]))).train.gradient_checkpointing == (k > 0)
+        assert memory.with_plan(cfg, _plan("train", cfg, _just_above(peaks[k]))).runtime.gradient_checkpointing == (k > 0)
     assert all(t["checkpointed_blocks"] == n for t in roomy.tried if t["swapped_blocks"])  # never un-checkpoint to swap
     swapped = _plan("train", cfg, peaks[n] * memory.FRAGMENTATION * 0.999).settings
     assert swapped["swapped_blocks"] > 0 and swapped["checkpointed_blocks"] == n
     for configured, ks in ((True, {n}), (False, {0, n})):  # as before partial checkpointing: all or none
         plan = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **{
-            "train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": configured,
+            "train.base_precision": "bf16", "data.resolution": 256, "runtime.gradient_checkpointing": configured,
             "model": model}), 1000.0)
         assert {t["checkpointed_blocks"] for t in plan.tried if not t["swapped_blocks"]} == ks
 
@@ -411,9 +434,9 @@ def test_auto_checkpointing_under_a_cap_checkpoints_more_blocks_to_leave_cuda_gr
     monkeypatch.setattr(memory.calibration, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
     monkeypatch.delenv(fastpath.ENV, raising=False)
     want = fastpath.UNSWAPPED_CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
-    sets = {"train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": "auto",
+    sets = {"train.base_precision": "bf16", "data.resolution": 256, "runtime.gradient_checkpointing": "auto",
             "model": _deeper_flux(assets, tmp_path, 4, 8)}
-    cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+    cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"runtime.cuda_graphs": mode}) for mode in ("auto", "off")}
     family, src = get_family("flux"), ModelSource(cfgs["auto"].model, cfgs["auto"].revision)
     roomy = _plan("train", cfgs["off"], 1000.0)
     n, seen = roomy.settings["blocks"], set()
@@ -449,7 +472,7 @@ def test_auto_checkpointing_never_lowers_the_precision_to_uncheckpoint(assets, d
     checkpointed keeps bf16 checkpointed, though nf4 with no block checkpointed would fit too
     (tiny images and captions: the weights outweigh the activations here)."""
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{
-        "train.base_precision": "auto", "train.gradient_checkpointing": "auto", "data.resolution": 16,
+        "train.base_precision": "auto", "runtime.gradient_checkpointing": "auto", "data.resolution": 16,
         "captions.max_sequence_length": 1, "model": _deeper_flux(assets, tmp_path, 4, 8)})
     family = get_family("flux")
     src = ModelSource(cfg.model, cfg.revision)
@@ -549,10 +572,10 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
     # fewest blocks that fit leave room under some budgets and not under others, more blocks make it
     for width in (1024, 4096):
         sets = {"train.base_precision": "bf16", "data.resolution": 256, "model": _deeper_flux(assets, tmp_path, 4, 8, width)}
-        cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off", "on")}
+        cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"runtime.cuda_graphs": mode}) for mode in ("auto", "off", "on")}
         # base_precision "auto": the plan that makes room keeps the precision the fewest blocks had
         either = {mode: make_cfg("flux", assets, demo_data, tmp_path, **{**sets, "train.base_precision": "auto"},
-                                 **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+                                 **{"runtime.cuda_graphs": mode}) for mode in ("auto", "off")}
         dropout = make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.dropout": 0.1})
         roomy = _plan("train", cfgs["auto"], 1000.0)
         swaps = [t for t in roomy.tried if t["swapped_blocks"] > 0 and t["base_precision"] == "bf16"]
@@ -590,7 +613,7 @@ def test_a_swap_plan_swaps_more_blocks_to_leave_cuda_graphs_room(assets, demo_da
 
 
 def test_a_spread_swap_plan_counts_the_blocks_it_picks_and_hands_them_on(assets, demo_data, tmp_path, monkeypatch):
-    """train.block_swap_layout = "spread": the planner prices the blocks blockswap.swapped_positions
+    """runtime.block_swap_layout = "spread": the planner prices the blocks blockswap.swapped_positions
     picks (FLUX's double blocks outweigh its single ones; the two slots hold the largest swapped block
     each, so the resident bytes are the base less the swapped blocks plus two of the largest), the
     settings name the layout, and the load and the swap get it."""
@@ -605,7 +628,7 @@ def test_a_spread_swap_plan_counts_the_blocks_it_picks_and_hands_them_on(assets,
         meta = FluxTransformer2DModel.from_config(json.loads((Path(folder) / "transformer" / "config.json").read_text()))
     size = [memory.weight_bytes(b, "bf16", codes_only=True) for b in blockswap.repeated_blocks(meta)]
     assert size[0] > 2 * size[-1]  # a double block, a single block
-    plans = {layout: _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.block_swap_layout": layout}), 1000.0)
+    plans = {layout: _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"runtime.block_swap_layout": layout}), 1000.0)
              for layout in ("last", "spread")}
     swaps = {layout: {t["swapped_blocks"]: t for t in p.tried if t["swapped_blocks"]} for layout, p in plans.items()}
     n = plans["last"].settings["blocks"]
@@ -620,8 +643,8 @@ def test_a_spread_swap_plan_counts_the_blocks_it_picks_and_hands_them_on(assets,
         differed += kept(k, "spread") != kept(k, "last")
     assert differed  # e.g. one double block among the spread ones: its slots are larger, a single block stays
     gb = _just_above(swaps["spread"][6]["predicted_peak_gb"])
-    tight = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.block_swap_layout": "spread",
-                                                                                     "train.cuda_graphs": "off"}), gb)
+    tight = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"runtime.block_swap_layout": "spread",
+                                                                                     "runtime.cuda_graphs": "off"}), gb)
     assert tight.settings["swap_layout"] == "spread" and tight.settings["swapped_blocks"] >= 6
     monkeypatch.setattr(memory.train, "host_shortfall", lambda plan: "")
     load = memory.load_device(tight, Runtime(torch.device("cuda"), torch.bfloat16))
@@ -634,14 +657,14 @@ def test_a_spread_swap_is_refused_where_blocks_run_in_another_order(assets, demo
     "spread" there with a message naming the key and the fix; "last" plans as before."""
     from stages.core.errors import ConfigError
 
-    cfg = make_cfg("sdxl", assets, demo_data, tmp_path, **{"train.block_swap_layout": "spread"})
-    with pytest.raises(ConfigError, match=r"train.block_swap_layout = 'spread' does not suit sdxl: .* Set train.block_swap_layout = 'last'"):
+    cfg = make_cfg("sdxl", assets, demo_data, tmp_path, **{"runtime.block_swap_layout": "spread"})
+    with pytest.raises(ConfigError, match=r"runtime.block_swap_layout = 'spread' does not suit sdxl: .* Set runtime.block_swap_layout = 'last'"):
         _plan("train", cfg, 0.01)
     assert _plan("train", make_cfg("sdxl", assets, demo_data, tmp_path), 0.01).stage == "train"
 
 
 def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets, demo_data, tmp_path, monkeypatch):
-    """train.keep_attention: each checkpointed block that is not swapped keeps its attention output (a block-width
+    """runtime.keep_attention: each checkpointed block that is not swapped keeps its attention output (a block-width
     activation: ATTENTION_KEPT_UNITS units), so at every checkpointed count the predicted peak grows by exactly
     that, a swap plan counts only its resident blocks, and at the same budget "auto" un-checkpoints fewer blocks.
     SDXL (UNet blocks with several attentions at other widths) is refused, naming the key and the fix."""
@@ -649,9 +672,9 @@ def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets
 
     monkeypatch.setattr(memory.calibration, "SWAP_EXTRA_GB", 0.0)
     model = _deeper_flux(assets, tmp_path, 4, 8)
-    sets = {"train.base_precision": "bf16", "data.resolution": 256, "train.gradient_checkpointing": "auto",
-            "model": model, "train.cuda_graphs": "off"}
-    plain, kept = (_plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.keep_attention": k}),
+    sets = {"train.base_precision": "bf16", "data.resolution": 256, "runtime.gradient_checkpointing": "auto",
+            "model": model, "runtime.cuda_graphs": "off"}
+    plain, kept = (_plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"runtime.keep_attention": k}),
                          1000.0) for k in (False, True))
     n = plain.settings["blocks"]
     denoiser = memory.meta_component(ModelSource(model, None), "transformer")
@@ -668,15 +691,15 @@ def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets
     assert swaps and all(extra(swapped_blocks=t["swapped_blocks"], checkpointed_blocks=n)
                          == pytest.approx((n - t["swapped_blocks"]) * block_gb, abs=1e-6) for t in swaps)
     budget = _just_above(_peak_of(plain, swapped_blocks=0, checkpointed_blocks=5))
-    chosen = {k: _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.keep_attention": k}),
+    chosen = {k: _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"runtime.keep_attention": k}),
                        budget).settings["checkpointed_blocks"] for k in (False, True)}
     assert chosen[False] == 5 < chosen[True]
-    with pytest.raises(ConfigError, match=r"train.keep_attention = true does not suit sdxl: .* Set train.keep_attention = false"):
-        _plan("train", make_cfg("sdxl", assets, demo_data, tmp_path, **{"train.keep_attention": True}), 1000.0)
+    with pytest.raises(ConfigError, match=r"runtime.keep_attention = true does not suit sdxl: .* Set runtime.keep_attention = false"):
+        _plan("train", make_cfg("sdxl", assets, demo_data, tmp_path, **{"runtime.keep_attention": True}), 1000.0)
 
     # the plan's hint: only from KEEP_ATTENTION_HINT_TOKENS a sample (not a batch), only where the kept outputs fit too
-    hint = "train.keep_attention = true fits this budget too"
-    full = {**sets, "train.gradient_checkpointing": True}
+    hint = "runtime.keep_attention = true fits this budget too"
+    full = {**sets, "runtime.gradient_checkpointing": True}
     assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0).note  # 256 px: short
     per_sample = tokens // cfg.train.batch_size
     assert cfg.train.batch_size > 1
@@ -685,7 +708,7 @@ def test_keep_attention_costs_one_attention_output_per_checkpointed_block(assets
     monkeypatch.setattr(memory.calibration, "KEEP_ATTENTION_HINT_TOKENS", per_sample)
     roomy = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full), 1000.0)
     assert f"{hint} (+{n * block_gb:.1f} GB): the {n} checkpointed blocks" in roomy.note
-    assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full, **{"train.keep_attention": True}),
+    assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full, **{"runtime.keep_attention": True}),
                              1000.0).note
     assert hint not in _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **full),
                              _just_above(roomy.predicted_peak_gb)).note
@@ -752,10 +775,10 @@ def test_auto_tries_fp8_between_bf16_and_nf4_where_the_gpu_runs_it(assets, demo_
         assert short.settings["base_precision"] == "nf4" and "fp8" not in {t["base_precision"] for t in short.tried}
         assert f"auto left fp8 out: its bf16 read ({host_gb:.1f} GB)" in short.note and "host memory" in short.note
     monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: None)
-    cfg.train.compile_transformer = "off"  # fp8 pays only compiled
+    cfg.runtime.compile_transformer = "off"  # fp8 pays only compiled
     eager = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert eager.settings["base_precision"] == "nf4" and "compile_transformer = 'off'" in eager.note
-    cfg.train.compile_transformer = "auto"
+    cfg.runtime.compile_transformer = "auto"
     monkeypatch.setattr(fp8, "fp8_supported", lambda: False)
     older = at(whole["bf16"] * 0.999 * memory.FRAGMENTATION)
     assert "fp8" not in {t["base_precision"] for t in older.tried} and "fp8" not in older.note
@@ -805,7 +828,7 @@ def test_an_fp8_base_that_does_not_fit_keeps_its_first_blocks_in_fp8_and_the_res
 
     model = _deeper_flux(assets, tmp_path, 2, 4, width=256)
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.base_precision": "fp8", "data.resolution": 256,
-                                                            "model": model, "train.gradient_checkpointing": True})
+                                                            "model": model, "runtime.gradient_checkpointing": True})
     roomy = _plan("train", cfg, 1000.0)
     assert roomy.settings["base_precision"] == "fp8" and "fp8_blocks" not in roomy.settings
     mixed = [t for t in roomy.tried if "fp8_blocks" in t]
@@ -821,7 +844,7 @@ def test_an_fp8_base_that_does_not_fit_keeps_its_first_blocks_in_fp8_and_the_res
     assert isinstance(load, MixedLoad) and load.fp8_blocks == 3
     assert not isinstance(memory.load_device(roomy, make_runtime("cpu", "bf16")), MixedLoad)
     auto = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **{
-        "train.base_precision": "fp8", "data.resolution": 256, "model": model, "train.gradient_checkpointing": "auto"}), 1000.0)
+        "train.base_precision": "fp8", "data.resolution": 256, "model": model, "runtime.gradient_checkpointing": "auto"}), 1000.0)
     order = [(t.get("fp8_blocks"), t["checkpointed_blocks"]) for t in auto.tried]
     assert order.index((5, 6)) < order.index((4, 0))  # another fp8 block before fewer checkpointed ones
     fixed = _plan("train", make_cfg("flux", assets, demo_data, tmp_path, **{
@@ -845,9 +868,9 @@ def test_an_fp8_base_under_a_cap_keeps_fewer_fp8_blocks_to_leave_cuda_graphs_roo
     monkeypatch.setattr(memory.calibration, "GRAPH_ACTIVATIONS_EXTRA_GB", 0.0)
     monkeypatch.delenv(fastpath.ENV, raising=False)
     want = fastpath.UNSWAPPED_CAPTURE_ROOM * memory.GRAPH_ROOM_MARGIN
-    sets = {"train.base_precision": "fp8", "data.resolution": 256, "train.gradient_checkpointing": True,
+    sets = {"train.base_precision": "fp8", "data.resolution": 256, "runtime.gradient_checkpointing": True,
             "model": _deeper_flux(assets, tmp_path, 4, 8, width=1024)}
-    cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"train.cuda_graphs": mode}) for mode in ("auto", "off")}
+    cfgs = {mode: make_cfg("flux", assets, demo_data, tmp_path, **sets, **{"runtime.cuda_graphs": mode}) for mode in ("auto", "off")}
     roomy = _plan("train", cfgs["off"], 1000.0)
     mixed = {t["fp8_blocks"]: t for t in roomy.tried if "fp8_blocks" in t}
     room_of = lambda t, gb: memory.graph_room(t["predicted_peak_gb"], t["activations_gb"], t["lora_grads_gb"],  # noqa: E731
@@ -917,7 +940,7 @@ def test_a_capped_train_stage_runs_with_expandable_segments_unless_the_user_set_
     env.update({"HF_HUB_OFFLINE": "1", **({"PYTORCH_CUDA_ALLOC_CONF": user} if user else {})})
     args = ["--config", str(demo_config_path("flux")), "--model", str(tiny_model(assets, FAMILIES["flux"])),
             "--set", f"data.path={demo_data}", "--set", f"artifacts={tmp_path / 'artifacts'}", "--set", "train.steps=2",
-            "--set", "device=cuda", "--set", "train.compile_transformer=off", "--vram", "8"]  # compile: minutes, beside the point
+            "--set", "device=cuda", "--set", "runtime.compile_transformer=off", "--vram", "8"]  # compile: minutes, beside the point
     done = subprocess.run([sys.executable, str(root / "pipeline.py"), "run", *args], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -979,7 +1002,7 @@ def test_mixed_fp8_nf4_weight_bytes_match_the_built_base(assets, tmp_path):
 
 def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the_resume(assets, demo_data, tmp_path,
                                                                                           monkeypatch):
-    """FLUX.1 Kontext's steps died in "an illegal memory access" with train.cudnn_attention = true: one line naming
+    """FLUX.1 Kontext's steps died in "an illegal memory access" with runtime.cudnn_attention = true: one line naming
     the setting and the command that resumes without it; the checkpoints before the crash are kept and that
     command finishes the run. Without the opt-in the same error stays a bug (a traceback)."""
     import shlex
@@ -992,21 +1015,21 @@ def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the
     cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"train.steps": 3})
     args = ["--config", str(demo_config_path("flux")), "--model", cfg.model, "--set", f"data.path={demo_data}",
             "--set", f"artifacts={cfg.artifacts}", "--set", "device=cpu", "--set", "train.steps=3",
-            "--set", "train.checkpoint_every=1"]
+            "--set", "runtime.checkpoint_every=1"]
     for stage in ("encode-captions", "cache-latents"):
         assert CliRunner().invoke(cli, [stage, *args]).exit_code == 0
     crash = torch.AcceleratorError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be "
                                    "asynchronously reported")
     monkeypatch.setattr("stages.core.faults.hit", _raise_at("train", 2, crash))
-    result = CliRunner().invoke(cli, ["train", *args, "--set", "train.cudnn_attention=true"])
+    result = CliRunner().invoke(cli, ["train", *args, "--set", "runtime.cudnn_attention=true"])
     assert result.exit_code == 2, result.output
     line = " ".join(result.output.split())
     assert ("train: a step died in a CUDA error (CUDA error: an illegal memory access was encountered) with "
-            "train.cudnn_attention = true" in line), line
+            "runtime.cudnn_attention = true" in line), line
     assert "Traceback" not in result.output and "asynchronously" not in result.output
     resume = line.split("resume with `")[1].split("`")[0]
     assert shlex.split(resume)[:4] == ["lorapipe", "train", "--config", str(demo_config_path("flux"))]  # as named
-    assert "--resume" in resume and "train.cudnn_attention=false" in resume
+    assert "--resume" in resume and "runtime.cudnn_attention=false" in resume
     from stages.train.checkpoints import complete_checkpoints
 
     assert [p.name for p in complete_checkpoints(cfg.run_dir / "lora")] == ["checkpoint-1"]  # the step before it
@@ -1049,8 +1072,7 @@ def test_cache_fingerprints_ask_their_own_stage_planner_only(assets, demo_data, 
     def refuse(*args, **kwargs):
         raise AssertionError("train's planner ran")
 
-    monkeypatch.setattr(memory.train, "plan", refuse)
-    monkeypatch.setitem(memory.PLANNERS, "train", refuse)
+    monkeypatch.setitem(memory.PLANNERS, "train", dataclasses.replace(memory.PLANNERS["train"], plan=refuse))
     with pytest.raises(AssertionError, match="train's planner ran"):  # the stage's own "auto" plan does ask it
         memory.plan_for(cfg, get_family("flux"), ModelSource(cfg.model), memory.Budget(8.0, "auto"), "encode-captions")
     assert encode_captions.fingerprint_parts(cfg)["precision"] == "bf16"
@@ -1082,7 +1104,8 @@ def test_auto_captions_under_trains_peak_store_what_their_fingerprint_expects(as
     least = {p: min(t["predicted_peak_gb"] for t in tried if t["text_encoder_precision"] == p) for p in ("bf16", "nf4")}
     assert least["nf4"] * 2 < least["bf16"]
     peak = (least["nf4"] + least["bf16"]) / 2  # nf4 fits under train's peak, bf16 does not
-    monkeypatch.setattr(memory.train, "plan", lambda *a: memory.StagePlan("train", a[-1], {}, peak, True))
+    monkeypatch.setitem(memory.PLANNERS, "train", dataclasses.replace(
+        memory.PLANNERS["train"], plan=lambda *a: memory.StagePlan("train", a[-1], {}, peak, True)))
     under_peak = memory.plan_captions(cfg, family, src, memory.Budget(round(peak * memory.FRAGMENTATION, 3), "auto"))
     assert under_peak.fits and under_peak.settings["text_encoder_precision"] == "nf4"
     plan = memory.plan_for(cfg, family, src, memory.Budget(1e6, "auto"), "encode-captions")

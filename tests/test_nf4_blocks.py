@@ -204,7 +204,7 @@ def test_nf4_swap_training_resumes_bit_identically(assets, demo_data, tmp_path_f
     encode_captions.run(cached)
     cache_latents.run(cached)
     _force_swap(monkeypatch, 1)
-    sets = {"train.steps": 4, "train.checkpoint_every": 2, "train.base_precision": "nf4"}
+    sets = {"train.steps": 4, "runtime.checkpoint_every": 2, "train.base_precision": "nf4"}
     straight = train.run(_cfg(cached, **sets))
     swap = straight["runtime"]["block_swap"]  # one swapped block: copied once, then found in its slot every fetch
     assert swap["swapped_blocks"] == 1 and swap["copies"] == 1 and straight["runtime"]["cuda_alloc_retries"] == 0

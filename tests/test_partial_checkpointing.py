@@ -1,4 +1,4 @@
-"""Partial gradient checkpointing (train.gradient_checkpointing = "auto"): the trainer checkpoints exactly
+"""Partial gradient checkpointing (runtime.gradient_checkpointing = "auto"): the trainer checkpoints exactly
 the k repeated blocks the memory plan chose, and the loss and LoRA gradients are those of checkpointing
 every block and of checkpointing none.
 
@@ -62,7 +62,7 @@ def test_partial_checkpointing_same_loss_and_gradients(built_run, monkeypatch):
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
     results = {}
     for name, value in (("none", False), ("all", True), ("partial", "auto")):
-        cfg = run_beside(built_run, f"ckpt-{name}", **{"train.base_precision": "fp32", "train.gradient_checkpointing": value})
+        cfg = run_beside(built_run, f"ckpt-{name}", **{"train.base_precision": "fp32", "runtime.gradient_checkpointing": value})
         if name == "partial":
             _simulate_budget(monkeypatch, _budget_for(cfg, 1))
         tr, loss, grads = _step(cfg, ran)
@@ -87,7 +87,7 @@ def test_partial_checkpointing_replays_lora_dropout(built_run, monkeypatch):
     results = []
     for name, value in (("none", False), ("partial", "auto")):
         cfg = run_beside(built_run, f"ckpt-dropout-{name}", **{"train.base_precision": "fp32", "train.dropout": 0.25,
-                                                             "train.gradient_checkpointing": value})
+                                                             "runtime.gradient_checkpointing": value})
         if name == "partial":
             _simulate_budget(monkeypatch, _budget_for(cfg, 1))
         tr, loss, grads = _step(cfg, [])
@@ -107,8 +107,8 @@ def test_planned_partial_checkpointing_is_logged_recorded_and_resumes_any_settin
     from stages import registry
     from stages.core.stage import staleness
 
-    cfg = run_beside(built_run, "ckpt-run", **{"train.base_precision": "fp32", "train.gradient_checkpointing": "auto",
-                                               "train.steps": 2, "train.checkpoint_every": 0})
+    cfg = run_beside(built_run, "ckpt-run", **{"train.base_precision": "fp32", "runtime.gradient_checkpointing": "auto",
+                                               "train.steps": 2, "runtime.checkpoint_every": 0})
     gb = _budget_for(cfg, 1)
     _simulate_budget(monkeypatch, gb)
     manifest = train.run(cfg)
@@ -126,7 +126,7 @@ def test_planned_partial_checkpointing_is_logged_recorded_and_resumes_any_settin
 def _same_run(cfg, value):
     import dataclasses
 
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, gradient_checkpointing=value))
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, gradient_checkpointing=value))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -142,8 +142,8 @@ def test_partial_checkpointing_under_compile_and_cuda_graphs(built_run, monkeypa
     runs = []
     for name, value in (("all", True), ("all-again", True), ("partial", "auto")):
         cfg = run_beside(built_run, f"ckpt-cuda-{name}", **{
-            "device": "cuda", "train.base_precision": "bf16", "train.gradient_checkpointing": value,
-            "train.compile_transformer": "on", "train.steps": 6})
+            "device": "cuda", "train.base_precision": "bf16", "runtime.gradient_checkpointing": value,
+            "runtime.compile_transformer": "on", "train.steps": 6})
         if name == "partial":
             _simulate_budget(monkeypatch, _budget_for(cfg, 1))
         from stages.train.trainer import Trainer
@@ -166,7 +166,7 @@ def test_partial_checkpointing_under_compile_and_cuda_graphs(built_run, monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("built_run", ["flux"], indirect=True)
 def test_under_a_budget_auto_captures_only_with_room_and_trains_eager_without(built_run, monkeypatch):
-    """On the GPU under a budget, train.cuda_graphs = "auto" weighs the room at the capture (fastpath.CaptureRoom
+    """On the GPU under a budget, runtime.cuda_graphs = "auto" weighs the room at the capture (fastpath.CaptureRoom
     with the unswapped factor): with room it captures and replays; with the factor past any room it trains
     eager to the end (FLUX.2 klein's capped rows crashed after a capture without room), the same losses
     within bf16 rounding, and the summary says why."""
@@ -179,8 +179,8 @@ def test_under_a_budget_auto_captures_only_with_room_and_trains_eager_without(bu
     for name, factor in (("room", 0.0), ("no-room", 1e6)):
         monkeypatch.setattr(fastpath, "UNSWAPPED_CAPTURE_ROOM", factor)
         cfg = run_beside(built_run, f"room-cuda-{name}", **{
-            "device": "cuda", "train.base_precision": "bf16", "train.gradient_checkpointing": True,
-            "train.cuda_graphs": "auto", "train.compile_transformer": "off", "train.steps": 6})
+            "device": "cuda", "train.base_precision": "bf16", "runtime.gradient_checkpointing": True,
+            "runtime.cuda_graphs": "auto", "runtime.compile_transformer": "off", "train.steps": 6})
         tr = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "train"))
         torch.manual_seed(cfg.seed)
         with torch_flags(True, False, True):

@@ -231,7 +231,7 @@ def test_variant_flags_set_their_train_keys_and_an_unknown_one_is_named():
     from types import SimpleNamespace
 
     assert peers.variant_flag("fp8blocks16") == ({}, {"train.fp8_blocks": 16})
-    assert peers.variant_flag("cudnn") == ({}, {"train.cudnn_attention": True})
+    assert peers.variant_flag("cudnn") == ({}, {"runtime.cudnn_attention": True})
     assert peers.variant_flag("fp8blocks") is None and peers.variant_flag("fp8blockz3") is None
     with pytest.raises(SystemExit, match=r"unknown product variant flag\(s\) \['cudnnn'\]; known: cudnn, .*fp8blocks<N>"):
         peers.run_product(SimpleNamespace(tiny=False, res=1024), "flux2-klein", None, "fp8+cudnnn", None, {}, {})

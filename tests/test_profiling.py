@@ -1,4 +1,4 @@
-"""train.profile_steps' profiler (stages/core/profiling.py): it covers exactly the steps after the
+"""runtime.profile_steps' profiler (stages/core/profiling.py): it covers exactly the steps after the
 warm-up, writes its table once they are done, and writes nothing when the run ends or stops inside
 them. The trainer's use of it (the `profile` event, profile.json) is in test_events_schema.py."""
 

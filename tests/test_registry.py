@@ -88,3 +88,16 @@ def test_every_stage_writes_a_manifest_kind_of_the_schema():
     for stage in registry.ALL:
         fields = {"kind": "final"} if stage.name == "train" else {}
         assert manifest_kind(stage.name, fields) in MANIFEST_SCHEMA, stage.name
+
+
+def test_each_planned_stage_names_the_planner_its_module_declares():
+    """The registry names each planned stage's planner module; that module's PLANNER plans that stage, and
+    the planner table the memory package runs holds exactly those planners."""
+    import importlib
+
+    from stages.core import memory
+
+    declared = {s.name: importlib.import_module(s.planner).PLANNER for s in registry.ALL if s.planned}
+    assert {name: p.stage for name, p in declared.items()} == {name: name for name in declared}
+    assert memory.PLANNERS == declared
+    assert set(registry.PLANNED) == set(declared)

@@ -20,7 +20,7 @@ import pytest
 from conftest import ROOT, demo_config_path, once, run_beside
 
 STEPS, STOP_AT = 6, 3
-TRAIN = {"train.steps": STEPS, "train.checkpoint_every": 4, "train.log_every": 1}
+TRAIN = {"train.steps": STEPS, "runtime.checkpoint_every": 4, "runtime.log_every": 1}
 _REFERENCE: dict[str, tuple] = {}
 
 
@@ -137,8 +137,8 @@ def test_stop_no_save_writes_nothing_new(built_run):
     from stages import train
     from stages.core.artifacts import lock_holder_pid
 
-    cfg = new_run(built_run, "cancelled", **{"train.steps": 400, "train.checkpoint_every": 1,
-                                             "train.keep_checkpoints": 1000})
+    cfg = new_run(built_run, "cancelled", **{"train.steps": 400, "runtime.checkpoint_every": 1,
+                                             "runtime.keep_checkpoints": 1000})
     seen: list = []
     watcher = threading.Thread(target=_stop_when_training, args=(cfg, False, seen))
     watcher.start()
@@ -176,9 +176,9 @@ def test_sigterm_to_pipeline_run_stops_train_cleanly(built_run):
 
     from stages.core.events import read_events
 
-    cfg = new_run(built_run, "run-sigterm", **{"train.steps": 400, "train.checkpoint_every": 0})
+    cfg = new_run(built_run, "run-sigterm", **{"train.steps": 400, "runtime.checkpoint_every": 0})
     sets = {"data.path": cfg.data.path, "artifacts": cfg.artifacts, "device": "cpu", "train.steps": 400,
-            "train.checkpoint_every": 0}
+            "runtime.checkpoint_every": 0}
     parent = subprocess.Popen(
         [sys.executable, str(ROOT / "pipeline.py"), "run", "--config", str(demo_config_path("flux")), "--run", cfg.run,
          "--model", cfg.model, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],

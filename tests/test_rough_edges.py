@@ -34,7 +34,7 @@ def test_adapters_checkpoints_and_exports_follow_the_umask(built_run):
     """safetensors' save_file makes 0600 files: teammates could not read the LoRA."""
     from stages import export_lora, train
 
-    cfg = run_beside(built_run, "modes", **{"train.steps": 2, "train.checkpoint_every": 1, "train.keep_checkpoints": 0})
+    cfg = run_beside(built_run, "modes", **{"train.steps": 2, "runtime.checkpoint_every": 1, "runtime.keep_checkpoints": 0})
     old = os.umask(0o022)
     try:
         train.run(cfg)

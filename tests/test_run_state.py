@@ -148,7 +148,7 @@ def test_resume_after_a_settings_change_refuses_and_names_the_keys(built_run, mo
     from stages.core import faults
     from stages.core.artifacts import atomic_write_json
 
-    cfg = run_beside(built_run, "changed", **{"train.steps": 6, "train.checkpoint_every": 2})
+    cfg = run_beside(built_run, "changed", **{"train.steps": 6, "runtime.checkpoint_every": 2})
     atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
     monkeypatch.setenv(faults.ENV, "train:3:TERM")
     stopped = invoke("train", *by_name(cfg))
@@ -218,7 +218,7 @@ def test_suggested_commands_paste_and_work(built_run, monkeypatch):
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     line = ["--config", demo_config_path(built_run.family), "--run", "early", "--model", cfg.model,
             "--set", f"data.path={cfg.data.path}", "--set", f"artifacts={cfg.artifacts}", "--set", "device=cpu",
-            "--set", "train.steps=4", "--set", "train.checkpoint_every=2"]
+            "--set", "train.steps=4", "--set", "runtime.checkpoint_every=2"]
     first = invoke("train", *line)
     assert first.exit_code == 2 and "python pipeline.py" not in first.output, first.output
     commands = suggested(first.output)

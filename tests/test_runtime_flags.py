@@ -22,7 +22,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @pytest.mark.parametrize("key, bad", [
-    ("train.base_precision", "int8"), ("train.compile_transformer", "maybe"), ("train.optimizer", "sgd"),
+    ("train.base_precision", "int8"), ("runtime.compile_transformer", "maybe"), ("train.optimizer", "sgd"),
     ("captions.text_encoder_precision", "fp8"), ("latents.vae_precision", "nf4"),
 ])
 def test_flag_values_are_validated(key, bad):
@@ -31,14 +31,14 @@ def test_flag_values_are_validated(key, bad):
 
 
 def test_flag_typo_names_nearest_key():
-    with pytest.raises(ConfigError, match="did you mean 'train.compile_transformer'"):
+    with pytest.raises(ConfigError, match="did you mean 'runtime.compile_transformer'"):
         load_config(None, {"model": "x", "train.compile_transformers": "on"})
 
 
 def test_flag_errors_reported_together():
     with pytest.raises(ConfigError) as err:
-        load_config(None, {"model": "x", "train.base_precision": "int8", "train.enable_tf32": "perhaps"})
-    assert "train.base_precision" in str(err.value) and "train.enable_tf32" in str(err.value)
+        load_config(None, {"model": "x", "train.base_precision": "int8", "runtime.enable_tf32": "perhaps"})
+    assert "train.base_precision" in str(err.value) and "runtime.enable_tf32" in str(err.value)
 
 
 # ---- global torch state ---------------------------------------------------------------------
@@ -80,9 +80,9 @@ def test_torch_flags_tf32_off_leaves_precision():
     before = global_flags()
     with torch_flags(enable_tf32=False, cudnn_benchmark=False, disable_cudnn_attention=False) as notes:
         assert global_flags()["float32_matmul_precision"] == before["float32_matmul_precision"]
-        # train.cudnn_attention = true: cuDNN SDPA left as it was, and a warning that says what to do if it crashes
+        # runtime.cudnn_attention = true: cuDNN SDPA left as it was, and a warning that says what to do if it crashes
         assert global_flags()["cudnn_sdp"] == before["cudnn_sdp"]
-        assert len(notes) == 1 and "train.cudnn_attention = false" in notes[0]
+        assert len(notes) == 1 and "runtime.cudnn_attention = false" in notes[0]
     assert global_flags() == before
 
 
@@ -107,7 +107,7 @@ def layout_spy(sdpa, layouts: dict):
 
 def _attention_layouts(model, guard: bool) -> tuple[dict, torch.Tensor, list[torch.Tensor]]:
     """One forward and backward of a tiny real transformer: `layout_spy`'s record of every attention call; with
-    `guard`, through the train stage's `train.cudnn_attention = true` wrapper."""
+    `guard`, through the train stage's `runtime.cudnn_attention = true` wrapper."""
     import torch.nn.functional as F
 
     plain, layouts = F.scaled_dot_product_attention, {}
@@ -139,7 +139,7 @@ def test_cudnn_attention_backward_sees_one_gradient_layout_per_cached_graph(asse
     """torch caches cuDNN's attention backward by query/key/value layout only and keeps the output-gradient
     strides it was built with. FLUX.1's single-stream blocks (attention output concatenated with the MLP's)
     hand a sliced gradient under the same key as the double blocks' dense one: the crash FLUX.1 Kontext had
-    with cuDNN. Under `train.cudnn_attention = true` every key sees one layout, and nothing else changes."""
+    with cuDNN. Under `runtime.cudnn_attention = true` every key sees one layout, and nothing else changes."""
     import diffusers
 
     folder = tiny_model(assets, FAMILIES[family])

@@ -85,11 +85,11 @@ def test_a_capped_tiled_cache_is_what_train_expects_and_stale_for_an_untiled_con
     tiled_means = _means(capped)
     # the same cache for a config that does not tile (auto, plenty free): stale, and every row re-encoded
     ok, reasons = staleness(registry.get("cache-latents"), cfg)
-    assert not ok and "vae_tiled: True -> None" in reasons, reasons
-    with pytest.raises(ArtifactError, match="vae_tiled: True -> None"):
+    assert not ok and "vae_tiled: True -> False" in reasons, reasons
+    with pytest.raises(ArtifactError, match="vae_tiled: True -> False"):
         train.check_upstream(cfg)
     manifest = cache_latents.run(cfg)
-    assert "vae_tiled" not in manifest["fingerprint_parts"]
+    assert manifest["fingerprint_parts"]["vae_tiled"] is False
     assert manifest["encoded_this_run"] == len(manifest["index"]) == len(tiled_means)
     untiled_means = _means(cfg)
     assert all(not np.allclose(untiled_means[i], tiled_means[i]) for i in tiled_means)  # tiling really changed them
@@ -100,7 +100,7 @@ def test_free_memory_forcing_a_tile_is_recorded_warned_and_accepted_by_train(ass
     cfg = _cfg(assets, demo_data, tmp_path)
     encode_captions.run(cfg)
     gpu["free"] = _tiled_budget(cfg) + memory.AUTO_MARGIN_GB  # "auto": only a tiled encode fits what is free
-    assert "vae_tiled" not in cache_latents.layout_parts(cfg)  # the config's own layout (what train expects) is untiled
+    assert cache_latents.layout_parts(cfg)["vae_tiled"] is False  # the config's own layout (what train expects) is untiled
     manifest = cache_latents.run(cfg)
     forced = manifest["memory_forced"]
     assert forced["parts"] == {"vae_tiled": True} and manifest["fingerprint_parts"]["vae_tiled"] is True
@@ -129,7 +129,7 @@ def test_free_memory_forcing_a_tile_is_recorded_warned_and_accepted_by_train(ass
     gpu["free"] = 1000.0
     rebuilt = cache_latents.run(cfg)
     assert rebuilt["encoded_this_run"] == len(rebuilt["index"]) and "memory_forced" not in rebuilt
-    assert "vae_tiled" not in rebuilt["fingerprint_parts"]
+    assert rebuilt["fingerprint_parts"]["vae_tiled"] is False
     assert all(not np.allclose(m, tiled[i]) for i, m in _means(cfg).items())
     assert staleness(registry.get("cache-latents"), cfg) == (True, [])
 

@@ -10,6 +10,7 @@ the GPU machine and are skipped elsewhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -42,7 +43,7 @@ def cached(assets, demo_data, tmp_path_factory):
 
 def _cfg(cached, **overrides):
     base = {"model": cached.model, "data.path": cached.data.path, "artifacts": cached.artifacts, "device": "cpu",
-            "run": cached.run, "train.steps": 4, "train.checkpoint_every": 0, "train.warmup_steps_excluded": 1}
+            "run": cached.run, "train.steps": 4, "runtime.checkpoint_every": 0, "runtime.warmup_steps_excluded": 1}
     base.update(overrides)
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.toml", base)
     shutil.rmtree(cfg.run_dir / "lora", ignore_errors=True)
@@ -72,7 +73,7 @@ def test_a_diverged_loss_stops_train_with_what_to_change_and_keeps_the_checkpoin
     from stages.core.errors import TrainingDiverged, UserError
 
     cfg = _cfg(cached, **{"train.learning_rate": 1e30, "train.lr_warmup_steps": 0, "train.max_grad_norm": 0.0,
-                          "train.steps": 8, "train.checkpoint_every": 1})
+                          "train.steps": 8, "runtime.checkpoint_every": 1})
     with pytest.raises(TrainingDiverged) as err:
         train.run(cfg)
     assert isinstance(err.value, UserError)
@@ -87,7 +88,7 @@ def test_a_diverged_loss_stops_train_with_what_to_change_and_keeps_the_checkpoin
 def test_train_stage_restores_global_state(cached):
     from stages import train
 
-    cfg = _cfg(cached, **{"train.enable_tf32": True, "train.cudnn_benchmark": True, "train.steps": 2})
+    cfg = _cfg(cached, **{"runtime.enable_tf32": True, "runtime.cudnn_benchmark": True, "train.steps": 2})
     torch.set_float32_matmul_precision("highest")
     before = global_flags()
     manifest = train.run(cfg)
@@ -98,7 +99,7 @@ def test_train_stage_restores_global_state(cached):
 
 
 def test_the_cudnn_attention_opt_in_trains_the_same_losses_and_restores_attention(cached):
-    """train.cudnn_attention = true routes the stage's attention through the one-gradient-layout guard
+    """runtime.cudnn_attention = true routes the stage's attention through the one-gradient-layout guard
     (stages/core/runtime.py cudnn_safe_sdpa): same losses as without it, and torch's SDPA is its own again after."""
     import torch.nn.functional as F
 
@@ -107,7 +108,7 @@ def test_the_cudnn_attention_opt_in_trains_the_same_losses_and_restores_attentio
     plain = F.scaled_dot_product_attention
     losses = {}
     for opt_in in (False, True):
-        cfg = _cfg(cached, **{"train.cudnn_attention": opt_in, "train.steps": 3})
+        cfg = _cfg(cached, **{"runtime.cudnn_attention": opt_in, "train.steps": 3})
         train.run(cfg)
         losses[opt_in] = [e["loss"] for e in _events(cfg, "step")][-3:]
         assert F.scaled_dot_product_attention is plain
@@ -136,13 +137,13 @@ def test_nf4_text_encoder_on_cpu_is_a_clear_error(cached):
 
 def test_compile_auto_stays_eager_on_cpu(cached):
     """`auto` compiles on CUDA only: inductor's CPU build costs more than it gives on a CPU run."""
-    assert _trainer(_cfg(cached, **{"train.compile_transformer": "auto"})).compiled is False
-    assert _trainer(_cfg(cached, **{"train.compile_transformer": "off"})).compiled is False
+    assert _trainer(_cfg(cached, **{"runtime.compile_transformer": "auto"})).compiled is False
+    assert _trainer(_cfg(cached, **{"runtime.compile_transformer": "off"})).compiled is False
 
 
 @cuda
 def test_compile_auto_compiles_an_nf4_base_on_cuda(cached):
-    tr = _trainer(_cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "train.compile_transformer": "auto"}))
+    tr = _trainer(_cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "runtime.compile_transformer": "auto"}))
     assert tr.compiled is True
 
 
@@ -153,7 +154,7 @@ def test_compile_setup_failure_falls_back_to_eager(cached, monkeypatch):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(diffusers.ModelMixin, "compile_repeated_blocks", broken)
-    cfg = _cfg(cached, **{"train.compile_transformer": "on", "train.steps": 2})
+    cfg = _cfg(cached, **{"runtime.compile_transformer": "on", "train.steps": 2})
     from stages import train
 
     manifest = train.run(cfg)
@@ -165,8 +166,8 @@ def test_compile_setup_failure_falls_back_to_eager(cached, monkeypatch):
 @pytest.mark.parametrize("keep_attention", [False, True])
 def test_compiled_step_failure_falls_back_to_eager_with_same_loss(cached, monkeypatch, keep_attention):
     """A compile error that only shows at the first call (as inductor's do) reruns the step eager; with
-    train.keep_attention too (its compiled checkpoint fails the same way, and the eager one takes over)."""
-    sets = {"train.keep_attention": keep_attention, "train.gradient_checkpointing": True}
+    runtime.keep_attention too (its compiled checkpoint fails the same way, and the eager one takes over)."""
+    sets = {"runtime.keep_attention": keep_attention, "runtime.gradient_checkpointing": True}
     eager = _trainer(_cfg(cached, **sets))
     expected = [eager.step()[0] for _ in range(2)]
 
@@ -176,7 +177,7 @@ def test_compiled_step_failure_falls_back_to_eager_with_same_loss(cached, monkey
         return call
 
     monkeypatch.setattr(torch, "compile", failing_compile)
-    cfg = _cfg(cached, **{"train.compile_transformer": "on", **sets})
+    cfg = _cfg(cached, **{"runtime.compile_transformer": "on", **sets})
     tr = _trainer(cfg)
     assert tr.compiled
     got = [tr.step()[0] for _ in range(2)]
@@ -208,14 +209,14 @@ def test_checkpointing_with_dropout_replays_its_random_masks(cached):
     """With LoRA dropout the recompute must draw the same masks as the forward did: checkpointing on
     gives the loss and LoRA gradients of checkpointing off (a checkpoint function that skips the
     RNG bookkeeping would draw new masks in the recompute and change the gradients)."""
-    off, on = (_loss_and_grads(_cfg(cached, **{"train.dropout": 0.25, "train.gradient_checkpointing": ckpt}))
+    off, on = (_loss_and_grads(_cfg(cached, **{"train.dropout": 0.25, "runtime.gradient_checkpointing": ckpt}))
                for ckpt in (False, True))
     _assert_same(off, on)
 
 
 def test_checkpoint_without_rng_state_same_gradients(cached):
-    """train.gradient_checkpointing with the fast checkpoint function: same loss and LoRA gradients."""
-    cfg = _cfg(cached, **{"train.gradient_checkpointing": True})
+    """runtime.gradient_checkpointing with the fast checkpoint function: same loss and LoRA gradients."""
+    cfg = _cfg(cached, **{"runtime.gradient_checkpointing": True})
     _assert_same(_loss_and_grads(cfg, None), _loss_and_grads(cfg, fastpath.checkpoint_function(0.0)))
 
 
@@ -234,13 +235,13 @@ def _attention_calls(cfg) -> tuple[tuple[float, list[torch.Tensor]], int]:
             loss.backward()
     calls = sum(1 for e in prof.events() if e.name.startswith("aten::_scaled_dot_product")
                 and any(c.name.startswith("aten::empty") for c in e.cpu_children))
-    assert tr._runtime_summary()["keep_attention"] is cfg.train.keep_attention  # what the manifest reports
+    assert tr._runtime_summary()["keep_attention"] is cfg.runtime.keep_attention  # what the manifest reports
     return (float(loss), [p.grad.clone() for p in tr.params]), calls
 
 
 @pytest.mark.parametrize("compiled,dropout", [("off", 0.0), ("off", 0.25), ("on", 0.0)])
 def test_keep_attention_skips_the_recompute_of_attention_and_trains_the_same(cached, compiled, dropout, monkeypatch):
-    """train.keep_attention: a checkpointed block keeps its attention output, so the step runs one attention
+    """runtime.keep_attention: a checkpointed block keeps its attention output, so the step runs one attention
     kernel fewer per block (none recomputed) and gives full checkpointing's loss and LoRA gradients: bit for
     bit eager, with LoRA dropout too (the recompute replays the forward's masks); compiled (the policy inside
     torch.compile; aot_eager on the CPU, the partitioner inductor's compile uses too, in seconds rather than
@@ -250,8 +251,8 @@ def test_keep_attention_skips_the_recompute_of_attention_and_trains_the_same(cac
     if compiled == "on":
         real = torch.compile
         monkeypatch.setattr(torch, "compile", lambda *a, **k: real(*a, **{**k, "backend": "aot_eager"}))
-    runs = {keep: _attention_calls(_cfg(cached, **{"train.gradient_checkpointing": True, "train.keep_attention": keep,
-                                                   "train.compile_transformer": compiled, "train.dropout": dropout}))
+    runs = {keep: _attention_calls(_cfg(cached, **{"runtime.gradient_checkpointing": True, "runtime.keep_attention": keep,
+                                                   "runtime.compile_transformer": compiled, "train.dropout": dropout}))
             for keep in (False, True)}
     blocks = len(blockswap.repeated_blocks(_trainer(_cfg(cached)).model))
     (full, full_calls), (kept, kept_calls) = runs[False], runs[True]
@@ -271,9 +272,9 @@ def test_resume_with_read_ahead_is_exact(cached):
 
     from stages import train
 
-    straight = train.run(_cfg(cached, **{"train.steps": 6, "train.checkpoint_every": 3, "run": cached.run}))
+    straight = train.run(_cfg(cached, **{"train.steps": 6, "runtime.checkpoint_every": 3, "run": cached.run}))
     want = load_file(str(Path(cached.artifacts) / cached.run / "lora" / "final" / "adapter_model.safetensors"))
-    cfg = _cfg(cached, **{"train.steps": 6, "train.checkpoint_every": 3})
+    cfg = _cfg(cached, **{"train.steps": 6, "runtime.checkpoint_every": 3})
     tr = _trainer(cfg)
     for _ in range(3):
         tr.step()
@@ -298,7 +299,7 @@ def test_cuda_graphs_same_losses_as_eager(cached, precision, monkeypatch):
     for mode in ("off", "off", "on"):
         monkeypatch.setenv(fastpath.ENV, mode)
         cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": precision, "train.steps": 6,
-                              "train.gradient_checkpointing": True})
+                              "runtime.gradient_checkpointing": True})
         with torch_flags(True, False, True):
             tr = _trainer(cfg)
             losses, weights = losses_and_lora(tr)
@@ -336,7 +337,7 @@ def test_an_fp8_run_on_cuda_trains_like_bf16_under_graphs_and_compile_and_its_ex
                                         ("fp8", "off", "on"), ("fp8", "on", "on")):
         monkeypatch.setenv(fastpath.ENV, graphs)
         cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": precision, "train.steps": 6,
-                              "train.gradient_checkpointing": True, "train.compile_transformer": compiled})
+                              "runtime.gradient_checkpointing": True, "runtime.compile_transformer": compiled})
         with torch_flags(True, False, True):
             tr = _trainer(cfg)
             assert (sum(isinstance(m, fp8.Fp8Linear) for m in tr.model.modules()) >= 8) == (precision == "fp8")
@@ -384,9 +385,9 @@ def test_nf4_swap_same_losses_as_unswapped_nf4_on_cuda(cached, monkeypatch):
         monkeypatch.setenv(fastpath.ENV, graphs)
         monkeypatch.setattr(fastpath, "CAPTURE_ROOM", room)
         if swapped:
-            monkeypatch.setitem(memory.PLANNERS, "train", swap_one)
+            monkeypatch.setitem(memory.PLANNERS, "train", dataclasses.replace(memory.PLANNERS["train"], plan=swap_one))
         cfg = _cfg(cached, **{"device": "cuda", "train.base_precision": "nf4", "train.steps": 4,
-                              "train.gradient_checkpointing": True, "train.compile_transformer": "off"})
+                              "runtime.gradient_checkpointing": True, "runtime.compile_transformer": "off"})
         with torch_flags(True, False, True):
             tr = _trainer(cfg)
             assert (tr.swap is not None) == swapped

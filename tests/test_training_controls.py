@@ -216,12 +216,13 @@ def test_prodigy_with_an_adamw_learning_rate_gets_an_info_line():
 
 
 @flux_run
-def test_new_keys_at_their_defaults_keep_the_fingerprint(built_run):
-    """Runs made before these keys stay up to date; a changed value is a changed training."""
+def test_every_new_key_is_fingerprinted(built_run):
+    """They change what is learned: a changed value makes train stale and a checkpoint of other values unresumable."""
+    from stages.core.artifacts import fingerprint
     from stages.train.stage import fingerprint_parts
 
-    parts = fingerprint_parts(built_run)["train"]
-    assert not {"loraplus_ratio", "timestep_min", "timestep_max", "timestep_buckets", "weighting_scheme", "loss",
-                "huber_c"} & set(parts)
-    changed = fingerprint_parts(run_beside(built_run, "huber", **{"train.loss": "huber"}))["train"]
-    assert changed["loss"] == "huber"
+    base = fingerprint(fingerprint_parts(built_run))
+    for key, value in (("loraplus_ratio", 4.0), ("timestep_min", 0.1), ("timestep_max", 0.9), ("timestep_buckets", 4),
+                       ("weighting_scheme", "cosmap"), ("loss", "huber"), ("huber_c", 0.2), ("optimizer", "adafactor")):
+        changed = run_beside(built_run, f"fp-{key}", **{f"train.{key}": value})
+        assert fingerprint(fingerprint_parts(changed)) != base, key

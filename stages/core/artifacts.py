@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from stages.core.errors import ArtifactError, StageLocked, UserError
 
-SCHEMA_VERSION = 2  # 2: rows carry checksums, captions manifests store lengths, not texts
+SCHEMA_VERSION = 3  # a manifest of another version is treated as missing: its stage rebuilds the artifact
 CODE_VERSION = "0.1.0"
 
 # zarr warns about our manifest.json inside a store folder when it lists members; it is ours.
@@ -174,7 +174,7 @@ def read_manifest(artifact_dir: Path) -> dict[str, Any] | None:
         return _damaged(path, f"it does not parse ({e})")
     if not isinstance(m, dict) or m.get("schema_version") != SCHEMA_VERSION:
         version = m.get("schema_version") if isinstance(m, dict) else None
-        return _damaged(path, f"it has schema version {version!r}, this code reads {SCHEMA_VERSION}")
+        return _damaged(path, f"another lorapipe version wrote it (schema {version!r}, this one reads {SCHEMA_VERSION})")
     problems = validate_manifest(manifest_kind(str(m.get("stage")), m), m)
     return _damaged(path, "; ".join(problems[:3])) if problems else m
 

@@ -10,7 +10,7 @@ How it works (same math as the unswapped model, only placement changes):
   60 QwenImageTransformerBlock; Z-Image: 30 ZImageTransformerBlock; SDXL: its 70 BasicTransformerBlock
   inside the attention layers), in the order the model lists them, which is the order the DiT families
   run them in (SDXL's UNet lists down, up, mid and runs down, mid, up). Which `n_blocks` of them are
-  swapped is `swapped_positions`' choice: the last ones (train.block_swap_layout = "last", the
+  swapped is `swapped_positions`' choice: the last ones (runtime.block_swap_layout = "last", the
   default), or spread evenly among them ("spread"; refused for SDXL, whose next block in the list is
   not always the next one run).
 - A swapped block's frozen parameters are packed into one buffer in host memory (pinned on CUDA;
@@ -38,7 +38,7 @@ How it works (same math as the unswapped model, only placement changes):
   buffers into the slots on the side stream, forked from and joined back to the capture stream by
   the events above, so a replay copies each swapped block again and the weights stay in host
   memory. The graph's pool holds activations only; the slots are allocated outside it. Under
-  train.cuda_graphs = "auto" a swap plan captures only where the budget has room for it
+  runtime.cuda_graphs = "auto" a swap plan captures only where the budget has room for it
   (fastpath.SWAP_GRAPHS, CaptureRoom: capturing needed memory the plan had not got at 4 and 6 GB),
   else runs eager; on full-width Qwen-Image blocks (8, 6 swapped, nf4, 1024 px; bench/swap_probe.py)
   the swapped step took 1.05x the unswapped one compiled without graphs (20 steps) and 1.09x under

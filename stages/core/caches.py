@@ -80,17 +80,29 @@ def complete_checkpoints(lora_dir: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def write_diffusers(state: dict[str, Any], lora_cfg: dict[str, Any], manifest: dict[str, Any], out: Path) -> Path:
+def write_diffusers(state: dict[str, Any], lora_cfg: dict[str, Any], manifest: dict[str, Any], out: Path,
+                    note: dict[str, str] | None = None) -> Path:
     """The adapter as the family pipeline's diffusers LoRA file (export-lora's file; sample writes its
-    checkpoint columns with it too, so every column loads as the export does)."""
+    checkpoint columns with it too, so every column loads as the export does). Its header also names the
+    family and pipeline class (`lorapipe_family`, `lorapipe_pipeline_class`, which `lorapipe lora` reads),
+    and `note`'s fields."""
     import diffusers
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from stages.core.artifacts import save_safetensors
 
     pipeline_cls = getattr(diffusers, manifest["pipeline_class"])
     prefix = manifest["lora_prefix"]
     pipeline_cls.save_lora_weights(str(out), **{f"{prefix}_lora_layers": state,
                                                 f"{prefix}_lora_adapter_metadata": lora_cfg},
                                    weight_name=DIFFUSERS_FILE, safe_serialization=True)
-    return out / DIFFUSERS_FILE
+    path = out / DIFFUSERS_FILE
+    with safe_open(str(path), framework="pt") as f:
+        header = dict(f.metadata() or {})
+    save_safetensors(path, load_file(str(path)), {**header, "lorapipe_family": str(manifest.get("family")),
+                                                  "lorapipe_pipeline_class": manifest["pipeline_class"], **(note or {})})
+    return path
 
 
 def scale_folded(state: dict[str, Any], lora_cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

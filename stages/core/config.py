@@ -19,9 +19,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from stages.core.config_values import FORMS, RANGES, value_errors
+from stages.core.config_values import FORMS, value_errors
+from stages.core.ranges import AT_LEAST_ONE, FRACTION, MIN_RESOLUTION, NON_NEGATIVE, POSITIVE, Range, SEED_MAX
 from stages.core.errors import ConfigError
 
 
@@ -29,19 +30,19 @@ from stages.core.errors import ConfigError
 class DataConfig:
     path: str = "data"
     """Folder of images with same-stem .txt captions, or holding a metadata.jsonl (file_name, text)."""
-    resolution: int = 1024
+    resolution: Annotated[int, Range(MIN_RESOLUTION)] = 1024
     """Target side: buckets have an area near resolution**2."""
-    bucket_step: int = 0
+    bucket_step: Annotated[int, NON_NEGATIVE] = 0
     """Bucket sides are multiples of this (0: the family's own, e.g. 16 for FLUX)."""
-    max_aspect: float = 3.0
+    max_aspect: Annotated[float, Range(1)] = 3.0
     """Widest bucket aspect ratio (long side / short side)."""
-    cache_variants: int = 4
+    cache_variants: Annotated[int, AT_LEAST_ONE] = 4
     """Crop/flip variants cached per image; each training step samples one at random."""
     random_flip: bool = True
     """Odd-numbered variants are horizontally flipped."""
     crop: Literal["random", "center"] = "random"
     """Where each variant's crop box sits when the resized image overhangs its bucket."""
-    crop_zoom: float = 0.1
+    crop_zoom: Annotated[float, NON_NEGATIVE] = 0.1
     """Variants after the first are resized up to this much larger than needed, then cropped."""
     caption_ext: str = ".txt"
     """Extension of the same-stem caption files."""
@@ -54,12 +55,12 @@ class DataConfig:
     bucket_merge: bool = False
     """Move the images of aspect buckets holding fewer than train.batch_size images to the nearest bucket
     that holds enough, so batches fill (those images are cropped more); rebuilds latents.zarr."""
-    repeats: int = 1
+    repeats: Annotated[int, AT_LEAST_ONE] = 1
     """Times each image is trained per epoch (a [[datasets]] table sets its own)."""
-    weight: float = 0.0
+    weight: Annotated[float, NON_NEGATIVE] = 0.0
     """Fractional repeats instead of `repeats` (0: off): each epoch trains every image floor(weight) times
     plus a seeded, fresh share frac(weight) of the images once more (0.5: a random half per epoch)."""
-    caption_dropout: float = 0.0
+    caption_dropout: Annotated[float, Range(0, 1)] = 0.0
     """Probability that a step trains an item on the empty caption (its encoding is cached once, or once per
     control set when the text encoder sees the control images)."""
     caption_lines: Literal["whole", "variants"] = "whole"
@@ -67,9 +68,9 @@ class DataConfig:
     Files <stem>.1<ext>, <stem>.2<ext>, ... beside the caption are always further variants."""
     shuffle_tags: bool = False
     """Shuffle a caption's comma-separated tags: caption_variants seeded orders per caption are cached."""
-    keep_tokens: int = 0
+    keep_tokens: Annotated[int, NON_NEGATIVE] = 0
     """With shuffle_tags: the first N tags stay in place (e.g. a trigger word)."""
-    caption_variants: int = 8
+    caption_variants: Annotated[int, AT_LEAST_ONE] = 8
     """With shuffle_tags: tag orders cached per caption (distinct ones; one is drawn per step)."""
 
 
@@ -84,12 +85,12 @@ DATASET_DOCS = {"path": "A dataset folder (required in each [[datasets]] table; 
 
 @dataclass
 class CaptionsConfig:
-    max_sequence_length: int = 512
+    max_sequence_length: Annotated[int, AT_LEAST_ONE] = 512
     """Text tokens kept per caption (FLUX's T5: 512 for dev, 256 for schnell; longer is truncated)."""
     text_encoder_precision: Literal["auto", "fp32", "bf16", "nf4"] = "auto"
     """auto: on CUDA bf16 if it fits the stage's memory budget, else nf4 (else bf16 with layer offload);
     fp32 on CPU. nf4 needs CUDA (bitsandbytes)."""
-    batch_size: int = 8
+    batch_size: Annotated[int, AT_LEAST_ONE] = 8
     """Captions per text-encoder forward."""
 
 
@@ -103,41 +104,41 @@ class LatentsConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: Annotated[int, AT_LEAST_ONE] = 1000
     """Optimizer steps."""
-    batch_size: int = 1
+    batch_size: Annotated[int, AT_LEAST_ONE] = 1
     """Samples per step, all from one aspect bucket, in one denoiser forward."""
-    learning_rate: float = 1e-4
+    learning_rate: Annotated[float, POSITIVE] = 1e-4
     """Peak LR of the LoRA parameters (prodigy, prodigy_schedulefree: ~1.0, a multiplier of their own estimate)."""
     lr_scheduler: Literal[
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = "constant"
     """LR schedule after warmup (diffusers get_scheduler)."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: Annotated[int, NON_NEGATIVE] = 0
     """Linear warmup steps of the LR schedule (diffusers get_scheduler)."""
-    lr_num_cycles: int = 1
+    lr_num_cycles: Annotated[int, AT_LEAST_ONE] = 1
     """Hard restarts of cosine_with_restarts ("cosine" is always one half cosine)."""
-    lr_power: float = 1.0
+    lr_power: Annotated[float, POSITIVE] = 1.0
     """Exponent of the polynomial schedule."""
     optimizer: Literal["adamw", "adamw8bit", "prodigy", "prodigy_schedulefree", "adamw_schedulefree", "adafactor"] = "adamw"
     """adamw (torch, fused on CUDA), adamw8bit (bitsandbytes), prodigy and prodigy_schedulefree (their own step
     size: learning_rate ~1.0 scales it), adamw_schedulefree, adafactor (transformers; the smallest state). Schedule-free
     ones need lr_scheduler constant or constant_with_warmup: docs/configuration.md#optimizers."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, FRACTION] = 0.9
     """First-moment decay of the AdamW and Prodigy optimizers."""
-    adam_beta2: float = 0.999
+    adam_beta2: Annotated[float, FRACTION] = 0.999
     """Second-moment decay of the AdamW and Prodigy optimizers."""
-    adam_epsilon: float = 1e-8
+    adam_epsilon: Annotated[float, POSITIVE] = 1e-8
     """Denominator epsilon of the AdamW and Prodigy optimizers."""
-    weight_decay: float = 1e-4
+    weight_decay: Annotated[float, NON_NEGATIVE] = 1e-4
     """Decoupled weight decay of the LoRA parameters (every optimizer)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, NON_NEGATIVE] = 1.0
     """Gradient clipping of the LoRA parameters (0: off)."""
-    rank: int = 16
+    rank: Annotated[int, AT_LEAST_ONE] = 16
     """LoRA rank r."""
-    alpha: float = 16.0
+    alpha: Annotated[float, POSITIVE] = 16.0
     """LoRA alpha (scale = alpha / rank); stored in the exported file's metadata."""
-    dropout: float = 0.0
+    dropout: Annotated[float, FRACTION] = 0.0
     """LoRA dropout."""
     target_modules: list[str] = field(default_factory=list)
     """Module names for LoRA (empty: the family's default, e.g. FLUX attention q/k/v/out)."""
@@ -148,38 +149,30 @@ class TrainConfig:
     """Rank of the modules whose path ends in a regex, e.g. {"to_out.0" = 4} (peft rank_pattern); others: rank."""
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     """Alpha of the modules whose path ends in a regex (peft alpha_pattern); others: alpha."""
-    ema_decay: float = 0.0
+    ema_decay: Annotated[float, FRACTION] = 0.0
     """EMA of the adapter weights, ema = decay * ema + (1 - decay) * weights after every step (0: off;
     e.g. 0.999). Saved and resumed with checkpoints; `export-lora --ema` exports it."""
-    ema_device: Literal["auto", "cuda", "cpu"] = "auto"
-    """Where the EMA copy lives: auto beside the adapter (the training device); cpu keeps GPU memory free
-    at the cost of copying the adapter to the host every step."""
     timestep_density: Literal["logit_normal", "mode", "uniform"] = "logit_normal"
     """Flow families: how training timesteps are drawn (SD3 paper, sec. 3.1)."""
     logit_mean: float = 0.0
     """logit_normal density: mean of the normal before the sigmoid."""
-    logit_std: float = 1.0
+    logit_std: Annotated[float, POSITIVE] = 1.0
     """logit_normal density: standard deviation of the normal before the sigmoid."""
-    mode_scale: float = 1.29
+    mode_scale: Annotated[float, NON_NEGATIVE] = 1.29
     """mode density: how strongly timesteps gather at mid-range (SD3's default 1.29)."""
-    shift: float = 1.0
+    shift: Annotated[float, POSITIVE] = 1.0
     """Flow-matching timestep shift s' = shift*s / (1 + (shift-1)*s); 1.0 leaves sigmas as drawn."""
     dynamic_shift: bool = False
     """Shift by image token count as FLUX's scheduler does at inference (overrides shift)."""
-    guidance_scale: float = 1.0
+    guidance_scale: Annotated[float, NON_NEGATIVE] = 1.0
     """Guidance embedding value during training, for models with one (FLUX.1-dev, FLUX.2 dev); ignored
     by the others."""
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
     """DDPM families only (SDXL): auto reads the scheduler config."""
-    snr_gamma: float = 5.0
+    snr_gamma: Annotated[float, NON_NEGATIVE] = 5.0
     """DDPM families only: min-SNR-gamma loss weighting; 0 turns it off."""
-    noise_offset: float = 0.0
+    noise_offset: Annotated[float, NON_NEGATIVE] = 0.0
     """DDPM families only."""
-    gradient_checkpointing: bool | str = True
-    """Recompute activations in backward: much less memory, ~30% more compute. "auto": on CUDA the memory
-    planner checkpoints the fewest repeated blocks that fit the budget (the first ones in forward order; the
-    rest keep their activations), never swapping blocks or lowering the precision to do so; on CPU, all.
-    Same loss and gradients either way."""
     base_precision: Literal["auto", "nf4", "bf16", "fp32", "fp8"] = "auto"
     """auto: on CUDA the memory planner picks the first precision that fits the budget without block
     swap (bf16, then fp8 where the GPU has fp8 tensor cores (a single file: and the host can hold its bf16
@@ -192,6 +185,37 @@ class TrainConfig:
     fit (fp8 blocks before un-checkpointed ones under gradient_checkpointing = "auto"). A number fixes it."""
     nf4_double_quant: bool = True
     """bitsandbytes double quantization of the nf4 scales."""
+    loraplus_ratio: Annotated[float, NON_NEGATIVE] = 0.0
+    """LoRA+: the lora_B matrices train at learning_rate x this (e.g. 16), the rest at learning_rate (0: off;
+    lora and dora adapters only)."""
+    timestep_min: Annotated[float, Range(0, 1)] = 0.0
+    """Flow families: lowest training timestep, as a fraction of the schedule (0 clean, 1 pure noise), before
+    the shift; the density is squeezed into [timestep_min, timestep_max], its shape kept."""
+    timestep_max: Annotated[float, Range(0, 1)] = 1.0
+    """Flow families: highest training timestep (see timestep_min); e.g. 0.5 trains only the less noisy half."""
+    timestep_buckets: Annotated[int, NON_NEGATIVE] = 0
+    """Flow families: stratified timesteps (0: off): the density is cut into this many equally likely ranges
+    and consecutive draws (within a batch and across steps) take them in turn, so few steps still cover it."""
+    weighting_scheme: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    """Flow families: loss weight per sample by its sigma, as diffusers' SD3 weighting: sigma_sqrt 1/sigma^2,
+    cosmap 2/(pi(1-2 sigma+2 sigma^2)). (diffusers' logit_normal and mode are train.timestep_density here.)"""
+    loss: Literal["mse", "huber", "smooth_l1"] = "mse"
+    """Per-element loss of d = prediction - target: mse d^2; huber (pseudo-Huber) 2c(sqrt(d^2+c^2)-c), d^2
+    near 0 and linear beyond c; smooth_l1 the same / c. c = huber_c. As sd-scripts' loss_type."""
+    huber_c: Annotated[float, POSITIVE] = 0.1
+    """c of train.loss = huber / smooth_l1: errors much larger than c count linearly instead of squared."""
+
+
+@dataclass
+class RuntimeConfig:
+    """How the stages run: speed, memory placement, logging and saving. None of it changes what is
+    learned or cached (same loss and gradients), so none of it is in a fingerprint."""
+
+    gradient_checkpointing: bool | str = True
+    """Recompute activations in backward: much less memory, ~30% more compute. "auto": on CUDA the memory
+    planner checkpoints the fewest repeated blocks that fit the budget (the first ones in forward order; the
+    rest keep their activations), never swapping blocks or lowering the precision to do so; on CPU, all.
+    Same loss and gradients either way."""
     compile_transformer: Literal["off", "on", "auto"] = "auto"
     """Regional torch.compile of the repeated blocks; auto: on on CUDA (bf16, fp8 and nf4 bases), off on CPU.
     Any compile failure, at setup or in the first compiled step, falls back to eager with a warning."""
@@ -207,60 +231,44 @@ class TrainConfig:
     between them (at small images a copy outlasts a block's compute). Same loss either way. "last" is
     measured (docs/performance.md); "spread" not yet on a GPU, and refused for SDXL (its
     UNet runs its blocks in another order than it lists them)."""
-    enable_tf32: bool = True
-    """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
-    cudnn_attention: bool = False
-    """Let train use cuDNN attention (off: flash / memory-efficient): faster on Hopper GPUs. Turn it on for
-    speed; turn it off again if a step dies with a CUDA error or the loss turns NaN."""
     keep_attention: bool = False
     """Checkpointed blocks keep their attention output (and its softmax statistics) for the backward instead
     of recomputing attention with the rest of the block: the same math, one more activation of a block's
     width per checkpointed block (the memory planner counts it), and the recompute's attention saved, the op
     that grows with the square of the tokens (long sequences: FLUX.1 Kontext's 8,704 tokens at 1024 px).
     Not for SDXL (its UNet blocks hold several attentions at other widths)."""
+    enable_tf32: bool = True
+    """TF32 matmul/cuDNN and float32_matmul_precision("high") during the stage, restored after."""
+    cudnn_attention: bool = False
+    """Let train use cuDNN attention (off: flash / memory-efficient): faster on Hopper GPUs. Turn it on for
+    speed; turn it off again if a step dies with a CUDA error or the loss turns NaN."""
     cudnn_benchmark: bool = False
     """cuDNN autotuning; off by default (it doubled the fp32 VAE's peak VRAM)."""
-    checkpoint_every: int = 500
+    ema_device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the EMA copy lives: auto beside the adapter (the training device); cpu keeps GPU memory free
+    at the cost of copying the adapter to the host every step."""
+    checkpoint_every: Annotated[int, NON_NEGATIVE] = 500
     """Write a resumable checkpoint every N steps (0: only at the end or on stop)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Annotated[int, NON_NEGATIVE] = 2
     """Newest checkpoints kept (0: keep all)."""
     resume: Literal["never", "auto"] = "never"
     """auto: continue from the newest matching checkpoint (as train --resume)."""
-    log_every: int = 1
+    log_every: Annotated[int, AT_LEAST_ONE] = 1
     """Emit a step event every N steps."""
-    warmup_steps_excluded: int = 3
+    warmup_steps_excluded: Annotated[int, NON_NEGATIVE] = 3
     """Steps left out of samples_per_second (first steps pay for allocation and compile)."""
-    profile_steps: int = 0
+    profile_steps: Annotated[int, NON_NEGATIVE] = 0
     """Profile this many steps right after the warm-up steps (torch.profiler) and write profile.json
     beside the LoRA: GPU kernels by time per step, host-to-device copies apart (CPU: operators). 0: off."""
-    loraplus_ratio: float = 0.0
-    """LoRA+: the lora_B matrices train at learning_rate x this (e.g. 16), the rest at learning_rate (0: off;
-    lora and dora adapters only)."""
-    timestep_min: float = 0.0
-    """Flow families: lowest training timestep, as a fraction of the schedule (0 clean, 1 pure noise), before
-    the shift; the density is squeezed into [timestep_min, timestep_max], its shape kept."""
-    timestep_max: float = 1.0
-    """Flow families: highest training timestep (see timestep_min); e.g. 0.5 trains only the less noisy half."""
-    timestep_buckets: int = 0
-    """Flow families: stratified timesteps (0: off): the density is cut into this many equally likely ranges
-    and consecutive draws (within a batch and across steps) take them in turn, so few steps still cover it."""
-    weighting_scheme: Literal["none", "sigma_sqrt", "cosmap"] = "none"
-    """Flow families: loss weight per sample by its sigma, as diffusers' SD3 weighting: sigma_sqrt 1/sigma^2,
-    cosmap 2/(pi(1-2 sigma+2 sigma^2)). (diffusers' logit_normal and mode are train.timestep_density here.)"""
-    loss: Literal["mse", "huber", "smooth_l1"] = "mse"
-    """Per-element loss of d = prediction - target: mse d^2; huber (pseudo-Huber) 2c(sqrt(d^2+c^2)-c), d^2
-    near 0 and linear beyond c; smooth_l1 the same / c. c = huber_c. As sd-scripts' loss_type."""
-    huber_c: float = 0.1
-    """c of train.loss = huber / smooth_l1: errors much larger than c count linearly instead of squared."""
 
 
 @dataclass
 class ValidationConfig:
     path: str = ""
     """Folder of held-out images with captions (as data.path), never trained on ('': none)."""
-    split: float = 0.0
+    split: Annotated[float, FRACTION] = 0.0
     """Fraction of data.path's items held out instead, chosen by content id (0: none)."""
-    every_n_steps: int = 0
+    every_n_steps: Annotated[int, NON_NEGATIVE] = 0
     """Validation loss every N steps and at the last step, with fixed noise per item (0: never)."""
 
 
@@ -283,17 +291,17 @@ class SampleConfig:
     """Prompts the `sample` stage renders (empty: the first 3 captions of the dataset)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     """One image per prompt and seed, the same seeds for the base model and for the LoRA."""
-    steps: int = 28
+    steps: Annotated[int, AT_LEAST_ONE] = 28
     """Inference steps per image."""
     guidance_scale: float = -1.0
     """Passed to the pipeline; negative: the pipeline's own default."""
-    width: int = 0
+    width: Annotated[int, NON_NEGATIVE] = 0
     """Image width (0: data.resolution)."""
-    height: int = 0
+    height: Annotated[int, NON_NEGATIVE] = 0
     """Image height (0: data.resolution)."""
     lora_scale: float = 1.0
     """Adapter strength when rendering with the LoRA."""
-    every_n_checkpoints: int = 0
+    every_n_checkpoints: Annotated[int, NON_NEGATIVE] = 0
     """Also render every Nth kept checkpoint (lora/checkpoint-<step>) as its own column (0: final only)."""
     after_train: bool = False
     """`run` renders samples after export-lora (off: only `lorapipe sample` does)."""
@@ -330,7 +338,7 @@ class Config:
     """Root folder of all runs' artifacts."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when torch sees a GPU, else CPU."""
-    seed: int = 0
+    seed: Annotated[int, Range(0, SEED_MAX)] = 0
     """Seeds the crop/flip plan, the batch order and every training draw."""
     data: DataConfig = field(default_factory=DataConfig)
     datasets: list[dict[str, Any]] = field(default_factory=list)
@@ -341,6 +349,7 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
 
     @property
@@ -381,6 +390,18 @@ class Config:
 
 
 SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)}  # type: ignore[arg-type]
+
+
+def _ranges() -> dict[str, Range]:
+    """dotted key -> the Range annotated on its field (`Annotated[int, AT_LEAST_ONE]`)."""
+    out = {}
+    for cls, prefix in [(Config, "")] + [(typing.get_type_hints(Config)[s], f"{s}.") for s in sorted(SECTIONS)]:
+        for name, tp in typing.get_type_hints(cls, include_extras=True).items():
+            out.update({prefix + name: m for m in getattr(tp, "__metadata__", ()) if isinstance(m, Range)})
+    return out
+
+
+RANGES = _ranges()
 
 
 def all_keys() -> list[str]:
@@ -501,7 +522,7 @@ def build_config(data: dict[str, Any], source: str = "<config>", labels: dict[st
         else:
             errors.append(f"unknown key '{key}'{_nearest(key)}")
     cfg = Config(**kwargs)
-    errors += value_errors(cfg)
+    errors += value_errors(cfg, RANGES)
     if errors:
         raise config_errors(errors, source, labels or {})
     return cfg

@@ -10,115 +10,25 @@ A value that failed its type check is left at its (valid) default here, so it is
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
-# train seeds its batch-order generator with seed * 1_000_003 + epoch; torch.Generator.manual_seed
-# takes at most 2**64 - 1, so seeds stay below 2**32 (also numpy's legacy seed range).
-SEED_MAX = 2**32 - 1
-# The largest pixel multiple of the shipped families (VAE x8, 2x2 patches): no bucket fits below it.
-MIN_RESOLUTION = 16
-
-
-@dataclass(frozen=True)
-class Range:
-    """A closed or half-open interval of valid numbers; `str()` is how messages state it."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def __contains__(self, value: float) -> bool:
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above and below
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
-        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
-                f"{')' if self.high_open else ']'}")
-
-
-def _number(x: float | None) -> str:
-    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
-
-
-POSITIVE = Range(0, low_open=True)
-NON_NEGATIVE = Range(0)
-AT_LEAST_ONE = Range(1)
-FRACTION = Range(0, 1, high_open=True)
-
-RANGES: dict[str, Range] = {
-    "seed": Range(0, SEED_MAX),
-    "data.resolution": Range(MIN_RESOLUTION),
-    "data.bucket_step": NON_NEGATIVE,
-    "data.max_aspect": Range(1),
-    "data.cache_variants": AT_LEAST_ONE,
-    "data.crop_zoom": NON_NEGATIVE,
-    "data.repeats": AT_LEAST_ONE,
-    "data.weight": NON_NEGATIVE,
-    "data.caption_dropout": Range(0, 1),
-    "data.keep_tokens": NON_NEGATIVE,
-    "data.caption_variants": AT_LEAST_ONE,
-    "captions.max_sequence_length": AT_LEAST_ONE,
-    "captions.batch_size": AT_LEAST_ONE,
-    "train.steps": AT_LEAST_ONE,
-    "train.batch_size": AT_LEAST_ONE,
-    "train.learning_rate": POSITIVE,
-    "train.lr_warmup_steps": NON_NEGATIVE,
-    "train.lr_num_cycles": AT_LEAST_ONE,
-    "train.lr_power": POSITIVE,
-    "train.adam_beta1": FRACTION,
-    "train.adam_beta2": FRACTION,
-    "train.adam_epsilon": POSITIVE,
-    "train.weight_decay": NON_NEGATIVE,
-    "train.max_grad_norm": NON_NEGATIVE,
-    "train.rank": AT_LEAST_ONE,
-    "train.alpha": POSITIVE,
-    "train.dropout": FRACTION,
-    "train.ema_decay": FRACTION,
-    "validation.split": FRACTION,
-    "validation.every_n_steps": NON_NEGATIVE,
-    "train.logit_std": POSITIVE,
-    "train.mode_scale": NON_NEGATIVE,
-    "train.shift": POSITIVE,
-    "train.guidance_scale": NON_NEGATIVE,
-    "train.snr_gamma": NON_NEGATIVE,
-    "train.noise_offset": NON_NEGATIVE,
-    "train.checkpoint_every": NON_NEGATIVE,
-    "train.keep_checkpoints": NON_NEGATIVE,
-    "train.log_every": AT_LEAST_ONE,
-    "train.warmup_steps_excluded": NON_NEGATIVE,
-    "train.profile_steps": NON_NEGATIVE,
-    "train.loraplus_ratio": NON_NEGATIVE,
-    "train.timestep_min": Range(0, 1),
-    "train.timestep_max": Range(0, 1),
-    "train.timestep_buckets": NON_NEGATIVE,
-    "train.huber_c": POSITIVE,
-    "sample.steps": AT_LEAST_ONE,
-    "sample.width": NON_NEGATIVE,
-    "sample.height": NON_NEGATIVE,
-    "sample.every_n_checkpoints": NON_NEGATIVE,
-}
 
 # train.optimizer values that estimate their own step size / that train at y and export the average x
 PRODIGY = ("prodigy", "prodigy_schedulefree")
 SCHEDULE_FREE = ("adamw_schedulefree", "prodigy_schedulefree")
 
 # Keys whose values are not one type (checked in value_errors), as `pipeline.py keys` states them.
-FORMS = {"train.gradient_checkpointing": "true | false | 'auto'", "train.fp8_blocks": "'auto' | a number >= 1"}
+FORMS = {"runtime.gradient_checkpointing": "true | false | 'auto'", "train.fp8_blocks": "'auto' | a number >= 1"}
 
 
-def value_errors(cfg: Any) -> list[str]:
+def value_errors(cfg: Any, ranges: dict[str, Any]) -> list[str]:
     """Every value of `cfg` outside its valid range or form, each message naming the key and the fix."""
-    errors = [f"'{key}' = {cfg.section(key)!r} must be {valid}" for key, valid in RANGES.items()
+    errors = [f"'{key}' = {cfg.section(key)!r} must be {valid}" for key, valid in ranges.items()
               if cfg.section(key) not in valid]
-    errors += [f"'sample.seeds[{i}]' = {seed!r} must be {RANGES['seed']}"
-               for i, seed in enumerate(cfg.sample.seeds) if seed not in RANGES["seed"]]
-    if not isinstance(cfg.train.gradient_checkpointing, bool) and cfg.train.gradient_checkpointing != "auto":
-        errors.append(f"'train.gradient_checkpointing' = {cfg.train.gradient_checkpointing!r} must be true, false or "
+    errors += [f"'sample.seeds[{i}]' = {seed!r} must be {ranges['seed']}"
+               for i, seed in enumerate(cfg.sample.seeds) if seed not in ranges["seed"]]
+    if not isinstance(cfg.runtime.gradient_checkpointing, bool) and cfg.runtime.gradient_checkpointing != "auto":
+        errors.append(f"'runtime.gradient_checkpointing' = {cfg.runtime.gradient_checkpointing!r} must be true, false or "
                       f"'auto' (the planner checkpoints as few blocks as the GPU budget allows)")
     fp8_blocks = cfg.train.fp8_blocks
     if fp8_blocks != "auto" and (isinstance(fp8_blocks, bool) or not isinstance(fp8_blocks, int) or fp8_blocks < 1):
@@ -129,7 +39,7 @@ def value_errors(cfg: Any) -> list[str]:
                       f"{cfg.train.base_precision!r}: set train.base_precision = 'fp8' (or 'auto'), or remove train.fp8_blocks")
     if cfg.gpu.vram_budget_gb != "auto" and not cfg.gpu.vram_budget_gb > 0:
         errors.append(f"'gpu.vram_budget_gb' = {cfg.gpu.vram_budget_gb!r} must be 'auto' or > 0 GB")
-    return errors + _data_errors(cfg.data) + _datasets_errors(cfg) + _name_errors(cfg) + _train_errors(cfg) + \
+    return errors + _data_errors(cfg.data) + _datasets_errors(cfg, ranges) + _name_errors(cfg) + _train_errors(cfg) + \
         _validation_errors(cfg) + _family_errors(cfg)
 
 
@@ -179,13 +89,13 @@ def _data_errors(data: Any, where: str = "data", given: Any = None) -> list[str]
     return errors
 
 
-def _datasets_errors(cfg: Any) -> list[str]:
+def _datasets_errors(cfg: Any, ranges: dict[str, Any]) -> list[str]:
     """Each [[datasets]] table's values, checked as the [data] keys they stand in for, named by table."""
     errors = []
     for i, (table, data) in enumerate(zip(cfg.datasets, cfg.dataset_configs())):
         where = f"datasets[{i}]"
-        errors += [f"'{where}.{k}' = {v!r} must be {RANGES['data.' + k]}" for k, v in table.items()
-                   if f"data.{k}" in RANGES and v not in RANGES[f"data.{k}"]]
+        errors += [f"'{where}.{k}' = {v!r} must be {ranges['data.' + k]}" for k, v in table.items()
+                   if f"data.{k}" in ranges and v not in ranges[f"data.{k}"]]
         errors += _data_errors(data, where, table)
     return errors
 
@@ -205,11 +115,11 @@ def _train_errors(cfg: Any) -> list[str]:
     if t.adapter == "dora" and cfg.export.format == "kohya":
         errors.append("'export.format' = 'kohya' with 'train.adapter' = 'dora': DoRA has no kohya form here; use "
                       "export.format = 'diffusers' (diffusers' load_lora_weights reads DoRA)")
-    if t.ema_device == "cuda" and cfg.device == "cpu":
-        errors.append("'train.ema_device' = 'cuda' but 'device' = 'cpu': use 'auto' or 'cpu', or train on cuda")
-    if t.ema_device != "auto" and t.ema_decay == 0:
-        errors.append(f"'train.ema_device' = {t.ema_device!r} but 'train.ema_decay' = 0 (EMA off): set "
-                      f"train.ema_decay (e.g. 0.999) or leave train.ema_device at 'auto'")
+    if cfg.runtime.ema_device == "cuda" and cfg.device == "cpu":
+        errors.append("'runtime.ema_device' = 'cuda' but 'device' = 'cpu': use 'auto' or 'cpu', or train on cuda")
+    if cfg.runtime.ema_device != "auto" and t.ema_decay == 0:
+        errors.append(f"'runtime.ema_device' = {cfg.runtime.ema_device!r} but 'train.ema_decay' = 0 (EMA off): set "
+                      f"train.ema_decay (e.g. 0.999) or leave runtime.ema_device at 'auto'")
     if t.timestep_min >= t.timestep_max:
         errors.append(f"'train.timestep_min' = {t.timestep_min} is not below 'train.timestep_max' = {t.timestep_max}: "
                       f"set a range such as 0.0 and 1.0")

@@ -37,7 +37,7 @@ EVENT_TYPES = {
     "error": "stage failed (message, item when one input caused it)",
     "plan": "a stage's memory plan (budget, chosen settings, predicted peak; stages/core/memory/)",
     "sample": "a sample grid was rendered, base vs LoRA (path, prompts, seeds, adapter)",
-    "profile": "train.profile_steps: where profiled steps' time went (path, ms_per_step, device, top)",
+    "profile": "runtime.profile_steps: where profiled steps' time went (path, ms_per_step, device, top)",
 }
 
 # The stable schema of events.jsonl: JSON type names per field (a list allows several). `ts`, `run`,

@@ -53,7 +53,7 @@ SWAP_WARMUP_ITERS = 0
 
 
 def graphs_mode(configured: str = "auto") -> str:
-    """train.cuda_graphs, unless the LORAPIPE_CUDA_GRAPHS environment variable overrides it."""
+    """runtime.cuda_graphs, unless the LORAPIPE_CUDA_GRAPHS environment variable overrides it."""
     mode = os.environ.get(ENV, "").strip().lower() or configured
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}")
@@ -81,7 +81,7 @@ def _plain_checkpoint(dropout: float) -> Callable[..., Any]:
     return _checkpoint_no_rng if dropout == 0 else _checkpoint_rng
 
 
-# train.keep_attention: the aten attention ops whose outputs (the output and its softmax statistics) a
+# runtime.keep_attention: the aten attention ops whose outputs (the output and its softmax statistics) a
 # checkpointed block keeps, so its recompute skips attention, the one op in a block whose cost grows with
 # the square of the tokens (FLUX.1 Kontext at 1024 px: 8,704 tokens).
 ATTENTION_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
@@ -108,7 +108,7 @@ def _checkpoint_keeping_attention(module: Any, rng: bool, *args: Any, **kwargs: 
 
 
 def keep_attention_checkpoint(dropout: float) -> Callable[..., Any]:
-    """Checkpoint a block keeping its attention outputs (train.keep_attention): eager through the policy's
+    """Checkpoint a block keeping its attention outputs (runtime.keep_attention): eager through the policy's
     dispatch mode, or for a block compiled in place inside a torch.compile'd checkpoint (`call`). A block that
     block swap stands in for is checkpointed as without it (its swapped call manages its own buffers)."""
     fallback = _plain_checkpoint(dropout)
@@ -164,7 +164,7 @@ CAPTURE_ROOM = 2.0
 UNSWAPPED_CAPTURE_ROOM = 1.45
 SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
                f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "
-               f"train.cuda_graphs = 'on' captures regardless, 'off' never")
+               f"runtime.cuda_graphs = 'on' captures regardless, 'off' never")
 
 
 class CaptureRoom:
@@ -192,15 +192,15 @@ class CaptureRoom:
                                             f"{need / 2**30:.2f} GB of activations")
 
 
-def graphs_plan(rt: Any, tcfg: Any, mode: str | None = None, swapped: int = 0) -> tuple[bool, str]:
-    """(use graphs?, why) for this run; `swapped`: the blocks the memory plan swaps."""
-    mode = mode or graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
+def graphs_plan(rt: Any, dropout: float, mode: str, swapped: int = 0) -> tuple[bool, str]:
+    """(use graphs?, why) for this run: `mode` as graphs_mode gives it, train.dropout, and `swapped`, the
+    blocks the memory plan swaps."""
     if mode == "off":
-        return False, f"off (train.cuda_graphs or {ENV} = off)"
+        return False, f"off (runtime.cuda_graphs or {ENV} = off)"
     if not rt.is_cuda:
         return False, "off (no CUDA device)"
-    if tcfg.dropout > 0:
-        return False, f"off (train.dropout = {tcfg.dropout}: random numbers inside the denoiser)"
+    if dropout > 0:
+        return False, f"off (train.dropout = {dropout}: random numbers inside the denoiser)"
     if swapped and mode == "auto":
         return True, SWAP_GRAPHS
     return True, f"on (mode {mode}): one graph per batch shape, captured at its second step"
@@ -351,15 +351,15 @@ def _replay(graphed: Callable[..., Any], at: list[int], params: tuple[torch.Tens
     return graphed(*(leaves[i] for i in at), *params)
 
 
-def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: Any, tcfg: Any,
+def wrap_denoiser(model: torch.nn.Module, params: list[torch.nn.Parameter], rt: Any, cfg: Any,
                   log: Any, swapped: int = 0, budget_gb: float | None = None) -> tuple[Any, str]:
     """(what the loss calls, why): a GraphedDenoiser where graphs apply, else the model itself. "auto"
     captures only where the capture has room under the stage's budget (`budget_gb`, CaptureRoom):
     UNSWAPPED_CAPTURE_ROOM times the eager step's activations free, CAPTURE_ROOM under block swap, where
     the capture also skips the side-stream warmup. At FLUX.2 klein's 5.08 GB cap a capture without room
     ran out of memory, and the eager steps after it too (bench/results/peers-klein-1024-b1-g3.json)."""
-    mode = graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
-    use, why = graphs_plan(rt, tcfg, mode, swapped=swapped)
+    mode = graphs_mode(cfg.runtime.cuda_graphs)
+    use, why = graphs_plan(rt, cfg.train.dropout, mode, swapped=swapped)
     if not use:
         return model, why
     room = None

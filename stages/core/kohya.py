@@ -183,18 +183,19 @@ def write_kohya(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], manife
     config), whose denoiser config.json sizes untrained members of fused layers."""
     from safetensors.torch import save_file
 
-    pipeline_class = manifest["pipeline_class"]
     tensors, sources = kohya_state(state, lora_cfg, layout, _fused_widths(layout, src, manifest["lora_prefix"]))
-    metadata = {  # kohya sd-scripts' own header keys (which ComfyUI and kohya tools show), matching the
-        # tensors: alpha = rank, the trained alpha/rank already folded into lora_up
-        "ss_network_module": "networks.lora", "ss_network_dim": str(lora_cfg.get("r")),
-        "ss_network_alpha": str(lora_cfg.get("r")), "lorapipe_trained_alpha": str(lora_cfg.get("lora_alpha")),
-        "lorapipe_family": str(manifest.get("family")), "lorapipe_pipeline_class": pipeline_class,
-        "lorapipe_modules": str(len(sources)),
-    }
     path = out_dir / KOHYA_FILE
-    save_file(tensors, str(path), metadata=metadata)
+    save_file(tensors, str(path), metadata=kohya_metadata(lora_cfg, manifest, len(sources)))
     return path
+
+
+def kohya_metadata(lora_cfg: dict[str, Any], manifest: dict[str, Any], modules: int) -> dict[str, str]:
+    """kohya sd-scripts' own header keys (which ComfyUI and kohya tools show), matching the tensors: alpha =
+    rank, the trained alpha/rank already folded into lora_up; and the family the file was made for."""
+    return {"ss_network_module": "networks.lora", "ss_network_dim": str(lora_cfg.get("r")),
+            "ss_network_alpha": str(lora_cfg.get("r")), "lorapipe_trained_alpha": str(lora_cfg.get("lora_alpha")),
+            "lorapipe_family": str(manifest.get("family")), "lorapipe_pipeline_class": manifest["pipeline_class"],
+            "lorapipe_modules": str(modules)}
 
 
 # ---- LyCORIS (LoKr, LoHa): the layout ComfyUI loads; diffusers' loader reads neither ------------

@@ -1,6 +1,6 @@
-"""`train.profile_steps`: where a training step's time goes, measured by torch.profiler.
+"""`runtime.profile_steps`: where a training step's time goes, measured by torch.profiler.
 
-The profiler runs over `steps` consecutive steps after the warm-up (`train.warmup_steps_excluded`,
+The profiler runs over `steps` consecutive steps after the warm-up (`runtime.warmup_steps_excluded`,
 so compile and CUDA-graph capture are not in it) and writes `profile.json` beside the LoRA: on
 CUDA the GPU kernels summed by name, longest first, each with its milliseconds per step and share
 of the profiled GPU time, plus host-to-device copies (block swap) counted apart; on CPU the

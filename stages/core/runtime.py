@@ -109,12 +109,12 @@ def _set_flags(flags: dict[str, Any]) -> None:
     torch.backends.cuda.enable_cudnn_sdp(flags["cudnn_sdp"])
 
 
-ATTENTION_NOTE = ("attention: flash or memory-efficient SDPA (cuDNN's is off in train; train.cudnn_attention = true "
+ATTENTION_NOTE = ("attention: flash or memory-efficient SDPA (cuDNN's is off in train; runtime.cudnn_attention = true "
                   "allows it, faster on Hopper)")
 
 
-CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA allowed (train.cudnn_attention = true), each output gradient in one "
-                     "layout; if a step dies or the loss turns NaN, set train.cudnn_attention = false and resume")
+CUDNN_OPT_IN_NOTE = ("attention: cuDNN SDPA allowed (runtime.cudnn_attention = true), each output gradient in one "
+                     "layout; if a step dies or the loss turns NaN, set runtime.cudnn_attention = false and resume")
 
 
 def attention_notice(cudnn_attention: bool, capability: tuple[int, int] | None) -> str | None:
@@ -126,7 +126,7 @@ def attention_notice(cudnn_attention: bool, capability: tuple[int, int] | None) 
 
 
 def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Exception | None:
-    """A CUDA error in train with train.cudnn_attention = true as one line that names the setting: cuDNN's
+    """A CUDA error in train with runtime.cudnn_attention = true as one line that names the setting: cuDNN's
     attention is the known cause on this stack (FLUX.1 Kontext at 1024 px died in its first steps at every
     base, bench/results/peers-kontext-1024-b1-cudnn.json). None for any other error or setting: a CUDA error
     without the opt-in stays a bug with its traceback."""
@@ -137,15 +137,15 @@ def translate_cudnn_crash(error: BaseException, cfg: Any, stage: str) -> Excepti
     torch_mod = sys.modules.get("torch")
     accelerator_error = getattr(torch_mod, "AcceleratorError", ()) if torch_mod is not None else ()
     crashed = isinstance(error, accelerator_error) or isinstance(error, RuntimeError) and "CUDA error" in str(error)
-    if stage != "train" or not crashed or not getattr(getattr(cfg, "train", None), "cudnn_attention", False):
+    if stage != "train" or not crashed or not getattr(getattr(cfg, "runtime", None), "cudnn_attention", False):
         return None
     from stages.core.config import command
 
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return ResourceError(
-        f"train: a step died in a CUDA error ({first}) with train.cudnn_attention = true; cuDNN's attention has "
+        f"train: a step died in a CUDA error ({first}) with runtime.cudnn_attention = true; cuDNN's attention has "
         f"crashed this way on this stack (FLUX.1 Kontext at 1024 px, before its backward got one gradient layout): "
-        f"set train.cudnn_attention = false and resume with `{command(cfg, 'train', '--resume', '--set', 'train.cudnn_attention=false')}` "
+        f"set runtime.cudnn_attention = false and resume with `{command(cfg, 'train', '--resume', '--set', 'runtime.cudnn_attention=false')}` "
         f"(checkpoints written before the error are kept)")
 
 
@@ -284,7 +284,7 @@ QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
     "diffusers.pipelines.pipeline_utils": (
         "Expected types for processor: (<class 'transformers.models.qwen3_vl.processing_qwen3_vl.Qwen3VLProcessor'>,), "
         "got <class 'transformers.models.llava.processing_llava.LlavaProcessor'>",),
-    # train.keep_attention's checkpoint policy under torch.compile (it saves the attention ops' outputs; the blocks
+    # runtime.keep_attention's checkpoint policy under torch.compile (it saves the attention ops' outputs; the blocks
     # it checkpoints modify no tensor in place: tests/test_trainer_paths.py compares its gradients to full checkpointing's)
     "torch._higher_order_ops.wrap": ("Detected that context_fn is passed to torch.utils.checkpoint under torch.compile",),
     # the sample stage renders without a negative prompt, so the Qwen pipelines' true CFG is off by design

@@ -125,10 +125,10 @@ class FamilyTraits:
     `stages.core.memory.BLOCK_WORK_UNITS`; FLUX.2's fused single blocks: 35)."""
     blocks_in_run_order: bool = True
     """False where the denoiser lists its repeated blocks in another order than it runs them (SDXL's
-    UNet: listed down, up, mid): train.block_swap_layout = "spread" is refused there."""
+    UNet: listed down, up, mid): runtime.block_swap_layout = "spread" is refused there."""
     attention_per_block: bool = True
-    """Each repeated block runs one attention at the block's width, what train.keep_attention counts;
-    False (SDXL's UNet blocks) refuses train.keep_attention."""
+    """Each repeated block runs one attention at the block's width, what runtime.keep_attention counts;
+    False (SDXL's UNet blocks) refuses runtime.keep_attention."""
     text_offload_components: tuple[str, ...] = ()
     """Text encoders loaded through `text_encoders.load_text_model`, whose layers encode-captions may
     offload to CPU memory when not even nf4 fits its budget (empty: never offloaded)."""

@@ -7,6 +7,6 @@ loop, checkpoints.py the checkpoints it saves and resumes from. The stage's name
 so `from stages import train; train.run(cfg)` reads as for any other stage.
 """
 
-from stages.train.stage import (LATER_KEYS, NAME, NOT_FINGERPRINTED, artifact_dir, check_upstream,  # noqa: F401
+from stages.train.stage import (NAME, artifact_dir, check_upstream,  # noqa: F401
                                 describe_change, fingerprint_parts, other_settings, partial_state,
                                 refuse_unfinished, request_stop, run, stop_file, trained_with, up_to_date)

@@ -28,15 +28,6 @@ from stages.core.config import command
 from stages.core.model_source import model_source
 
 NAME = "train"
-# Settings that change how a run is logged or saved, not what it learns: not in the fingerprint.
-NOT_FINGERPRINTED = {"log_every", "checkpoint_every", "keep_checkpoints", "resume", "warmup_steps_excluded", "profile_steps", "cudnn_attention",
-                     "block_swap_layout", "keep_attention",
-                     "compile_transformer", "enable_tf32", "cudnn_benchmark", "cuda_graphs", "ema_device"}
-# Keys added after runs were made: at their default they stay out of the fingerprint, so a run made
-# before them (which trained exactly as the default does) stays up to date and resumable.
-LATER_KEYS = {"ema_decay": 0.0, "adapter": "lora", "rank_pattern": {}, "alpha_pattern": {}, "fp8_blocks": "auto",
-              "loraplus_ratio": 0.0, "timestep_min": 0.0, "timestep_max": 1.0, "timestep_buckets": 0,
-              "weighting_scheme": "none", "loss": "mse", "huber_c": 0.1}
 
 
 def artifact_dir(cfg: Any) -> Path:
@@ -51,21 +42,13 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     from stages.families import get_family
 
     family = get_family(cfg.family)
-    train = {k: v for k, v in dataclasses.asdict(cfg.train).items()
-             if k not in NOT_FINGERPRINTED and not (k in LATER_KEYS and v == LATER_KEYS[k])}
-    # Placement only (true, false, "auto" and any number of checkpointed blocks train the same loss and
-    # gradients: tests/test_partial_checkpointing.py), so a run resumes under any of them; the key stays
-    # as the default (true) always wrote it, so runs made with true stay up to date. (Runs made with
-    # false before this rerun once.)
-    train["gradient_checkpointing"] = True
     cap, lat = read_manifest(captions_dir(cfg)), read_manifest(latents_dir(cfg))
-    # repeats, weights and caption dropout change what is trained, not the caches; the defaults add no key
+    # what each dataset trains (repeats, weights, caption dropout) and the held-out split change what is
+    # learned, not the caches; [runtime] changes neither, so it is not here
     sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]
     return {"family": cfg.family, "model": model_source(cfg).identity(family.denoiser_components),
-            "train": train, "seed": cfg.seed, "captions": cap and cap["fingerprint"], "latents": lat and lat["fingerprint"],
-            **({"sampling": sampling} if sampling != [{"repeats": 1, "weight": 0.0, "caption_dropout": 0.0}] else {}),
-            # a split moves items out of training; off adds no key (older runs stay up to date)
-            **({"validation_split": cfg.validation.split} if cfg.validation.split else {})}
+            "train": dataclasses.asdict(cfg.train), "seed": cfg.seed, "captions": cap and cap["fingerprint"],
+            "latents": lat and lat["fingerprint"], "sampling": sampling, "validation_split": cfg.validation.split}
 
 
 def partial_state(cfg: Any) -> str | None:
@@ -168,7 +151,7 @@ def check_upstream(cfg: Any, log: Any = None) -> None:
 
 
 def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]:
-    """Train; `resume` continues the newest checkpoint of this config (also with train.resume =
+    """Train; `resume` continues the newest checkpoint of this config (also with runtime.resume =
     'auto'), `restart` starts at step 0 over an unfinished run (its checkpoints are set aside)."""
     from stages.core.runtime import install_model_trace
     from stages.core.stage import running_stage
@@ -176,7 +159,7 @@ def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]
     from stages.train.trainer import Trainer
 
     install_model_trace(NAME)
-    resume = (resume or cfg.train.resume == "auto") and not restart
+    resume = (resume or cfg.runtime.resume == "auto") and not restart
     with running_stage(cfg, NAME, rerun=("--resume",), own_signals=True, beside=conflicts(NAME)) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg, ctx.log)
         if not restart:

@@ -35,7 +35,7 @@ from stages.train.stage import fingerprint_parts
 
 
 def compile_wanted(mode: str, is_cuda: bool) -> bool:
-    """train.compile_transformer: `auto` compiles on CUDA, over bf16, fp8 and nf4 bases alike (on the
+    """runtime.compile_transformer: `auto` compiles on CUDA, over bf16, fp8 and nf4 bases alike (on the
     H200 the compiled nf4 step was 1.08-1.57x faster than uncompiled nf4 on all four families, same loss;
     docs/performance.md), and leaves CPU runs eager (inductor's CPU build costs more than it gives there)."""
     return mode == "on" or (mode == "auto" and is_cuda)
@@ -126,7 +126,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.parts = fingerprint_parts(cfg)
         self.lora_dir = cfg.run_dir / "lora"
-        self.checkpoints = Checkpoints(self.lora_dir, fingerprint(self.parts), self.tcfg.keep_checkpoints, log)
+        self.checkpoints = Checkpoints(self.lora_dir, fingerprint(self.parts), self.cfg.runtime.keep_checkpoints, log)
         # set by setup_model
         self.model: Any = None
         self.rt: Any = None
@@ -164,7 +164,7 @@ class Trainer:
         self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets, self.tcfg.adapter,
                                             self.tcfg.rank_pattern, self.tcfg.alpha_pattern)
         self.params = lora.attach_lora(self.model, self.lora_config)
-        self.ema = lora.AdapterEMA(self.params, self.tcfg.ema_decay, self.tcfg.ema_device) if self.tcfg.ema_decay else None
+        self.ema = lora.AdapterEMA(self.params, self.tcfg.ema_decay, self.cfg.runtime.ema_device) if self.tcfg.ema_decay else None
         self.enable_checkpointing()
         self.swap = memory.apply_train_plan(self.model, self.plan, self.rt)  # block swap
         self.model.train()
@@ -173,13 +173,13 @@ class Trainer:
         self.scheduler = optimizers.make_scheduler(self.optimizer, self.tcfg)
         for note in optimizers.notes(self.tcfg):
             self.log.emit("info", message=note)
-        self.compiled = compile_model(self.model, self.tcfg.compile_transformer, self.rt.is_cuda, self.log)
+        self.compiled = compile_model(self.model, self.cfg.runtime.compile_transformer, self.rt.is_cuda, self.log)
         distributed.broadcast_params(self.params, self.dist)
         if self.dist.is_distributed:
             torch.manual_seed(self.cfg.seed + self.dist.rank)  # LoRA dropout: other masks on each rank
         # what the loss calls: the model, or per-shape CUDA graphs of it (same kernels, no host overhead)
         swapped = len(self.swap.blocks) if self.swap is not None else 0
-        self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.tcfg, self.log,
+        self.denoiser, self.graphs_plan = fastpath.wrap_denoiser(self.model, self.params, self.rt, self.cfg, self.log,
                                                                  swapped=swapped, budget_gb=self.plan.budget.gb)
 
     def enable_checkpointing(self) -> None:
@@ -198,7 +198,7 @@ class Trainer:
         if self.checkpointing:
             self.model.enable_gradient_checkpointing(
                 fastpath.checkpoint_function(self.tcfg.dropout, direct=blocks[self.checkpointed:],
-                                             keep_attention=self.tcfg.keep_attention))
+                                             keep_attention=self.cfg.runtime.keep_attention))
 
     # ---- one step
     def draw(self, batch_indices: list[int], first: int | None = None) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -419,12 +419,12 @@ class Trainer:
     def fit(self, resume: bool, stop: Any, t0: float) -> dict[str, Any]:
         torch.manual_seed(self.cfg.seed)
         sweep_leftovers(self.lora_dir)  # temp folders of a killed save: never read, space only
-        with torch_flags(self.tcfg.enable_tf32, self.tcfg.cudnn_benchmark,
-                         disable_cudnn_attention=not self.tcfg.cudnn_attention) as notes:
+        with torch_flags(self.cfg.runtime.enable_tf32, self.cfg.runtime.cudnn_benchmark,
+                         disable_cudnn_attention=not self.cfg.runtime.cudnn_attention) as notes:
             self.setup_model()
             self.attention = notes[0] if notes and self.rt.is_cuda else "default SDPA"
             capability = torch.cuda.get_device_capability(self.rt.device) if self.rt.is_cuda else None
-            notice = attention_notice(self.tcfg.cudnn_attention, capability)
+            notice = attention_notice(self.cfg.runtime.cudnn_attention, capability)
             if notice is not None:
                 self.log.emit("info", message=notice)
             start = self.resume() if resume else 0
@@ -437,8 +437,8 @@ class Trainer:
             return self._loop(start, stop, t0)
 
     def _loop(self, start: int, stop: Any, t0: float) -> dict[str, Any]:
-        tcfg, stats, step = self.tcfg, RunStats(self.tcfg.warmup_steps_excluded), start
-        profiler = StepProfiler(start + tcfg.warmup_steps_excluded, tcfg.profile_steps, self.lora_dir / "profile.json",
+        tcfg, stats, step = self.tcfg, RunStats(self.cfg.runtime.warmup_steps_excluded), start
+        profiler = StepProfiler(start + self.cfg.runtime.warmup_steps_excluded, self.cfg.runtime.profile_steps, self.lora_dir / "profile.json",
                                 self.rt.is_cuda, enabled=self.dist.is_main)
         with distributed.progress(self.dist, "train", tcfg.steps - start, "steps") as bar:
             while step < tcfg.steps:
@@ -454,14 +454,14 @@ class Trainer:
                 if not math.isfinite(loss):
                     raise self._diverged(loss, step)
                 stats.add(step - start, n, loss, self.rt)
-                if step % tcfg.log_every == 0 or step == tcfg.steps:
+                if step % self.cfg.runtime.log_every == 0 or step == tcfg.steps:
                     self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n,
                                   samples_per_second=stats.samples_per_second(),
                                   peak_vram_gb=peak_vram_gb(self.rt)["allocated"], world_size=self.dist.world_size)
                 bar.advance(1, loss=loss, lr=lr)
                 self._maybe_validate(step)
                 faults.hit("train")
-                if tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 and step < tcfg.steps:
+                if self.cfg.runtime.checkpoint_every and step % self.cfg.runtime.checkpoint_every == 0 and step < tcfg.steps:
                     self.save_checkpoint(step)
         profiler.close()  # the run ended inside the profiled steps
         summary = self._summary(stats, t0)
@@ -490,8 +490,8 @@ class Trainer:
         fixes = [f"lower train.learning_rate (now {tcfg.learning_rate:g})"]
         if tcfg.max_grad_norm <= 0:
             fixes.append("set train.max_grad_norm (e.g. 1.0: gradient clipping is off)")
-        if tcfg.cudnn_attention:
-            fixes.append("set train.cudnn_attention = false (cuDNN's attention backward has failed on this stack: "
+        if self.cfg.runtime.cudnn_attention:
+            fixes.append("set runtime.cudnn_attention = false (cuDNN's attention backward has failed on this stack: "
                          "docs/troubleshooting.md)")
         return TrainingDiverged(f"train: the loss became {loss} at step {step}: the LoRA diverged or a step went "
                                 f"wrong; {', or '.join(fixes)}, and train again (checkpoints written before step "
@@ -522,12 +522,12 @@ class Trainer:
     def _runtime_summary(self) -> dict[str, Any]:
         graphs = self.denoiser.summary() if isinstance(self.denoiser, fastpath.GraphedDenoiser) else {}
         return {"attention": self.attention, "cuda_graphs": {"plan": self.graphs_plan, **graphs},
-                "enable_tf32": self.tcfg.enable_tf32, "cudnn_benchmark": self.tcfg.cudnn_benchmark,
+                "enable_tf32": self.cfg.runtime.enable_tf32, "cudnn_benchmark": self.cfg.runtime.cudnn_benchmark,
                 "gradient_checkpointing": self.checkpointing,
                 # of the model's repeated blocks, the first `checkpointed_blocks` (the memory plan's choice)
                 "checkpointed_blocks": self.checkpointed, "blocks": self.blocks, "optimizer": type(self.optimizer).__name__,
-                # train.keep_attention: the checkpointed blocks keep their attention outputs (no attention recomputed)
-                "keep_attention": bool(self.checkpointed and self.tcfg.keep_attention),
+                # runtime.keep_attention: the checkpointed blocks keep their attention outputs (no attention recomputed)
+                "keep_attention": bool(self.checkpointed and self.cfg.runtime.keep_attention),
                 # an fp8 base that keeps only its first blocks in fp8 (the rest nf4) to fit the budget
                 "fp8_blocks": self.plan.settings.get("fp8_blocks"),
                 "fused_adamw": bool(self.optimizer.defaults.get("fused")),

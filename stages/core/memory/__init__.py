@@ -6,9 +6,11 @@
 budget.py       the budget ("auto" or a cap), the allocator under a cap, host memory
 sizes.py        weights' bytes from meta-device components
 calibration.py  the measured constants, each with where it was measured
-captions.py, latents.py, train.py (+ train_options.py), sample.py   one planner per stage: plan(cfg, family, src, budget)
-planning.py     which planner a stage runs under which budget; the settings a fingerprint expects
-apply.py        applying a plan at run time, and out-of-memory errors
+captions.py, latents.py, train.py (+ train_options.py), sample.py   one planner per stage, each declared as
+                its module's PLANNER (stage_plan.Planner): plan(cfg, family, src, budget), its configured
+                settings, how a plan applies to the config, and what to lower after an out-of-memory error
+planning.py     which planner a stage runs under which budget; the settings a fingerprint expects; out-of-memory errors
+apply.py        applying a plan at run time (where weights load, VAE tiling, block swap)
 
 The names below are the package's interface (`memory.plan_stage`, `memory.Budget`, ...). A test that
 replaces a constant or function replaces it in the module that defines it (e.g. `calibration.SWAP_EXTRA_GB`).
@@ -25,7 +27,7 @@ from stages.core.memory.budget import (
     ALLOC_CONF_VARS, CAP_ALLOC_CONF, Budget, allocator_for_cap, allocator_setting, allocator_summary,
     host_available_bytes, parse_budget, resolve_budget, retries_note)
 from stages.core.memory.sizes import fp8_nf4_weight_bytes, lora_params, meta_component, module_components, weight_bytes
-from stages.core.memory.stage_plan import StagePlan
+from stages.core.memory.stage_plan import Planner, StagePlan
 from stages.core.memory import captions, latents, sample, train, train_options
 from stages.core.memory.captions import HOST_BYTES, OFFLOAD_PRECISION, Placement, offload_placement
 from stages.core.memory.captions import plan as plan_captions
@@ -35,21 +37,20 @@ from stages.core.memory.train import fp8_host_short, host_shortfall
 from stages.core.memory.train import plan as plan_train
 from stages.core.memory.train_options import graph_room
 from stages.core.memory.apply import (
-    SETTING_TO_CHANGE, apply_train_plan, apply_vae_plan, checkpointed_blocks, load_device, text_encoder_runtime,
-    translate_oom, with_plan)
+    apply_train_plan, apply_vae_plan, checkpointed_blocks, load_device, text_encoder_runtime)
 from stages.core.memory.planning import (
-    PLANNERS, forced_by_memory, own_settings, plan_for, plan_stage, planned_caption_precision, planned_vae,
-    plans_for_gpu, unplanned)
+    PLAN_FILE, PLANNERS, forced_by_memory, own_settings, plan_for, plan_stage, planned_caption_precision, planned_vae,
+    plans_for_gpu, record_plans, translate_oom, unplanned, with_plan)
 
 __all__ = [
     "ALLOC_CONF_VARS", "ATTENTION_KEPT_UNITS", "AUTO_BASE_PRECISIONS", "AUTO_MARGIN_GB", "BLOCK_SAVED_UNITS",
     "BLOCK_WORK_UNITS", "Budget", "CAP_ALLOC_CONF", "CFG_BATCH", "CHECKPOINT_SAVED_UNITS", "FRAGMENTATION", "GB",
-    "GRAPH_ROOM_MARGIN", "HOST_BYTES", "LORA_BYTES_PER_PARAM", "NF4_BYTES_PER_WEIGHT", "OFFLOAD_PRECISION", "PLANNERS",
-    "Placement", "SETTING_TO_CHANGE", "SWAP_EXTRA_GB", "StagePlan", "VAE_ELEMENTS_PER_PIXEL", "VAE_TILE_PIXELS",
+    "GRAPH_ROOM_MARGIN", "HOST_BYTES", "LORA_BYTES_PER_PARAM", "NF4_BYTES_PER_WEIGHT", "OFFLOAD_PRECISION", "PLAN_FILE", "PLANNERS",
+    "Placement", "Planner", "SWAP_EXTRA_GB", "StagePlan", "VAE_ELEMENTS_PER_PIXEL", "VAE_TILE_PIXELS",
     "allocator_for_cap", "allocator_setting", "allocator_summary", "apply_train_plan", "apply_vae_plan", "calibration",
     "captions", "checkpointed_blocks", "forced_by_memory", "fp8_host_short", "fp8_nf4_weight_bytes", "graph_room",
     "host_available_bytes", "host_shortfall", "latents", "load_device", "lora_params", "meta_component",
     "module_components", "offload_placement", "own_settings", "parse_budget", "plan_captions", "plan_for",
     "plan_latents", "plan_sample", "plan_stage", "plan_train", "planned_caption_precision", "planned_vae",
-    "plans_for_gpu", "resolve_budget", "retries_note", "sample", "sizes", "text_encoder_runtime", "train",
+    "plans_for_gpu", "record_plans", "resolve_budget", "retries_note", "sample", "sizes", "text_encoder_runtime", "train",
     "train_options", "translate_oom", "unplanned", "weight_bytes", "with_plan"]

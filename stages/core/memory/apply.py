@@ -3,7 +3,6 @@ block swap, and an out-of-memory error turned into what to change."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -13,22 +12,6 @@ from stages.core.errors import ResourceError
 from stages.core.memory import calibration as cal
 from stages.core.memory import train
 from stages.core.memory.stage_plan import StagePlan
-
-
-def with_plan(cfg: Any, plan: StagePlan) -> Any:
-    """`cfg` with the plan's settings written into the stage's section."""
-    s = plan.settings
-    if plan.stage == "encode-captions":
-        return dataclasses.replace(cfg, captions=dataclasses.replace(
-            cfg.captions, text_encoder_precision=s["text_encoder_precision"], batch_size=s["batch_size"]))
-    if plan.stage == "cache-latents":
-        return dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"]))
-    if plan.stage == "sample":
-        return dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
-                                                                   cpu_offload=s["cpu_offload"]))
-    tcfg = dataclasses.replace(cfg.train, base_precision=s["base_precision"],
-                               gradient_checkpointing=s["gradient_checkpointing"])
-    return dataclasses.replace(cfg, train=tcfg)
 
 
 def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = None) -> None:
@@ -98,29 +81,3 @@ def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blocks
                                         plan.settings.get("swap_layout", "last"))
     blockswap.move_unswapped(model, swap, rt.device)
     return swap
-
-
-SETTING_TO_CHANGE = {
-    "encode-captions": "captions.batch_size or captions.text_encoder_precision = 'nf4'",
-    "cache-latents": "latents.vae_precision = 'bf16' or data.resolution",
-    "train": ("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set train.cuda_graphs = 'off': "
-              "capturing a graph takes memory of its own)"),
-    "sample": "sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true",
-}
-
-
-def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError | None:
-    """A CUDA out-of-memory error as a ResourceError that names the stage, the budget, the peak it
-    reached and what to change; None for any other error."""
-    import sys
-
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is None or not isinstance(error, torch_mod.cuda.OutOfMemoryError):
-        return None
-    peak = torch_mod.cuda.max_memory_reserved() / cal.GB if torch_mod.cuda.is_available() else 0.0
-    budget = getattr(getattr(cfg, "gpu", None), "vram_budget_gb", "auto")
-    budget_text = "auto: the free memory at start" if budget == "auto" else f"{budget} GB"
-    return ResourceError(
-        f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB): rerun with a lower "
-        f"--vram (gpu.vram_budget_gb) so the planner picks smaller settings, or lower {SETTING_TO_CHANGE.get(stage, 'the batch size')}; "
-        f"everything already written is kept and the rerun continues from it")

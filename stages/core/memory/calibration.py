@@ -16,7 +16,7 @@ NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64
 # 8.9 GB over its bf16 weights; docs/performance.md): an un-checkpointed block keeps 17 (a family whose blocks keep
 # less names them in `block_saved_units`), a checkpointed one its input (1), the block being run or recomputed works in 24.
 BLOCK_SAVED_UNITS, CHECKPOINT_SAVED_UNITS, BLOCK_WORK_UNITS = 17.0, 1.0, 24.0
-# train.keep_attention: a checkpointed block also keeps its attention output (1 unit) and softmax statistics (~1 % more).
+# runtime.keep_attention: a checkpointed block also keeps its attention output (1 unit) and softmax statistics (~1 % more).
 ATTENTION_KEPT_UNITS = 1.02
 # Tokens a sample from which a checkpointing plan says keep_attention would fit too: FLUX.1 Kontext at 1024 px,
 # where it took the fp8 step from 0.969 to 0.825 s (bench/results/peers-kontext-1024-b1-{cudnn3,keepattn}.json).

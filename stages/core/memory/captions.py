@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import _width, meta_component, module_components, weight_bytes
-from stages.core.memory.stage_plan import StagePlan, fitting, halvings
+from stages.core.memory.stage_plan import Planner, StagePlan, fitting, halvings
 
 
 def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
@@ -145,3 +146,22 @@ def _least_share(model: torch.nn.Module, precision: str) -> float:
     blocks = [sum(p.numel() for p in m.parameters()) * dtype_bytes for m in model.modules() if type(m).__name__ in no_split]
     first = next(n for n in own if n)
     return 1.25 * max(own + blocks) + first
+
+
+def _forced_only(cfg: Any, plan: StagePlan) -> bool:
+    """A plan that offloads layers (slower, for memory nobody else needs), or that encodes in another
+    precision than the first one tried: "auto" takes it only when the free memory forces it."""
+    return bool(plan.settings.get("offload_gb")) or plan.settings["text_encoder_precision"] != first_precision(cfg)
+
+
+def _apply(cfg: Any, s: dict[str, Any]) -> Any:
+    return dataclasses.replace(cfg, captions=dataclasses.replace(
+        cfg.captions, text_encoder_precision=s["text_encoder_precision"], batch_size=s["batch_size"]))
+
+
+PLANNER = Planner(
+    "encode-captions", plan,
+    configured=lambda cfg: {"text_encoder_precision": cfg.captions.text_encoder_precision,
+                            "batch_size": cfg.captions.batch_size},
+    apply=_apply, to_change="captions.batch_size or captions.text_encoder_precision = 'nf4'",
+    under_train_peak=True, forced_only=_forced_only)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import meta_component, weight_bytes
-from stages.core.memory.stage_plan import StagePlan, fitting
+from stages.core.memory.stage_plan import Planner, StagePlan, fitting
 
 
 def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
@@ -33,3 +34,17 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 def configured_vae_precision(cfg: Any) -> str:
     """The VAE precision `cfg` asks for ("auto": bf16, the planner's first choice)."""
     return "bf16" if cfg.latents.vae_precision == "auto" else cfg.latents.vae_precision
+
+
+def _forced_only(cfg: Any, plan: StagePlan) -> bool:
+    """A plan with a lower VAE precision than configured, or a tiled encode: other numbers, which "auto"
+    stores only when the free memory forces them (FLUX.2 klein at 1024 px cached bf16 latents on a free
+    H200 for a 3 GB train stage before this rule)."""
+    return plan.settings["vae_precision"] != configured_vae_precision(cfg) or plan.settings["tiled"]
+
+
+PLANNER = Planner(
+    "cache-latents", plan,
+    configured=lambda cfg: {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
+    apply=lambda cfg, s: dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"])),
+    to_change="latents.vae_precision = 'bf16' or data.resolution", under_train_peak=True, forced_only=_forced_only)

@@ -10,59 +10,70 @@ plans. A fingerprint asks its own stage's planner only (planned_caption_precisio
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory import captions, latents, sample, train
-from stages.core.memory.apply import with_plan
+from stages.core.errors import ResourceError
 from stages.core.memory.budget import Budget, parse_budget
-from stages.core.memory.stage_plan import StagePlan
+from stages.core.memory.stage_plan import Planner, StagePlan
 
 
-PLANNERS = {"encode-captions": captions.plan, "cache-latents": latents.plan, "train": train.plan, "sample": sample.plan}
+# Each stage's planner, as its module declares it (stages/registry.py names the module of each planned stage).
+PLANNERS: dict[str, Planner] = {p.stage: p for p in (captions.PLANNER, latents.PLANNER, train.PLANNER, sample.PLANNER)}
 
 
 def plan_for(cfg: Any, family: Any, src: Any, budget: Budget, stage: str) -> StagePlan:
-    """The stage's plan. Under "auto" the cheap stages plan for the train stage's predicted peak
-    when it is below the free memory, so they never set the run's memory."""
-    if budget.source == "auto" and stage in ("encode-captions", "cache-latents"):
-        peak = train.plan(cfg, family, src, budget)
+    """The stage's plan. Under "auto" a stage declared `under_train_peak` plans for the train stage's
+    predicted peak when it is below the free memory, so it never sets the run's memory: the one rule that
+    looks across stages."""
+    planner = PLANNERS[stage]
+    if budget.source == "auto" and planner.under_train_peak:
+        peak = PLANNERS["train"].plan(cfg, family, src, budget)
         if peak.fits and peak.predicted_peak_gb * cal.FRAGMENTATION < budget.gb:
-            plan = PLANNERS[stage](cfg, family, src, Budget(round(peak.predicted_peak_gb * cal.FRAGMENTATION, 3), "auto"))
-            if plan.fits and not _forced_only(cfg, plan):
+            plan = planner.plan(cfg, family, src, Budget(round(peak.predicted_peak_gb * cal.FRAGMENTATION, 3), "auto"))
+            if plan.fits and not planner.forced_only(cfg, plan):
                 plan.budget, plan.note = budget, "auto: planned for the train stage's predicted peak"
                 return plan
-    return PLANNERS[stage](cfg, family, src, budget)
+    return planner.plan(cfg, family, src, budget)
 
 
-def _forced_only(cfg: Any, plan: StagePlan) -> bool:
-    """A plan that "auto" takes only when the free memory forces it, not to stay under train's peak:
-    an encode-captions plan that offloads layers (slower, for memory nobody else needs), or one plan of
-    either stage that stores other numbers than its planner gives with memory to spare (captions: another
-    text-encoder precision than its first; latents: a lower VAE precision, a tiled encode: FLUX.2 klein
-    at 1024 px cached bf16 latents on a free H200 for a 3 GB train stage). So what these stages store
-    under "auto" is what their own planner gives, which their fingerprints ask (`own_settings`)."""
-    if plan.stage == "encode-captions":
-        return (bool(plan.settings.get("offload_gb"))
-                or plan.settings["text_encoder_precision"] != captions.first_precision(cfg))
-    if plan.stage != "cache-latents":
-        return False
-    configured = latents.configured_vae_precision(cfg)
-    return plan.settings["vae_precision"] != configured or plan.settings["tiled"]
+PLAN_FILE = "plan.json"
+
+
+def record_plans(run_dir: Path, plans: list[StagePlan], key: str) -> None:
+    """Write each plan under its stage in `<run>/plan.json`: "planned" (what `lorapipe plan` predicts) or
+    "ran" (the plan the stage ran with). The file is rewritten atomically under a lock (stages may run side
+    by side); a run folder that does not exist yet is left alone."""
+    import fcntl
+
+    from stages.core.artifacts import atomic_write_json, read_json
+
+    if not run_dir.is_dir():
+        return
+    path = run_dir / PLAN_FILE
+    with open(run_dir / f".{PLAN_FILE}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            current = read_json(path) if path.is_file() else {}
+        except (OSError, ValueError):
+            current = {}  # a damaged file is rewritten
+        stages = current.get("stages") if isinstance(current.get("stages"), dict) else {}
+        for plan in plans:
+            stages.setdefault(plan.stage, {})[key] = plan.to_dict()
+        atomic_write_json(path, {"stages": stages})
+
+
+def with_plan(cfg: Any, plan: StagePlan) -> Any:
+    """`cfg` with the plan's settings written into the stage's section."""
+    return PLANNERS[plan.stage].apply(cfg, plan.settings)
 
 
 def unplanned(cfg: Any, stage: str, budget: Budget) -> StagePlan:
     """The configured settings as they are (CPU: no budget to plan for)."""
-    settings = {"encode-captions": {"text_encoder_precision": cfg.captions.text_encoder_precision,
-                                    "batch_size": cfg.captions.batch_size},
-                "cache-latents": {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
-                "sample": {"precision": cfg.sample.precision, "cpu_offload": cfg.sample.cpu_offload},
-                "train": {"base_precision": cfg.train.base_precision, "swapped_blocks": 0,
-                          # "auto" without a budget: every block checkpointed (None: all of them)
-                          "gradient_checkpointing": cfg.train.gradient_checkpointing is not False,
-                          "checkpointed_blocks": None}}[stage]
-    return StagePlan(stage, budget, settings, 0.0, True, "no GPU: settings as configured")
+    return StagePlan(stage, budget, PLANNERS[stage].configured(cfg), 0.0, True, "no GPU: settings as configured")
 
 
 def plans_for_gpu(cfg: Any) -> bool:
@@ -76,7 +87,7 @@ def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
     """The settings `stage`'s own planner gives `cfg` on a GPU (None on CPU), without measuring free
     memory, so the fingerprint a later stage checks is the one this stage wrote; no other stage's planner
     runs. Under "auto" it plans for unlimited memory: what the stage stores is then what it stores under
-    train's peak as well (`_forced_only`); where the free memory forced other numbers, the stage records
+    train's peak as well (`Planner.forced_only`); where the free memory forced other numbers, the stage records
     it (`forced_by_memory`)."""
     from stages.core.model_source import model_source
 
@@ -84,7 +95,7 @@ def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
         return None
     value = parse_budget(cfg.gpu.vram_budget_gb)
     budget = Budget(math.inf, "auto") if value == "auto" else Budget(float(value), "cap")
-    return PLANNERS[stage](cfg, family, model_source(cfg), budget).settings
+    return PLANNERS[stage].plan(cfg, family, model_source(cfg), budget).settings
 
 
 def planned_caption_precision(cfg: Any, family: Any) -> str | None:
@@ -105,7 +116,7 @@ def forced_by_memory(cfg: Any, plan: StagePlan) -> str | None:
     """Why an "auto" cache-latents `plan` stores other numbers than `cfg` (as configured, before the
     plan) asks, naming the free memory that would avoid it; None when it does not. Only the free
     memory can force this: a cap gives the same plan at every stage, so the layout train expects."""
-    if plan.stage != "cache-latents" or plan.budget.source != "auto" or not _forced_only(cfg, plan):
+    if plan.stage != "cache-latents" or plan.budget.source != "auto" or not PLANNERS[plan.stage].forced_only(cfg, plan):
         return None
     configured = latents.configured_vae_precision(cfg)
     what = " and ".join(w for w, forced in [(f"the VAE in {plan.settings['vae_precision']}",
@@ -135,6 +146,26 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
     else:
         plan = plan_for(cfg, family, model_source(cfg), budget, stage)
     log.emit("plan", **plan.to_dict())
+    record_plans(cfg.run_dir, [plan], "ran")
     if not plan.fits:
         log.emit("warning", message=plan.note)
     return (with_plan(cfg, plan) if budget.gb is not None else cfg), plan
+
+
+def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError | None:
+    """A CUDA out-of-memory error as a ResourceError that names the stage, the budget, the peak it
+    reached and what to change; None for any other error."""
+    import sys
+
+    to_change = PLANNERS[stage].to_change if stage in PLANNERS else "the batch size"
+
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is None or not isinstance(error, torch_mod.cuda.OutOfMemoryError):
+        return None
+    peak = torch_mod.cuda.max_memory_reserved() / cal.GB if torch_mod.cuda.is_available() else 0.0
+    budget = getattr(getattr(cfg, "gpu", None), "vram_budget_gb", "auto")
+    budget_text = "auto: the free memory at start" if budget == "auto" else f"{budget} GB"
+    return ResourceError(
+        f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB): rerun with a lower "
+        f"--vram (gpu.vram_budget_gb) so the planner picks smaller settings, or lower {to_change}; "
+        f"everything already written is kept and the rerun continues from it")

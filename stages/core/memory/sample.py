@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import _width, meta_component, module_components, weight_bytes
-from stages.core.memory.stage_plan import StagePlan, fitting, planned_controls
+from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 
 
 def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
@@ -50,3 +51,11 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     plan = fitting(budget, candidates, "sample", "lower sample.width and sample.height")
     plan.note = "; ".join([*notes, plan.note] if plan.note else notes)
     return plan
+
+
+PLANNER = Planner(
+    "sample", plan,
+    configured=lambda cfg: {"precision": cfg.sample.precision, "cpu_offload": cfg.sample.cpu_offload},
+    apply=lambda cfg, s: dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
+                                                                             cpu_offload=s["cpu_offload"])),
+    to_change="sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
@@ -24,6 +24,28 @@ class StagePlan:
         return {"stage": self.stage, "budget_gb": self.budget.gb, "budget_source": self.budget.source,
                 "settings": self.settings, "predicted_peak_gb": round(self.predicted_peak_gb, 3),
                 "fits": self.fits, "note": self.note}
+
+
+@dataclass(frozen=True)
+class Planner:
+    """A stage's memory planner, declared once beside its `plan` (captions.py, latents.py, train.py,
+    sample.py); the stage registry names it, and planning.py runs it."""
+
+    stage: str
+    """The stage it plans (its plans and events carry the name)."""
+    plan: Callable[[Any, Any, Any, Budget], StagePlan]
+    """(cfg, family, model source, budget) -> the first settings that fit, from meta-device sizes."""
+    configured: Callable[[Any], dict[str, Any]]
+    """The settings as configured, for a stage with no GPU budget to plan for (CPU)."""
+    apply: Callable[[Any, dict[str, Any]], Any]
+    """(cfg, settings) -> the config the stage runs with: the plan's settings in its section."""
+    to_change: str
+    """The settings an out-of-memory error tells the user to lower."""
+    under_train_peak: bool = False
+    """Under an "auto" budget, plan for the train stage's predicted peak (a cheap stage never sets the
+    run's memory), unless only the free memory would force its settings (`forced_only`)."""
+    forced_only: Callable[[Any, StagePlan], bool] = lambda cfg, plan: False
+    """Whether `plan` stores other numbers than the stage's own planner gives with memory to spare."""
 
 
 def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:

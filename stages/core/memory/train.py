@@ -3,6 +3,7 @@ The options it tries, in order, and the room it leaves CUDA graphs are in train_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from stages.core import blockswap
@@ -11,7 +12,7 @@ from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import _width, fp8_nf4_weight_bytes, lora_params, meta_component, weight_bytes
-from stages.core.memory.stage_plan import StagePlan, fitting, planned_controls
+from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 from stages.core.memory.train_options import graphs_mode, train_options, with_fp8_nf4, with_graph_room
 
 
@@ -26,11 +27,12 @@ def fp8_host_short(host_gb: float) -> str:
     return f"its bf16 read ({host_gb:.1f} GB) exceeds the {available / cal.GB:.1f} GB of host memory available"
 
 
-def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tuple[list[str], str, str]:
+def _base_precisions(cfg: Any, family: Any, host_gb: float, tokens: int) -> tuple[list[str], str, str]:
     """The base precisions train tries whole, in order: the configured one, or under "auto" the family's
     (calibration.AUTO_BASE_PRECISIONS) less fp8 where this process could not use it, and fp8 before bf16 where it was
     measured faster at a step of `tokens` (family.fp8_faster_from_tokens); why fp8 was left out where the
     GPU could run it ("" otherwise: a GPU without fp8 tensor cores is not news), and why it went first."""
+    tcfg = cfg.train
     if tcfg.base_precision != "auto":
         return [tcfg.base_precision], "", ""
     precisions = list(family.auto_base_precisions or cal.AUTO_BASE_PRECISIONS)
@@ -40,8 +42,8 @@ def _base_precisions(tcfg: Any, family: Any, host_gb: float, tokens: int) -> tup
 
     supported, why = fp8_supported(), ""
     if supported:
-        why = ("train.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: bench/fp8.md)"
-               if tcfg.compile_transformer == "off" else fp8_host_short(host_gb))
+        why = ("runtime.compile_transformer = 'off' (eager, one fp8 layer ran 0.50x bf16's speed: bench/fp8.md)"
+               if cfg.runtime.compile_transformer == "off" else fp8_host_short(host_gb))
     if why or not supported:
         precisions.remove("fp8")
         return precisions, why, ""
@@ -73,18 +75,18 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     stored, bf16_gb = stored_dtypes(src.weight_files(family.denoiser_components[0])), weight_bytes(model, "bf16") / cal.GB
     read_gb = 0.0 if stored_as_bf16(stored) else bf16_gb
     fp8_host_gb = 0.0 if streams(model, stored) else bf16_gb
-    precisions, fp8_left_out, fp8_first = _base_precisions(tcfg, family, fp8_host_gb, tokens)
-    n, layout = len(blocks), getattr(tcfg, "block_swap_layout", "last")
+    precisions, fp8_left_out, fp8_first = _base_precisions(cfg, family, fp8_host_gb, tokens)
+    n, layout = len(blocks), cfg.runtime.block_swap_layout
     if layout == "spread" and not family.blocks_in_run_order:
-        raise ConfigError(f"train.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
+        raise ConfigError(f"runtime.block_swap_layout = 'spread' does not suit {family.name}: its denoiser lists its blocks "
                           f"in another order than it runs them (SDXL's UNet runs down, mid, up), so block swap could not "
-                          f"copy the next swapped block ahead of its use. Set train.block_swap_layout = 'last'.")
-    keep_attention, per_block = getattr(tcfg, "keep_attention", False), family.attention_per_block
-    fp8_fixed = getattr(tcfg, "fp8_blocks", "auto")
+                          f"copy the next swapped block ahead of its use. Set runtime.block_swap_layout = 'last'.")
+    keep_attention, per_block = cfg.runtime.keep_attention, family.attention_per_block
+    fp8_fixed = tcfg.fp8_blocks
     if keep_attention and not per_block:
-        raise ConfigError(f"train.keep_attention = true does not suit {family.name}: its denoiser's blocks do not each "
+        raise ConfigError(f"runtime.keep_attention = true does not suit {family.name}: its denoiser's blocks do not each "
                           f"run one attention at their width (SDXL's UNet blocks hold several, or none), which is what "
-                          f"the memory planner counts for it. Set train.keep_attention = false.")
+                          f"the memory planner counts for it. Set runtime.keep_attention = false.")
     whole = {p: weight_bytes(model, p) for p in precisions}  # the whole base per precision
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
@@ -97,7 +99,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     kept = cal.ATTENTION_KEPT_UNITS if keep_attention else 0.0  # per checkpointed unswapped block
     activations = lambda checkpointed, swapped=0: outside + unit * (  # noqa: E731
         checkpointed * cal.CHECKPOINT_SAVED_UNITS + max(0, checkpointed - swapped) * kept + sum(saved[checkpointed:]) + work)
-    options = with_fp8_nf4(train_options(tcfg.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
+    options = with_fp8_nf4(train_options(cfg.runtime.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
                             n, fp8_fixed)
     mixed = fp8_nf4_weight_bytes(model) if any(m is not None for *_, m in options) else []
     # each block's bytes that swapping it moves to host memory, for the precisions a swap option uses
@@ -110,7 +112,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         peak = resident + lora + activations(checkpointed, swapped) + cal.SWAP_EXTRA_GB * cal.GB * (swapped > 0)
         if precision == "nf4" and not swapped:  # diffusers' load quantizes on the GPU: the whole nf4 base is there
             peak = max(peak, total + lora)  # (a swap plan quantizes block by block: stages/core/nf4_blocks.py)
-        checkpointing = checkpointed > 0 or (n == 0 and tcfg.gradient_checkpointing is not False)
+        checkpointing = checkpointed > 0 or (n == 0 and cfg.runtime.gradient_checkpointing is not False)
         settings = {"base_precision": precision, "gradient_checkpointing": checkpointing,
                     "checkpointed_blocks": checkpointed, "swapped_blocks": swapped, "blocks": n}
         if fp8_blocks is not None:  # read whole in bf16 into host memory, then quantized layer by layer
@@ -129,10 +131,10 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     for tried in plan.tried:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"], tried["swapped_blocks"]) / cal.GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
-    partial = tcfg.gradient_checkpointing == "auto"  # the checkpointed blocks chosen within the budget
+    partial = cfg.runtime.gradient_checkpointing == "auto"  # the checkpointed blocks chosen within the budget
     fewer_fp8 = plan.settings.get("fp8_blocks") is not None and fp8_fixed == "auto"
     if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n) or fewer_fp8) \
-            and (mode := graphs_mode(tcfg, budget)):
+            and (mode := graphs_mode(cfg, budget)):
         plan = with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"], s["swapped_blocks"]) / cal.GB, grads_gb,
                                 budget, mode, fewer_fp8)
     if plan.fits and plan.settings.get("fp8_blocks") is not None:
@@ -152,7 +154,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if (plan.fits and not keep_attention and resident > 0 and tokens // tcfg.batch_size >= cal.KEEP_ATTENTION_HINT_TOKENS
             and budget.gb is not None and per_block
             and (plan.predicted_peak_gb + extra_gb) * cal.FRAGMENTATION <= budget.gb):
-        plan.note = (f"{plan.note} train.keep_attention = true fits this budget too (+{extra_gb:.1f} GB): the "
+        plan.note = (f"{plan.note} runtime.keep_attention = true fits this budget too (+{extra_gb:.1f} GB): the "
                      f"{resident} checkpointed blocks would keep their attention outputs and the recompute skip "
                      f"attention, which makes long sequences faster.").strip()
     short = host_shortfall(plan)
@@ -180,3 +182,19 @@ def host_shortfall(plan: StagePlan) -> str:
         fix = ("point 'model' at a diffusers folder saved by diffusers (an fp8 load streams its shards), or use "
                "train.base_precision = 'nf4' or 'bf16', which load shard by shard")
     return f"train: {why}, but only {available / cal.GB:.1f} GB of host memory is available: free host memory, or {fix}"
+
+
+def _apply(cfg: Any, s: dict[str, Any]) -> Any:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, base_precision=s["base_precision"]),
+                               runtime=dataclasses.replace(cfg.runtime, gradient_checkpointing=s["gradient_checkpointing"]))
+
+
+PLANNER = Planner(
+    "train", plan,
+    # "auto" without a budget: every block checkpointed (None: all of them)
+    configured=lambda cfg: {"base_precision": cfg.train.base_precision, "swapped_blocks": 0,
+                            "gradient_checkpointing": cfg.runtime.gradient_checkpointing is not False,
+                            "checkpointed_blocks": None},
+    apply=_apply,
+    to_change=("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set runtime.cuda_graphs = 'off': "
+               "capturing a graph takes memory of its own)"))

@@ -37,13 +37,13 @@ def graph_room(settings_peak_gb: float, acts_gb: float, grads_gb: float, budget:
     return free / (acts_gb + grads_gb + cal.GRAPH_ACTIVATIONS_EXTRA_GB) if acts_gb > 0 else math.inf
 
 
-def graphs_mode(tcfg: Any, budget: Budget) -> str | None:
-    """train.cuda_graphs' mode ("auto" or "on") where train may capture CUDA graphs under this budget,
+def graphs_mode(cfg: Any, budget: Budget) -> str | None:
+    """runtime.cuda_graphs' mode ("auto" or "on") where train may capture CUDA graphs under this budget,
     else None (CPU, LoRA dropout, or "off")."""
     from stages.core import fastpath
 
-    mode = fastpath.graphs_mode(getattr(tcfg, "cuda_graphs", "auto"))
-    return mode if budget.source != "cpu" and budget.gb is not None and tcfg.dropout == 0 and mode != "off" else None
+    mode = fastpath.graphs_mode(cfg.runtime.cuda_graphs)
+    return mode if budget.source != "cpu" and budget.gb is not None and cfg.train.dropout == 0 and mode != "off" else None
 
 
 def with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], float]], acts_of: Callable[[dict[str, Any]], float],
@@ -90,7 +90,7 @@ def with_graph_room(plan: StagePlan, candidates: list[tuple[dict[str, Any], floa
                 f"capture ({room:.1f}x the step's activations free; {want:.1f}x wanted): {why}")
         plan = dataclasses.replace(plan, settings=settings, predicted_peak_gb=peak, note=note)
     elif room < want:
-        then = ("train.cuda_graphs = 'on' captures anyway and may run out of memory there"
+        then = ("runtime.cuda_graphs = 'on' captures anyway and may run out of memory there"
                 if mode == "on" else
                 "train checks at the capture, else runs eager, which can be host-bound, most at small images")
         plan.note = (f"CUDA graphs may have no room to capture under this {'swap ' * swapped}plan ({room:.1f}x the step's "
