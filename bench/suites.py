@@ -152,6 +152,10 @@ SUITES: dict[str, list[Row]] = {
                     Peers("klein", 1024, 1, 15, "fp8+cudnn+fp8blocks18")],
     "peers-kontext": [Peers("kontext", 1024, 1, 10, "fp8+fitpeer,fp8,nf4"),
                       Peers("kontext", 1024, 1, 10, "fp8+cudnn,fp8+cudnn+keepattn,fp8+cudnn+fitpeer+keepattn")],
+    # "Optimizers": each train.optimizer's step time and peak (its state), FLUX.1 bf16 1024 px b1; AdamW's row
+    # is the flux suite's flux.train.bf16-1024-b1
+    "optimizers": [train("flux", "bf16", 1024, 1, f"opt-{name}") for name in
+                   ("adamw8bit", "prodigy", "prodigy_schedulefree", "adamw_schedulefree", "adafactor")],
     # "fp8 against bf16": the loss over 50 steps from one LoRA
     "fp8-fidelity": [Script("fp8-fidelity50", ("bench/fp8.py", "--fidelity-only", "--fidelity-steps", "50",
                                                "--deadline", "480", "--out", "{out}"))],

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from conftest import make_cfg, tiny_model
+from stages.core.config import TrainConfig
 from stages.core.errors import ResourceError
 from stages.core.fp8 import (FP8_MAX, Fp8Linear, fp8_bytes, inside_repeated_blocks, quantize_denoiser_fp8,
                              require_fp8_device)
@@ -145,7 +146,7 @@ def _lora_step(model, attention: str = "train") -> float:
     cond = {"prompt_embeds": torch.randn(2, 16, 32, generator=g), "pooled": torch.randn(2, 32, generator=g)}
     x0, noise, cond = x0.to(MATMUL_DEVICE), noise.to(MATMUL_DEVICE), {k: v.to(MATMUL_DEVICE) for k, v in cond.items()}
     t = torch.full((2,), 0.5, device=MATMUL_DEVICE)
-    loss = Flux().loss(model, x0, noise, t, cond, NO_GEOMETRY, SimpleNamespace(guidance_scale=1.0))
+    loss = Flux().loss(model, x0, noise, t, cond, NO_GEOMETRY, TrainConfig(guidance_scale=1.0))
     loss.mean().backward()
     bad = [(n, p.dtype, None if p.grad is None else float(p.grad.abs().sum())) for n, p in model.named_parameters()
            if p.requires_grad and not (p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0)]

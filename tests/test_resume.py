@@ -278,3 +278,82 @@ class _Payload:
 
     def __reduce__(self):
         return open, (self.path, "w")
+
+
+# Each optimizer (and LoRA+), as a user would set it, with a training control riding along, must resume
+# bit for bit: its state goes through the same safetensors training state as AdamW's.
+OPTIMIZER_RUNS = {
+    "prodigy": {"train.optimizer": "prodigy", "train.learning_rate": 1.0, "train.loss": "huber"},
+    "prodigy_schedulefree": {"train.optimizer": "prodigy_schedulefree", "train.learning_rate": 1.0,
+                             "train.max_grad_norm": 0.0, "train.lr_scheduler": "constant_with_warmup"},
+    "adamw_schedulefree": {"train.optimizer": "adamw_schedulefree", "train.lr_scheduler": "constant_with_warmup",
+                           "train.timestep_buckets": 3},  # the stratum position continues across the resume
+    "adafactor": {"train.optimizer": "adafactor", "train.weighting_scheme": "cosmap", "train.timestep_max": 0.8},
+    "loraplus": {"train.loraplus_ratio": 16.0},
+}
+
+
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+@pytest.mark.parametrize("setting", list(OPTIMIZER_RUNS))
+def test_each_optimizer_resumes_bit_identical(built_run, setting, monkeypatch):
+    """Stopped at step 3 (after a checkpoint of a schedule-free run put x in the adapter and y in the
+    state) and resumed: the same adapter, losses and LRs as the uninterrupted run of that setting,
+    which trained differently from plain AdamW."""
+    from stages import train
+    from stages.core import faults
+
+    overrides = OPTIMIZER_RUNS[setting]
+    straight = new_run(built_run, f"{setting}-straight", **overrides)
+    train.run(straight)
+    want = adapter(straight.run_dir / "lora" / "final")
+    want_steps = {e["step"]: (e["loss"], e["lr"]) for e in run_events(straight, "step")}
+    plain, _ = reference(built_run)
+    assert any(not torch_equal(want[k], plain[k]) for k in want), "the setting changed nothing"
+
+    cfg = new_run(built_run, f"{setting}-stopped", **overrides)
+    monkeypatch.setenv(faults.ENV, f"train:{STOP_AT}:TERM")
+    assert train.run(cfg)["step"] == STOP_AT
+    monkeypatch.delenv(faults.ENV)
+    train.run(cfg, resume=True)
+    assert_same_adapter(adapter(cfg.run_dir / "lora" / "final"), want)
+    got_steps = {e["step"]: (e["loss"], e["lr"]) for e in run_events(cfg, "step")}
+    assert got_steps == {s: v for s, v in want_steps.items() if s > STOP_AT}
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+@pytest.mark.parametrize("optimizer", ["adamw_schedulefree", "prodigy_schedulefree"])
+def test_schedule_free_adapter_is_the_eval_point(built_run, optimizer):
+    """A schedule-free run's saved adapter is its evaluation point x (`optimizer.eval()`), not the
+    training point y; writing it leaves the parameters at y, bit for bit, in train mode."""
+    import torch
+
+    from stages.core import lora
+    from stages.core.events import EventLog
+    from stages.train.trainer import Trainer
+
+    cfg = new_run(built_run, f"{optimizer}-eval", **{"train.optimizer": optimizer, "train.learning_rate": 1e-2,
+                                                     "train.lr_scheduler": "constant", "train.max_grad_norm": 0.0})
+    trainer = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
+    torch.manual_seed(cfg.seed)
+    trainer.setup_model()
+    for _ in range(3):
+        trainer.step()
+    y = [p.detach().clone() for p in trainer.params]
+    trainer.save_final(3, True, {})
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, y))  # back at y exactly
+    assert all(g["train_mode"] for g in trainer.optimizer.param_groups)
+    trainer.optimizer.eval()
+    x = lora.adapter_state_dict(trainer.model)
+    saved = adapter(cfg.run_dir / "lora" / "final")
+    assert_same_adapter(saved, x)
+    trainer.optimizer.train()
+    with torch.no_grad():
+        for p, q in zip(trainer.params, y):
+            p.copy_(q)
+    assert any(not torch.equal(saved[k], v) for k, v in lora.adapter_state_dict(trainer.model).items())  # x != y

@@ -172,10 +172,11 @@ class Flux2DiT(FamilyTraits):
 
         return load_denoiser_weights(Flux2Transformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any,
+                         first: int | None = None) -> torch.Tensor:
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        u = flow.sample_density(n, generator, tcfg.timestep_density, tcfg.logit_mean, tcfg.logit_std, tcfg.mode_scale)
+        u = flow.draw_u(n, generator, tcfg, first)
         shift = tcfg.shift
         if tcfg.dynamic_shift:  # the scheduler's exponential time shift is a static shift by exp(mu)
             seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
@@ -236,4 +237,4 @@ class Flux2DiT(FamilyTraits):
             guidance=self.guidance(denoiser, b, tcfg, device),
             return_dict=False,
         )[0][:, : target.shape[1]]  # the prediction of the target's tokens (all of them without references)
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

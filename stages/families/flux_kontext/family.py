@@ -76,4 +76,4 @@ class FluxKontext(Flux1):
         ids = torch.cat([self.image_ids(h, w, device, dtype),
                          *(self.control_ids(c.shape[-2], c.shape[-1], device, dtype) for c in meta.controls)])
         pred = self.predict(denoiser, tokens, ids, t, cond, tcfg)[:, : target.shape[1]]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

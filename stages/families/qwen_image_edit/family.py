@@ -157,4 +157,4 @@ class QwenImageEdit(QwenImageBase):
             img_shapes=[shapes] * b,
             return_dict=False,
         )[0][:, : target.shape[1]]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

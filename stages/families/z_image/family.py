@@ -95,4 +95,4 @@ class ZImage(KLVAELatents, FamilyTraits):
             return_dict=False,
         )[0]
         pred = -torch.stack(out).squeeze(2)  # the pipeline negates the output to get noise - x0
-        return flow.per_sample_mse(pred, flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(pred, flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)
