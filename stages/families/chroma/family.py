@@ -19,7 +19,8 @@ Two things in diffusers 0.42.1 that training does not copy:
   0.42.1). Chroma was trained with padding masked (lodestone-rock/flow, kohya's `--apply_t5_attn_mask`),
   and ComfyUI feeds T5 without padding, so the mask is passed as booleans. Captions are cut to the
   batch's longest masked length, which masks nothing away: a batch of equal lengths (every batch of
-  one) needs no mask at all.
+  one) needs no mask at all. A padding token's query then has every key masked: SDPA's math,
+  efficient and cuDNN backends all keep it finite on an H200, forward and backward.
 - Under gradient checkpointing the stock forward drops the mask of the single blocks;
   `denoiser.ChromaTrainable` passes it.
 """
