@@ -118,7 +118,8 @@ def test_checkpointed_masked_batch_trains_as_without_checkpointing(chroma):
     model, params = shared._lora_model(family, folder)
     cond = _encode(family, folder, 64)
     g = torch.Generator().manual_seed(2)
-    x0, noise, t = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.8])
+    x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
+    t = torch.tensor([0.3, 0.8])
 
     def loss_and_grads():
         model.zero_grad(set_to_none=True)
@@ -162,8 +163,8 @@ def test_latent_normalization_packing_and_ids_as_pipeline(chroma):
     z = torch.randn(2, 16, 6, 4, generator=torch.Generator().manual_seed(3))
     packed = pipe._pack_latents(z, 2, 16, 6, 4)
     assert torch.equal(flow.pack_2x2(z), packed)
-    assert torch.equal(flow.unpack_2x2(packed, 6, 4), pipe._unpack_latents(packed, 6 * pipe.vae_scale_factor,
-                                                                           4 * pipe.vae_scale_factor, pipe.vae_scale_factor))
+    size = (6 * pipe.vae_scale_factor, 4 * pipe.vae_scale_factor)
+    assert torch.equal(flow.unpack_2x2(packed, 6, 4), pipe._unpack_latents(packed, *size, pipe.vae_scale_factor))
     ids = pipe._prepare_latent_image_ids(2, 3, 2, "cpu", torch.float32)
     assert torch.equal(family.image_ids(6, 4, torch.device("cpu"), torch.float32), ids)
 
@@ -197,13 +198,14 @@ def test_config_check_holds_the_pipelines_t5_limit(n, ok):
     if ok:
         load_config(demo_config("chroma"), overrides)
     else:
-        with pytest.raises(ConfigError, match=r"'captions.max_sequence_length' = 513 .*ChromaPipeline's T5 limit.*1..512"):
+        with pytest.raises(ConfigError, match=r"'captions.max_sequence_length' = 513 .*ChromaPipeline's T5 limit"):
             load_config(demo_config("chroma"), overrides)
 
 
 def test_tiny_config_relations(chroma):
     _, _, pipe = chroma
     t = pipe.transformer.config
-    assert t.joint_attention_dim == pipe.text_encoder.config.d_model and t.in_channels == 4 * pipe.vae.config.latent_channels
+    assert t.joint_attention_dim == pipe.text_encoder.config.d_model
+    assert t.in_channels == 4 * pipe.vae.config.latent_channels
     assert sum(t.axes_dims_rope) == t.attention_head_dim and t.approximator_num_channels % 4 == 0
     assert not pipe.vae.config.use_quant_conv and pipe.vae.config.shift_factor == pytest.approx(0.1159)

@@ -71,7 +71,7 @@ class Chroma(Flux1):
     denoiser_class = "ChromaTransformer2DModel"
     text_component_classes = ("T5EncoderModel",)
     text_components = ("tokenizer", "text_encoder")
-    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
+    text_offload_components = ("text_encoder",)  # loaded by load_text_model: the planner may offload its layers
     comfyui_layout = COMFYUI_LAYOUT
     # kohya_layout: FLUX.1's (BFL names, as sd-scripts' Chroma support writes them); the approximator has none
 

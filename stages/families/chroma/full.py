@@ -18,7 +18,7 @@ from stages.families.full_parts import FLUX_VAE, diffusers_model
 PRESET = "configs/chroma.toml"
 TEXT_PRECISION = flux1_full.TEXT_PRECISION
 BUILD_SECONDS = 60  # estimate: 8.9B transformer + T5-XXL, below FLUX.1's 57-68 s (12B + T5-XXL + CLIP)
-TRAIN_SECONDS = 70  # a compiled 512 px b1 train item on the H200 (load, regional compile, 8 steps): estimate from FLUX.1's 65-94 s
+TRAIN_SECONDS = 70  # a compiled 512 px b1 train item on the H200 (load, regional compile, 8 steps): FLUX.1 took 65-94 s
 TEXT_IN_SEQUENCE = True
 
 TRANSFORMER = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -35,5 +35,6 @@ attention_flops = flux1_full.attention_flops  # the same joint attention over im
 
 def meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> Any:
     cfg, img = model.config, (h // 2) * (w // 2)
-    return model(hidden_states=empty(b, img, cfg.in_channels), encoder_hidden_states=empty(b, txt, cfg.joint_attention_dim),
-                 timestep=empty(b), img_ids=empty(img, 3), txt_ids=empty(txt, 3), return_dict=False)
+    return model(hidden_states=empty(b, img, cfg.in_channels),
+                 encoder_hidden_states=empty(b, txt, cfg.joint_attention_dim), timestep=empty(b),
+                 img_ids=empty(img, 3), txt_ids=empty(txt, 3), return_dict=False)

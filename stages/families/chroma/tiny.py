@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from stages.families.common.flux1_tiny import t5_encoder
-from stages.tiny.parts import FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR, HEAD_DIM, HEADS, ROPE_AXES, T5_DMODEL, seeded, vae_kl
+from stages.tiny.parts import (FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR, HEAD_DIM, HEADS, ROPE_AXES, T5_DMODEL,
+                               seeded, vae_kl)
 
 PIPELINE_CLASS = "ChromaPipeline"
 PIPELINE_EXTRA: dict[str, Any] = {}
