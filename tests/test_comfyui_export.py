@@ -33,6 +33,8 @@ EXTRA = {
     "z-image": ("layers.0.feed_forward.w1", "all_final_layer.2-1.linear", "noise_refiner.0.attention.to_q"),
     "krea2": ("text_fusion.layerwise_blocks.0.attn.to_q", "img_in", "final_layer.linear"),
     "sdxl": ("add_embedding.linear_1", "down_blocks.1.resnets.0.time_emb_proj", "down_blocks.1.resnets.0.conv1"),
+    "chroma": ("single_transformer_blocks.0.proj_mlp", "x_embedder", "distilled_guidance_layer.in_proj",
+               "distilled_guidance_layer.layers.0.linear_2"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
 ADAPTERS = ("lora", "dora", "lokr", "loha")

@@ -47,6 +47,9 @@ NOT_ROUND_TRIPPED = {
     "qwen-image-2.1": r"transformer_blocks\.\d+\.img_mlp\.gate_layer|modulation\.1|txt_in\.(in|out)_layer",
     # Krea 2: the reader returns the text-fusion and top-level layers without the `transformer.` prefix
     "krea2": r"text_fusion\..+|img_in|final_layer\.linear|txt_in\..+|time_.+",
+    # Chroma: FLUX.1's layout and reader; its approximator has no BFL name there (the layout refuses it)
+    "chroma": r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)|x_embedder|context_embedder|proj_out"
+              r"|distilled_guidance_layer\..+",
 }
 # diffusers 0.42.1 reads no kohya-named Krea 2 LoRA back into the transformer (not even its block
 # attention): its kohya copy is written for ComfyUI only, and --verify refuses it (tested below)
@@ -57,7 +60,8 @@ KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
 DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "flux-kontext": "FluxKontextPipeline.lora_state_dict cannot read it",  # FLUX's demo targets
-                      "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion"}
+                      "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion",
+                      "chroma": "ChromaPipeline.lora_state_dict cannot read it"}  # FLUX.1's demo targets
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
 

@@ -295,6 +295,8 @@ QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
 # (message regex, category, module regex) of Python warnings silenced the same way.
 QUIET_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     (r"`torch_dtype` is deprecated", FutureWarning, r"diffusers\."),
+    # diffusers' own ChromaTransformer2DModel builds its RoPE through the import path it deprecates
+    (r"`FluxPosEmbed` is deprecated", FutureWarning, r"diffusers\."),
     # the sample stage adds the trained adapter beside the base pipeline's; that is the point
     (r"Already found a `peft_config` attribute", UserWarning, r"peft\."),
 )

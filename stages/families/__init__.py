@@ -36,6 +36,7 @@ FAMILIES: dict[str, str] = {
     "krea2": "stages.families.krea2.family:Krea2",
     "flux-kontext": "stages.families.flux_kontext.family:FluxKontext",
     "qwen-image-edit": "stages.families.qwen_image_edit.family:QwenImageEdit",
+    "chroma": "stages.families.chroma.family:Chroma",
 }
 
 

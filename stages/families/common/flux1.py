@@ -1,5 +1,5 @@
 """FLUX.1: CLIP pooled + T5 text conditioning, 16-channel VAE, 2x2-packed flow DiT; the family class
-that `flux` (dev and schnell) and `flux-kontext` share.
+that `flux` (dev and schnell) and `flux-kontext` share, and `chroma` extends (its own text and predict).
 
 Checked against diffusers 0.42 `pipelines/flux/pipeline_flux.py`:
 - prompt: CLIP `pooler_output` (77 tokens, padded to max length) and T5 `last_hidden_state`
