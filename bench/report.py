@@ -536,7 +536,7 @@ def gpu_probe_section(probes: list[dict[str, Any]]) -> str:
             out.append(f"`python3 bench/fp8_tiny_probe.py`: {len(d['shapes'])} (rows, in, out) shapes of the fp8 Linear, "
                        f"{len(bad)} with a non-finite or >10 % off output or input gradient; the tiny FLUX LoRA step: "
                        + "; ".join(d.get("model", [])) + "\n")
-            if d.get("attention_modes"):  # tests/test_fp8.py's step under each attention setting
+            if d.get("attention_modes"):  # tests/core/test_fp8.py's step under each attention setting
                 out.append("| attention (`_lora_step(model, attention)`) | base | steps with every LoRA gradient finite |\n|---|---|---|")
                 out += [f"| {m['attention']} | {m['base']} | {m['finite']} of {m['of']} |" for m in d["attention_modes"]]
                 out.append("")

@@ -165,8 +165,8 @@ SUITES: dict[str, list[Row]] = {
     # the tiled VAE encode against untiled, every distinct VAE (cache-latents' last resort)
     "tiling": [Script("tiling", ("bench/tiling.py", "--budget-s", "140", "--out", "{out}"))],
     # the tests marked for CUDA, on the GPU (skipped on CPU)
-    "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_trainer_paths.py",
-                                         "tests/test_runtime_flags.py", "tests/test_fp8.py", "tests/test_sample_memory.py",
-                                         "tests/test_memory.py", "tests/test_partial_checkpointing.py",
-                                         "tests/test_fastpath.py", "tests/test_text_offload.py", "-k", "cuda"))],
+    "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/stages/test_trainer_paths.py",
+                                         "tests/core/test_runtime_flags.py", "tests/core/test_fp8.py", "tests/planner/test_sample_memory.py",
+                                         "tests/planner/test_memory.py", "tests/planner/test_partial_checkpointing.py",
+                                         "tests/core/test_fastpath.py", "tests/planner/test_text_offload.py", "-k", "cuda"))],
 }

@@ -35,7 +35,7 @@ def _budget(value: Any) -> Any:
 
 
 def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
-    """The JSON-able plan of every GPU stage (schema: tests/test_memory.py::test_plan_json_schema)."""
+    """The JSON-able plan of every GPU stage (schema: tests/planner/test_memory.py::test_plan_json_schema)."""
     from stages.core import memory
     from stages.core.model_source import model_source
     from stages.families import get_family

@@ -5,7 +5,7 @@ checkpointed single block as `_gradient_checkpointing_func(block, hidden_states,
 without its `attention_mask`, so with checkpointing on, the single blocks attend to the padding the double
 blocks mask. Training checkpoints blocks to fit memory, which must not change the loss (the memory planner
 picks how many), so a masked batch runs `masked_forward`: the stock forward's modules, in the same order,
-on the same values, with the mask handed to every block (tests/test_family_chroma.py checks it against the
+on the same values, with the mask handed to every block (tests/families/test_family_chroma.py checks it against the
 stock forward without checkpointing). Everything else, a batch without a mask among it, runs the stock forward.
 """
 

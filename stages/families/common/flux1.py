@@ -56,7 +56,7 @@ class Flux1(KLVAELatents, FamilyTraits):
 
     fp8_faster_from_tokens = 1101  # 512 px b1, 77-token captions: fp8 0.93x bf16's step (0.86-0.88x at the other three)
     # an un-checkpointed single-stream block keeps 13 units for its backward, not memory.BLOCK_SAVED_UNITS (17):
-    # the H200 rows with some blocks checkpointed (tests/test_bench_report.py)
+    # the H200 rows with some blocks checkpointed (tests/bench/test_bench_report.py)
     block_saved_units = {"FluxSingleTransformerBlock": 13.0}
     pipeline_class = "FluxPipeline"
     lora_prefix = "transformer"

@@ -95,7 +95,7 @@ class Flux2DiT(FamilyTraits):
     # the single blocks' fused q/k/v + SwiGLU projection is 9 units wide. Fitted on the checkpointed train
     # rows of bench/results (klein and dev, nf4/fp8/bf16, 512-1024 px, batch 1-4): at 24 the planner predicted
     # 0.86-0.996x what they allocated (klein bf16 1024 px b4: 12.07 GB for 14.01), at 35 0.937-1.003x
-    # (tests/test_bench_report.py; left out: klein's nf4 512 px b1 row, run with fp32 activations before
+    # (tests/bench/test_bench_report.py; left out: klein's nf4 512 px b1 row, run with fp32 activations before
     # commit e6730df, and dev's with a reference image, whose tokens the plan does not count); klein's whole
     # fp8 base had planned 5.26 GB for the 5.82 the diffusers script's shape allocated, so a budget near it
     # planned more fp8 blocks than fit (bench/LOG.md).

@@ -1,6 +1,6 @@
 """FLUX.2 klein against its own diffusers pipeline (Flux2KleinPipeline), on the tiny real architecture.
 
-    .venv/bin/python -m pytest tests/test_family_flux2_klein.py -q
+    .venv/bin/python -m pytest tests/families/test_family_flux2_klein.py -q
 
 - caption encoding equals the pipeline's `encode_prompt` (chat template, layers 9/18/27, padding
   kept, truncation);

@@ -391,7 +391,7 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
     monkeypatch.delenv(fastpath.ENV, raising=False)
     figures = re.compile(r"(-?[\d.]+) GB free under the ([\d.]+) GB budget for a capture that wants [\d.]+x "
                          r"the eager step's ([\d.]+) GB of activations")
-    calls = [json.loads(f.read_text()) for f in (Path(__file__).parents[1] / "bench" / "results").glob("memory-*.json")]
+    calls = [json.loads(f.read_text()) for f in (Path(__file__).parents[2] / "bench" / "results").glob("memory-*.json")]
     rows = [r for d in calls if not _variant(d.get("meta", {}).get("command", ""))  # the presets' rows, no --set overrides
             for r in d["items"] if ((r.get("runtime") or {}).get("cuda_graphs") or {}).get("room")]
     assert len(rows) >= 5 and {r["family"] for r in rows} >= {"flux", "qwen-image", "z-image"}
@@ -427,7 +427,7 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
 
     runner = Runner(run_args(work=str(tmp_path)))
     ratios: dict[str, float] = {}
-    for f in sorted((Path(__file__).parents[1] / "bench" / "results").glob("bench-*.json")):
+    for f in sorted((Path(__file__).parents[2] / "bench" / "results").glob("bench-*.json")):
         for r in json.loads(f.read_text())["items"]:
             fam, sets = r["id"].split("/")[0], r.get("sets") or {}
             if r["kind"] != "train" or r["status"] != "ok" \
@@ -464,7 +464,7 @@ def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h2
     from stages.core.model_source import model_source
     from stages.families import get_family
 
-    results = Path(__file__).parents[1] / "bench" / "results"
+    results = Path(__file__).parents[2] / "bench" / "results"
     rows = []  # (name, family, px, sets, checkpointed blocks or None for none, allocated GB)
     for f in sorted(results.glob("bench-*.json")):
         for r in json.loads(f.read_text())["items"]:
@@ -497,7 +497,7 @@ def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h2
 def test_results_carry_the_hand_written_notes(tmp_path: Path) -> None:
     """The generated RESULTS.md appends memory.md and fp8.md (the hand-written reading of those result files)
     when the memory and fp8 result files are among its inputs."""
-    bench_dir = Path(__file__).parents[1] / "bench"
+    bench_dir = Path(__file__).parents[2] / "bench"
     files = [_write(tmp_path, [_train_row("flux", "bf16-512-b4", 0.40, True)]),
              bench_dir / "results" / "memory-flux-h200.json", bench_dir / "results" / "fp8-h200.json"]
     results = report.write_report(files)["RESULTS.md"]

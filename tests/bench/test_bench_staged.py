@@ -1,7 +1,7 @@
 """A pipeline folder built one stage's components at a time (bench/staged.py), as the bench does for
 FLUX.2 dev, whose 112.6 GB the 1-GPU host cannot hold whole.
 
-    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_bench_staged.py
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/bench/test_bench_staged.py
 
 - a stand-in keeps a component's identity (what encode-captions and cache-latents fingerprinted, and
   train rechecks) while its weights are gone: same size and edges, a hole in between;

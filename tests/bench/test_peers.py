@@ -15,7 +15,7 @@ import pytest
 from bench import peers, report
 from bench.bench import finished_before_kill
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # tqdm's refreshes as diffusers' klein script wrote them (a 6-step CPU run of the tiny model): the last
 # refresh after the loop shows a rate that includes the LoRA save, 1.54 s/it against 1.02 it/s.

@@ -3,7 +3,7 @@ the sample stage loads, in bf16 on the GPU, else bf16 under model CPU offload, e
 text encoders in nf4, else nf4 offloaded; the first that fits the budget. Before it, sample loaded
 the pipeline in bf16 whatever the GPU: FLUX.2 dev's is 112.6 GB, Qwen-Image's 57 GB.
 
-    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_sample_memory.py
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/planner/test_sample_memory.py
 
 The `cuda` test renders the tiny FLUX pipeline in nf4 (the bench's CUDA tests run it on the H200).
 """

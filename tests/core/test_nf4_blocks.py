@@ -1,6 +1,6 @@
 """An nf4 base quantized block by block for block swap (stages/core/nf4_blocks.py) is diffusers' nf4 model.
 
-    .venv/bin/python -m pytest -q tests/test_nf4_blocks.py
+    .venv/bin/python -m pytest -q tests/core/test_nf4_blocks.py
 
 diffusers' own nf4 load refuses to start without a GPU (its quantizer's `validate_environment`), yet
 bitsandbytes 0.50 quantizes and runs nf4 on the CPU. So the reference here is diffusers' real
@@ -8,7 +8,7 @@ bitsandbytes 0.50 quantizes and runs nf4 on the CPU. So the reference here is di
 and the block-by-block model must equal it: the same quantized modules, the same state dict (codes,
 absmax, double-quant state) bit for bit, and the same loss and LoRA gradients with blocks swapped.
 The product refuses nf4 on CPU (runtime.require_cuda_for_nf4); the training tests lift that guard
-to run the real nf4 + swap path here. The same comparison on the GPU is in tests/test_trainer_paths.py.
+to run the real nf4 + swap path here. The same comparison on the GPU is in tests/stages/test_trainer_paths.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Krea 2 against its own diffusers pipeline (Krea2Pipeline), on the tiny real architecture.
 
-    .venv/bin/python -m pytest tests/test_family_krea2.py -q
+    .venv/bin/python -m pytest tests/families/test_family_krea2.py -q
 
 - caption rows equal `encode_prompt`'s valid tokens (prefix, truncation, tapped layers, dropped prefix),
   also inside the pipeline's own 512-token block (padding before the suffix, valid-token positions);
@@ -8,7 +8,7 @@
   target, packing, position ids, text mask), and a padded batch trains like its items one by one;
 - the timestep shift is the scheduler's at Krea 2's resolution-aware mu, latent normalization is what
   the decode inverts, packing and position ids are the pipeline's helpers.
-The checks Qwen-Image and Z-Image share (tests/test_families_text.py) run here on Krea 2 unchanged.
+The checks Qwen-Image and Z-Image share (tests/families/test_families_text.py) run here on Krea 2 unchanged.
 """
 
 from __future__ import annotations

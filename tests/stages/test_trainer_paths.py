@@ -1,7 +1,7 @@
 """The trainer's GPU-path plumbing, on a tiny cached FLUX run on CPU: torch state restored, clear
 errors for what needs a GPU, compile fallbacks, gradient checkpointing, read-ahead and resume.
 
-    .venv/bin/python -m pytest -q tests/test_trainer_paths.py
+    .venv/bin/python -m pytest -q tests/stages/test_trainer_paths.py
 
 What needs a GPU (nf4 weights, real CUDA graph capture) is in the tests marked `cuda`, which run on
 the GPU machine and are skipped elsewhere.
@@ -45,7 +45,7 @@ def _cfg(cached, **overrides):
     base = {"model": cached.model, "data.path": cached.data.path, "artifacts": cached.artifacts, "device": "cpu",
             "run": cached.run, "train.steps": 4, "runtime.checkpoint_every": 0, "runtime.warmup_steps_excluded": 1}
     base.update(overrides)
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.toml", base)
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.toml", base)
     shutil.rmtree(cfg.run_dir / "lora", ignore_errors=True)
     return cfg
 

@@ -3,7 +3,7 @@ references, checked against Flux2KleinPipeline's / Flux2Pipeline's own helpers o
 
 One run of all four stages per family on edit pairs (square items first, so the sample pipeline's
 64 px minimum side holds at a 64 px sample); text-to-image runs of these families are tested in
-tests/test_family.py and stay as they were (items without references keep their ids and draws).
+tests/families/test_family.py and stay as they were (items without references keep their ids and draws).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def test_a_guidance_scale_klein_ignores_is_said_once(ref_run, tmp_path):
     1, its own default 4.0 included. The stage hands it 1.0 (the same image:
     test_sample_grid_passes_the_references compares the grid with the pipeline at its default), and a
     `sample.guidance_scale` set above 1 is said once, by the stage, in a run with references
-    (tests/test_sample_quiet.py checks every family's base column for library notices)."""
+    (tests/stages/test_sample_quiet.py checks every family's base column for library notices)."""
     import json
 
     from conftest import library_lines

@@ -3,7 +3,7 @@ one the bench scripts can run, every row docs/performance.md shows has a suite, 
 split into one file per row, a newer measurement replaces a row's file and a failure never does, and
 the report picks the latest call's row whatever the files are named.
 
-    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_bench_suites.py
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/bench/test_bench_suites.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from bench import run, suites
 from bench.bench import plan
 from bench.peers import VARIANT_FLAGS, variant_flag
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_row_is_one_the_bench_scripts_take_and_keys_are_unique() -> None:

@@ -1,7 +1,7 @@
 """The CUDA-graph wrapper (`stages.core.fastpath`), on CPU with a stand-in for the capture: when it
 captures, what it replays, where it falls back to eager, and when the plan turns graphs on.
 
-    .venv/bin/python -m pytest -q tests/test_fastpath.py
+    .venv/bin/python -m pytest -q tests/core/test_fastpath.py
 """
 
 from __future__ import annotations

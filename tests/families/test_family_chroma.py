@@ -1,6 +1,6 @@
 """Chroma against its own diffusers pipeline (ChromaPipeline), on the tiny real architecture.
 
-    .venv/bin/python -m pytest tests/test_family_chroma.py -q
+    .venv/bin/python -m pytest tests/families/test_family_chroma.py -q
 
 - caption rows equal `encode_prompt`'s embeds and the mask it hands on (caption + one padding token);
 - one training loss equals what the pipeline's own denoising step implies (timestep = sigma, velocity

@@ -1,6 +1,6 @@
 """Qwen-Image 2.1 against QwenImage21Pipeline's own code, on the tiny real architecture.
 
-    .venv/bin/python -m pytest tests/test_family_qwen_image_21.py -q
+    .venv/bin/python -m pytest tests/families/test_family_qwen_image_21.py -q
 
 - cached caption rows equal the pipeline's `encode_prompt` of each caption alone (template, dropped
   system prefix, pre-norm last hidden state, empty caption -> " "), whatever shares the encode batch;

@@ -1,6 +1,6 @@
 """SDXL family: DDPM/min-SNR math, the UNet's conditioning, caption parity, export into the pipeline.
 
-    .venv/bin/python -m pytest tests/test_sdxl.py -q
+    .venv/bin/python -m pytest tests/families/test_sdxl.py -q
 
 Expected values are written out from the formulas (SDXL's scaled-linear betas, min-SNR-gamma, the
 pipeline's `_get_add_time_ids` layout), not taken from the code under test.

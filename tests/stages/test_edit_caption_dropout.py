@@ -1,9 +1,9 @@
 """Caption dropout for qwen-image-edit, whose Qwen2.5-VL text encoder sees the control images: the
 empty caption is cached once per distinct control set (keyed like the captions), and the dropout
 draw swaps in the item's own empty row. Families whose text does not see the controls keep one shared
-empty row (tests/test_datasets_captions.py).
+empty row (tests/stages/test_datasets_captions.py).
 
-    PYTHONPATH=$PWD python -m pytest -q tests/test_edit_caption_dropout.py
+    PYTHONPATH=$PWD python -m pytest -q tests/stages/test_edit_caption_dropout.py
 """
 
 from __future__ import annotations

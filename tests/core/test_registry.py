@@ -1,7 +1,7 @@
 """The stage registry (stages/registry.py) is where the stage graph is declared; what reads the graph
 agrees with it: the stage modules (every declared callable exists), the CLI, `plan` and the Makefile.
 
-    .venv/bin/python -m pytest -q tests/test_registry.py
+    .venv/bin/python -m pytest -q tests/core/test_registry.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stages import registry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_declared_callable_exists():

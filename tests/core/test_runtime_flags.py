@@ -1,6 +1,6 @@
 """The speed flags: validated by the config before anything runs, set for a stage and restored after.
 
-    .venv/bin/python -m pytest -q tests/test_runtime_flags.py
+    .venv/bin/python -m pytest -q tests/core/test_runtime_flags.py
 
 `test_cuda_flags_restored` needs a CUDA GPU and is skipped elsewhere.
 """

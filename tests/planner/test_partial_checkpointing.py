@@ -2,7 +2,7 @@
 the k repeated blocks the memory plan chose, and the loss and LoRA gradients are those of checkpointing
 every block and of checkpointing none.
 
-    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_partial_checkpointing.py
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/planner/test_partial_checkpointing.py
 
 On CPU there is no budget, so the GPU budget is simulated: `memory.resolve_budget` returns a cap just
 above the planner's own predicted peak for one checkpointed block, and the real planner and trainer run.

@@ -1,6 +1,6 @@
 """FLUX.2 [dev] against its own diffusers pipeline (Flux2Pipeline), on the tiny real architecture.
 
-    .venv/bin/python -m pytest tests/test_family_flux2.py -q
+    .venv/bin/python -m pytest tests/families/test_family_flux2.py -q
 
 - caption encoding equals the pipeline's `encode_prompt` (system message, chat template through the
   pipeline's processor, layers 10/20/30, padding kept, truncation, "[IMG]" removed) and its text ids,
@@ -10,7 +10,7 @@
   included (train.guidance_scale is the pipeline's guidance_scale);
 - `train.dynamic_shift` sigmas are the scheduler's, shifted by the dev pipeline's `compute_empirical_mu`;
 - the config checks and the nf4 refusal on CPU.
-The image side is shared with klein (stages.families.common.flux2_dit); tests/test_family_flux2_klein.py
+The image side is shared with klein (stages.families.common.flux2_dit); tests/families/test_family_flux2_klein.py
 checks packing and image ids against the pipeline helpers, which both pipelines share.
 """
 

@@ -8,7 +8,7 @@ unless the runner makes one):
   (its run's latents are there: the tiny runs encode the same 64 px images at either size, so the
   1024 px run's are copied in; the caches' own reruns are the first call's encode and latents rows).
 
-    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_bench_runner.py
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/bench/test_bench_runner.py
 """
 
 from __future__ import annotations

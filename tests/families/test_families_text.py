@@ -1,6 +1,6 @@
 """Qwen-Image and Z-Image against their own diffusers pipelines, on the tiny real architectures.
 
-    .venv/bin/python -m pytest tests/test_families_text.py -q
+    .venv/bin/python -m pytest tests/families/test_families_text.py -q
 
 - caption encoding equals the pipeline's `encode_prompt` (template, dropped tokens, hidden layer,
   truncation), stored padded with lengths;

@@ -937,7 +937,7 @@ def test_a_capped_train_stage_runs_with_expandable_segments_unless_the_user_set_
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in memory.ALLOC_CONF_VARS}
     env.update({"HF_HUB_OFFLINE": "1", **({"PYTORCH_CUDA_ALLOC_CONF": user} if user else {})})
     args = ["--config", str(demo_config_path("flux")), "--model", str(tiny_model(assets, FAMILIES["flux"])),

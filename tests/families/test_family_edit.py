@@ -1,7 +1,7 @@
 """Edit families (flux-kontext, qwen-image-edit): control images through the dataset scan, the
 caches, the loss and the pipelines' own code, on the tiny real architectures.
 
-The generic per-family tests (tests/test_family.py: cached = uncached, batched = single, export
+The generic per-family tests (tests/families/test_family.py: cached = uncached, batched = single, export
 round trip through `load_lora_weights`, ids not positions, it learns) run for these families too,
 on the edit pairs (conftest `family_data`). Here: what only edit pairs have.
 """

@@ -1,6 +1,6 @@
 """Several processes through torch.distributed, on CPU with gloo and 2 processes.
 
-    .venv/bin/python -m pytest tests/test_distributed.py -q
+    .venv/bin/python -m pytest tests/core/test_distributed.py -q
 
 - caches built by 2 ranks (captions in the spawned job, latents through `run --gpus 2`, i.e.
   torchrun) are byte-identical to one process's, and only rank 0 writes events and manifests;

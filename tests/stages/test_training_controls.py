@@ -1,8 +1,8 @@
 """Training controls: timestep range and stratified timesteps, loss weighting, pseudo-Huber loss, the
 optimizers' config checks and LoRA+ groups. The math against diffusers or the direct formulas; the
-wiring on the tiny FLUX run (bit-exact resume of every optimizer: tests/test_resume.py).
+wiring on the tiny FLUX run (bit-exact resume of every optimizer: tests/stages/test_resume.py).
 
-    .venv/bin/python -m pytest -q tests/test_training_controls.py
+    .venv/bin/python -m pytest -q tests/stages/test_training_controls.py
 """
 
 from __future__ import annotations

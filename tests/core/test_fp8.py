@@ -2,7 +2,7 @@
 
 torch's `_scaled_mm` runs on the CPU too, so the fp8 math is checked here; what needs fp8 tensor
 cores (a tiny family trained in fp8 against bf16, graphs and compile, its export loaded) is
-tests/test_trainer_paths.py's `fp8 and cuda` test.
+tests/stages/test_trainer_paths.py's `fp8 and cuda` test.
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ def test_the_fp8_bench_runs_every_item_on_the_cpu(tmp_path):
 
     out = tmp_path / "fp8.json"
     cmd = [sys.executable, "bench/fp8.py", "--smoke", "--out", str(out)]
-    subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], check=True, capture_output=True, timeout=300)
+    subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert res["errors"] == {} and set(res["fidelity"]) == {"bf16", "fp8"}
     assert res["fidelity"]["fp8"]["steps"] == 1 and "vs_bf16" in res["fidelity"]["fp8"]
