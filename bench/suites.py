@@ -138,6 +138,7 @@ SUITES: dict[str, list[Row]] = {
     "qwen-image-2.1": short_family("qwen-image-2.1"),
     "flux-kontext": short_family("flux-kontext"),
     "qwen-image-edit": short_family("qwen-image-edit"),
+    "chroma": short_family("chroma"),
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),

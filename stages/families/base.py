@@ -107,6 +107,12 @@ class FamilyTraits:
     """Every optional family trait with its default. Declarations only: a family sets the ones that
     differ, the stages and the memory planner read them."""
 
+    # ---- how reports name it
+    title: str = ""
+    """The model's name in tables and reports (e.g. "FLUX.2 [klein]"; empty: the family name)."""
+    vae_downsample: int = 8
+    """Pixels per latent cell along a side (the VAE's spatial downsampling; Qwen-Image 2.1: 16)."""
+
     # ---- memory planner (stages/core/memory/)
     auto_base_precisions: tuple[str, ...] | None = None
     """train.base_precision = "auto" tries these whole, fastest first (None: the planner's

@@ -31,6 +31,7 @@ from stages.families.common.flux1 import Flux1
 
 class FluxKontext(Flux1):
     name = "flux-kontext"
+    title = "FLUX.1 Kontext (edit, 1 control)"
     # fp8_faster_from_tokens: FLUX.1's, the same transformer (the control's tokens only lengthen the sequence:
     # the same Linears on more rows, where fp8 gained more, bench/fp8.md); no fp8 rows of its own yet
     pipeline_class = "FluxKontextPipeline"

@@ -83,6 +83,7 @@ class Krea2TextEncoder:
 
 class Krea2(FamilyTraits):
     name = "krea2"
+    title = "Krea 2"
     pipeline_class = "Krea2Pipeline"
     lora_prefix = "transformer"
     denoiser_class = "Krea2Transformer2DModel"

@@ -110,6 +110,8 @@ def joint_img_mask(b: int, text_len: int, image_tokens: int, device: torch.devic
 
 class QwenImage21(FamilyTraits):
     name = "qwen-image-2.1"
+    title = "Qwen-Image 2.1"
+    vae_downsample = 16
     pipeline_class = "QwenImage21Pipeline"
     lora_prefix = "transformer"
     denoiser_class = "QwenImage21Transformer2DModel"

@@ -101,6 +101,7 @@ class QwenImageEditTextEncoder:
 
 class QwenImageEdit(QwenImageBase):
     name = "qwen-image-edit"
+    title = "Qwen-Image-Edit (edit, 1 control)"
     # fp8_faster_from_tokens: Qwen-Image's, the same transformer (control tokens lengthen the sequence); no
     # fp8 rows of its own yet
     pipeline_class = "QwenImageEditPlusPipeline"

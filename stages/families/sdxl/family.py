@@ -123,6 +123,7 @@ def offset_noise(noise: torch.Tensor, offset: float) -> torch.Tensor:
 
 class SDXL(FamilyTraits):
     name = "sdxl"
+    title = "SDXL"
     fp8_faster_from_tokens = 1101  # 512 px b1 as the planner counts it: fp8 0.88x bf16's step (1024 px: 0.94x)
     pipeline_class = "StableDiffusionXLPipeline"
     lora_prefix = "unet"

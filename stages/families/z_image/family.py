@@ -56,6 +56,7 @@ class ZImageTextEncoder:
 
 class ZImage(KLVAELatents, FamilyTraits):
     name = "z-image"
+    title = "Z-Image"
     fp8_faster_from_tokens = 4173  # 1024 px b1, 77-token captions: fp8 0.83x bf16's step
     pipeline_class = "ZImagePipeline"
     lora_prefix = "transformer"
