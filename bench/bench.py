@@ -464,7 +464,8 @@ class Runner:
         model = self.ensure_model(fam, kind) if kind != "pytest" else model_dir(self.args, fam)
         if kind in ("encode", "latents", "train", "export"):
             stage = {"encode": "encode-captions", "latents": "cache-latents", "train": "train", "export": "export-lora"}[kind]
-            extra = ["--verify"] if kind == "export" else (["--force"] if kind in ("encode", "latents") else [])
+            # a train item measures a fresh training: --restart sets an earlier item's adapter of this run aside
+            extra = {"export": ["--verify"], "encode": ["--force"], "latents": ["--force"], "train": ["--restart"]}[kind]
             cmd = self.stage_cmd(fam, item, stage, model, extra)
             t0 = time.time()
             rc, wall, tail = self.call(cmd, item.env, item.id)

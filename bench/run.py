@@ -20,6 +20,7 @@ import fnmatch
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -157,10 +158,15 @@ def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float
     print(f"[run] {suite}: {' '.join(cmd[1:] if cmd[0] == sys.executable else cmd)}", flush=True)
     t = time.time()
     with log.open("w") as fh:
+        # its own process group: a call cut off at the budget takes its stage children with it, so no
+        # orphaned stage keeps the GPU or the run's lock from the next call
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
-                                timeout=max(30.0, left)).returncode
+            rc = proc.wait(timeout=max(30.0, left))
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = -9
     if isinstance(rows[0], Peers):
         out = peers_file(rows[0], stage)
