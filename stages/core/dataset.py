@@ -11,6 +11,10 @@ elsewhere is refused unless `data.follow_symlinks_outside = true`. Files the sca
 merges (an unread format, a FIFO, a broken symlink, two images sharing one caption) are reported
 through `warn`, one warning per kind that names the files.
 
+Image ids come from the folder's index of file stats (stages/core/image_index.py): a scan reads only
+the images that changed, and a process lists a folder once (a later scan walks it again and reuses
+the listing while no file changed).
+
 `scan_run(cfg)` scans every dataset of a run ([[datasets]] tables, or data.path alone) and gives
 each item all its caption texts: numbered caption files, lines (data.caption_lines) and seeded tag
 shuffles (data.shuffle_tags). Each text is its own caption id, so each is its own cached row.
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os

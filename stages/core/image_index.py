@@ -42,7 +42,7 @@ Ids = tuple[str, str]  # (the item's content id, its pixels' id)
 
 _rehash = False
 _generation = 0
-_open: dict[tuple[str, str], "ImageIndex"] = {}  # (real folder, index file) -> the process's index
+_open: dict[tuple[str, str], "ImageIndex"] = {}  # (folder, index file) -> the index this process loaded
 
 
 class DamagedIndex(UserWarning):
