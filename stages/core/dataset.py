@@ -391,7 +391,7 @@ class _Listed:
     """One folder's items as a scan listed them, the warnings it gave, and the walk they came from."""
 
     def __init__(self, tree: FolderTree, items: list[Item], warnings: list[tuple[str, str | None]]) -> None:
-        self.tree, self.items, self.warnings = tree, items, warnings
+        self.digest, self.items, self.warnings = tree.digest(), items, warnings
         self.identified: list[Item] | None = None
         self.generation = 0  # image_index.generation() when the ids were taken
         # files read outside the walk (below a symlinked folder): their stats are checked too
@@ -400,7 +400,7 @@ class _Listed:
 
     def holds(self, tree: FolderTree) -> bool:
         """Whether nothing the listing read has changed since (`tree` is a new walk of the folder)."""
-        return tree == self.tree and all(stat_of(p) == s for p, s in self.outside.items())
+        return tree.digest() == self.digest and all(stat_of(p) == s for p, s in self.outside.items())
 
     def with_ids(self, index: ImageIndex) -> list[Item]:
         """The items with their image, pixel and control ids: from the index where the files' stats

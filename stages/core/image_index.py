@@ -118,7 +118,6 @@ class ImageIndex:
         self.entries: dict[str, list] = {}  # key -> [signature of each file read, ..., [image_id, pixel_id]]
         self.checked: set[str] = set()  # keys hashed by this process (--rehash reads each once)
         self.changed = False
-        self.hashed = 0  # files read by this process
         if file is not None and file.is_file():
             self._load(file)
 
@@ -139,8 +138,9 @@ class ImageIndex:
             if not (isinstance(data, dict) and data.get("version") == VERSION and isinstance(data.get("entries"), dict)):
                 raise ValueError(f"not a version {VERSION} index")
             entries = data["entries"]
-            if not all(isinstance(v, list) and v and all(isinstance(x, list) for x in v) for v in entries.values()):
-                raise ValueError("an entry is not a list of lists")
+            bad = next((k for k, v in entries.items() if not _well_formed(v)), None)
+            if bad is not None:
+                raise ValueError(f"the entry of {bad!r} is not [stat, ..., [id, id]]")
         except (OSError, UnicodeDecodeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
             warnings.warn(f"image index '{file}' is damaged ({e}); rebuilding it, which reads every image of "
                           f"'{self.root}' once", DamagedIndex, stacklevel=4)
@@ -153,27 +153,26 @@ class ImageIndex:
         name = os.path.relpath(image, self.root)
         return name if mask is None else f"{name}\n{os.path.relpath(mask, self.root)}"
 
-    def ids(self, requests: Iterable[Request], rehash: bool | None = None) -> dict[Request, Ids]:
-        """The ids of each (image, mask): from the index where every file's stat matches its entry,
-        else read and hashed (in parallel threads), and the entry renewed."""
-        rehash = _rehash if rehash is None else rehash
+    def ids(self, requests: Iterable[Request]) -> dict[Request, Ids]:
+        """The ids of each (image, mask): from the index where every file's stat matches its entry
+        (under --rehash, only once this process has read it), else read and hashed in parallel
+        threads, and the entry renewed."""
         out: dict[Request, Ids] = {}
-        todo: list[tuple[Request, str, list[list[int]] | None]] = []
+        todo: list[tuple[Request, str]] = []
         for request in dict.fromkeys(requests):
-            key, stats = self._key(request), _stats(request)
+            key = self._key(request)
             entry = self.entries.get(key)
-            if stats is not None and entry is not None and entry[:-1] == stats and (not rehash or key in self.checked):
+            if entry is not None and entry[:-1] == _stats(request) and (not _rehash or key in self.checked):
                 out[request] = tuple(entry[-1])
             else:
-                todo.append((request, key, stats))
+                todo.append((request, key))
         if len(todo) > 1:
             with ThreadPoolExecutor(hash_workers()) as pool:
                 hashed = list(pool.map(lambda t: _hash(t[0]), todo))
         else:
             hashed = [_hash(t[0]) for t in todo]
-        for (request, key, _), (ids, settled) in zip(todo, hashed):
+        for (request, key), (ids, settled) in zip(todo, hashed):
             out[request] = ids
-            self.hashed += 1 + (request[1] is not None)
             self.checked.add(key)
             self._renew(key, ids, settled)
         return out
@@ -203,6 +202,12 @@ class ImageIndex:
         except OSError:
             return
         self.changed = False
+
+
+def _well_formed(entry: object) -> bool:
+    return (isinstance(entry, list) and len(entry) >= 2
+            and all(isinstance(s, list) and len(s) == 4 and all(type(x) is int for x in s) for s in entry[:-1])
+            and isinstance(entry[-1], list) and len(entry[-1]) == 2 and all(isinstance(x, str) for x in entry[-1]))
 
 
 def _stats(request: Request) -> list[list[int]] | None:
