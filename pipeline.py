@@ -73,7 +73,10 @@ def _guarded(f: Callable[..., None]) -> Callable[..., None]:
         except Exception as e:  # noqa: BLE001 - _fail re-raises what is not the user's
             _fail(e)
         finally:
+            from stages.core.image_index import request_rehash
+
             forget()
+            request_rehash(False)
     return wrapper
 
 
@@ -113,6 +116,21 @@ def vram_option(f: Callable[..., None]) -> Callable[..., None]:
 
     return click.option("--vram", metavar="GB|auto",
                         help="GPU memory the stage may use (gpu.vram_budget_gb), for this command only.")(wrapper)
+
+
+def _rehash(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        from stages.core.image_index import request_rehash
+
+        request_rehash()
+
+
+def rehash_option(f: Callable[..., None]) -> Callable[..., None]:
+    """--rehash on the commands that scan the dataset: read every image again instead of trusting the
+    index of unchanged file stats (stages/core/image_index.py)."""
+    return click.option("--rehash", is_flag=True, expose_value=False, callback=_rehash,
+                        help="Read and hash every image again, even those whose size and times did not change "
+                             "(for file systems whose times cannot be trusted).")(f)
 
 
 def examples(*lines: str) -> str:
@@ -171,6 +189,7 @@ def _launcher_rank() -> int:
 @run_options
 @vram_option
 @click.option("--force", is_flag=True, help="Re-encode every caption.")
+@rehash_option
 @_guarded
 def encode_captions_cmd(spec: RunSpec, force: bool) -> None:
     """Encode captions with the text encoders only -> captions.zarr."""
@@ -182,6 +201,7 @@ def encode_captions_cmd(spec: RunSpec, force: bool) -> None:
 @run_options
 @vram_option
 @click.option("--force", is_flag=True, help="Re-encode every image.")
+@rehash_option
 @_guarded
 def cache_latents_cmd(spec: RunSpec, force: bool) -> None:
     """Encode crop/flip variants with the VAE only -> latents.zarr (posterior mean and logvar)."""
@@ -195,6 +215,7 @@ def cache_latents_cmd(spec: RunSpec, force: bool) -> None:
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
 @click.option("--force", "--restart", "restart", is_flag=True,
               help="Start over from step 0; the old checkpoints are set aside, not deleted.")
+@rehash_option
 @_guarded
 def train_cmd(spec: RunSpec, resume: bool, restart: bool) -> None:
     """Train a LoRA on the caches, loading only the denoiser -> lora/."""
@@ -224,6 +245,7 @@ def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: 
 @cli.command("sample", epilog=examples("sample my-lora", "sample --config configs/flux-dev.toml"))
 @run_options
 @vram_option
+@rehash_option
 @_guarded
 def sample_cmd(spec: RunSpec) -> None:
     """Render [sample] prompts with the base model and the LoRA (several seeds) -> samples/grid.png."""
@@ -249,6 +271,7 @@ def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes per stage, one per GPU, launched through torchrun (on CPU: gloo processes).")
 @click.option("--dry-run", is_flag=True, help="Print each stage's memory plan (as `plan` does) and run nothing.")
+@rehash_option
 @_guarded
 def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_run: bool) -> None:
     """Run all stages in order, each as a child process; stages whose manifest matches are skipped.
@@ -265,6 +288,7 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         plan.run(cfg, None, as_json=False)
         return
     ensure_writable(cfg.run_dir)
+    _rehash_once(cfg)
     for name in only or registry.REQUIRED + (registry.OPTIONAL if cfg.sample.after_train else ()):
         stage = registry.get(name)
         ok, reasons = staleness(stage, cfg)
@@ -282,6 +306,17 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         if name == "train" and not staleness(stage, cfg)[0]:
             click.echo("train was stopped before its last step; later stages not run (run again to continue)")
             return
+
+
+def _rehash_once(cfg: Any) -> None:
+    """`run --rehash`: read every image here, once, into the index; the stages then trust it."""
+    from stages.core.image_index import rehash_requested
+
+    if rehash_requested():
+        from stages.core.caches import scan_items
+        from stages.families import get_family
+
+        scan_items(cfg, get_family(cfg.family))
 
 
 def clip(reasons: list[str], n: int) -> str:
@@ -304,6 +339,7 @@ def _train_start(cfg: Any, force: bool) -> str:
 
 @cli.command("status", epilog=examples("status my-lora", "status --config configs/flux-dev.toml --artifacts /data/runs"))
 @run_options
+@rehash_option
 @_guarded
 def status_cmd(spec: RunSpec) -> None:
     """Show each stage of a run as up to date or stale, and why (read-only: works on a read-only folder)."""

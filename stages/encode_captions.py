@@ -27,10 +27,20 @@ NAME = "encode-captions"
 
 
 def scan_items(cfg: Any, log: Any = None) -> list[dataset.Item]:
-    """The run's items as its family trains them (stages.core.caches.scan_items)."""
+    """The run's items as its family trains them (stages.core.caches.scan_items), with image ids only
+    where the caption rows depend on the images (`needs_image_ids`): otherwise no image is read."""
     from stages.families import get_family
 
-    return scan_family_items(cfg, get_family(cfg.family), log)
+    family = get_family(cfg.family)
+    return scan_family_items(cfg, family, log, ids=needs_image_ids(cfg, family))
+
+
+def needs_image_ids(cfg: Any, family: Any) -> bool:
+    """Whether the caption rows depend on image bytes: a text encoder that sees the control images
+    (rows keyed by them), or caption dropout with a validation split (the split picks held-out items,
+    which keep their caption, by image id). Tag shuffles seeded by the image id are scan_run's to see."""
+    dropout = any(d.caption_dropout > 0 for d in cfg.dataset_configs())
+    return family.text_sees_controls or (dropout and cfg.validation.split > 0 and not cfg.validation.path)
 
 
 def artifact_dir(cfg: Any) -> Path:

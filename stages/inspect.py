@@ -269,7 +269,8 @@ def events_section(run_dir: Path) -> dict[str, Any]:
 def inspect_run(run_dir: Path, config: Any = None, rows: int = 64) -> dict[str, Any]:
     """The whole report as one JSON-able dict."""
     if not run_dir.is_dir():
-        known = sorted(p.name for p in run_dir.parent.iterdir() if p.is_dir()) if run_dir.parent.is_dir() else []
+        known = sorted(p.name for p in run_dir.parent.iterdir()  # .index, .model-cache: not runs
+                       if p.is_dir() and not p.name.startswith(".")) if run_dir.parent.is_dir() else []
         raise InspectError(f"no run folder '{run_dir}' (runs under {run_dir.parent}: {', '.join(known) or 'none'})")
     cfg = run_config(run_dir, config)
     return {

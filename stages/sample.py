@@ -86,7 +86,7 @@ def prompts_of(cfg: Any, rows: Rows) -> list[str]:
         return list(cfg.sample.prompts)
     from stages.core import dataset
 
-    return sorted({it.caption for it in dataset.scan_run(cfg)})[:3]
+    return sorted({it.caption for it in dataset.scan_run(cfg, ids=False)})[:3]  # captions only: no image read
 
 
 def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str], list[Path] | None] | None = None) -> dict[str, Any]:

@@ -38,13 +38,14 @@ def samples_dir(cfg: Any) -> Path:
     return cfg.run_dir / SAMPLES
 
 
-def scan_items(cfg: Any, family: Any, log: Any = None) -> list[Any]:
+def scan_items(cfg: Any, family: Any, log: Any = None, ids: bool = True) -> list[Any]:
     """The run's items, held-out validation items included (`validation.scan_run`), as `family` (the
-    run's) trains them (edit families: ids cover the control images)."""
+    run's) trains them (edit families: ids cover the control images). `ids` False reads no image
+    where the item's caption rows do not depend on them (stages.core.dataset.scan_run)."""
     from stages.core import dataset, validation
 
     warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
-    return dataset.for_family(validation.scan_run(cfg, log), family, warn)  # held-out items too
+    return dataset.for_family(validation.scan_run(cfg, log, ids), family, warn)  # held-out items too
 
 
 def load_captions(cfg: Any) -> tuple[Any, dict[str, Any]]:

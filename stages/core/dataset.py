@@ -11,6 +11,10 @@ elsewhere is refused unless `data.follow_symlinks_outside = true`. Files the sca
 merges (an unread format, a FIFO, a broken symlink, two images sharing one caption) are reported
 through `warn`, one warning per kind that names the files.
 
+Image ids come from the folder's index of file stats (stages/core/image_index.py): a scan reads only
+the images that changed, and a process lists a folder once (a later scan walks it again and reuses
+the listing while no file changed).
+
 `scan_run(cfg)` scans every dataset of a run ([[datasets]] tables, or data.path alone) and gives
 each item all its caption texts: numbered caption files, lines (data.caption_lines) and seeded tag
 shuffles (data.shuffle_tags). Each text is its own caption id, so each is its own cached row.
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -31,7 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from stages.core import image_index
 from stages.core.errors import DatasetError
+from stages.core.folder_tree import FolderTree, stat_of
+from stages.core.image_index import INDEX_DIR, UNREADABLE_ID_PREFIX, ImageIndex, content_id  # noqa: F401 - UNREADABLE_ID_PREFIX: read here
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 # Image formats that are not read (GIF is mostly animation; HEIC, AVIF and JPEG XL need PIL plugins;
@@ -39,9 +45,6 @@ IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 UNREAD_IMAGE_EXTS = (".gif", ".heic", ".heif", ".avif", ".jxl", ".svg", ".ico", ".psd", ".tga", ".jp2",
                      ".exr", ".hdr", ".dng", ".cr2", ".nef", ".arw")
 OUTSIDE_HINT = "move the file into the dataset folder, or set data.follow_symlinks_outside = true to read it there"
-# An image whose bytes cannot be read gets this id instead of a content hash, so that cache-latents
-# meets the read error again and applies data.on_bad_image to it like any other broken image.
-UNREADABLE_ID_PREFIX = "unreadable-"
 
 VARIANT_SEP = "\x1e"  # joins the captions of a metadata.jsonl `text` list until scan() splits them
 Warn = Callable[[str, "str | None"], None]  # (message, item key or None when it names several files)
@@ -109,34 +112,8 @@ def _salted(content: str, salt: str) -> str:
     return content_id(f"{content}+{salt}".encode()) if salt else content
 
 
-def content_id(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:24]
-
-
 def caption_id(text: str) -> str:
     return content_id(text.encode("utf-8"))
-
-
-def _image_id(path: Path) -> str:
-    return _image_ids(path, None)[0]
-
-
-def _image_ids(path: Path, mask: Path | None) -> tuple[str, str]:
-    """(the item's content id, its pixels' id), reading the image once: with a loss mask the first
-    covers both files' bytes, so an edited mask re-encodes exactly its item, and the second is the
-    image bytes' alone (what seeds its crops); without one both are the image's."""
-    unreadable = UNREADABLE_ID_PREFIX + content_id(str(path).encode())[:13]
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return unreadable, unreadable
-    pixels = content_id(data)
-    if mask is None:
-        return pixels, pixels
-    try:
-        return content_id(b"%d:" % len(data) + data + mask.read_bytes()), pixels
-    except OSError:
-        return unreadable, pixels
 
 
 # ---- loss masks: white trained, black ignored, grey weighted ---------------------------------
@@ -151,16 +128,12 @@ def pixels_id(item: Item) -> str:
 MASK_SUFFIX, MASKS_FOLDER = "_mask", "masks"
 
 
-def mask_candidates(root: Path, image: Path) -> list[Path]:
-    """Where an image's loss mask may be: `<stem>_mask.<ext>` beside it, or `masks/<stem>.<ext>`
-    under the dataset root (same relative folders)."""
-    rel = image.relative_to(root).with_suffix("")
-    return ([image.with_name(image.stem + MASK_SUFFIX + ext) for ext in IMAGE_EXTS]
-            + [root / MASKS_FOLDER / rel.with_suffix(ext) for ext in IMAGE_EXTS])
-
-
-def find_mask(root: Path, image: Path, follow_outside: bool) -> Path | None:
-    found = [p for p in mask_candidates(root, image) if os.path.lexists(p)]
+def find_mask(root: Path, image: Path, follow_outside: bool, tree: FolderTree) -> Path | None:
+    """An image's loss mask: `<stem>_mask.<ext>` beside it, or `masks/<stem>.<ext>` under the
+    dataset root (same relative folders); None when it has none."""
+    under = (root / MASKS_FOLDER / image.relative_to(root)).parent
+    found = [Path(p) for p in tree.named(str(image.parent), image.stem + MASK_SUFFIX, IMAGE_EXTS)
+             + tree.named(str(under), image.stem, IMAGE_EXTS)]
     if len(found) > 1:
         raise DatasetError(f"image '{image}' has {len(found)} loss masks ({', '.join(str(p) for p in found)}): "
                            f"keep one")
@@ -169,19 +142,18 @@ def find_mask(root: Path, image: Path, follow_outside: bool) -> Path | None:
     problem = _file_problem(found[0])
     if problem:
         raise BadImage(f"loss mask '{found[0]}' {problem}: {BAD_IMAGE_HINT}")
-    _check_inside(root, found[0], follow_outside)
+    _check_inside(root, found[0], follow_outside, tree)
     return found[0]
 
 
-def _is_mask_file(root: Path, path: Path) -> bool:
+def _is_mask_file(root: Path, path: Path, tree: FolderTree) -> bool:
     """A file under `masks/`, or `<stem>_mask.<ext>` beside an image `<stem>.<ext>`: a mask, not an item."""
     rel = path.relative_to(root)
     if rel.parts[0] == MASKS_FOLDER and len(rel.parts) > 1:
         return True
     if not path.stem.endswith(MASK_SUFFIX):
         return False
-    base = path.stem[:-len(MASK_SUFFIX)]
-    return any(os.path.lexists(path.with_name(base + ext)) for ext in IMAGE_EXTS)
+    return bool(tree.named(str(path.parent), path.stem[:-len(MASK_SUFFIX)], IMAGE_EXTS))
 
 
 def _file_problem(path: Path) -> str | None:
@@ -200,7 +172,9 @@ def _file_problem(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else "is not a regular file (a FIFO, socket or device)"
 
 
-def _check_inside(root: Path, path: Path, follow_outside: bool) -> None:
+def _check_inside(root: Path, path: Path, follow_outside: bool, tree: FolderTree | None = None) -> None:
+    if follow_outside or tree is not None and tree.plainly_inside(path):
+        return
     real = path.resolve()
     if not follow_outside and not real.is_relative_to(root.resolve()):
         raise DatasetError(f"'{path}' resolves to '{real}', outside the dataset folder '{root}': {OUTSIDE_HINT}")
@@ -298,13 +272,13 @@ def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[t
     return pairs, controls
 
 
-def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path]:
+def _listed_images(root: Path, caption_ext: str, dropped: _Dropped, tree: FolderTree) -> list[Path]:
     """Regular files with an image extension under root; the left-out ones go to `dropped`."""
     images = []
-    for path in sorted(root.rglob("*")):
+    for path in tree.paths():
         suffix = path.suffix.lower()
         key = path.relative_to(root).as_posix()
-        if suffix in IMAGE_EXTS and _is_mask_file(root, path):
+        if suffix in IMAGE_EXTS and _is_mask_file(root, path, tree):
             continue
         if suffix in IMAGE_EXTS:
             problem = _file_problem(path)
@@ -312,49 +286,50 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped) -> list[Path
                 images.append(path)
             elif problem != "is a folder":
                 dropped.add("special", key, f"'{key}' ({problem.removeprefix('is ')})")
-        elif suffix in UNREAD_IMAGE_EXTS and os.path.lexists(path.with_suffix(caption_ext)):
+        elif suffix in UNREAD_IMAGE_EXTS and tree.exists(str(path.with_suffix(caption_ext))):
             dropped.add("format", key)
     by_caption = defaultdict(list)
     for path in images:
         by_caption[path.with_suffix(caption_ext)].append(path.relative_to(root).as_posix())
     for cap, keys in by_caption.items():
-        if len(keys) > 1 and os.path.lexists(cap):
+        if len(keys) > 1 and tree.exists(str(cap)):
             dropped.add("shared", keys[0], " and ".join(f"'{k}'" for k in keys) + f" ('{cap.name}')")
     return images
 
 
-def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _Dropped) -> list[tuple[Path, str]]:
+def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _Dropped,
+                 tree: FolderTree) -> list[tuple[Path, str]]:
     """(image, caption) pairs; every unusable caption is named in one error (`collected`)."""
     pairs, problems = [], []
-    for path in _listed_images(root, caption_ext, dropped):
-        if _is_control(root, path, caption_ext):
+    for path in _listed_images(root, caption_ext, dropped, tree):
+        if _is_control(root, path, caption_ext, tree):
             continue
         try:
-            pairs.append((path, _caption_of(root, path, caption_ext, follow_outside)))
+            pairs.append((path, _caption_of(root, path, caption_ext, follow_outside, tree)))
         except DatasetError as e:
             e.item = path.relative_to(root).as_posix()
             problems.append(e)
     if problems:
         raise collected(problems, "images or captions")
-    _orphan_captions(root, caption_ext, dropped)
+    _orphan_captions(root, caption_ext, dropped, tree)
     return pairs
 
 
-def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool) -> str:
-    _check_inside(root, path, follow_outside)
+def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool, tree: FolderTree) -> str:
+    _check_inside(root, path, follow_outside, tree)
     cap = path.with_suffix(caption_ext)
     problem = _file_problem(cap)
     if problem == "does not exist":
         raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")
     if problem:
         raise DatasetError(f"caption '{cap}' {problem}; make it a text file or move the image out")
-    _check_inside(root, cap, follow_outside)
+    _check_inside(root, cap, follow_outside, tree)
     return _read_caption(cap)
 
 
-def _orphan_captions(root: Path, caption_ext: str, dropped: _Dropped) -> None:
+def _orphan_captions(root: Path, caption_ext: str, dropped: _Dropped, tree: FolderTree) -> None:
     """Caption files beside no file of their stem (nor a numbered variant `<stem>.<n><ext>` of one)."""
-    files = [p for p in root.rglob("*") if not p.is_dir()]
+    files = tree.files()
     stems = {p.with_suffix("") for p in files if p.suffix != caption_ext}
     for cap in sorted(p for p in files if p.suffix == caption_ext):
         stem = cap.with_suffix("")
@@ -363,44 +338,103 @@ def _orphan_captions(root: Path, caption_ext: str, dropped: _Dropped) -> None:
 
 
 def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside: bool = False,
-         warn: Warn | None = None, caption_lines: str = "whole", path_key: str = "data.path") -> list[Item]:
+         warn: Warn | None = None, caption_lines: str = "whole", path_key: str = "data.path", ids: bool = True,
+         index_dir: Path | None = None) -> list[Item]:
     """All items under root, sorted by key: metadata.jsonl if present, else image + same-stem caption.
     An item's captions: its caption, then `<stem>.1<ext>`, `<stem>.2<ext>`, ... (a metadata `text`
     list); with caption_lines = "variants" each line of each is its own caption.
-    `warn(message, item)` hears of files left out or merged, once per kind."""
+    `warn(message, item)` hears of files left out or merged, once per kind.
+
+    Image ids come from the folder's ImageIndex (kept in `index_dir`, `<artifacts>/.index`; None: in
+    this process only), which reads only the files whose stat changed. With `ids` False no image is
+    read and image_id, pixel_id and control_ids are empty (what encode-captions asks when its rows
+    depend on the captions alone). A process lists a folder once per settings: a later call walks it
+    again and, when no file changed, gives the same items (and the same warnings) without reading."""
     root = Path(root)
-    meta = root / "metadata.jsonl"
-    pairs, controls = _listing(root, caption_ext, follow_symlinks_outside, warn, path_key)
+    if not root.is_dir():
+        raise DatasetError(f"dataset folder '{root}' does not exist (set {path_key})")
+    key = (os.path.abspath(root), caption_ext, follow_symlinks_outside, caption_lines)
+    tree = FolderTree(root)
+    listed = _LISTED.get(key)
+    if listed is None or not listed.holds(tree):
+        heard: list[tuple[str, str | None]] = []
+        listed = _Listed(tree, _items(root, caption_ext, follow_symlinks_outside,
+                                      lambda message, item: heard.append((message, item)), caption_lines, tree), heard)
+        if tree.settled():  # a file changed in this timestamp tick may change again unseen: list it again next time
+            _LISTED[key] = listed
+    for message, item in listed.warnings:
+        if warn is not None:
+            warn(message, item)
+    return listed.with_ids(ImageIndex.for_folder(root, index_dir)) if ids else listed.items
+
+
+def _items(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None, caption_lines: str,
+           tree: FolderTree) -> list[Item]:
+    """`scan`'s items without their image ids (image_id, pixel_id and control_ids empty)."""
+    meta = (root / "metadata.jsonl").is_file()
+    pairs, controls = _listing(root, caption_ext, follow_outside, warn, "data.path", tree)
     stems = {path.with_suffix("") for path, _ in pairs}
     items = []
     for path, text in pairs:
-        mask = find_mask(root, path, follow_symlinks_outside)
+        mask = find_mask(root, path, follow_outside, tree)
         texts = [t.strip() for t in text.split(VARIANT_SEP)] + (
-            [] if meta.is_file() else _numbered_captions(root, path, caption_ext, stems, follow_symlinks_outside))
+            [] if meta else _numbered_captions(root, path, caption_ext, stems, follow_outside))
         if caption_lines == "variants":
             texts = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
         texts = list(dict.fromkeys(texts))
-        mine = tuple(controls.get(path, ()))
-        image_id, pixel_id = _image_ids(path, mask)
-        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], image_id, caption_id(texts[0]),
-                          tuple(texts) if len(texts) > 1 else (), mask_path=mask, controls=mine,
-                          control_ids=tuple(_image_id(c) for c in mine), pixel_id=pixel_id if mask else ""))
+        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], "", caption_id(texts[0]),
+                          tuple(texts) if len(texts) > 1 else (), mask_path=mask, controls=tuple(controls.get(path, ()))))
     return sorted(items, key=lambda it: it.key)
 
 
+class _Listed:
+    """One folder's items as a scan listed them, the warnings it gave, and the walk they came from."""
+
+    def __init__(self, tree: FolderTree, items: list[Item], warnings: list[tuple[str, str | None]]) -> None:
+        self.digest, self.items, self.warnings = tree.digest(), items, warnings
+        self.identified: list[Item] | None = None
+        self.generation = 0  # image_index.generation() when the ids were taken
+        # files read outside the walk (below a symlinked folder): their stats are checked too
+        self.outside = {str(p): stat_of(str(p)) for it in items for p in (it.image_path, it.mask_path, *it.controls)
+                        if p is not None and str(p.parent) not in tree.folders}
+
+    def holds(self, tree: FolderTree) -> bool:
+        """Whether nothing the listing read has changed since (`tree` is a new walk of the folder)."""
+        return tree.digest() == self.digest and all(stat_of(p) == s for p, s in self.outside.items())
+
+    def with_ids(self, index: ImageIndex) -> list[Item]:
+        """The items with their image, pixel and control ids: from the index where the files' stats
+        match it, else read (in parallel) and the index saved."""
+        if self.identified is None or self.generation != image_index.generation():
+            self.generation = image_index.generation()
+            requests = [(it.image_path, it.mask_path) for it in self.items] + [
+                (c, None) for it in self.items for c in it.controls]
+            found = index.ids(requests)
+            index.save()
+            self.identified = [dataclasses.replace(
+                it, image_id=found[it.image_path, it.mask_path][0],
+                pixel_id=found[it.image_path, it.mask_path][1] if it.mask_path else "",
+                control_ids=tuple(found[c, None][0] for c in it.controls)) for it in self.items]
+        return self.identified
+
+
+_LISTED: dict[tuple[str, str, bool, str], _Listed] = {}  # (folder, caption_ext, follow, caption_lines) -> listing
+
+
 def _listing(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None,
-             path_key: str) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
+             path_key: str, tree: FolderTree | None = None) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
     """(image, caption) pairs and each image's control paths, from the file names (and caption
     files) alone: no image is opened or hashed."""
     if not root.is_dir():
         raise DatasetError(f"dataset folder '{root}' does not exist (set {path_key})")
+    tree = tree or FolderTree(root)
     meta = root / "metadata.jsonl"
     dropped = _Dropped()
     if meta.is_file():
         pairs, controls = _from_metadata(root, meta, follow_outside)
     else:
-        pairs = _from_folder(root, caption_ext, follow_outside, dropped)
-        controls = {path: _folder_controls(root, path, follow_outside) for path, _ in pairs}
+        pairs = _from_folder(root, caption_ext, follow_outside, dropped, tree)
+        controls = {path: _folder_controls(root, path, follow_outside, tree) for path, _ in pairs}
     dropped.report(warn)
     if not pairs:
         raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) with captions")
@@ -433,11 +467,16 @@ def _numbered_captions(root: Path, image: Path, caption_ext: str, stems: set[Pat
         n += 1
 
 
-def scan_data(data: Any, log: Any = None) -> list[Item]:
+def scan_data(data: Any, log: Any = None, ids: bool = True, index_dir: Path | None = None) -> list[Item]:
     """scan() with a run's DataConfig; warnings go to the stage's event log when one is given."""
     warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
     return scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
-                caption_lines=data.caption_lines)
+                caption_lines=data.caption_lines, ids=ids or data.shuffle_tags, index_dir=index_dir)
+
+
+def index_dir(cfg: Any) -> Path:
+    """Where the run's image indexes live: `<artifacts>/.index`, shared by the runs of that folder."""
+    return Path(cfg.artifacts) / INDEX_DIR
 
 
 # Settings of a dataset that change its cached latents. The first dataset's are the run's reference
@@ -454,14 +493,16 @@ def latent_reference(cfg: Any) -> dict[str, Any]:
     return {k: getattr(first, k) for k in LATENT_KEYS}
 
 
-def scan_run(cfg: Any, log: Any = None) -> list[Item]:
+def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
     """Every item of a run: its one data.path, or each [[datasets]] table's folder with item keys
-    prefixed '<name>/'. Captions get their tag shuffles; items keep their dataset's index."""
+    prefixed '<name>/'. Captions get their tag shuffles; items keep their dataset's index. With `ids`
+    False, images are read only for a dataset whose tag shuffles are seeded by them (data.shuffle_tags)."""
     warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
     out, reference = [], latent_reference(cfg)
     for i, (data, name) in enumerate(zip(cfg.dataset_configs(), cfg.dataset_names())):
         items = scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
-                     caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path")
+                     caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path",
+                     ids=ids or data.shuffle_tags, index_dir=index_dir(cfg))
         settings = {k: getattr(data, k) for k in LATENT_KEYS}
         suffix = "" if settings == reference else \
             "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
@@ -470,7 +511,7 @@ def scan_run(cfg: Any, log: Any = None) -> list[Item]:
                 text, data, cfg.seed, it.image_id)))
             out.append(dataclasses.replace(it, key=f"{name}/{it.key}" if name else it.key, caption=texts[0],
                                            caption_id=caption_id(texts[0]), captions=texts if len(texts) > 1 else (),
-                                           dataset=i, latent_id=it.image_id + suffix if suffix else ""))
+                                           dataset=i, latent_id=it.image_id + suffix if suffix and it.image_id else ""))
     return sorted(out, key=lambda it: it.key)
 
 
@@ -502,48 +543,50 @@ CONTROL_DIR = "control"
 MAX_CONTROLS = 9  # name_control_1 .. name_control_9
 
 
-def _image_named(folder: Path, stem: str) -> Path | None:
+def _image_named(folder: Path, stem: str, tree: FolderTree) -> Path | None:
     """folder/stem with the first image extension that exists (lower or upper case), else None."""
-    for ext in IMAGE_EXTS:
-        for candidate in (folder / f"{stem}{ext}", folder / f"{stem}{ext.upper()}"):
-            if os.path.lexists(candidate):
-                return candidate
-    return None
+    found = tree.named(str(folder), stem, _EXTS_BOTH_CASES)
+    return Path(found[0]) if found else None
 
 
-def _is_control(root: Path, path: Path, caption_ext: str) -> bool:
+_EXTS_BOTH_CASES = tuple(e for ext in IMAGE_EXTS for e in (ext, ext.upper()))
+
+
+def _is_control(root: Path, path: Path, caption_ext: str, tree: FolderTree) -> bool:
     """A captionless image named as the control of an existing target image."""
-    if os.path.lexists(path.with_suffix(caption_ext)):
+    if tree.exists(str(path.with_suffix(caption_ext))):
         return False
     rel = path.relative_to(root)
     if rel.parts[0] == CONTROL_DIR and len(rel.parts) > 1:
         target = root.joinpath(*rel.parts[1:])
-        if _image_named(target.parent, target.stem) is not None:
+        if _image_named(target.parent, target.stem, tree) is not None:
             return True
     stem = path.stem
     for n in ["", *(f"_{k}" for k in range(1, MAX_CONTROLS + 1))]:
         if stem.endswith(CONTROL_SUFFIX + n) and len(stem) > len(CONTROL_SUFFIX + n):
-            return _image_named(path.parent, stem[: -len(CONTROL_SUFFIX + n)]) is not None
+            return _image_named(path.parent, stem[: -len(CONTROL_SUFFIX + n)], tree) is not None
     return False
 
 
-def _checked_control(root: Path, control: Path, target: str, follow_outside: bool, where: str = "") -> Path:
+def _checked_control(root: Path, control: Path, target: str, follow_outside: bool, where: str = "",
+                     tree: FolderTree | None = None) -> Path:
     problem = _file_problem(control)
     if problem:
         raise DatasetError(f"{where}control image '{control}' of '{target}' {problem}; fix it, or remove it and the "
                            f"item's other controls")
-    _check_inside(root, control, follow_outside)
+    _check_inside(root, control, follow_outside, tree)
     return control
 
 
-def _folder_controls(root: Path, path: Path, follow_outside: bool) -> list[Path]:
+def _folder_controls(root: Path, path: Path, follow_outside: bool, tree: FolderTree) -> list[Path]:
     """`name_control.*`, then `name_control_1.*`, `_2`, ... beside the target, then `control/<rel>`."""
-    key = path.relative_to(root).as_posix()
-    found = [_image_named(path.parent, f"{path.stem}{CONTROL_SUFFIX}{n}")
-             for n in ["", *(f"_{k}" for k in range(1, MAX_CONTROLS + 1))]]
-    rel = path.relative_to(root)
-    found.append(_image_named((root / CONTROL_DIR / rel).parent, rel.stem))
-    return [_checked_control(root, c, key, follow_outside) for c in found if c is not None]
+    rel, folder = path.relative_to(root), str(path.parent)
+    found = [tree.named(folder, f"{path.stem}{CONTROL_SUFFIX}{n}", _EXTS_BOTH_CASES) for n in _CONTROL_NUMBERS]
+    found.append(tree.named(str((root / CONTROL_DIR / rel).parent), rel.stem, _EXTS_BOTH_CASES))
+    return [_checked_control(root, Path(c[0]), rel.as_posix(), follow_outside, tree=tree) for c in found if c]
+
+
+_CONTROL_NUMBERS = ("", *(f"_{k}" for k in range(1, MAX_CONTROLS + 1)))
 
 
 def _row_controls(root: Path, row: dict[str, Any], where: str, follow_outside: bool) -> list[Path]:

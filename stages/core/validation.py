@@ -26,13 +26,14 @@ from stages.core import dataset
 PREFIX = "validation/"
 
 
-def scan_run(cfg: Any, log: Any = None) -> list[dataset.Item]:
+def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[dataset.Item]:
     """Every item the caches hold: the run's datasets' (`dataset.scan_run`), then validation.path's
-    (keys `validation/...`, cached with the first dataset's settings)."""
-    items = dataset.scan_run(cfg, log)
+    (keys `validation/...`, cached with the first dataset's settings). `ids` False: see dataset.scan_run."""
+    items = dataset.scan_run(cfg, log, ids)
     if cfg.validation.path:
         held = dataclasses.replace(cfg.data, path=cfg.validation.path)
-        items += [dataclasses.replace(it, key=PREFIX + it.key) for it in dataset.scan_data(held, log)]
+        items += [dataclasses.replace(it, key=PREFIX + it.key)
+                  for it in dataset.scan_data(held, log, ids, dataset.index_dir(cfg))]
     return sorted(items, key=lambda it: it.key)
 
 
@@ -43,6 +44,8 @@ def _unit(text: str) -> float:
 def partition(cfg: Any, items: list[dataset.Item]) -> tuple[list[dataset.Item], list[dataset.Item]]:
     """(training items, validation items) of `scan_run`'s items; a split picks among all datasets' items."""
     split = cfg.validation.split
+    if split > 0 and not cfg.validation.path and any(not it.image_id for it in items):
+        raise ValueError("a validation split picks items by image id: scan them with ids=True")
     held = [it.key.startswith(PREFIX) if cfg.validation.path else split > 0 and _unit(it.image_id) < split
             for it in items]
     return [it for it, h in zip(items, held) if not h], [it for it, h in zip(items, held) if h]

@@ -68,7 +68,7 @@ def test_run_end_to_end_then_skip(family, assets, demo_data, tmp_path):
             "--set", "train.steps=6", "--set", "device=cpu"]
     first = _pipeline("run", *args, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
-    run_dir = next((tmp_path / "artifacts").iterdir())
+    run_dir = next(p for p in (tmp_path / "artifacts").iterdir() if not p.name.startswith("."))  # not .index
     for path in ("captions.zarr/manifest.json", "latents.zarr/manifest.json", "lora/final/manifest.json",
                  "lora/final/adapter_model.safetensors", "export/pytorch_lora_weights.safetensors",
                  "export/manifest.json", "events.jsonl"):

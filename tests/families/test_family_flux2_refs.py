@@ -114,12 +114,12 @@ def test_memory_plan_counts_the_runs_references(assets, ref_data, demo_data, tmp
     """Optional references: the planned sequence has as many as the run's items carry (none for a
     text-to-image run, so its plan is as before); an edit family plans its most. The count comes
     from file names: no image is read or hashed (a spy on the id hashing sees no call)."""
-    from stages.core import memory
+    from stages.core import image_index, memory
 
     klein = get_family("flux2-klein")
     hashed: list[object] = []
-    real_ids = dataset._image_ids
-    monkeypatch.setattr(dataset, "_image_ids", lambda *a: hashed.append(a) or real_ids(*a))
+    real_ids = image_index.read_ids
+    monkeypatch.setattr(image_index, "read_ids", lambda *a: hashed.append(a) or real_ids(*a))
     assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, ref_data, tmp_path), klein) == 1
     assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, demo_data, tmp_path), klein) == 0
     assert hashed == []
