@@ -47,7 +47,7 @@ class Budget:
 
 def cap_budget(vram_gb: float, context_gb: float) -> Budget:
     """A number of GB (the whole process) as the allocator's budget: `vram_gb` less `context_gb`."""
-    return Budget(round(max(vram_gb - context_gb, 0.0), 3), "cap", context_gb, given_gb=vram_gb)
+    return Budget(max(vram_gb - context_gb, 0.0), "cap", context_gb, given_gb=vram_gb)
 
 
 def planned_context_gb() -> float:

@@ -142,13 +142,14 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
     budget = budgets.resolve_budget(cfg.gpu.vram_budget_gb, pick_device(cfg.device))
     if below_gb is not None and budget.gb is not None:
         budget = dataclasses.replace(budget, gb=min(budget.gb, below_gb), given_gb=None)
+    src = model_source(cfg)
     if budget.gb is None:
         plan = unplanned(cfg, stage, budget)
     else:
-        plan = plan_for(cfg, family, model_source(cfg), budget, stage)
+        plan = plan_for(cfg, family, src, budget, stage)
     log.emit("plan", **plan.to_dict())
     record_plans(cfg.run_dir, [plan], "ran")
-    _RAN[stage] = plan
+    _RAN[stage] = (plan, family, src)
     if not plan.fits:
         log.emit("warning", message=plan.note)
     if note := budgets.context_note(budget):
@@ -156,8 +157,8 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
     return (with_plan(cfg, plan) if budget.gb is not None else cfg), plan
 
 
-# The plan each stage of this process ran with (plan_stage), for translate_oom's advice.
-_RAN: dict[str, StagePlan] = {}
+# The plan each stage of this process ran with, and its family and model source (plan_stage), for translate_oom's advice.
+_RAN: dict[str, tuple[StagePlan, Any, Any]] = {}
 
 
 def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError | None:
@@ -173,14 +174,11 @@ def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError |
     budget = getattr(getattr(cfg, "gpu", None), "vram_budget_gb", "auto")
     budget_text = "auto: the free memory at start" if budget == "auto" else f"{budget} GB"
     kept = "everything already written is kept and the rerun continues from it"
-    ran = _RAN.get(stage)
+    ran, family, src = _RAN.get(stage, (None, None, None))
     advice = None
     if ran is not None and ran.budget.gb is not None:
-        from stages.core.model_source import model_source
-        from stages.families import get_family
-
         try:
-            advice = oom_advice(cfg, get_family(cfg.family), model_source(cfg), ran, peak)
+            advice = oom_advice(cfg, family, src, ran, peak)
         except Exception:  # the advice is a courtesy: the error itself must come out whatever planning meets
             advice = None
     if advice:
