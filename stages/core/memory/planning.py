@@ -183,9 +183,9 @@ def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError |
             advice = None
     if advice:
         also = PLANNERS[stage].oom_also
-        return ResourceError(f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB reserved) "
-                             f"with {_settings_text(ran.settings, PLANNERS[stage].keys)}: {advice}"
-                             f"{'; ' + also if also else ''}; {kept}")
+        ran_with = ", ".join(f"{k}={v}" for k, v in ran.settings.items() if k not in ("blocks", "layers"))
+        return ResourceError(f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB reserved, "
+                             f"planned {ran_with}): {advice}{'; ' + also if also else ''}; {kept}")
     to_change = PLANNERS[stage].to_change if stage in PLANNERS else "the batch size"
     return ResourceError(
         f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB): rerun with a lower "
@@ -213,7 +213,7 @@ def oom_advice(cfg: Any, family: Any, src: Any, ran: StagePlan, peak_gb: float) 
         return None
     vram = f"--vram {smaller.vram_gb:.1f}"
     named = [f"{planner.keys[k]} = {_toml(v)}" for k, v in changed.items() if k in planner.keys]
-    others = _settings_text({k: v for k, v in changed.items() if k not in planner.keys}, {})
+    others = ", ".join(f"{k}={v}" for k, v in changed.items() if k not in planner.keys and k not in ("blocks", "layers"))
     if named:
         return (f"set {' and '.join(named)} (the planner's choice under {vram}"
                 f"{', with ' + others if others else ''}), or rerun with {vram} (gpu.vram_budget_gb)")
@@ -225,6 +225,3 @@ def _toml(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, str) else str(value)
 
 
-def _settings_text(settings: dict[str, Any], keys: dict[str, str]) -> str:
-    """`key = value, ...` of a plan's settings, by their config key where one sets them."""
-    return ", ".join(f"{keys.get(k, k)} = {_toml(v)}" for k, v in settings.items() if k not in ("blocks", "layers"))
