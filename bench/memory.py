@@ -90,7 +90,9 @@ class MemoryRunner(Runner):
         with SmiPeak() as smi:  # the process as a neighbour sees it: nvidia-smi's memory.used over the call
             rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
         row: dict[str, Any] = {"family": fam, "resolution": res, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
-                               "rc": rc, "wall_s": wall, **({"smi_peak_gb": smi.peak_gb} if smi.peak_gb is not None else {})}
+                               "rc": rc, "wall_s": wall}
+        if smi.peak_gb is not None:
+            row["smi_peak_gb"] = smi.peak_gb
         note = self.finished_note(fam, item, run_dir, rc, t0)  # killed while exiting, after its last step
         if note:
             row["note"] = note
@@ -366,7 +368,8 @@ def report(files: list[Path]) -> str:
         # a variant without an "auto" (or unswapped) row of its own is compared with the defaults'
         ref = _auto_train(mine) or _auto_train(defaults)
         lines += [f"### {fam}, {res} px, batch 1" + (f", with {variant}" if variant else ""), "",
-                  "| budget GB | stage | plan | predicted GB | measured peak GB (reserved, + CUDA context where measured) | samples/s | x auto | "
+                  "| budget GB | stage | plan | predicted GB | measured peak GB (reserved, + CUDA context where measured) | "
+                  "samples/s | x auto | "
                   "x unswapped | stage s |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             cells = _cell(r)

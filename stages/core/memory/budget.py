@@ -122,7 +122,8 @@ def retries_note(retries: int, steps: int, budget: Budget) -> str | None:
     bench/results/peers-klein-1024-b1-fitreserved-fp8-expandable.json); else None."""
     if budget.source != "cap" or steps <= 0 or retries <= steps:
         return None
-    return (f"the GPU allocator reached the {allocator_cap_gb(budget):g} GB cap and flushed its cache {retries} times in {steps} steps, "
+    return (f"the GPU allocator reached the {allocator_cap_gb(budget):g} GB cap and flushed its cache {retries} times in "
+            f"{steps} steps, "
             f"which slows them (runtime.cuda_alloc_retries in the train manifest): a larger --vram "
             f"(gpu.vram_budget_gb) lets the plan keep more memory to spare")
 

@@ -95,7 +95,8 @@ def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
     if not plans_for_gpu(cfg):
         return None
     value = parse_budget(cfg.gpu.vram_budget_gb)
-    budget = Budget(math.inf, "auto") if value == "auto" else budgets.cap_budget(float(value), budgets.planned_context_gb())
+    budget = (Budget(math.inf, "auto") if value == "auto"
+              else budgets.cap_budget(float(value), budgets.planned_context_gb()))
     return PLANNERS[stage].plan(cfg, family, model_source(cfg), budget).settings
 
 

@@ -64,11 +64,11 @@ def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stag
         if budget.gb is None or peak * cal.FRAGMENTATION <= budget.gb:
             return StagePlan(stage, budget, settings, peak, True, tried=tried)
     settings, peak = min(candidates, key=lambda c: c[1])
-    cap = budget.source == "cap"  # a cap counts the process's context too
+    cap = budget.source == "cap"  # a cap counts the process's context too; "auto" measured the free memory beside it
     need_gb = budget.total_gb(peak) if cap else peak * cal.FRAGMENTATION
     context = f" with the {budget.context_gb:.1f} GB CUDA context" if cap and budget.context_gb else ""
     note = (f"even the smallest {stage} plan needs {need_gb:.1f} GB{context}, more than the {budget.vram_gb:.1f} GB "
-            f"budget: give it --vram {math.ceil(need_gb)} or more, or {need}")
+            f"budget: give it --vram {math.ceil(budget.total_gb(peak))} or more, or {need}")
     return StagePlan(stage, budget, settings, peak, False, note, tried)
 
 
