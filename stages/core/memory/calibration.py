@@ -33,10 +33,10 @@ KEEP_ATTENTION_HINT_TOKENS = 8704
 # 8 bytes (fp32 scores and their softmax) puts batch 8 above that cap, batch 1 at 4.75 GB reserved.
 ATTENTION_SCORE_BYTES = 8.0
 # VAE encode work per pixel of one image, per VAE class, sized so that x FRAGMENTATION covers what the fp32 encode
-# reserved at 512 and 1024 px: AutoencoderKL 1.23 and 3.90 GB (allocated 1.10 and 3.36), the Qwen-Image VAE 1.68 and
-# 5.12 GB (allocated 1.52 and 4.57) (bench/results/memory-{flux,qwen-image}-512-h200.json, memory-flux-h200.json,
-# memory-qwen-image-8gb-slots-h200.json). A class not listed is planned with the larger figure.
-VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 812, "AutoencoderKLQwenImage": 1052}
+# reserved at 512 and 1024 px with ~1 % to spare: AutoencoderKL 1.23 and 3.90 GB (allocated 1.10 and 3.36), the
+# Qwen-Image VAE 1.68 and 5.12 GB (allocated 1.52 and 4.57) (bench/results/memory-{flux,qwen-image}-512-h200.json,
+# memory-flux-h200.json, memory-qwen-image-8gb-slots-h200.json). A class not listed is planned with the larger figure.
+VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064}
 # Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}
 # A LoRA parameter in training: fp32 weight + gradient + AdamW's two moments.
