@@ -9,6 +9,7 @@ and the context this process measured. On CPU there is no budget and nothing cha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,10 @@ def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> 
     budget = cap_budget(float(value), cal.CUDA_CONTEXT_GB)
     budget.measured_context_gb = measured
     if enforce:
+        if allocator_cap_gb(budget) <= 0:
+            raise ResourceError(f"gpu.vram_budget_gb = {value:g} GB leaves nothing beside this process's CUDA context "
+                                f"({max(budget.context_gb, measured or 0.0):.2f} GB, which a --vram number counts): "
+                                f"give --vram {math.ceil(max(budget.context_gb, measured or 0.0)) + 1} or more")
         index = device.index if device.index is not None else torch.cuda.current_device()  # it refuses a bare "cuda"
         torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap_gb(budget) * cal.GB / total), index)
     return budget

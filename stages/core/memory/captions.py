@@ -176,4 +176,5 @@ PLANNER = Planner(
                             "batch_size": cfg.captions.batch_size},
     apply=_apply, to_change="captions.batch_size or captions.text_encoder_precision = 'nf4'",
     under_train_peak=True, forced_only=_forced_only,
-    keys={"text_encoder_precision": "captions.text_encoder_precision", "batch_size": "captions.batch_size"})
+    keys={"text_encoder_precision": "captions.text_encoder_precision", "batch_size": "captions.batch_size"},
+    last_resort="captions.max_sequence_length (the encoders' attention grows with its square; longer captions are cut)")

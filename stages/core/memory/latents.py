@@ -53,4 +53,4 @@ PLANNER = Planner(
     configured=lambda cfg: {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
     apply=lambda cfg, s: dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"])),
     to_change="latents.vae_precision = 'bf16' or data.resolution", under_train_peak=True, forced_only=_forced_only,
-    keys={"vae_precision": "latents.vae_precision"})
+    keys={"vae_precision": "latents.vae_precision"}, last_resort="data.resolution")

@@ -182,11 +182,13 @@ def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError |
             advice = oom_advice(cfg, family, src, ran, peak)
         except Exception:  # the advice is a courtesy: the error itself must come out whatever planning meets
             advice = None
-    if advice:
-        also = PLANNERS[stage].oom_also
+    if ran is not None and ran.budget.gb is not None:
+        planner = PLANNERS[stage]
         ran_with = ", ".join(f"{k}={v}" for k, v in ran.settings.items() if k not in ("blocks", "layers"))
+        advice = advice or (f"the planner has no smaller plan that fits below that: lower "
+                            f"{planner.last_resort or planner.to_change}")
         return ResourceError(f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB reserved, "
-                             f"planned {ran_with}): {advice}{'; ' + also if also else ''}; {kept}")
+                             f"planned {ran_with}): {advice}{'; ' + planner.oom_also if planner.oom_also else ''}; {kept}")
     to_change = PLANNERS[stage].to_change if stage in PLANNERS else "the batch size"
     return ResourceError(
         f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB): rerun with a lower "
@@ -212,7 +214,7 @@ def oom_advice(cfg: Any, family: Any, src: Any, ran: StagePlan, peak_gb: float) 
             break
     else:
         return None
-    vram = f"--vram {smaller.vram_gb:.1f}"
+    vram = f"--vram {math.floor(smaller.vram_gb * 10) / 10:.1f}"  # rounded down: the planner chooses the same there
     named = [f"{planner.keys[k]} = {_toml(v)}" for k, v in changed.items() if k in planner.keys]
     others = ", ".join(f"{k}={v}" for k, v in changed.items() if k not in planner.keys and k not in ("blocks", "layers"))
     if named:

@@ -55,6 +55,8 @@ class Planner:
     the others (swapped or checkpointed blocks, an offload share) only a budget sets."""
     oom_also: str = ""
     """A cause of running out of memory the plan does not size, said after the advice ("" for none)."""
+    last_resort: str = ""
+    """What lowers the stage's memory below its smallest plan, for the out-of-memory advice ("": `to_change`)."""
 
 
 def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:
