@@ -35,7 +35,7 @@ run: venv
 	$(PY) pipeline.py run $(RUN_ARGS) $(ARGS)
 
 # One target per stage; a target depends on the stages it follows in stages/registry.py
-# (tests/test_registry.py holds the two together). Freshness comes from the manifests
+# (tests/core/test_registry.py holds the two together). Freshness comes from the manifests
 # (content fingerprints of inputs, config keys, model and schema), not from file times: every target
 # is phony and `pipeline.py run --only <stage>` skips a stage whose manifest matches. So `make train`
 # re-encodes only changed captions/images, then trains only if anything it depends on changed.

@@ -469,7 +469,7 @@ def plan_cmd(spec: RunSpec, vram: str | None, as_json: bool) -> None:
     Exits 2 when a stage cannot fit the budget (the JSON's `fits` says which), 0 when all fit."""
     from stages import plan
 
-    result = plan.run(_settled(spec, write=False), vram, as_json)
+    result = plan.run(_settled(spec, write=False), vram, as_json, record=True)
     unfit = [s["stage"] for s in result["stages"] if not s["fits"]]
     if unfit:
         click.echo(f"plan: {', '.join(unfit)} cannot fit {result['budget_gb']:.2f} GB (notes above)", err=True)

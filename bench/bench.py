@@ -70,6 +70,18 @@ def _train(fam: str, precision: str, res: int, batch: int, est: float, tag: str 
     return Item(f"{fam}/train/{precision}-{res}-b{batch}{tag}", "train", res, sets, env, est, run, controls)
 
 
+# train.optimizer rows beside AdamW's bf16-1024-b1 (FLUX.1: step time and peak, i.e. the optimizer state), with
+# the settings each needs: Prodigy's LR is a multiplier of its estimate; prodigy_schedulefree refuses clipping.
+OPTIMIZER_SETS = {"adamw8bit": {}, "prodigy": {"train.learning_rate": 1.0}, "adafactor": {},
+                  "prodigy_schedulefree": {"train.learning_rate": 1.0, "train.max_grad_norm": 0.0},
+                  "adamw_schedulefree": {}}
+
+
+def _optimizer_rows(fam: str) -> list[Item]:
+    return [_train(fam, "bf16", 1024, 1, 60, f"-opt-{name}", **{"train.optimizer": name, **sets})
+            for name, sets in OPTIMIZER_SETS.items()]
+
+
 MEASURED = ("flux", "qwen-image", "z-image", "sdxl")  # families whose long plan (ablations included) ran before
 
 
@@ -83,7 +95,7 @@ def plan(fam: str) -> list[Item]:
         return _staged_plan(fam) if staged_family(fam) else _short_plan(fam)
     items = _full_plan(fam)
     if fam == "flux":
-        return items
+        return items + _optimizer_rows(fam)
     first = [f"{fam}/encode/{_text_precision(fam)}", f"{fam}/latents/512", f"{fam}/train/nf4-512-b1", f"{fam}/export/nf4-512-b1",
              f"{fam}/verify/nf4-512-b1", f"{fam}/train/bf16-512-b1", f"{fam}/train/nf4-512-b4", f"{fam}/profile/nf4-512-b1"]
     renamed = {f"{fam}/export/nf4-512-b4": first[3], f"{fam}/verify/nf4-512-b4": first[4],

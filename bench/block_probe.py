@@ -48,13 +48,14 @@ def one_precision(folder: Path, precision: str, batch: int, px: int) -> dict[str
     import torch
 
     from stages.core import fastpath, lora
+    from stages.core.config import TrainConfig
     from stages.core.model_source import ModelSource
     from stages.core.runtime import make_runtime, torch_flags
     from stages.families.flux.family import Flux
     from stages.families.base import BatchMeta
 
     fam = Flux()
-    tcfg = SimpleNamespace(nf4_double_quant=True, guidance_scale=1.0, dropout=0.0)
+    tcfg = TrainConfig(nf4_double_quant=True, guidance_scale=1.0, dropout=0.0)
     rt = make_runtime("cuda", "bf16")
     out: dict[str, Any] = {}
     with torch_flags(True, False, True):

@@ -31,7 +31,7 @@ CASES = {
     "kontext-ckpt-guard": (8192, True, 1, True),
     "kontext-eager": (8192, False, 1, False),
     "half-size-eager": (4608, False, 1, False),
-    # tests/test_fp8.py's tiny FLUX (2 heads of 16, 16 image and 16 text tokens, batch 2) got NaN gradients in its double
+    # tests/core/test_fp8.py's tiny FLUX (2 heads of 16, 16 image and 16 text tokens, batch 2) got NaN gradients in its double
     # block's attention under cuDNN, with the guard and without (bench/results/fp8-tiny-probe-modes-h200.json): the
     # tiny widths at FLUX.1's depth here, then FLUX.1's widths at the tiny token count
     "tiny-widths-guard": (32, False, 2, True, (2, 16, 16)),

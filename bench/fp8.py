@@ -145,15 +145,14 @@ class FluxBench:
     """Full-size FLUX.1-dev transformer (random weights), LoRA r16 on attention, checkpointing."""
 
     def __init__(self, device: str, smoke: bool):
-        from types import SimpleNamespace
-
         from diffusers import FluxTransformer2DModel
 
         from bench.full_configs import FLUX_DEV_TRANSFORMER, default_dtype
         from stages.core import fastpath, lora
+        from stages.core.config import TrainConfig
         from stages.families.flux.family import Flux
 
-        self.device, self.fam, self.tcfg = device, Flux(), SimpleNamespace(guidance_scale=1.0, dropout=0.0)
+        self.device, self.fam, self.tcfg = device, Flux(), TrainConfig(guidance_scale=1.0, dropout=0.0)
         self.text_width = (SMOKE_FLUX if smoke else FLUX_DEV_TRANSFORMER)["joint_attention_dim"]
         torch.manual_seed(0)
         with torch.device(device), default_dtype(torch.bfloat16):

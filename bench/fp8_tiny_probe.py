@@ -1,6 +1,6 @@
 """Which narrow shapes make the fp8 Linear's forward or input gradient wrong on this GPU (a probe).
 
-On the H200 the tiny-model fp8 LoRA tests (tests/test_fp8.py, layers 16-64 wide with min_width=16)
+On the H200 the tiny-model fp8 LoRA tests (tests/core/test_fp8.py, layers 16-64 wide with min_width=16)
 got NaN LoRA gradients in their fp8 blocks while full-size models trained. This sweeps
 `_Fp8LinearFn` over (rows, in, out) against the dense bf16 matmul and prints every shape whose
 output or input gradient is not finite or is off by more than 10 %.
@@ -57,7 +57,7 @@ def main() -> None:
 
 
 def _test_module() -> tuple[Any, Path]:
-    """tests/test_fp8.py (its step and its tiny FLUX, not copies) and a fresh folder for the tiny model's files."""
+    """tests/core/test_fp8.py (its step and its tiny FLUX, not copies) and a fresh folder for the tiny model's files."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_fp8  # noqa: E402
 
@@ -75,7 +75,7 @@ def _tiny_flux(test_fp8: Any, assets: Path, base: str) -> torch.nn.Module:
 
 
 def attention_modes(repeats: int = 3) -> list[dict]:
-    """tests/test_fp8.py's step, bf16 then fp8, `repeats` times under each attention setting (its `attention`
+    """tests/core/test_fp8.py's step, bf16 then fp8, `repeats` times under each attention setting (its `attention`
     argument: torch's defaults, the train stage's flags without cuDNN SDPA, cuDNN SDPA with the stage's guard):
     which ones gave a NaN gradient. Where the cuDNN settings fail and "train" does not, the NaN is cuDNN's, not fp8's."""
     test_fp8, assets = _test_module()
@@ -94,7 +94,7 @@ def attention_modes(repeats: int = 3) -> list[dict]:
 
 
 def locate() -> list[str]:
-    """tests/test_fp8.py's own LoRA step (`_lora_step`) on the tiny FLUX (fp8 blocks, min_width=16), eager, with a hook on
+    """tests/core/test_fp8.py's own LoRA step (`_lora_step`) on the tiny FLUX (fp8 blocks, min_width=16), eager, with a hook on
     every module: the first modules whose output or input gradient is not finite, in the order they ran, then the
     step's result or its assertion (which names the adapter weights without a finite non-zero gradient)."""
     test_fp8, assets = _test_module()

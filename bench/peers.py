@@ -77,7 +77,7 @@ PEERS = {
 }
 
 
-# ---- parsing (unit-tested in tests/test_peers.py) ------------------------------------------------
+# ---- parsing (unit-tested in tests/bench/test_peers.py) ------------------------------------------------
 
 
 def read_steps(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:

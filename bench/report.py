@@ -15,12 +15,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from stages.families import FAMILIES, get_family
+
 PEAK_FLOPS = 790e12
-VAE_DOWN = {"flux": 8, "qwen-image": 8, "z-image": 8, "sdxl": 8, "flux2-klein": 8, "flux2": 8, "krea2": 8,
-            "qwen-image-2.1": 16, "flux-kontext": 8, "qwen-image-edit": 8}
-NAMES = {"flux": "FLUX", "qwen-image": "Qwen-Image", "z-image": "Z-Image", "sdxl": "SDXL", "flux2-klein": "FLUX.2 [klein]",
-         "flux2": "FLUX.2 [dev]", "krea2": "Krea 2", "qwen-image-2.1": "Qwen-Image 2.1",
-         "flux-kontext": "FLUX.1 Kontext (edit, 1 control)", "qwen-image-edit": "Qwen-Image-Edit (edit, 1 control)"}
+VAE_DOWN = {f: get_family(f).vae_downsample for f in FAMILIES}
+NAMES = {f: get_family(f).title or f for f in FAMILIES}
 FAMILY_ORDER = tuple(NAMES)  # one headline table each, in this order
 MAX_STAGE_PEAK = {"flux": 10.4, "qwen-image": 12.8, "z-image": 4.7}  # GB: the peaks the speed work had to stay under
 TARGETS = """| target | measured | met? |
@@ -536,7 +535,7 @@ def gpu_probe_section(probes: list[dict[str, Any]]) -> str:
             out.append(f"`python3 bench/fp8_tiny_probe.py`: {len(d['shapes'])} (rows, in, out) shapes of the fp8 Linear, "
                        f"{len(bad)} with a non-finite or >10 % off output or input gradient; the tiny FLUX LoRA step: "
                        + "; ".join(d.get("model", [])) + "\n")
-            if d.get("attention_modes"):  # tests/test_fp8.py's step under each attention setting
+            if d.get("attention_modes"):  # tests/core/test_fp8.py's step under each attention setting
                 out.append("| attention (`_lora_step(model, attention)`) | base | steps with every LoRA gradient finite |\n|---|---|---|")
                 out += [f"| {m['attention']} | {m['base']} | {m['finite']} of {m['of']} |" for m in d["attention_modes"]]
                 out.append("")

@@ -167,6 +167,7 @@ SUITES: dict[str, list[Row]] = {
     "qwen-image-2.1": short_family("qwen-image-2.1"),
     "flux-kontext": short_family("flux-kontext"),
     "qwen-image-edit": short_family("qwen-image-edit"),
+    "chroma": short_family("chroma"),
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),
@@ -184,6 +185,10 @@ SUITES: dict[str, list[Row]] = {
                     Peers("klein", 1024, 1, 15, "fp8+cudnn+fp8blocks18")],
     "peers-kontext": [Peers("kontext", 1024, 1, 10, "fp8+fitpeer,fp8,nf4"),
                       Peers("kontext", 1024, 1, 10, "fp8+cudnn,fp8+cudnn+keepattn,fp8+cudnn+fitpeer+keepattn")],
+    # "Optimizers": each train.optimizer's step time and peak (its state), FLUX.1 bf16 1024 px b1; AdamW's row
+    # is the flux suite's flux.train.bf16-1024-b1
+    "optimizers": [train("flux", "bf16", 1024, 1, f"opt-{name}") for name in
+                   ("adamw8bit", "prodigy", "prodigy_schedulefree", "adamw_schedulefree", "adafactor")],
     # "fp8 against bf16": the loss over 50 steps from one LoRA
     "fp8-fidelity": [Script("fp8-fidelity50", ("bench/fp8.py", "--fidelity-only", "--fidelity-steps", "50",
                                                "--deadline", "480", "--out", "{out}"))],
@@ -193,8 +198,8 @@ SUITES: dict[str, list[Row]] = {
     # the tiled VAE encode against untiled, every distinct VAE (cache-latents' last resort)
     "tiling": [Script("tiling", ("bench/tiling.py", "--budget-s", "140", "--out", "{out}"))],
     # the tests marked for CUDA, on the GPU (skipped on CPU)
-    "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_trainer_paths.py",
-                                         "tests/test_runtime_flags.py", "tests/test_fp8.py", "tests/test_sample_memory.py",
-                                         "tests/test_memory.py", "tests/test_partial_checkpointing.py",
-                                         "tests/test_fastpath.py", "tests/test_text_offload.py", "-k", "cuda"))],
+    "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/stages/test_trainer_paths.py",
+                                         "tests/core/test_runtime_flags.py", "tests/core/test_fp8.py", "tests/planner/test_sample_memory.py",
+                                         "tests/planner/test_memory.py", "tests/planner/test_partial_checkpointing.py",
+                                         "tests/core/test_fastpath.py", "tests/planner/test_text_offload.py", "-k", "cuda"))],
 }

@@ -42,12 +42,13 @@ def one(host_model: Any, name: str, swapped: int, compiled: bool, graphs: bool, 
     import torch._dynamo
 
     from stages.core import blockswap, fastpath, lora, nf4_blocks
+    from stages.core.config import TrainConfig
     from stages.core.profiling import kernel_table
     from stages.families.qwen_image.family import QwenImage
 
     fam = QwenImage()
     dev = torch.device(DEVICE)
-    tcfg = SimpleNamespace(guidance_scale=1.0)
+    tcfg = TrainConfig(guidance_scale=1.0)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     t0 = time.time()

@@ -3,8 +3,8 @@
     lorapipe plan --config configs/flux-dev.toml --vram 8          # a table
     lorapipe plan --config configs/qwen-image.toml --vram 8 --json  # for scripts
 
-Where the run's folder exists, the plans are also written to `<run>/plan.json` ("planned"), beside the
-plan each stage ran with ("ran", written by the stage).
+`lorapipe plan` also writes the plans to `<run>/plan.json` ("planned") where the run's folder exists,
+beside the plan each stage ran with ("ran", written by the stage); `run --dry-run` writes nothing.
 
 Sizes come from the meta device (each component built from its config.json) and the activation
 estimates in stages/core/memory/. `--vram auto` (or none) plans for the free memory of this
@@ -34,8 +34,8 @@ def _budget(value: Any) -> Any:
     return memory.resolve_budget("auto", torch.device("cuda"), enforce=False)
 
 
-def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
-    """The JSON-able plan of every GPU stage (schema: tests/test_memory.py::test_plan_json_schema)."""
+def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
+    """The JSON-able plan of every GPU stage (schema: tests/planner/test_memory.py::test_plan_json_schema)."""
     from stages.core import memory
     from stages.core.model_source import model_source
     from stages.families import get_family
@@ -43,7 +43,8 @@ def plans(cfg: Any, budget_gb: Any) -> dict[str, Any]:
     family, src, budget = get_family(cfg.family), model_source(cfg), _budget(budget_gb)
     src.check(family.text_components + family.vae_components + family.denoiser_components[:1], family)  # a clear error first
     stages = [memory.plan_for(cfg, family, src, budget, name) for name in PLANNED_STAGES]
-    memory.record_plans(cfg.run_dir, stages, "planned")
+    if record:
+        memory.record_plans(cfg.run_dir, stages, "planned")
     fitting = [p for p in stages if p.fits]
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.vram_gb,
             "budget_source": budget.source, "allocator_gb": budget.gb, "context_gb": budget.context_gb,
@@ -98,11 +99,11 @@ def allocator_line() -> str:
             f"cap; set PYTORCH_CUDA_ALLOC_CONF to choose yourself).")
 
 
-def run(cfg: Any, budget_gb: Any, as_json: bool) -> dict[str, Any]:
+def run(cfg: Any, budget_gb: Any, as_json: bool, record: bool = False) -> dict[str, Any]:
     from stages.core.runtime import quiet_libraries
 
     quiet_libraries()  # the planner imports the libraries a stage loads: their notices stay out, as in every stage
-    result = plans(cfg, budget_gb if budget_gb is not None else cfg.gpu.vram_budget_gb)
+    result = plans(cfg, budget_gb if budget_gb is not None else cfg.gpu.vram_budget_gb, record)
     if as_json:
         print(json.dumps(result, indent=2))
     else:

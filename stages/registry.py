@@ -4,9 +4,9 @@
     registry.get("train").fingerprint_parts(cfg)
 
 The CLI's stage commands, `run`'s order and skipping, `status`, `stop`, `inspect`, `plan`, train's
-check of its caches, the locks' conflicts and the Makefile's dependencies (tests/test_cli.py holds
+check of its caches, the locks' conflicts and the Makefile's dependencies (tests/e2e/test_cli.py holds
 it) all read this table. A stage module is imported only when one of its callables is called, so
-`import pipeline` stays torch-free; a stage never imports another stage (tests/test_import_contract.py).
+`import pipeline` stays torch-free; a stage never imports another stage (tests/core/test_import_contract.py).
 """
 
 from __future__ import annotations

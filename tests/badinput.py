@@ -1,4 +1,4 @@
-"""A corpus of messy inputs, generated (never downloaded) for tests/test_bad_input.py.
+"""A corpus of messy inputs, generated (never downloaded) for tests/stages/test_bad_input.py.
 
     from tests.badinput import write_image_cases, write_caption_case
     cases = write_image_cases(Path("/tmp/corpus"))     # {file name: what it is}

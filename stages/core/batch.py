@@ -19,7 +19,7 @@ class BatchMeta:
     target_size: "torch.Tensor"  # (height, width) of the bucket
     loss_mask: "torch.Tensor | None" = None
     """(B, 1, h, w) loss weights at latent resolution on the loss's device (None: unmasked); the
-    family hands it to `flow.per_sample_mse`, which averages the loss over it."""
+    family hands it to `flow.per_sample_loss`, which averages the loss over it."""
     controls: tuple["torch.Tensor", ...] = ()
     """Edit families: each control image's normalized latents (B, C, h, w), in the item's control
     order (sampled from their cached posterior like the target); empty for text-to-image families."""

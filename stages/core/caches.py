@@ -3,7 +3,7 @@ the caption and latent caches opened for reading, the complete checkpoints and t
 
     from stages.core.caches import load_captions, load_latents, scan_items
 
-A stage never imports another stage (tests/test_import_contract.py): the readers of a stage's output
+A stage never imports another stage (tests/core/test_import_contract.py): the readers of a stage's output
 live here, beside the names of the folders (stages/registry.py says which stage writes which).
 """
 

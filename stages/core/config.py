@@ -109,7 +109,7 @@ class TrainConfig:
     batch_size: Annotated[int, AT_LEAST_ONE] = 1
     """Samples per step, all from one aspect bucket, in one denoiser forward."""
     learning_rate: Annotated[float, POSITIVE] = 1e-4
-    """Peak LR of the LoRA parameters."""
+    """Peak LR of the LoRA parameters (prodigy, prodigy_schedulefree: ~1.0, a multiplier of their own estimate)."""
     lr_scheduler: Literal[
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = "constant"
@@ -120,16 +120,18 @@ class TrainConfig:
     """Hard restarts of cosine_with_restarts ("cosine" is always one half cosine)."""
     lr_power: Annotated[float, POSITIVE] = 1.0
     """Exponent of the polynomial schedule."""
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
-    """adamw: torch AdamW (fused on CUDA); adamw8bit: bitsandbytes AdamW8bit."""
+    optimizer: Literal["adamw", "adamw8bit", "prodigy", "prodigy_schedulefree", "adamw_schedulefree", "adafactor"] = "adamw"
+    """adamw (torch, fused on CUDA), adamw8bit (bitsandbytes), prodigy and prodigy_schedulefree (their own step
+    size: learning_rate ~1.0 scales it), adamw_schedulefree, adafactor (transformers; the smallest state). Schedule-free
+    ones need lr_scheduler constant or constant_with_warmup: docs/configuration.md#optimizers."""
     adam_beta1: Annotated[float, FRACTION] = 0.9
-    """AdamW first-moment decay."""
+    """First-moment decay of the AdamW and Prodigy optimizers."""
     adam_beta2: Annotated[float, FRACTION] = 0.999
-    """AdamW second-moment decay."""
+    """Second-moment decay of the AdamW and Prodigy optimizers."""
     adam_epsilon: Annotated[float, POSITIVE] = 1e-8
-    """AdamW denominator epsilon."""
+    """Denominator epsilon of the AdamW and Prodigy optimizers."""
     weight_decay: Annotated[float, NON_NEGATIVE] = 1e-4
-    """AdamW decoupled weight decay of the LoRA parameters."""
+    """Decoupled weight decay of the LoRA parameters (every optimizer)."""
     max_grad_norm: Annotated[float, NON_NEGATIVE] = 1.0
     """Gradient clipping of the LoRA parameters (0: off)."""
     rank: Annotated[int, AT_LEAST_ONE] = 16
@@ -183,6 +185,25 @@ class TrainConfig:
     fit (fp8 blocks before un-checkpointed ones under gradient_checkpointing = "auto"). A number fixes it."""
     nf4_double_quant: bool = True
     """bitsandbytes double quantization of the nf4 scales."""
+    loraplus_ratio: Annotated[float, NON_NEGATIVE] = 0.0
+    """LoRA+: the lora_B matrices train at learning_rate x this (e.g. 16), the rest at learning_rate (0: off;
+    lora and dora adapters only)."""
+    timestep_min: Annotated[float, Range(0, 1)] = 0.0
+    """Flow families: lowest training timestep, as a fraction of the schedule (0 clean, 1 pure noise), before
+    the shift; the density is squeezed into [timestep_min, timestep_max], its shape kept."""
+    timestep_max: Annotated[float, Range(0, 1)] = 1.0
+    """Flow families: highest training timestep (see timestep_min); e.g. 0.5 trains only the less noisy half."""
+    timestep_buckets: Annotated[int, NON_NEGATIVE] = 0
+    """Flow families: stratified timesteps (0: off): the density is cut into this many equally likely ranges
+    and consecutive draws (within a batch and across steps) take them in turn, so few steps still cover it."""
+    weighting_scheme: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    """Flow families: loss weight per sample by its sigma, as diffusers' SD3 weighting: sigma_sqrt 1/sigma^2,
+    cosmap 2/(pi(1-2 sigma+2 sigma^2)). (diffusers' logit_normal and mode are train.timestep_density here.)"""
+    loss: Literal["mse", "huber", "smooth_l1"] = "mse"
+    """Per-element loss of d = prediction - target: mse d^2; huber (pseudo-Huber) 2c(sqrt(d^2+c^2)-c), d^2
+    near 0 and linear beyond c; smooth_l1 the same / c. c = huber_c. As sd-scripts' loss_type."""
+    huber_c: Annotated[float, POSITIVE] = 0.1
+    """c of train.loss = huber / smooth_l1: errors much larger than c count linearly instead of squared."""
 
 
 @dataclass

@@ -13,6 +13,10 @@ import os
 from typing import Any
 
 
+# train.optimizer values that estimate their own step size / that train at y and export the average x
+PRODIGY = ("prodigy", "prodigy_schedulefree")
+SCHEDULE_FREE = ("adamw_schedulefree", "prodigy_schedulefree")
+
 # Keys whose values are not one type (checked in value_errors), as `pipeline.py keys` states them.
 FORMS = {"runtime.gradient_checkpointing": "true | false | 'auto'", "train.fp8_blocks": "'auto' | a number >= 1"}
 
@@ -116,6 +120,29 @@ def _train_errors(cfg: Any) -> list[str]:
     if cfg.runtime.ema_device != "auto" and t.ema_decay == 0:
         errors.append(f"'runtime.ema_device' = {cfg.runtime.ema_device!r} but 'train.ema_decay' = 0 (EMA off): set "
                       f"train.ema_decay (e.g. 0.999) or leave runtime.ema_device at 'auto'")
+    if t.timestep_min >= t.timestep_max:
+        errors.append(f"'train.timestep_min' = {t.timestep_min} is not below 'train.timestep_max' = {t.timestep_max}: "
+                      f"set a range such as 0.0 and 1.0")
+    return errors + _optimizer_errors(t)
+
+
+def _optimizer_errors(t: Any) -> list[str]:
+    """Combinations of train.optimizer with other keys that make no sense, each with the fix."""
+    errors, opt = [], t.optimizer
+    if opt in SCHEDULE_FREE and t.lr_scheduler not in ("constant", "constant_with_warmup"):
+        errors.append(f"'train.lr_scheduler' = {t.lr_scheduler!r} with 'train.optimizer' = {opt!r}: a schedule-free "
+                      f"optimizer replaces the LR schedule; set train.lr_scheduler = 'constant' (train.lr_warmup_steps "
+                      f"still warms up), or use optimizer 'adamw'/'prodigy' for a schedule")
+    if opt in SCHEDULE_FREE and t.ema_decay > 0:
+        errors.append(f"'train.ema_decay' = {t.ema_decay} with 'train.optimizer' = {opt!r}: a schedule-free optimizer "
+                      f"already exports an average of its iterates; set train.ema_decay = 0")
+    if opt == "prodigy_schedulefree" and t.max_grad_norm > 0:
+        errors.append(f"'train.max_grad_norm' = {t.max_grad_norm} with 'train.optimizer' = 'prodigy_schedulefree': "
+                      f"clipping upsets its step-size estimate (its update is already RMS-scaled); set "
+                      f"train.max_grad_norm = 0")
+    if t.loraplus_ratio > 0 and t.adapter not in ("lora", "dora"):
+        errors.append(f"'train.loraplus_ratio' = {t.loraplus_ratio} with 'train.adapter' = {t.adapter!r}: LoRA+ "
+                      f"scales the lora_B matrices, which only lora and dora have; set train.loraplus_ratio = 0")
     return errors
 
 

@@ -42,7 +42,7 @@ EVENT_TYPES = {
 
 # The stable schema of events.jsonl: JSON type names per field (a list allows several). `ts`, `run`,
 # `stage` and `event` are on every line. A field not listed here is a violation, except on `done`,
-# which carries each stage's summary. tests/test_events_schema.py validates real runs against it and
+# which carries each stage's summary. tests/core/test_events_schema.py validates real runs against it and
 # the events table of docs/configuration.md is printed from it (`describe_events`); change all three together.
 COMMON_FIELDS: dict[str, Any] = {"ts": "number", "run": "string", "stage": "string", "event": "string"}
 EVENT_SCHEMA: dict[str, dict[str, Any]] = {

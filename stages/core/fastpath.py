@@ -11,7 +11,7 @@ between them: on an H200, full-width FLUX blocks at 512 px, batch 4 ran 1.19x fa
 
 The math is unchanged: a graph replays the kernels the eager step launched (bitsandbytes' ops,
 cuBLAS, SDPA) on copies of the same inputs, so the loss is the same for the same inputs
-(tests/test_trainer_paths.py compares the two on the GPU). What a graph needs, and what happens
+(tests/stages/test_trainer_paths.py compares the two on the GPU). What a graph needs, and what happens
 otherwise:
 
 - Static shapes: one graph per input signature (shapes, dtypes, non-tensor arguments), captured the

@@ -1,8 +1,12 @@
-"""Flow-matching math shared by the DiT families (FLUX, Qwen-Image, Z-Image).
+"""Flow-matching math shared by the DiT families (FLUX, Qwen-Image, Z-Image), and the loss every family reduces with.
 
 As in diffusers' training examples: x_t = (1 - s) * x0 + s * noise, target noise - x0; timesteps
 from a density (logit-normal, mode, uniform, as `compute_density_for_timestep_sampling`), mapped to
 the scheduler's discrete sigma table by vectorized indexing (no per-sample Python search).
+
+`draw_u` adds what the diffusers examples lack: train.timestep_min/max (the density squeezed into a
+range of timesteps) and train.timestep_buckets (stratified draws). `per_sample_loss` is the one place
+where train.loss (mse, pseudo-Huber, smooth L1) and train.weighting_scheme apply, for every family.
 """
 
 from __future__ import annotations
@@ -20,12 +24,49 @@ def sample_density(n: int, generator: torch.Generator, density: str, logit_mean:
     if density == "logit_normal":
         u = torch.normal(logit_mean, logit_std, size=(n,), generator=generator)
         return torch.sigmoid(u)
-    u = torch.rand(n, generator=generator)
+    return from_uniform(torch.rand(n, generator=generator), density, logit_mean, logit_std, mode_scale)
+
+
+def from_uniform(v: torch.Tensor, density: str, logit_mean: float = 0.0, logit_std: float = 1.0,
+                 mode_scale: float = 1.29) -> torch.Tensor:
+    """The density's u from a uniform variate v, monotone in v: logit-normal through the normal's inverse
+    CDF and the sigmoid; mode through its own map (monotone for mode_scale < 1.75); uniform as it is."""
+    if density == "logit_normal":
+        return torch.sigmoid(logit_mean + logit_std * torch.special.ndtri(v))
     if density == "mode":
-        return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+        return 1 - v - mode_scale * (torch.cos(math.pi * v / 2) ** 2 - 1 + v)
     if density == "uniform":
-        return u
+        return v
     raise ValueError(f"unknown timestep density {density!r}")
+
+
+def stratified_density(n: int, generator: torch.Generator, density: str, first: int, buckets: int,
+                       logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29) -> torch.Tensor:
+    """u in [0, 1) with draw j of the run (j = first, first + 1, ...) in stratum (j mod buckets) of the
+    density: the uniform variate v = (stratum + r) / buckets, r ~ U[0, 1) from `generator`, goes through
+    `from_uniform`. Each of the `buckets` strata holds 1/buckets of the density's mass, and consecutive
+    draws visit them in turn."""
+    strata = (first + torch.arange(n)) % buckets
+    v = (strata + torch.rand(n, generator=generator)) / buckets
+    return from_uniform(v, density, logit_mean, logit_std, mode_scale)
+
+
+def draw_u(n: int, generator: torch.Generator, tcfg, first: int | None = None) -> torch.Tensor:
+    """The n draws of u in [0, 1) that pick training timesteps (u -> timestep 1 - u, before the shift).
+
+    train.timestep_buckets > 0 stratifies them (`stratified_density`) where `first`, the run's index
+    of the first draw, is given; validation (first None) draws from the plain density. Then
+    train.timestep_min/max squeeze the density, shape kept, into timesteps [min, max] before the shift:
+    u' = (1 - max) + (max - min) * u. The defaults draw exactly what `sample_density` draws."""
+    density = (tcfg.timestep_density, tcfg.logit_mean, tcfg.logit_std, tcfg.mode_scale)
+    if tcfg.timestep_buckets and first is not None:
+        u = stratified_density(n, generator, density[0], first, tcfg.timestep_buckets, *density[1:])
+    else:
+        u = sample_density(n, generator, *density)
+    low, high = tcfg.timestep_min, tcfg.timestep_max
+    if (low, high) != (0.0, 1.0):
+        u = (1 - high) + (high - low) * u
+    return u
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -52,8 +93,9 @@ def lookup_sigmas(u: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return table[idx]
 
 
-def sample_flow_sigmas(n: int, image_seq_len: int, generator: torch.Generator, tcfg) -> torch.Tensor:
-    u = sample_density(n, generator, tcfg.timestep_density, tcfg.logit_mean, tcfg.logit_std, tcfg.mode_scale)
+def sample_flow_sigmas(n: int, image_seq_len: int, generator: torch.Generator, tcfg,
+                       first: int | None = None) -> torch.Tensor:
+    u = draw_u(n, generator, tcfg, first)
     shift = math.exp(dynamic_shift_mu(image_seq_len)) if tcfg.dynamic_shift else tcfg.shift
     return lookup_sigmas(u, sigma_table(shift))
 
@@ -67,14 +109,57 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
+def elementwise_loss(pred: torch.Tensor, target: torch.Tensor, kind: str = "mse", huber_c: float = 0.1) -> torch.Tensor:
+    """train.loss per element, in float32, with d = pred - target and c = train.huber_c, as sd-scripts'
+    `conditional_loss`: mse d^2; huber (pseudo-Huber) 2c * (sqrt(d^2 + c^2) - c), which is ~d^2 for
+    |d| << c and ~2c|d| beyond; smooth_l1 2 * (sqrt(d^2 + c^2) - c), the same curve / c (~d^2 / c, then ~2|d|)."""
+    err = (pred.float() - target.float()) ** 2
+    if kind == "mse":
+        return err
+    if kind == "huber":
+        return 2 * huber_c * (torch.sqrt(err + huber_c ** 2) - huber_c)
+    if kind == "smooth_l1":
+        return 2 * (torch.sqrt(err + huber_c ** 2) - huber_c)
+    raise ValueError(f"unknown loss {kind!r}")
+
+
+def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
+    """train.weighting_scheme per sample, as diffusers' compute_loss_weighting_for_sd3: sigma_sqrt
+    1 / sigma^2, cosmap 2 / (pi * (1 - 2 sigma + 2 sigma^2)), none 1."""
+    sigmas = sigmas.float()
+    if scheme == "sigma_sqrt":
+        return sigmas ** -2.0
+    if scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
+    if scheme == "none":
+        return torch.ones_like(sigmas)
+    raise ValueError(f"unknown weighting scheme {scheme!r}")
+
+
+def per_sample_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None, tcfg,
+                    sigmas: torch.Tensor | None = None) -> torch.Tensor:
+    """The training loss per sample, as every family computes it: train.loss per element, averaged
+    over the loss mask (`masked_mean`), times train.weighting_scheme's weight of each sample's sigma
+    (flow families pass `sigmas`; DDPM families weigh their own way). mse without weighting is
+    exactly `per_sample_mse`."""
+    loss = masked_mean(elementwise_loss(pred, target, tcfg.loss, tcfg.huber_c), mask)
+    if sigmas is not None and tcfg.weighting_scheme != "none":
+        loss = loss * loss_weights(tcfg.weighting_scheme, sigmas).to(loss.device)
+    return loss
+
+
 def per_sample_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean squared error per sample; with a loss mask (B, 1, h, w) of weights in [0, 1], the
-    weighted mean over the mask: sum(w * err) / (channels * sum(w)).
+    """Mean squared error per sample (`masked_mean` of the squared error)."""
+    return masked_mean((pred.float() - target.float()) ** 2, mask)
+
+
+def masked_mean(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean of a per-element loss per sample; with a loss mask (B, 1, h, w) of weights in [0, 1],
+    the weighted mean over the mask: sum(w * err) / (channels * sum(w)).
 
     Written as mean(w * err) * (h*w / sum(w)) so that an all-ones mask is bit-identical to no mask
     (w * err == err and h*w / sum(w) == 1.0 exactly), loss and gradients alike. A sample whose mask
     is all zero contributes 0, not NaN."""
-    err = (pred.float() - target.float()) ** 2
     if mask is None:
         return err.flatten(1).mean(dim=1)
     m = mask.to(err.device, torch.float32)

@@ -294,7 +294,7 @@ QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
         "Expected types for processor: (<class 'transformers.models.qwen3_vl.processing_qwen3_vl.Qwen3VLProcessor'>,), "
         "got <class 'transformers.models.llava.processing_llava.LlavaProcessor'>",),
     # runtime.keep_attention's checkpoint policy under torch.compile (it saves the attention ops' outputs; the blocks
-    # it checkpoints modify no tensor in place: tests/test_trainer_paths.py compares its gradients to full checkpointing's)
+    # it checkpoints modify no tensor in place: tests/stages/test_trainer_paths.py compares its gradients to full checkpointing's)
     "torch._higher_order_ops.wrap": ("Detected that context_fn is passed to torch.utils.checkpoint under torch.compile",),
     # the sample stage renders without a negative prompt, so the Qwen pipelines' true CFG is off by design
     **{f"diffusers.pipelines.{module}": ("but classifier-free guidance is not enabled since no negative_prompt",)
@@ -304,6 +304,8 @@ QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
 # (message regex, category, module regex) of Python warnings silenced the same way.
 QUIET_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     (r"`torch_dtype` is deprecated", FutureWarning, r"diffusers\."),
+    # diffusers' own ChromaTransformer2DModel builds its RoPE through the import path it deprecates
+    (r"`FluxPosEmbed` is deprecated", FutureWarning, r"diffusers\."),
     # the sample stage adds the trained adapter beside the base pipeline's; that is the point
     (r"Already found a `peft_config` attribute", UserWarning, r"peft\."),
 )

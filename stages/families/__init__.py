@@ -13,7 +13,7 @@ the protocol in `stages.families.base`. Each family is a folder `stages/families
 A family folder imports no other family folder: what two families share lives in `common/` (FLUX.1's
 family class for flux and flux-kontext, Qwen-Image's for qwen-image and qwen-image-edit, FLUX.2's image
 side, the BFL layouts), and a family's module may be a thin subclass or re-export of it
-(tests/test_import_contract.py holds this). Adding a family is that folder plus one line in FAMILIES.
+(tests/core/test_import_contract.py holds this). Adding a family is that folder plus one line in FAMILIES.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ FAMILIES: dict[str, str] = {
     "krea2": "stages.families.krea2.family:Krea2",
     "flux-kontext": "stages.families.flux_kontext.family:FluxKontext",
     "qwen-image-edit": "stages.families.qwen_image_edit.family:QwenImageEdit",
+    "chroma": "stages.families.chroma.family:Chroma",
 }
 
 

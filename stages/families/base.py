@@ -84,8 +84,11 @@ class Family(Protocol):
 
     def load_denoiser(self, src: "ModelSource", precision: str, rt: "Runtime", tcfg: "TrainConfig") -> "torch.nn.Module": ...
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: "torch.Generator", tcfg: "TrainConfig") -> "torch.Tensor":
-        """Training timesteps for n samples (flow families: sigmas in (0, 1])."""
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: "torch.Generator", tcfg: "TrainConfig",
+                         first: int | None = None) -> "torch.Tensor":
+        """Training timesteps for n samples (flow families: sigmas in (0, 1], drawn by `flow.draw_u`);
+        `first` is the run's index of the first draw, which train.timestep_buckets stratifies by (None:
+        unstratified, as validation draws)."""
 
     def loss(
         self,
@@ -103,6 +106,12 @@ class Family(Protocol):
 class FamilyTraits:
     """Every optional family trait with its default. Declarations only: a family sets the ones that
     differ, the stages and the memory planner read them."""
+
+    # ---- how reports name it
+    title: str = ""
+    """The model's name in tables and reports (e.g. "FLUX.2 [klein]"; empty: the family name)."""
+    vae_downsample: int = 8
+    """Pixels per latent cell along a side (the VAE's spatial downsampling; Qwen-Image 2.1: 16)."""
 
     # ---- memory planner (stages/core/memory/)
     auto_base_precisions: tuple[str, ...] | None = None

@@ -41,3 +41,14 @@ def no_nf4_text_encoder(cfg: Any, why: str) -> list[str]:
         return [f"'captions.text_encoder_precision' = 'nf4' is not offered for {cfg.family} ({why}); "
                 f"use 'auto', 'fp32' or 'bf16'"]
     return []
+
+
+# train keys that act on flow-matching sigmas, with their defaults (which a DDPM family trains as it always has)
+FLOW_ONLY = {"timestep_min": 0.0, "timestep_max": 1.0, "timestep_buckets": 0, "weighting_scheme": "none"}
+
+
+def flow_only_defaults(cfg: Any, why: str) -> list[str]:
+    """A family that does not train flow matching refuses the flow-only train keys away from their defaults."""
+    return [f"'train.{key}' = {getattr(cfg.train, key)!r} applies to flow-matching families only, and {cfg.family} "
+            f"{why}; remove it (train.loss and train.huber_c do apply)"
+            for key, default in FLOW_ONLY.items() if getattr(cfg.train, key) != default]

@@ -40,5 +40,6 @@ class KLVAELatents:
     def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
         return x / norm["scaling_factor"] + norm["shift_factor"]
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
-        return flow.sample_flow_sigmas(n, (latent_hw[0] // 2) * (latent_hw[1] // 2), generator, tcfg)
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any,
+                         first: int | None = None) -> torch.Tensor:
+        return flow.sample_flow_sigmas(n, (latent_hw[0] // 2) * (latent_hw[1] // 2), generator, tcfg, first)

@@ -3,7 +3,8 @@
 All step randomness (variant choice, posterior eps, noise, timesteps) comes from one CPU generator
 seeded by `seed`, saved in every checkpoint with the sampler position, the optimizer, the LR
 scheduler and torch's global RNG (LoRA dropout), so a resumed run continues bit for bit. Saving,
-loading and retention of checkpoints are `stages/train/checkpoints.py`'s.
+loading and retention of checkpoints are `stages/train/checkpoints.py`'s; the optimizer, its LR
+schedule and schedule-free evaluation weights `stages/train/optimizers.py`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from stages.core.profiling import StepProfiler
 from stages.core.runtime import alloc_retries, attention_notice, make_runtime, pick_device, resolve_precision, peak_vram_gb, require_cuda_for_nf4, reset_peak, torch_flags
 from stages.core.train_data import BucketSampler, TrainData, join_items, sample_posterior
 from stages.families import get_family
+from stages.train import optimizers
 from stages.train.checkpoints import Checkpoints
 from stages.train.stage import fingerprint_parts
 
@@ -52,23 +54,6 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
     data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run_dir), cap_store, lat_stores,
                               lat_manifest["variants"]) if held_out else None
     return data, lat_manifest
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, tcfg: Any) -> Any:
-    from diffusers.optimization import get_scheduler
-
-    return get_scheduler(tcfg.lr_scheduler, optimizer, num_warmup_steps=tcfg.lr_warmup_steps,
-                         num_training_steps=tcfg.steps, num_cycles=tcfg.lr_num_cycles, power=tcfg.lr_power)
-
-
-def make_optimizer(params: list[torch.nn.Parameter], tcfg: Any, device: torch.device) -> torch.optim.Optimizer:
-    kwargs = dict(lr=tcfg.learning_rate, betas=(tcfg.adam_beta1, tcfg.adam_beta2), eps=tcfg.adam_epsilon,
-                  weight_decay=tcfg.weight_decay)
-    if tcfg.optimizer == "adamw8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, **kwargs)
-    return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
 
 
 def compile_model(model: torch.nn.Module, mode: str, is_cuda: bool, log: Any) -> bool:
@@ -156,6 +141,7 @@ class Trainer:
         self.pending: tuple[list[int], tuple[Any, ...]] | None = None
         self.state_before_pending: dict[str, Any] = {}
         self.saved_step: int | None = None  # the step of the newest checkpoint on disk
+        self.drawn_steps = 0  # batches drawn: the 0-based step that `draw_next` draws for
         self.batch_sizes: Counter[int] = Counter()  # steps run at each batch size, over resumes too
         self.plan: Any = None  # the memory planner's choice for this stage (stages/core/memory/)
         self.swap: Any = None  # block swap, when the plan swaps blocks
@@ -182,8 +168,11 @@ class Trainer:
         self.enable_checkpointing()
         self.swap = memory.apply_train_plan(self.model, self.plan, self.rt)  # block swap
         self.model.train()
-        self.optimizer = make_optimizer(self.params, self.tcfg, self.rt.device)
-        self.scheduler = make_scheduler(self.optimizer, self.tcfg)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]  # self.params, named
+        self.optimizer = optimizers.make_optimizer(named, self.tcfg, self.rt.device)
+        self.scheduler = optimizers.make_scheduler(self.optimizer, self.tcfg)
+        for note in optimizers.notes(self.tcfg):
+            self.log.emit("info", message=note)
         self.compiled = compile_model(self.model, self.cfg.runtime.compile_transformer, self.rt.is_cuda, self.log)
         distributed.broadcast_params(self.params, self.dist)
         if self.dist.is_distributed:
@@ -212,8 +201,9 @@ class Trainer:
                                              keep_attention=self.cfg.runtime.keep_attention))
 
     # ---- one step
-    def draw(self, batch_indices: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Read a batch and draw all its randomness from the step generator (CPU, reproducible).
+    def draw(self, batch_indices: list[int], first: int | None = None) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Read a batch and draw all its randomness from the step generator (CPU, reproducible); `first`
+        is the run's index of the batch's first timestep draw (train.timestep_buckets' stratum position).
 
         Under torchrun every rank draws the randomness of the whole global batch, as one process
         would, and keeps its own slice; it reads only its slice's items. A rank whose slice is empty
@@ -228,7 +218,7 @@ class Trainer:
         shape = (n, *batch.mean.shape[1:])
         eps = torch.randn(shape, generator=g)[part]
         noise = torch.randn(shape, generator=g)[part]
-        t = self.family.sample_timesteps(n, tuple(batch.mean.shape[-2:]), g, self.tcfg)[part]
+        t = self.family.sample_timesteps(n, tuple(batch.mean.shape[-2:]), g, self.tcfg, first)[part]
         if batch.controls:  # drawn after the rest: text-to-image families draw exactly what they did
             batch.control_eps = tuple(torch.randn((n, *m.shape[1:]), generator=g)[part] for m, _ in batch.controls)
         return batch, eps, noise, t
@@ -263,12 +253,14 @@ class Trainer:
         which is what a checkpoint saves while this batch is pending (resume draws it again)."""
         self.state_before_pending = {"generator": self.generator.get_state(), "sampler": self.sampler.state_dict()}
         _, indices = self.sampler.next()
-        return indices, self.draw(indices)
+        # the stratum position of train.timestep_buckets: from the step number, so a resume continues it
+        first, self.drawn_steps = self.drawn_steps * self.global_batch, self.drawn_steps + 1
+        return indices, self.draw(indices, first)
 
     def step(self) -> tuple[float, float, int]:
         indices, draws = self.pending or self.draw_next()
         self.pending = None
-        lr = self.scheduler.get_last_lr()[0]
+        lr = optimizers.applied_lr(self.optimizer, self.scheduler, self.tcfg)
         loss = self._backward(draws, distributed.loss_weight(len(indices), self.dist))
         distributed.average_gradients(self.params, self.dist)
         if self.tcfg.max_grad_norm > 0:
@@ -308,17 +300,18 @@ class Trainer:
         held, losses = self.data.held_out, []
         self.model.eval()
         try:
-            for members in held.buckets().values():
-                for i in range(0, len(members), self.tcfg.batch_size):
-                    idx = members[i:i + self.tcfg.batch_size]
-                    batch = held.load(idx, [0] * len(idx))
-                    pairs = [held.pairs[j] for j in idx]
-                    eps, noise, t = self._fixed_draws(pairs, batch.mean.shape[1:])
-                    # a family drawing from torch's RNG inside its loss (SDXL's noise offset) draws
-                    # from a seeded fork of it: fixed per batch, and training's RNG is restored after
-                    with torch.random.fork_rng(devices=[self.rt.device] if self.rt.is_cuda else []):
-                        torch.manual_seed(validation.item_seed(pairs[0].image_id, pairs[0].caption_id))
-                        losses += self._per_sample_loss(self.model, batch, eps, noise, t).tolist()
+            with optimizers.eval_weights(self.optimizer, self.params, self.tcfg):  # schedule-free: at x
+                for members in held.buckets().values():
+                    for i in range(0, len(members), self.tcfg.batch_size):
+                        idx = members[i:i + self.tcfg.batch_size]
+                        batch = held.load(idx, [0] * len(idx))
+                        pairs = [held.pairs[j] for j in idx]
+                        eps, noise, t = self._fixed_draws(pairs, batch.mean.shape[1:])
+                        # a family drawing from torch's RNG inside its loss (SDXL's noise offset) draws
+                        # from a seeded fork of it: fixed per batch, and training's RNG is restored after
+                        with torch.random.fork_rng(devices=[self.rt.device] if self.rt.is_cuda else []):
+                            torch.manual_seed(validation.item_seed(pairs[0].image_id, pairs[0].caption_id))
+                            losses += self._per_sample_loss(self.model, batch, eps, noise, t).tolist()
         finally:
             self.model.train()
         return sum(losses) / len(losses), len(losses)
@@ -342,6 +335,8 @@ class Trainer:
                  "sampler": self.sampler.state_dict(), "batch_sizes": {str(k): v for k, v in self.batch_sizes.items()}}
         if self.ema is not None:
             state["ema"] = self.ema.state()
+        if optimizers.is_schedule_free(self.tcfg):  # the training point y; the adapter written beside it is x
+            state["train_weights"] = [p.detach().clone() for p in self.params]
         if self.pending is not None:  # the next batch was read ahead: save the state before it
             state.update(self.state_before_pending)
         if torch.cuda.is_available():
@@ -352,7 +347,11 @@ class Trainer:
         return state
 
     def restore(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizers.load_state(self.optimizer, state["optimizer"])
+        if "train_weights" in state:  # schedule-free: continue from y, not from the adapter's x
+            with torch.no_grad():
+                for p, y in zip(self.params, state["train_weights"]):
+                    p.copy_(y)
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
         ranks = state.get("torch_rng_ranks")
@@ -364,6 +363,7 @@ class Trainer:
             self.ema.load(state["ema"])  # the fingerprint covers ema_decay: a checkpoint of this config has it
         self.batch_sizes = Counter({int(k): v for k, v in state.get("batch_sizes", {}).items()})
         self.pending, self.saved_step = None, int(state["step"])
+        self.drawn_steps = self.saved_step
 
     def save_checkpoint(self, step: int) -> None:
         state = self.training_state(step)  # on every rank (it gathers their RNG states)
@@ -372,7 +372,8 @@ class Trainer:
         self.saved_step = step
 
     def _write_adapter(self, folder: Any) -> None:
-        lora.save_adapter(self.model, self.lora_config, folder)
+        with optimizers.eval_weights(self.optimizer, self.params, self.tcfg):  # schedule-free: x, not y
+            lora.save_adapter(self.model, self.lora_config, folder)
         if self.ema is not None:
             lora.save_ema(self.model, self.ema, folder)
 

@@ -46,25 +46,29 @@ PLAN_FILE = "plan.json"
 
 def record_plans(run_dir: Path, plans: list[StagePlan], key: str) -> None:
     """Write each plan under its stage in `<run>/plan.json`: "planned" (what `lorapipe plan` predicts) or
-    "ran" (the plan the stage ran with). The file is rewritten atomically under a lock (stages may run side
-    by side); a run folder that does not exist yet is left alone."""
+    "ran" (the plan the stage ran with). The file is rewritten atomically under a lock on the run folder
+    (stages may run side by side); a run folder that does not exist yet is left alone."""
     import fcntl
+    import os
 
     from stages.core.artifacts import atomic_write_json, read_json
 
     if not run_dir.is_dir():
         return
     path = run_dir / PLAN_FILE
-    with open(run_dir / f".{PLAN_FILE}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             current = read_json(path) if path.is_file() else {}
         except (OSError, ValueError):
             current = {}  # a damaged file is rewritten
-        stages = current.get("stages") if isinstance(current.get("stages"), dict) else {}
+        stages = current.get("stages") if isinstance(current, dict) and isinstance(current.get("stages"), dict) else {}
         for plan in plans:
             stages.setdefault(plan.stage, {})[key] = plan.to_dict()
         atomic_write_json(path, {"stages": stages})
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def with_plan(cfg: Any, plan: StagePlan) -> Any:
@@ -149,7 +153,10 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
     else:
         plan = plan_for(cfg, family, src, budget, stage)
     log.emit("plan", **plan.to_dict())
-    record_plans(cfg.run_dir, [plan], "ran")
+    try:
+        record_plans(cfg.run_dir, [plan], "ran")
+    except OSError as e:  # the record is for the user to read; the stage's own writes report a full disk
+        log.emit("warning", message=f"could not write {cfg.run_dir / PLAN_FILE}: {e}")
     _RAN[stage] = (plan, family, src)
     if not plan.fits:
         log.emit("warning", message=plan.note)

@@ -1,5 +1,5 @@
 """FLUX.1: CLIP pooled + T5 text conditioning, 16-channel VAE, 2x2-packed flow DiT; the family class
-that `flux` (dev and schnell) and `flux-kontext` share.
+that `flux` (dev and schnell) and `flux-kontext` share, and `chroma` extends (its own text and predict).
 
 Checked against diffusers 0.42 `pipelines/flux/pipeline_flux.py`:
 - prompt: CLIP `pooler_output` (77 tokens, padded to max length) and T5 `last_hidden_state`
@@ -56,7 +56,7 @@ class Flux1(KLVAELatents, FamilyTraits):
 
     fp8_faster_from_tokens = 1101  # 512 px b1, 77-token captions: fp8 0.93x bf16's step (0.86-0.88x at the other three)
     # an un-checkpointed single-stream block keeps 13 units for its backward, not memory.BLOCK_SAVED_UNITS (17):
-    # the H200 rows with some blocks checkpointed (tests/test_bench_report.py)
+    # the H200 rows with some blocks checkpointed (tests/bench/test_bench_report.py)
     block_saved_units = {"FluxSingleTransformerBlock": 13.0}
     pipeline_class = "FluxPipeline"
     lora_prefix = "transformer"
@@ -109,7 +109,7 @@ class Flux1(KLVAELatents, FamilyTraits):
         _, _, h, w = x0.shape
         x_t = flow.noisy_latents(x0, noise, t)
         pred = self.predict(denoiser, flow.pack_2x2(x_t), self.image_ids(h, w, x0.device, base_dtype(denoiser)), t, cond, tcfg)
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)
 
     def predict(self, denoiser: torch.nn.Module, tokens: torch.Tensor, img_ids: torch.Tensor, t: torch.Tensor,
                 cond: dict[str, torch.Tensor], tcfg: Any) -> torch.Tensor:

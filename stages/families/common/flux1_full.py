@@ -20,7 +20,8 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
               layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
 
 
-def _t5(tok: Any) -> Any:
+def t5(tok: Any) -> Any:
+    """A full-size T5-XXL encoder with the tokenizer's special ids: FLUX.1's text_encoder_2, Chroma's text_encoder."""
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(T5Config(**T5_XXL, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -31,7 +32,7 @@ COMPONENTS = {
     "transformer": diffusers_model("FluxTransformer2DModel", TRANSFORMER),
     "vae": diffusers_model("AutoencoderKL", FLUX_VAE),
     "text_encoder": lambda c: clip(c["tokenizer"], CLIP_L, projection=False),
-    "text_encoder_2": lambda c: _t5(c["tokenizer_2"]),
+    "text_encoder_2": lambda c: t5(c["tokenizer_2"]),
 }
 
 

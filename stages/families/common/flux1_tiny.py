@@ -24,7 +24,9 @@ TINY_DIMS: dict[str, dict[str, Any]] = {"flux-dev": {**_DIMS, "guidance_embeds":
                                         "flux-schnell": {**_DIMS, "guidance_embeds": False}}
 
 
-def _t5_encoder(tokenizer: Any) -> Any:
+def t5_encoder(tokenizer: Any) -> Any:
+    """A tiny T5 v1.1 encoder (gated GELU, as T5-XXL) with the tokenizer's special ids: FLUX.1's
+    text_encoder_2, Chroma's text_encoder."""
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
@@ -87,7 +89,7 @@ def build_components(variant: str, seed: int) -> dict[str, Any]:
         "vae": vae,
         "text_encoder": seeded(seed, lambda: clip_text(tokenizer, CLIP_HIDDEN, False, "quick_gelu")),
         "tokenizer": tokenizer,
-        "text_encoder_2": seeded(seed, lambda: _t5_encoder(tokenizer_2)),
+        "text_encoder_2": seeded(seed, lambda: t5_encoder(tokenizer_2)),
         "tokenizer_2": tokenizer_2,
         "transformer": transformer,
     }

@@ -95,7 +95,7 @@ class Flux2DiT(FamilyTraits):
     # the single blocks' fused q/k/v + SwiGLU projection is 9 units wide. Fitted on the checkpointed train
     # rows of bench/results (klein and dev, nf4/fp8/bf16, 512-1024 px, batch 1-4): at 24 the planner predicted
     # 0.86-0.996x what they allocated (klein bf16 1024 px b4: 12.07 GB for 14.01), at 35 0.937-1.003x
-    # (tests/test_bench_report.py; left out: klein's nf4 512 px b1 row, run with fp32 activations before
+    # (tests/bench/test_bench_report.py; left out: klein's nf4 512 px b1 row, run with fp32 activations before
     # commit e6730df, and dev's with a reference image, whose tokens the plan does not count); klein's whole
     # fp8 base had planned 5.26 GB for the 5.82 the diffusers script's shape allocated, so a budget near it
     # planned more fp8 blocks than fit (bench/LOG.md).
@@ -172,10 +172,11 @@ class Flux2DiT(FamilyTraits):
 
         return load_denoiser_weights(Flux2Transformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any,
+                         first: int | None = None) -> torch.Tensor:
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        u = flow.sample_density(n, generator, tcfg.timestep_density, tcfg.logit_mean, tcfg.logit_std, tcfg.mode_scale)
+        u = flow.draw_u(n, generator, tcfg, first)
         shift = tcfg.shift
         if tcfg.dynamic_shift:  # the scheduler's exponential time shift is a static shift by exp(mu)
             seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
@@ -236,4 +237,4 @@ class Flux2DiT(FamilyTraits):
             guidance=self.guidance(denoiser, b, tcfg, device),
             return_dict=False,
         )[0][:, : target.shape[1]]  # the prediction of the target's tokens (all of them without references)
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

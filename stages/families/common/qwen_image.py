@@ -101,8 +101,9 @@ class QwenImageBase(FamilyTraits):
 
         return load_denoiser_weights(QwenImageTransformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
-        u = flow.sample_density(n, generator, tcfg.timestep_density, tcfg.logit_mean, tcfg.logit_std, tcfg.mode_scale)
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any,
+                         first: int | None = None) -> torch.Tensor:
+        u = flow.draw_u(n, generator, tcfg, first)
         shift = tcfg.shift
         if tcfg.dynamic_shift:  # Qwen-Image's own range (not FLUX's 0.5..1.15 over 256..4096 tokens)
             seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
@@ -126,4 +127,4 @@ class QwenImageBase(FamilyTraits):
             img_shapes=[[(1, h // 2, w // 2)]] * b,
             return_dict=False,
         )[0]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

@@ -7,3 +7,4 @@ from stages.families.common.flux1 import Flux1
 
 class Flux(Flux1):
     name = "flux"
+    title = "FLUX"

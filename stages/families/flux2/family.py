@@ -62,6 +62,7 @@ class Flux2TextEncoder:
 
 class Flux2(Flux2DiT):
     name = "flux2"
+    title = "FLUX.2 [dev]"
     pipeline_class = "Flux2Pipeline"
     text_component_classes = ("Mistral3Model",)
     text_components = ("tokenizer", "text_encoder")

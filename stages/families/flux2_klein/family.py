@@ -55,6 +55,7 @@ class Flux2KleinTextEncoder:
 
 class Flux2Klein(Flux2DiT):
     name = "flux2-klein"
+    title = "FLUX.2 [klein]"
     pipeline_class = "Flux2KleinPipeline"
     text_component_classes = ("Qwen3Model",)
     text_components = ("tokenizer", "text_encoder")

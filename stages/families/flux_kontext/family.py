@@ -31,6 +31,7 @@ from stages.families.common.flux1 import Flux1
 
 class FluxKontext(Flux1):
     name = "flux-kontext"
+    title = "FLUX.1 Kontext (edit, 1 control)"
     # fp8_faster_from_tokens: FLUX.1's, the same transformer (the control's tokens only lengthen the sequence:
     # the same Linears on more rows, where fp8 gained more, bench/fp8.md); no fp8 rows of its own yet
     pipeline_class = "FluxKontextPipeline"
@@ -76,4 +77,4 @@ class FluxKontext(Flux1):
         ids = torch.cat([self.image_ids(h, w, device, dtype),
                          *(self.control_ids(c.shape[-2], c.shape[-1], device, dtype) for c in meta.controls)])
         pred = self.predict(denoiser, tokens, ids, t, cond, tcfg)[:, : target.shape[1]]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

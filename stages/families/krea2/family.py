@@ -83,6 +83,7 @@ class Krea2TextEncoder:
 
 class Krea2(FamilyTraits):
     name = "krea2"
+    title = "Krea 2"
     pipeline_class = "Krea2Pipeline"
     lora_prefix = "transformer"
     denoiser_class = "Krea2Transformer2DModel"
@@ -123,8 +124,9 @@ class Krea2(FamilyTraits):
 
         return load_denoiser_weights(Krea2Transformer2DModel, src, "transformer", precision, rt, tcfg.nf4_double_quant)
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
-        u = flow.sample_density(n, generator, tcfg.timestep_density, tcfg.logit_mean, tcfg.logit_std, tcfg.mode_scale)
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any,
+                         first: int | None = None) -> torch.Tensor:
+        u = flow.draw_u(n, generator, tcfg, first)
         shift = tcfg.shift
         if tcfg.dynamic_shift:  # Krea 2's range: 0.5..1.15 over 256..6400 image tokens (FLUX: ..4096)
             seq_len = (latent_hw[0] // 2) * (latent_hw[1] // 2)
@@ -154,4 +156,4 @@ class Krea2(FamilyTraits):
             encoder_attention_mask=mask,  # the pipeline always passes its bool mask
             return_dict=False,
         )[0]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

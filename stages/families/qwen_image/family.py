@@ -43,6 +43,7 @@ class QwenImageTextEncoder:
 
 class QwenImage(QwenImageBase):
     name = "qwen-image"
+    title = "Qwen-Image"
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> QwenImageTextEncoder:

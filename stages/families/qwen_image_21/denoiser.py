@@ -9,7 +9,7 @@ H200 every capture failed and every step ran eager (bench/results/bench-qwen-ima
 For training, the layout is a function of (caption length, latent h, w) alone: the text, then the
 target image's h*w tokens. `layout()` makes it once per shape, eagerly (the family keeps it), and
 `forward(..., layout=...)` runs the rest of the stock forward on it: the same modules, in the same
-order, on the same values (tests/test_family_qwen_image_21.py checks it against the stock forward,
+order, on the same values (tests/families/test_family_qwen_image_21.py checks it against the stock forward,
 and that the layout path traces with no graph break). Without `layout` the stock forward runs.
 """
 

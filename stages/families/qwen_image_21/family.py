@@ -110,6 +110,8 @@ def joint_img_mask(b: int, text_len: int, image_tokens: int, device: torch.devic
 
 class QwenImage21(FamilyTraits):
     name = "qwen-image-2.1"
+    title = "Qwen-Image 2.1"
+    vae_downsample = 16
     pipeline_class = "QwenImage21Pipeline"
     lora_prefix = "transformer"
     denoiser_class = "QwenImage21Transformer2DModel"
@@ -174,9 +176,10 @@ class QwenImage21(FamilyTraits):
             cache[key] = layout(denoiser, text_len, h, w, device)
         return cache[key]
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any) -> torch.Tensor:
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any,
+                         first: int | None = None) -> torch.Tensor:
         # One token per latent pixel (no 2x2 packing): the shift's sequence length is h * w.
-        return flow.sample_flow_sigmas(n, latent_hw[0] * latent_hw[1], generator, tcfg)
+        return flow.sample_flow_sigmas(n, latent_hw[0] * latent_hw[1], generator, tcfg, first)
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
@@ -196,4 +199,4 @@ class QwenImage21(FamilyTraits):
             kwargs.update(img_shapes=[[(1, h, w)]] * b, img_mask=joint_img_mask(b, text.shape[1], h * w, device),
                           return_dict=False)
         pred = denoiser(**kwargs)[0][:, -h * w:]  # the target image's tokens, as the pipeline slices them
-        return flow.per_sample_mse(pred.transpose(1, 2).reshape(b, c, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(pred.transpose(1, 2).reshape(b, c, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

@@ -101,6 +101,7 @@ class QwenImageEditTextEncoder:
 
 class QwenImageEdit(QwenImageBase):
     name = "qwen-image-edit"
+    title = "Qwen-Image-Edit (edit, 1 control)"
     # fp8_faster_from_tokens: Qwen-Image's, the same transformer (control tokens lengthen the sequence); no
     # fp8 rows of its own yet
     pipeline_class = "QwenImageEditPlusPipeline"
@@ -157,4 +158,4 @@ class QwenImageEdit(QwenImageBase):
             img_shapes=[shapes] * b,
             return_dict=False,
         )[0][:, : target.shape[1]]
-        return flow.per_sample_mse(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

@@ -16,4 +16,5 @@ def config_errors(cfg: Any) -> list[str]:
     # The UNet attends to all 77 positions (no mask), so captions must be padded exactly as the
     # pipeline pads them at inference; a different length would train on other inputs.
     return (checks.exact_tokens(cfg, CLIP_TOKENS, "its CLIP encoders; longer captions are truncated")
-            + checks.no_nf4_text_encoder(cfg, "its two CLIP encoders need ~1.6 GB in bf16"))
+            + checks.no_nf4_text_encoder(cfg, "its two CLIP encoders need ~1.6 GB in bf16")
+            + checks.flow_only_defaults(cfg, "trains DDPM timesteps (min-SNR weighted by train.snr_gamma)"))

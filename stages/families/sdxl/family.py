@@ -123,6 +123,7 @@ def offset_noise(noise: torch.Tensor, offset: float) -> torch.Tensor:
 
 class SDXL(FamilyTraits):
     name = "sdxl"
+    title = "SDXL"
     fp8_faster_from_tokens = 1101  # 512 px b1 as the planner counts it: fp8 0.88x bf16's step (1024 px: 0.94x)
     pipeline_class = "StableDiffusionXLPipeline"
     lora_prefix = "unet"
@@ -224,8 +225,9 @@ class SDXL(FamilyTraits):
         return self.scheduler
 
     def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator,
-                         tcfg: Any) -> torch.Tensor:
-        """Integer DDPM timesteps, uniform in [0, num_train_timesteps)."""
+                         tcfg: Any, first: int | None = None) -> torch.Tensor:
+        """Integer DDPM timesteps, uniform in [0, num_train_timesteps) (no stratification: the flow-only
+        train.timestep_buckets is refused for SDXL)."""
         return torch.randint(0, self._ddpm().config.num_train_timesteps, (n,), generator=generator)
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
@@ -244,4 +246,4 @@ class SDXL(FamilyTraits):
             return_dict=False,
         )[0]
         weights = min_snr_weights(snr(sched.alphas_cumprod, t), tcfg.snr_gamma, kind)
-        return flow.per_sample_mse(pred, target, meta.loss_mask) * weights
+        return flow.per_sample_loss(pred, target, meta.loss_mask, tcfg) * weights

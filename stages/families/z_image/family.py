@@ -56,6 +56,7 @@ class ZImageTextEncoder:
 
 class ZImage(KLVAELatents, FamilyTraits):
     name = "z-image"
+    title = "Z-Image"
     fp8_faster_from_tokens = 4173  # 1024 px b1, 77-token captions: fp8 0.83x bf16's step
     pipeline_class = "ZImagePipeline"
     lora_prefix = "transformer"
@@ -95,4 +96,4 @@ class ZImage(KLVAELatents, FamilyTraits):
             return_dict=False,
         )[0]
         pred = -torch.stack(out).squeeze(2)  # the pipeline negates the output to get noise - x0
-        return flow.per_sample_mse(pred, flow.flow_target(x0, noise), meta.loss_mask)
+        return flow.per_sample_loss(pred, flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

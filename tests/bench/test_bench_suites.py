@@ -1,0 +1,154 @@
+"""The benchmark's suites (bench/suites.py) and their runner (bench/run.py), without a GPU: every row is
+one the bench scripts can run, every row docs/performance.md shows has a suite, a call's result JSON is
+split into one file per row, a newer measurement replaces a row's file and a failure never does, and
+the report picks the latest call's row whatever the files are named.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/bench/test_bench_suites.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from bench import run, suites
+from bench.bench import plan
+from bench.peers import VARIANT_FLAGS, variant_flag
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_row_is_one_the_bench_scripts_take_and_keys_are_unique() -> None:
+    keys = [r.key for rows in suites.SUITES.values() for r in rows]
+    assert len(keys) == len(set(keys))
+    planned: dict[str, set[str]] = {}
+    for name, rows in suites.SUITES.items():
+        for r in rows:
+            if isinstance(r, suites.Bench):
+                ids = planned.setdefault(r.family, {i.id for i in plan(r.family)})
+                assert f"{r.family}/{r.item}" in ids, (name, r)
+            elif isinstance(r, suites.Peers):
+                for variant in r.product.split(","):
+                    flags = variant.split("+")[1:]
+                    assert all(f in VARIANT_FLAGS or variant_flag(f) for f in flags), (name, variant)
+            elif isinstance(r, suites.Script):
+                script = next(a for a in r.args if a.endswith(".py") or a.startswith("tests/"))
+                assert (ROOT / script).exists(), (name, script)
+
+
+def test_every_table_row_of_the_performance_doc_has_a_suite_row() -> None:
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    keys = {r.key for rows in suites.SUITES.values() for r in rows}
+    for section in doc.split("\n### ")[1:]:
+        fam = re.search(r"bash bench/device\.sh ([\w.-]+)`", section)
+        if not fam or fam.group(1) not in suites.SUITES:
+            continue
+        runs = re.findall(r"\| `([\w-]+-\d+-b\d[\w-]*)` \|", section)
+        assert runs, section[:80]
+        for name in runs:
+            assert f"{fam.group(1)}.train.{name}" in keys, (fam.group(1), name)
+    for product, which in re.findall(r"PEERS_PRODUCT=([\w+]+) bash bench/peers\.sh (\w+)", doc):
+        assert any(isinstance(r, suites.Peers) and r.which == which and product in r.product.split(",")
+                   for rows in suites.SUITES.values() for r in rows), (which, product)
+
+
+def test_a_bench_call_is_split_into_one_file_per_row(tmp_path: Path) -> None:
+    rows = [suites.train("flux", "nf4", 512, 1), suites.train("flux", "bf16", 512, 1)]
+    cmd, _ = run.command(rows, tmp_path / "o.json", 300)
+    assert cmd[1:6] == ["bench/bench.py", "run", "--families", "flux", "--keep"]
+    assert cmd[-4:] == ["--only", "flux/train/nf4-512-b1", "--only", "flux/train/bf16-512-b1"]
+    data = {"meta": {"date_utc": "2026-12-05 10:00:00", "command": "x"}, "builds": {}, "items": [
+        {"id": "flux/encode/nf4#rerun", "status": "ok"}, {"id": "flux/train/nf4-512-b1", "status": "ok"},
+        {"id": "flux/train/bf16-512-b1", "status": "skipped"}]}
+    split = run.split(rows, data)
+    assert set(split) == {"flux.encode.nf4", "flux.train.nf4-512-b1", "flux.train.bf16-512-b1"}
+    assert split["flux.train.nf4-512-b1"]["meta"] == data["meta"]
+    written = {k: run.write(tmp_path / "flux", k, v) for k, v in split.items()}
+    assert written["flux.train.bf16-512-b1"] is None  # the budget left it unstarted: nothing written
+    assert sorted(p.name for p in (tmp_path / "flux").iterdir()) == ["flux.encode.nf4.json", "flux.train.nf4-512-b1.json"]
+
+
+def test_a_newer_measurement_replaces_a_rows_file_and_a_failure_never_does(tmp_path: Path) -> None:
+    folder, key = tmp_path / "s", "flux.train.nf4-512-b1"
+
+    def result(status: str, when: str) -> dict:
+        return {"meta": {"date_utc": when}, "items": [{"id": "flux/train/nf4-512-b1", "status": status}]}
+
+    run.write(folder, key, result("ok", "1"))
+    run.write(folder, key, result("failed", "2"))
+    assert json.loads((folder / f"{key}.json").read_text())["meta"]["date_utc"] == "1"
+    assert json.loads((folder / f"{key}.failed.json").read_text())["meta"]["date_utc"] == "2"
+    run.write(folder, key, result("ok", "3"))
+    assert json.loads((folder / f"{key}.json").read_text())["meta"]["date_utc"] == "3"
+    assert not (folder / f"{key}.failed.json").exists()
+
+
+def test_memory_budgets_of_one_call_are_split_and_read_back_as_that_call(tmp_path: Path) -> None:
+    """A memory call's budgets go to one file each; the report reads them back as one call, so a budget whose
+    plan equals another's ("same plan") still finds that row."""
+    from bench.memory import report as memory_report
+
+    rows = suites.memory_grid("z-image", 1024, ("auto", "8"))
+    cmd, _ = run.command(rows, tmp_path / "o.json", 300)
+    assert cmd[cmd.index("--budgets") + 1] == "auto,8"
+
+    def row(budget: str, status: str = "ok") -> dict:
+        if status == "same plan":
+            return {"family": "z-image", "resolution": 1024, "budget": budget, "stage": "train", "status": status,
+                    "same_as_budget": "auto"}
+        return {"family": "z-image", "resolution": 1024, "budget": budget, "stage": "train", "status": "ok",
+                "plan": {"settings": {"base_precision": "nf4", "swapped_blocks": 0}, "predicted_peak_gb": 5.0,
+                         "budget_gb": 100.0}, "peak_vram_gb": {"allocated": 4.0, "reserved": 5.0},
+                "samples_per_second": 2.0, "seconds": 10.0}
+
+    data = {"meta": {"date_utc": "2026-12-05 10:00:00", "command": "bench/memory.py run"},
+            "items": [row("auto"), row("8", "same plan")]}
+    files = [run.write(tmp_path / "memory", k, v) for k, v in run.split(rows, data).items()]
+    assert sorted(f.name for f in files) == ["memory.z-image-1024-8gb.json", "memory.z-image-1024-auto.json"]
+    md = memory_report(sorted(files))
+    assert "| 8 | train | base_precision=nf4, swapped_blocks=0 (same plan as auto) |" in md
+
+
+def test_the_report_takes_the_latest_call_of_a_row_whatever_the_file_names(tmp_path: Path) -> None:
+    from bench import report
+
+    def call(name: str, when: str, sps: float) -> Path:
+        f = tmp_path / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"meta": {"date_utc": when, "command": "bench.py run"}, "builds": {}, "items": [
+            {"id": "sdxl/train/bf16-512-b1", "kind": "train", "res": 512, "status": "ok", "env": {},
+             "sets": {"train.base_precision": "bf16", "train.batch_size": 1}, "summary": {"samples_per_second": sps}}]}))
+        return f
+
+    old = call("bench-sdxl-Z.json", "2026-12-01 10:00:00", 1.0)  # sorts after the newer file's name
+    new = call("sdxl/sdxl.train.bf16-512-b1.json", "2026-12-05 10:00:00", 2.0)
+    for files in ([old, new], [new, old]):
+        _, items, _ = report.load(files)
+        assert items["sdxl/train/bf16-512-b1"]["summary"]["samples_per_second"] == 2.0
+    assert report.result_files(tmp_path) == [old, new]
+    assert report._kind([]) == report._kind({"flux": {}}) == "other"  # layouts no section reads
+
+
+def test_the_budget_grid_runs_every_preset_as_users_run_it_most_used_first() -> None:
+    """budget-grid: each family's own preset (the one its full.py names), every budget, the preset's caption
+    length and 77 tokens, train batch 1 and 4, 1024 and 512 px; FLUX.1 dev's 512-token rows open it, so a call
+    cut short measured the preset users run most; one call per (family, length, batch, px)."""
+    from stages.families import FAMILIES
+    from bench.full_configs import full
+
+    assert set(suites.PRESETS) == set(FAMILIES)
+    assert all(full(f).PRESET == suites.PRESETS[f] for f in FAMILIES)
+    rows = suites.SUITES["budget-grid"]
+    assert list(dict.fromkeys(r.family for r in rows))[:5] == ["flux", "qwen-image", "z-image", "flux2-klein", "sdxl"]
+    first = [r for r in rows if r.family == "flux"][:len(suites.GRID_BUDGETS)]
+    assert [r.budget for r in first] == list(suites.GRID_BUDGETS) and {r.px for r in first} == {1024}
+    assert "captions.max_sequence_length=512" in first[0].sets and "train.batch_size=1" in first[0].sets
+    for family in FAMILIES:
+        mine = [r for r in rows if r.family == family]
+        lengths = {s for r in mine for s in r.sets if s.startswith("captions.max_sequence_length=")}
+        assert len(mine) == len(suites.GRID_BUDGETS) * 2 * 2 * len(lengths) and "captions.max_sequence_length=77" in lengths
+    calls = [list(group) for _, group in run.groupby(rows, key=run.call_of)]
+    assert all(len(c) == len(suites.GRID_BUDGETS) for c in calls)
+    cmd, _ = run.command(calls[0], Path("/tmp/row.json"), 540)
+    assert cmd[1:3] == ["bench/memory.py", "run"] and "4,6,8,12,16,24,auto" in cmd
