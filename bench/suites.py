@@ -126,10 +126,11 @@ def memory_grid(family: str, px: int, budgets: tuple[str, ...], sets: tuple[str,
 
 PARTIAL_CKPT = ("runtime.gradient_checkpointing=auto",)
 
-# Every family's preset (its full.py PRESET; tests/test_bench_suites.py holds them equal), most-used first: the
+# Every family's preset (its full.py PRESET; tests/bench/test_bench_suites.py holds them equal), most-used first: the
 # budget grid runs in this order, so a device call cut short has measured the most useful rows.
 PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.toml", "z-image": "configs/z-image.toml",
-           "flux2-klein": "configs/flux2-klein.toml", "sdxl": "configs/sdxl.toml", "krea2": "configs/krea2.toml",
+           "flux2-klein": "configs/flux2-klein.toml", "sdxl": "configs/sdxl.toml", "chroma": "configs/chroma.toml",
+           "krea2": "configs/krea2.toml",
            "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
            "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
@@ -177,7 +178,7 @@ SUITES: dict[str, list[Row]] = {
     "memory-512": [*memory_grid("flux", 512, ("auto", "6", "8")), *memory_grid("qwen-image", 512, ("auto", "8")),
                    *memory_grid("z-image", 512, ("auto", "4")), *memory_grid("sdxl", 512, ("auto", "4", "8"))],
     # "Memory budgets that hold": every preset x budget x caption length x train batch x px, most-used presets first;
-    # tests/test_budget.py holds the planner's predictions against these rows
+    # tests/planner/test_budget.py holds the planner's predictions against these rows
     "budget-grid": [row for family in PRESETS for row in budget_grid(family)],
     # "Side by side with diffusers' own scripts": one call each (the script's row, then the product's)
     "peers-klein": [Peers("klein", 1024, 1, 15, "nf4,nf4+fitpeer,nf4+cudnn+fitpeer"),

@@ -2,7 +2,7 @@
 per token on the real FLUX.1 dev sizes, the out-of-memory advice, and the planner's predictions held against
 the memory rows measured on the H200 (bench/results).
 
-A GPU is simulated as tests/test_memory.py does: torch.cuda's queries answer as a card of 80 GB would.
+A GPU is simulated as tests/planner/test_memory.py does: torch.cuda's queries answer as a card of 80 GB would.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from stages.core.model_source import ModelSource, model_source
 from stages.families import get_family
 
 GB = memory.GB
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results"
 
 
 def _gpu(monkeypatch, free_gb: float, total_gb: float = 80.0, nvml_gb: float | None = None) -> list[float]:
@@ -132,7 +133,7 @@ def flux_dev(tmp_path_factory, demo_data):
 
     root = tmp_path_factory.mktemp("flux-dev")
     model = config_only_model("flux", root / "model")
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "flux-dev.toml",
+    cfg = load_config(ROOT / "configs" / "flux-dev.toml",
                       {"model": str(model), "data.path": str(demo_data), "artifacts": str(root / "artifacts")})
     assert cfg.captions.max_sequence_length == 512 and cfg.captions.batch_size == 8
     return cfg
@@ -262,7 +263,7 @@ def test_the_cache_planners_predict_the_memory_rows_from_above(tmp_path):
     """Until the grid is measured: the encode-captions and cache-latents rows of bench/results/memory-*.json
     (FLUX.1, Qwen-Image, Z-Image, SDXL; 77-token captions, 512 and 1024 px, bf16 and nf4 encoders, fp32 VAEs),
     whose reserved peak plus the planned context the prediction covers within 15 %. (Train's rows are held
-    against what they allocated in tests/test_bench_report.py.)"""
+    against what they allocated in tests/bench/test_bench_report.py.)"""
     rows = _measured_rows(sorted(RESULTS.glob("memory-*.json")), ("encode-captions", "cache-latents"))
     ratios = _ratios(rows, tmp_path, counts_context=False)
     assert len(ratios) >= 12 and {r["family"] for _, r in rows} >= {"flux", "qwen-image", "z-image", "sdxl"}
