@@ -29,7 +29,8 @@ KEEP_ATTENTION_HINT_TOKENS = 8704
 # encode-captions: each text encoder's attention scores, bytes per element of batch x heads x tokens^2 (beside the
 # per-token BLOCK_WORK_UNITS). Fitted on FLUX.1's nf4 T5-XXL, which reads 512 tokens with 64 heads and runs its
 # attention with a float position bias: at --vram 6 batch 8 ran out of memory at the 5.96 GB cap and batch 1
-# reserved 4.57 GB, while 77-token captions at batch 8 reserved 4.54 (bench/results/memory-flux-512-h200.json).
+# reserved 4.57 GB (H200, the preset as users run it; `bench/run.py budget-grid` records such rows), while
+# 77-token captions at batch 8 reserved 4.54 (bench/results/memory-flux-512-h200.json).
 # 8 bytes (fp32 scores and their softmax) puts batch 8 above that cap, batch 1 at 4.75 GB reserved.
 ATTENTION_SCORE_BYTES = 8.0
 # VAE encode work per pixel of one image, per VAE class, sized so that x FRAGMENTATION covers what the fp32 encode
