@@ -87,9 +87,12 @@ class MemoryRunner(Runner):
         item = Item(f"{fam}/{kind}/{budget}", kind, res, self.row_sets(budget), run=run)
         cmd = self.stage_cmd(fam, item, stage, model, ["--force"] if kind != "train" else [])
         t0 = time.time()
-        rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
+        with SmiPeak() as smi:  # the process as a neighbour sees it: nvidia-smi's memory.used over the call
+            rc, wall, tail = self.call(cmd, {}, f"mem-{fam}-{kind}-{budget}")
         row: dict[str, Any] = {"family": fam, "resolution": res, "budget": budget, "stage": stage, "cmd": " ".join(cmd[1:]).replace(str(ROOT) + "/", ""),
                                "rc": rc, "wall_s": wall}
+        if smi.peak_gb is not None:
+            row["smi_peak_gb"] = smi.peak_gb
         note = self.finished_note(fam, item, run_dir, rc, t0)  # killed while exiting, after its last step
         if note:
             row["note"] = note
@@ -134,6 +137,53 @@ class MemoryRunner(Runner):
         self.save()
         brief = {k: row.get(k) for k in ("status", "peak_vram_gb", "samples_per_second", "wall_s", "same_as_budget")}
         print(f"[memory] {row['family']} {row['stage']} @{row['budget']}: {json.dumps(brief)[:300]}", flush=True)
+
+
+class SmiPeak:
+    """The most GPU memory nvidia-smi showed used (memory.used of GPU 0) while the block ran, less what it
+    showed before: a stage process's whole footprint, CUDA context included, where it runs alone on the GPU
+    (the benchmark's calls run one at a time). Sampled every `every_s`; a caching allocator keeps what it
+    reserved until the process exits, so the peak stays up long enough to be read. `peak_gb` is None
+    without nvidia-smi (CPU) or where nothing was read."""
+
+    def __init__(self, every_s: float = 0.2) -> None:
+        import threading
+
+        self.every_s, self.peak_gb = every_s, None
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._poll, daemon=True)
+        self._base: float | None = None
+        self._most: float | None = None
+
+    @staticmethod
+    def used_gb() -> float | None:
+        import subprocess
+
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=10)
+            return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 and out.stdout.strip() else None  # MiB
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every_s):
+            used = self.used_gb()
+            if used is not None:
+                self._most = used if self._most is None else max(self._most, used)
+
+    def __enter__(self) -> "SmiPeak":
+        self._base = self.used_gb()
+        if self._base is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._base is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        if self._most is not None:
+            self.peak_gb = round(max(self._most - self._base, 0.0), 3)
 
 
 def _plan_event(run_dir: Path, stage: str, t0: float) -> dict[str, Any] | None:
@@ -206,7 +256,8 @@ def _cell(r: dict[str, Any]) -> list[str]:
         return [r["status"], "", "", "", ""]
     plan = r.get("plan") or {}
     settings = ", ".join(f"{k}={v}" for k, v in (plan.get("settings") or {}).items() if k != "blocks")
-    peak = (r.get("peak_vram_gb") or {}).get("reserved")
+    peaks = r.get("peak_vram_gb") or {}
+    peak = peaks.get("total", peaks.get("reserved"))  # a budget counts the context too where the row measured it
     budget = plan.get("budget_gb")
     within = "" if budget is None or peak is None else (" ok" if peak <= budget else f" OVER by {peak - budget:.2f}")
     sps = r.get("samples_per_second")
@@ -317,7 +368,8 @@ def report(files: list[Path]) -> str:
         # a variant without an "auto" (or unswapped) row of its own is compared with the defaults'
         ref = _auto_train(mine) or _auto_train(defaults)
         lines += [f"### {fam}, {res} px, batch 1" + (f", with {variant}" if variant else ""), "",
-                  "| budget GB | stage | plan | predicted GB | measured peak GB (reserved) | samples/s | x auto | "
+                  "| budget GB | stage | plan | predicted GB | measured peak GB (reserved, + CUDA context where measured) | "
+                  "samples/s | x auto | "
                   "x unswapped | stage s |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             cells = _cell(r)

@@ -387,7 +387,9 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
                 if not cap:
                     row["status"], row["reason"] = "skipped", f"{fit[0]}: the script's row has no peak in this run"
                     return row
-                sets["gpu.vram_budget_gb"] = row["budget_gb"] = math.floor(cap * 100) / 100
+                from stages.core.memory import CUDA_CONTEXT_GB  # a --vram number counts the process's context too:
+                row["allocator_gb"] = math.floor(cap * 100) / 100  # the product's allocator gets the script's peak
+                sets["gpu.vram_budget_gb"] = row["budget_gb"] = round(row["allocator_gb"] + CUDA_CONTEXT_GB, 2)
         item = Item(f"{fam}/{kind}/{variant}-{a.res}-b{a.batch}", kind, a.res, sets, run=run)
         cached = rows.get(kind)
         if kind != "train" and cached is not None:  # caches do not depend on the base precision

@@ -126,6 +126,36 @@ def memory_grid(family: str, px: int, budgets: tuple[str, ...], sets: tuple[str,
 
 PARTIAL_CKPT = ("runtime.gradient_checkpointing=auto",)
 
+# Every family's preset (its full.py PRESET; tests/bench/test_bench_suites.py holds them equal), most-used first: the
+# budget grid runs in this order, so a device call cut short has measured the most useful rows.
+PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.toml", "z-image": "configs/z-image.toml",
+           "flux2-klein": "configs/flux2-klein.toml", "sdxl": "configs/sdxl.toml", "chroma": "configs/chroma.toml",
+           "krea2": "configs/krea2.toml",
+           "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
+           "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml"}
+GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
+
+
+def preset_captions(family: str) -> dict[str, object]:
+    """The [captions] table of the family's preset (what a user's run encodes with)."""
+    import tomllib
+    from pathlib import Path
+
+    return tomllib.loads((Path(__file__).resolve().parent.parent / PRESETS[family]).read_text()).get("captions", {})
+
+
+def budget_grid(family: str) -> list[Memory]:
+    """The preset as a user runs it (its caption length, caption batch and text-encoder precision) under every
+    budget, at the preset's caption length and at 77 tokens, train batch 1 and 4, 1024 and 512 px; the
+    preset's length, batch 1 and 1024 px first. Each call is one (length, px, batch): bench/memory.py measures
+    every stage under each budget there, predicted / allocated / reserved / with the CUDA context."""
+    captions = preset_captions(family)
+    fixed = tuple(f"captions.{k}={captions[k]}" for k in ("batch_size", "text_encoder_precision") if k in captions)
+    lengths = list(dict.fromkeys((int(captions.get("max_sequence_length", 77)), 77)))
+    return [Memory(family, px, b, (*fixed, f"captions.max_sequence_length={n}", f"train.batch_size={batch}"))
+            for n, batch, px in product(lengths, (1, 4), (1024, 512)) for b in GRID_BUDGETS]
+
+
 SUITES: dict[str, list[Row]] = {
     # one train table per family (docs/performance.md, "Train speed by family")
     "flux": measured_family("flux", ("encode/nf4", "encode/bf16"), export="nf4-512-b4"),
@@ -147,6 +177,9 @@ SUITES: dict[str, list[Row]] = {
                *memory_grid("sdxl", 1024, ("auto", "4"))],
     "memory-512": [*memory_grid("flux", 512, ("auto", "6", "8")), *memory_grid("qwen-image", 512, ("auto", "8")),
                    *memory_grid("z-image", 512, ("auto", "4")), *memory_grid("sdxl", 512, ("auto", "4", "8"))],
+    # "Memory budgets that hold": every preset x budget x caption length x train batch x px, most-used presets first;
+    # tests/planner/test_budget.py holds the planner's predictions against these rows
+    "budget-grid": [row for family in PRESETS for row in budget_grid(family)],
     # "Side by side with diffusers' own scripts": one call each (the script's row, then the product's)
     "peers-klein": [Peers("klein", 1024, 1, 15, "nf4,nf4+fitpeer,nf4+cudnn+fitpeer"),
                     Peers("klein", 1024, 1, 15, "nf4+cudnn+fitreserved,fp8+cudnn+fitreserved"),

@@ -27,8 +27,8 @@ def _budget(value: Any) -> Any:
     from stages.core.errors import ResourceError
 
     parsed = memory.parse_budget(value)
-    if parsed != "auto":
-        return memory.Budget(float(parsed), "cap")
+    if parsed != "auto":  # a GPU stage counts its CUDA context in the number, here too (even planned on a CPU)
+        return memory.cap_budget(float(parsed), memory.CUDA_CONTEXT_GB)
     if not torch.cuda.is_available():
         raise ResourceError("plan --vram auto needs a CUDA GPU to measure free memory: give a number, e.g. --vram 12")
     return memory.resolve_budget("auto", torch.device("cuda"), enforce=False)
@@ -46,9 +46,10 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
     if record:
         memory.record_plans(cfg.run_dir, stages, "planned")
     fitting = [p for p in stages if p.fits]
-    return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.gb,
-            "budget_source": budget.source, "fits": len(fitting) == len(stages),
-            "peak_gb": round(max(p.predicted_peak_gb for p in stages), 3),
+    return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.vram_gb,
+            "budget_source": budget.source, "allocator_gb": budget.gb, "context_gb": budget.context_gb,
+            "fits": len(fitting) == len(stages), "peak_gb": round(max(p.predicted_peak_gb for p in stages), 3),
+            "total_gb": max(budget.total_gb(p.predicted_peak_gb) for p in stages),
             "stages": [p.to_dict() for p in stages]}
 
 
@@ -64,19 +65,26 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from stages.core import memory
+
     table = Table(title=f"memory plan of run '{result['run']}' ({result['family']}), budget "
                         f"{result['budget_gb']:.2f} GB ({result['budget_source']})")
-    for column in ("stage", "settings", "predicted peak GB", "fits"):
+    for column in ("stage", "settings", "predicted peak GB", "with context GB", "fits"):
         table.add_column(column)
     for p in result["stages"]:
         table.add_row(p["stage"], _settings_text(p["settings"]), f"{p['predicted_peak_gb']:.2f}",
-                      "yes" if p["fits"] else "[red]no[/red]")
+                      f"{p['predicted_total_gb']:.2f}", "yes" if p["fits"] else "[red]no[/red]")
     console = Console()
     console.print(table)
     for p in result["stages"]:
         if p["note"]:
             console.print(f"{p['stage']}: {p['note']}", style=None if p["fits"] else "red")
-    console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory/).")
+    console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory/); "
+                  f"'with context' is the reserved peak (x {memory.FRAGMENTATION:g}) plus the {result['context_gb']:.2f} GB "
+                  "CUDA context, as nvidia-smi counts the process.")
+    if result["budget_source"] == "cap":
+        console.print(f"A --vram number counts the whole process: plans fit {result['allocator_gb']:.2f} GB of torch's "
+                      f"allocator and {result['context_gb']:.2f} GB of CUDA context.")
     if result["budget_source"] == "cap":
         console.print(allocator_line())
 

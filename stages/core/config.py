@@ -316,7 +316,8 @@ class SampleConfig:
 @dataclass
 class GpuConfig:  # read by stages/core/memory/budget.py
     vram_budget_gb: Literal["auto"] | float = "auto"
-    """GPU memory each stage may use: auto (free memory at stage start less a margin) or GB (a hard cap)."""
+    """GPU memory each stage may use: auto (free memory at stage start less a margin) or GB (a hard cap on the
+    whole process as nvidia-smi shows it, CUDA context included)."""
 
 
 @dataclass

@@ -68,7 +68,8 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
               "optional": {"item": ["string", "null"], "type": "string", "rank": "integer"}},
     "plan": {"required": {"budget_gb": ["number", "null"], "budget_source": "string", "settings": "object",
                           "predicted_peak_gb": "number", "fits": "boolean"},
-             "optional": {"note": "string"}},
+             "optional": {"note": "string", "allocator_gb": ["number", "null"], "context_gb": "number",
+                          "predicted_total_gb": "number"}},
     "sample": {"required": {"path": "string", "prompts": "array", "seeds": "array", "adapter": "string"},
                "optional": {"seconds": "number", "edit_error": "object", "edit_closer_percent": "number"}},
     "profile": {"required": {"path": "string", "ms_per_step": "number", "device": "string", "top": "array"}, "optional": {}},
@@ -243,13 +244,17 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
 
 
 def _gpu_part(done: dict[str, Any]) -> str | None:
-    """On a GPU: the stage's reserved peak (what a budget caps) and, for train, how the denoiser ran:
+    """On a GPU: the stage's reserved peak and the process's total with its CUDA context (what a --vram number
+    counts, as nvidia-smi does) and, for train, how the denoiser ran:
     blocks swapped, and under CUDA graphs or eager and why (under block swap eager can be several
     times slower: docs/memory-and-speed.md). None on CPU."""
     peak = (done.get("peak_vram_gb") or {}).get("reserved")
     if not (str(done.get("device", "")).startswith("cuda") or (isinstance(peak, (int, float)) and peak > 0)):
         return None
     bits = [f"peak {peak:.2f} GB reserved"] if isinstance(peak, (int, float)) else []
+    total = (done.get("peak_vram_gb") or {}).get("total")
+    if bits and isinstance(total, (int, float)):
+        bits[0] += f" ({total:.2f} GB with the CUDA context)"
     runtime = done.get("runtime") or {}
     swap = runtime.get("block_swap") or {}
     if swap.get("swapped_blocks"):

@@ -249,11 +249,20 @@ def reset_peak(rt: Runtime) -> None:
         torch.cuda.reset_peak_memory_stats(rt.device)
 
 
-def peak_vram_gb(rt: Runtime) -> dict[str, float]:
+def peak_vram_gb(rt: Runtime, with_total: bool = True) -> dict[str, float]:
+    """The stage's peaks in GB: what torch allocated and reserved and, on a GPU (`with_total`: a stage's summary,
+    not each step), the process's context outside the allocator and the total as nvidia-smi counts it
+    (reserved + context: what a `--vram` number budgets)."""
     if not rt.is_cuda:
         return {"allocated": 0.0, "reserved": 0.0}
-    return {"allocated": round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 3),
-            "reserved": round(torch.cuda.max_memory_reserved(rt.device) / 2**30, 3)}
+    from stages.core.memory.budget import process_total_gb
+
+    peaks = {"allocated": round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 3),
+             "reserved": round(torch.cuda.max_memory_reserved(rt.device) / 2**30, 3)}
+    total = process_total_gb(rt.device) if with_total else None
+    if total is not None:
+        peaks["context"], peaks["total"] = round(total[0], 3), total[1]
+    return peaks
 
 
 def alloc_retries(rt: Runtime) -> int:

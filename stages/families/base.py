@@ -138,6 +138,10 @@ class FamilyTraits:
     text_offload_components: tuple[str, ...] = ()
     """Text encoders loaded through `text_encoders.load_text_model`, whose layers encode-captions may
     offload to CPU memory when not even nf4 fits its budget (empty: never offloaded)."""
+    text_keeps_hidden_states: bool = True
+    """The text encoders run with `output_hidden_states=True` (the family reads an inner layer's states), so
+    an encode holds every layer's states at once, which encode-captions' planner counts; False where only the
+    last hidden state or the pooled output is read (FLUX.1's T5 and CLIP)."""
 
     # ---- controls: edit families (min >= 1) and those with optional references (min 0)
     control_range: tuple[int, int] = (0, 0)

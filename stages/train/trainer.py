@@ -457,7 +457,8 @@ class Trainer:
                 if step % self.cfg.runtime.log_every == 0 or step == tcfg.steps:
                     self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n,
                                   samples_per_second=stats.samples_per_second(),
-                                  peak_vram_gb=peak_vram_gb(self.rt)["allocated"], world_size=self.dist.world_size)
+                                  peak_vram_gb=peak_vram_gb(self.rt, with_total=False)["allocated"],
+                                  world_size=self.dist.world_size)
                 bar.advance(1, loss=loss, lr=lr)
                 self._maybe_validate(step)
                 faults.hit("train")

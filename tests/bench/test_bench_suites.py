@@ -128,3 +128,27 @@ def test_the_report_takes_the_latest_call_of_a_row_whatever_the_file_names(tmp_p
         assert items["sdxl/train/bf16-512-b1"]["summary"]["samples_per_second"] == 2.0
     assert report.result_files(tmp_path) == [old, new]
     assert report._kind([]) == report._kind({"flux": {}}) == "other"  # layouts no section reads
+
+
+def test_the_budget_grid_runs_every_preset_as_users_run_it_most_used_first() -> None:
+    """budget-grid: each family's own preset (the one its full.py names), every budget, the preset's caption
+    length and 77 tokens, train batch 1 and 4, 1024 and 512 px; FLUX.1 dev's 512-token rows open it, so a call
+    cut short measured the preset users run most; one call per (family, length, batch, px)."""
+    from stages.families import FAMILIES
+    from bench.full_configs import full
+
+    assert set(suites.PRESETS) == set(FAMILIES)
+    assert all(full(f).PRESET == suites.PRESETS[f] for f in FAMILIES)
+    rows = suites.SUITES["budget-grid"]
+    assert list(dict.fromkeys(r.family for r in rows))[:5] == ["flux", "qwen-image", "z-image", "flux2-klein", "sdxl"]
+    first = [r for r in rows if r.family == "flux"][:len(suites.GRID_BUDGETS)]
+    assert [r.budget for r in first] == list(suites.GRID_BUDGETS) and {r.px for r in first} == {1024}
+    assert "captions.max_sequence_length=512" in first[0].sets and "train.batch_size=1" in first[0].sets
+    for family in FAMILIES:
+        mine = [r for r in rows if r.family == family]
+        lengths = {s for r in mine for s in r.sets if s.startswith("captions.max_sequence_length=")}
+        assert len(mine) == len(suites.GRID_BUDGETS) * 2 * 2 * len(lengths) and "captions.max_sequence_length=77" in lengths
+    calls = [list(group) for _, group in run.groupby(rows, key=run.call_of)]
+    assert all(len(c) == len(suites.GRID_BUDGETS) for c in calls)
+    cmd, _ = run.command(calls[0], Path("/tmp/row.json"), 540)
+    assert cmd[1:3] == ["bench/memory.py", "run"] and "4,6,8,12,16,24,auto" in cmd

@@ -289,12 +289,19 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
     result = plan.run(cfg, 0.5, as_json=True)
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(json.dumps(result))
-    assert set(printed) == {"schema", "run", "family", "budget_gb", "budget_source", "fits", "peak_gb", "stages"}
+    assert set(printed) == {"schema", "run", "family", "budget_gb", "budget_source", "allocator_gb", "context_gb", "fits",
+                            "peak_gb", "total_gb", "stages"}
     assert printed["budget_gb"] == 0.5 and printed["budget_source"] == "cap"
+    # a --vram number is the whole process: plan counts the GPU stage's CUDA context in it, even on a CPU
+    assert printed["context_gb"] == memory.CUDA_CONTEXT_GB and printed["allocator_gb"] == max(0.5 - memory.CUDA_CONTEXT_GB, 0)
     assert [s["stage"] for s in printed["stages"]] == list(plan.PLANNED_STAGES)
     for s in printed["stages"]:
-        assert set(s) == {"stage", "budget_gb", "budget_source", "settings", "predicted_peak_gb", "fits", "note"}
+        assert set(s) == {"stage", "budget_gb", "budget_source", "allocator_gb", "context_gb", "settings",
+                          "predicted_peak_gb", "predicted_total_gb", "fits", "note"}
+        assert s["predicted_total_gb"] == pytest.approx(s["predicted_peak_gb"] * memory.FRAGMENTATION + memory.CUDA_CONTEXT_GB,
+                                                        abs=2e-3)
     assert printed["peak_gb"] == max(s["predicted_peak_gb"] for s in printed["stages"])
+    assert printed["total_gb"] == max(s["predicted_total_gb"] for s in printed["stages"])
     with pytest.raises(ResourceError, match="--vram"):
         plan.run(cfg, "lots", as_json=True)
 
@@ -973,8 +980,11 @@ def test_the_plan_table_says_what_allocator_a_capped_stage_runs(monkeypatch, cap
         monkeypatch.delenv(name, raising=False)
     assert "torch's allocator with expandable_segments:True" in allocator_line()
     for source in ("cap", "auto"):
-        print_table({"run": "r", "family": "flux", "budget_gb": 8.0, "budget_source": source, "stages": []})
-        assert ("expandable_segments:True" in " ".join(capsys.readouterr().out.split())) == (source == "cap")
+        print_table({"run": "r", "family": "flux", "budget_gb": 8.0, "budget_source": source, "allocator_gb": 7.1,
+                     "context_gb": 0.9, "stages": []})
+        out = " ".join(capsys.readouterr().out.split())
+        assert ("expandable_segments:True" in out) == (source == "cap")
+        assert ("plans fit 7.10 GB of torch's allocator and 0.90 GB of CUDA context" in out) == (source == "cap")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:256")
     assert allocator_line() == "Under this cap the stages keep your allocator setting (PYTORCH_ALLOC_CONF=max_split_size_mb:256)."
 

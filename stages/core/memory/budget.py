@@ -1,12 +1,15 @@
 """The GPU budget a stage plans for, the caching allocator's settings under a cap, and host memory.
 
 `gpu.vram_budget_gb`: "auto" is the free memory when the stage starts (`torch.cuda.mem_get_info`) less
-AUTO_MARGIN_GB; a number is a hard cap, enforced with `torch.cuda.set_per_process_memory_fraction` (so a big
-card can act as a small one). On CPU there is no budget and nothing changes.
+AUTO_MARGIN_GB; a number is the whole process as nvidia-smi shows it (so a big card can act as a small one):
+plans fit under it less calibration.CUDA_CONTEXT_GB (the CUDA context, which torch's allocator does not count),
+and the allocator is capped with `torch.cuda.set_per_process_memory_fraction` at it less the larger of that
+and the context this process measured. On CPU there is no budget and nothing changes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +22,40 @@ from stages.core.memory import calibration as cal
 
 @dataclass
 class Budget:
-    gb: float | None  # None: no GPU budget (CPU)
-    source: str  # "auto" (free memory), "cap" (a number), "cpu"
+    gb: float | None
+    """What torch's caching allocator may reserve: plans fit their peak x FRAGMENTATION under it (None: CPU)."""
+    source: str
+    """"auto" (the free memory), "cap" (a number of GB), "cpu"."""
+    context_gb: float = 0.0
+    """The process's GPU memory outside the allocator that plans count (calibration.CUDA_CONTEXT_GB on a GPU,
+    0 in a budget made directly, as tests do): a cap's `gb` is the figure given less it."""
+    measured_context_gb: float | None = None
+    """The context this process measured when the stage started (`measure_context`); None where not measured."""
+    given_gb: float | None = None
+    """A cap's number as given (`cap_budget`), where the context leaves the allocator less than nothing."""
+
+    @property
+    def vram_gb(self) -> float | None:
+        """The budget as given: a cap counts the whole process, CUDA context included."""
+        if self.gb is None or self.source != "cap":
+            return self.gb
+        return self.given_gb if self.given_gb is not None else round(self.gb + self.context_gb, 3)
+
+    def total_gb(self, peak_gb: float) -> float:
+        """A plan's predicted peak as nvidia-smi would show the process: reserved (x FRAGMENTATION) plus the context."""
+        return round(peak_gb * cal.FRAGMENTATION + self.context_gb, 3)
+
+
+def cap_budget(vram_gb: float, context_gb: float) -> Budget:
+    """A number of GB (the whole process) as the allocator's budget: `vram_gb` less `context_gb`."""
+    return Budget(max(vram_gb - context_gb, 0.0), "cap", context_gb, given_gb=vram_gb)
+
+
+def planned_context_gb() -> float:
+    """The context a stage's plan counts: calibration.CUDA_CONTEXT_GB where this process has a CUDA GPU (the
+    stage and the fingerprints it checks plan alike: a constant, never a measurement), else 0 (a GPU simulated
+    on CPU, as tests do with tiny models under sub-GB budgets)."""
+    return cal.CUDA_CONTEXT_GB if torch.cuda.is_available() else 0.0
 
 
 def parse_budget(value: Any) -> float | str:
@@ -88,23 +123,105 @@ def retries_note(retries: int, steps: int, budget: Budget) -> str | None:
     bench/results/peers-klein-1024-b1-fitreserved-fp8-expandable.json); else None."""
     if budget.source != "cap" or steps <= 0 or retries <= steps:
         return None
-    return (f"the GPU allocator reached the {budget.gb:g} GB cap and flushed its cache {retries} times in {steps} steps, "
+    return (f"the GPU allocator reached the {allocator_cap_gb(budget):g} GB cap and flushed its cache {retries} times in "
+            f"{steps} steps, "
             f"which slows them (runtime.cuda_alloc_retries in the train manifest): a larger --vram "
             f"(gpu.vram_budget_gb) lets the plan keep more memory to spare")
 
 
 def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> Budget:
-    """The stage's budget on `device`; a number is also enforced as the allocator's cap."""
+    """The stage's budget on `device` (CUDA starts here), with the context measured before anything is
+    allocated; a number is also enforced as the allocator's cap: the number less the larger of the measured
+    context and the planned one (the context grows as cuBLAS and kernels load)."""
     if device.type != "cuda":
         return Budget(None, "cpu")
     value = parse_budget(setting)
     free, total = torch.cuda.mem_get_info(device)
+    measured = measure_context(device)
+    if measured is not None:
+        _START_CONTEXT_GB[:] = [measured]
     if value == "auto":
-        return Budget(round(max(free / cal.GB - cal.AUTO_MARGIN_GB, 0.0), 3), "auto")
+        return Budget(round(max(free / cal.GB - cal.AUTO_MARGIN_GB, 0.0), 3), "auto", cal.CUDA_CONTEXT_GB, measured)
+    budget = cap_budget(float(value), cal.CUDA_CONTEXT_GB)
+    budget.measured_context_gb = measured
     if enforce:
+        if allocator_cap_gb(budget) <= 0:
+            raise ResourceError(f"gpu.vram_budget_gb = {value:g} GB leaves nothing beside this process's CUDA context "
+                                f"({max(budget.context_gb, measured or 0.0):.2f} GB, which a --vram number counts): "
+                                f"give --vram {math.ceil(max(budget.context_gb, measured or 0.0)) + 1} or more")
         index = device.index if device.index is not None else torch.cuda.current_device()  # it refuses a bare "cuda"
-        torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * cal.GB / total), index)
-    return Budget(float(value), "cap")
+        torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_cap_gb(budget) * cal.GB / total), index)
+    return budget
+
+
+def allocator_cap_gb(budget: Budget) -> float:
+    """What a cap lets torch's allocator reserve: the figure given less the larger of the planned and the
+    measured context."""
+    assert budget.vram_gb is not None
+    return max(budget.vram_gb - max(budget.context_gb, budget.measured_context_gb or 0.0), 0.0)
+
+
+def context_note(budget: Budget) -> str | None:
+    """A warning where the context this process measured exceeds what the plan counts (the allocator is then
+    capped below what the plan assumed), naming the --vram that would restore it; else None."""
+    measured = budget.measured_context_gb
+    if budget.source != "cap" or measured is None or measured <= budget.context_gb + 0.05:
+        return None
+    return (f"this process's CUDA context takes {measured:.2f} GB of the GPU, more than the {budget.context_gb:.2f} GB "
+            f"the memory plan counts (calibration.CUDA_CONTEXT_GB): the allocator is capped at "
+            f"{allocator_cap_gb(budget):.2f} GB, below the {budget.gb:.2f} GB the plan fits; give --vram "
+            f"{budget.vram_gb + measured - budget.context_gb:.2f} (gpu.vram_budget_gb) for the plan's own room")
+
+
+def measure_context(device: torch.device) -> float | None:
+    """GB of `device` this process holds outside torch's caching allocator (CUDA starts here if it has not):
+    NVML's per-process figure (nvidia-ml-py, where installed) less what the allocator reserved; else the
+    device's used memory less that, where it is small enough to be this process's alone (below twice
+    calibration.CUDA_CONTEXT_GB: no other process holds memory there). None where neither tells."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    used = _nvml_process_bytes(device)
+    if used is None:
+        used = total - free
+        if (used - reserved) / cal.GB >= 2 * cal.CUDA_CONTEXT_GB:
+            return None  # another process's memory is in it
+    return round(max(used - reserved, 0) / cal.GB, 3)
+
+
+def _nvml_process_bytes(device: torch.device) -> int | None:
+    """This process's memory on `device` as nvidia-smi counts it, through NVML (the `pynvml` module of
+    nvidia-ml-py, which torch.cuda's own NVML queries import too); None without it, or where NVML does not
+    list this process (a container's own process ids)."""
+    import os
+
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(index).uuid}")
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # pynvml.NVMLError and its many subclasses: NVML cannot tell here
+        return None
+    return next((p.usedGpuMemory for p in processes if p.pid == os.getpid() and p.usedGpuMemory is not None), None)
+
+
+# The context resolve_budget measured when this process's stage started, for its summary (process_total_gb).
+_START_CONTEXT_GB: list[float] = []
+
+
+def process_total_gb(device: torch.device) -> tuple[float, float] | None:
+    """(context GB, reserved peak + context GB) of this process on `device` at the end of a stage: the
+    context measured now (it grows as libraries load kernels) or at the start, whichever is larger, else
+    calibration.CUDA_CONTEXT_GB; None before CUDA started."""
+    if not torch.cuda.is_initialized():
+        return None
+    now = measure_context(device)
+    known = [c for c in (now, *_START_CONTEXT_GB) if c is not None]
+    context = max(known) if known else cal.CUDA_CONTEXT_GB
+    return context, round(torch.cuda.max_memory_reserved(device) / cal.GB + context, 3)
 
 
 def host_available_bytes() -> int | None:

@@ -8,6 +8,11 @@ GB = 2**30
 
 # "auto" budget: left free for the CUDA context's growth and other processes' jitter.
 AUTO_MARGIN_GB = 0.75
+# A process's GPU memory outside torch's caching allocator (the CUDA context, cuBLAS/cuDNN handles, loaded kernels),
+# which nvidia-smi counts and set_per_process_memory_fraction does not: nvidia-smi read 0.7-0.9 GiB above the
+# reserved peak in every stage measured on the H200 (torch 2.11 cu130). A numeric --vram is the whole process:
+# plans fit under it less this (the top of that range), so a fingerprint never depends on a measurement.
+CUDA_CONTEXT_GB = 0.9
 # Reserved over allocated memory: FLUX nf4 train 9.00/8.10 = 1.11, fp32 VAE 3.90/3.36 = 1.16 (bench/results/memory-flux-h200.json).
 FRAGMENTATION = 1.12
 # An nf4 weight: 4-bit codes plus one 8-bit absmax per 64 weights (double quantization).
@@ -21,8 +26,18 @@ ATTENTION_KEPT_UNITS = 1.02
 # Tokens a sample from which a checkpointing plan says keep_attention would fit too: FLUX.1 Kontext at 1024 px,
 # where it took the fp8 step from 0.969 to 0.825 s (bench/results/peers-kontext-1024-b1-{cudnn3,keepattn}.json).
 KEEP_ATTENTION_HINT_TOKENS = 8704
-# VAE encode work per pixel of one image: FLUX's fp32 VAE at 1024 px allocated 3.36 GB (bench/results/memory-flux-h200.json).
-VAE_ELEMENTS_PER_PIXEL = 780
+# encode-captions: each text encoder's attention scores, bytes per element of batch x heads x tokens^2 (beside the
+# per-token BLOCK_WORK_UNITS). Fitted on FLUX.1's nf4 T5-XXL, which reads 512 tokens with 64 heads and runs its
+# attention with a float position bias: at --vram 6 batch 8 ran out of memory at the 5.96 GB cap and batch 1
+# reserved 4.57 GB (H200, the preset as users run it; `bench/run.py budget-grid` records such rows), while
+# 77-token captions at batch 8 reserved 4.54 (bench/results/memory-flux-512-h200.json).
+# 8 bytes (fp32 scores and their softmax) puts batch 8 above that cap, batch 1 at 4.75 GB reserved.
+ATTENTION_SCORE_BYTES = 8.0
+# VAE encode work per pixel of one image, per VAE class, sized so that x FRAGMENTATION covers what the fp32 encode
+# reserved at 512 and 1024 px with ~1 % to spare: AutoencoderKL 1.23 and 3.90 GB (allocated 1.10 and 3.36), the
+# Qwen-Image VAE 1.68 and 5.12 GB (allocated 1.52 and 4.57) (bench/results/memory-{flux,qwen-image}-512-h200.json,
+# memory-flux-h200.json, memory-qwen-image-8gb-slots-h200.json). A class not listed is planned with the larger figure.
+VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064}
 # Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}
 # A LoRA parameter in training: fp32 weight + gradient + AdamW's two moments.

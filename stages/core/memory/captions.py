@@ -11,7 +11,7 @@ import torch
 
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
-from stages.core.memory.sizes import _width, meta_component, module_components, weight_bytes
+from stages.core.memory.sizes import meta_component, module_components, text_dims, weight_bytes
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, halvings
 
 
@@ -23,7 +23,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     configured = cfg.captions.text_encoder_precision
     precisions = [first_precision(cfg), "nf4"] if configured == "auto" else [configured]
     tokens = cfg.captions.max_sequence_length + 77  # + the longest template/CLIP prefix
-    work = {batch: max(batch * tokens * _width(m) * 2 * cal.BLOCK_WORK_UNITS for m in models.values())
+    work = {batch: max(encode_work(m, batch, tokens, family.text_keeps_hidden_states) for m in models.values())
             for batch in halvings(cfg.captions.batch_size)}
     candidates = []
     for precision in precisions:
@@ -35,6 +35,17 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if OFFLOAD_PRECISION.get(configured) and family.text_offload_components and not has_accelerate():
         need += ", or install accelerate so the text encoder's layers can stay in CPU memory (layer offload)"
     return fitting(budget, candidates, "encode-captions", need)
+
+
+def encode_work(model: torch.nn.Module, batch: int, tokens: int, keeps_hidden_states: bool) -> float:
+    """Bytes one encode of `batch` captions padded to `tokens` works in beside the weights: per token, the
+    layer being run (calibration.BLOCK_WORK_UNITS of the width), every layer's hidden states where the family
+    reads an inner one, and the logits of a language-model head over the vocabulary (the forward computes
+    them at every position); per caption, the attention's scores, heads x tokens^2
+    (calibration.ATTENTION_SCORE_BYTES), which set the peak of long captions (FLUX.1's T5 at 512 tokens)."""
+    width, heads, layers, vocab = text_dims(model)
+    per_token = width * 2 * (cal.BLOCK_WORK_UNITS + (layers + 1 if keeps_hidden_states else 0)) + vocab * 2
+    return batch * (tokens * per_token + heads * tokens**2 * cal.ATTENTION_SCORE_BYTES)
 
 
 def first_precision(cfg: Any) -> str:
@@ -164,4 +175,6 @@ PLANNER = Planner(
     configured=lambda cfg: {"text_encoder_precision": cfg.captions.text_encoder_precision,
                             "batch_size": cfg.captions.batch_size},
     apply=_apply, to_change="captions.batch_size or captions.text_encoder_precision = 'nf4'",
-    under_train_peak=True, forced_only=_forced_only)
+    under_train_peak=True, forced_only=_forced_only,
+    keys={"text_encoder_precision": "captions.text_encoder_precision", "batch_size": "captions.batch_size"},
+    last_resort="captions.max_sequence_length (the encoders' attention grows with its square; longer captions are cut)")

@@ -25,10 +25,15 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         images = 1 if sliced else max(d.cache_variants for d in cfg.dataset_configs())
         resolution = max(d.resolution for d in cfg.dataset_configs())  # the largest of several datasets
         side = min(tile, resolution) if tiled else resolution
-        work = images * side * side * cal.VAE_ELEMENTS_PER_PIXEL * (4 if precision == "fp32" else 2)
+        work = images * side * side * vae_elements_per_pixel(vae) * (4 if precision == "fp32" else 2)
         candidates.append(({"vae_precision": precision, "sliced": sliced, "tiled": tiled},
                            (weight_bytes(vae, precision) + work) / cal.GB))
     return fitting(budget, candidates, "cache-latents", "lower data.resolution")
+
+
+def vae_elements_per_pixel(vae: Any) -> int:
+    """The VAE's work per pixel of one image (calibration.VAE_ELEMENTS_PER_PIXEL: its class's, else the largest)."""
+    return cal.VAE_ELEMENTS_PER_PIXEL.get(type(vae).__name__, max(cal.VAE_ELEMENTS_PER_PIXEL.values()))
 
 
 def configured_vae_precision(cfg: Any) -> str:
@@ -47,4 +52,5 @@ PLANNER = Planner(
     "cache-latents", plan,
     configured=lambda cfg: {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
     apply=lambda cfg, s: dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"])),
-    to_change="latents.vae_precision = 'bf16' or data.resolution", under_train_peak=True, forced_only=_forced_only)
+    to_change="latents.vae_precision = 'bf16' or data.resolution", under_train_peak=True, forced_only=_forced_only,
+    keys={"vae_precision": "latents.vae_precision"}, last_resort="data.resolution")

@@ -9,6 +9,7 @@ plans. A fingerprint asks its own stage's planner only (planned_caption_precisio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,8 @@ def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
     if not plans_for_gpu(cfg):
         return None
     value = parse_budget(cfg.gpu.vram_budget_gb)
-    budget = Budget(math.inf, "auto") if value == "auto" else Budget(float(value), "cap")
+    budget = (Budget(math.inf, "auto") if value == "auto"
+              else budgets.cap_budget(float(value), budgets.planned_context_gb()))
     return PLANNERS[stage].plan(cfg, family, model_source(cfg), budget).settings
 
 
@@ -144,27 +146,34 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
 
     budget = budgets.resolve_budget(cfg.gpu.vram_budget_gb, pick_device(cfg.device))
     if below_gb is not None and budget.gb is not None:
-        budget = Budget(min(budget.gb, below_gb), budget.source)
+        budget = dataclasses.replace(budget, gb=min(budget.gb, below_gb), given_gb=None)
+    src = model_source(cfg)
     if budget.gb is None:
         plan = unplanned(cfg, stage, budget)
     else:
-        plan = plan_for(cfg, family, model_source(cfg), budget, stage)
+        plan = plan_for(cfg, family, src, budget, stage)
     log.emit("plan", **plan.to_dict())
     try:
         record_plans(cfg.run_dir, [plan], "ran")
     except OSError as e:  # the record is for the user to read; the stage's own writes report a full disk
         log.emit("warning", message=f"could not write {cfg.run_dir / PLAN_FILE}: {e}")
+    _RAN[stage] = (plan, family, src)
     if not plan.fits:
         log.emit("warning", message=plan.note)
+    if note := budgets.context_note(budget):
+        log.emit("warning", message=note)
     return (with_plan(cfg, plan) if budget.gb is not None else cfg), plan
 
 
-def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError | None:
-    """A CUDA out-of-memory error as a ResourceError that names the stage, the budget, the peak it
-    reached and what to change; None for any other error."""
-    import sys
+# The plan each stage of this process ran with, and its family and model source (plan_stage), for translate_oom's advice.
+_RAN: dict[str, tuple[StagePlan, Any, Any]] = {}
 
-    to_change = PLANNERS[stage].to_change if stage in PLANNERS else "the batch size"
+
+def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError | None:
+    """A CUDA out-of-memory error as a ResourceError that names the stage, the budget, the peak it reached
+    and what to change: where the stage planned under a budget, the settings its planner chooses below the
+    peak reached that differ from those it ran with (`oom_advice`); None for any other error."""
+    import sys
 
     torch_mod = sys.modules.get("torch")
     if torch_mod is None or not isinstance(error, torch_mod.cuda.OutOfMemoryError):
@@ -172,7 +181,57 @@ def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError |
     peak = torch_mod.cuda.max_memory_reserved() / cal.GB if torch_mod.cuda.is_available() else 0.0
     budget = getattr(getattr(cfg, "gpu", None), "vram_budget_gb", "auto")
     budget_text = "auto: the free memory at start" if budget == "auto" else f"{budget} GB"
+    kept = "everything already written is kept and the rerun continues from it"
+    ran, family, src = _RAN.get(stage, (None, None, None))
+    advice = None
+    if ran is not None and ran.budget.gb is not None:
+        try:
+            advice = oom_advice(cfg, family, src, ran, peak)
+        except Exception:  # the advice is a courtesy: the error itself must come out whatever planning meets
+            advice = None
+    if ran is not None and ran.budget.gb is not None:
+        planner = PLANNERS[stage]
+        ran_with = ", ".join(f"{k}={v}" for k, v in ran.settings.items() if k not in ("blocks", "layers"))
+        advice = advice or (f"the planner has no smaller plan that fits below that: lower "
+                            f"{planner.last_resort or planner.to_change}")
+        return ResourceError(f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB reserved, "
+                             f"planned {ran_with}): {advice}{'; ' + planner.oom_also if planner.oom_also else ''}; {kept}")
+    to_change = PLANNERS[stage].to_change if stage in PLANNERS else "the batch size"
     return ResourceError(
         f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB): rerun with a lower "
-        f"--vram (gpu.vram_budget_gb) so the planner picks smaller settings, or lower {to_change}; "
-        f"everything already written is kept and the rerun continues from it")
+        f"--vram (gpu.vram_budget_gb) so the planner picks smaller settings, or lower {to_change}; {kept}")
+
+
+OOM_STEPS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5)  # fractions of the memory reached that the advice plans under, in turn
+
+
+def oom_advice(cfg: Any, family: Any, src: Any, ran: StagePlan, peak_gb: float) -> str | None:
+    """What to change after `ran` (the plan a stage ran with) ran out of memory at `peak_gb` reserved: the
+    stage's planner run under budgets below what it reached (OOM_STEPS of the peak, or of the budget where no
+    peak was measured) until it fits other settings than `ran`; the config keys whose value changes, named
+    with that value, and the --vram that makes the planner choose it. None where no smaller plan fits."""
+    planner = PLANNERS[ran.stage]
+    assert ran.budget.gb is not None
+    reached = min(peak_gb, ran.budget.gb) if peak_gb > 0 else ran.budget.gb
+    for step in OOM_STEPS:
+        smaller = dataclasses.replace(ran.budget, gb=round(reached * step, 3), source="cap", given_gb=None)
+        plan = planner.plan(cfg, family, src, smaller)
+        changed = {k: v for k, v in plan.settings.items() if ran.settings.get(k) != v}
+        if plan.fits and changed:
+            break
+    else:
+        return None
+    vram = f"--vram {math.floor(smaller.vram_gb * 10) / 10:.1f}"  # rounded down: the planner chooses the same there
+    named = [f"{planner.keys[k]} = {_toml(v)}" for k, v in changed.items() if k in planner.keys]
+    others = ", ".join(f"{k}={v}" for k, v in changed.items() if k not in planner.keys and k not in ("blocks", "layers"))
+    if named:
+        return (f"set {' and '.join(named)} (the planner's choice under {vram}"
+                f"{', with ' + others if others else ''}), or rerun with {vram} (gpu.vram_budget_gb)")
+    return f"rerun with {vram} (gpu.vram_budget_gb): the planner then chooses {others}"
+
+
+def _toml(value: Any) -> str:
+    """A setting's value as a TOML config spells it."""
+    return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, str) else str(value)
+
+

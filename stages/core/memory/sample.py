@@ -8,6 +8,7 @@ from typing import Any
 from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
+from stages.core.memory.latents import vae_elements_per_pixel
 from stages.core.memory.sizes import _width, meta_component, module_components, weight_bytes
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 
@@ -30,7 +31,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     width, height = s.width or cfg.data.resolution, s.height or cfg.data.resolution
     tokens = (width // 16) * (height // 16) * (1 + planned_controls(cfg, family)) + cfg.captions.max_sequence_length
     work = {c: cal.CFG_BATCH * tokens * _width(models[c]) * 2 * cal.BLOCK_WORK_UNITS for c in quantized}
-    work.update({c: width * height * cal.VAE_ELEMENTS_PER_PIXEL * 2 for c in family.vae_components})
+    work.update({c: width * height * vae_elements_per_pixel(models[c]) * 2 for c in family.vae_components})
     fixed_gb, per_sample_gb = family.outside_block_gb  # SDXL's ResNets (train's figure: an upper bound)
     work[family.denoiser_components[0]] += (fixed_gb + per_sample_gb * cal.CFG_BATCH * width * height / 512**2) * cal.GB
     precisions = ["bf16", "nf4"] if s.precision == "auto" else [s.precision]
@@ -58,4 +59,5 @@ PLANNER = Planner(
     configured=lambda cfg: {"precision": cfg.sample.precision, "cpu_offload": cfg.sample.cpu_offload},
     apply=lambda cfg, s: dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
                                                                              cpu_offload=s["cpu_offload"])),
-    to_change="sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true")
+    to_change="sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true",
+    keys={"precision": "sample.precision", "cpu_offload": "sample.cpu_offload"}, last_resort="sample.width and sample.height")

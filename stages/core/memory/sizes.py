@@ -115,6 +115,20 @@ def _width(module: torch.nn.Module) -> int:
     return next(m.in_features for m in module.modules() if isinstance(m, torch.nn.Linear))
 
 
+def text_dims(module: torch.nn.Module) -> tuple[int, int, int, int]:
+    """A text encoder's (width, attention heads, layers, vocabulary of its output head) from its config: the
+    sizes encode-captions' activations scale with. The head is 0 where the model has none (an encoder, or a
+    base model without its language-model head); heads and layers 0 where the config does not say."""
+    from transformers import PretrainedConfig
+
+    config = getattr(module, "config", None)
+    text = (getattr(config, "text_config", None) or config) if isinstance(config, PretrainedConfig) else None
+    heads, layers = (getattr(text, k, 0) for k in ("num_attention_heads", "num_hidden_layers"))
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    vocab = head.out_features if isinstance(head, torch.nn.Linear) else 0
+    return _width(module), heads if isinstance(heads, int) else 0, layers if isinstance(layers, int) else 0, vocab
+
+
 def lora_params(model: torch.nn.Module, targets: list[str], rank: int) -> int:
     return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))

@@ -21,9 +21,13 @@ class StagePlan:
     tried: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stage": self.stage, "budget_gb": self.budget.gb, "budget_source": self.budget.source,
+        """budget_gb: the budget as given (a cap counts the whole process); allocator_gb: what the plan fits its
+        reserved peak under; predicted_total_gb: the peak as nvidia-smi would show the process (reserved, i.e.
+        the predicted peak x FRAGMENTATION, plus the context_gb counted outside the allocator)."""
+        return {"stage": self.stage, "budget_gb": self.budget.vram_gb, "budget_source": self.budget.source,
+                "allocator_gb": self.budget.gb, "context_gb": self.budget.context_gb,
                 "settings": self.settings, "predicted_peak_gb": round(self.predicted_peak_gb, 3),
-                "fits": self.fits, "note": self.note}
+                "predicted_total_gb": self.budget.total_gb(self.predicted_peak_gb), "fits": self.fits, "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,13 @@ class Planner:
     run's memory), unless only the free memory would force its settings (`forced_only`)."""
     forced_only: Callable[[Any, StagePlan], bool] = lambda cfg, plan: False
     """Whether `plan` stores other numbers than the stage's own planner gives with memory to spare."""
+    keys: dict[str, str] = field(default_factory=dict)
+    """Each setting of its plans that a config key sets (setting -> key), for the out-of-memory advice;
+    the others (swapped or checkpointed blocks, an offload share) only a budget sets."""
+    oom_also: str = ""
+    """A cause of running out of memory the plan does not size, said after the advice ("" for none)."""
+    last_resort: str = ""
+    """What lowers the stage's memory below its smallest plan, for the out-of-memory advice ("": `to_change`)."""
 
 
 def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:
@@ -55,8 +66,11 @@ def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stag
         if budget.gb is None or peak * cal.FRAGMENTATION <= budget.gb:
             return StagePlan(stage, budget, settings, peak, True, tried=tried)
     settings, peak = min(candidates, key=lambda c: c[1])
-    note = (f"even the smallest {stage} plan needs {peak * cal.FRAGMENTATION:.1f} GB, more than the "
-            f"{budget.gb:.1f} GB budget: give it --vram {math.ceil(peak * cal.FRAGMENTATION)} or more, or {need}")
+    cap = budget.source == "cap"  # a cap counts the process's context too; "auto" measured the free memory beside it
+    need_gb = budget.total_gb(peak) if cap else peak * cal.FRAGMENTATION
+    context = f" with the {budget.context_gb:.1f} GB CUDA context" if cap and budget.context_gb else ""
+    note = (f"even the smallest {stage} plan needs {need_gb:.1f} GB{context}, more than the {budget.vram_gb:.1f} GB "
+            f"budget: give it --vram {math.ceil(budget.total_gb(peak))} or more, or {need}")
     return StagePlan(stage, budget, settings, peak, False, note, tried)
 
 

@@ -197,4 +197,7 @@ PLANNER = Planner(
                             "checkpointed_blocks": None},
     apply=_apply,
     to_change=("train.batch_size, data.resolution or train.base_precision = 'nf4' (or set runtime.cuda_graphs = 'off': "
-               "capturing a graph takes memory of its own)"))
+               "capturing a graph takes memory of its own)"),
+    keys={"base_precision": "train.base_precision", "gradient_checkpointing": "runtime.gradient_checkpointing"},
+    oom_also="if it ran out while capturing CUDA graphs, runtime.cuda_graphs = 'off' leaves their memory free",
+    last_resort="train.batch_size or data.resolution")

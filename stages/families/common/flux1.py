@@ -65,6 +65,7 @@ class Flux1(KLVAELatents, FamilyTraits):
     text_component_classes = ("CLIPTextModel", "T5EncoderModel")
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     text_offload_components = ("text_encoder_2",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
+    text_keeps_hidden_states = False  # T5's last hidden state and CLIP's pooled output only
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT
