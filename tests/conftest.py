@@ -16,6 +16,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# Tests live by layer (core/, planner/, stages/, families/, e2e/, bench/); a few share a helper across
+# layers (`from test_memory import _plan`), so every layer's folder is importable wherever a file runs.
+sys.path[1:1] = [str(p) for p in sorted(Path(__file__).parent.iterdir()) if p.is_dir() and p.name[0] not in "._"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LORAPIPE_PLAIN", "1")
 # One torch/OpenMP thread per test process (children inherit it): `make test` runs two pytest-xdist
