@@ -52,7 +52,7 @@ def test_a_cap_is_the_whole_process_and_the_allocator_gets_it_less_the_context(m
     budget = memory.resolve_budget(8, cuda)
     assert budget.measured_context_gb == 1.3 and fractions[-1] == pytest.approx((8 - 1.3) / 80)
     note = memory.context_note(budget)
-    assert "1.30 GB" in note and "--vram 8.40" in note and "calibration.CUDA_CONTEXT_GB" in note
+    assert "1.30 GB" in note and f"--vram {8 + 1.3 - memory.CUDA_CONTEXT_GB:.2f}" in note and "calibration.CUDA_CONTEXT_GB" in note
 
     fractions = _gpu(monkeypatch, free_gb=50.0)  # the same neighbour, no NVML: the used memory is not ours alone
     budget = memory.resolve_budget(8, cuda)

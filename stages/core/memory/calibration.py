@@ -9,10 +9,12 @@ GB = 2**30
 # "auto" budget: left free for the CUDA context's growth and other processes' jitter.
 AUTO_MARGIN_GB = 0.75
 # A process's GPU memory outside torch's caching allocator (the CUDA context, cuBLAS/cuDNN handles, loaded kernels),
-# which nvidia-smi counts and set_per_process_memory_fraction does not: nvidia-smi read 0.7-0.9 GiB above the
-# reserved peak in every stage measured on the H200 (torch 2.11 cu130). A numeric --vram is the whole process:
-# plans fit under it less this (the top of that range), so a fingerprint never depends on a measurement.
-CUDA_CONTEXT_GB = 0.9
+# which nvidia-smi counts and set_per_process_memory_fraction does not: NVML's per-process figure at each stage's
+# peak on the H200 (torch 2.11 cu130) was 0.66-0.67 GB in encode-captions and cache-latents and 0.80-0.81 GB in
+# train (bench/results/budget-grid/memory.flux-1024-6gb-*.json, bench/results/optimizers/). A numeric --vram is
+# the whole process: plans fit under it less this (the top of that range, rounded up), so a fingerprint never
+# depends on a measurement.
+CUDA_CONTEXT_GB = 0.82
 # Reserved over allocated memory: FLUX nf4 train 9.00/8.10 = 1.11, fp32 VAE 3.90/3.36 = 1.16 (bench/results/memory-flux-h200.json).
 FRAGMENTATION = 1.12
 # An nf4 weight: 4-bit codes plus one 8-bit absmax per 64 weights (double quantization).
