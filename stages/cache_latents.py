@@ -218,9 +218,10 @@ def check(cfg: Any) -> dict[int, list[Bucket]]:
 def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     from stages.core import memory
     from stages.core.runtime import install_model_trace
+    from stages.families import library_notices
     from stages.families import get_family
 
-    install_model_trace(NAME)
+    install_model_trace(NAME, library_notices())
     with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         configured = cfg
         cfg, vae_plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's VAE settings

@@ -35,11 +35,12 @@ def demo_config(family: str) -> Path:
 
 def build_assets(family: str) -> None:
     from stages.core.runtime import quiet_libraries
+    from stages.families import library_notices
     from stages.families import demo_model_variant
     from stages.tiny.models import build_tiny_pipeline
     from stages.tiny.shapes import make_demo_dataset, make_edit_dataset
 
-    quiet_libraries()  # the build saves pipelines: no loading bars or torchvision notices, as in every stage
+    quiet_libraries(notices=library_notices())  # the build saves pipelines: no loading bars or torchvision notices, as in every stage
     variant = demo_model_variant(family)
     model = ASSETS / variant
     if not (model / "model_index.json").exists():

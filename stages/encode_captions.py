@@ -133,9 +133,10 @@ def check(cfg: Any) -> None:
 def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     from stages.core import memory
     from stages.core.runtime import install_model_trace, make_runtime
+    from stages.families import library_notices
     from stages.families import get_family
 
-    install_model_trace(NAME)
+    install_model_trace(NAME, library_notices())
     with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         cfg, plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's precision and batch size
         check(cfg)

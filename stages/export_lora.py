@@ -84,10 +84,11 @@ def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict
 
 def run(cfg: Any, checkpoint: int | None = None, force: bool = False) -> dict[str, Any]:
     from stages.core.runtime import install_model_trace
+    from stages.families import library_notices
     from stages.core.stage import running_stage
     from stages.registry import conflicts
 
-    install_model_trace(NAME)
+    install_model_trace(NAME, library_notices())
     with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         folder, manifest = source_manifest(cfg, checkpoint)
         out, parts = export_dir(cfg, checkpoint), fingerprint_parts(cfg, checkpoint)

@@ -336,9 +336,10 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
 
     from stages.core.model_source import model_source
     from stages.core.runtime import make_runtime, quiet_libraries
+    from stages.families import library_notices
     from stages.families import get_family
 
-    quiet_libraries()  # loads the VAE as a stage does: no library notices
+    quiet_libraries(notices=library_notices())  # loads the VAE as a stage does: no library notices
     info = cached_variant(cfg.run_dir, item, variant, control)
     z = torch.from_numpy(info["mean"].astype(np.float32))[None]
     if sample:

@@ -101,8 +101,9 @@ def allocator_line() -> str:
 
 def run(cfg: Any, budget_gb: Any, as_json: bool, record: bool = False) -> dict[str, Any]:
     from stages.core.runtime import quiet_libraries
+    from stages.families import library_notices
 
-    quiet_libraries()  # the planner imports the libraries a stage loads: their notices stay out, as in every stage
+    quiet_libraries(notices=library_notices())  # the planner imports the libraries a stage loads: their notices stay out, as in every stage
     result = plans(cfg, budget_gb if budget_gb is not None else cfg.gpu.vram_budget_gb, record)
     if as_json:
         print(json.dumps(result, indent=2))

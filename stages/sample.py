@@ -373,10 +373,11 @@ def _render(cfg: Any, plan: Any, log: Any, columns: list[tuple[str, Path]], prom
 
 def run(cfg: Any) -> dict[str, Any]:
     from stages.core.runtime import install_model_trace, peak_vram_gb
+    from stages.families import library_notices
     from stages.core.stage import running_stage
     from stages.registry import conflicts
 
-    install_model_trace(NAME)
+    install_model_trace(NAME, library_notices())
     planned = planned_rows(cfg)
     check_settings(cfg, planned[1])
     with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:

@@ -8,6 +8,7 @@ H200 image, and measures peak VRAM.
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import json
 import logging
@@ -15,7 +16,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -288,27 +289,25 @@ QUIET_LOG_MESSAGES: dict[str, tuple[str, ...]] = {
     "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
     "diffusers.loaders.peft": ("No LoRA keys associated to",),
     "diffusers.loaders.lora_pipeline": ("No LoRA keys associated to",),
-    # the tiny Qwen-Image 2.1 pipeline's torchvision-free processor stand-in (stages/families/qwen_image_21/tiny.py:
-    # the same text path) fails diffusers' type check of the slot; Qwen3VLProcessor cannot be built without torchvision
-    "diffusers.pipelines.pipeline_utils": (
-        "Expected types for processor: (<class 'transformers.models.qwen3_vl.processing_qwen3_vl.Qwen3VLProcessor'>,), "
-        "got <class 'transformers.models.llava.processing_llava.LlavaProcessor'>",),
     # runtime.keep_attention's checkpoint policy under torch.compile (it saves the attention ops' outputs; the blocks
     # it checkpoints modify no tensor in place: tests/stages/test_trainer_paths.py compares its gradients to full checkpointing's)
     "torch._higher_order_ops.wrap": ("Detected that context_fn is passed to torch.utils.checkpoint under torch.compile",),
-    # the sample stage renders without a negative prompt, so the Qwen pipelines' true CFG is off by design
-    **{f"diffusers.pipelines.{module}": ("but classifier-free guidance is not enabled since no negative_prompt",)
-       for module in ("qwenimage.pipeline_qwenimage", "qwenimage.pipeline_qwenimage_edit_plus",
-                      "qwenimage21.pipeline_qwenimage21")},
 }
 # (message regex, category, module regex) of Python warnings silenced the same way.
 QUIET_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     (r"`torch_dtype` is deprecated", FutureWarning, r"diffusers\."),
-    # diffusers' own ChromaTransformer2DModel builds its RoPE through the import path it deprecates
-    (r"`FluxPosEmbed` is deprecated", FutureWarning, r"diffusers\."),
     # the sample stage adds the trained adapter beside the base pipeline's; that is the point
     (r"Already found a `peft_config` attribute", UserWarning, r"peft\."),
 )
+
+
+@dataclass(frozen=True)
+class LibraryNotices:
+    """Library messages a family's pipelines print that are no news: logger name -> message fragments, and
+    (message regex, warning class name, module regex) of Python warnings (declared in the family's folder)."""
+
+    messages: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    warnings: tuple[tuple[str, str, str], ...] = ()
 
 
 class _DropMessages(logging.Filter):
@@ -326,24 +325,29 @@ def verbose_requested() -> bool:
     return any(os.environ.get(k, "") not in ("", "0") for k in ("LORAPIPE_VERBOSE", "LORAPIPE_DEBUG"))
 
 
-def quiet_libraries(verbose: bool | None = None) -> None:
+def quiet_libraries(verbose: bool | None = None, notices: "LibraryNotices | None" = None) -> None:
     """Silence the libraries' messages listed above and their loading bars, at their sources (the
     loggers, warning filters and progress switches of bitsandbytes, transformers, diffusers, peft,
-    huggingface_hub and autograd); `verbose` (default: `verbose_requested()`) restores them all."""
+    huggingface_hub and autograd), and the families' own `notices` (stages.families.library_notices:
+    what their pipelines print that is no news); `verbose` (default: `verbose_requested()`) restores them all."""
     import diffusers.utils.logging as diffusers_logging
     import huggingface_hub.utils as hub_utils
     import transformers.utils.logging as transformers_logging
 
     verbose = verbose_requested() if verbose is None else verbose
-    for name, fragments in QUIET_LOG_MESSAGES.items():
+    messages, quiet_warnings = dict(QUIET_LOG_MESSAGES), list(QUIET_WARNINGS)
+    for name, fragments in (notices.messages if notices else {}).items():
+        messages[name] = messages.get(name, ()) + tuple(fragments)
+    quiet_warnings += [(m, getattr(builtins, category), module) for m, category, module in (notices.warnings if notices else ())]
+    for name, fragments in messages.items():
         logger = logging.getLogger(name)
         for old in [f for f in logger.filters if isinstance(f, _DropMessages)]:
             logger.removeFilter(old)
         if not verbose:
             logger.addFilter(_DropMessages(fragments))
-    patterns = {message for message, _, _ in QUIET_WARNINGS}
+    patterns = {message for message, _, _ in quiet_warnings}
     warnings.filters[:] = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] is not None and f[1].pattern in patterns)]
-    for message, category, module in () if verbose else QUIET_WARNINGS:
+    for message, category, module in () if verbose else quiet_warnings:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     bars = [(diffusers_logging.enable_progress_bar, diffusers_logging.disable_progress_bar),
             (transformers_logging.enable_progress_bar, transformers_logging.disable_progress_bar),
@@ -363,11 +367,11 @@ def library_class(model: Any) -> str:
     return type(model).__name__
 
 
-def install_model_trace(stage: str) -> None:
-    """Called at each stage's start: quiets the libraries (`quiet_libraries`), and if
+def install_model_trace(stage: str, notices: LibraryNotices | None = None) -> None:
+    """Called at each stage's start: quiets the libraries and the families' `notices` (`quiet_libraries`), and if
     LORAPIPE_TRACE_MODELS names a folder, records every diffusers/transformers model class this
     process constructs into <folder>/<stage>.json at exit (the stage-isolation tests read it)."""
-    quiet_libraries()
+    quiet_libraries(notices=notices)
     folder = os.environ.get("LORAPIPE_TRACE_MODELS")
     if not folder:
         return

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from stages.core.runtime import LibraryNotices
     from stages.families.base import Family
 
 FAMILIES: dict[str, str] = {
@@ -89,6 +90,21 @@ def demo_model_variant(name: str) -> str:
     """The tiny pipeline `pipeline.py demo` builds: the family's DEMO_MODEL_VARIANT where it has one
     (the edit families' demos), else the tests' DEMO_VARIANT."""
     return getattr(family_part(name), "DEMO_MODEL_VARIANT", demo_variant(name))
+
+
+def library_notices() -> "LibraryNotices":
+    """The library messages and warnings every family's folder declares no news (LIBRARY_NOTICES,
+    LIBRARY_WARNINGS in its torch-free `__init__.py`), for the stages to quiet."""
+    from stages.core.runtime import LibraryNotices
+
+    messages: dict[str, tuple[str, ...]] = {}
+    warnings: list[tuple[str, str, str]] = []
+    for name in FAMILIES:
+        part = family_part(name)
+        for logger, fragments in getattr(part, "LIBRARY_NOTICES", {}).items():
+            messages[logger] = messages.get(logger, ()) + tuple(f for f in fragments if f not in messages.get(logger, ()))
+        warnings += [w for w in getattr(part, "LIBRARY_WARNINGS", ()) if w not in warnings]
+    return LibraryNotices(messages, tuple(warnings))
 
 
 def tiny_variants() -> dict[str, str]:

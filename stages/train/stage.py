@@ -154,11 +154,12 @@ def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]
     """Train; `resume` continues the newest checkpoint of this config (also with runtime.resume =
     'auto'), `restart` starts at step 0 over an unfinished run (its checkpoints are set aside)."""
     from stages.core.runtime import install_model_trace
+    from stages.families import library_notices
     from stages.core.stage import running_stage
     from stages.registry import conflicts
     from stages.train.trainer import Trainer
 
-    install_model_trace(NAME)
+    install_model_trace(NAME, library_notices())
     resume = (resume or cfg.runtime.resume == "auto") and not restart
     with running_stage(cfg, NAME, rerun=("--resume",), own_signals=True, beside=conflicts(NAME)) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg, ctx.log)

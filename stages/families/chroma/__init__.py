@@ -12,6 +12,10 @@ DEMO_VARIANT = "chroma"  # the tiny pipeline (stages/families/chroma/tiny.py) th
 DEMO_CONFIG = "demo-chroma.toml"
 
 
+# What diffusers prints that is no news: its own ChromaTransformer2DModel builds its RoPE through the
+# import path it deprecates.
+LIBRARY_WARNINGS = ((r"`FluxPosEmbed` is deprecated", "FutureWarning", r"diffusers\."),)
+
 def config_errors(cfg: Any) -> list[str]:
     return (checks.max_tokens(cfg, T5_MAX_TOKENS, "ChromaPipeline's T5 limit")
             + checks.bucket_step_multiple(cfg, 2, "latents are packed in 2x2 patches"))
