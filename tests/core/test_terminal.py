@@ -141,14 +141,17 @@ def test_routine_events_stay_off_the_terminal(event):
 
 def test_every_quieted_logger_is_a_real_module_and_keeps_other_messages():
     """A filter on a logger name that no module logs under would silence nothing: each name in
-    QUIET_LOG_MESSAGES imports, and its filter drops only the listed message."""
+    QUIET_LOG_MESSAGES and in the families' notices imports, and its filter drops only the listed message."""
     import importlib
 
     from stages.core.runtime import QUIET_LOG_MESSAGES, quiet_libraries
+    from stages.families import library_notices
 
-    for name in QUIET_LOG_MESSAGES:
+    notices = library_notices()
+    assert "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus" in notices.messages
+    for name in [*QUIET_LOG_MESSAGES, *notices.messages]:
         importlib.import_module(name)
-    quiet_libraries(verbose=False)
+    quiet_libraries(verbose=False, notices=notices)
     logger, collect = logging.getLogger("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"), _Collect()
     logger.addHandler(collect)
     try:
