@@ -62,16 +62,16 @@ def build_assets(family: str) -> None:
 def demo_edit_sizes(family: str) -> tuple[tuple[int, int], ...] | None:
     """The edit pairs' image sizes where the family names them (DEMO_EDIT_SIZES; its demo config reads
     `data-edit-<w>x<h>...`), else None: make_edit_dataset's mixed aspects in `data-edit`."""
-    from stages.families import family_part
+    from stages.families import demo_hint
 
-    return getattr(family_part(family), "DEMO_EDIT_SIZES", None)
+    return demo_hint(family, "DEMO_EDIT_SIZES", None)
 
 
 def demo_data_kind(family: str) -> str:
     """"shapes" (captioned drawings) or "edit" (edit pairs): the family's DEMO_DATA, shapes by default."""
-    from stages.families import family_part
+    from stages.families import demo_hint
 
-    return getattr(family_part(family), "DEMO_DATA", "shapes")
+    return demo_hint(family, "DEMO_DATA", "shapes")
 
 
 # The tiny models render 64 px in milliseconds per step; 8 steps keep the demo's grid quick.

@@ -86,10 +86,15 @@ def demo_variant(name: str) -> str:
     return family_part(name).DEMO_VARIANT
 
 
+def demo_hint(name: str, key: str, default: Any) -> Any:
+    """A demo hint the family's folder may declare (DEMO_DATA, DEMO_EDIT_SIZES, ...), else `default`."""
+    return getattr(family_part(name), key, default)
+
+
 def demo_model_variant(name: str) -> str:
     """The tiny pipeline `pipeline.py demo` builds: the family's DEMO_MODEL_VARIANT where it has one
     (the edit families' demos), else the tests' DEMO_VARIANT."""
-    return getattr(family_part(name), "DEMO_MODEL_VARIANT", demo_variant(name))
+    return demo_hint(name, "DEMO_MODEL_VARIANT", demo_variant(name))
 
 
 def library_notices() -> "LibraryNotices":
