@@ -45,8 +45,9 @@ def run_config(run_dir: Path, config: Any = None) -> Any:
     if not saved.is_file():
         return None
     from stages.core.config import build_config
+    from stages.core.runspec import read_saved
 
-    return build_config(read_json(saved), str(saved))
+    return build_config(read_saved(saved), str(saved))
 
 
 def sample_rows(n: int, limit: int) -> list[int]:

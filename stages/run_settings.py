@@ -23,7 +23,7 @@ from typing import Any
 from stages.core.artifacts import atomic_write_json, read_json
 from stages.core.config import load_config
 from stages.core.errors import ConfigError, UserError
-from stages.core.runspec import RunSpec, flatten
+from stages.core.runspec import RunSpec, flatten, read_saved
 from stages import registry
 
 PRESET = "preset.json"
@@ -73,7 +73,7 @@ def saved(run_dir: Path) -> Any | None:
     path = run_dir / "config.json"
     if not path.is_file():
         return None
-    return load_config(None, {**flatten(read_json(path)), "artifacts": str(run_dir.parent), "run": run_dir.name},
+    return load_config(None, {**flatten(read_saved(path)), "artifacts": str(run_dir.parent), "run": run_dir.name},
                        source=str(path))
 
 

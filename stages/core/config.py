@@ -417,6 +417,10 @@ def all_keys() -> list[str]:
 
 
 def _nearest(key: str) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    same = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf and k != key and not k.startswith("datasets[]")]
+    if same:  # the key lives in another section (e.g. train.cuda_graphs is runtime.cuda_graphs)
+        return f" (did you mean '{same[0]}'?)"
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
     if not close:
         leaf = key.rsplit(".", 1)[-1]
@@ -485,6 +489,19 @@ def _type_words(tp: Any) -> str:
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def migrate_saved(data: dict[str, Any]) -> list[str]:
+    """Move the [train] keys of a saved run config (`<run>/config.json`) that are [runtime] keys now into
+    [runtime], in place; the dotted keys moved (none for a config written by this version)."""
+    train, runtime = data.get("train"), data.get("runtime")
+    if not isinstance(train, dict) or (runtime is not None and not isinstance(runtime, dict)):
+        return []
+    learned = {f.name for f in dataclasses.fields(TrainConfig)}
+    moved = [k for k in train if k not in learned and k in {f.name for f in dataclasses.fields(RuntimeConfig)}]
+    for k in moved:
+        data.setdefault("runtime", {}).setdefault(k, train.pop(k))
+    return [f"train.{k}" for k in moved]
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,15 +85,11 @@ class RunSpec:
 
     def saved(self) -> dict[str, Any] | None:
         """The run's saved settings (config.json), None when it has none."""
-        from stages.core.errors import ConfigError
 
         saved = self.saved_config()
         if not self.name or not saved.is_file():
             return None
-        try:
-            return json.loads(saved.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{saved} is not valid JSON ({e}); pass --config <the run's preset>") from None
+        return read_saved(saved)
 
     def by_name(self) -> bool:
         return not self.config and bool(self.name)
@@ -196,6 +193,27 @@ def command_for(run_dir: Path | None, name: str, *flags: str) -> str:
     if spec is not None:
         return shlex.join(["lorapipe", name, *spec.user_args(), *flags])
     return shlex.join(["lorapipe", name, run_dir.name, "--artifacts", str(run_dir.parent), *flags])
+
+
+def read_saved(path: Path) -> dict[str, Any]:
+    """A run's saved settings (`<run>/config.json`) as a nested dict. One written before [runtime] held how the
+    stages run is rewritten once in this version's sections (the same settings), with a line saying so."""
+    from stages.core.config import migrate_saved
+    from stages.core.errors import ConfigError
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); pass --config <the run's preset>") from None
+    moved = migrate_saved(data) if isinstance(data, dict) else []
+    if moved:
+        from stages.core.artifacts import atomic_write_json
+
+        atomic_write_json(path, data)
+        print(f"{path}: {len(moved)} keys of how the stages run moved from [train] to [runtime] "
+              f"({', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}); the run's settings are unchanged",
+              file=sys.stderr)
+    return data
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
