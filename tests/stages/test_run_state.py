@@ -268,3 +268,22 @@ def test_no_message_spells_the_old_command():
                     and "python pipeline.py" in node.value:
                 found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert found == []
+
+
+def test_a_saved_config_with_runtime_keys_under_train_is_rewritten_once_with_the_same_settings(tmp_path, capsys):
+    """A run's config.json that holds how the stages run under [train] (as versions before [runtime] wrote
+    it) loads with the same settings: the keys move to [runtime] in the file, once, with a line saying so."""
+    import json
+
+    from stages.core.config import build_config
+    from stages.core.runspec import read_saved
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"run": "x", "model": "m", "train": {"steps": 5, "cuda_graphs": "off", "checkpoint_every": 7}}))
+    data = read_saved(path)
+    assert data["train"] == {"steps": 5} and data["runtime"] == {"cuda_graphs": "off", "checkpoint_every": 7}
+    assert "2 keys of how the stages run moved from [train] to [runtime]" in capsys.readouterr().err
+    assert json.loads(path.read_text()) == data
+    cfg = build_config(data)
+    assert (cfg.train.steps, cfg.runtime.cuda_graphs, cfg.runtime.checkpoint_every) == (5, "off", 7)
+    assert read_saved(path) == data and capsys.readouterr().err == ""  # rewritten once
