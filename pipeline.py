@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -136,6 +137,19 @@ def rehash_option(f: Callable[..., None]) -> Callable[..., None]:
 def examples(*lines: str) -> str:
     """A command's --help epilog: example invocations, kept on their own lines."""
     return "\b\nExamples:\n" + "\n".join(f"  lorapipe {line}" for line in lines) + "\n"
+
+
+def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """The product's own warnings (a damaged manifest or image index) as one `warning: ...` line, without the
+    file name and source line Python adds; the libraries' warnings as Python shows them."""
+    if category.__module__.startswith("stages."):
+        click.secho(f"warning: {message}", fg="yellow", err=True)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning, warnings.showwarning = warnings.showwarning, _show_warning
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=examples(
