@@ -131,7 +131,8 @@ def build_components(demo: bool, seed: int, zero_cond_t: bool = False) -> dict[s
     if not demo:
         if zero_cond_t:
             base = components["transformer"]
-            flagged = QwenImageTransformer2DModel.from_config({**base.config, "zero_cond_t": True})
+            init = {k: v for k, v in base.config.items() if not k.startswith("_")}  # not _use_default_values
+            flagged = QwenImageTransformer2DModel(**{**init, "zero_cond_t": True})
             flagged.load_state_dict(base.state_dict())
             components["transformer"] = flagged.eval()
         return components
