@@ -132,7 +132,8 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "flux2-klein": "configs/flux2-klein.toml", "sdxl": "configs/sdxl.toml", "chroma": "configs/chroma.toml",
            "krea2": "configs/krea2.toml",
            "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
-           "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml"}
+           "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml",
+           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -168,6 +169,7 @@ SUITES: dict[str, list[Row]] = {
     "qwen-image-2.1": short_family("qwen-image-2.1"),
     "flux-kontext": short_family("flux-kontext"),
     "qwen-image-edit": short_family("qwen-image-edit"),
+    "qwen-image-edit-2511": short_family("qwen-image-edit-2511"),
     "chroma": short_family("chroma"),
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),

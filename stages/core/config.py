@@ -325,8 +325,8 @@ class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
     family: str = "flux"
-    """Model family: flux, flux-kontext, qwen-image, qwen-image-edit, qwen-image-2.1, z-image, sdxl,
-    flux2-klein, flux2 or krea2 (stages/families/__init__.py)."""
+    """Model family: flux, flux-kontext, qwen-image, qwen-image-edit, qwen-image-edit-2511, qwen-image-2.1,
+    z-image, sdxl, flux2-klein, flux2, krea2 or chroma (stages/families/__init__.py)."""
     model: str = ""
     """A local diffusers pipeline folder, a hub id (e.g. black-forest-labs/FLUX.1-dev), or a single-file
     denoiser checkpoint (.safetensors; fp8_scaled files are converted once into <artifacts>/.model-cache)."""
@@ -419,7 +419,7 @@ def all_keys() -> list[str]:
 def _nearest(key: str) -> str:
     leaf = key.rsplit(".", 1)[-1]
     same = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf and k != key and not k.startswith("datasets[]")]
-    if same:  # the key lives in another section (e.g. train.cuda_graphs is runtime.cuda_graphs)
+    if same:  # the key lives in another section (e.g. runtime.cuda_graphs is runtime.cuda_graphs)
         return f" (did you mean '{same[0]}'?)"
     close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
     if not close:

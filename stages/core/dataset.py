@@ -611,7 +611,7 @@ def for_family(items: list[Item], family: Any, warn: Warn | None = None) -> list
         if with_controls and warn is not None:
             warn(f"{family.name} is a text-to-image family: the control images of {len(with_controls)} items are "
                  f"ignored ({listing([repr(it.key) for it in with_controls])}); train an edit family "
-                 f"(flux-kontext, qwen-image-edit) or one with references (flux2-klein, flux2) to use them", None)
+                 f"(flux-kontext, qwen-image-edit, qwen-image-edit-2511) or one with references (flux2-klein, flux2) to use them", None)
         return items
     bad = [it for it in items if not low <= len(it.controls) <= high]
     if bad:

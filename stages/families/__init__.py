@@ -11,7 +11,7 @@ the protocol in `stages.families.base`. Each family is a folder `stages/families
     full.py       its full-size architecture for bench/ (configs, text precision, FLOPs)
 
 A family folder imports no other family folder: what two families share lives in `common/` (FLUX.1's
-family class for flux and flux-kontext, Qwen-Image's for qwen-image and qwen-image-edit, FLUX.2's image
+family class for flux and flux-kontext, Qwen-Image's for qwen-image and the edit families, FLUX.2's image
 side, the BFL layouts), and a family's module may be a thin subclass or re-export of it
 (tests/core/test_import_contract.py holds this). Adding a family is that folder plus one line in FAMILIES.
 """
@@ -37,6 +37,7 @@ FAMILIES: dict[str, str] = {
     "krea2": "stages.families.krea2.family:Krea2",
     "flux-kontext": "stages.families.flux_kontext.family:FluxKontext",
     "qwen-image-edit": "stages.families.qwen_image_edit.family:QwenImageEdit",
+    "qwen-image-edit-2511": "stages.families.qwen_image_edit_2511.family:QwenImageEdit2511",
     "chroma": "stages.families.chroma.family:Chroma",
 }
 

@@ -37,6 +37,7 @@ EXTRA = {
                "distilled_guidance_layer.layers.0.linear_2"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
+EXTRA["qwen-image-edit-2511"] = EXTRA["qwen-image"]
 ADAPTERS = ("lora", "dora", "lokr", "loha")
 
 

@@ -56,7 +56,8 @@ NOT_ROUND_TRIPPED = {
 # The edit families have their base family's layout (flux, qwen-image cover them), and their
 # pipelines cannot render this text-only check: Kontext renders at max_area 1024 x 1024 whatever the
 # height and width (too slow on CPU), Qwen-Image-Edit-Plus needs an image.
-KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux-kontext", "qwen-image-edit"))
+KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux-kontext", "qwen-image-edit",
+                                                                      "qwen-image-edit-2511"))
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
 DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "flux-kontext": "FluxKontextPipeline.lora_state_dict cannot read it",  # FLUX's demo targets

@@ -1,4 +1,4 @@
-"""Qwen-Image at full size for bench/, which `qwen-image` and `qwen-image-edit` share (their `full.py`;
+"""Qwen-Image at full size for bench/, which `qwen-image` and the Qwen-Image-Edit families share (their `full.py`;
 Krea 2 takes its VAE): the released config.json values, what the bench runs with, and the denoiser's
 attention FLOPs and meta-device call."""
 
@@ -63,3 +63,16 @@ def meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> An
     return model(hidden_states=empty(b, (h // 2) * (w // 2), cfg.in_channels),
                  encoder_hidden_states=empty(b, txt, cfg.joint_attention_dim), encoder_hidden_states_mask=None,
                  timestep=empty(b), img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)
+
+
+def edit_attention_flops(cfg: Any, batch: int, img: int, txt: int) -> float:
+    """The edit families' (`qwen-image-edit`, `qwen-image-edit-2511`): target + one control in the sequence."""
+    return attention_flops(cfg, batch, 2 * img, txt)
+
+
+def edit_meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> Any:
+    """The edit families' call: the target's tokens, then one control's at the target's size."""
+    cfg = model.config
+    return model(hidden_states=empty(b, 2 * (h // 2) * (w // 2), cfg.in_channels),
+                 encoder_hidden_states=empty(b, txt, cfg.joint_attention_dim), encoder_hidden_states_mask=None,
+                 timestep=empty(b), img_shapes=[[(1, h // 2, w // 2)] * 2] * b, return_dict=False)

@@ -3,8 +3,6 @@ sequence is the target's tokens plus one control's (at the target's area)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from stages.families.common import qwen_image_full as qwen_full
 
 PRESET = "configs/qwen-image-edit.toml"
@@ -17,13 +15,5 @@ IMAGES_IN_SEQUENCE = 2  # target + one control (the bench data's), for the 4Â·PÂ
 TRANSFORMER = qwen_full.TRANSFORMER
 COMPONENTS = qwen_full.COMPONENTS
 
-
-def attention_flops(cfg: Any, batch: int, img: int, txt: int) -> float:
-    return qwen_full.attention_flops(cfg, batch, 2 * img, txt)  # target + one control
-
-
-def meta_forward(model: Any, b: int, h: int, w: int, txt: int, empty: Any) -> Any:
-    cfg = model.config
-    return model(hidden_states=empty(b, 2 * (h // 2) * (w // 2), cfg.in_channels),
-                 encoder_hidden_states=empty(b, txt, cfg.joint_attention_dim), encoder_hidden_states_mask=None,
-                 timestep=empty(b), img_shapes=[[(1, h // 2, w // 2)] * 2] * b, return_dict=False)
+attention_flops = qwen_full.edit_attention_flops  # target + one control
+meta_forward = qwen_full.edit_meta_forward
