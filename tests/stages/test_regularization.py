@@ -241,3 +241,16 @@ def test_distilled_model_ids_get_an_info_line():
     assert "train.assistant_adapter" in distilled_note("Tongyi-MAI/Z-Image-Turbo")
     assert "base checkpoint" in distilled_note("black-forest-labs/FLUX.1-schnell")
     assert distilled_note("black-forest-labs/FLUX.1-dev") is None
+
+
+def test_auto_precision_with_an_assistant_leaves_out_the_quantized_bases():
+    from conftest import ROOT
+    from stages.core.config import load_config
+    from stages.core.memory.train import _base_precisions
+    from stages.families import get_family
+
+    for assistant, want in (("", True), ("de-distill.safetensors", False)):
+        cfg = load_config(ROOT / "configs" / "demo.toml", {"train.base_precision": "auto",
+                                                             "train.assistant_adapter": assistant})
+        precisions, _, _ = _base_precisions(cfg, get_family("flux"), 0.0, 0)
+        assert precisions[0] == "bf16" and ("nf4" in precisions) == want, (assistant, precisions)

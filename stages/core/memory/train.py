@@ -36,6 +36,8 @@ def _base_precisions(cfg: Any, family: Any, host_gb: float, tokens: int) -> tupl
     if tcfg.base_precision != "auto":
         return [tcfg.base_precision], "", ""
     precisions = list(family.auto_base_precisions or cal.AUTO_BASE_PRECISIONS)
+    if tcfg.assistant_adapter:  # merged into the base weights, which an nf4 or fp8 base cannot take (lora.merge_assistant)
+        precisions = [p for p in precisions if p not in ("nf4", "fp8")] or precisions
     if "fp8" not in precisions:
         return precisions, "", ""
     from stages.core.fp8 import fp8_supported
