@@ -218,6 +218,23 @@ def test_assistant_trains_is_fingerprinted_and_never_exported(built_run, tmp_pat
     diffusers_file = [p for p in exported if "comfyui" not in p.name and "kohya" not in p.name][0]
     assert len(load_file(str(diffusers_file))) == len(trained)
 
+    # sample renders the base and the exported LoRA: every adapter it loads is the trained one
+    from diffusers.loaders.peft import PeftAdapterMixin
+
+    from stages import sample
+    from stages.core.config import SampleConfig
+
+    loaded, original = [], PeftAdapterMixin.load_lora_adapter
+
+    def spy(self, source, *args, **kwargs):
+        loaded.append(sorted(source) if isinstance(source, dict) else [str(source), kwargs.get("weight_name")])
+        return original(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(PeftAdapterMixin, "load_lora_adapter", spy)
+    sample.run(dataclasses.replace(cfg, sample=SampleConfig(prompts=["a blue square"], seeds=[0], steps=2, width=32,
+                                                            height=32)))
+    assert loaded and not any("ff.net.2" in k or str(file) in k or file.name == k for keys in loaded for k in keys if k)
+
     # its content is fingerprinted: another file at the same path is another base
     other, _ = _assistant_file(built_run, tmp_path / "other")
     file.write_bytes(other.read_bytes().replace(b"lorapipe", b"LORAPIPE"))
