@@ -271,3 +271,28 @@ def test_auto_precision_with_an_assistant_leaves_out_the_quantized_bases():
                                                              "train.assistant_adapter": assistant})
         precisions, _, _ = _base_precisions(cfg, get_family("flux"), 0.0, 0)
         assert precisions[0] == "bf16" and ("nf4" in precisions) == want, (assistant, precisions)
+
+
+@flux_run
+def test_a_regularization_dataset_trains_end_to_end(built_run):
+    """Two [[datasets]] tables over the same images, one of role regularization: its items reach the loss
+    flagged, the run trains, and the role is in the fingerprint."""
+    from stages import cache_latents, encode_captions, train
+    from stages.core.events import EventLog
+    from stages.train.stage import fingerprint_parts
+    from stages.train.trainer import Trainer
+
+    tables = [{"path": built_run.data.path, "name": "subject"},
+              {"path": built_run.data.path, "name": "class", "role": "regularization"}]
+    cfg = run_beside(built_run, "dop-datasets", datasets=tables,
+                     **{"train.preservation": "dataset", "train.steps": 2, "train.batch_size": 2})
+    encode_captions.run(cfg)
+    cache_latents.run(cfg)
+    assert [s.get("role") for s in fingerprint_parts(cfg)["sampling"]] == [None, "regularization"]
+    trainer = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
+    assert {p.key.split("/")[0]: p.regularization for p in trainer.data.pairs} == {"subject": False, "class": True}
+    flagged = [trainer.draw_next()[1][0] for _ in range(12)]
+    assert any(b.regularization is not None and bool(b.regularization.any()) for b in flagged)
+    assert all(b.regularization is None or b.regularization.tolist() == [k.startswith("class/") for k in b.keys]
+               for b in flagged)
+    assert train.run(cfg)["complete"]
