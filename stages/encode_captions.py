@@ -39,7 +39,7 @@ def needs_image_ids(cfg: Any, family: Any) -> bool:
     """Whether the caption rows depend on image bytes: a text encoder that sees the control images
     (rows keyed by them), or caption dropout with a validation split (the split picks held-out items,
     which keep their caption, by image id). Tag shuffles seeded by the image id are scan_run's to see."""
-    dropout = any(d.caption_dropout > 0 for d in cfg.dataset_configs())
+    dropout = any(d.caption_dropout > 0 for d in cfg.dataset_configs()) or cfg.train.preservation == "blank_prompt"
     return family.text_sees_controls or (dropout and cfg.validation.split > 0 and not cfg.validation.path)
 
 
@@ -86,9 +86,10 @@ EMPTY_CAPTION = ""  # what caption dropout trains on; its row is cached like any
 
 def dropout_rows(cfg: Any, items: list[dataset.Item]) -> dict[str, str]:
     """item key -> its empty caption's row id, for each training item whose dataset has
-    caption_dropout > 0: one shared row, or one per control set for a family whose text encoder sees
-    the controls (held-out items never drop their caption)."""
-    dropping = {i for i, d in enumerate(cfg.dataset_configs()) if d.caption_dropout > 0}
+    caption_dropout > 0 (every item with train.preservation = "blank_prompt"): one shared row, or one per
+    control set for a family whose text encoder sees the controls (held-out items never drop their caption)."""
+    blank = cfg.train.preservation == "blank_prompt"
+    dropping = {i for i, d in enumerate(cfg.dataset_configs()) if d.caption_dropout > 0 or blank}
     if not dropping:
         return {}
     return {it.key: it.empty_caption_id for it in validation.partition(cfg, items)[0] if it.dataset in dropping}

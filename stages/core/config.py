@@ -72,13 +72,16 @@ class DataConfig:
     """With shuffle_tags: the first N tags stay in place (e.g. a trigger word)."""
     caption_variants: Annotated[int, AT_LEAST_ONE] = 8
     """With shuffle_tags: tag orders cached per caption (distinct ones; one is drawn per step)."""
+    role: Literal["train", "regularization"] = "train"
+    """train: learn the images. regularization (with train.preservation = "dataset"): its items train toward the
+    base model's own prediction on their caption (adapter off), not toward their image."""
 
 
 # Keys a [[datasets]] table may set; any it leaves out come from [data]. The rest of [data]
 # (bucket_step, max_aspect, bucket_merge, on_bad_image, background) applies to the whole run.
 DATASET_KEYS = ("path", "name", "resolution", "cache_variants", "random_flip", "crop", "crop_zoom", "caption_ext",
                 "follow_symlinks_outside", "repeats", "weight", "caption_dropout", "caption_lines", "shuffle_tags",
-                "keep_tokens", "caption_variants")
+                "keep_tokens", "caption_variants", "role")
 DATASET_DOCS = {"path": "A dataset folder (required in each [[datasets]] table; relative to the config file).",
                 "name": "Prefix of the dataset's item keys ('<name>/<file>'); default: the folder's name."}
 
@@ -204,6 +207,15 @@ class TrainConfig:
     near 0 and linear beyond c; smooth_l1 the same / c. c = huber_c. As sd-scripts' loss_type."""
     huber_c: Annotated[float, POSITIVE] = 0.1
     """c of train.loss = huber / smooth_l1: errors much larger than c count linearly instead of squared."""
+    preservation: Literal["off", "blank_prompt", "dataset"] = "off"
+    """Differential output preservation: blank_prompt adds a loss pulling the adapter's prediction on the empty
+    caption (same noisy latents) to the base model's (adapter off); dataset trains the items of [[datasets]] with
+    role = "regularization" toward the base model's prediction on their own caption. docs/configuration.md#regularization."""
+    preservation_weight: Annotated[float, NON_NEGATIVE] = 1.0
+    """Weight of the preservation loss (blank_prompt: of the extra term; dataset: of each regularization item)."""
+    assistant_adapter: str = ""
+    """A diffusers LoRA (.safetensors file or its folder) merged into the frozen base for training only, e.g. a
+    de-distill adapter for turbo/schnell checkpoints; never exported, and not used by sample ('': none)."""
 
 
 @dataclass

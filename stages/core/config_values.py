@@ -120,6 +120,16 @@ def _train_errors(cfg: Any) -> list[str]:
     if cfg.runtime.ema_device != "auto" and t.ema_decay == 0:
         errors.append(f"'runtime.ema_device' = {cfg.runtime.ema_device!r} but 'train.ema_decay' = 0 (EMA off): set "
                       f"train.ema_decay (e.g. 0.999) or leave runtime.ema_device at 'auto'")
+    roles = [d.role for d in cfg.dataset_configs()]
+    if t.preservation == "dataset" and "regularization" not in roles:
+        errors.append("'train.preservation' = 'dataset' but no [[datasets]] table has role = 'regularization': add "
+                      "one (its images' captions are what the base model's predictions are kept for)")
+    if t.preservation != "dataset" and "regularization" in roles:
+        errors.append(f"a [[datasets]] table has role = 'regularization' but 'train.preservation' = "
+                      f"{t.preservation!r}: set train.preservation = 'dataset' (or role = 'train')")
+    if t.preservation == "dataset" and set(roles) == {"regularization"}:
+        errors.append("every [[datasets]] table has role = 'regularization': nothing would be learned; give the "
+                      "training images role = 'train'")
     if t.timestep_min >= t.timestep_max:
         errors.append(f"'train.timestep_min' = {t.timestep_min} is not below 'train.timestep_max' = {t.timestep_max}: "
                       f"set a range such as 0.0 and 1.0")

@@ -11,7 +11,10 @@ where train.loss (mse, pseudo-Huber, smooth L1) and train.weighting_scheme apply
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Iterator
 
 import torch
 
@@ -136,12 +139,48 @@ def loss_weights(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown weighting scheme {scheme!r}")
 
 
+# train.preservation: what `per_sample_loss` does with a family's prediction besides the loss (None: nothing)
+_PRESERVE: contextvars.ContextVar[tuple[str, object] | None] = contextvars.ContextVar("preserve", default=None)
+
+
+@contextlib.contextmanager
+def captured_prediction() -> Iterator[list[torch.Tensor]]:
+    """Inside, `per_sample_loss` records the prediction it is given (detached), in the space of the family's
+    target (unpacked latents, negated where the family negates): the base model's prediction for preservation."""
+    box: list[torch.Tensor] = []
+    token = _PRESERVE.set(("capture", box))
+    try:
+        yield box
+    finally:
+        _PRESERVE.reset(token)
+
+
+@contextlib.contextmanager
+def prediction_target(target: torch.Tensor, rows: torch.Tensor | None = None) -> Iterator[None]:
+    """Inside, `per_sample_loss` trains toward `target` (a captured prediction) instead of the family's own
+    target: for every sample, or only where the bool (B,) `rows` is true."""
+    token = _PRESERVE.set(("target", (target, rows)))
+    try:
+        yield
+    finally:
+        _PRESERVE.reset(token)
+
+
 def per_sample_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None, tcfg,
                     sigmas: torch.Tensor | None = None) -> torch.Tensor:
     """The training loss per sample, as every family computes it: train.loss per element, averaged
     over the loss mask (`masked_mean`), times train.weighting_scheme's weight of each sample's sigma
     (flow families pass `sigmas`; DDPM families weigh their own way). mse without weighting is
-    exactly `per_sample_mse`."""
+    exactly `per_sample_mse`. Under `captured_prediction` / `prediction_target` (train.preservation)
+    it also records `pred`, or trains toward the given prediction."""
+    preserve = _PRESERVE.get()
+    if preserve is not None and preserve[0] == "capture":
+        preserve[1].append(pred.detach())  # type: ignore[union-attr]
+    elif preserve is not None:
+        base, rows = preserve[1]  # type: ignore[misc]
+        base = base.to(target.device, target.dtype)
+        target = base if rows is None else torch.where(rows.to(target.device).view(-1, *([1] * (target.dim() - 1))),
+                                                       base, target)
     loss = masked_mean(elementwise_loss(pred, target, tcfg.loss, tcfg.huber_c), mask)
     if sigmas is not None and tcfg.weighting_scheme != "none":
         loss = loss * loss_weights(tcfg.weighting_scheme, sigmas).to(loss.device)

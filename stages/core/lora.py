@@ -8,11 +8,15 @@ train.ema_decay > 0 also `ema_model.safetensors`, the EMA of the weights under t
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+
+from stages.core.errors import ConfigError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -177,3 +181,76 @@ def save_ema(model: torch.nn.Module, ema: AdapterEMA, folder: Path) -> None:
     from safetensors.torch import save_file
 
     save_file(ema.state_dict(model), str(folder / EMA_WEIGHTS))
+
+
+# ---- train.preservation: the base model's own prediction ----------------------------------------
+
+@contextlib.contextmanager
+def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The model as its frozen base: every peft adapter layer's disable flag set (no LoRA delta, no LoRA
+    dropout, so no random number drawn), restored after. For no-grad forwards only."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before):
+            m._disable_adapters = flag
+
+
+# ---- train.assistant_adapter: a LoRA merged into the base for training only -----------------------
+
+ASSISTANT = "assistant"  # its peft adapter name while it is being merged
+
+
+def assistant_file(path: str) -> Path:
+    """The assistant LoRA's .safetensors: the path itself, or the one .safetensors file in that folder."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        found = sorted(p.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ConfigError(f"train.assistant_adapter = '{path}' is a folder with {len(found)} .safetensors files: "
+                              f"name the diffusers LoRA file itself")
+        return found[0]
+    if not p.is_file() or p.suffix != ".safetensors":
+        raise ConfigError(f"train.assistant_adapter = '{path}' is not a .safetensors file or a folder holding one: "
+                          f"give a diffusers LoRA file, or set it to \"\"")
+    return p
+
+
+def assistant_identity(path: str) -> dict[str, str] | None:
+    """{path, sha256} of train.assistant_adapter for the fingerprint and the manifest; None when unset."""
+    if not path:
+        return None
+    file = assistant_file(path)
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return {"path": str(file), "sha256": digest.hexdigest()}
+
+
+def merge_assistant(model: torch.nn.Module, path: str, prefix: str, precision: str) -> int:
+    """Merge a diffusers LoRA file (keys '<prefix>.<module>.lora_A/B.weight', alpha from its header as
+    diffusers writes it) into the frozen base's weights through diffusers' own loader, and remove its
+    layers: the base then computes base + delta, and the trained adapter is attached on top of it.
+    Returns the number of modules merged. A quantized base (nf4, fp8) cannot take the deltas: refused."""
+    if precision in ("nf4", "fp8"):
+        raise ConfigError(f"train.assistant_adapter is merged into the base weights, which a {precision} base cannot "
+                          f"take: set train.base_precision = 'bf16' (or clear train.assistant_adapter)")
+    file = assistant_file(path)
+    model.load_lora_adapter(str(file.parent), weight_name=file.name, prefix=prefix, adapter_name=ASSISTANT)
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    merged = sum(isinstance(m, BaseTunerLayer) for m in model.modules())
+    if not merged:
+        raise ConfigError(f"train.assistant_adapter '{file}' matched no module of {type(model).__name__} under the "
+                          f"'{prefix}.' prefix: is it a LoRA of this model family?")
+    model.fuse_lora(adapter_names=[ASSISTANT])
+    model.unload_lora()  # the fused weights stay in the base layers; the LoRA layers go
+    model.requires_grad_(False)
+    return merged

@@ -43,6 +43,7 @@ class Pair:
     variants: int = 0  # latent variants cached for it (0: the store's count)
     dataset: int = 0
     share: float = 1.0  # times per epoch on average (its dataset's repeats or weight)
+    regularization: bool = False  # its dataset's role: trained toward the base model's prediction (train.preservation)
 
 
 FILL_EPOCHS = 16  # epochs fill_warning averages the step size over when weights vary the buckets' draws
@@ -172,10 +173,11 @@ class BucketSampler:
 
 
 def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_manifest: dict[str, Any],
-               run: str | Path, datasets: list[Any] | None = None) -> list[Pair]:
+               run: str | Path, datasets: list[Any] | None = None, blank: bool = False) -> list[Pair]:
     """Pair every dataset item with its cached caption and latent rows, by id. Missing rows mean a
     cache is stale: refuse, naming the item and the stage to rerun. `datasets`: the run's
-    DataConfigs (repeats, weight, caption_dropout of each item's dataset)."""
+    DataConfigs (repeats, weight, caption_dropout, role of each item's dataset); `blank`: every item
+    needs its empty caption's row (train.preservation = "blank_prompt")."""
     cap_rows, lat_index = cap_manifest["rows"], lat_manifest["index"]
     skipped = {s["item"] for s in lat_manifest.get("skipped", [])}
     stale_captions = f"run `{_rerun(run, 'encode-captions')}`"
@@ -191,15 +193,16 @@ def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_mani
         data = datasets[it.dataset] if datasets else None
         dropout = data.caption_dropout if data else 0.0
         empty_id = it.empty_caption_id  # one shared row, or the item's (empty, controls) row
-        if dropout > 0 and empty_id not in cap_rows:
-            raise ArtifactError(f"the empty caption that caption dropout trains '{it.key}' on is not in "
-                                f"captions.zarr: {stale_captions}")
+        if (dropout > 0 or blank) and empty_id not in cap_rows:
+            raise ArtifactError(f"the empty caption that caption dropout or train.preservation trains '{it.key}' on "
+                                f"is not in captions.zarr: {stale_captions}")
         loc = lat_index[it.latent_key]
         pairs.append(Pair(it.key, it.image_id, it.caption_id, Bucket.parse(loc["bucket"]), loc["row"],
                           cap_rows[it.caption_id], it.caption_ids, tuple(cap_rows[c] for c in it.caption_ids),
-                          dropout, (empty_id, cap_rows[empty_id]) if dropout > 0 else None,
+                          dropout, (empty_id, cap_rows[empty_id]) if dropout > 0 or blank else None,
                           lat_manifest.get("variants_of", {}).get(it.latent_key, 0), it.dataset,
-                          (data.weight or float(data.repeats)) if data else 1.0))
+                          (data.weight or float(data.repeats)) if data else 1.0,
+                          bool(data and data.role == "regularization")))
     if not pairs:
         raise ArtifactError("no trainable items: every image was skipped or the caches are empty")
     return pairs
@@ -218,6 +221,10 @@ class Batch:
     """Edit pairs: each control's (mean, logvar) of the chosen variants, (B, C, h, w) each."""
     control_eps: tuple[torch.Tensor, ...] | None = None
     """The step's posterior draws for `controls` (set by the trainer; None: use each posterior's mean)."""
+    blank_cond: dict[str, torch.Tensor] | None = None
+    """train.preservation = "blank_prompt": each item's empty-caption conditioning (set by the trainer)."""
+    regularization: torch.Tensor | None = None
+    """(B,) bool: the items of role = "regularization" datasets; None when the batch holds none."""
 
 
 class TrainData:
@@ -284,8 +291,15 @@ class TrainData:
         tensor = lambda name: torch.from_numpy(pick(name).astype(np.float32))  # noqa: E731
         controls = tuple((tensor(f"control_{k}_mean"), tensor(f"control_{k}_logvar"))
                          for k in range(control_count(store.fields)))
+        reg = [p.regularization for p in ps]
         return Batch([p.key for p in ps], tensor("mean"), tensor("logvar"), cond, meta, [cid for cid, _ in chosen],
-                     mask=loss_mask(pick("mask")) if "mask" in lat[0] else None, controls=controls)
+                     mask=loss_mask(pick("mask")) if "mask" in lat[0] else None, controls=controls,
+                     regularization=torch.tensor(reg) if any(reg) else None)
+
+    def blank_cond(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The empty caption's conditioning of each item (its Pair.empty row), checked as `load` checks rows."""
+        caps = [_verified(self.captions, self.pairs[i].empty[1], self.pairs[i].key, "encode-captions") for i in indices]
+        return {name: torch.from_numpy(np.stack([row[name] for row in caps])) for name in self.caption_fields}
 
 
 def loss_mask(masks: np.ndarray) -> torch.Tensor | None:

@@ -39,6 +39,7 @@ def stop_file(run_dir: Path) -> Path:
 
 
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
+    from stages.core import lora
     from stages.families import get_family
 
     family = get_family(cfg.family)
@@ -46,9 +47,15 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
     # what each dataset trains (repeats, weights, caption dropout) and the held-out split change what is
     # learned, not the caches; [runtime] changes neither, so it is not here
     sampling = [{k: getattr(d, k) for k in ("repeats", "weight", "caption_dropout")} for d in cfg.dataset_configs()]
+    for part, d in zip(sampling, cfg.dataset_configs()):
+        if d.role != "train":
+            part["role"] = d.role
+    # train.assistant_adapter by content: a changed file at the same path is another base
+    assistant = lora.assistant_identity(cfg.train.assistant_adapter)
     return {"family": cfg.family, "model": model_source(cfg).identity(family.denoiser_components),
             "train": dataclasses.asdict(cfg.train), "seed": cfg.seed, "captions": cap and cap["fingerprint"],
-            "latents": lat and lat["fingerprint"], "sampling": sampling, "validation_split": cfg.validation.split}
+            "latents": lat and lat["fingerprint"], "sampling": sampling, "validation_split": cfg.validation.split,
+            **({"assistant": assistant} if assistant else {})}
 
 
 def partial_state(cfg: Any) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stages.core import blockswap, distributed, fastpath, faults, lora, memory, validation
+from stages.core import blockswap, distributed, fastpath, faults, flow, lora, memory, validation
 from stages.core.caches import load_captions, load_latents, scan_items
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.config import command
@@ -41,6 +41,18 @@ def compile_wanted(mode: str, is_cuda: bool) -> bool:
     return mode == "on" or (mode == "auto" and is_cuda)
 
 
+DISTILLED = ("turbo", "schnell")  # words in a model id that name a step-distilled checkpoint
+
+
+def distilled_note(model: str) -> str | None:
+    """An info line when the model id looks step-distilled and no train.assistant_adapter is set."""
+    name = model.lower()
+    if not any(word in name for word in DISTILLED):
+        return None
+    return (f"'{model}' looks step-distilled: a LoRA trained on it directly can break the distillation; train on "
+            f"the base checkpoint, or set train.assistant_adapter to a de-distill LoRA (docs/configuration.md#regularization)")
+
+
 def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
     cap_store, cap_manifest = load_captions(cfg)
     lat_stores, lat_manifest = load_latents(cfg)
@@ -49,7 +61,8 @@ def build_data(cfg: Any) -> tuple[TrainData, dict[str, Any]]:
                             f"{cap_manifest['family']!r}/{lat_manifest['family']!r}, not {cfg.family!r}: rerun "
                             f"`{command(cfg, 'encode-captions', '--force')}` and `{command(cfg, 'cache-latents', '--force')}`")
     train_items, held_out = validation.partition(cfg, scan_items(cfg, get_family(cfg.family)))
-    pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run_dir, cfg.dataset_configs())
+    pairs = join_items(train_items, cap_manifest, lat_manifest, cfg.run_dir, cfg.dataset_configs(),
+                       blank=cfg.train.preservation == "blank_prompt")
     data = TrainData(pairs, cap_store, lat_stores, lat_manifest["variants"])
     data.held_out = TrainData(join_items(held_out, cap_manifest, lat_manifest, cfg.run_dir), cap_store, lat_stores,
                               lat_manifest["variants"]) if held_out else None
@@ -160,6 +173,12 @@ class Trainer:
         t = time.time()
         self.model = self.family.load_denoiser(self.src, precision, memory.load_device(self.plan, self.rt), self.tcfg)
         self.log.emit("loaded", component=self.family.denoiser_class, seconds=round(time.time() - t, 3))
+        if self.tcfg.assistant_adapter:  # merged into the frozen base before the trained adapter is attached
+            merged = lora.merge_assistant(self.model, self.tcfg.assistant_adapter, self.family.lora_prefix, precision)
+            self.log.emit("info", message=f"train.assistant_adapter merged into the base for training only "
+                                          f"({merged} modules); export-lora and sample run without it")
+        elif note := distilled_note(self.cfg.model):
+            self.log.emit("info", message=note)
         targets = self.tcfg.target_modules or list(self.family.default_lora_targets)
         self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets, self.tcfg.adapter,
                                             self.tcfg.rank_pattern, self.tcfg.alpha_pattern)
@@ -221,10 +240,39 @@ class Trainer:
         t = self.family.sample_timesteps(n, tuple(batch.mean.shape[-2:]), g, self.tcfg, first)[part]
         if batch.controls:  # drawn after the rest: text-to-image families draw exactly what they did
             batch.control_eps = tuple(torch.randn((n, *m.shape[1:]), generator=g)[part] for m, _ in batch.controls)
+        if self.tcfg.preservation == "blank_prompt":  # read, not drawn: the random stream is unchanged
+            batch.blank_cond = self.data.blank_cond(batch_indices[part])
         return batch, eps, noise, t
 
     def compute_loss(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self._per_sample_loss(self.denoiser, batch, eps, noise, t).mean()
+        """The batch's mean loss; with train.preservation = "dataset" its regularization items train toward the
+        base model's prediction on their own caption, weighted by train.preservation_weight."""
+        if batch.regularization is None:
+            return self._per_sample_loss(self.denoiser, batch, eps, noise, t).mean()
+        rows = batch.regularization.to(self.rt.device)
+        with flow.prediction_target(self.base_prediction(batch, eps, noise, t), rows):
+            loss = self._per_sample_loss(self.denoiser, batch, eps, noise, t)
+        return (loss * torch.where(rows, self.tcfg.preservation_weight, 1.0)).mean()
+
+    def preservation_loss(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """train.preservation = "blank_prompt": train.preservation_weight x the mean loss of the adapter's
+        prediction on the empty caption (the batch's noisy latents) against the base model's prediction on it."""
+        blank = dataclasses.replace(batch, cond=batch.blank_cond)
+        with flow.prediction_target(self.base_prediction(blank, eps, noise, t)):
+            loss = self._per_sample_loss(self.denoiser, blank, eps, noise, t)
+        return loss.mean() * self.tcfg.preservation_weight
+
+    def base_prediction(self, batch: Any, eps: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The frozen base's prediction for the batch (adapter disabled, no grad), in the space of the family's
+        target, as its loss computes it. Under a fork of torch's RNG: a family drawing in its loss (SDXL's
+        noise offset) draws the same numbers again in the adapter's forward that follows."""
+        devices = [self.rt.device] if self.rt.is_cuda else []
+        with torch.no_grad(), lora.adapter_disabled(self.model), flow.captured_prediction() as seen, \
+                torch.random.fork_rng(devices=devices):
+            self._per_sample_loss(self.model, batch, eps, noise, t)
+        if len(seen) != 1:
+            raise RuntimeError(f"{self.family.name}'s loss computed {len(seen)} predictions; preservation needs one")
+        return seen[0]
 
     def _per_sample_loss(self, denoiser: Any, batch: Any, eps: torch.Tensor, noise: torch.Tensor,
                          t: torch.Tensor) -> torch.Tensor:
@@ -279,15 +327,23 @@ class Trainer:
     def _backward(self, draws: tuple[Any, ...], weight: float) -> torch.Tensor:
         """The weighted loss, backpropagated; a compiled model that fails here is run eager instead."""
         try:
-            loss = self._weighted_loss(draws, weight)
-            loss.backward()
+            return self._backward_once(draws, weight)
         except Exception as e:  # noqa: BLE001
             if not self.compiled or isinstance(e, torch.OutOfMemoryError):  # eager needs no less memory
                 raise
             self.compiled = uncompile(self.model, e, self.log)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self._weighted_loss(draws, weight)
-            loss.backward()
+            return self._backward_once(draws, weight)
+
+    def _backward_once(self, draws: tuple[Any, ...], weight: float) -> torch.Tensor:
+        loss = self._weighted_loss(draws, weight)
+        loss.backward()
+        if self.tcfg.preservation == "blank_prompt":
+            # its own backward after the batch's freed that one's activations: the peak stays one graded forward's
+            extra = self.preservation_loss(*draws)
+            extra = extra if weight == 1.0 else extra * weight
+            extra.backward()
+            loss = loss.detach() + extra.detach()
         return loss
 
     @torch.no_grad()
@@ -399,9 +455,10 @@ class Trainer:
 
     def info(self) -> dict[str, Any]:
         """What export-lora needs (family, pipeline, LoRA config) and how the run was launched."""
+        assistant = {"assistant_adapter": self.parts["assistant"]} if self.parts.get("assistant") else {}
         return {"family": self.cfg.family, "model": self.cfg.model, "pipeline_class": self.family.pipeline_class,
                 "lora_prefix": self.family.lora_prefix, "lora_config": lora.config_dict(self.lora_config),
-                "world_size": self.dist.world_size, "global_batch_size": self.global_batch}
+                "world_size": self.dist.world_size, "global_batch_size": self.global_batch, **assistant}
 
     def save_final(self, step: int, complete: bool, summary: dict[str, Any]) -> dict[str, Any]:
         if not self.dist.is_main:

@@ -36,6 +36,8 @@ def _base_precisions(cfg: Any, family: Any, host_gb: float, tokens: int) -> tupl
     if tcfg.base_precision != "auto":
         return [tcfg.base_precision], "", ""
     precisions = list(family.auto_base_precisions or cal.AUTO_BASE_PRECISIONS)
+    if tcfg.assistant_adapter:  # merged into the base weights, which an nf4 or fp8 base cannot take (lora.merge_assistant)
+        precisions = [p for p in precisions if p not in ("nf4", "fp8")] or precisions
     if "fp8" not in precisions:
         return precisions, "", ""
     from stages.core.fp8 import fp8_supported
@@ -97,6 +99,11 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     saved = [own_units.get(type(b).__name__, cal.BLOCK_SAVED_UNITS) for b in blocks]
     work = cal.BLOCK_WORK_UNITS if family.block_work_units is None else family.block_work_units
     kept = cal.ATTENTION_KEPT_UNITS if keep_attention else 0.0  # per checkpointed unswapped block
+    # train.preservation adds no term: its base forwards run under no_grad (each block's transients freed as
+    # the next runs, no more than the `work` a graded block holds), "dataset" before the graded forward and
+    # "blank_prompt" after the graded backward freed its activations; blank_prompt's graded forward on the
+    # empty caption then runs alone with a caption no longer than the batch's (Trainer._backward_once), so the
+    # peak is one graded step's, as planned. What stays alive across them is one prediction, latent-sized.
     activations = lambda checkpointed, swapped=0: outside + unit * (  # noqa: E731
         checkpointed * cal.CHECKPOINT_SAVED_UNITS + max(0, checkpointed - swapped) * kept + sum(saved[checkpointed:]) + work)
     options = with_fp8_nf4(train_options(cfg.runtime.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
