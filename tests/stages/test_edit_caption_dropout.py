@@ -99,7 +99,7 @@ def _copy_run(cfg, name: str, steps: int, checkpoint_every: int):
 def dropping(built_run):
     """The qwen-image-edit built run's caches with caption_dropout = 0.5 (encode-captions adds the empty rows)."""
     cfg = run_beside(built_run, "drop", **{"data.caption_dropout": 0.5})
-    with pytest.raises(ArtifactError, match=r"the empty caption that caption dropout trains 'shape_000.png' on is not "
+    with pytest.raises(ArtifactError, match=r"the empty caption that caption dropout or train.preservation trains 'shape_000.png' on is not "
                                             r"in captions.zarr: run `lorapipe encode-captions qwen-image-edit-drop --artifacts "):
         build_data(cfg)  # the caches predate the setting: a clear error naming the item and the command
     assert encode_captions.run(cfg)["encoded_this_run"] == 12  # the 12 empty rows; the caption rows are kept
