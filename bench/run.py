@@ -161,7 +161,7 @@ def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float
         # its own process group: a call cut off at the budget takes its stage children with it, so no
         # orphaned stage keeps the GPU or the run's lock from the next call
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                process_group=0)
         try:
             rc = proc.wait(timeout=max(30.0, left))
         except subprocess.TimeoutExpired:
