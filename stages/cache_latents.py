@@ -112,9 +112,11 @@ def _to_pixels(images: list[Any]) -> Any:
 
 
 def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Bucket]],
-                log: Any) -> tuple[dict, list, dict]:
+                log: Any, known: dict[str, tuple[int, int]] | None = None) -> tuple[dict, list, dict]:
     """latent id -> (item, size, bucket) for readable images, each bucketed among its dataset's
-    resolution's `buckets`; skipped [(key, reason)]; duplicates."""
+    resolution's `buckets`; skipped [(key, reason)]; duplicates. `known`: the sizes of images the cache
+    already holds (its manifest's, by content id), whose headers are then not read again."""
+    known = known or {}
     found: dict[str, tuple[dataset.Item, tuple[int, int]]] = {}
     skipped, duplicates, bad = [], defaultdict(list), []
     for it in items:
@@ -122,6 +124,9 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             duplicates[it.latent_key].append(it.key)
             log.emit("warning", item=it.key, message=f"image '{it.key}' has the same bytes as "
                      f"'{found[it.latent_key][0].key}': cached once, both items train on it with their own captions")
+            continue
+        if it.latent_key in known:  # an image the cache holds: its size is recorded, its mask was checked
+            found[it.latent_key] = (it, known[it.latent_key])
             continue
         try:
             size = dataset.image_size(it.image_path)
@@ -237,7 +242,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         current = None if force else _up_to_date(cfg, items, layout, ctx.log)
         if current is not None:
             return current
-        plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log)
+        plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log, _known_sizes(out))
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)
         for image_id, (_, _, bucket) in sorted(plan.items()):
             by_bucket[bucket].append(image_id)
@@ -258,6 +263,16 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped))
         return manifest
+
+
+def _known_sizes(out: Path) -> dict[str, tuple[int, int]]:
+    """Content id -> (width, height) of every image the existing cache's manifest holds: an incremental run
+    (images added, settings changed) reads the headers of the new images only. A size is a function of the
+    image's bytes, which its id hashes, so no setting makes it stale."""
+    manifest = read_manifest(out)
+    entries = manifest.get("index", {}) if manifest else {}
+    return {i: (int(e["size"][0]), int(e["size"][1])) for i, e in entries.items()
+            if isinstance(e, dict) and isinstance(e.get("size"), list) and len(e["size"]) == 2}
 
 
 def _up_to_date(cfg: Any, items: list[dataset.Item], layout: dict[str, Any], log: Any) -> dict[str, Any] | None:
@@ -436,7 +451,7 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
         if store is None:
             continue
         rows, written = store.row_of(), store.written_mask()
-        index.update({image_id: {"bucket": str(bucket), "row": rows[image_id]} for image_id in ids
+        index.update({image_id: {"bucket": str(bucket), "row": rows[image_id], "size": list(plan[image_id][1])} for image_id in ids
                       if plan[image_id][0].key not in skipped_keys and written[rows[image_id]]})
     # Every scanned image counts as an input, skipped ones too (they are listed as skipped):
     # otherwise a run with a skipped image would never be up to date.

@@ -183,3 +183,35 @@ def test_threaded_ids_are_the_content_hashes(tmp_path):
         expected = image_index.content_id(b"%d:" % len(data) + data + b"mask") if i == 2 else image_index.content_id(data)
         assert items[f"{i}.png"].image_id == expected
     assert items["2.png"].pixel_id == image_index.content_id((tmp_path / "2.png").read_bytes())
+
+
+@once
+def test_an_added_image_is_the_only_one_cache_latents_opens(run, tmp_path):
+    """An incremental cache-latents (one image added to a cached dataset) plans the buckets from the sizes
+    its manifest recorded: it opens the new image, and no other."""
+    from PIL import Image
+
+    from stages.core.artifacts import atomic_write_json, read_manifest
+    from stages.core.config import load_config
+    from stages.core.runspec import flatten
+
+    data = shutil.copytree(run.data.path, tmp_path / "data")
+    cfg = load_config(None, {**flatten(run.to_dict()), "data.path": str(data), "artifacts": str(tmp_path / "runs")})
+    shutil.copytree(run.run_dir, cfg.run_dir, ignore=shutil.ignore_patterns(".*.lock", "events.jsonl"))
+    atomic_write_json(cfg.run_dir / "config.json", cfg.to_dict())
+    by_name = (cfg.run, "--artifacts", cfg.artifacts)
+    _settle(data)  # copies are new files: old enough, the index keeps their ids
+    invoke("cache-latents", *by_name, "--force")  # a manifest of this version, which records each image's size
+    first = sorted(p for p in data.iterdir() if p.suffix.lower() in IMAGE_EXTS)[0]
+    added = data / f"added{first.suffix}"
+    with Image.open(first) as im:
+        im = im.convert("RGB")
+        im.putpixel((0, 0), (1, 2, 3))  # other bytes: a new image
+        im.save(added)
+    shutil.copy(first.with_suffix(".txt"), added.with_suffix(".txt"))
+    _settle(data)
+    with opened(data) as reads:
+        out = invoke("cache-latents", *by_name)
+    assert reads and {Path(p).name for p in reads} == {added.name}, reads
+    manifest = read_manifest(cfg.run_dir / "latents.zarr")
+    assert manifest["encoded_this_run"] == 1 and len(manifest["index"]) == len(set(manifest["items"].values())), out
