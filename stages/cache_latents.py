@@ -261,7 +261,8 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         n_encoded = len(todo) - sum(len(part) for part in gathered)  # images that failed to load were not encoded
         manifest = _write(ctx, cfg, items, plan, by_bucket, encoded, skipped, duplicates, n_encoded, layout, forced)
         _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
-        ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped))
+        ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped),
+                     **_pace(encoded["pace"]))
         return manifest
 
 
@@ -357,7 +358,9 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     position = {t: k for k, t in enumerate(todo)}
     rows_of = {b: s.row_of() for b, s in stores.items() if s is not None}
 
-    def encode_image(unit: tuple[Bucket, str]) -> None:
+    def read_image(unit: tuple[Bucket, str]) -> Any:
+        """The host's part, on a reader thread ahead of the encoder: the decoded image, its mask and
+        controls, its variants and their pixels; or the BadImage that stops it."""
         bucket, image_id = unit
         item, size, _ = plan[image_id]
         try:
@@ -365,17 +368,25 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
             controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
         except dataset.BadImage as e:
-            if cfg.data.on_bad_image == "error":  # reported with every other one once the rest are encoded
-                load_failed.append((position[unit], item.key, str(e)))
-                return
-            load_skipped.append((position[unit], item.key, str(e)))
-            ctx.log.emit("skipped", item=item.key, reason=str(e))
-            return
+            return e
         d = datasets[item.dataset]
         variants = dataset.plan_variants(dataset.pixels_id(item), size, bucket, d.cache_variants, cfg.seed, d.random_flip,
                                          d.crop, d.crop_zoom)
+        return image, mask, controls, variants, _pixels(image, variants, bucket)
+
+    def encode_image(unit: tuple[Bucket, str], read: Any) -> None:
+        bucket, image_id = unit
+        item, size, _ = plan[image_id]
+        if isinstance(read, dataset.BadImage):
+            if cfg.data.on_bad_image == "error":  # reported with every other one once the rest are encoded
+                load_failed.append((position[unit], item.key, str(read)))
+                return
+            load_skipped.append((position[unit], item.key, str(read)))
+            ctx.log.emit("skipped", item=item.key, reason=str(read))
+            return
+        _, mask, controls, variants, pixels = read
         with torch.no_grad():
-            mean, logvar = family.encode_posterior(vae, _pixels(image, variants, bucket).to(rt.device))
+            mean, logvar = family.encode_posterior(vae, pixels.to(rt.device))
             posteriors = _control_posteriors(family, vae, controls, size, variants, bucket, rt.device)
         if len(variants) < n_var:  # another dataset caches more: repeat this one's to fill the row
             cycle = [k % len(variants) for k in range(n_var)]
@@ -407,10 +418,11 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         for bucket in stores:
             stores[bucket] = stores[bucket] or _open_store(out, bucket, layout_fp)
 
-    encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
-                 needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
-                 done_before=len(plan) - len(todo), total=len(plan))
-    return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "load_failed": load_failed, "rt": rt}
+    pace = encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
+                        needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
+                        done_before=len(plan) - len(todo), total=len(plan), prepare=read_image)
+    return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "load_failed": load_failed, "rt": rt,
+            "pace": pace}
 
 
 def _control_posteriors(family: Any, vae: Any, controls: list[Any], size: tuple[int, int],
@@ -469,7 +481,16 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
         warnings=[{"item": it.key, "message": note} for it, size, bucket in plan.values()
                   for note in dataset.size_notes(it.key, size, bucket, cfg.data.max_aspect)],
         encoded_this_run=n_encoded, seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(encoded["rt"]),
-        world_size=ctx.dist.world_size)
+        world_size=ctx.dist.world_size, **_pace(encoded["pace"]))
+
+
+def _pace(pace: dict[str, float]) -> dict[str, float]:
+    """images_per_second (the encode loop's, rank 0's share times the ranks is the run's) and encoder_busy:
+    the share of that loop's time the encoder (VAE forward and row write) worked, not waiting on reads."""
+    if not pace["units"] or pace["seconds"] <= 0:
+        return {}
+    return {"images_per_second": round(pace["units"] / pace["seconds"], 3),
+            "encoder_busy": round(min(1.0, pace["encode_seconds"] / pace["seconds"]), 3)}
 
 
 def _tidy(out: Path, by_bucket: dict[Bucket, list[str]]) -> None:

@@ -3,7 +3,11 @@ ranks of a torchrun job (seed, shard, write, barrier) with progress counted in g
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeVar
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 from stages.core import distributed
 from stages.core.rowstore import RowStore
@@ -25,42 +29,85 @@ def rows_to_encode(store: RowStore | None, ids: Sequence[str], grow: bool) -> li
     return [i for i in ids if i not in row_of or not intact[row_of[i]]]
 
 
-def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encode: Callable[[T], None], *,
+def prefetched(units: Iterable[T], prepare: Callable[[T], Any], workers: int) -> Iterator[tuple[T, Any]]:
+    """(unit, prepare(unit)) in `units`' order, each prepared on a thread pool while the caller works on
+    the ones before it (at most 2 x `workers` ahead, so memory stays bounded). An exception `prepare`
+    raises is raised here, at its unit."""
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prepare") as pool:
+        ahead: deque[tuple[T, Future]] = deque()
+        it = iter(units)
+        for unit in it:
+            ahead.append((unit, pool.submit(prepare, unit)))
+            if len(ahead) >= 2 * workers:
+                break
+        end = object()
+        while ahead:
+            unit, future = ahead.popleft()
+            nxt = next(it, end)
+            if nxt is not end:
+                ahead.append((nxt, pool.submit(prepare, nxt)))  # type: ignore[arg-type]
+            yield unit, future.result()
+
+
+def prepare_workers() -> int:
+    """Threads that decode ahead of the encoder: the machine's cores, at most 8 (decoding and resizing
+    release the GIL for most of their time)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encode: Callable[..., None], *,
                  size: Callable[[T], int], needs_store: Callable[[T], bool], reopen: Callable[[], None],
-                 done_before: int, total: int) -> None:
+                 done_before: int, total: int, prepare: Callable[[T], Any] | None = None) -> dict[str, float]:
     """Encode `units` over the ranks of ctx.dist, then wait until every rank's rows are on disk.
 
     Under torchrun rank 0 first encodes alone each unit whose store does not exist yet (a store's
     shapes come from the model's first output), everyone `reopen`s the stores, then each rank
     encodes its round-robin share of the rest. Progress and `preparing` events count global items:
-    rank 0's own count times the world size (ranks keep about the same pace), capped at the total."""
+    rank 0's own count times the world size (ranks keep about the same pace), capped at the total.
+    With `prepare` (the host's part: reading and decoding), `encode(unit, prepare(unit))` runs while
+    threads prepare the next units, so the encoder does not wait on the disk. Returns this rank's
+    {"units", "seconds", "encode_seconds"}: how busy the encoder was."""
     dist = ctx.dist
     todo = sum(size(u) for u in units)
     counted = {"here": 0, "shown": 0}
+    stats = {"units": 0.0, "seconds": 0.0, "encode_seconds": 0.0}
+    start = time.perf_counter()
     with distributed.progress(dist, label, todo, unit_name) as bar:
-        def encode_one(unit: T) -> None:
-            encode(unit)
+        def encode_one(unit: T, *prepared: Any) -> None:
+            t0 = time.perf_counter()
+            encode(unit, *prepared)
+            stats["encode_seconds"] += time.perf_counter() - t0
+            stats["units"] += 1
             counted["here"] += size(unit)
             estimate = min(todo, counted["here"] * dist.world_size)
             bar.advance(estimate - counted["shown"])
             counted["shown"] = estimate
             ctx.log.emit("preparing", done=done_before + estimate, total=total, encoded=estimate)
 
+        def run(some: Iterable[T]) -> None:
+            if prepare is None:
+                for unit in some:
+                    encode_one(unit)
+            else:
+                for unit, prepared in prefetched(some, prepare, prepare_workers()):
+                    encode_one(unit, prepared)
+
         seeded: list[int] = []
         with distributed.main_first(dist):
             if dist.is_main and dist.is_distributed:
                 for k, unit in enumerate(units):
-                    if needs_store(unit):
+                    if needs_store(unit):  # the first unit of each new store makes it: the rest need it no more
                         seeded.append(k)
-                        encode_one(unit)
+                        encode_one(unit, *([prepare(unit)] if prepare is not None else []))
         seeded = distributed.broadcast(seeded, dist)
         if seeded:
             reopen()
         skip = set(seeded)
         rest = [u for k, u in enumerate(units) if k not in skip]
-        for unit in distributed.shard(rest, dist, first=len(seeded)):
-            encode_one(unit)
+        run(distributed.shard(rest, dist, first=len(seeded)))
     distributed.barrier(dist)  # every rank's rows are on disk: rank 0 writes the manifest
+    stats["seconds"] = time.perf_counter() - start
+    return stats
 
 
 def damage_report(store: RowStore | None, referenced: dict[str, int], keys: dict[str, list[str]], where: str,

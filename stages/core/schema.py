@@ -35,7 +35,9 @@ MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
                              "warnings": "array", "encoded_this_run": "integer"},
                 # latent id -> variants cached, where datasets cache different numbers ("variants": the most)
                 # the layout parts the free memory forced on an "auto" run, and why (cache_latents._forced)
-                "optional": {**_COST, "variants_of": "object", "memory_forced": "object"}},
+                "optional": {**_COST, "variants_of": "object", "memory_forced": "object",
+                             # the encode loop's pace: images per second, and the share of it the encoder worked
+                             "images_per_second": "number", "encoder_busy": "number"}},
     "checkpoint": {"required": {**_PROVENANCE, "kind": "string", "step": "integer"}, "optional": _COST, "extra": True},
     "final": {"required": {**_PROVENANCE, "kind": "string", "step": "integer", "complete": "boolean"},
               "optional": _COST, "extra": True},

@@ -215,3 +215,31 @@ def test_an_added_image_is_the_only_one_cache_latents_opens(run, tmp_path):
     assert reads and {Path(p).name for p in reads} == {added.name}, reads
     manifest = read_manifest(cfg.run_dir / "latents.zarr")
     assert manifest["encoded_this_run"] == 1 and len(manifest["index"]) == len(set(manifest["items"].values())), out
+    assert manifest["images_per_second"] > 0 and 0 < manifest["encoder_busy"] <= 1  # the encode loop's pace
+    assert "1 of 13 encoded this run (" in " ".join(out.split()) and "images/s, encoder busy" in out, out
+
+
+def test_reads_run_ahead_of_the_encoder_in_order():
+    """cache-latents' reader threads prepare the next images while the encoder works on one: every unit comes
+    back once, in order, with its own result, a reader's error raised at its unit, and at most 2 x workers
+    prepared ahead of the one being encoded."""
+    import threading
+
+    from stages.core.cache_build import prefetched
+
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def prepare(k: int) -> int:
+        with lock:
+            started.append(k)
+        if k == 7:
+            raise ValueError("unreadable 7")
+        return k * k
+
+    seen = []
+    with pytest.raises(ValueError, match="unreadable 7"):
+        for k, value in prefetched(range(20), prepare, workers=2):
+            assert value == k * k and max(started) <= k + 4  # never more than 2 x workers ahead
+            seen.append(k)
+    assert seen == list(range(7))
