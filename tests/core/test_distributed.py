@@ -27,7 +27,7 @@ from conftest import ROOT, demo_config_path, make_cfg, tiny_model
 
 STEPS = 4  # one epoch of the 13-item set at global batch 4: batches of 4, 4, 4 and 1
 TRAIN = {"train.steps": STEPS, "runtime.checkpoint_every": 0, "runtime.log_every": 1, "train.lr_warmup_steps": 1}
-VOLATILE = {"written_at", "seconds", "world_size", "peak_vram_gb"}
+VOLATILE = {"images_per_second", "encoder_busy", "written_at", "seconds", "world_size", "peak_vram_gb"}
 
 
 # ---- pure helpers -----------------------------------------------------------------------------
