@@ -239,10 +239,11 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         forced = _forced(ctx, configured, vae_plan, layout)
         layout_fp = fingerprint(layout)
         _same_plan_on_every_rank(ctx, layout_fp, vae_plan)
-        current = None if force else _up_to_date(cfg, items, layout, ctx.log)
+        existing = None if force else read_manifest(out)  # --force: every image is encoded again
+        current = None if existing is None else _up_to_date(cfg, existing, items, layout, ctx.log)
         if current is not None:
             return current
-        plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log, _known_sizes(out))
+        plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log, _known_sizes(existing))
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)
         for image_id, (_, _, bucket) in sorted(plan.items()):
             by_bucket[bucket].append(image_id)
@@ -266,22 +267,21 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         return manifest
 
 
-def _known_sizes(out: Path) -> dict[str, tuple[int, int]]:
-    """Content id -> (width, height) of every image the existing cache's manifest holds: an incremental run
+def _known_sizes(manifest: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
+    """Content id -> (width, height) of every image the existing cache's `manifest` holds: an incremental run
     (images added, settings changed) reads the headers of the new images only. A size is a function of the
     image's bytes, which its id hashes, so no setting makes it stale."""
-    manifest = read_manifest(out)
     entries = manifest.get("index", {}) if manifest else {}
     return {i: (int(e["size"][0]), int(e["size"][1])) for i, e in entries.items()
             if isinstance(e, dict) and isinstance(e.get("size"), list) and len(e["size"]) == 2}
 
 
-def _up_to_date(cfg: Any, items: list[dataset.Item], layout: dict[str, Any], log: Any) -> dict[str, Any] | None:
-    """The manifest, when it holds these images with this layout and no row is damaged: then the stage
-    opens no image (planning the buckets reads every image's header), as `run` skips it."""
-    manifest = read_manifest(artifact_dir(cfg))
+def _up_to_date(cfg: Any, manifest: dict[str, Any], items: list[dataset.Item], layout: dict[str, Any],
+                log: Any) -> dict[str, Any] | None:
+    """The cache's `manifest`, when it holds these images with this layout and no row is damaged: then the
+    stage opens no image (planning the buckets reads every image's header), as `run` skips it."""
     parts = {**layout, "images": sorted({it.latent_key for it in items})}
-    if manifest is None or not manifest.get("complete", True) or manifest.get("fingerprint") != fingerprint(parts) \
+    if not manifest.get("complete", True) or manifest.get("fingerprint") != fingerprint(parts) \
             or damaged_rows(cfg, manifest):
         return None
     log.emit("up_to_date", fingerprint=manifest["fingerprint"],

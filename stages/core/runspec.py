@@ -85,7 +85,6 @@ class RunSpec:
 
     def saved(self) -> dict[str, Any] | None:
         """The run's saved settings (config.json), None when it has none."""
-
         saved = self.saved_config()
         if not self.name or not saved.is_file():
             return None

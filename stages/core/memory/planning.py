@@ -183,13 +183,11 @@ def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError |
     budget_text = "auto: the free memory at start" if budget == "auto" else f"{budget} GB"
     kept = "everything already written is kept and the rerun continues from it"
     ran, family, src = _RAN.get(stage, (None, None, None))
-    advice = None
     if ran is not None and ran.budget.gb is not None:
         try:
             advice = oom_advice(cfg, family, src, ran, peak)
         except Exception:  # the advice is a courtesy: the error itself must come out whatever planning meets
             advice = None
-    if ran is not None and ran.budget.gb is not None:
         planner = PLANNERS[stage]
         ran_with = ", ".join(f"{k}={v}" for k, v in ran.settings.items() if k not in ("blocks", "layers"))
         advice = advice or (f"the planner has no smaller plan that fits below that: lower "
@@ -233,5 +231,3 @@ def oom_advice(cfg: Any, family: Any, src: Any, ran: StagePlan, peak_gb: float) 
 def _toml(value: Any) -> str:
     """A setting's value as a TOML config spells it."""
     return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, str) else str(value)
-
-
