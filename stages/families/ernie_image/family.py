@@ -103,6 +103,12 @@ class ErnieImage(FamilyTraits):
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT  # lora_unet_<diffusers path>: ComfyUI's own names for ErnieImage
     comfyui_layout = COMFYUI_LAYOUT
+    # Counted with torch's saved-tensor hooks on one bf16 block (4 x 128 heads, ffn 3 x width, 256 tokens),
+    # LoRA on its attention, the shared modulation frozen: 32.2 units, above FLUX.1's 17 because the block
+    # keeps float32 copies of its modulated input, scales and gated outputs (transformer_ernie_image.py).
+    block_saved_units = {"ErnieImageSharedAdaLNBlock": 32.0}
+    # estimate, no bench rows yet: those 32 units plus the 7 of backward temporaries FLUX.1's 24 has over its 17
+    block_work_units = 39.0
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> ErnieImageTextEncoder:
