@@ -25,6 +25,8 @@ TEXT_PRECISION = "nf4"
 BUILD_SECONDS = 55  # estimate: 23.8 GB of bf16 safetensors (8.03B transformer + 3.85B Mistral3); Z-Image's 20.5 GB took 38-54 s
 TRAIN_SECONDS = 70  # estimate: a compiled 512 px b1 train item (load, regional compile, 8 steps), as Chroma's 8.9B
 TEXT_IN_SEQUENCE = True
+# every base at every bench shape: the bench's short plan runs each (nf4 first: its export and load check)
+BASE_PRECISIONS = ("nf4", "fp8", "bf16")
 
 TRANSFORMER = dict(hidden_size=4096, num_attention_heads=32, num_layers=36, ffn_hidden_size=12288, in_channels=128,
                    out_channels=128, patch_size=1, text_in_dim=3072, rope_theta=256, rope_axes_dim=(32, 48, 48),

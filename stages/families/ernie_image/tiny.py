@@ -22,7 +22,8 @@ PIPELINE_EXTRA: dict[str, Any] = {}
 MISTRAL_HIDDEN = 48  # real 3072 (Ministral 3 3B); unlike the transformer's 32, so text_proj exists
 SCHEDULER_SHIFT = 4.0
 TINY_DIMS: dict[str, dict[str, Any]] = {"ernie-image": {
-    "latent_channels": LATENT_CHANNELS, "vae_scale_factor": 2, "image_multiple": 4,
+    # the pipeline's vae_scale_factor is 2 ** len(block_out_channels): the VAE's 2 times the 2x2 patches
+    "latent_channels": LATENT_CHANNELS, "vae_scale_factor": 4, "image_multiple": 4,
     "text_hidden": {"text_encoder": MISTRAL_HIDDEN},
     "max_sequence_length": {"tokenizer": 131072},  # the pipeline truncates at the tokenizer's model_max_length
     "transformer_in_channels": 4 * LATENT_CHANNELS,
