@@ -217,3 +217,46 @@ def test_tiny_config_relations(ernie):
     assert sum(t.rope_axes_dim) == t.hidden_size // t.num_attention_heads
     assert text.num_hidden_layers >= 2 and text.model_type == "ministral3"
     assert pipe.transformer.final_linear.weight.abs().sum() > 0, "diffusers' zero init would make every output 0"
+
+
+def test_nf4_base_with_a_block_swapped_trains_as_diffusers_nf4(ernie, monkeypatch):
+    """An nf4 base loaded block by block with one of its two blocks swapped to the host (the planner's
+    nf4 + block swap plan) gives the loss and LoRA gradients of diffusers' own nf4 load, bit for bit, under
+    gradient checkpointing with the text mask (diffusers' nf4 load runs on CPU with its GPU check lifted)."""
+    from diffusers import ErnieImageTransformer2DModel
+    from diffusers.quantizers.bitsandbytes.bnb_quantizer import BnB4BitDiffusersQuantizer
+
+    from stages.core import blockswap, nf4_blocks
+
+    family, folder, _ = ernie
+    src = ModelSource(str(folder))
+    cond = _encode(family, folder, 64)
+    g = torch.Generator().manual_seed(2)
+    x0, noise, t = torch.randn(2, 32, 8, 8, generator=g), torch.randn(2, 32, 8, 8, generator=g), torch.tensor([0.3, 0.8])
+
+    def with_lora(model):
+        torch.manual_seed(0)
+        params = lora.attach_lora(model, lora.lora_config(4, 4.0, 0.0, family.default_lora_targets))
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        model.enable_gradient_checkpointing()
+        return model.train(), params
+
+    def loss_and_grads(model, params):
+        loss = family.loss(model, x0, noise, t, cond, _meta(2, 8, 8), TrainConfig())
+        loss.mean().backward()
+        return loss.detach(), [p.grad.clone() for p in params]
+
+    monkeypatch.setattr(BnB4BitDiffusersQuantizer, "validate_environment", lambda self, *a, **k: None)
+    ref = src.load(ErnieImageTransformer2DModel, "transformer", torch_dtype=torch.bfloat16,
+                   quantization_config=nf4_blocks.nf4_config(True), device_map={"": "cpu"})
+    loss_ref, grads_ref = loss_and_grads(*with_lora(ref))
+    model, params = with_lora(nf4_blocks.load_nf4_by_block(ErnieImageTransformer2DModel, src, "transformer",
+                                                           torch.device("cpu"), 1, True))
+    swap = blockswap.install_block_swap(model, 1, torch.device("cpu"))
+    assert swap.blocks == [model.layers[1]]
+    loss, grads = loss_and_grads(model, params)
+    assert torch.equal(loss, loss_ref) and swap.copies > 0
+    for a, b in zip(grads, grads_ref):
+        assert torch.equal(a, b)

@@ -52,7 +52,8 @@ class ErnieImageTextEncoder:
         """The pipeline's tokens per caption (cut at `limit` where given), [BOS] for an empty one."""
         kwargs = {"truncation": True, "max_length": limit} if limit else {"truncation": False}
         bos = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else 0
-        return [ids or [bos] for ids in self.tokenizer(texts, add_special_tokens=True, padding=False, **kwargs).input_ids]
+        tokens = self.tokenizer(texts, add_special_tokens=True, padding=False, **kwargs)
+        return [ids or [bos] for ids in tokens.input_ids]
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
@@ -98,7 +99,7 @@ class ErnieImage(FamilyTraits):
                             "self_attention.to_out.0")
     text_component_classes = ("Mistral3Model",)
     text_components = ("tokenizer", "text_encoder")
-    text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
+    text_offload_components = ("text_encoder",)  # loaded by load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT  # lora_unet_<diffusers path>: ComfyUI's own names for ErnieImage

@@ -22,7 +22,8 @@ from stages.families.full_parts import diffusers_model
 
 PRESET = "configs/ernie-image.toml"
 TEXT_PRECISION = "nf4"
-BUILD_SECONDS = 55  # estimate: 23.8 GB of bf16 safetensors (8.03B transformer + 3.85B Mistral3); Z-Image's 20.5 GB took 38-54 s
+# estimate: 23.8 GB of bf16 safetensors (8.03B transformer + 3.85B Mistral3); Z-Image's 20.5 GB took 38-54 s
+BUILD_SECONDS = 55
 TRAIN_SECONDS = 70  # estimate: a compiled 512 px b1 train item (load, regional compile, 8 steps), as Chroma's 8.9B
 TEXT_IN_SEQUENCE = True
 # every base at every bench shape: the bench's short plan runs each (nf4 first: its export and load check)
