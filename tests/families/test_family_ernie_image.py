@@ -260,3 +260,17 @@ def test_nf4_base_with_a_block_swapped_trains_as_diffusers_nf4(ernie, monkeypatc
     assert torch.equal(loss, loss_ref) and swap.copies > 0
     for a, b in zip(grads, grads_ref):
         assert torch.equal(a, b)
+
+
+def test_single_file_checkpoint_loads_as_the_folders_transformer(ernie, tmp_path):
+    """A ComfyUI-layout single file (`model.diffusion_model.<diffusers name>`, what diffusers' ERNIE-Image
+    converter reads) with `base` naming the pipeline folder loads the same transformer."""
+    from safetensors.torch import save_file
+
+    family, folder, pipe = ernie
+    file = tmp_path / "ernie-finetune.safetensors"
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in pipe.transformer.state_dict().items()}, str(file))
+    model = family.load_denoiser(ModelSource(str(file), base=str(folder)), "fp32", CPU, TrainConfig())
+    want = pipe.transformer.state_dict()
+    assert model.state_dict().keys() == want.keys()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
