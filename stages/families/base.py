@@ -135,6 +135,9 @@ class FamilyTraits:
     attention_per_block: bool = True
     """Each repeated block runs one attention at the block's width, what runtime.keep_attention counts;
     False (SDXL's UNet blocks) refuses runtime.keep_attention."""
+    repeated_blocks: tuple[str, ...] = ()
+    """The denoiser's repeated block classes where its diffusers class names none (`_repeated_blocks`), which
+    the train planner's meta model then gets (HiDream-I1; its loaded denoiser names them itself)."""
     text_offload_components: tuple[str, ...] = ()
     """Text encoders loaded through `text_encoders.load_text_model`, whose layers encode-captions may
     offload to CPU memory when not even nf4 fits its budget (empty: never offloaded)."""
