@@ -56,16 +56,18 @@ NOT_ROUND_TRIPPED = {
 # The edit families have their base family's layout (flux, qwen-image cover them), and their
 # pipelines cannot render this text-only check: Kontext renders at max_area 1024 x 1024 whatever the
 # height and width (too slow on CPU), Qwen-Image-Edit-Plus needs an image.
-# ErnieImagePipeline.lora_state_dict reads diffusers, peft and `diffusion_model.` names only: ERNIE-Image's kohya
-# copy (lora_unet_<diffusers path>, ComfyUI's own names for it) is for ComfyUI too
+# ErnieImagePipeline.lora_state_dict and HiDreamImagePipeline's read diffusers, peft and `diffusion_model.` names
+# only: ERNIE-Image's and HiDream-I1's kohya copies (lora_unet_<diffusers path>, ComfyUI's own names) are for ComfyUI
 KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux-kontext", "qwen-image-edit",
-                                                                      "qwen-image-edit-2511", "ernie-image"))
+                                                                      "qwen-image-edit-2511", "ernie-image",
+                                                                      "hidream-i1"))
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
 DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "flux-kontext": "FluxKontextPipeline.lora_state_dict cannot read it",  # FLUX's demo targets
                       "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion",
                       "chroma": "ChromaPipeline.lora_state_dict cannot read it",  # FLUX.1's demo targets
-                      "ernie-image": "keys outside 'transformer' after ErnieImagePipeline's conversion"}
+                      "ernie-image": "keys outside 'transformer' after ErnieImagePipeline's conversion",
+                      "hidream-i1": "keys outside 'transformer' after HiDreamImagePipeline's conversion"}
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
 
