@@ -135,7 +135,8 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "krea2": "configs/krea2.toml",
            "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
            "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml",
-           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "ernie-image": "configs/ernie-image.toml"}
+           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "ernie-image": "configs/ernie-image.toml",
+           "hidream-i1": "configs/hidream-i1.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -174,6 +175,10 @@ SUITES: dict[str, list[Row]] = {
     "qwen-image-edit-2511": short_family("qwen-image-edit-2511"),
     "chroma": short_family("chroma"),
     "ernie-image": [*short_family("ernie-image", ALL), *memory_grid("ernie-image", 1024, ("16",))],
+    # HiDream-I1: every base at 1024 px (the size it renders at), the nf4 512 px run its export check reads, 16 GB
+    "hidream-i1": [*stages("hidream-i1", "encode/nf4", "latents/512", "latents/1024"), train("hidream-i1", "nf4", 512, 1),
+                   *grid("hidream-i1", ALL, pxs=(1024,)), *stages("hidream-i1", "export/nf4-512-b1", "verify/nf4-512-b1"),
+                   *memory_grid("hidream-i1", 1024, ("16",))],
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),
