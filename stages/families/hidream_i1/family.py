@@ -164,4 +164,4 @@ class HiDreamI1(KLVAELatents, FamilyTraits):
         p, (mh, mw) = config.patch_size, config.max_resolution
         if h != w and (h // p) * (w // p) > mh * mw // (p * p):
             raise ConfigError(f"a {w}x{h} latent bucket has {(h // p) * (w // p)} patches, more than the "
-                              f"{mh * mw // (p * p)} hidream-i1's transformer pads to; lower data.resolution")
+                              f"{mh * mw // (p * p)} that hidream-i1's transformer pads to; lower data.resolution")
