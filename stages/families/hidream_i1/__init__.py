@@ -12,6 +12,11 @@ MAX_RESOLUTION = 1024  # the transformer's max_resolution (128 x 128 latent cell
 DEMO_VARIANT = "hidream-i1"  # the tiny pipeline (stages/families/hidream_i1/tiny.py) the demo and tests build
 DEMO_CONFIG = "demo-hidream-i1.toml"
 
+# What the libraries print that is no news: HiDreamImagePipeline asks Llama for its attention weights, which
+# it never reads, and the SDPA attention it runs says it returns none.
+LIBRARY_NOTICES = {"transformers.integrations.sdpa_attention":
+                   ("`sdpa` attention does not support `output_attentions=True`",)}
+
 
 def config_errors(cfg: Any) -> list[str]:
     errors = (checks.max_tokens(cfg, MAX_TOKENS, "HiDreamImagePipeline's T5 reads at most 512")
