@@ -145,6 +145,9 @@ class FamilyTraits:
     """The text encoders run with `output_hidden_states=True` (the family reads an inner layer's states), so
     an encode holds every layer's states at once, which encode-captions' planner counts; False where only the
     last hidden state or the pooled output is read (FLUX.1's T5 and CLIP)."""
+    text_whole_components: tuple[str, ...] = ()
+    """Text encoders that stay in bf16 when captions.text_encoder_precision is nf4 (FLUX.1's and HiDream's
+    CLIPs), which encode-captions' planner counts at their bf16 size."""
     text_tokens_beyond_max: int = 77
     """Tokens a text encoder reads beyond captions.max_sequence_length (a chat template's system prefix that
     the pipeline drops afterwards), which encode-captions' planner counts; 0 where every encoder reads at most

@@ -190,6 +190,20 @@ def test_a_stage_that_cannot_fit_a_given_cap_refuses_before_loading(flux_dev, mo
     assert not plan.fits and any("even the smallest train plan" in f["message"] for e, f in log.events if e == "warning")
 
 
+def test_an_nf4_encode_counts_what_stays_bf16(flux_dev):
+    """Under captions.text_encoder_precision = "nf4" FLUX.1 quantizes T5 and keeps CLIP in bf16 (the family's
+    `text_whole_components`): the plan's weights are T5 at nf4 plus CLIP at bf16, not both at nf4."""
+    from stages.core.memory.captions import encode_work
+    from stages.core.memory.sizes import meta_component, weight_bytes
+
+    src, family = model_source(flux_dev), get_family("flux")
+    clip, t5 = meta_component(src, "text_encoder"), meta_component(src, "text_encoder_2")
+    work = max(encode_work(m, 1, 512, False) for m in (clip, t5))
+    expected = (weight_bytes(t5, "nf4") + weight_bytes(clip, "bf16") + work) / GB
+    assert _peak(_captions(flux_dev, 512, 6.0), "nf4", 1) == pytest.approx(expected, rel=1e-6)
+    assert weight_bytes(clip, "bf16") - weight_bytes(clip, "nf4") > 0.1 * GB  # what counting CLIP at nf4 missed
+
+
 def test_out_of_memory_advice_names_what_the_planner_would_change(flux_dev, monkeypatch):
     """An OOM in encode-captions at --vram 6 with 512-token captions (nf4 already, as the plan chose): the error
     names the setting the planner changes below the memory reached, with its value and the --vram that

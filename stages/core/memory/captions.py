@@ -27,7 +27,8 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             for batch in halvings(cfg.captions.batch_size)}
     candidates = []
     for precision in precisions:
-        weights = sum(weight_bytes(m, precision) for m in models.values())
+        weights = sum(weight_bytes(m, "bf16" if precision == "nf4" and c in family.text_whole_components else precision)
+                      for c, m in models.items())
         for batch, w in work.items():
             candidates.append(({"text_encoder_precision": precision, "batch_size": batch}, (weights + w) / cal.GB))
     candidates += _offload_candidates(cfg, family, models, work, budget)

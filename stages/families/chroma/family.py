@@ -73,6 +73,7 @@ class Chroma(Flux1):
     text_component_classes = ("T5EncoderModel",)
     text_components = ("tokenizer", "text_encoder")
     text_offload_components = ("text_encoder",)  # loaded by load_text_model: the planner may offload its layers
+    text_whole_components = ()  # no CLIP: its one text encoder is the T5
     comfyui_layout = COMFYUI_LAYOUT
     # kohya_layout: FLUX.1's (BFL names, as sd-scripts' Chroma support writes them); the approximator has none
 

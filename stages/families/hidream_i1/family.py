@@ -102,6 +102,7 @@ class HiDreamI1(KLVAELatents, FamilyTraits):
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     text_tokens_beyond_max = 0  # each encoder reads at most captions.max_sequence_length tokens (CLIP: 218)
+    text_whole_components = ("text_encoder", "text_encoder_2")  # the CLIPs stay bf16 under nf4
     repeated_blocks = ("HiDreamBlock",)  # diffusers' class names none (denoiser.HiDreamTrainable)
     # Estimates from the layer widths, to be fitted on the H200: FLUX.1's 17 units of a block with attention and
     # an MLP, plus the MoE's routed copies (2 experts x 4 tensors of 2.7x the width) and its shared expert
