@@ -238,7 +238,8 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
 
     s, family = cfg.sample, get_family(cfg.family)
     kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil",
-                              **guidance_kwargs(pipe, family, s.guidance_scale)}
+                              **(family.sample_guidance(s.guidance_scale, s.steps)
+                                 or guidance_kwargs(pipe, family, s.guidance_scale))}
     images = []
     for r, prompt in enumerate(prompts):
         extra = family.sample_image_kwargs(controls[r], size) if controls is not None else {}

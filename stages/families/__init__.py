@@ -39,6 +39,7 @@ FAMILIES: dict[str, str] = {
     "qwen-image-edit": "stages.families.qwen_image_edit.family:QwenImageEdit",
     "qwen-image-edit-2511": "stages.families.qwen_image_edit_2511.family:QwenImageEdit2511",
     "chroma": "stages.families.chroma.family:Chroma",
+    "ideogram4": "stages.families.ideogram4.family:Ideogram4",
 }
 
 

@@ -35,6 +35,7 @@ EXTRA = {
     "sdxl": ("add_embedding.linear_1", "down_blocks.1.resnets.0.time_emb_proj", "down_blocks.1.resnets.0.conv1"),
     "chroma": ("single_transformer_blocks.0.proj_mlp", "x_embedder", "distilled_guidance_layer.in_proj",
                "distilled_guidance_layer.layers.0.linear_2"),
+    "ideogram4": ("layers.0.adaln_modulation", "input_proj", "llm_cond_proj", "final_layer.linear"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
 EXTRA["qwen-image-edit-2511"] = EXTRA["qwen-image"]
