@@ -15,6 +15,10 @@ PIPELINE_MAX_SEQUENCE_LENGTH = 2048  # Ideogram4Pipeline.__call__'s default max_
 DEMO_VARIANT = "ideogram4"  # the tiny pipeline (stages/families/ideogram4/tiny.py) the demo and tests build
 DEMO_CONFIG = "demo-ideogram4.toml"
 
+# What the libraries print that is no news: the pipeline's text encoding calls transformers' causal-mask helper
+# and decoder layers with the `past_key_values` keyword that transformers deprecates.
+LIBRARY_WARNINGS = ((r"`past_key_values` is deprecated", "FutureWarning", r"(diffusers|transformers)\."),)
+
 
 def config_errors(cfg: Any) -> list[str]:
     return (checks.max_tokens(cfg, PIPELINE_MAX_SEQUENCE_LENGTH, "Ideogram4Pipeline's default max_sequence_length, "
