@@ -238,7 +238,7 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
 
     s, family = cfg.sample, get_family(cfg.family)
     kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil",
-                              **(family.sample_guidance(s.guidance_scale, s.steps)
+                              **(family.sample_kwargs(pipe, prompts, s.guidance_scale, s.steps)
                                  or guidance_kwargs(pipe, family, s.guidance_scale))}
     images = []
     for r, prompt in enumerate(prompts):

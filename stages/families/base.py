@@ -166,10 +166,10 @@ class FamilyTraits:
         """The pipeline call's image arguments for `sample`. Defined by the families with a control_range."""
         raise NotImplementedError(f"{type(self).__name__} takes no control images")
 
-    def sample_guidance(self, scale: float, steps: int) -> dict[str, Any] | None:
-        """The pipeline call's guidance arguments for sample.guidance_scale and sample.steps where the family's
-        pipeline takes others than one guidance_scale (Ideogram 4: a per-step schedule); None: the shared rule
-        (`stages.sample.guidance_kwargs`)."""
+    def sample_kwargs(self, pipe: Any, prompts: list[str], scale: float, steps: int) -> dict[str, Any] | None:
+        """The pipeline call's guidance (and other) arguments for sample.guidance_scale, sample.steps and the
+        prompts, where the family's pipeline takes others than one guidance_scale (Ideogram 4: a per-step
+        schedule, and its text padding cut to the prompts); None: the shared rule (`stages.sample.guidance_kwargs`)."""
         return None
 
     def sample_context(self, size: tuple[int, int]) -> ContextManager[Any]:

@@ -208,13 +208,20 @@ def test_comfyui_fused_qkv_file_loads_in_comfyui_and_diffusers(ideogram):
         torch.testing.assert_close(b @ a, delta.double(), rtol=1e-5, atol=1e-6, msg=module)
 
 
-def test_sample_guidance_is_a_scale_or_the_pipelines_schedule(ideogram):
+def test_sample_kwargs_give_the_pipelines_image_at_its_default_padding(ideogram):
+    """A guidance scale or the pipeline's schedule at sample.steps; the text padding cut to the longest prompt
+    renders the image the default 2048-token padding does."""
     family, _, pipe = ideogram
     for scale, steps in ((4.0, 5), (-1.0, 6), (-1.0, 2)):
-        kwargs = family.sample_guidance(scale, steps)
-        pipe.check_inputs("a cat", 64, 64, steps, **kwargs)
-    schedule = family.sample_guidance(-1.0, 48)["guidance_schedule"]
+        kwargs = family.sample_kwargs(pipe, list(CAPTIONS), scale, steps)
+        pipe.check_inputs("a cat", 64, 64, steps, kwargs["guidance_scale"], kwargs["guidance_schedule"])
+    schedule = family.sample_kwargs(pipe, ["a cat"], -1.0, 48)["guidance_schedule"]
     assert tuple(schedule) == (7.0,) * 45 + (3.0,) * 3  # Ideogram4Pipeline's default at its 48 steps
+    kwargs = family.sample_kwargs(pipe, list(CAPTIONS), 4.0, 2)
+    call = dict(prompt=CAPTIONS[1], height=32, width=32, num_inference_steps=2, output_type="np")
+    ours = pipe(**call, **kwargs, generator=torch.Generator().manual_seed(0)).images
+    default = pipe(**call, guidance_scale=4.0, guidance_schedule=None, generator=torch.Generator().manual_seed(0)).images
+    assert kwargs["max_sequence_length"] < 64 and abs(ours - default).max() < 1e-5
 
 
 @pytest.mark.parametrize("n, ok", [(2048, True), (2049, False)])
