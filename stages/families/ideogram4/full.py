@@ -25,6 +25,7 @@ TEXT_PRECISION = "nf4"
 BUILD_SECONDS = 110  # estimate: 55 GB of bf16 safetensors (2 x 9.3B transformers + 8.8B Qwen3-VL); FLUX.1's 34 GB took 57-68 s
 TRAIN_SECONDS = 75  # a compiled 512 px b1 train item on the H200 (load, regional compile, 8 steps): estimate from FLUX.1's 65-94 s
 TEXT_IN_SEQUENCE = True
+BASE_PRECISIONS = ("nf4", "bf16", "fp8")  # every base at every bench shape (no fp8 rows of this family yet)
 
 TRANSFORMER = dict(in_channels=128, num_layers=34, attention_head_dim=256, num_attention_heads=18,
                    intermediate_size=12288, adaln_dim=512, llm_features_dim=53248, rope_theta=5_000_000,
