@@ -223,7 +223,8 @@ def nf4_config(family: Any, src: Any) -> Any:
 
     from stages.core.memory import module_components
 
-    names = module_components(src, family.text_components + family.denoiser_components)  # no tokenizer or scheduler
+    components = family.text_components + family.denoiser_components + family.sample_components
+    names = module_components(src, components)  # no tokenizer or scheduler
     return PipelineQuantizationConfig(quant_backend="bitsandbytes_4bit", components_to_quantize=names, quant_kwargs={
         "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16})
 

@@ -158,6 +158,9 @@ class FamilyTraits:
         raise NotImplementedError(f"{type(self).__name__} takes no control images")
 
     # ---- sample
+    sample_components: tuple[str, ...] = ()
+    """Pipeline subfolders only `sample` loads, besides the stages' own: denoisers that are not trained (Ideogram
+    4's unconditional transformer), which its memory plan counts and its nf4 load quantizes."""
     distilled_ignores_guidance: bool = False
     """The pipeline turns guidance off when model_index.json says `is_distilled` (FLUX.2 klein), so
     `sample` hands it 1.0."""

@@ -133,6 +133,7 @@ class Ideogram4(FamilyTraits):
     text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
+    sample_components = ("unconditional_transformer",)  # the pipeline's CFG branch: sampled with, never trained
     kohya_layout = KOHYA_LAYOUT  # sd-scripts has no Ideogram 4 layout: the diffusers paths
     comfyui_layout = COMFYUI_LAYOUT
     # fp8_faster_from_tokens: not measured yet (bf16 stays first under "auto")
