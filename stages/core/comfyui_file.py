@@ -110,10 +110,12 @@ def comfyui_state(deltas: TrainedDeltas, layout: ComfyLayout, config: dict[str, 
         tensors = _module_tensors(deltas, module, native)
         out.update({f"{name}.{k}": v.contiguous() for k, v in tensors.items()})
     for name, members in fused.items():
-        count = layout.locate(members[min(members)], config).count
+        native = layout.locate(members[min(members)], config)
+        count = native.count
         if len(members) != count:
-            raise ComfyError(f"ComfyUI holds {sorted(members.values())} with other modules as one weight '{name}', "
-                             f"whose members must all be trained for its file; train all {count} or none of them")
+            raise ComfyError(f"ComfyUI holds {sorted(members.values())} with other modules as one weight '{native.name}', "
+                             f"whose file entry needs all {count} of them trained: add the others to "
+                             f"train.target_modules, or export with --set export.comfyui=false")
         tensors = _fused_tensors(deltas, [members[i] for i in sorted(members)])
         out.update({f"{name}.{k}": v.contiguous() for k, v in tensors.items()})
     return out

@@ -200,6 +200,9 @@ def test_comfyui_fused_qkv_file_loads_in_comfyui_and_diffusers(ideogram):
     assert tensors["diffusion_model.layers.0.attention.qkv.lora_down.weight"].shape[0] == ranks
     report = comfyui.check("file", tensors, kmap, merged)
     assert report.problems() == [] and sorted(report.strength) == sorted(merged)
+    lone = {k: v for k, v in state.items() if k.startswith("layers.0.attention.to_q.")}
+    with pytest.raises(comfyui.ComfyError, match=r"'layers.0.attention.qkv'.*export.comfyui=false"):
+        comfyui_state(TrainedDeltas(lone, lora_cfg), family.comfyui_layout, config)
     # diffusers' reader converts the blocks' modules (its table has no top-level ones)
     blocks = {k: v for k, v in tensors.items() if k.startswith("diffusion_model.layers.")}
     converted = pipe.lora_state_dict(blocks)

@@ -86,7 +86,7 @@ class Ideogram4TextEncoder:
             ids[b, longest - len(row):] = torch.tensor(row)
             mask[b, longest - len(row):] = 1
             positions[b, longest - len(row):] = torch.arange(len(row))
-        device = self.model.device
+        device = self.device
         taps = Ideogram4Pipeline._get_text_encoder_hidden_states(self.model, ids.to(device), mask.to(device),
                                                                  positions.to(device))
         features = torch.stack(taps, dim=0).permute(1, 2, 3, 0).flatten(2)  # (B, L, D * 13), feature d * 13 + k
