@@ -109,7 +109,7 @@ def plan(fam: str) -> list[Item]:
 
 def _short_plan(fam: str) -> list[Item]:
     """A newer or edit family: stage peaks and samples/s at 512 and 1024 px, batch 1 and 4, in the
-    base precisions its full.py lists (BASE_PRECISIONS, default nf4 and bf16), then an fp8 row.
+    base precisions its full.py lists (BASE_PRECISIONS, default nf4 and bf16), then an fp8 row where those lack fp8.
     Train items take the family's TRAIN_SECONDS (a compiled 512 px b1 item: load, regional compile,
     8 steps) plus what 1024 px and batch 4 add on the H200 (FLUX.1 rows in bench/results: +10-25 s).
     A family whose references are optional (control_range (0, n), FLUX.2) adds a one-reference run."""

@@ -114,9 +114,11 @@ def measured_family(family: str, encode: tuple[str, ...], export: str = "nf4-512
 
 
 def short_family(family: str, precisions: tuple[str, ...] = ("nf4", "bf16"), refs: bool = False) -> list[Row]:
-    """A newer or edit family: caches, its precisions at every shape, fp8 at 1024 px b1, export and load check."""
+    """A newer or edit family: caches, its precisions at every shape, fp8 at 1024 px b1 (where fp8 is not among
+    them), export and load check."""
     latents = ("latents/512", "latents/1024") + (("latents/512-ref1",) if refs else ())
-    return [*stages(family, "encode/nf4", *latents), *grid(family, precisions), train(family, "fp8", 1024, 1),
+    fp8 = [] if "fp8" in precisions else [train(family, "fp8", 1024, 1)]
+    return [*stages(family, "encode/nf4", *latents), *grid(family, precisions), *fp8,
             *stages(family, "export/nf4-512-b1", "verify/nf4-512-b1")]
 
 
@@ -133,7 +135,9 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "krea2": "configs/krea2.toml",
            "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
            "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml",
-           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "ideogram4": "configs/ideogram4.toml"}
+           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "ernie-image": "configs/ernie-image.toml",
+           "hidream-i1": "configs/hidream-i1.toml",
+           "ideogram4": "configs/ideogram4.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -171,6 +175,11 @@ SUITES: dict[str, list[Row]] = {
     "qwen-image-edit": short_family("qwen-image-edit"),
     "qwen-image-edit-2511": short_family("qwen-image-edit-2511"),
     "chroma": short_family("chroma"),
+    "ernie-image": [*short_family("ernie-image", ALL), *memory_grid("ernie-image", 1024, ("16",))],
+    # HiDream-I1: every base at 1024 px (the size it renders at), the nf4 512 px run its export check reads, 16 GB
+    "hidream-i1": [*stages("hidream-i1", "encode/nf4", "latents/512", "latents/1024"), train("hidream-i1", "nf4", 512, 1),
+                   *grid("hidream-i1", ALL, pxs=(1024,)), *stages("hidream-i1", "export/nf4-512-b1", "verify/nf4-512-b1"),
+                   *memory_grid("hidream-i1", 1024, ("16",))],
     "ideogram4": [*stages("ideogram4", "encode/nf4", "latents/1024"), *grid("ideogram4", ALL, pxs=(1024,)),
                   *stages("ideogram4", "train/nf4-512-b1", "export/nf4-512-b1", "verify/nf4-512-b1"),
                   *memory_grid("ideogram4", 1024, ("16",))],

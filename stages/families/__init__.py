@@ -39,6 +39,8 @@ FAMILIES: dict[str, str] = {
     "qwen-image-edit": "stages.families.qwen_image_edit.family:QwenImageEdit",
     "qwen-image-edit-2511": "stages.families.qwen_image_edit_2511.family:QwenImageEdit2511",
     "chroma": "stages.families.chroma.family:Chroma",
+    "ernie-image": "stages.families.ernie_image.family:ErnieImage",
+    "hidream-i1": "stages.families.hidream_i1.family:HiDreamI1",
     "ideogram4": "stages.families.ideogram4.family:Ideogram4",
 }
 

@@ -135,6 +135,9 @@ class FamilyTraits:
     attention_per_block: bool = True
     """Each repeated block runs one attention at the block's width, what runtime.keep_attention counts;
     False (SDXL's UNet blocks) refuses runtime.keep_attention."""
+    repeated_blocks: tuple[str, ...] = ()
+    """The denoiser's repeated block classes where its diffusers class names none (`_repeated_blocks`), which
+    the train planner's meta model then gets (HiDream-I1; its loaded denoiser names them itself)."""
     text_offload_components: tuple[str, ...] = ()
     """Text encoders loaded through `text_encoders.load_text_model`, whose layers encode-captions may
     offload to CPU memory when not even nf4 fits its budget (empty: never offloaded)."""
@@ -142,6 +145,10 @@ class FamilyTraits:
     """The text encoders run with `output_hidden_states=True` (the family reads an inner layer's states), so
     an encode holds every layer's states at once, which encode-captions' planner counts; False where only the
     last hidden state or the pooled output is read (FLUX.1's T5 and CLIP)."""
+    text_tokens_beyond_max: int = 77
+    """Tokens a text encoder reads beyond captions.max_sequence_length (a chat template's system prefix that
+    the pipeline drops afterwards), which encode-captions' planner counts; 0 where every encoder reads at most
+    max(captions.max_sequence_length, 77) tokens (FLUX.1's T5 padded to the length, its CLIP to 77)."""
 
     # ---- controls: edit families (min >= 1) and those with optional references (min 0)
     control_range: tuple[int, int] = (0, 0)

@@ -35,6 +35,9 @@ EXTRA = {
     "sdxl": ("add_embedding.linear_1", "down_blocks.1.resnets.0.time_emb_proj", "down_blocks.1.resnets.0.conv1"),
     "chroma": ("single_transformer_blocks.0.proj_mlp", "x_embedder", "distilled_guidance_layer.in_proj",
                "distilled_guidance_layer.layers.0.linear_2"),
+    "ernie-image": ("layers.0.mlp.gate_proj", "x_embedder.proj", "text_proj", "adaLN_modulation.1", "final_norm.linear"),
+    "hidream-i1": ("double_stream_blocks.0.block.ff_i.experts.0.w1", "double_stream_blocks.0.block.ff_t.w2",
+                   "caption_projection.0.linear", "final_layer.adaLN_modulation.1"),
     "ideogram4": ("layers.0.adaln_modulation", "input_proj", "llm_cond_proj", "final_layer.linear"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]

@@ -56,8 +56,11 @@ NOT_ROUND_TRIPPED = {
 # The edit families have their base family's layout (flux, qwen-image cover them), and their
 # pipelines cannot render this text-only check: Kontext renders at max_area 1024 x 1024 whatever the
 # height and width (too slow on CPU), Qwen-Image-Edit-Plus needs an image.
+# ErnieImagePipeline.lora_state_dict and HiDreamImagePipeline's read diffusers, peft and `diffusion_model.` names
+# only: ERNIE-Image's and HiDream-I1's kohya copies (lora_unet_<diffusers path>, ComfyUI's own names) are for ComfyUI
 KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux-kontext", "qwen-image-edit",
-                                                                      "qwen-image-edit-2511", "ideogram4"))
+                                                                      "qwen-image-edit-2511", "ernie-image",
+                                                                      "hidream-i1", "ideogram4"))
 # (Ideogram 4: diffusers 0.42.1 reads only the ComfyUI / ai-toolkit names, `diffusion_model.` with fused qkv, which
 # the ComfyUI file has; sd-scripts has no Ideogram 4 layout, so its kohya copy has the diffusers paths)
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
@@ -65,6 +68,8 @@ DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "flux-kontext": "FluxKontextPipeline.lora_state_dict cannot read it",  # FLUX's demo targets
                       "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion",
                       "chroma": "ChromaPipeline.lora_state_dict cannot read it",  # FLUX.1's demo targets
+                      "ernie-image": "keys outside 'transformer' after ErnieImagePipeline's conversion",
+                      "hidream-i1": "keys outside 'transformer' after HiDreamImagePipeline's conversion",
                       "ideogram4": "keys outside 'transformer' after Ideogram4Pipeline's conversion"}
 FLUX_LAYOUT = get_family("flux").kohya_layout
 

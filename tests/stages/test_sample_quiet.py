@@ -12,6 +12,7 @@ from conftest import FAMILIES, family_data, library_lines, make_cfg
 from stages import sample
 from stages.core.events import EventLog
 from stages.core.runtime import quiet_libraries
+from stages.families import library_notices
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -19,7 +20,7 @@ def test_sample_loads_and_renders_without_library_notices(family, assets, tmp_pa
     cfg = make_cfg(family, assets, family_data(family, request), tmp_path,
                    **{"sample.seeds": [0], "sample.steps": 2, "sample.width": 64, "sample.height": 64})
     rows, prompts, _ = sample.planned_rows(cfg)
-    quiet_libraries()  # as every stage does first (install_model_trace)
+    quiet_libraries(notices=library_notices())  # as every stage does first (install_model_trace)
     with library_lines() as seen:
         pipe, _, loaded_as = sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
         controls = sample.load_controls(cfg, rows[:1] if rows else rows)

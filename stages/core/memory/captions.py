@@ -22,7 +22,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     models = {c: meta_component(src, c) for c in module_components(src, family.text_components)}
     configured = cfg.captions.text_encoder_precision
     precisions = [first_precision(cfg), "nf4"] if configured == "auto" else [configured]
-    tokens = cfg.captions.max_sequence_length + 77  # + the longest template/CLIP prefix
+    tokens = max(cfg.captions.max_sequence_length + family.text_tokens_beyond_max, 77)
     work = {batch: max(encode_work(m, batch, tokens, family.text_keeps_hidden_states) for m in models.values())
             for batch in halvings(cfg.captions.batch_size)}
     candidates = []

@@ -159,6 +159,8 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
         log.emit("warning", message=f"could not write {cfg.run_dir / PLAN_FILE}: {e}")
     _RAN[stage] = (plan, family, src)
     if not plan.fits:
+        if budget.source == "cap":  # a given --vram: the stage would run out of memory after loading its models
+            raise ResourceError(f"{stage}: {plan.note}; nothing was loaded or written")
         log.emit("warning", message=plan.note)
     if note := budgets.context_note(budget):
         log.emit("warning", message=note)

@@ -61,6 +61,8 @@ def _base_precisions(cfg: Any, family: Any, host_gb: float, tokens: int) -> tupl
 def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     tcfg = cfg.train
     model = meta_component(src, family.denoiser_components[0])
+    if family.repeated_blocks:  # a diffusers class that names none (HiDream-I1)
+        model._repeated_blocks = list(family.repeated_blocks)
     blocks = blockswap.repeated_blocks(model)
     targets = tcfg.target_modules or list(family.default_lora_targets)
     lora = lora_params(model, targets, tcfg.rank) * cal.LORA_BYTES_PER_PARAM

@@ -66,6 +66,7 @@ class Flux1(KLVAELatents, FamilyTraits):
     text_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     text_offload_components = ("text_encoder_2",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     text_keeps_hidden_states = False  # T5's last hidden state and CLIP's pooled output only
+    text_tokens_beyond_max = 0  # T5 padded to captions.max_sequence_length, CLIP to 77
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     kohya_layout = KOHYA_LAYOUT

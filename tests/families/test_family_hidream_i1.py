@@ -1,0 +1,253 @@
+"""HiDream-I1 against its own diffusers pipeline (HiDreamImagePipeline), on the tiny real architecture.
+
+    .venv/bin/python -m pytest tests/families/test_family_hidream_i1.py -q
+
+- caption rows equal `encode_prompt`'s pooled CLIP projections, T5 states and every Llama layer's states
+  (its tokenizers' lengths and padding, the CLIP cut at 218, Llama's pad = EOS);
+- one training loss equals what the pipeline's own denoising step implies (timestep = sigma x 1000, the
+  negated output, no packing) for a square and a non-square (padded) latent, in eval and training mode;
+- training mode's routed experts pass gradients (eval mode's `moe_infer` runs under no_grad);
+- the timestep shift is the scheduler's; latent normalization; the blocks block swap and checkpointing see;
+  ComfyUI's names; the config checks; sampling renders the asked size.
+"""
+
+from __future__ import annotations
+
+import json
+
+import diffusers
+import pytest
+import torch
+
+import test_families_text as shared
+from conftest import FAMILIES, tiny_model
+from stages.core import comfyui
+from stages.core.config import CaptionsConfig, TrainConfig
+from stages.core.model_source import ModelSource
+from stages.core.runtime import make_runtime
+from stages.families import get_family
+from test_families_text import CAPTIONS, _meta
+
+CPU = make_runtime("cpu", "fp32")
+
+
+@pytest.fixture(scope="module")
+def hidream(assets):
+    """(family, model folder, HiDreamImagePipeline loaded from it): the tuple the shared checks take."""
+    folder = tiny_model(assets, FAMILIES["hidream-i1"])
+    pipe = diffusers.HiDreamImagePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return get_family("hidream-i1"), folder, pipe
+
+
+def _encode(family, folder, max_len: int) -> dict[str, torch.Tensor]:
+    encoder = family.load_text_encoder(ModelSource(str(folder)), CaptionsConfig(max_sequence_length=max_len), CPU)
+    return encoder.encode(CAPTIONS)
+
+
+@pytest.mark.parametrize("max_len", [64, 12])  # 12 cuts the long caption in every encoder
+def test_text_encoding_matches_pipeline(hidream, max_len):
+    family, folder, pipe = hidream
+    ours = _encode(family, folder, max_len)
+    with torch.no_grad():
+        t5, _, llama, _, pooled, _ = pipe.encode_prompt(CAPTIONS, device="cpu", do_classifier_free_guidance=False,
+                                                        max_sequence_length=max_len)
+    torch.testing.assert_close(ours["pooled"], pooled, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours["t5"], t5, rtol=1e-6, atol=1e-6)
+    assert llama.shape[0] == pipe.text_encoder_4.config.num_hidden_layers, "every layer after the embeddings"
+    torch.testing.assert_close(ours["llama"], llama.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert ours["t5"].shape[1] == ours["llama"].shape[2] == max_len, "rows are padded: the transformer reads the padding"
+    ids = pipe.tokenizer_4(CAPTIONS, padding="max_length", max_length=max_len, truncation=True).input_ids
+    assert ids[0][-1] == pipe.tokenizer_4.eos_token_id, "the short caption is padded with Llama's EOS"
+
+
+def test_token_counts_report_untruncated_length(hidream):
+    family, folder, pipe = hidream
+    encoder = family.load_text_encoder(ModelSource(str(folder)), CaptionsConfig(max_sequence_length=12), CPU)
+    t5 = [len(ids) for ids in pipe.tokenizer_3(CAPTIONS).input_ids]
+    llama = [len(ids) for ids in pipe.tokenizer_4(CAPTIONS).input_ids]
+    assert encoder.token_counts(CAPTIONS) == [max(a, b) for a, b in zip(t5, llama)] and max(t5[1], llama[1]) > 12
+
+
+def _pipeline_velocity(family, pipe, latents: torch.Tensor, sigma: float) -> torch.Tensor:
+    """The velocity the pipeline steps with at `latents` (one Euler step to sigma = 0, no CFG):
+    out = latents - sigma * v. Shift 1.0 keeps sigma as asked; the family's sample context keeps the size."""
+    pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    _, _, h, w = latents.shape
+    size = (w * pipe.vae_scale_factor, h * pipe.vae_scale_factor)
+    with family.sample_context(size):
+        out = pipe(list(CAPTIONS), height=size[1], width=size[0], num_inference_steps=1, sigmas=[sigma],
+                   guidance_scale=1.0, latents=latents.clone(), max_sequence_length=64, output_type="latent").images
+    assert float(pipe.scheduler.sigmas[0]) == pytest.approx(sigma)
+    return (latents - out) / sigma
+
+
+@pytest.mark.parametrize("hw", [(8, 8), (8, 6)])  # 8 x 6: non-square, padded to the transformer's max_seq
+def test_training_loss_matches_pipeline_step(hidream, hw):
+    """Our loss at (x0, noise, sigma) equals the MSE between noise - x0 and the velocity of the pipeline's step,
+    with the denoiser in eval mode (the pipeline's) and in training mode (the routed experts' differentiable path
+    and the per-token output layout)."""
+    family, folder, pipe = hidream
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(2, 16, *hw, generator=g)
+    sigma = 0.6
+    with torch.no_grad():
+        velocity = _pipeline_velocity(family, pipe, latents, sigma)
+        noise = torch.randn(latents.shape, generator=g)
+        x0 = (latents - sigma * noise) / (1 - sigma)  # so that (1 - sigma) x0 + sigma noise = latents
+        cond = _encode(family, folder, 64)
+        t = torch.full((2,), sigma)
+        ours = family.loss(pipe.transformer, x0, noise, t, cond, _meta(2, *hw), TrainConfig())
+        pipe.transformer.train()
+        try:
+            trained = family.loss(pipe.transformer, x0, noise, t, cond, _meta(2, *hw), TrainConfig())
+        finally:
+            pipe.transformer.eval()
+    expected = ((velocity - (noise - x0)) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(trained, expected, rtol=1e-4, atol=1e-5)
+    wrong_sign = ((-velocity - (noise - x0)) ** 2).flatten(1).mean(1)
+    assert (wrong_sign - expected).abs().min() > 1e-3, "the check must tell the output's sign apart"
+
+
+def test_routed_experts_pass_gradients_in_training_mode(hidream):
+    """A MoE feed-forward in training mode computes what eval mode does, and its input gradient is the one of
+    shared expert + the gate-weighted routed experts; eval mode's `moe_infer` (under no_grad) loses the routed
+    part, which the blocks before it would then miss."""
+    family, folder, pipe = hidream
+    moe = pipe.transformer.double_stream_blocks[0].block.ff_i
+    x = torch.randn(2, 24, moe.gate.gating_dim, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    r = torch.randn(2, 24, moe.gate.gating_dim, generator=torch.Generator().manual_seed(3))
+
+    def output_and_grad(fn):
+        x.grad = None
+        y = fn(x)
+        (y * r).sum().backward()
+        return y.detach(), x.grad.clone()
+
+    def reference(v: torch.Tensor) -> torch.Tensor:  # every token through its chosen experts, densely
+        idx, weight, _ = moe.gate(v)
+        flat, routed = v.reshape(-1, v.shape[-1]), 0
+        for k in range(idx.shape[1]):
+            outs = torch.stack([expert(flat) for expert in moe.experts], dim=1)  # (tokens, experts, D)
+            routed = routed + weight[:, k:k + 1] * outs[torch.arange(len(flat)), idx[:, k]]
+        return routed.reshape(v.shape) + moe.shared_experts(v)
+
+    try:
+        moe.train()
+        trained = output_and_grad(moe)
+    finally:
+        moe.eval()
+    inferred = output_and_grad(moe)
+    expected = output_and_grad(reference)
+    for got in (trained, inferred):
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trained[1], expected[1], rtol=1e-5, atol=1e-6)
+    assert (inferred[1] - expected[1]).abs().max() > 1e-3, "eval mode's routed experts pass no gradient"
+
+
+def test_checkpointed_blocks_train_as_without_checkpointing(hidream):
+    """Gradient checkpointing of the HiDreamBlocks (as the trainer turns it on) recomputes the same routing:
+    equal loss and LoRA gradients in training mode, on a non-square (padded) batch."""
+    family, folder, _ = hidream
+    model, params = shared._lora_model(family, folder)
+    model.train()
+    cond = _encode(family, folder, 16)
+    g = torch.Generator().manual_seed(2)
+    x0, noise = torch.randn(2, 16, 8, 6, generator=g), torch.randn(2, 16, 8, 6, generator=g)
+    t = torch.tensor([0.3, 0.8])
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = family.loss(model, x0, noise, t, cond, _meta(2, 8, 6), TrainConfig())
+        loss.mean().backward()
+        return loss.detach(), [p.grad.clone() for p in params]
+
+    plain_loss, plain_grads = loss_and_grads()
+    model.enable_gradient_checkpointing()
+    ckpt_loss, ckpt_grads = loss_and_grads()
+    torch.testing.assert_close(ckpt_loss, plain_loss, rtol=1e-6, atol=1e-7)
+    for a, b in zip(ckpt_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    assert any(grad.abs().max() > 0 for grad in plain_grads)
+
+
+def test_timesteps_are_the_schedulers_static_shift(hidream):
+    family, folder, _ = hidream
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler")
+    assert scheduler.config.shift == 3.0 and not scheduler.config.use_dynamic_shifting
+    scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / 1000, 1000).tolist())
+    tcfg = TrainConfig(timestep_density="uniform", shift=3.0)
+    ours = family.sample_timesteps(64, (64, 48), torch.Generator().manual_seed(4), tcfg)
+    u = torch.rand(64, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(ours, scheduler.sigmas[:-1][(u * 1000).long()].float(), rtol=1e-5, atol=1e-6)
+
+
+def test_latent_normalization_as_pipeline_decodes(hidream):
+    shared.test_latent_normalization_as_pipeline_decodes(hidream)
+
+
+def test_blocks_for_checkpointing_swap_and_the_planner(hidream):
+    """diffusers' class names no repeated blocks: the trained denoiser and the train planner's meta model do."""
+    from stages.core import blockswap
+    from stages.core.config import load_config
+    from stages.core.memory.budget import Budget
+    from stages.core.memory.train import plan
+    from stages.demo import demo_config
+
+    family, folder, pipe = hidream
+    assert not blockswap.repeated_blocks(pipe.transformer)
+    model = family.load_denoiser(ModelSource(str(folder)), "fp32", CPU, TrainConfig())
+    assert blockswap.repeated_blocks(model) == [*model.double_stream_blocks, *model.single_stream_blocks]
+    cfg = load_config(demo_config("hidream-i1"), {"model": str(folder)})
+    assert plan(cfg, family, ModelSource(str(folder)), Budget(None, "cpu")).settings["blocks"] == 2
+
+
+def test_comfyui_names_are_the_diffusers_paths(hidream):
+    """ComfyUI's HiDream keeps the diffusers names and accepts `transformer.<name>` and `lycoris_<name>`."""
+    family, folder, _ = hidream
+    from test_comfyui_export import shapes_of
+
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    kmap = comfyui.key_map(family.comfyui_layout, shapes_of(folder, "hidream-i1"), config)
+    name = "double_stream_blocks.0.block.attn1.to_q_t"
+    for key in (f"transformer.{name}", f"lycoris_{name.replace('.', '_')}", f"diffusion_model.{name}"):
+        assert kmap[key].weight == name and kmap[key].modules == (name,)
+    shared_w2 = "single_stream_blocks.0.block.ff_i.shared_experts.w2"
+    assert kmap[f"transformer.{shared_w2}"].weight == shared_w2
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    ({"captions.max_sequence_length": 513}, r"'captions.max_sequence_length' = 513 .*T5 reads at most 512"),
+    ({"data.resolution": 1088}, r"'data.resolution' = 1088 is above hidream-i1's 1024"),
+    ({"train.dynamic_shift": True}, r"'train.dynamic_shift' = true .*train.shift"),
+])
+def test_config_checks(overrides, wanted):
+    from stages.core.config import load_config
+    from stages.core.errors import ConfigError
+    from stages.demo import demo_config
+
+    load_config(demo_config("hidream-i1"), {"model": "unused"})
+    with pytest.raises(ConfigError, match=wanted):
+        load_config(demo_config("hidream-i1"), {"model": "unused", **overrides})
+
+
+def test_sample_renders_the_asked_size(hidream):
+    """The pipeline renders at 1024 x 1024's area (the tiny: 256 x 256) whatever it is asked; the family's
+    sample context renders the asked size, and leaves the pipeline as it was."""
+    family, _, pipe = hidream
+    with family.sample_context((48, 32)):
+        image = pipe("a red circle", height=32, width=48, num_inference_steps=1, guidance_scale=1.0,
+                     max_sequence_length=8).images[0]
+    assert image.size == (48, 32) and pipe.default_sample_size == 128
+
+
+def test_tiny_config_relations(hidream):
+    _, _, pipe = hidream
+    t = pipe.transformer.config
+    assert t.caption_channels == [pipe.text_encoder_3.config.d_model, pipe.text_encoder_4.config.hidden_size]
+    assert t.text_emb_dim == pipe.text_encoder.config.projection_dim + pipe.text_encoder_2.config.projection_dim
+    assert len(t.llama_layers) == t.num_layers + t.num_single_layers
+    assert max(t.llama_layers) < pipe.text_encoder_4.config.num_hidden_layers
+    assert sum(t.axes_dims_rope) == t.attention_head_dim and t.in_channels == pipe.vae.config.latent_channels
+    assert not pipe.vae.config.use_quant_conv and pipe.vae.config.shift_factor == pytest.approx(0.1159)
