@@ -74,6 +74,10 @@ PEERS = {
                         ("--text_encoder_out_layers", "9", "18", "27", "--skip_final_inference")),
     "flux-kontext": Peer("train_dreambooth_lora_flux_kontext.py", "01310e78bf9862c563cd6f273560e6264b709ea7", False, 1,
                          ("--guidance_scale", "1.0")),  # configs/flux-kontext.toml's train.guidance_scale
+    # its README asks for --disable_training_autocast (bf16 autocast corrupts Ideogram 4's forward); the product
+    # never autocasts
+    "ideogram4": Peer("train_dreambooth_lora_ideogram4.py", "071190daca865a4d04deac0e02cda5b8c5d6f6fa", True, 0,
+                      ("--disable_training_autocast", "--skip_final_inference")),
 }
 
 

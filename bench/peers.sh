@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One side-by-side call on the H200 machine (bench/peers.md), results and logs in $OUT:
-#   bash bench/peers.sh klein|kontext [RES=1024] [BATCH=1] [STEPS=20]
+#   bash bench/peers.sh klein|kontext|ideogram [RES=1024] [BATCH=1] [STEPS=20]
 # PEERS_SIDES=product runs the product only (PEERS_PEER_ROW=<an earlier peers JSON> shows the script's row from it); PEERS_PRODUCT=nf4,nf4+profile,... its train variants
 # (bench/peers.py VARIANT_FLAGS); PEERS_TAG=x names the files peers-<which>-<res>-b<batch>-x.*.
 # after `pip install ... --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD`, with .whl and
@@ -14,7 +14,9 @@ case $which in
   # fp8 first: FLUX.1's fp8 step was 0.86-0.93x bf16's at every shape, and under the script's peak
   # (fitpeer) it can checkpoint fewer blocks, the product's best chance at 2x
   kontext) fam=flux-kontext; prec=fp8+fitpeer,fp8,bf16,nf4; peer_flags=--peer-no-cudnn-sdpa ;;
-  *) echo "usage: bash bench/peers.sh klein|kontext [res] [batch] [steps]"; exit 2 ;;
+  # Ideogram 4: the script pads every caption to --max_sequence_length and has nf4 (bitsandbytes) like klein
+  ideogram) fam=ideogram4; prec=nf4,nf4+fitpeer,fp8+fitpeer ;;
+  *) echo "usage: bash bench/peers.sh klein|kontext|ideogram [res] [batch] [steps]"; exit 2 ;;
 esac
 start=$(date +%s)
 m=/dev/shm/m/$fam

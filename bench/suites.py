@@ -47,7 +47,7 @@ class Memory:
 
 @dataclass(frozen=True)
 class Peers:
-    which: str  # klein | kontext (bench/peers.sh)
+    which: str  # klein | kontext | ideogram (bench/peers.sh)
     px: int
     batch: int
     steps: int
@@ -136,7 +136,8 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
            "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml",
            "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "ernie-image": "configs/ernie-image.toml",
-           "hidream-i1": "configs/hidream-i1.toml"}
+           "hidream-i1": "configs/hidream-i1.toml",
+           "ideogram4": "configs/ideogram4.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -179,6 +180,9 @@ SUITES: dict[str, list[Row]] = {
     "hidream-i1": [*stages("hidream-i1", "encode/nf4", "latents/512", "latents/1024"), train("hidream-i1", "nf4", 512, 1),
                    *grid("hidream-i1", ALL, pxs=(1024,)), *stages("hidream-i1", "export/nf4-512-b1", "verify/nf4-512-b1"),
                    *memory_grid("hidream-i1", 1024, ("16",))],
+    "ideogram4": [*stages("ideogram4", "encode/nf4", "latents/1024"), *grid("ideogram4", ALL, pxs=(1024,)),
+                  *stages("ideogram4", "train/nf4-512-b1", "export/nf4-512-b1", "verify/nf4-512-b1"),
+                  *memory_grid("ideogram4", 1024, ("16",))],
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),
@@ -196,6 +200,7 @@ SUITES: dict[str, list[Row]] = {
                     Peers("klein", 1024, 1, 15, "fp8+cudnn+fp8blocks18")],
     "peers-kontext": [Peers("kontext", 1024, 1, 10, "fp8+fitpeer,fp8,nf4"),
                       Peers("kontext", 1024, 1, 10, "fp8+cudnn,fp8+cudnn+keepattn,fp8+cudnn+fitpeer+keepattn")],
+    "peers-ideogram4": [Peers("ideogram", 1024, 1, 15, "nf4,nf4+fitpeer,fp8+fitpeer")],
     # "Optimizers": each train.optimizer's step time and peak (its state), FLUX.1 bf16 1024 px b1; AdamW's row
     # is the flux suite's flux.train.bf16-1024-b1
     "optimizers": [train("flux", "bf16", 1024, 1, f"opt-{name}") for name in

@@ -223,7 +223,8 @@ def nf4_config(family: Any, src: Any) -> Any:
 
     from stages.core.memory import module_components
 
-    names = module_components(src, family.text_components + family.denoiser_components)  # no tokenizer or scheduler
+    components = family.text_components + family.denoiser_components + family.sample_components
+    names = module_components(src, components)  # no tokenizer or scheduler
     return PipelineQuantizationConfig(quant_backend="bitsandbytes_4bit", components_to_quantize=names, quant_kwargs={
         "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16})
 
@@ -238,7 +239,8 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
 
     s, family = cfg.sample, get_family(cfg.family)
     kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil",
-                              **guidance_kwargs(pipe, family, s.guidance_scale)}
+                              **(family.sample_kwargs(pipe, prompts, s.guidance_scale, s.steps)
+                                 or guidance_kwargs(pipe, family, s.guidance_scale))}
     images = []
     for r, prompt in enumerate(prompts):
         extra = family.sample_image_kwargs(controls[r], size) if controls is not None else {}

@@ -155,9 +155,10 @@ def _processor_name(module: str) -> str:
 
 def write_name(layout: ComfyLayout, module: str, config: dict[str, Any]) -> str | None:
     """The name the ComfyUI file gives a trained module: the model class's first alias, or ComfyUI's own
-    name where only that reaches it; None where ComfyUI has no name for it."""
+    name where only that reaches it (a fused weight's members share it: `comfyui_file` writes them as one
+    entry); None where ComfyUI has no name for it."""
     native = layout.locate(module, config)
-    if native is None or (not native.mapped and native.count > 1):
+    if native is None:
         return None
     if native.mapped:
         return ALIASES[layout.model][0].format(d=module, u=module.replace(".", "_"), p=_processor_name(module))

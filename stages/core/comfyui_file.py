@@ -101,9 +101,38 @@ def comfyui_state(deltas: TrainedDeltas, layout: ComfyLayout, config: dict[str, 
                          f"{nameless[:4]}; drop them from train.target_modules, or export with "
                          f"--set export.comfyui=false to skip the ComfyUI file")
     out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[int, str]] = {}
     for module, name in names.items():
-        tensors = _module_tensors(deltas, module, layout.locate(module, config))
+        native = layout.locate(module, config)
+        if not native.mapped and native.count > 1:  # a member of a weight only ComfyUI's own name reaches
+            fused.setdefault(name, {})[native.index] = module
+            continue
+        tensors = _module_tensors(deltas, module, native)
         out.update({f"{name}.{k}": v.contiguous() for k, v in tensors.items()})
+    for name, members in fused.items():
+        native = layout.locate(members[min(members)], config)
+        count = native.count
+        if len(members) != count:
+            raise ComfyError(f"ComfyUI holds {sorted(members.values())} with other modules as one weight '{native.name}', "
+                             f"whose file entry needs all {count} of them trained: add the others to "
+                             f"train.target_modules, or export with --set export.comfyui=false")
+        tensors = _fused_tensors(deltas, [members[i] for i in sorted(members)])
+        out.update({f"{name}.{k}": v.contiguous() for k, v in tensors.items()})
+    return out
+
+
+def _fused_tensors(deltas: TrainedDeltas, modules: list[str]) -> dict[str, torch.Tensor]:
+    """One entry for the members of a fused weight, rows in member order, that gives each member its trained
+    delta: LoRA/DoRA as one LoRA of the summed rank (the downs stacked, the ups scaled and block-diagonal,
+    alpha = rank; DoRA's scales stacked), LoKr/LoHa as the full delta (`diff`), which no factor form fuses."""
+    if deltas.kind in ("lokr", "loha"):
+        return {"diff": torch.cat([deltas[m].float() for m in modules])}
+    parts = [_module_tensors(deltas, m, Native(m)) for m in modules]
+    ups = [p["lora_up.weight"].flatten(1) * (float(p["alpha"]) / p["lora_down.weight"].shape[0]) for p in parts]
+    down = torch.cat([p["lora_down.weight"] for p in parts])
+    out = {"lora_up.weight": torch.block_diag(*ups), "lora_down.weight": down, "alpha": torch.tensor(float(down.shape[0]))}
+    if all("dora_scale" in p for p in parts):
+        out["dora_scale"] = torch.cat([p["dora_scale"] for p in parts])
     return out
 
 

@@ -338,7 +338,8 @@ class Config:
     """Run name: artifacts go to <artifacts>/<run>/."""
     family: str = "flux"
     """Model family: flux, flux-kontext, qwen-image, qwen-image-edit, qwen-image-edit-2511, qwen-image-2.1,
-    z-image, sdxl, flux2-klein, flux2, krea2, chroma or ernie-image (stages/families/__init__.py)."""
+    z-image, sdxl, flux2-klein, flux2, krea2, chroma, ernie-image, hidream-i1 or ideogram4
+    (stages/families/__init__.py)."""
     model: str = ""
     """A local diffusers pipeline folder, a hub id (e.g. black-forest-labs/FLUX.1-dev), or a single-file
     denoiser checkpoint (.safetensors; fp8_scaled files are converted once into <artifacts>/.model-cache)."""

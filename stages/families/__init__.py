@@ -41,6 +41,7 @@ FAMILIES: dict[str, str] = {
     "chroma": "stages.families.chroma.family:Chroma",
     "ernie-image": "stages.families.ernie_image.family:ErnieImage",
     "hidream-i1": "stages.families.hidream_i1.family:HiDreamI1",
+    "ideogram4": "stages.families.ideogram4.family:Ideogram4",
 }
 
 

@@ -168,6 +168,9 @@ class FamilyTraits:
         raise NotImplementedError(f"{type(self).__name__} takes no control images")
 
     # ---- sample
+    sample_components: tuple[str, ...] = ()
+    """Pipeline subfolders only `sample` loads, besides the stages' own: denoisers that are not trained (Ideogram
+    4's unconditional transformer), which its memory plan counts and its nf4 load quantizes."""
     distilled_ignores_guidance: bool = False
     """The pipeline turns guidance off when model_index.json says `is_distilled` (FLUX.2 klein), so
     `sample` hands it 1.0."""
@@ -175,6 +178,12 @@ class FamilyTraits:
     def sample_image_kwargs(self, controls: list["Image.Image"], size: tuple[int, int]) -> dict[str, Any]:
         """The pipeline call's image arguments for `sample`. Defined by the families with a control_range."""
         raise NotImplementedError(f"{type(self).__name__} takes no control images")
+
+    def sample_kwargs(self, pipe: Any, prompts: list[str], scale: float, steps: int) -> dict[str, Any] | None:
+        """The pipeline call's guidance (and other) arguments for sample.guidance_scale, sample.steps and the
+        prompts, where the family's pipeline takes others than one guidance_scale (Ideogram 4: a per-step
+        schedule, and its text padding cut to the prompts); None: the shared rule (`stages.sample.guidance_kwargs`)."""
+        return None
 
     def sample_context(self, size: tuple[int, int]) -> ContextManager[Any]:
         """A context manager around each `sample` pipeline call (default: none)."""

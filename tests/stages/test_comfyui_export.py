@@ -38,6 +38,7 @@ EXTRA = {
     "ernie-image": ("layers.0.mlp.gate_proj", "x_embedder.proj", "text_proj", "adaLN_modulation.1", "final_norm.linear"),
     "hidream-i1": ("double_stream_blocks.0.block.ff_i.experts.0.w1", "double_stream_blocks.0.block.ff_t.w2",
                    "caption_projection.0.linear", "final_layer.adaLN_modulation.1"),
+    "ideogram4": ("layers.0.adaln_modulation", "input_proj", "llm_cond_proj", "final_layer.linear"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
 EXTRA["qwen-image-edit-2511"] = EXTRA["qwen-image"]
@@ -115,8 +116,10 @@ def test_comfyui_file_applies_the_trained_delta(assets, family, adapter, tmp_pat
     assert report.problems() == [], report.problems()
     assert sorted(report.strength) == sorted(merged)
     assert all(abs(r - 1) < 1e-3 and e < 1e-3 for r, e in report.strength.values()), report.strength
-    if adapter in ("lora", "dora"):  # every module carries its alpha
-        assert sum(k.endswith(".alpha") for k in tensors) == len(merged)
+    if adapter in ("lora", "dora"):  # every entry carries its alpha (a fused weight's members share one entry)
+        entries = {k.removesuffix(".lora_up.weight") for k in tensors if k.endswith(".lora_up.weight")}
+        assert {k.removesuffix(".alpha") for k in tensors if k.endswith(".alpha")} == entries
+        assert sum(len(kmap[e].modules) for e in entries) == len(merged)
         diffusers_file_keeps_the_deltas(family, folder, state, lora_cfg, tmp_path)
 
 

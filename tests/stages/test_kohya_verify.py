@@ -23,7 +23,7 @@ from conftest import FAMILIES, ROOT, demo_config_path, once, tiny_model
 
 diffusers = pytest.importorskip("diffusers")
 
-from stages.core import kohya  # noqa: E402
+from stages.core import comfyui, kohya  # noqa: E402
 from stages.core.verify import VerifyError, verify_export  # noqa: E402
 from stages.export_lora import write_diffusers  # noqa: E402
 from stages.core.model_source import ModelSource  # noqa: E402
@@ -60,14 +60,17 @@ NOT_ROUND_TRIPPED = {
 # only: ERNIE-Image's and HiDream-I1's kohya copies (lora_unet_<diffusers path>, ComfyUI's own names) are for ComfyUI
 KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux-kontext", "qwen-image-edit",
                                                                       "qwen-image-edit-2511", "ernie-image",
-                                                                      "hidream-i1"))
+                                                                      "hidream-i1", "ideogram4"))
+# (Ideogram 4: diffusers 0.42.1 reads only the ComfyUI / ai-toolkit names, `diffusion_model.` with fused qkv, which
+# the ComfyUI file has; sd-scripts has no Ideogram 4 layout, so its kohya copy has the diffusers paths)
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
 DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "flux-kontext": "FluxKontextPipeline.lora_state_dict cannot read it",  # FLUX's demo targets
                       "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion",
                       "chroma": "ChromaPipeline.lora_state_dict cannot read it",  # FLUX.1's demo targets
                       "ernie-image": "keys outside 'transformer' after ErnieImagePipeline's conversion",
-                      "hidream-i1": "keys outside 'transformer' after HiDreamImagePipeline's conversion"}
+                      "hidream-i1": "keys outside 'transformer' after HiDreamImagePipeline's conversion",
+                      "ideogram4": "keys outside 'transformer' after Ideogram4Pipeline's conversion"}
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
 
@@ -276,7 +279,10 @@ def test_verify_accepts_the_export(run_copy):
     summary, state = _verify(run_copy)
     assert summary["pytorch_lora_weights.safetensors"] == {"modules": len(state) // 2}
     comfy = summary[f"{run_copy.run}_comfyui.safetensors"]
-    assert comfy["keys_loaded"] == comfy["keys"] == 3 * len(state) // 2 and comfy["modules"] == len(state) // 2
+    family = get_family(run_copy.family)
+    config = ModelSource(run_copy.model).component_config(family.lora_prefix)
+    entries = {comfyui.write_name(family.comfyui_layout, k.split(".lora_")[0], config) for k in state}  # fused: one
+    assert comfy["keys_loaded"] == comfy["keys"] == 3 * len(entries) and comfy["modules"] == len(state) // 2
     assert 0.99 < comfy["strength_min"] <= comfy["strength_max"] < 1.01
 
 

@@ -25,8 +25,8 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     text encoders' rule: calibration.BLOCK_WORK_UNITS per token and width, calibration.CFG_BATCH rows) and the VAE's decode of one
     image (cache-latents' encode rule), the larger of the two, since they never run together."""
     s = cfg.sample
-    models = {c: meta_component(src, c) for c in module_components(
-        src, family.text_components + family.vae_components + family.denoiser_components)}
+    models = {c: meta_component(src, c) for c in module_components(src, family.text_components + family.vae_components
+                                                                     + family.denoiser_components + family.sample_components)}
     quantized = set(models) - set(family.vae_components)  # what nf4 quantizes: the text encoders and the denoiser
     width, height = s.width or cfg.data.resolution, s.height or cfg.data.resolution
     tokens = (width // 16) * (height // 16) * (1 + planned_controls(cfg, family)) + cfg.captions.max_sequence_length
