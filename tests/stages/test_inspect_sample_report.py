@@ -180,6 +180,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     pipe.set_progress_bar_config(disable=True)
     extra = family.sample_image_kwargs([dataset.load_image(c) for c in edits[0][1]], (SIZE, SIZE)) if edits else {}
     context = family.sample_context((SIZE, SIZE)) if hasattr(family, "sample_context") else contextlib.nullcontext()
+    extra |= family.sample_kwargs(pipe, [prompts[0]], cfg.sample.guidance_scale, 2) or {}  # Ideogram 4's guidance schedule
     with context:
         direct = pipe(prompt=prompts[0], height=SIZE, width=SIZE, num_inference_steps=2, output_type="pil",
                       generator=torch.Generator("cpu").manual_seed(SEEDS[1]), **extra).images[0]
