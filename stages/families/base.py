@@ -143,6 +143,17 @@ class FamilyTraits:
     an encode holds every layer's states at once, which encode-captions' planner counts; False where only the
     last hidden state or the pooled output is read (FLUX.1's T5 and CLIP)."""
 
+    # ---- video families (images are 1-frame clips there)
+    trains_video: bool = False
+    """The family trains on clips (data.frames frames each) and on images; False: a clip in its dataset is a
+    bad input, named. Its latents are (C, frames', h, w) and its loss takes x0 (B, C, frames', h, w)."""
+    frames_per_latent: int = 1
+    """Frames each latent frame after the first holds (the causal VAE's temporal downsampling; Wan: 4), so
+    data.frames must be k x this + 1; the planners count (frames - 1) / this + 1 latent frames."""
+    vae_frames_in_flight: int = 1
+    """Frames the VAE encodes at once (Wan's causal encoder: 1, then 4 with cached features): what the
+    latents planner counts as one encode's working set."""
+
     # ---- controls: edit families (min >= 1) and those with optional references (min 0)
     control_range: tuple[int, int] = (0, 0)
     """Min and max control images per item ((0, 0): none; min 0: optional, and then the items have all
