@@ -329,6 +329,8 @@ class SampleConfig:
     cpu_offload: bool = False
     """diffusers' enable_model_cpu_offload: one component on the GPU at a time (CUDA only); the memory
     planner also turns it on where the pipeline does not fit the budget whole."""
+    frames: Annotated[int, NON_NEGATIVE] = 0
+    """Frames of each sample clip (video families; 0: data.frames). Wan: 4k + 1."""
 
 
 @dataclass
