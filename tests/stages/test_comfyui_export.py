@@ -35,6 +35,7 @@ EXTRA = {
     "sdxl": ("add_embedding.linear_1", "down_blocks.1.resnets.0.time_emb_proj", "down_blocks.1.resnets.0.conv1"),
     "chroma": ("single_transformer_blocks.0.proj_mlp", "x_embedder", "distilled_guidance_layer.in_proj",
                "distilled_guidance_layer.layers.0.linear_2"),
+    "wan2.2-5b": ("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1", "proj_out"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
 EXTRA["qwen-image-edit-2511"] = EXTRA["qwen-image"]

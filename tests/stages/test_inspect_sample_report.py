@@ -181,8 +181,10 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     extra = family.sample_image_kwargs([dataset.load_image(c) for c in edits[0][1]], (SIZE, SIZE)) if edits else {}
     context = family.sample_context((SIZE, SIZE)) if hasattr(family, "sample_context") else contextlib.nullcontext()
     with context:
-        direct = pipe(prompt=prompts[0], height=SIZE, width=SIZE, num_inference_steps=2, output_type="pil",
-                      generator=torch.Generator("cpu").manual_seed(SEEDS[1]), **extra).images[0]
+        clip = {"num_frames": sample.sample_frames(cfg)} if family.trains_video else {}
+        out = pipe(prompt=prompts[0], height=SIZE, width=SIZE, num_inference_steps=2, output_type="pil",
+                   generator=torch.Generator("cpu").manual_seed(SEEDS[1]), **extra, **clip)
+        direct = out.frames[0][len(out.frames[0]) // 2] if clip else out.images[0]  # grid.png: a clip's middle frame
     base_col = len(lead)
     assert np.array_equal(grid_cell(grid, base_col, 1, scale), np.asarray(direct.convert("RGB")))  # the base column is the base model (Qwen-Image 2.1 returns RGBA)
     base, lora = grid_cell(grid, base_col, 0, scale), grid_cell(grid, cols - 1, 0, scale)

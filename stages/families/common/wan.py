@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.wan_layout import KOHYA_LAYOUT, LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, require_max_length
 
 UMT5_MAX_TOKENS = 512  # umt5-xxl's position buckets serve any length; Wan was trained with 512 (text_len)
@@ -84,7 +84,8 @@ class WanBase(FamilyTraits):
     text_keeps_hidden_states = False  # the last hidden state only
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
-    kohya_layout = KOHYA_LAYOUT
+    kohya_layout = KOHYA_LAYOUT  # musubi-tuner's names (the original Wan ones)
+    comfyui_layout = COMFYUI_LAYOUT
     trains_video = True
     frames_per_latent = 4  # AutoencoderKLWan scale_factor_temporal: frames are 4k + 1
     vae_frames_in_flight = 5  # the causal encoder runs the first frame, then 4 at a time, caching features

@@ -6,11 +6,9 @@ as WanPipeline runs it with `expand_timesteps` (model_index.json of the release)
 from __future__ import annotations
 
 from stages.families.common.wan import WanBase
-from stages.families.wan22_5b.comfyui import LAYOUT as COMFYUI_LAYOUT
 
 
 class Wan22_5B(WanBase):
     name = "wan2.2-5b"
     title = "Wan 2.2 TI2V-5B"
     expand_timesteps = True
-    comfyui_layout = COMFYUI_LAYOUT

@@ -1,4 +1,6 @@
-"""Wan as ComfyUI loads it (`comfy/model_base.py` WAN21, WAN22): `model_lora_keys_unet` has no table of
+"""Wan's module names outside diffusers, which both Wan families share: ComfyUI's and kohya's (musubi-tuner's).
+
+Wan as ComfyUI loads it (`comfy/model_base.py` WAN21, WAN22): `model_lora_keys_unet` has no table of
 diffusers paths for it, so only its own weight names reach it (`diffusion_model.<name>`, `lora_unet_<name
 with _>`). Those are the original Wan names, which diffusers renames when it converts a checkpoint
 (`loaders/single_file_utils.py` `convert_wan_transformer_to_diffusers`); the rules below invert that table."""
@@ -6,6 +8,7 @@ with _>`). Those are the original Wan names, which diffusers renames when it con
 from __future__ import annotations
 
 from stages.core.comfyui import ComfyLayout, Rule
+from stages.core.kohya import KohyaError, Layout
 
 B = r"blocks\.(\d+)\."
 ATTN = {"attn1": "self_attn", "attn2": "cross_attn"}
@@ -24,3 +27,16 @@ LAYOUT = ComfyLayout("wan", (
     Rule(r"proj_out", "head.head", mapped=False),
     Rule(r"patch_embedding", "patch_embedding", mapped=False),
 ))
+
+
+def musubi_name(module: str) -> tuple[str, int, int]:
+    """kohya name of a diffusers module as musubi-tuner writes Wan LoRAs (`lora_unet_blocks_0_self_attn_q`: the
+    original Wan names with "_"), what diffusers' `_convert_musubi_wan_lora_to_diffusers` and ComfyUI read."""
+    native = LAYOUT.locate(module, {})
+    if native is None:
+        raise KohyaError(f"'{module}' has no name in Wan's original layout, so kohya-format readers cannot load it: "
+                         f"leave it out of train.target_modules, or export with --format diffusers")
+    return native.name.replace(".", "_"), 0, 1
+
+
+KOHYA_LAYOUT = Layout(musubi_name)
