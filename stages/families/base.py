@@ -153,6 +153,9 @@ class FamilyTraits:
     vae_frames_in_flight: int = 1
     """Frames the VAE encodes at once (Wan's causal encoder: 1, then 4 with cached features): what the
     latents planner counts as one encode's working set."""
+    pixels_per_token: int = 16
+    """Pixels along a side per denoiser token (VAE downsampling x patch: 8 x 2 for the 2x2-patched image
+    families; Wan 2.2 TI2V-5B: 16 x 2): the train and sample planners' token count."""
 
     # ---- controls: edit families (min >= 1) and those with optional references (min 0)
     control_range: tuple[int, int] = (0, 0)

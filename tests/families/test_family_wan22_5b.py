@@ -164,3 +164,25 @@ def test_comfyui_names(wan):
 def _meta(b: int) -> BatchMeta:
     z = torch.zeros(b, 2, dtype=torch.long)
     return BatchMeta(z, z, z)
+
+
+def test_frames_drive_the_latents_and_train_plans(wan, tmp_path):
+    """Frames x resolution in the planners: a 33-frame clip plans more VAE work than a still of the same size, and
+    the train step counts every latent frame's tokens (9 frames: 3 latent frames)."""
+    from stages.core import memory
+    from stages.core.config import load_config
+    from stages.core.memory.sizes import latent_frames, sample_tokens
+
+    family, folder, _ = wan
+    assert [latent_frames(family, f) for f in (1, 5, 9, 33, 81)] == [1, 2, 3, 9, 21]
+    assert sample_tokens(family, 832, 480, 81) == 26 * 15 * 21  # Wan 2.2 5B: 32 px a token, 21 latent frames
+
+    def peaks(frames: int) -> tuple[float, float]:
+        cfg = load_config(None, {"family": "wan2.2-5b", "model": str(folder), "data.frames": frames,
+                                 "data.resolution": 256, "artifacts": str(tmp_path)})
+        src, cap = ModelSource(str(folder)), memory.Budget(1000.0, "cap")
+        return (memory.plan_latents(cfg, family, src, cap).predicted_peak_gb,
+                memory.plan_train(cfg, family, src, cap).predicted_peak_gb)
+
+    (lat1, train1), (lat33, train33) = peaks(1), peaks(33)
+    assert lat33 > lat1 and train33 > train1

@@ -12,3 +12,5 @@ class Wan22_5B(WanBase):
     name = "wan2.2-5b"
     title = "Wan 2.2 TI2V-5B"
     expand_timesteps = True
+    pixels_per_token = 32  # the VAE's 16 px a latent cell, then the transformer's 2x2 patches
+    vae_downsample = 16
