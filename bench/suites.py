@@ -124,6 +124,12 @@ def memory_grid(family: str, px: int, budgets: tuple[str, ...], sets: tuple[str,
     return [Memory(family, px, b, sets) for b in budgets]
 
 
+def video_grid(family: str, clips: tuple[tuple[int, int], ...], precisions: tuple[str, ...]) -> list[Memory]:
+    """A video family's rows: per (px, frames), each base precision with no cap, then the whole plan at 24 GB."""
+    return [Memory(family, px, budget, (f"data.frames={frames}", *sets)) for px, frames in clips
+            for budget, sets in [*(("auto", (f"train.base_precision={p}",)) for p in precisions), ("24", ())]]
+
+
 PARTIAL_CKPT = ("runtime.gradient_checkpointing=auto",)
 
 # Every family's preset (its full.py PRESET; tests/bench/test_bench_suites.py holds them equal), most-used first: the
@@ -133,7 +139,7 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "krea2": "configs/krea2.toml",
            "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
            "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml",
-           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml"}
+           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "wan2.2-5b": "configs/wan2.2-5b.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -171,6 +177,9 @@ SUITES: dict[str, list[Row]] = {
     "qwen-image-edit": short_family("qwen-image-edit"),
     "qwen-image-edit-2511": short_family("qwen-image-edit-2511"),
     "chroma": short_family("chroma"),
+    # Wan 2.2 TI2V-5B: every stage's peak and train s/step at 480p (resolution 640) and 720p (960), 33 and 81 frames,
+    # nf4 and fp8 bases unconstrained, and each clip size under a 24 GB cap (the plan picks precision and swap)
+    "wan2.2-5b": video_grid("wan2.2-5b", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),
