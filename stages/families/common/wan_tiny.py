@@ -46,13 +46,20 @@ def wan22_vae(seed: int) -> Any:
     levels (real four), two downsampling (x 4, times the 2x2 patch: 8 px a latent cell; real 16), both in time
     too (4 frames a latent frame after the first, as real). A residual level must double its width (the
     average-pool shortcut folds 4-8 cells into channels), hence dim_mult [1, 2, 2]."""
+    import torch
     from diffusers import AutoencoderKLWan
 
-    return seeded(seed, lambda: AutoencoderKLWan(
+    vae = seeded(seed, lambda: AutoencoderKLWan(
         base_dim=16, decoder_base_dim=16, z_dim=48, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
         temperal_downsample=[True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12,
         patch_size=2, scale_factor_temporal=4, scale_factor_spatial=8,
         latents_mean=list(WAN22_LATENTS_MEAN), latents_std=list(WAN22_LATENTS_STD)).eval())
+    # A trained VAE's posterior is narrow; a random one's logvar is ~0 (std ~1, ten times its means' spread), which
+    # buries the data under sampling noise. The logvar half of quant_conv's bias set to -6 (std 0.05) keeps the
+    # posterior's shape and clamping while the means carry the clip, as in the released VAE.
+    with torch.no_grad():
+        vae.quant_conv.bias[vae.config.z_dim:] = -6.0
+    return vae
 
 
 def wan_transformer(seed: int, in_channels: int) -> Any:
