@@ -20,6 +20,7 @@ from stages import inspect as inspect_stage
 from stages import report, sample
 from stages.core.artifacts import RowStore, atomic_write_json, read_json, read_manifest
 from stages.core.config import SampleConfig
+from stages.core.schema import Bucket
 from stages.core.dataset import scan
 from stages.core.events import read_events, validate_event
 
@@ -79,7 +80,7 @@ def test_inspect_finds_nan_orphaned_missing_and_stale(run_copy):
     bucket = sorted(lat_manifest["buckets"])[0]
     store = RowStore.open(run_dir / "latents.zarr" / bucket, mode="a")
     mean = store.read("mean", 0).copy()
-    mean[0, 0, 0, :3] = np.nan
+    mean.reshape(-1)[:3] = np.nan  # three values of the first variant (images and clips alike)
     store.write_row(0, {"mean": mean})
     dropped = store.ids[-1]
     del lat_manifest["index"][dropped]  # a row no manifest points at: orphaned
@@ -114,9 +115,9 @@ def test_decode_cached_variant_with_the_vae(run_copy, tmp_path):
     manifest = read_manifest(run_copy.run_dir / "latents.zarr")
     key = sorted(manifest["items"])[0]
     bucket = manifest["index"][manifest["items"][key]]["bucket"]
-    width, height = map(int, bucket.split("x"))
-    out, info = inspect_stage.decode(run_copy, key, 1, tmp_path / "mean.png")
-    assert Image.open(out).size == (width, height) and info["variant"] == 1 and info["bucket"] == bucket
+    width, height, frames = Bucket.parse(bucket)
+    out, info = inspect_stage.decode(run_copy, key, 1, tmp_path / "mean.png")  # a clip: its frames side by side
+    assert Image.open(out).size == (width * frames, height) and info["variant"] == 1 and info["bucket"] == bucket
     again, _ = inspect_stage.decode(run_copy, key, 1, tmp_path / "mean2.png")
     pixels = [np.asarray(Image.open(p)) for p in (out, again)]
     assert np.array_equal(*pixels)  # the mean decodes deterministically

@@ -65,7 +65,8 @@ KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux
 DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "flux-kontext": "FluxKontextPipeline.lora_state_dict cannot read it",  # FLUX's demo targets
                       "krea2": "keys outside 'transformer' after Krea2Pipeline's conversion",
-                      "chroma": "ChromaPipeline.lora_state_dict cannot read it"}  # FLUX.1's demo targets
+                      "chroma": "ChromaPipeline.lora_state_dict cannot read it",  # FLUX.1's demo targets
+                      "wan2.2-5b": "WanPipeline.lora_state_dict cannot read it"}  # its demo trains proj_out
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
 

@@ -28,22 +28,12 @@ from typing import Any
 import torch
 
 from stages.core import flow
-from stages.core.lora import load_denoiser_weights
+from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.wan_layout import KOHYA_LAYOUT, LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, require_max_length
 
 UMT5_MAX_TOKENS = 512  # umt5-xxl's position buckets serve any length; Wan was trained with 512 (text_len)
-
-
-def compute_dtype(denoiser: torch.nn.Module) -> torch.dtype:
-    """The dtype the frozen base computes in (`stages.core.lora.base_dtype`'s rule) less the modules diffusers keeps
-    in fp32 (`_keep_in_fp32_modules`: Wan's scale_shift_table is its first parameter, fp32 in a bf16 model)."""
-    keep = set(getattr(denoiser, "_keep_in_fp32_modules", None) or ())
-    for name, p in denoiser.named_parameters():
-        if p.is_floating_point() and not p.requires_grad and not keep & set(name.split(".")):
-            return p.dtype
-    return denoiser.dtype
 
 
 def prompt_clean(text: str) -> str:
@@ -164,7 +154,7 @@ class WanBase(FamilyTraits):
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
-        dtype, device = compute_dtype(denoiser), x0.device
+        dtype, device = base_dtype(denoiser), x0.device
         pred = denoiser(
             hidden_states=flow.noisy_latents(x0, noise, t).to(dtype),
             timestep=self.timestep(t.to(device, torch.float32), x0, tuple(denoiser.config.patch_size)),
