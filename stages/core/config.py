@@ -79,8 +79,8 @@ class DataConfig:
     """Frames each clip trains on (video families; Wan: 4k + 1, e.g. 33 or 81); images are 1-frame clips.
     More frames cost memory and time in proportion: lower it before data.resolution."""
     fps: Annotated[float, NON_NEGATIVE] = 0.0
-    """Frame rate the clips are sampled at (0: each clip's own frames, one after another; Wan 2.2 was trained
-    at 24). A clip shorter than data.frames at this rate is a bad input: lower data.frames or data.fps."""
+    """Frame rate the clips are sampled at (0: each clip's own frames, one after another; Wan 2.2 TI2V-5B makes
+    24 fps video). A clip shorter than data.frames at this rate is a bad input: lower data.frames or data.fps."""
 
 
 # Keys a [[datasets]] table may set; any it leaves out come from [data]. The rest of [data]
