@@ -107,19 +107,15 @@ def _clip_pixels(item: dataset.Item, info: ClipInfo, variants: list[dataset.Vari
                  cfg: Any) -> tuple[list[dataset.Variant], Any]:
     """A clip's variants with their start frames, and their pixels (N, 3, F, H, W) in [-1, 1]: every
     variant's frames decoded in one pass, each cut like the variant's crop."""
+    import torch
+
     starts = video.start_frames(cfg.seed, dataset.pixels_id(item), info, data.frames, data.fps, len(variants))
     variants = [dataclasses.replace(v, start=s) for v, s in zip(variants, starts)]
     indices = [video.frame_indices(info, v.start, data.frames, data.fps) for v in variants]
     wanted = sorted({i for ix in indices for i in ix})
     decoded = dict(zip(wanted, video.read_frames(item.image_path, wanted, cfg.data.background)))
     clips = [_to_pixels([dataset.render_variant(decoded[i], v, bucket) for i in ix]) for v, ix in zip(variants, indices)]
-    return variants, torch_stack([c.transpose(0, 1) for c in clips])  # (F, 3, H, W) -> (3, F, H, W) each
-
-
-def torch_stack(tensors: list[Any]) -> Any:
-    import torch
-
-    return torch.stack(tensors)
+    return variants, torch.stack([c.transpose(0, 1) for c in clips])  # (F, 3, H, W) -> (3, F, H, W) each
 
 
 def _to_pixels(images: list[Any]) -> Any:
