@@ -153,6 +153,9 @@ class FamilyTraits:
     vae_frames_in_flight: int = 1
     """Frames the VAE encodes at once (Wan's causal encoder: 1, then 4 with cached features): what the
     latents planner counts as one encode's working set."""
+    outside_rows_per_token: float = 0.0
+    """fp32 rows of the model's width that each image token keeps outside the repeated blocks during a train step
+    (Wan 2.2 TI2V: its per-token timestep embedding, 6 modulation rows + temb + the embedder's hidden = 8)."""
     pixels_per_token: int = 16
     """Pixels along a side per denoiser token (VAE downsampling x patch: 8 x 2 for the 2x2-patched image
     families; Wan 2.2 TI2V-5B: 16 x 2): the train and sample planners' token count."""

@@ -95,7 +95,9 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
     fixed_gb, per_sample_gb = family.outside_block_gb  # activations outside the blocks
-    outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side * 16 / 512) ** 2) * cal.GB
+    outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side // 16 * 16 / 512) ** 2) * cal.GB
+    # per-token conditioning outside the blocks (Wan 2.2 TI2V's timestep per latent token), fp32 rows of the width
+    outside += family.outside_rows_per_token * tcfg.batch_size * images * image_tokens * _width(model) * 4
     # the un-checkpointed blocks are the last ones (trainer: blocks[checkpointed:])
     own_units = family.block_saved_units
     saved = [own_units.get(type(b).__name__, cal.BLOCK_SAVED_UNITS) for b in blocks]

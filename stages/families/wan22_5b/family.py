@@ -13,4 +13,5 @@ class Wan22_5B(WanBase):
     title = "Wan 2.2 TI2V-5B"
     expand_timesteps = True
     pixels_per_token = 32  # the VAE's 16 px a latent cell, then the transformer's 2x2 patches
+    outside_rows_per_token = 8.0  # timestep_proj (6 rows), temb and time_embedder's hidden, fp32, per latent token
     vae_downsample = 16
