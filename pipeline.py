@@ -436,6 +436,7 @@ def stop_cmd(spec: RunSpec, no_save: bool) -> None:
 
 
 @cli.command("inspect", epilog=examples("inspect my-lora --json", "inspect my-lora --decode cat.png --variant 1",
+                                       "inspect my-video --decode walk.mp4 --out walk.webp",
                                        "inspect my-edit --decode cat.png --control 0"))
 @run_options
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
@@ -447,7 +448,9 @@ def stop_cmd(spec: RunSpec, no_save: bool) -> None:
               help="Decode the item's K-th control image (edit families, references) as cached for that variant.")
 @click.option("--sample", "draw", is_flag=True, help="Decode a posterior sample instead of the mean.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the --sample draw.")
-@click.option("--out", type=click.Path(dir_okay=False), help="PNG to write (default artifacts/<run>/inspect/...).")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="PNG to write (default artifacts/<run>/inspect/...); a clip's frames side by side, or animated "
+                   "with .webp / .gif, or .mp4.")
 @_guarded
 def inspect_cmd(spec: RunSpec, as_json: bool, rows: int, item: str | None, variant: int, control: int | None,
                 draw: bool, seed: int, out: str | None) -> None:
@@ -484,7 +487,8 @@ def describe_decoded(info: dict[str, Any]) -> str:
     (top, left), (height, width) = info["crop_top_left"], info["original_size"]
     return (f"{info['size'][0]}×{info['size'][1]} px (W×H), bucket {info['bucket'].replace('x', '×')}, "
             f"original {width}×{height}, crop at x={left} y={top}{', flipped' if info['flip'] else ''}, "
-            f"latent {'×'.join(map(str, info['latent_shape']))}, {'posterior sample' if info['sampled'] else 'posterior mean'}")
+            f"latent {'×'.join(map(str, info['latent_shape']))}, {'posterior sample' if info['sampled'] else 'posterior mean'}"
+            + (f", {info['frames']} frames" if info.get("frames", 1) > 1 else ""))
 
 
 @cli.command("report", epilog=examples("report my-lora", "report my-lora --out loss.png --json"))

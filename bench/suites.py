@@ -126,6 +126,12 @@ def memory_grid(family: str, px: int, budgets: tuple[str, ...], sets: tuple[str,
     return [Memory(family, px, b, sets) for b in budgets]
 
 
+def video_grid(family: str, clips: tuple[tuple[int, int], ...], precisions: tuple[str, ...]) -> list[Memory]:
+    """A video family's rows: per (px, frames), each base precision with no cap, then the whole plan at 24 GB."""
+    return [Memory(family, px, budget, (f"data.frames={frames}", *sets)) for px, frames in clips
+            for budget, sets in [*(("auto", (f"train.base_precision={p}",)) for p in precisions), ("24", ())]]
+
+
 PARTIAL_CKPT = ("runtime.gradient_checkpointing=auto",)
 
 # Every family's preset (its full.py PRESET; tests/bench/test_bench_suites.py holds them equal), most-used first: the
@@ -137,7 +143,8 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml",
            "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "ernie-image": "configs/ernie-image.toml",
            "hidream-i1": "configs/hidream-i1.toml",
-           "ideogram4": "configs/ideogram4.toml"}
+           "ideogram4": "configs/ideogram4.toml",
+           "wan2.2-5b": "configs/wan2.2-5b.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -183,6 +190,9 @@ SUITES: dict[str, list[Row]] = {
     "ideogram4": [*stages("ideogram4", "encode/nf4", "latents/1024"), *grid("ideogram4", ALL, pxs=(1024,)),
                   *stages("ideogram4", "train/nf4-512-b1", "export/nf4-512-b1", "verify/nf4-512-b1"),
                   *memory_grid("ideogram4", 1024, ("16",))],
+    # Wan 2.2 TI2V-5B: every stage's peak and train s/step at 480p (resolution 640) and 720p (960), 33 and 81 frames,
+    # nf4 and fp8 bases unconstrained, and each clip size under a 24 GB cap (the plan picks precision and swap)
+    "wan2.2-5b": video_grid("wan2.2-5b", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),

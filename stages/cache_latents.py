@@ -11,11 +11,12 @@ image-content id; crop box, flip flag and original size are stored beside the la
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset, distributed
+from stages.core import dataset, distributed, video
 from stages.core import faults
 from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir,
                                    sweep_leftovers, write_manifest)
@@ -27,6 +28,7 @@ from stages.core.errors import ConfigError
 from stages.core.model_source import ModelSource, model_source
 from stages.core.rowstore import RowStore
 from stages.core.schema import Bucket
+from stages.core.video import ClipInfo
 from stages.core.stage import running_stage
 from stages.registry import conflicts
 
@@ -101,6 +103,21 @@ def _pixels(image: Any, variants: list[dataset.Variant], bucket: tuple[int, int]
     return _to_pixels([dataset.render_variant(image, v, bucket) for v in variants])
 
 
+def _clip_pixels(item: dataset.Item, info: ClipInfo, variants: list[dataset.Variant], bucket: Bucket, data: Any,
+                 cfg: Any) -> tuple[list[dataset.Variant], Any]:
+    """A clip's variants with their start frames, and their pixels (N, 3, F, H, W) in [-1, 1]: every
+    variant's frames decoded in one pass, each cut like the variant's crop."""
+    import torch
+
+    starts = video.start_frames(cfg.seed, dataset.pixels_id(item), info, data.frames, data.fps, len(variants))
+    variants = [dataclasses.replace(v, start=s) for v, s in zip(variants, starts)]
+    indices = [video.frame_indices(info, v.start, data.frames, data.fps) for v in variants]
+    wanted = sorted({i for ix in indices for i in ix})
+    decoded = dict(zip(wanted, video.read_frames(item.image_path, wanted, cfg.data.background)))
+    clips = [_to_pixels([dataset.render_variant(decoded[i], v, bucket) for i in ix]) for v, ix in zip(variants, indices)]
+    return variants, torch.stack([c.transpose(0, 1) for c in clips])  # (F, 3, H, W) -> (3, F, H, W) each
+
+
 def _to_pixels(images: list[Any]) -> Any:
     """Same-size RGB PIL images -> (N, 3, H, W) float32 in [-1, 1]."""
     import numpy as np
@@ -112,11 +129,14 @@ def _to_pixels(images: list[Any]) -> Any:
 
 
 def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Bucket]],
-                log: Any, known: dict[str, tuple[int, int]] | None = None) -> tuple[dict, list, dict]:
-    """latent id -> (item, size, bucket) for readable images, each bucketed among its dataset's
-    resolution's `buckets`; skipped [(key, reason)]; duplicates. `known`: the sizes of images the cache
-    already holds (its manifest's, by content id), whose headers are then not read again."""
+                log: Any, known: dict[str, tuple[int, int]] | None = None,
+                clips: dict[str, ClipInfo] | None = None) -> tuple[dict, list, dict]:
+    """latent id -> (item, size, bucket) for readable images and clips, each bucketed among its dataset's
+    resolution's `buckets` (a clip's bucket also has its dataset's data.frames); skipped [(key, reason)];
+    duplicates. `known`: the sizes of images the cache already holds (its manifest's, by content id), whose
+    headers are then not read again; `clips`: the probes of clips, by content id, read and filled in."""
     known = known or {}
+    clips = clips if clips is not None else {}
     found: dict[str, tuple[dataset.Item, tuple[int, int]]] = {}
     skipped, duplicates, bad = [], defaultdict(list), []
     for it in items:
@@ -125,14 +145,15 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             log.emit("warning", item=it.key, message=f"image '{it.key}' has the same bytes as "
                      f"'{found[it.latent_key][0].key}': cached once, both items train on it with their own captions")
             continue
-        if it.latent_key in known:  # an image the cache holds: its size is recorded, its mask was checked
-            found[it.latent_key] = (it, known[it.latent_key])
+        if it.latent_key in known and (not it.is_clip or it.latent_key in clips):  # its size is recorded,
+            found[it.latent_key] = (it, known[it.latent_key])  # its mask was checked
             continue
         try:
-            size = dataset.image_size(it.image_path)
+            size = _probe(cfg, it, clips)
             _check_mask_size(it, size)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
-            err = e if isinstance(e, dataset.BadImage) else dataset.BadImage(f"image '{it.image_path}' cannot be read ({e})")
+            err = dataset.BadImage(str(e)) if isinstance(e, video.BadClip) else e if isinstance(e, dataset.BadImage) \
+                else dataset.BadImage(f"image '{it.image_path}' cannot be read ({e})")
             if cfg.data.on_bad_image == "error":
                 err.item = it.key
                 bad.append(err)
@@ -144,16 +165,40 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
     if bad:
         raise dataset.collected(bad, "images")
     fill = cfg.train.batch_size if cfg.data.bucket_merge else 0
-    resolutions = [d.resolution for d in cfg.dataset_configs()]
+    datasets = cfg.dataset_configs()
+    frames_of = {i: datasets[it.dataset].frames if it.is_clip else 1 for i, (it, _) in found.items()}
     assigned: dict[str, Bucket] = {}
-    for resolution, group in sorted(buckets.items()):  # each resolution's images fill its own buckets
-        part, notes = dataset.bucket_plan({i: (it.key, size) for i, (it, size) in found.items()
-                                           if resolutions[it.dataset] == resolution}, group, fill, cfg.data.max_aspect)
-        assigned.update(part)
-        for key, note in notes:
-            log.emit("warning", item=key, message=note)
+    for resolution, group in sorted(buckets.items()):  # each resolution's images fill its own buckets,
+        for frames in sorted(set(frames_of.values())):  # and each clip length its own
+            part, notes = dataset.bucket_plan({i: (it.key, size) for i, (it, size) in found.items()
+                                               if datasets[it.dataset].resolution == resolution
+                                               and frames_of[i] == frames}, group, fill, cfg.data.max_aspect)
+            assigned.update({i: Bucket(*b[:2], frames) for i, b in part.items()})
+            for key, note in notes:
+                log.emit("warning", item=key, message=note)
     plan = {i: (it, size, assigned[i]) for i, (it, size) in found.items()}
     return plan, skipped, dict(duplicates)
+
+
+def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[int, int]:
+    """(width, height) of an image from its header; of a clip from its container, whose frame count and
+    rate go to `clips`. A clip too short for its dataset's data.frames at data.fps, or one for a family that
+    trains on images, is a BadClip naming it."""
+    from stages.families import get_family
+
+    if not item.is_clip:
+        return dataset.image_size(item.image_path)
+    family = get_family(cfg.family)
+    if not family.trains_video:
+        raise video.BadClip(f"clip '{item.image_path}': {cfg.family} trains on images, not clips; train a video "
+                            f"family (wan2.2-5b), or {video.BAD_CLIP_HINT}")
+    d = cfg.dataset_configs()[item.dataset]
+    info = video.probe(item.image_path)
+    problem = video.too_short(item.image_path, info, d.frames, d.fps)
+    if problem:
+        raise video.BadClip(problem)
+    clips[item.latent_key] = info
+    return info.width, info.height
 
 
 def _check_mask_size(item: dataset.Item, size: tuple[int, int]) -> None:
@@ -243,14 +288,15 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         current = None if existing is None else _up_to_date(cfg, existing, items, layout, ctx.log)
         if current is not None:
             return current
-        plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log, _known_sizes(existing))
+        clips = _known_clips(existing)
+        plan, skipped, duplicates = plan_images(cfg, items, buckets, ctx.log, _known_sizes(existing), clips)
         by_bucket: dict[Bucket, list[str]] = defaultdict(list)
         for image_id, (_, _, bucket) in sorted(plan.items()):
             by_bucket[bucket].append(image_id)
         with distributed.main_first(ctx.dist):  # rank 0 (re)makes the root and grows stores first
             stores, todo = _prepare_stores(out, layout_fp, by_bucket, writer=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(plan) - len(todo), total=len(plan), encoded=0)
-        encoded = _encode(ctx, cfg, plan, by_bucket, stores, todo, layout_fp, vae_plan)
+        encoded = _encode(ctx, cfg, plan, by_bucket, stores, todo, layout_fp, vae_plan, clips)
         _raise_failed(distributed.all_gather(encoded["load_failed"], ctx.dist))
         gathered = distributed.all_gather(encoded["load_skipped"], ctx.dist)
         for part in gathered[1:]:
@@ -260,7 +306,8 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo)}
         skipped += [(key, reason) for _, key, reason in sorted(s for part in gathered for s in part)]
         n_encoded = len(todo) - sum(len(part) for part in gathered)  # images that failed to load were not encoded
-        manifest = _write(ctx, cfg, items, plan, by_bucket, encoded, skipped, duplicates, n_encoded, layout, forced)
+        manifest = _write(ctx, cfg, items, plan, by_bucket, encoded, skipped, duplicates, n_encoded, layout, forced,
+                          clips)
         _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped),
                      **_pace(encoded["pace"]))
@@ -274,6 +321,14 @@ def _known_sizes(manifest: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
     entries = manifest.get("index", {}) if manifest else {}
     return {i: (int(e["size"][0]), int(e["size"][1])) for i, e in entries.items()
             if isinstance(e, dict) and isinstance(e.get("size"), list) and len(e["size"]) == 2}
+
+
+def _known_clips(manifest: dict[str, Any] | None) -> dict[str, ClipInfo]:
+    """Content id -> the probe of every clip the existing cache's `manifest` holds (its "clip": [frames, fps])."""
+    entries = manifest.get("index", {}) if manifest else {}
+    return {i: ClipInfo(int(e["size"][0]), int(e["size"][1]), int(e["clip"][0]), float(e["clip"][1]))
+            for i, e in entries.items() if isinstance(e, dict) and isinstance(e.get("clip"), list)
+            and len(e["clip"]) == 2 and isinstance(e.get("size"), list) and len(e["size"]) == 2}
 
 
 def _up_to_date(cfg: Any, manifest: dict[str, Any], items: list[dataset.Item], layout: dict[str, Any],
@@ -333,7 +388,8 @@ def _same_plan_on_every_rank(ctx: Any, layout_fp: str, vae_plan: Any) -> None:
 
 
 def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], stores: dict[Bucket, RowStore | None],
-            todo: list[tuple[Bucket, str]], layout_fp: str, vae_plan: Any) -> dict[str, Any]:
+            todo: list[tuple[Bucket, str]], layout_fp: str, vae_plan: Any,
+            plan_clips: dict[str, ClipInfo]) -> dict[str, Any]:
     """Encode every (bucket, image id) of `todo` over the ranks; -> stores, normalization, skipped, runtime."""
     import torch
 
@@ -355,6 +411,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         ctx.log.emit("loaded", component="vae", seconds=ctx.elapsed())
     load_skipped: list[tuple[int, str, str]] = []  # (position in todo, item, reason)
     load_failed: list[tuple[int, str, str]] = []  # the same, under data.on_bad_image = "error"
+    clips = {**_known_clips(previous), **plan_clips}
     position = {t: k for k, t in enumerate(todo)}
     rows_of = {b: s.row_of() for b, s in stores.items() if s is not None}
 
@@ -363,15 +420,19 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         controls, its variants and their pixels; or the BadImage that stops it."""
         bucket, image_id = unit
         item, size, _ = plan[image_id]
-        try:
-            image = dataset.load_image(item.image_path, cfg.data.background)
-            mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
-            controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
-        except dataset.BadImage as e:
-            return e
         d = datasets[item.dataset]
         variants = dataset.plan_variants(dataset.pixels_id(item), size, bucket, d.cache_variants, cfg.seed, d.random_flip,
                                          d.crop, d.crop_zoom)
+        try:
+            if item.is_clip:
+                return None, None, [], *_clip_pixels(item, clips[image_id], variants, bucket, d, cfg)
+            image = dataset.load_image(item.image_path, cfg.data.background)
+            mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
+            controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
+        except video.BadClip as e:
+            return dataset.BadImage(str(e))
+        except dataset.BadImage as e:
+            return e
         return image, mask, controls, variants, _pixels(image, variants, bucket)
 
     def encode_image(unit: tuple[Bucket, str], read: Any) -> None:
@@ -397,6 +458,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
                       "logvar": ((n_var, *logvar.shape[1:]), cfg.latents.dtype),
                       "crop_top_left": ((n_var, 2), "int64"), "flip": ((n_var,), "uint8"),
                       "original_size": ((2,), "int64"), "mask": ((n_var, *mean.shape[-2:]), "float16"),
+                      **({"start_frame": ((n_var,), "int64")} if bucket.frames > 1 else {}),
                       **{name: (tuple(v.shape), cfg.latents.dtype) for name, v in posteriors.items()}}
             stores[bucket] = RowStore.create(out / str(bucket), by_bucket[bucket], fields)
             stores[bucket].group.attrs["layout"] = layout_fp
@@ -411,6 +473,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             "crop_top_left": [[v.crop_top, v.resized[0] - v.crop_left - bucket[0] if v.flip else v.crop_left]
                               for v in variants],
             "flip": [int(v.flip) for v in variants], "original_size": [size[1], size[0]],
+            **({"start_frame": [v.start for v in variants]} if bucket.frames > 1 else {}),
             "mask": _masks(mask, variants, bucket, tuple(mean.shape[-2:]))})
         faults.hit(NAME)
 
@@ -451,7 +514,7 @@ def _check_control_shapes(store: RowStore, posteriors: dict[str, Any], item: dat
 
 def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket: dict[Bucket, list[str]],
            encoded: dict[str, Any], skipped: list[tuple[str, str]], duplicates: dict, n_encoded: int,
-           layout: dict[str, Any], forced: dict[str, Any] | None) -> dict[str, Any]:
+           layout: dict[str, Any], forced: dict[str, Any] | None, clips: dict[str, ClipInfo]) -> dict[str, Any]:
     """The manifest (rank 0): every image id whose row is written, by bucket and row; `forced`: what the
     free memory forced (`_forced`), absent otherwise."""
     from stages.core.runtime import peak_vram_gb
@@ -463,8 +526,9 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
         if store is None:
             continue
         rows, written = store.row_of(), store.written_mask()
-        index.update({image_id: {"bucket": str(bucket), "row": rows[image_id], "size": list(plan[image_id][1])} for image_id in ids
-                      if plan[image_id][0].key not in skipped_keys and written[rows[image_id]]})
+        index.update({image_id: {"bucket": str(bucket), "row": rows[image_id], "size": list(plan[image_id][1]),
+                                 **({"clip": [clips[image_id].frames, clips[image_id].fps]} if image_id in clips else {})}
+                      for image_id in ids if plan[image_id][0].key not in skipped_keys and written[rows[image_id]]})
     # Every scanned image counts as an input, skipped ones too (they are listed as skipped):
     # otherwise a run with a skipped image would never be up to date.
     parts = {**layout, "images": sorted({it.latent_key for it in items})}

@@ -38,7 +38,7 @@ def build_assets(family: str) -> None:
     from stages.families import library_notices
     from stages.families import demo_model_variant
     from stages.tiny.models import build_tiny_pipeline
-    from stages.tiny.shapes import make_demo_dataset, make_edit_dataset
+    from stages.tiny.shapes import make_clip_dataset, make_demo_dataset, make_edit_dataset
 
     quiet_libraries(notices=library_notices())  # the build saves pipelines: no loading bars or torchvision notices, as in every stage
     variant = demo_model_variant(family)
@@ -52,6 +52,12 @@ def build_assets(family: str) -> None:
         if not data.exists():
             print(f"demo: drawing the edit pairs in {data}", flush=True)
             make_edit_dataset(data, n=12, seed=0, **({"sizes": sizes} if sizes else {}))
+        return
+    if demo_data_kind(family) == "clips":  # video families: moving-shape clips and two stills
+        data = ASSETS / "data-clips"
+        if not data.exists():
+            print(f"demo: drawing the moving-shapes clips in {data}", flush=True)
+            make_clip_dataset(data, n=8, seed=0)
         return
     data = ASSETS / "data"
     if not data.exists():
@@ -68,7 +74,8 @@ def demo_edit_sizes(family: str) -> tuple[tuple[int, int], ...] | None:
 
 
 def demo_data_kind(family: str) -> str:
-    """"shapes" (captioned drawings) or "edit" (edit pairs): the family's DEMO_DATA, shapes by default."""
+    """"shapes" (captioned drawings), "edit" (edit pairs) or "clips" (moving shapes): the family's DEMO_DATA,
+    shapes by default."""
     from stages.families import demo_hint
 
     return demo_hint(family, "DEMO_DATA", "shapes")

@@ -152,14 +152,14 @@ def caption_texts(cfg: Any) -> dict[str, str]:
 
 
 def channel_stats(mean: np.ndarray, logvar: np.ndarray, family: Any, norm: dict[str, Any]) -> dict[str, Any]:
-    """Per-channel statistics of cached posteriors (N, variants, C, h, w), raw and normalized."""
+    """Per-channel statistics of cached posteriors (N, variants, C, [frames,] h, w), raw and normalized."""
     import torch
 
     c = mean.shape[2]
     z = mean.reshape(-1, *mean.shape[2:]).astype(np.float32)
-    per_channel = z.transpose(1, 0, 2, 3).reshape(c, -1)
-    normed = family.normalize_latents(torch.from_numpy(z), norm).numpy().transpose(1, 0, 2, 3).reshape(c, -1)
-    std = np.exp(0.5 * logvar.astype(np.float32)).transpose(2, 0, 1, 3, 4).reshape(c, -1)
+    per_channel = np.moveaxis(z, 1, 0).reshape(c, -1)
+    normed = np.moveaxis(family.normalize_latents(torch.from_numpy(z), norm).numpy(), 1, 0).reshape(c, -1)
+    std = np.moveaxis(np.exp(0.5 * logvar.astype(np.float32)), 2, 0).reshape(c, -1)
     return {"mean": per_channel.mean(1).tolist(), "std": per_channel.std(1).tolist(),
             "min": per_channel.min(1).tolist(), "max": per_channel.max(1).tolist(),
             "normalized_mean": normed.mean(1).tolist(), "normalized_std": normed.std(1).tolist(),
@@ -353,16 +353,39 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
     vae = family.load_vae(src, rt)
     # Qwen-Image's (Wan) VAEs decode (B, C, T, H, W); Qwen-Image 2.1's has 2-D conv weights but a temporal config.
     video = any(p.dim() == 5 for p in vae.decoder.parameters()) or "temperal_downsample" in vae.config
+    clip = z.dim() == 5  # a video family's row, (1, C, frames, h, w): an image is a 1-frame clip there
     with torch.no_grad():
         z = z.to(rt.device, vae.dtype)
-        pixels = vae.decode(z.unsqueeze(2) if video else z).sample
-    pixels = pixels.squeeze(2) if video else pixels
-    image = ((pixels[0].float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
+        pixels = vae.decode(z.unsqueeze(2) if video and not clip else z).sample
+    frames = pixels[0].transpose(0, 1) if clip else (pixels.squeeze(2) if video else pixels)  # (F, 3, H, W)
+    images = [Image.fromarray(((f.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy())
+              for f in frames]
     out.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(image).save(out)
+    _save_frames(images, out)
     meta = {k: info[k] for k in ("image_id", "bucket", "control", "crop_top_left", "flip", "original_size")}
     return out, {**meta, "variant": variant, "latent_shape": list(info["mean"].shape), "sampled": sample,
-                 "size": list(Image.open(out).size)}
+                 "size": list(images[0].size), "frames": len(images)}
+
+
+def _save_frames(images: list[Any], out: Path) -> None:
+    """One decoded image as PNG (or whatever `out` names); a clip's frames as an animation when `out` ends in
+    .webp or .gif, an mp4 when .mp4 (PyAV), else side by side in one image."""
+    from PIL import Image
+
+    from stages.core import video
+
+    suffix = out.suffix.lower()
+    if len(images) > 1 and suffix in (".webp", ".gif"):
+        return video.write_animation(out, images, 8.0)
+    if len(images) > 1 and suffix == ".mp4":
+        if not video.write_mp4(out, images, 8.0):
+            raise UserError(f"this PyAV build has no H.264 or MPEG-4 encoder to write '{out}': use --out with .webp or .png")
+        return None
+    w, h = images[0].size
+    strip = Image.new("RGB", (w * len(images), h))
+    for k, im in enumerate(images):
+        strip.paste(im, (k * w, 0))
+    strip.save(out)
 
 
 # ---- rich rendering -----------------------------------------------------------------------------------

@@ -240,18 +240,24 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
     s, family = cfg.sample, get_family(cfg.family)
     kwargs: dict[str, Any] = {"height": size[1], "width": size[0], "num_inference_steps": s.steps, "output_type": "pil",
                               **(family.sample_kwargs(pipe, prompts, s.guidance_scale, s.steps)
-                                 or guidance_kwargs(pipe, family, s.guidance_scale))}
+                                 or guidance_kwargs(pipe, family, s.guidance_scale)),
+                              **({"num_frames": sample_frames(cfg)} if family.trains_video else {})}
     images = []
     for r, prompt in enumerate(prompts):
         extra = family.sample_image_kwargs(controls[r], size) if controls is not None else {}
         for seed in s.seeds:
             context = family.sample_context(size)
             with torch.no_grad(), context:
-                images.append(pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs,
-                                   **extra).images[0])
+                out = pipe(prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed), **kwargs, **extra)
+                images.append(out.frames[0] if family.trains_video else out.images[0])  # a clip: its frames
             faults.hit(NAME)
             bar.advance(1)
     return images
+
+
+def sample_frames(cfg: Any) -> int:
+    """Frames of each sample clip (video families): sample.frames, else the first dataset's data.frames."""
+    return cfg.sample.frames or cfg.dataset_configs()[0].frames
 
 
 def ignores_guidance(pipe: Any, family: Any) -> bool:
@@ -391,17 +397,17 @@ def run(cfg: Any) -> dict[str, Any]:
             done = render_planned(cfg, ctx.log, columns, prompts, size, edits, targets)
             labels, cells, scores, rt, loaded_as = (done[k] for k in ("labels", "cells", "scores", "rt", "loaded_as"))
             rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
-            grid = draw_grid(labels, rows, cells, tmp / GRID)
+            grid, files = draw_outputs(cfg, labels, rows, cells, tmp)
             ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),
                          adapter=columns[-1][1].name, seconds=ctx.elapsed(),
                          **{k: v for k, v in scores.items() if k != "edit_summary"})
-            manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=[GRID], columns=labels,
+            manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=files, columns=labels,
                                       prompts=prompts, seeds=list(cfg.sample.seeds), size=list(size),
                                       settings=dataclasses.asdict(cfg.sample), loaded_as=loaded_as, grid_size=list(grid),
                                       fingerprint=fingerprint(parts), fingerprint_parts=parts, seconds=ctx.elapsed(),
                                       peak_vram_gb=peak_vram_gb(rt), **scores)
         rendered = [label for label in labels if label != "control"]  # an edit grid's first column is the input
-        ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(rendered), files=[str(out / GRID)],
+        ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(rendered), files=[str(out / f) for f in files],
                      **{k: v for k, v in scores.items() if k == "edit_closer_percent"})
         return manifest
 
@@ -421,8 +427,36 @@ def _wrap(draw: Any, text: str, font: Any, width: int) -> list[str]:
     return lines + ([line] if line else [])
 
 
+CLIP_GRID, CLIP_VIDEO = "grid.webp", "grid.mp4"
+CLIP_FPS = 8.0  # the tiny demo's few frames stay visible; a real run's clips play at data.fps where it is set
+
+
+def draw_outputs(cfg: Any, labels: list[str], rows: list[tuple[str, int]], cells: list[list[Any]],
+                 out: Path) -> tuple[tuple[int, int], list[str]]:
+    """The grid's files in `out` -> (grid.png's size, their names). Images: grid.png. Clips (cells of frame
+    lists): grid.png of each clip's middle frame, the whole grid animated as grid.webp (Pillow), and as
+    grid.mp4 where PyAV has an H.264 or MPEG-4 encoder."""
+    from stages.core import video
+
+    if not isinstance(cells[0][0], list):
+        return draw_grid(labels, rows, cells, out / GRID), [GRID]
+    n = len(cells[0][0])
+    size = draw_grid(labels, rows, [[clip[n // 2] for clip in column] for column in cells], out / GRID)
+    frames = [compose_grid(labels, rows, [[clip[k] for clip in column] for column in cells]) for k in range(n)]
+    fps = cfg.dataset_configs()[0].fps or CLIP_FPS
+    video.write_animation(out / CLIP_GRID, frames, fps)
+    return size, [GRID, CLIP_GRID] + ([CLIP_VIDEO] if video.write_mp4(out / CLIP_VIDEO, frames, fps) else [])
+
+
 def draw_grid(labels: list[str], rows: list[tuple[str, int]], cells: list[list[Any]], out: Path) -> tuple[int, int]:
-    """Columns `labels`, rows (prompt, seed); cells[column][row] are PIL images. Returns (w, h)."""
+    """Columns `labels`, rows (prompt, seed); cells[column][row] are PIL images, saved to `out`. Returns (w, h)."""
+    grid = compose_grid(labels, rows, cells)
+    grid.save(out, optimize=True)
+    return grid.size
+
+
+def compose_grid(labels: list[str], rows: list[tuple[str, int]], cells: list[list[Any]]) -> Any:
+    """The grid as a PIL image (draw_grid's, unsaved)."""
     from PIL import Image, ImageDraw, ImageFont
 
     font = ImageFont.load_default(size=13)
@@ -440,5 +474,4 @@ def draw_grid(labels: list[str], rows: list[tuple[str, int]], cells: list[list[A
             draw.text((6, y + 4 + i * 16), line, fill="#555555" if i == len(lines) - 1 else "#222222", font=font)
         for c, column in enumerate(cells):
             grid.paste(column[r].convert("RGB").resize((cw, ch), Image.Resampling.NEAREST), (left + c * (cw + pad), y))
-    grid.save(out, optimize=True)
-    return grid.size
+    return grid

@@ -145,11 +145,20 @@ def edit_data(assets: Path) -> Path:
     return make_edit_dataset(assets / "data-edit", n=12, seed=0)
 
 
+@pytest.fixture(scope="session")
+def clip_data(assets: Path) -> Path:
+    """Moving-shape clips (mp4 and folders of frames) and two stills, for the video families."""
+    from stages.tiny.shapes import make_clip_dataset
+
+    return make_clip_dataset(assets / "data-clips", n=8, seed=0)
+
+
 def family_data(family: str, request: pytest.FixtureRequest) -> Path:
-    """The demo dataset the family trains on: drawn shapes, or edit pairs for an edit family."""
+    """The demo dataset the family trains on: drawn shapes, edit pairs for an edit family, clips for a video one."""
     from stages.demo import demo_data_kind
 
-    return request.getfixturevalue("edit_data" if demo_data_kind(family) == "edit" else "demo_data")
+    kind = demo_data_kind(family)
+    return request.getfixturevalue({"edit": "edit_data", "clips": "clip_data"}.get(kind, "demo_data"))
 
 
 _RUNS: dict[str, object] = {}

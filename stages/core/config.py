@@ -75,13 +75,19 @@ class DataConfig:
     role: Literal["train", "regularization"] = "train"
     """train: learn the images. regularization (with train.preservation = "dataset"): its items train toward the
     base model's own prediction on their caption (adapter off), not toward their image."""
+    frames: Annotated[int, AT_LEAST_ONE] = 33
+    """Frames each clip trains on (video families; Wan: 4k + 1, e.g. 33 or 81); images are 1-frame clips.
+    More frames cost memory and time in proportion: lower it before data.resolution."""
+    fps: Annotated[float, NON_NEGATIVE] = 0.0
+    """Frame rate the clips are sampled at (0: each clip's own frames, one after another; Wan 2.2 TI2V-5B makes
+    24 fps video). A clip shorter than data.frames at this rate is a bad input: lower data.frames or data.fps."""
 
 
 # Keys a [[datasets]] table may set; any it leaves out come from [data]. The rest of [data]
 # (bucket_step, max_aspect, bucket_merge, on_bad_image, background) applies to the whole run.
 DATASET_KEYS = ("path", "name", "resolution", "cache_variants", "random_flip", "crop", "crop_zoom", "caption_ext",
                 "follow_symlinks_outside", "repeats", "weight", "caption_dropout", "caption_lines", "shuffle_tags",
-                "keep_tokens", "caption_variants", "role")
+                "keep_tokens", "caption_variants", "role", "frames", "fps")
 DATASET_DOCS = {"path": "A dataset folder (required in each [[datasets]] table; relative to the config file).",
                 "name": "Prefix of the dataset's item keys ('<name>/<file>'); default: the folder's name."}
 
@@ -323,6 +329,8 @@ class SampleConfig:
     cpu_offload: bool = False
     """diffusers' enable_model_cpu_offload: one component on the GPU at a time (CUDA only); the memory
     planner also turns it on where the pipeline does not fit the budget whole."""
+    frames: Annotated[int, NON_NEGATIVE] = 0
+    """Frames of each sample clip (video families; 0: data.frames). Wan: 4k + 1."""
 
 
 @dataclass

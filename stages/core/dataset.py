@@ -38,6 +38,7 @@ from stages.core import image_index
 from stages.core.errors import DatasetError
 from stages.core.folder_tree import FolderTree, stat_of
 from stages.core.image_index import INDEX_DIR, UNREADABLE_ID_PREFIX, ImageIndex, content_id  # noqa: F401 - UNREADABLE_ID_PREFIX: read here
+from stages.core.video import VIDEO_EXTS
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 # Image formats that are not read (GIF is mostly animation; HEIC, AVIF and JPEG XL need PIL plugins;
@@ -107,6 +108,11 @@ class Item:
     def latent_key(self) -> str:
         return self.latent_id or self.image_id
 
+    @property
+    def is_clip(self) -> bool:
+        """A video file or a folder of frames (trained as `data.frames` frames), not a still image."""
+        return is_clip_path(self.image_path)
+
 
 def _salted(content: str, salt: str) -> str:
     return content_id(f"{content}+{salt}".encode()) if salt else content
@@ -117,6 +123,11 @@ def caption_id(text: str) -> str:
 
 
 # ---- loss masks: white trained, black ignored, grey weighted ---------------------------------
+
+
+def is_clip_path(path: Path) -> bool:
+    """A video file or a folder of frames (stages.core.video), not a still image."""
+    return path.suffix.lower() in VIDEO_EXTS or path.is_dir()
 
 
 def pixels_id(item: Item) -> str:
@@ -264,6 +275,8 @@ def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[t
             raise DatasetError(f"{where}: empty caption for '{name}'")
         path = _metadata_path(root, name, where)
         problem = _file_problem(path)
+        if problem == "is a folder" and is_clip_path(path):
+            problem = None
         if problem:
             raise DatasetError(f"{where}: image '{path}' {problem}")
         _check_inside(root, path, follow_outside)
@@ -275,12 +288,18 @@ def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[t
 def _listed_images(root: Path, caption_ext: str, dropped: _Dropped, tree: FolderTree) -> list[Path]:
     """Regular files with an image extension under root; the left-out ones go to `dropped`."""
     images = []
+    clip_folders = {str(p) for p in tree.paths() if _is_clip_folder(p, caption_ext, tree)}
     for path in tree.paths():
         suffix = path.suffix.lower()
         key = path.relative_to(root).as_posix()
+        if str(path.parent) in clip_folders:  # a frame of a clip folder, not an item
+            continue
+        if str(path) in clip_folders:
+            images.append(path)
+            continue
         if suffix in IMAGE_EXTS and _is_mask_file(root, path, tree):
             continue
-        if suffix in IMAGE_EXTS:
+        if suffix in IMAGE_EXTS or suffix in VIDEO_EXTS:
             problem = _file_problem(path)
             if problem is None:
                 images.append(path)
@@ -295,6 +314,11 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped, tree: Folder
         if len(keys) > 1 and tree.exists(str(cap)):
             dropped.add("shared", keys[0], " and ".join(f"'{k}'" for k in keys) + f" ('{cap.name}')")
     return images
+
+
+def _is_clip_folder(path: Path, caption_ext: str, tree: FolderTree) -> bool:
+    """A folder of frames with a caption file of its name beside it (`walk/` + `walk.txt`): one clip."""
+    return path.is_dir() and tree.exists(str(path.parent / (path.name + caption_ext)))
 
 
 def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _Dropped,
@@ -317,7 +341,7 @@ def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _D
 
 def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool, tree: FolderTree) -> str:
     _check_inside(root, path, follow_outside, tree)
-    cap = path.with_suffix(caption_ext)
+    cap = path.parent / (path.name + caption_ext) if path.is_dir() else path.with_suffix(caption_ext)
     problem = _file_problem(cap)
     if problem == "does not exist":
         raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")
@@ -330,7 +354,8 @@ def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool, 
 def _orphan_captions(root: Path, caption_ext: str, dropped: _Dropped, tree: FolderTree) -> None:
     """Caption files beside no file of their stem (nor a numbered variant `<stem>.<n><ext>` of one)."""
     files = tree.files()
-    stems = {p.with_suffix("") for p in files if p.suffix != caption_ext}
+    stems = {p.with_suffix("") for p in files if p.suffix != caption_ext} | {
+        p for p in tree.paths() if _is_clip_folder(p, caption_ext, tree)}
     for cap in sorted(p for p in files if p.suffix == caption_ext):
         stem = cap.with_suffix("")
         if stem not in stems and not (stem.suffix[1:].isdigit() and stem.with_suffix("") in stems):
@@ -376,7 +401,7 @@ def _items(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None
     stems = {path.with_suffix("") for path, _ in pairs}
     items = []
     for path, text in pairs:
-        mask = find_mask(root, path, follow_outside, tree)
+        mask = None if is_clip_path(path) else find_mask(root, path, follow_outside, tree)
         texts = [t.strip() for t in text.split(VARIANT_SEP)] + (
             [] if meta else _numbered_captions(root, path, caption_ext, stems, follow_outside))
         if caption_lines == "variants":
@@ -437,7 +462,8 @@ def _listing(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | No
         controls = {path: _folder_controls(root, path, follow_outside, tree) for path, _ in pairs}
     dropped.report(warn)
     if not pairs:
-        raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) with captions")
+        raise DatasetError(f"dataset folder '{root}' has no images ({', '.join(IMAGE_EXTS)}) or clips "
+                           f"({', '.join(VIDEO_EXTS)}, or folders of frames) with captions")
     return pairs, controls
 
 
@@ -484,13 +510,20 @@ def index_dir(cfg: Any) -> Path:
 # image id with a suffix); the same settings share one row. Not [data]'s own values: with [[datasets]]
 # tables they may be overridden everywhere, and a key no dataset uses must not rename any row.
 LATENT_KEYS = ("resolution", "cache_variants", "random_flip", "crop", "crop_zoom")
+# The clip keys, counted only away from their defaults: an image run's rows keep the names they had.
+CLIP_KEYS = {"frames": 33, "fps": 0.0}
+
+
+def latent_settings(data: Any) -> dict[str, Any]:
+    """A dataset's settings that change its cached latents: LATENT_KEYS, and CLIP_KEYS not at their defaults."""
+    return {**{k: getattr(data, k) for k in LATENT_KEYS},
+            **{k: getattr(data, k) for k, default in CLIP_KEYS.items() if getattr(data, k) != default}}
 
 
 def latent_reference(cfg: Any) -> dict[str, Any]:
-    """The first dataset's effective LATENT_KEYS (a plain data.path run: [data]'s): the settings whose
+    """The first dataset's effective latent settings (a plain data.path run: [data]'s): the settings whose
     rows are keyed by the bare image id, as validation.path's items are, which are cached with them."""
-    first = cfg.dataset_configs()[0]
-    return {k: getattr(first, k) for k in LATENT_KEYS}
+    return latent_settings(cfg.dataset_configs()[0])
 
 
 def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
@@ -503,7 +536,7 @@ def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
         items = scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
                      caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path",
                      ids=ids or data.shuffle_tags, index_dir=index_dir(cfg))
-        settings = {k: getattr(data, k) for k in LATENT_KEYS}
+        settings = latent_settings(data)
         suffix = "" if settings == reference else \
             "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
         for it in items:
@@ -706,7 +739,7 @@ def bucket_plan(images: dict[str, tuple[str, tuple[int, int]]], buckets: list[tu
 
 def kept_fraction(size: tuple[int, int], bucket: tuple[int, int]) -> float:
     """Share of an image that a crop to `bucket` keeps (the image is first resized to cover it)."""
-    (w, h), (bw, bh) = size, bucket
+    (w, h), (bw, bh) = size, bucket[:2]
     scale = max(bw / w, bh / h)
     return bw * bh / (w * scale * h * scale)
 
@@ -726,7 +759,7 @@ UPSCALE_WARNING = 1.5  # covering a bucket often needs a few % of upscaling; 1.5
 def size_notes(key: str, size: tuple[int, int], bucket: tuple[int, int], max_aspect: float) -> list[str]:
     """Warnings for an image that trains but loses something: too small for its bucket (upscaled,
     blurred) or with an aspect beyond max_aspect (a bucket crop cuts much of it away)."""
-    (w, h), (bw, bh) = size, bucket
+    (w, h), (bw, bh) = size, bucket[:2]
     notes = []
     aspect = max(w / h, h / w)
     if aspect > max_aspect + 1e-6:
@@ -747,6 +780,7 @@ class Variant:
     crop_left: int
     crop_top: int
     flip: bool
+    start: int = 0  # a clip's first source frame (stages.core.video.start_frames); 0 for an image
 
 
 def plan_variants(image_id: str, size: tuple[int, int], bucket: tuple[int, int], n: int, seed: int,
@@ -757,7 +791,7 @@ def plan_variants(image_id: str, size: tuple[int, int], bucket: tuple[int, int],
     of how many processes share the work.
     """
     w, h = size
-    bw, bh = bucket
+    bw, bh = bucket[:2]
     cover = max(bw / w, bh / h)
     out = []
     for k in range(n):
@@ -864,7 +898,7 @@ def mask_at_latents(mask, v: Variant, bucket: tuple[int, int], latent_hw: tuple[
     in [0, 1] (255 -> 1.0 exactly, so an all-white mask is all ones)."""
     import numpy as np
 
-    (h, w), (bw, bh) = latent_hw, bucket
+    (h, w), (bw, bh) = latent_hw, bucket[:2]
     arr = np.asarray(render_variant(mask, v, bucket), dtype=np.float32) / 255.0
     return arr.reshape(h, bh // h, w, bw // w).mean(axis=(1, 3), dtype=np.float32)
 

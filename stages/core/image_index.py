@@ -85,8 +85,27 @@ def _signature(st: os.stat_result) -> list[int]:
 
 
 def _file_id(path: Path) -> str:
+    if path.is_dir():  # a clip as a folder of frames: its frames' names and bytes, in name order
+        from stages.core.video import frame_files
+
+        digest = hashlib.sha256()
+        for frame in frame_files(path):
+            with open(frame, "rb") as f:
+                digest.update(frame.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+        return digest.hexdigest()[:24]
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()[:24]
+
+
+def _members(path: Path | None) -> list[Path]:
+    """The files whose stats vouch for a path's id: itself, and a clip folder's frames too."""
+    if path is None:
+        return []
+    if path.is_dir():
+        from stages.core.video import frame_files
+
+        return [path, *frame_files(path)]
+    return [path]
 
 
 def read_ids(path: Path, mask: Path | None) -> Ids:
@@ -212,7 +231,7 @@ def _well_formed(entry: object) -> bool:
 
 def _stats(request: Request) -> list[list[int]] | None:
     try:
-        return [_signature(os.stat(p)) for p in request if p is not None]
+        return [_signature(os.stat(q)) for p in request for q in _members(p)]
     except OSError:
         return None
 

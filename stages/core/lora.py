@@ -81,9 +81,11 @@ def base_dtype(model: torch.nn.Module) -> torch.dtype:
     first frozen floating-point parameter's. Not diffusers' `model.dtype`, the first floating parameter
     of any kind: with bias-free quantized first layers (FLUX.2 klein in nf4) that is an fp32 adapter
     weight, and every nf4 matmul then ran in fp32 (TF32), 2.1x slower than diffusers' own klein script
-    on the H200 (bench/results/peers-klein-1024-b1.json). fp8 weights are buffers, nf4 codes uint8."""
-    for p in model.parameters():
-        if p.is_floating_point() and not p.requires_grad:
+    on the H200 (bench/results/peers-klein-1024-b1.json). fp8 weights are buffers, nf4 codes uint8. The modules
+    diffusers keeps in fp32 (`_keep_in_fp32_modules`: Wan's scale_shift_table, its first parameter) are passed over."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not p.requires_grad and not keep & set(name.split(".")):
             return p.dtype
     return model.dtype
 

@@ -64,21 +64,25 @@ def validate_manifest(kind: str | None, manifest: Any) -> list[str]:
 
 
 class Bucket(NamedTuple):
-    """An aspect bucket in pixels; `str()` is its store's folder name, "WxH"."""
+    """An aspect bucket in pixels, and frames for clips; `str()` is its store's folder name: "WxH" for
+    images, "WxHxFf" for clips of F frames (e.g. "832x480x33f")."""
 
     width: int
     height: int
+    frames: int = 1
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}"
+        return f"{self.width}x{self.height}" + (f"x{self.frames}f" if self.frames > 1 else "")
 
     @classmethod
     def parse(cls, name: str) -> "Bucket":
-        """"512x768" -> Bucket(512, 768); anything else is a ValueError naming it."""
-        width, sep, height = name.partition("x")
-        if not (sep and width.isdigit() and height.isdigit()):
-            raise ValueError(f"'{name}' is not a bucket name (WxH, e.g. 512x768)")
-        return cls(int(width), int(height))
+        """"512x768" -> Bucket(512, 768), "832x480x33f" -> Bucket(832, 480, 33); anything else is a
+        ValueError naming it."""
+        parts = name.split("x")
+        frames = parts.pop()[:-1] if len(parts) == 3 and parts[2].endswith("f") else "1"
+        if len(parts) != 2 or not all(p.isdigit() for p in (*parts, frames)) or int(frames) < 1:
+            raise ValueError(f"'{name}' is not a bucket name (WxH, e.g. 512x768, or WxHxFf for clips, e.g. 832x480x33f)")
+        return cls(int(parts[0]), int(parts[1]), int(frames))
 
 
 def control_count(fields: list[str]) -> int:

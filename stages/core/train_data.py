@@ -284,7 +284,7 @@ class TrainData:
         chosen = captions or [(p.caption_id, p.caption_row) for p in ps]
         caps = [_verified(self.captions, row, p.key, "encode-captions") for p, (_, row) in zip(ps, chosen)]
         pick = lambda name: np.stack([row[name][v] for row, v in zip(lat, variant_choice)])  # noqa: E731
-        bw, bh = ps[0].bucket
+        bw, bh = ps[0].bucket.width, ps[0].bucket.height
         meta = BatchMeta(torch.from_numpy(np.stack([row["original_size"] for row in lat])).long(),
                          torch.from_numpy(pick("crop_top_left")).long(), torch.tensor([[bh, bw]] * len(ps)))
         cond = {name: torch.from_numpy(np.stack([row[name] for row in caps])) for name in self.caption_fields}

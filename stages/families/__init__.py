@@ -42,6 +42,7 @@ FAMILIES: dict[str, str] = {
     "ernie-image": "stages.families.ernie_image.family:ErnieImage",
     "hidream-i1": "stages.families.hidream_i1.family:HiDreamI1",
     "ideogram4": "stages.families.ideogram4.family:Ideogram4",
+    "wan2.2-5b": "stages.families.wan22_5b.family:Wan22_5B",
 }
 
 

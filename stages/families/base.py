@@ -153,6 +153,23 @@ class FamilyTraits:
     the pipeline drops afterwards), which encode-captions' planner counts; 0 where every encoder reads at most
     max(captions.max_sequence_length, 77) tokens (FLUX.1's T5 padded to the length, its CLIP to 77)."""
 
+    # ---- video families (images are 1-frame clips there)
+    trains_video: bool = False
+    """The family trains on clips (data.frames frames each) and on images; False: a clip in its dataset is a
+    bad input, named. Its latents are (C, frames', h, w) and its loss takes x0 (B, C, frames', h, w)."""
+    frames_per_latent: int = 1
+    """Frames each latent frame after the first holds (the causal VAE's temporal downsampling; Wan: 4), so
+    data.frames must be k x this + 1; the planners count (frames - 1) / this + 1 latent frames."""
+    vae_frames_in_flight: int = 1
+    """Frames the VAE encodes at once (Wan's causal encoder: 1, then 4 with cached features): what the
+    latents planner counts as one encode's working set."""
+    outside_rows_per_token: float = 0.0
+    """fp32 rows of the model's width that each image token keeps outside the repeated blocks during a train step
+    (Wan 2.2 TI2V: its per-token timestep embedding, 6 modulation rows + temb + the embedder's hidden = 8)."""
+    pixels_per_token: int = 16
+    """Pixels along a side per denoiser token (VAE downsampling x patch: 8 x 2 for the 2x2-patched image
+    families; Wan 2.2 TI2V-5B: 16 x 2): the train and sample planners' token count."""
+
     # ---- controls: edit families (min >= 1) and those with optional references (min 0)
     control_range: tuple[int, int] = (0, 0)
     """Min and max control images per item ((0, 0): none; min 0: optional, and then the items have all

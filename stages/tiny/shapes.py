@@ -14,7 +14,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-__all__ = ["SHAPES", "COLOURS", "BACKGROUNDS", "PLACES", "SIZES_WORDS", "make_demo_dataset", "make_edit_dataset"]
+__all__ = ["SHAPES", "COLOURS", "BACKGROUNDS", "PLACES", "SIZES_WORDS", "make_demo_dataset", "make_edit_dataset",
+           "make_clip_dataset"]
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -172,4 +173,55 @@ def make_edit_dataset(
             _draw(ImageDraw.Draw(image), shape, (cx - r, cy - r, cx + r, cy + r), fill)
             _grain(image, seed * 1000 + i).save(folder / name)
         (folder / f"{stem}.txt").write_text(f"make the {colour} {shape} {EDIT_COLOUR}")
+    return folder
+
+
+MOTIONS: dict[str, tuple[float, float]] = {"moving right": (1, 0), "moving left": (-1, 0), "moving down": (0, 1),
+                                           "moving up": (0, -1)}
+
+
+def make_clip_dataset(
+    folder: str | Path,
+    n: int = 8,
+    seed: int = 0,
+    frames: int = 12,
+    fps: float = 24.0,
+    sizes: tuple[tuple[int, int], ...] = ((96, 64), (64, 64)),
+) -> Path:
+    """Write ``n`` clips of one drawn shape moving across a plain background, with captions that say so
+    (``"a small red circle moving right on a white background"``): ``clip_NNN.mp4`` (H.264 or MPEG-4 through
+    PyAV), every fourth one as a folder of PNG frames ``clip_NNN/`` instead, plus two still images
+    ``still_NNN.png`` (1-frame clips). ``frames`` frames at ``fps``; deterministic in the arguments."""
+    from PIL import Image, ImageDraw
+
+    from stages.core.video import write_mp4
+
+    rng = random.Random(seed)
+    combos = [(s, c, sh, m, bg) for sh in SHAPES for c in COLOURS for bg in BACKGROUNDS for s in SIZES_WORDS
+              for m in MOTIONS]
+    rng.shuffle(combos)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, (size_word, colour, shape, motion, bg) in enumerate(combos[:n + 2]):
+        w, h = sizes[i % len(sizes)]
+        r = SIZES_WORDS[size_word] * min(w, h) / 2
+        (dx, dy), travel = MOTIONS[motion], (w - 2 * r, h - 2 * r)
+        clip = []
+        for k in range(frames if i < n else 1):
+            f = k / max(1, frames - 1)
+            cx = w / 2 + dx * travel[0] * (f - 0.5)
+            cy = h / 2 + dy * travel[1] * (f - 0.5)
+            image = Image.new("RGB", (w, h), BACKGROUNDS[bg])
+            _draw(ImageDraw.Draw(image), shape, (cx - r, cy - r, cx + r, cy + r), COLOURS[colour])
+            clip.append(_grain(image, seed * 100000 + i * 100 + k))
+        if i >= n:  # a still image: what the shape looks like, with no motion in its caption
+            clip[0].save(folder / f"still_{i - n:03d}.png")
+            (folder / f"still_{i - n:03d}.txt").write_text(f"a {size_word} {colour} {shape} on a {bg} background")
+            continue
+        stem = f"clip_{i:03d}"
+        if i % 4 == 3 or not write_mp4(folder / f"{stem}.mp4", clip, fps):
+            (folder / stem).mkdir(exist_ok=True)
+            for k, image in enumerate(clip):
+                image.save(folder / stem / f"{k:04d}.png")
+        (folder / f"{stem}.txt").write_text(f"a {size_word} {colour} {shape} {motion} on a {bg} background")
     return folder

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import importlib
 import json
 import os
@@ -63,10 +64,13 @@ def test_api():
 def test_generate_64(variant, loaded):
     pipe = loaded[variant]
     assert type(pipe).__name__ == PIPELINE_CLASS_NAMES[variant]
-    assert pipe.vae_scale_factor == TINY_DIMS[variant]["vae_scale_factor"]
+    assert getattr(pipe, "vae_scale_factor", getattr(pipe, "vae_scale_factor_spatial", None)) == \
+        TINY_DIMS[variant]["vae_scale_factor"]  # a video pipeline's spatial factor
     kwargs = {"guidance_scale": 3.5} if variant == "flux-dev" else {}
     if variant == "ideogram4":  # a guidance_scale or a schedule as long as the steps (the default has 48)
         kwargs = {"guidance_scale": 3.5, "guidance_schedule": None, "max_sequence_length": 64}
+    if "num_frames" in inspect.signature(pipe.__call__).parameters:  # a video pipeline: a short clip
+        kwargs["num_frames"] = 5
     if variant.startswith("flux-kontext"):  # text only; FluxKontextPipeline rescales to max_area (1024 x 1024) otherwise
         kwargs["max_area"] = 64 * 64
     context = contextlib.nullcontext()
@@ -94,7 +98,7 @@ def test_generate_64(variant, loaded):
             generator=torch.Generator().manual_seed(0),
             **kwargs,
         )
-    images = out.images
+    images = out.frames[:, 0] if hasattr(out, "frames") else out.images  # a video pipeline: its first frame
     assert images.shape == (1, 64, 64, TINY_DIMS[variant].get("image_channels", 3))
     assert np.isfinite(images).all()
     assert images.min() >= 0.0 and images.max() <= 1.0

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from stages import cache_latents, train
-from stages.core import dataset, lora
+from stages.core import dataset, lora, video
 from stages.core.events import EventLog, read_events
 from stages.core.model_source import ModelSource, stored_dtypes
 from stages.core.runtime import make_runtime
+from stages.core.schema import Bucket
 from stages.train.trainer import Trainer, build_data
 from conftest import FAMILIES, ROOT
 from stages.families import get_family
@@ -31,11 +32,15 @@ def _trainer(cfg):
 
 def _on_the_fly(cfg, family, vae, item, bucket: object, k: int):
     """Encode variant k of an item with the VAE now, exactly as cache-latents planned it."""
-    b = tuple(int(x) for x in str(bucket).split("x"))  # a Bucket or its "WxH" name
-    size = dataset.image_size(item.image_path)
+    b = Bucket.parse(str(bucket))  # a Bucket or its "WxH" (clips: "WxHxFf") name
+    info = video.probe(item.image_path) if item.is_clip else None
+    size = (info.width, info.height) if info else dataset.image_size(item.image_path)
     variants = dataset.plan_variants(item.image_id, size, b, cfg.data.cache_variants, cfg.seed,
                                      cfg.data.random_flip, cfg.data.crop, cfg.data.crop_zoom)
-    pixels = cache_latents._pixels(dataset.load_image(item.image_path, cfg.data.background), [variants[k]], b)
+    if info:  # a clip: its frames from this variant's start
+        pixels = cache_latents._clip_pixels(item, info, variants, b, cfg.data, cfg)[1][k:k + 1]
+    else:
+        pixels = cache_latents._pixels(dataset.load_image(item.image_path, cfg.data.background), [variants[k]], b)
     with torch.no_grad():
         return family.encode_posterior(vae, pixels)
 

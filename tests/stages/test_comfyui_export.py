@@ -39,6 +39,7 @@ EXTRA = {
     "hidream-i1": ("double_stream_blocks.0.block.ff_i.experts.0.w1", "double_stream_blocks.0.block.ff_t.w2",
                    "caption_projection.0.linear", "final_layer.adaLN_modulation.1"),
     "ideogram4": ("layers.0.adaln_modulation", "input_proj", "llm_cond_proj", "final_layer.linear"),
+    "wan2.2-5b": ("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1", "proj_out"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
 EXTRA["qwen-image-edit-2511"] = EXTRA["qwen-image"]

@@ -20,6 +20,7 @@ from stages import inspect as inspect_stage
 from stages import report, sample
 from stages.core.artifacts import RowStore, atomic_write_json, read_json, read_manifest
 from stages.core.config import SampleConfig
+from stages.core.schema import Bucket
 from stages.core.dataset import scan
 from stages.core.events import read_events, validate_event
 
@@ -79,7 +80,7 @@ def test_inspect_finds_nan_orphaned_missing_and_stale(run_copy):
     bucket = sorted(lat_manifest["buckets"])[0]
     store = RowStore.open(run_dir / "latents.zarr" / bucket, mode="a")
     mean = store.read("mean", 0).copy()
-    mean[0, 0, 0, :3] = np.nan
+    mean.reshape(-1)[:3] = np.nan  # three values of the first variant (images and clips alike)
     store.write_row(0, {"mean": mean})
     dropped = store.ids[-1]
     del lat_manifest["index"][dropped]  # a row no manifest points at: orphaned
@@ -114,9 +115,9 @@ def test_decode_cached_variant_with_the_vae(run_copy, tmp_path):
     manifest = read_manifest(run_copy.run_dir / "latents.zarr")
     key = sorted(manifest["items"])[0]
     bucket = manifest["index"][manifest["items"][key]]["bucket"]
-    width, height = map(int, bucket.split("x"))
-    out, info = inspect_stage.decode(run_copy, key, 1, tmp_path / "mean.png")
-    assert Image.open(out).size == (width, height) and info["variant"] == 1 and info["bucket"] == bucket
+    width, height, frames = Bucket.parse(bucket)
+    out, info = inspect_stage.decode(run_copy, key, 1, tmp_path / "mean.png")  # a clip: its frames side by side
+    assert Image.open(out).size == (width * frames, height) and info["variant"] == 1 and info["bucket"] == bucket
     again, _ = inspect_stage.decode(run_copy, key, 1, tmp_path / "mean2.png")
     pixels = [np.asarray(Image.open(p)) for p in (out, again)]
     assert np.array_equal(*pixels)  # the mean decodes deterministically
@@ -182,8 +183,10 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     context = family.sample_context((SIZE, SIZE)) if hasattr(family, "sample_context") else contextlib.nullcontext()
     extra |= family.sample_kwargs(pipe, [prompts[0]], cfg.sample.guidance_scale, 2) or {}  # Ideogram 4's guidance schedule
     with context:
-        direct = pipe(prompt=prompts[0], height=SIZE, width=SIZE, num_inference_steps=2, output_type="pil",
-                      generator=torch.Generator("cpu").manual_seed(SEEDS[1]), **extra).images[0]
+        clip = {"num_frames": sample.sample_frames(cfg)} if family.trains_video else {}
+        out = pipe(prompt=prompts[0], height=SIZE, width=SIZE, num_inference_steps=2, output_type="pil",
+                   generator=torch.Generator("cpu").manual_seed(SEEDS[1]), **extra, **clip)
+        direct = out.frames[0][len(out.frames[0]) // 2] if clip else out.images[0]  # grid.png: a clip's middle frame
     base_col = len(lead)
     assert np.array_equal(grid_cell(grid, base_col, 1, scale), np.asarray(direct.convert("RGB")))  # the base column is the base model (Qwen-Image 2.1 returns RGBA)
     base, lora = grid_cell(grid, base_col, 0, scale), grid_cell(grid, cols - 1, 0, scale)

@@ -25,7 +25,8 @@ def test_sample_loads_and_renders_without_library_notices(family, assets, tmp_pa
         pipe, _, loaded_as = sample.load_pipeline(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
         controls = sample.load_controls(cfg, rows[:1] if rows else rows)
         _, cells, _ = sample.render_columns(pipe, cfg, [], prompts[:1], (64, 64), controls)
-    assert len(cells[-1]) == 1 and cells[-1][0].size == (64, 64)
+    first = cells[-1][0][0] if isinstance(cells[-1][0], list) else cells[-1][0]  # a video family's cell: a clip
+    assert len(cells[-1]) == 1 and first.size == (64, 64)
     assert seen == []
     assert loaded_as == {"precision": "fp32", "cpu_offload": False}  # CPU: as configured
 

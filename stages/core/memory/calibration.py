@@ -39,9 +39,12 @@ ATTENTION_SCORE_BYTES = 8.0
 # reserved at 512 and 1024 px with ~1 % to spare: AutoencoderKL 1.23 and 3.90 GB (allocated 1.10 and 3.36), the
 # Qwen-Image VAE 1.68 and 5.12 GB (allocated 1.52 and 4.57) (bench/results/memory-{flux,qwen-image}-512-h200.json,
 # memory-flux-h200.json, memory-qwen-image-8gb-slots-h200.json). A class not listed is planned with the larger figure.
-VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064}
+VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064,
+                          # an estimate, not measured: Qwen-Image's (the Wan 2.1 VAE) for Wan 2.2's per frame in
+                          # flight; bench/suites wan2.2-5b measures cache-latents' peak
+                          "AutoencoderKLWan": 1064}
 # Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
-VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256}
+VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256, "AutoencoderKLWan": 256}
 # A LoRA parameter in training: fp32 weight + gradient + AdamW's two moments.
 LORA_BYTES_PER_PARAM = 16
 # Allocator margin of a block-swap plan beside its two fixed copy slots: Z-Image at 4 GB predicted 3.57, allocated

@@ -7,7 +7,7 @@ from typing import Any
 
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
-from stages.core.memory.sizes import meta_component, weight_bytes
+from stages.core.memory.sizes import meta_component, planned_frames, weight_bytes
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting
 
 
@@ -18,6 +18,8 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     options = [(configured, False, False), (configured, True, False), ("bf16", True, False),
                (configured, True, True), ("bf16", True, True)]
     candidates, seen = [], set()
+    frames = planned_frames(cfg, family)
+    in_flight = min(frames, family.vae_frames_in_flight)  # Wan's causal encoder: the first frame, then 4 at a time
     for precision, sliced, tiled in options:
         if (precision, sliced, tiled) in seen or (tiled and tile is None):
             continue
@@ -25,7 +27,10 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         images = 1 if sliced else max(d.cache_variants for d in cfg.dataset_configs())
         resolution = max(d.resolution for d in cfg.dataset_configs())  # the largest of several datasets
         side = min(tile, resolution) if tiled else resolution
-        work = images * side * side * vae_elements_per_pixel(vae) * (4 if precision == "fp32" else 2)
+        size = 4 if precision == "fp32" else 2
+        work = images * side * side * vae_elements_per_pixel(vae) * in_flight * size
+        # a clip's frames are on the device whole (fp32 pixels and their cast) while the VAE walks them
+        work += images * resolution * resolution * 3 * frames * (4 + size) if frames > 1 else 0
         candidates.append(({"vae_precision": precision, "sliced": sliced, "tiled": tiled},
                            (weight_bytes(vae, precision) + work) / cal.GB))
     return fitting(budget, candidates, "cache-latents", "lower data.resolution")

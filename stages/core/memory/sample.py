@@ -9,7 +9,8 @@ from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.latents import vae_elements_per_pixel
-from stages.core.memory.sizes import _width, meta_component, module_components, weight_bytes
+from stages.core.memory.sizes import (_width, meta_component, module_components, planned_frames, sample_tokens,
+                                       weight_bytes)
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 
 
@@ -29,9 +30,14 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
                                                                      + family.denoiser_components + family.sample_components)}
     quantized = set(models) - set(family.vae_components)  # what nf4 quantizes: the text encoders and the denoiser
     width, height = s.width or cfg.data.resolution, s.height or cfg.data.resolution
-    tokens = (width // 16) * (height // 16) * (1 + planned_controls(cfg, family)) + cfg.captions.max_sequence_length
+    frames = (s.frames or planned_frames(cfg, family)) if family.trains_video else 1
+    tokens = sample_tokens(family, width, height, frames) * (1 + planned_controls(cfg, family)) \
+        + cfg.captions.max_sequence_length
     work = {c: cal.CFG_BATCH * tokens * _width(models[c]) * 2 * cal.BLOCK_WORK_UNITS for c in quantized}
-    work.update({c: width * height * vae_elements_per_pixel(models[c]) * 2 for c in family.vae_components})
+    # the VAE decodes a clip a latent frame at a time (cached features) into every frame's fp32 pixels
+    in_flight = min(frames, family.vae_frames_in_flight)
+    work.update({c: width * height * (vae_elements_per_pixel(models[c]) * in_flight * 2 + (3 * 4 * frames if frames > 1 else 0))
+                 for c in family.vae_components})
     fixed_gb, per_sample_gb = family.outside_block_gb  # SDXL's ResNets (train's figure: an upper bound)
     work[family.denoiser_components[0]] += (fixed_gb + per_sample_gb * cal.CFG_BATCH * width * height / 512**2) * cal.GB
     precisions = ["bf16", "nf4"] if s.precision == "auto" else [s.precision]

@@ -142,3 +142,20 @@ def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
     return [c for c in names if c in index and isinstance(index[c], list) and index[c][0]
             and isinstance(cls := getattr(importlib.import_module(index[c][0]), index[c][1], None), type)
             and issubclass(cls, torch.nn.Module)]
+
+
+def latent_frames(family: Any, frames: int) -> int:
+    """Latent frames of a clip of `frames` frames (1 for an image family): the causal VAE keeps the first
+    frame alone, then one latent frame per family.frames_per_latent frames."""
+    return (frames - 1) // family.frames_per_latent + 1 if family.trains_video else 1
+
+
+def planned_frames(cfg: Any, family: Any) -> int:
+    """The most frames a sample of the run's datasets has: data.frames for a video family, else 1."""
+    return max(d.frames for d in cfg.dataset_configs()) if family.trains_video else 1
+
+
+def sample_tokens(family: Any, width: int, height: int, frames: int = 1) -> int:
+    """Denoiser tokens of one sample: (side / pixels_per_token)^2 per latent frame."""
+    step = family.pixels_per_token
+    return (width // step) * (height // step) * latent_frames(family, frames)

@@ -11,7 +11,8 @@ from stages.core.errors import ConfigError
 from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
-from stages.core.memory.sizes import _width, fp8_nf4_weight_bytes, lora_params, meta_component, weight_bytes
+from stages.core.memory.sizes import (_width, fp8_nf4_weight_bytes, lora_params, meta_component, planned_frames,
+                                       sample_tokens, weight_bytes)
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 from stages.core.memory.train_options import graphs_mode, train_options, with_fp8_nf4, with_graph_room
 
@@ -66,9 +67,10 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     blocks = blockswap.repeated_blocks(model)
     targets = tcfg.target_modules or list(family.default_lora_targets)
     lora = lora_params(model, targets, tcfg.rank) * cal.LORA_BYTES_PER_PARAM
-    side = max(d.resolution for d in cfg.dataset_configs()) // 16  # VAE /8, then 2x2 patches
+    side = max(d.resolution for d in cfg.dataset_configs())  # tokens: / family.pixels_per_token (VAE x patch)
     images = 1 + planned_controls(cfg, family)  # edit families: control tokens join the sequence
-    tokens = tcfg.batch_size * (images * side * side + cfg.captions.max_sequence_length)
+    image_tokens = sample_tokens(family, side, side, planned_frames(cfg, family))  # a clip: x its latent frames
+    tokens = tcfg.batch_size * (images * image_tokens + cfg.captions.max_sequence_length)
     unit = tokens * (_width(blocks[0]) if blocks else _width(model)) * 2
     # host memory a load needs besides what the plan keeps there: a bf16 read of the base is a copy unless the
     # files are bf16 safetensors (then mapped pages: bench/fp8.md); fp8 streams a folder's shards whose keys
@@ -95,7 +97,9 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     # a step's activations: the checkpointed blocks keep their input, the others every activation their
     # backward reads, and the block being run (or recomputed) works in its own
     fixed_gb, per_sample_gb = family.outside_block_gb  # activations outside the blocks
-    outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side * 16 / 512) ** 2) * cal.GB
+    outside = (fixed_gb + per_sample_gb * tcfg.batch_size * images * (side // 16 * 16 / 512) ** 2) * cal.GB
+    # per-token conditioning outside the blocks (Wan 2.2 TI2V's timestep per latent token), fp32 rows of the width
+    outside += family.outside_rows_per_token * tcfg.batch_size * images * image_tokens * _width(model) * 4
     # the un-checkpointed blocks are the last ones (trainer: blocks[checkpointed:])
     own_units = family.block_saved_units
     saved = [own_units.get(type(b).__name__, cal.BLOCK_SAVED_UNITS) for b in blocks]

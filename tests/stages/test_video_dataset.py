@@ -1,0 +1,163 @@
+"""Video clips as dataset items: scan, probe, frame sampling, buckets, bad clips, and cache-latents on clips.
+
+    .venv/bin/python -m pytest tests/stages/test_video_dataset.py -q
+
+- a folder of mp4 clips, folders of frames and stills scans into one item each (the frames of a clip folder
+  are not items), also through metadata.jsonl; a clip folder's id changes with any frame;
+- frame sampling: the span at data.fps, seeded start offsets per variant, decoded frames in order;
+- too-short, empty and corrupt clips get one line naming the file and what to do; "skip" skips them;
+- cache-latents buckets clips by (width, height, frames) apart from the stills, stores the Wan VAE's
+  5-D posterior per variant with its start frame, and a new clip is the only one encoded on a rerun.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages.core import dataset, video
+from stages.core.errors import DatasetError
+from stages.core.schema import Bucket
+
+
+def _frames(n: int, size=(64, 48), seed: int = 0) -> list[Image.Image]:
+    """n frames whose mean brightness counts up (frame k is k * 20 + noise), so decoded order can be read back."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray((np.full((size[1], size[0], 3), 20 * k) + rng.integers(0, 8, (size[1], size[0], 3)))
+                            .clip(0, 255).astype(np.uint8)) for k in range(n)]
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clips")
+    assert video.write_mp4(root / "walk.mp4", _frames(12), 24)
+    (root / "walk.txt").write_text("a person walking")
+    (root / "wave").mkdir()
+    for k, im in enumerate(_frames(10, seed=1)):
+        im.save(root / "wave" / f"{k:03d}.png")
+    (root / "wave.txt").write_text("a hand waving")
+    _frames(1)[0].save(root / "still.png")
+    (root / "still.txt").write_text("a still photo")
+    return root
+
+
+def test_scan_finds_clips_folders_and_stills(clips):
+    items = dataset.scan(clips)
+    assert [(it.key, it.is_clip) for it in items] == [("still.png", False), ("walk.mp4", True), ("wave", True)]
+    assert all(it.image_id for it in items) and len({it.image_id for it in items}) == 3
+
+
+def test_clip_folder_id_follows_its_frames(clips, tmp_path):
+    root = tmp_path / "d"
+    shutil.copytree(clips, root)
+    before = {it.key: it.image_id for it in dataset.scan(root)}
+    _frames(1, seed=9)[0].save(root / "wave" / "004.png")
+    after = {it.key: it.image_id for it in dataset.scan(root)}
+    assert after["wave"] != before["wave"] and after["walk.mp4"] == before["walk.mp4"]
+
+
+def test_metadata_jsonl_names_clips(clips, tmp_path):
+    root = tmp_path / "m"
+    shutil.copytree(clips, root)
+    (root / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"file_name": "walk.mp4", "text": "walking"}, {"file_name": "wave", "text": "waving"}]))
+    assert [(it.key, it.caption) for it in dataset.scan(root)] == [("walk.mp4", "walking"), ("wave", "waving")]
+
+
+def test_probe_and_frame_sampling(clips):
+    info = video.probe(clips / "walk.mp4")
+    assert (info.width, info.height, info.frames, info.fps) == (64, 48, 12, 24.0)
+    assert video.span(info, 5, 0) == 5 and video.span(info, 5, 12) == 9  # 12 fps: every other frame
+    assert video.frame_indices(info, 2, 5, 12) == [2, 4, 6, 8, 10]
+    starts = video.start_frames(0, "id", info, 5, 12, 4)
+    assert starts[0] == 0 and all(0 <= s <= 3 for s in starts) and starts == video.start_frames(0, "id", info, 5, 12, 4)
+    frames = video.read_frames(clips / "walk.mp4", [6, 0, 3])
+    brightness = [float(np.asarray(f).mean()) for f in frames]
+    assert brightness[1] < brightness[2] < brightness[0], "frames come back in the order asked"
+    folder = video.probe(clips / "wave")
+    assert (folder.frames, folder.width) == (10, 64)
+
+
+def test_bad_clips_are_named_with_what_to_do(clips, tmp_path):
+    info = video.probe(clips / "walk.mp4")
+    message = video.too_short(clips / "walk.mp4", info, 33, 0)
+    assert "walk.mp4" in message and "12 frames" in message and "data.frames = 33" in message
+    assert "data.on_bad_image" in message and "\n" not in message
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "junk.mp4").write_bytes(b"not a video at all" * 20)
+    for name, words in (("empty.mp4", "empty"), ("junk.mp4", "cannot be opened")):
+        with pytest.raises(video.BadClip, match=words) as e:
+            video.probe(tmp_path / name)
+        assert name in str(e.value) and "data.on_bad_image" in str(e.value)
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(video.BadClip, match="holds no frames"):
+        video.probe(tmp_path / "nothing")
+
+
+def test_bucket_names_carry_frames():
+    assert str(Bucket(832, 480, 33)) == "832x480x33f" and str(Bucket(512, 512)) == "512x512"
+    assert Bucket.parse("832x480x33f") == (832, 480, 33) and Bucket.parse("64x64") == Bucket(64, 64, 1)
+    with pytest.raises(ValueError, match="WxHxFf"):
+        Bucket.parse("64x64x0f")
+
+
+@pytest.fixture(scope="module")
+def cached(clips, assets, tmp_path_factory):
+    """cache-latents of the clips (5 frames each: the walk's 12 and the wave's 10 both give it) and the still."""
+    from conftest import make_cfg
+    from stages import cache_latents
+
+    root = tmp_path_factory.mktemp("runs")
+    cfg = make_cfg("wan2.2-5b", assets, clips, root, **{"data.frames": 5, "data.resolution": 48,
+                                                         "data.cache_variants": 2})
+    return cfg, cache_latents.run(cfg)
+
+
+def test_cache_latents_buckets_clips_by_frames(cached):
+    from stages.core.rowstore import RowStore
+
+    cfg, manifest = cached
+    buckets = {str(Bucket.parse(b)) for b in manifest["buckets"]}
+    assert any(b.endswith("x5f") for b in buckets) and any("f" not in b for b in buckets)
+    walk = manifest["index"][manifest["items"]["walk.mp4"]]
+    assert walk["clip"] == [12, 24.0] and walk["bucket"].endswith("x5f")
+    store = RowStore.open(cfg.run_dir / "latents.zarr" / walk["bucket"])
+    row = store.read_row(walk["row"])
+    assert row["mean"].shape[:3] == (2, 48, 2), "2 variants of 48 channels x (5 - 1) / 4 + 1 latent frames"
+    assert row["start_frame"][0] == 0 and 0 <= row["start_frame"][1] <= 12 - 5
+    still = manifest["index"][manifest["items"]["still.png"]]
+    assert RowStore.open(cfg.run_dir / "latents.zarr" / still["bucket"]).read_row(still["row"])["mean"].shape[2] == 1
+
+
+def test_a_new_clip_alone_is_encoded_and_short_ones_follow_on_bad_image(cached, clips, tmp_path):
+    import dataclasses
+
+    from stages import cache_latents
+
+    cfg, _ = cached
+    root = tmp_path / "more"
+    shutil.copytree(clips, root)
+    assert video.write_mp4(root / "run.mp4", _frames(6, seed=3), 24)
+    (root / "run.txt").write_text("running")
+    assert video.write_mp4(root / "blink.mp4", _frames(3, seed=4), 24)  # 3 frames: too short for 5
+    (root / "blink.txt").write_text("blinking")
+    cfg2 = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(root)))
+    with pytest.raises(DatasetError, match="blink.mp4' has 3 frames but data.frames = 5"):
+        cache_latents.run(cfg2)
+    cfg2 = dataclasses.replace(cfg2, data=dataclasses.replace(cfg2.data, on_bad_image="skip"))
+    manifest = cache_latents.run(cfg2)
+    assert manifest["encoded_this_run"] == 1, "the three cached items are kept; run.mp4 is the one new row"
+    assert [s["item"] for s in manifest["skipped"]] == ["blink.mp4"]
+
+
+def test_an_image_family_refuses_clips(clips, assets, tmp_path):
+    from conftest import make_cfg
+    from stages import cache_latents
+
+    cfg = make_cfg("chroma", assets, clips, tmp_path)
+    with pytest.raises(DatasetError, match="chroma trains on images, not clips"):
+        cache_latents.run(cfg)
