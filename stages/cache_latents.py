@@ -25,7 +25,7 @@ from stages.core.cache_build import damage_report, encode_units, keys_by_id, row
 from stages.core.config import command
 from stages.core.errors import ConfigError
 from stages.core.model_source import ModelSource, model_source
-from stages.core.rowstore import RowStore
+from stages.core.rowstore import RowStore, new_rows_per_shard
 from stages.core.schema import Bucket
 from stages.core.stage import running_stage
 from stages.registry import conflicts
@@ -182,7 +182,7 @@ def _open_store(path: Path, bucket: Bucket, layout_fp: str) -> RowStore | None:
     if not (group / "zarr.json").exists():
         return None
     store = RowStore.open(group, mode="a")
-    return store if store.group.attrs.get("layout") == layout_fp and store.has_checksums else None
+    return store if store.group.attrs.get("layout") == layout_fp and store.is_current else None
 
 
 def _prepare_stores(out: Path, layout_fp: str, by_bucket: dict[Bucket, list[str]],
@@ -418,9 +418,19 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         for bucket in stores:
             stores[bucket] = stores[bucket] or _open_store(out, bucket, layout_fp)
 
+    # a new store's rows are its bucket's ids in order (RowStore.create)
+    rows = {b: rows_of.get(b) or {i: k for k, i in enumerate(by_bucket[b])} for b in stores}
+    per_shard = {b: s.rows_per_shard if s is not None else new_rows_per_shard() for b, s in stores.items()}
+
+    def flush() -> None:
+        for store in stores.values():
+            if store is not None:
+                store.flush()
+
     pace = encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
                         needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
-                        done_before=len(plan) - len(todo), total=len(plan), prepare=read_image)
+                        done_before=len(plan) - len(todo), total=len(plan), prepare=read_image,
+                        shard_of=lambda unit: (unit[0], rows[unit[0]][unit[1]] // per_shard[unit[0]]), flush=flush)
     return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "load_failed": load_failed, "rt": rt,
             "pace": pace}
 
