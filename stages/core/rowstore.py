@@ -320,10 +320,20 @@ class RowStore:
                 if name in vals:
                     block[i] = vals[name]
                     sums[i, k] = _crc32c(vals[name])
-            arr.with_config(_EVERY_CHUNK)[start:end] = block
-        arrays[CHECKSUMS].with_config(_EVERY_CHUNK)[start:end] = sums
+            self._write_block(arr, name, start, end, block)
+        self._write_block(arrays[CHECKSUMS], CHECKSUMS, start, end, sums)
         written[list(rows)] = 1
-        arrays[WRITTEN].with_config(_EVERY_CHUNK)[start:end] = written
+        self._write_block(arrays[WRITTEN], WRITTEN, start, end, written)
+
+    def _write_block(self, arr: Any, name: str, start: int, end: int, block: np.ndarray) -> None:
+        """Rows start:end of one shard, replacing its file atomically. zarr merges a shard that ends
+        with the array into the old file; an old file it cannot decode (damaged) is replaced whole."""
+        try:
+            arr.with_config(_EVERY_CHUNK)[start:end] = block
+        except ValueError:
+            zeros = (0,) * (arr.ndim - 1)
+            (self.root / name / arr.metadata.encode_chunk_key((self.shard_of(start), *zeros))).unlink(missing_ok=True)
+            arr.with_config(_EVERY_CHUNK)[start:end] = block
 
     # ---- reading ----------------------------------------------------------------------------------
 
