@@ -33,29 +33,37 @@ CHILD = ("import atexit, json, resource, sys, time; t0 = time.time(); out = sys.
          "from pipeline import cli; cli()")
 
 
-def make_dataset(folder: Path, n: int, distinct_captions: int) -> Path:
-    """n images with distinct bytes (a flat colour and a few pixels drawn from the index) and captions."""
+def draw(folder: Path, first: int, last: int) -> None:
+    """Images first..last-1: a flat colour and a first row of pixels spelling the index (distinct bytes)."""
     import numpy as np
     from PIL import Image
+
+    for i in range(first, last):
+        w, h = SIZES[i % len(SIZES)]
+        pixels = np.full((h, w, 3), (i * 37 % 256, i * 91 % 256, i * 13 % 256), dtype=np.uint8)
+        pixels[0, :8] = np.frombuffer(i.to_bytes(24, "little"), dtype=np.uint8).reshape(8, 3)
+        Image.fromarray(pixels).save(folder / f"img_{i:06d}.png", compress_level=1)
+
+
+def make_dataset(folder: Path, n: int, distinct_captions: int) -> Path:
+    """n images with distinct bytes and captions (`distinct_captions` different texts) in metadata.jsonl."""
+    from concurrent.futures import ProcessPoolExecutor
 
     if (folder / "metadata.jsonl").exists():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i in range(n):
-        w, h = SIZES[i % len(SIZES)]
-        pixels = np.full((h, w, 3), (i * 37 % 256, i * 91 % 256, i * 13 % 256), dtype=np.uint8)
-        pixels[0, :8] = np.frombuffer(i.to_bytes(24, "little"), dtype=np.uint8).reshape(8, 3)  # distinct bytes
-        Image.fromarray(pixels).save(folder / f"img_{i:06d}.png", compress_level=1)
-        c = i % distinct_captions
-        lines.append(json.dumps({"file_name": f"img_{i:06d}.png", "text": f"a picture number {c} of colour {c % 97}"}))
+    step = 5000
+    with ProcessPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        list(pool.map(draw, [folder] * len(range(0, n, step)), range(0, n, step), [min(n, k + step) for k in range(0, n, step)]))
+    lines = [json.dumps({"file_name": f"img_{i:06d}.png", "text": f"a picture number {c} of colour {c % 97}"})
+             for i, c in ((i, i % distinct_captions) for i in range(n))]
     (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     return folder
 
 
 def cli(repo: Path, args: list[str], stats: Path) -> tuple[float, dict, str]:
     """(wall seconds, {'t0', 'maxrss_kib'}, output) of one `pipeline.py` command in its own process."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LORAPIPE_PLAIN": "1", "PYTHONPATH": str(repo)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LORAPIPE_PLAIN": "1", "PYTHONPATH": python_path(repo)}
     t = time.time()
     proc = subprocess.run([sys.executable, "-c", CHILD, str(stats), str(repo), *args], cwd=repo, env=env,
                           capture_output=True, text=True)
@@ -63,6 +71,11 @@ def cli(repo: Path, args: list[str], stats: Path) -> tuple[float, dict, str]:
     if proc.returncode != 0:
         raise SystemExit(f"`pipeline.py {' '.join(args)}` failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     return wall, json.loads(stats.read_text()), proc.stdout + proc.stderr
+
+
+def python_path(repo: Path) -> str:
+    """`repo` first, then what PYTHONPATH held (the GPU machine's wheels)."""
+    return os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def count_files(folder: Path) -> int:
@@ -74,20 +87,26 @@ def events(run_dir: Path, stage: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["stage"] == stage]
 
 
-def measure(repo: Path, work: Path, n: int, full: bool, model: Path) -> dict:
+def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str, out_file: Path) -> dict:
     data = make_dataset(work / f"data-{n}", n, n if full else max(1, n // 10))
     run, artifacts = f"scale-{n}", work / "artifacts"
-    sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": "cpu",
+    sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": device,
             "data.resolution": 32, "data.cache_variants": 1, "captions.batch_size": 64, "train.steps": 2,
             "train.batch_size": 4, "runtime.checkpoint_every": 0, "sample.every_n_checkpoints": 0}
     base = ["--config", str(repo / "configs" / "demo.toml"), "--run", run,
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
-    stats, run_dir, out = work / "child.json", artifacts / run, {"n": n, "repo": str(repo), "full": full}
+    stats, run_dir = work / "child.json", artifacts / run
+    out = {"n": n, "repo": str(repo), "full": full, "device": device, "cpus": os.cpu_count()}
+
+    def keep() -> None:  # after each step: a run stopped midway keeps what it measured
+        out_file.write_text(json.dumps(out, indent=2) + "\n")
+
     for stage in ("encode-captions", "cache-latents"):
         wall, _, _ = cli(repo, [stage, *base], stats)
         done = events(run_dir, stage)[-1]
         out[stage] = {"seconds": round(wall, 2), "stage_seconds": done.get("seconds"),
                       "encoded": done.get("encoded"), "images_per_second": done.get("images_per_second")}
+        keep()
     for cache in ("captions.zarr", "latents.zarr"):
         files = count_files(run_dir / cache)
         out[cache] = {"files": files, "files_per_10k_items": round(files * 10_000 / n)}
@@ -95,11 +114,14 @@ def measure(repo: Path, work: Path, n: int, full: bool, model: Path) -> dict:
     first = next(e for e in events(run_dir, "train") if e["event"] == "step")
     out["train"] = {"seconds": round(wall, 2), "start_to_first_step_s": round(first["ts"] - child["t0"], 2),
                     "peak_rss_mib": round(child["maxrss_kib"] / 1024)}
+    keep()
     cli(repo, ["export-lora", *base], stats)
     for name, args in (("status", ["status", *base]), ("noop_run", ["run", *base])):
         walls = [cli(repo, args, stats)[0] for _ in range(2)]
         out[name] = {"seconds": round(min(walls), 2), "budget_s": round(2 + 1e-4 * n, 2)}
+        keep()
     out["scan"] = scan_times(repo, repo / "configs" / "demo.toml", {**sets, "run": run})
+    keep()
     return out
 
 
@@ -112,7 +134,7 @@ def scan_times(repo: Path, config: Path, sets: dict) -> dict:
             "for _ in range(2):\n"
             "    t = time.perf_counter(); items = caches.scan_items(cfg, family); seconds.append(time.perf_counter() - t)\n"
             "print(json.dumps({'items': len(items), 'seconds': [round(x, 3) for x in seconds]}))")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": python_path(repo)}
     proc = subprocess.run([sys.executable, "-c", code, str(repo), str(config), json.dumps(sets)], cwd=repo, env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -139,6 +161,7 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose code is measured")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lorapipe-scale"), help="datasets, model and runs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale")
+    parser.add_argument("--device", default="cpu", help="the stages' device (cuda on the GPU machine)")
     args = parser.parse_args()
     sys.path.insert(0, str(args.repo))
     from stages.tiny.models import build_tiny_pipeline
@@ -150,8 +173,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        row = measure(args.repo.resolve(), args.work, n, n <= args.full_up_to, model)
-        (args.out / f"scale-{n}.json").write_text(json.dumps(row, indent=2) + "\n")
+        row = measure(args.repo.resolve(), args.work, n, n <= args.full_up_to, model, args.device,
+                      args.out / f"scale-{n}.json")
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(table(rows))

@@ -146,6 +146,13 @@ def find_mask(root: Path, image: Path, follow_outside: bool, tree: FolderTree) -
     return found[0]
 
 
+def _may_have_masks(root: Path, tree: FolderTree) -> bool:
+    """Whether any image can have a loss mask: the walk saw a `masks/` folder, a `*_mask.*` name or a
+    symlink (a folder it did not enter); else no item needs the per-image search (100k images: seconds)."""
+    return bool(tree.links) or tree.exists(str(root / MASKS_FOLDER)) or any(
+        os.path.splitext(p)[0].endswith(MASK_SUFFIX) for p in tree.stats)
+
+
 def _is_mask_file(root: Path, path: Path, tree: FolderTree) -> bool:
     """A file under `masks/`, or `<stem>_mask.<ext>` beside an image `<stem>.<ext>`: a mask, not an item."""
     rel = path.relative_to(root)
@@ -156,9 +163,16 @@ def _is_mask_file(root: Path, path: Path, tree: FolderTree) -> bool:
     return bool(tree.named(str(path.parent), path.stem[:-len(MASK_SUFFIX)], IMAGE_EXTS))
 
 
-def _file_problem(path: Path) -> str | None:
+def _file_problem(path: Path, tree: FolderTree | None = None) -> str | None:
     """Why `path` is not a readable regular file ("does not exist", "is a FIFO", ...), or None.
-    Only stats the path: opening a FIFO would block the scan."""
+    Only stats the path (or reads the stat `tree`'s walk took): opening a FIFO would block the scan."""
+    known = tree.stat(str(path)) if tree is not None else None
+    if known is not None and str(path) not in tree.links:  # a plain name the walk saw: no system call
+        mode = known[0]
+        return None if stat.S_ISREG(mode) else "is a folder" if stat.S_ISDIR(mode) else \
+            "is not a regular file (a FIFO, socket or device)"
+    if tree is not None and known is None and tree.exists(str(path)) is False:
+        return "does not exist"
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
@@ -244,9 +258,10 @@ def _metadata_path(root: Path, name: Any, where: str) -> Path:
     return root / rel
 
 
-def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
+def _from_metadata(root: Path, meta: Path, follow_outside: bool,
+                   tree: FolderTree) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
     """(image, caption) pairs and each image's `control_image` paths (a string or a list of strings),
-    from one read of metadata.jsonl."""
+    from one read of metadata.jsonl (the files checked against `tree`, the folder's walk)."""
     _check_inside(root, meta, follow_outside)
     pairs, controls = [], {}
     for n, line in enumerate(_read_text(meta, f"metadata file '{meta}'").splitlines(), 1):
@@ -263,10 +278,10 @@ def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[t
         if not isinstance(text, str) or not text.strip():
             raise DatasetError(f"{where}: empty caption for '{name}'")
         path = _metadata_path(root, name, where)
-        problem = _file_problem(path)
+        problem = _file_problem(path, tree)
         if problem:
             raise DatasetError(f"{where}: image '{path}' {problem}")
-        _check_inside(root, path, follow_outside)
+        _check_inside(root, path, follow_outside, tree)
         pairs.append((path, _decode(text.encode("utf-8"), f"{where}: the caption of '{name}'").strip()))
         controls[path] = _row_controls(root, row, where, follow_outside)
     return pairs, controls
@@ -281,7 +296,7 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped, tree: Folder
         if suffix in IMAGE_EXTS and _is_mask_file(root, path, tree):
             continue
         if suffix in IMAGE_EXTS:
-            problem = _file_problem(path)
+            problem = _file_problem(path, tree)
             if problem is None:
                 images.append(path)
             elif problem != "is a folder":
@@ -318,7 +333,7 @@ def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _D
 def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool, tree: FolderTree) -> str:
     _check_inside(root, path, follow_outside, tree)
     cap = path.with_suffix(caption_ext)
-    problem = _file_problem(cap)
+    problem = _file_problem(cap, tree)
     if problem == "does not exist":
         raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")
     if problem:
@@ -374,9 +389,10 @@ def _items(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None
     meta = (root / "metadata.jsonl").is_file()
     pairs, controls = _listing(root, caption_ext, follow_outside, warn, "data.path", tree)
     stems = {path.with_suffix("") for path, _ in pairs}
+    masks = _may_have_masks(root, tree)
     items = []
     for path, text in pairs:
-        mask = find_mask(root, path, follow_outside, tree)
+        mask = find_mask(root, path, follow_outside, tree) if masks else None
         texts = [t.strip() for t in text.split(VARIANT_SEP)] + (
             [] if meta else _numbered_captions(root, path, caption_ext, stems, follow_outside))
         if caption_lines == "variants":
@@ -431,7 +447,7 @@ def _listing(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | No
     meta = root / "metadata.jsonl"
     dropped = _Dropped()
     if meta.is_file():
-        pairs, controls = _from_metadata(root, meta, follow_outside)
+        pairs, controls = _from_metadata(root, meta, follow_outside, tree)
     else:
         pairs = _from_folder(root, caption_ext, follow_outside, dropped, tree)
         controls = {path: _folder_controls(root, path, follow_outside, tree) for path, _ in pairs}
