@@ -142,11 +142,79 @@ def scan_times(repo: Path, config: Path, sets: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def mechanics(repo: Path, work: Path, n: int) -> dict:
+    """Without the models, in a child: a latents-shaped RowStore of n rows written through its journal
+    (rows/s, files, the stat-only intact check, random verified reads), and train's start-up work on n
+    items (id joins, the bucket sampler's first epoch) with its peak traced memory."""
+    code = """
+import json, sys, time, tracemalloc, random
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from stages.core.rowstore import RowStore
+from stages.core import dataset
+from stages.core.train_data import BucketSampler, TrainData, join_items
+n, work = int(sys.argv[2]), Path(sys.argv[3])
+out = {}
+ids = [f"{k:016x}" for k in range(n)]
+fields = {"mean": ((1, 16, 4, 4), "float16"), "logvar": ((1, 16, 4, 4), "float16"), "crop_top_left": ((1, 2), "int64"),
+          "flip": ((1,), "uint8"), "original_size": ((2,), "int64"), "mask": ((1, 4, 4), "float16")}
+row = {"mean": np.ones((1, 16, 4, 4)), "logvar": np.zeros((1, 16, 4, 4)), "crop_top_left": [[0, 0]], "flip": [0],
+       "original_size": [32, 32], "mask": np.ones((1, 4, 4))}
+t = time.perf_counter(); store = RowStore.create(work / "store.zarr", ids, fields)
+for r in range(n):
+    store.write_row(r, row)
+store.flush(); out["write_rows_per_s"] = round(n / (time.perf_counter() - t))
+out["store_files"] = sum(1 for p in (work / "store.zarr").rglob("*") if p.is_file())
+t = time.perf_counter(); store = RowStore.open(work / "store.zarr"); ok = store.intact_mask(); row_of = store.row_of()
+out["open_and_intact_s"] = round(time.perf_counter() - t, 3); assert ok.all()
+picks = random.Random(0).sample(range(n), min(n, 500))
+t = time.perf_counter(); [store.read_row(r) for r in picks]; out["verified_read_ms_per_row"] = round(1000 * (time.perf_counter() - t) / len(picks), 2)
+items = [dataset.Item(f"img_{k:06d}.png", Path(f"/d/img_{k:06d}.png"), f"caption {k % 1000}", i,
+                      dataset.caption_id(f"caption {k % 1000}")) for k, i in enumerate(ids)]
+buckets = ["32x32", "48x32", "32x48"]
+cap = {"rows": {c: k for k, c in enumerate(sorted({c for it in items for c in it.caption_ids}))}}
+lat = {"index": {i: {"bucket": buckets[k % 3], "row": k // 3} for k, i in enumerate(ids)}}
+tracemalloc.start(); t = time.perf_counter()
+pairs = join_items(items, cap, lat, "scale")
+data = TrainData(pairs, store, {b: store for b in buckets}, 1)
+sampler = BucketSampler(data.buckets(), 4, 0, data.shares()); first = sampler.next()
+out["join_and_sampler_s"] = round(time.perf_counter() - t, 3)
+out["join_and_sampler_peak_mib"] = round(tracemalloc.get_traced_memory()[1] / 2**20, 1)
+print(json.dumps(out))
+"""
+    folder = work / f"mechanics-{n}"
+    env = {**os.environ, "PYTHONPATH": python_path(repo)}
+    proc = subprocess.run([sys.executable, "-c", code, str(repo), str(n), str(folder)], cwd=repo, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def light(repo: Path, work: Path, n: int, model: Path, out_file: Path) -> dict:
+    """A size too large for this machine's encoders: the scan and `status` over its dataset (no caches
+    yet: every stage reads stale, after the same scan), and `mechanics`."""
+    data = make_dataset(work / f"data-{n}", n, max(1, n // 10))
+    run, artifacts = f"scale-{n}", work / "artifacts"
+    sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": "cpu",
+            "data.resolution": 32, "data.cache_variants": 1}
+    base = ["--config", str(repo / "configs" / "demo.toml"), "--run", run,
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    out = {"n": n, "repo": str(repo), "light": True, "cpus": os.cpu_count()}
+    out["scan"] = scan_times(repo, repo / "configs" / "demo.toml", {**sets, "run": run})
+    walls = [cli(repo, ["status", *base], work / "child.json")[0] for _ in range(2)]
+    out["status_no_caches"] = {"seconds": round(min(walls), 2), "budget_s": round(2 + 1e-4 * n, 2)}
+    out["mechanics"] = mechanics(repo, work, n)
+    out_file.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
 def table(rows: list[dict]) -> str:
     head = ("| items | files per 10k items (captions + latents) | cache-latents images/s | train start-up s "
             "| train peak RSS MiB | status s | no-op run s | scan s (indexed) |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
-    for r in rows:
+    for r in (r for r in rows if not r.get("light")):
         lines.append(f"| {r['n']:,} | {r['captions.zarr']['files_per_10k_items']:,} + {r['latents.zarr']['files_per_10k_items']:,} "
                      f"| {r['cache-latents']['images_per_second']} | {r['train']['start_to_first_step_s']} "
                      f"| {r['train']['peak_rss_mib']} | {r['status']['seconds']} | {r['noop_run']['seconds']} "
@@ -162,6 +230,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/lorapipe-scale"), help="datasets, model and runs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale")
     parser.add_argument("--device", default="cpu", help="the stages' device (cuda on the GPU machine)")
+    parser.add_argument("--light", default="", help="comma-separated sizes measured without the encoders (`light`)")
     args = parser.parse_args()
     sys.path.insert(0, str(args.repo))
     from stages.tiny.models import build_tiny_pipeline
@@ -172,11 +241,16 @@ def main() -> None:
         build_tiny_pipeline("flux-dev", model, seed=0)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for n in (int(s) for s in args.sizes.split(",")):
+    for n in (int(s) for s in args.sizes.split(",") if s):
         row = measure(args.repo.resolve(), args.work, n, n <= args.full_up_to, model, args.device,
                       args.out / f"scale-{n}.json")
+        row["mechanics"] = mechanics(args.repo.resolve(), args.work, n)
+        (args.out / f"scale-{n}.json").write_text(json.dumps(row, indent=2) + "\n")
         rows.append(row)
         print(json.dumps(row), flush=True)
+    for n in (int(s) for s in args.light.split(",") if s):
+        rows.append(light(args.repo.resolve(), args.work, n, model, args.out / f"scale-{n}.json"))
+        print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
 
 

@@ -1,9 +1,10 @@
 """Zarr row stores with an integrity record per row: the shared format of captions.zarr and latents.zarr.
 
-A RowStore is a zarr group of arrays shaped (rows, *item_shape), each split into shards of
-`rows_per_shard` rows (zarr's sharding codec: one file per shard per array, one uncompressed inner
-chunk per row), plus two bookkeeping arrays: `checksums` (rows, fields), the crc32c of each field's
-row bytes, and `written`, a flag per row. 100k rows make about 8 x 100k / 128 files, not 13 per row.
+A RowStore is a zarr group of arrays shaped (rows, *item_shape), each cut into blocks of
+`rows_per_shard` rows, uncompressed: one file per block per array (a shard of zarr's sharding codec
+with one inner chunk per row for large rows, a plain chunk for small ones), plus two bookkeeping
+arrays: `checksums` (rows, fields), the crc32c of each field's row bytes, and `written`, a flag per
+row. 100k rows make about 8 x 100k / 128 files, not one per row per array.
 
 Writing: a shard file is rewritten whole, so rows are not written into it one by one. `write_row`
 appends the row (every field and its crc32c, one record) to this writer's journal,
@@ -48,6 +49,7 @@ _BOOKKEEPING = (WRITTEN, CHECKSUMS)
 JOURNAL = "journal"
 FORMAT = "sharded-1"  # group attribute of this layout; a store without it is rebuilt by its stage
 ROWS_PER_SHARD = 128  # >= 100 rows per file; a 1024 px FLUX shard of 4 variants' means is 256 MiB
+SMALL_ROW = 8192  # bytes: a plain chunk of 128 such rows is at most 1 MiB
 SHARD_ENV = "LORAPIPE_ROWS_PER_SHARD"  # tests set a few rows, so a tiny dataset spans several shards
 # zarr skips writing an inner chunk equal to the fill value (an all-zero flip row, say); every row of
 # a shard must be in its file so that a short file always means damage
@@ -57,6 +59,16 @@ _MAGIC = b"LPJ1"
 _journals = itertools.count()
 # the journal folder sits inside the zarr group, which zarr warns about when it lists members; it is ours
 warnings.filterwarnings("ignore", message=f"Object at {JOURNAL} is not recognized")
+
+
+def _blocks(rows: int, shape: tuple[int, ...], itemsize: int) -> dict[str, tuple[int, ...]]:
+    """How an array of rows of `shape` is cut: rows of at most SMALL_ROW bytes in plain chunks of `rows`
+    rows (read whole: cheap, and one zarr call reads thousands of rows, where one inner chunk per row
+    costs zarr a decode each); larger rows as shards of `rows` rows with one inner chunk per row, so
+    a read of one row reads that row alone."""
+    if int(np.prod(shape)) * itemsize <= SMALL_ROW:
+        return {"chunks": (rows, *shape)}
+    return {"chunks": (1, *shape), "shards": (rows, *shape)}
 
 
 def new_rows_per_shard() -> int:
@@ -98,13 +110,12 @@ class RowStore:
             n, r = len(ids), rows_per_shard or new_rows_per_shard()
             for name, (shape, dtype) in fields.items():
                 store_dtype = "uint16" if dtype == "bfloat16" else dtype
-                arr = group.create_array(name, shape=(n, *shape), chunks=(1, *shape), shards=(r, *shape),
-                                         dtype=store_dtype, fill_value=0, compressors=None)
+                arr = group.create_array(name, shape=(n, *shape), dtype=store_dtype, fill_value=0, compressors=None,
+                                         **_blocks(r, shape, np.dtype(store_dtype).itemsize))
                 arr.attrs["logical_dtype"] = dtype
-            group.create_array(CHECKSUMS, shape=(n, len(fields)), chunks=(1, len(fields)), shards=(r, len(fields)),
-                               dtype="uint32", fill_value=0, compressors=None)
-            group.create_array(WRITTEN, shape=(n,), chunks=(1,), shards=(r,), dtype="uint8", fill_value=0,
-                               compressors=None)
+            group.create_array(CHECKSUMS, shape=(n, len(fields)), chunks=(r, len(fields)), dtype="uint32",
+                               fill_value=0, compressors=None)
+            group.create_array(WRITTEN, shape=(n,), chunks=(r,), dtype="uint8", fill_value=0, compressors=None)
             group.attrs.update({"ids": list(ids), "format": FORMAT, "rows_per_shard": r})
         return cls(group)
 
@@ -175,13 +186,14 @@ class RowStore:
         return np.asarray(self.group[WRITTEN][:], dtype=bool)
 
     def intact_mask(self) -> np.ndarray:
-        """Rows flagged written whose every shard file exists and is long enough to hold them (stat only:
-        a shard holds an index of 16 bytes per row + 4, and one inner chunk per row up to the array's end
-        when it was packed)."""
+        """Rows flagged written whose every shard or chunk file exists with a size that holds them (stat
+        only: a plain chunk holds exactly rows_per_shard rows; a shard an index of 16 bytes per row + 4
+        and one inner chunk per row up to the array's end when it was packed)."""
         ok = self.written_mask()
         r = self.rows_per_shard
         for name in self.fields + [CHECKSUMS]:
             arr = self.group[name]
+            sharded = arr.shards is not None
             chunk = int(np.prod(arr.chunks)) * arr.dtype.itemsize
             index = 16 * r + 4
             zeros = (0,) * (arr.ndim - 1)
@@ -191,7 +203,8 @@ class RowStore:
                 if not len(held):
                     continue
                 size = _file_size(self.root / name / arr.metadata.encode_chunk_key((int(s), *zeros)))
-                if size < index + (int(held[-1]) + 1) * chunk or (size - index) % chunk:
+                if size != chunk if not sharded else \
+                        size < index + (int(held[-1]) + 1) * chunk or (size - index) % chunk:
                     ok[start:start + r] = False
         return ok
 

@@ -181,25 +181,27 @@ def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_mani
     cap_rows, lat_index = cap_manifest["rows"], lat_manifest["index"]
     skipped = {s["item"] for s in lat_manifest.get("skipped", [])}
     stale_captions = f"run `{_rerun(run, 'encode-captions')}`"
-    pairs = []
+    pairs, buckets = [], {}  # each bucket name parsed once
     for it in items:
         if it.key in skipped:
             continue
-        if any(cid not in cap_rows for cid in it.caption_ids):
+        cids = it.caption_ids  # hashed on each access: once per item here
+        if any(cid not in cap_rows for cid in cids):
             raise ArtifactError(f"caption of '{it.key}' is not in captions.zarr (it changed or is new): {stale_captions}")
         if it.latent_key not in lat_index:
             raise ArtifactError(f"image '{it.key}' is not in latents.zarr (it changed or is new): "
                                 f"run `{_rerun(run, 'cache-latents')}`")
         data = datasets[it.dataset] if datasets else None
         dropout = data.caption_dropout if data else 0.0
-        empty_id = it.empty_caption_id  # one shared row, or the item's (empty, controls) row
-        if (dropout > 0 or blank) and empty_id not in cap_rows:
+        empty_id = it.empty_caption_id if dropout > 0 or blank else None  # one shared row, or the item's (empty, controls) row
+        if empty_id is not None and empty_id not in cap_rows:
             raise ArtifactError(f"the empty caption that caption dropout or train.preservation trains '{it.key}' on "
                                 f"is not in captions.zarr: {stale_captions}")
         loc = lat_index[it.latent_key]
-        pairs.append(Pair(it.key, it.image_id, it.caption_id, Bucket.parse(loc["bucket"]), loc["row"],
-                          cap_rows[it.caption_id], it.caption_ids, tuple(cap_rows[c] for c in it.caption_ids),
-                          dropout, (empty_id, cap_rows[empty_id]) if dropout > 0 or blank else None,
+        bucket = buckets.get(loc["bucket"]) or buckets.setdefault(loc["bucket"], Bucket.parse(loc["bucket"]))
+        pairs.append(Pair(it.key, it.image_id, it.caption_id, bucket, loc["row"],
+                          cap_rows[it.caption_id], cids, tuple(cap_rows[c] for c in cids),
+                          dropout, (empty_id, cap_rows[empty_id]) if empty_id is not None else None,
                           lat_manifest.get("variants_of", {}).get(it.latent_key, 0), it.dataset,
                           (data.weight or float(data.repeats)) if data else 1.0,
                           bool(data and data.role == "regularization")))

@@ -37,14 +37,18 @@ def shard_file(store_dir: Path, field: str, row: int) -> Path:
 
 
 def row_offset(store_dir: Path, field: str, row: int) -> tuple[Path, int]:
-    """(shard file, offset of the row's bytes in it), from the shard's index: (offset, size) as two
-    little-endian uint64 per row, then a crc32c, at the end of the file (zarr's sharding codec)."""
+    """(shard file, offset of the row's bytes in it): in a plain chunk the rows lie in order; a shard
+    ends with its index, (offset, size) as two little-endian uint64 per row, then a crc32c (zarr's
+    sharding codec)."""
     import numpy as np
 
     from stages.core.rowstore import RowStore
 
-    per_shard = RowStore.open(store_dir).rows_per_shard
+    store = RowStore.open(store_dir)
+    per_shard, arr = store.rows_per_shard, store.group[field]
     path = shard_file(store_dir, field, row)
+    if arr.shards is None:
+        return path, (row % per_shard) * int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
     index = np.frombuffer(path.read_bytes()[-(16 * per_shard + 4):-4], dtype="<u8").reshape(per_shard, 2)
     return path, int(index[row % per_shard, 0])
 
