@@ -404,7 +404,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         if bucket not in rows_of:
             rows_of[bucket] = stores[bucket].row_of()
         _check_control_shapes(stores[bucket], posteriors, item, bucket)
-        stores[bucket].write_row(rows_of[bucket][image_id], {
+        stores[bucket].journal_row(rows_of[bucket][image_id], {
             "mean": mean.float(), "logvar": logvar.float(), **{k: v.float() for k, v in posteriors.items()},
             # (top, left) of the crop in the image the model sees: for a flipped variant that
             # is the mirrored image, where the box starts at resized_width - left - bucket_width

@@ -205,7 +205,7 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
             state["row_of"] = state["store"].row_of()
         row_of = state["row_of"]
         for i, cid in enumerate(batch):
-            state["store"].write_row(row_of[cid], {k: v[i] for k, v in encoded.items()})
+            state["store"].journal_row(row_of[cid], {k: v[i] for k, v in encoded.items()})
             faults.hit(NAME)
         for cid, n in zip(batch, state["encoder"].token_counts(batch_texts)):
             if n > cfg.captions.max_sequence_length:

@@ -6,7 +6,7 @@ with one inner chunk per row for large rows, a plain chunk for small ones), plus
 arrays: `checksums` (rows, fields), the crc32c of each field's row bytes, and `written`, a flag per
 row. 100k rows make about 8 x 100k / 128 files, not one per row per array.
 
-Writing: a shard file is rewritten whole, so rows are not written into it one by one. `write_row`
+Writing: a shard file is rewritten whole, so a stage does not write rows into it one by one. `journal_row`
 appends the row (every field and its crc32c, one record) to this writer's journal,
 `<store>/journal/<host>-<pid>-<n>.log`; a kill mid-append leaves a torn record that fails its crc and
 is ignored. When the writer moves on to a row of another shard (and at `flush`), the journal's rows
@@ -211,8 +211,15 @@ class RowStore:
     # ---- writing: journal, then shards ----------------------------------------------------------
 
     def write_row(self, row: int, values: dict[str, Any]) -> None:
+        """Write every given array of a row with their checksums, on disk and seen by every reader when
+        this returns (its shards are rewritten now: for a few rows; a stage writing many uses `journal_row`)."""
+        self.journal_row(row, values)
+        self.flush()
+
+    def journal_row(self, row: int, values: dict[str, Any]) -> None:
         """Journal every given array of a row with their checksums (one record, on disk when this
-        returns); the row is packed into its shards when the writer moves to another shard or flushes."""
+        returns); the row is packed into its shards when the writer moves to another shard or flushes,
+        and only then do other readers see it."""
         from stages.core import faults
 
         if self._pending and self.shard_of(row) not in {self.shard_of(p) for p in self._pending}:
