@@ -338,7 +338,7 @@ class RowStore:
                 block = np.zeros((end - start, *arr.shape[1:]), dtype=arr.dtype)
             for i, vals in rows.items():
                 if name in vals:
-                    block[i] = vals[name]
+                    block[i] = vals[name].reshape(block.shape[1:])
                     sums[i, k] = _crc32c(vals[name])
             self._write_block(arr, name, start, end, block)
         self._write_block(arrays[CHECKSUMS], CHECKSUMS, start, end, sums)
@@ -435,7 +435,7 @@ def _crc32c(array: np.ndarray) -> int:
 def _stored(value: Any, arr: Any) -> np.ndarray:
     """The row exactly as zarr stores it (dtype, bf16 bits, broadcast to the row shape)."""
     bits = _bf16_bits(value) if arr.attrs.get("logical_dtype") == "bfloat16" else _to_numpy(value).astype(arr.dtype)
-    return np.ascontiguousarray(np.broadcast_to(bits, arr.shape[1:]))
+    return np.array(np.broadcast_to(bits, arr.shape[1:]), order="C")  # a scalar row stays 0-d
 def _logical(data: np.ndarray, arr: Any) -> np.ndarray:
     if arr.attrs.get("logical_dtype") == "bfloat16":
         return (data.astype(np.uint32) << 16).view(np.float32)
