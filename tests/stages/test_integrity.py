@@ -213,3 +213,31 @@ def test_manifest_schema_rejects_bad_fields_and_bucket_parses_once():
     assert any("undocumented field 'texts'" in p for p in problems)
     with pytest.raises(ValueError, match="missing field 'step'"):
         write_manifest(Path("/nonexistent"), "train", kind="checkpoint", fingerprint="f", fingerprint_parts={})
+
+
+@ON_FLUX
+def test_prefetched_rows_load_as_read_rows_and_a_damaged_one_still_names_its_item(run_copy):
+    """Train reads the next batch's rows on a thread: a load of prefetched rows equals a plain load,
+    holds nothing once used, and a row damaged on disk stops training naming its item as before."""
+    from stages.core.errors import ArtifactError
+    from stages.train.trainer import build_data
+
+    data, _ = build_data(run_copy)
+    bucket = str(data.pairs[0].bucket)
+    batch = [i for i, p in enumerate(data.pairs) if str(p.bucket) == bucket][:2]
+    plain = data.load(batch, [0] * len(batch))
+    data.prefetch(batch)
+    assert data._ahead  # reads in flight or done, none consumed yet
+    ahead = data.load(batch, [0] * len(batch))
+    assert torch.equal(ahead.mean, plain.mean) and all(torch.equal(ahead.cond[k], plain.cond[k]) for k in plain.cond)
+    assert all((id(data.latents[bucket]), data.pairs[i].latent_row) not in data._ahead for i in batch)  # taken, not kept
+
+    store_dir = run_copy.run_dir / "latents.zarr" / bucket
+    path, at = row_offset(store_dir, "mean", data.pairs[batch[0]].latent_row)
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    data, _ = build_data(run_copy)
+    data.prefetch(batch)
+    with pytest.raises(ArtifactError, match=f"item '{data.pairs[batch[0]].key}'.*cache-latents"):
+        data.load(batch, [0] * len(batch))
