@@ -11,13 +11,14 @@ image-content id; crop box, flip flag and original size are stored beside the la
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from stages.core import dataset, distributed
 from stages.core import faults
-from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir,
+from stages.core.artifacts import (DamagedManifest, fingerprint, invalidate_manifest, read_manifest, remove_dir,
                                    sweep_leftovers, write_manifest)
 from stages.core import caches
 from stages.core.caches import latents_dir, load_latents  # noqa: F401 - load_latents: still importable from here
@@ -345,7 +346,9 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     datasets = cfg.dataset_configs()
     rt = make_runtime(cfg.device, cfg.latents.vae_precision)
     reset_peak(rt)
-    previous = read_manifest(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DamagedManifest)  # `run` above named a damaged or older manifest once
+        previous = read_manifest(out)
     vae, norm = None, previous and previous["normalization"]
     if todo or previous is None:
         ctx.log.emit("loading", component="vae")

@@ -241,3 +241,29 @@ def test_prefetched_rows_load_as_read_rows_and_a_damaged_one_still_names_its_ite
     data.prefetch(batch)
     with pytest.raises(ArtifactError, match=f"item '{data.pairs[batch[0]].key}'.*cache-latents"):
         data.load(batch, [0] * len(batch))
+
+
+@ON_FLUX
+def test_a_cache_of_an_older_layout_is_rebuilt_once_with_one_warning(run_copy):
+    """A latents.zarr of an older lorapipe (schema 3 manifest, stores of one chunk file per row, no
+    `format` attribute) is read as missing with one warning and re-encoded whole, once."""
+    import warnings
+
+    import zarr
+
+    from stages import cache_latents
+    from stages.core.artifacts import DamagedManifest, atomic_write_json, read_json
+
+    out = run_copy.run_dir / "latents.zarr"
+    manifest = read_json(out / "manifest.json")
+    atomic_write_json(out / "manifest.json", {**manifest, "schema_version": 3})
+    for bucket in manifest["buckets"]:
+        del zarr.open_group(str(out / bucket), mode="a").attrs["format"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rebuilt = cache_latents.run(run_copy)
+    assert [str(w.message) for w in seen if w.category is DamagedManifest] == [
+        f"'{out / 'manifest.json'}' is treated as missing: another lorapipe version wrote it (schema 3, this one "
+        f"reads 4); rerunning its stage rewrites it (cached rows are kept)"]
+    assert encoded(rebuilt) == len(rebuilt["index"]) == len(manifest["index"])
+    assert encoded(cache_latents.run(run_copy)) == 0
