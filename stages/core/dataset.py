@@ -512,13 +512,21 @@ def latent_reference(cfg: Any) -> dict[str, Any]:
 def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
     """Every item of a run: its one data.path, or each [[datasets]] table's folder with item keys
     prefixed '<name>/'. Captions get their tag shuffles; items keep their dataset's index. With `ids`
-    False, images are read only for a dataset whose tag shuffles are seeded by them (data.shuffle_tags)."""
+    False, images are read only for a dataset whose tag shuffles are seeded by them (data.shuffle_tags).
+    A later call whose folders' scans gave the very same lists (nothing changed) with the same settings
+    returns the items made before (`status` asks once per stage: 100k items cost a second each time)."""
     warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
-    out, reference = [], latent_reference(cfg)
-    for i, (data, name) in enumerate(zip(cfg.dataset_configs(), cfg.dataset_names())):
-        items = scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
-                     caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path",
-                     ids=ids or data.shuffle_tags, index_dir=index_dir(cfg))
+    reference = latent_reference(cfg)
+    datasets = list(zip(cfg.dataset_configs(), cfg.dataset_names()))
+    scanned = [scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
+                    caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path",
+                    ids=ids or data.shuffle_tags, index_dir=index_dir(cfg)) for i, (data, _) in enumerate(datasets)]
+    key = repr((datasets, cfg.seed, reference, ids))
+    made = _RUN_ITEMS.get(key)
+    if made is not None and len(made[0]) == len(scanned) and all(a is b for a, b in zip(made[0], scanned)):
+        return list(made[1])
+    out = []
+    for i, ((data, name), items) in enumerate(zip(datasets, scanned)):
         settings = {k: getattr(data, k) for k in LATENT_KEYS}
         suffix = "" if settings == reference else \
             "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
@@ -528,7 +536,14 @@ def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
             out.append(dataclasses.replace(it, key=f"{name}/{it.key}" if name else it.key, caption=texts[0],
                                            caption_id=caption_id(texts[0]), captions=texts if len(texts) > 1 else (),
                                            dataset=i, latent_id=it.image_id + suffix if suffix and it.image_id else ""))
-    return sorted(out, key=lambda it: it.key)
+    out.sort(key=lambda it: it.key)
+    while len(_RUN_ITEMS) >= 2:  # with and without image ids (encode-captions asks without)
+        _RUN_ITEMS.pop(next(iter(_RUN_ITEMS)))
+    _RUN_ITEMS[key] = (scanned, out)
+    return list(out)
+
+
+_RUN_ITEMS: dict[str, tuple[list[list[Item]], list[Item]]] = {}  # scan_run's last result, with the scans it came from
 
 
 def caption_shuffles(text: str, data: Any, seed: int, image_id: str) -> list[str]:
