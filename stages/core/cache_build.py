@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 def rows_to_encode(store: RowStore | None, ids: Sequence[str], grow: bool) -> list[str]:
     """Those of `ids` without an intact row in `store` (all of them without a store): new ids, rows
-    a killed run left unflagged, and damaged rows (a chunk file missing or of the wrong size, or
+    a killed run left unflagged, and damaged rows (a shard file missing or too short, or
     unflagged by a reader whose checksum failed), in the order of their rows. `grow` (the writer,
     rank 0, before any other rank writes) packs the rows killed writers left in their journals and
     appends rows for new ids."""
@@ -147,7 +147,7 @@ def damage_report(store: RowStore | None, referenced: dict[str, int], keys: dict
         return []
     named = [k for i in bad for k in keys.get(i, [i])]
     return [f"damaged: {len(bad)} row(s) of {where} ({', '.join(named[:8])}{' ...' if len(named) > 8 else ''}) have "
-            f"a chunk file missing or of the wrong size, or failed their checksum when read; "
+            f"a shard file missing or too short, or failed their checksum when read; "
             f"`{command}` re-encodes exactly those"]
 
 
