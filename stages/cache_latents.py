@@ -12,13 +12,14 @@ image-content id; crop box, flip flag and original size are stored beside the la
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from stages.core import dataset, distributed, video
 from stages.core import faults
-from stages.core.artifacts import (fingerprint, invalidate_manifest, read_manifest, remove_dir,
+from stages.core.artifacts import (DamagedManifest, fingerprint, invalidate_manifest, read_manifest, remove_dir,
                                    sweep_leftovers, write_manifest)
 from stages.core import caches
 from stages.core.caches import latents_dir, load_latents  # noqa: F401 - load_latents: still importable from here
@@ -26,7 +27,7 @@ from stages.core.cache_build import damage_report, encode_units, keys_by_id, row
 from stages.core.config import command
 from stages.core.errors import ConfigError
 from stages.core.model_source import ModelSource, model_source
-from stages.core.rowstore import RowStore
+from stages.core.rowstore import RowStore, new_rows_per_shard
 from stages.core.schema import Bucket
 from stages.core.video import ClipInfo
 from stages.core.stage import running_stage
@@ -227,7 +228,7 @@ def _open_store(path: Path, bucket: Bucket, layout_fp: str) -> RowStore | None:
     if not (group / "zarr.json").exists():
         return None
     store = RowStore.open(group, mode="a")
-    return store if store.group.attrs.get("layout") == layout_fp and store.has_checksums else None
+    return store if store.group.attrs.get("layout") == layout_fp and store.is_current else None
 
 
 def _prepare_stores(out: Path, layout_fp: str, by_bucket: dict[Bucket, list[str]],
@@ -401,7 +402,9 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     datasets = cfg.dataset_configs()
     rt = make_runtime(cfg.device, cfg.latents.vae_precision)
     reset_peak(rt)
-    previous = read_manifest(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DamagedManifest)  # `run` above named a damaged or older manifest once
+        previous = read_manifest(out)
     vae, norm = None, previous and previous["normalization"]
     if todo or previous is None:
         ctx.log.emit("loading", component="vae")
@@ -466,7 +469,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         if bucket not in rows_of:
             rows_of[bucket] = stores[bucket].row_of()
         _check_control_shapes(stores[bucket], posteriors, item, bucket)
-        stores[bucket].write_row(rows_of[bucket][image_id], {
+        stores[bucket].journal_row(rows_of[bucket][image_id], {
             "mean": mean.float(), "logvar": logvar.float(), **{k: v.float() for k, v in posteriors.items()},
             # (top, left) of the crop in the image the model sees: for a flipped variant that
             # is the mirrored image, where the box starts at resized_width - left - bucket_width
@@ -481,9 +484,19 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         for bucket in stores:
             stores[bucket] = stores[bucket] or _open_store(out, bucket, layout_fp)
 
+    # a new store's rows are its bucket's ids in order (RowStore.create)
+    rows = {b: rows_of.get(b) or {i: k for k, i in enumerate(by_bucket[b])} for b in stores}
+    per_shard = {b: s.rows_per_shard if s is not None else new_rows_per_shard() for b, s in stores.items()}
+
+    def flush() -> None:
+        for store in stores.values():
+            if store is not None:
+                store.flush()
+
     pace = encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
                         needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
-                        done_before=len(plan) - len(todo), total=len(plan), prepare=read_image)
+                        done_before=len(plan) - len(todo), total=len(plan), prepare=read_image,
+                        shard_of=lambda unit: (unit[0], rows[unit[0]][unit[1]] // per_shard[unit[0]]), flush=flush)
     return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "load_failed": load_failed, "rt": rt,
             "pace": pace}
 

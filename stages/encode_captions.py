@@ -19,7 +19,7 @@ from stages.core.cache_build import damage_report, encode_units, keys_by_id, row
 from stages.core.config import command
 from stages.core.caches import captions_dir, load_captions, scan_items as scan_family_items  # noqa: F401 - load_captions: still importable from here
 from stages.core.model_source import model_source
-from stages.core.rowstore import RowStore
+from stages.core.rowstore import RowStore, new_rows_per_shard
 from stages.core.stage import running_stage
 from stages.registry import conflicts
 
@@ -118,7 +118,7 @@ def _open_store(path: Path, layout: dict[str, Any]) -> RowStore | None:
     if not (path / "zarr.json").exists():
         return None
     store = RowStore.open(path, mode="a")
-    return store if store.group.attrs.get("layout") == fingerprint(layout) and store.has_checksums else None
+    return store if store.group.attrs.get("layout") == fingerprint(layout) and store.is_current else None
 
 
 def check(cfg: Any) -> None:
@@ -174,8 +174,10 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
     family, dist, out = get_family(cfg.family), ctx.dist, artifact_dir(cfg)
     # Ranks deal out whole batches, so each batch is encoded exactly as one process would (same
     # composition and padding: byte-identical rows).
-    bs = cfg.captions.batch_size
-    batches = [todo_ids[i:i + bs] for i in range(0, len(todo_ids), bs)]
+    # A batch stays inside one shard of the store, so that each shard has one writer (RowStore).
+    rows = store.row_of() if store is not None else {cid: k for k, cid in enumerate(sorted(texts))}
+    per_shard = store.rows_per_shard if store is not None else new_rows_per_shard()
+    batches = shard_batches(todo_ids, cfg.captions.batch_size, lambda cid: rows[cid] // per_shard)
     reset_peak(rt)
     # with the same settings, captions truncated by earlier runs stay listed
     earlier = _earlier_truncations(out) if store is not None else {}
@@ -203,7 +205,7 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
             state["row_of"] = state["store"].row_of()
         row_of = state["row_of"]
         for i, cid in enumerate(batch):
-            state["store"].write_row(row_of[cid], {k: v[i] for k, v in encoded.items()})
+            state["store"].journal_row(row_of[cid], {k: v[i] for k, v in encoded.items()})
             faults.hit(NAME)
         for cid, n in zip(batch, state["encoder"].token_counts(batch_texts)):
             if n > cfg.captions.max_sequence_length:
@@ -212,11 +214,26 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
     def reopen() -> None:
         state["store"] = state["store"] or _open_store(out, layout)  # made by rank 0 just now
 
+    def flush() -> None:
+        if state["store"] is not None:
+            state["store"].flush()
+
     encode_units(ctx, NAME, "captions", batches, encode_batch, size=len, needs_store=lambda b: state["store"] is None,
-                 reopen=reopen, done_before=len(texts) - len(todo_ids), total=len(texts))
+                 reopen=reopen, done_before=len(texts) - len(todo_ids), total=len(texts),
+                 shard_of=lambda batch: rows[batch[0]] // per_shard, flush=flush)
     truncated = {c: n for part in distributed.all_gather(state["truncated"], dist) for c, n in part.items()}
     state.pop("encoder")
     return {"store": state["store"], "truncated": truncated, "rt": rt, "template_tokens": state.get("template_tokens")}
+
+
+def shard_batches(ids: list[str], size: int, shard_of: Any) -> list[list[str]]:
+    """`ids` cut into batches of at most `size`, a new batch wherever `shard_of` changes."""
+    batches: list[list[str]] = []
+    for cid in ids:
+        if not batches or len(batches[-1]) == size or shard_of(batches[-1][0]) != shard_of(cid):
+            batches.append([])
+        batches[-1].append(cid)
+    return batches
 
 
 def template_tokens(family: Any, encoder: Any, max_length: int) -> int:

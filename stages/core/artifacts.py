@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from stages.core.errors import ArtifactError, StageLocked, UserError
 
-SCHEMA_VERSION = 3  # a manifest of another version is treated as missing: its stage rebuilds the artifact
+SCHEMA_VERSION = 4  # a manifest of another version is treated as missing: its stage rebuilds the artifact
 CODE_VERSION = "0.1.0"
 
 # zarr warns about our manifest.json inside a store folder when it lists members; it is ours.

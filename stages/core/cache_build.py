@@ -3,11 +3,12 @@ ranks of a torchrun job (seed, shard, write, barrier) with progress counted in g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
 
 from stages.core import distributed
 from stages.core.rowstore import RowStore
@@ -17,16 +18,22 @@ T = TypeVar("T")
 
 def rows_to_encode(store: RowStore | None, ids: Sequence[str], grow: bool) -> list[str]:
     """Those of `ids` without an intact row in `store` (all of them without a store): new ids, rows
-    a killed run left unflagged, and damaged rows (a chunk file missing or of the wrong size, or
-    unflagged by a reader whose checksum failed). `grow` (the writer, rank 0) appends rows for new ids."""
+    a killed run left unflagged, and damaged rows (a shard file missing or too short, or
+    unflagged by a reader whose checksum failed), in the order of their rows. `grow` (the writer,
+    rank 0, before any other rank writes) packs the rows killed writers left in their journals and
+    appends rows for new ids."""
     if store is None:
         return list(ids)
+    if grow:
+        store.recover()
     row_of = store.row_of()
     new = [i for i in ids if i not in row_of]
     if new and grow:
         store.append_rows(new)
+        row_of = store.row_of()
     intact = store.intact_mask()
-    return [i for i in ids if i not in row_of or not intact[row_of[i]]]
+    todo = [i for i in ids if i not in row_of or not intact[row_of[i]]]
+    return sorted(todo, key=lambda i: row_of.get(i, len(row_of)))  # a shard's rows together: each shard packed once
 
 
 def prefetched(units: Iterable[T], prepare: Callable[[T], Any], workers: int) -> Iterator[tuple[T, Any]]:
@@ -57,7 +64,8 @@ def prepare_workers() -> int:
 
 def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encode: Callable[..., None], *,
                  size: Callable[[T], int], needs_store: Callable[[T], bool], reopen: Callable[[], None],
-                 done_before: int, total: int, prepare: Callable[[T], Any] | None = None) -> dict[str, float]:
+                 done_before: int, total: int, prepare: Callable[[T], Any] | None = None,
+                 shard_of: Callable[[T], Hashable] | None = None, flush: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Encode `units` over the ranks of ctx.dist, then wait until every rank's rows are on disk.
 
     Under torchrun rank 0 first encodes alone each unit whose store does not exist yet (a store's
@@ -65,7 +73,9 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
     encodes its round-robin share of the rest. Progress and `preparing` events count global items:
     rank 0's own count times the world size (ranks keep about the same pace), capped at the total.
     With `prepare` (the host's part: reading and decoding), `encode(unit, prepare(unit))` runs while
-    threads prepare the next units, so the encoder does not wait on the disk. Returns this rank's
+    threads prepare the next units, so the encoder does not wait on the disk. Units with the same
+    `shard_of` (the store shard their rows go to) go to one rank, which alone packs that shard; `flush`
+    packs what this rank journaled (after rank 0's seeding and before the final barrier). Returns this rank's
     {"units", "seconds", "encode_seconds"}: how busy the encoder was."""
     dist = ctx.dist
     todo = sum(size(u) for u in units)
@@ -99,15 +109,32 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
                     if needs_store(unit):  # the first unit of each new store makes it: the rest need it no more
                         seeded.append(k)
                         encode_one(unit, *([prepare(unit)] if prepare is not None else []))
+                flush()  # the seeded rows are in their shards before another rank packs them
         seeded = distributed.broadcast(seeded, dist)
         if seeded:
             reopen()
         skip = set(seeded)
         rest = [u for k, u in enumerate(units) if k not in skip]
-        run(distributed.shard(rest, dist, first=len(seeded)))
+        try:
+            run(_deal(rest, dist, len(seeded), shard_of))
+        except BaseException:
+            with contextlib.suppress(Exception):  # what stays journaled is packed by the next run
+                flush()
+            raise
+        flush()
     distributed.barrier(dist)  # every rank's rows are on disk: rank 0 writes the manifest
     stats["seconds"] = time.perf_counter() - start
     return stats
+
+
+def _deal(units: list[T], dist: Any, first: int, shard_of: Callable[[T], Hashable] | None) -> list[T]:
+    """This rank's units: dealt one by one, or in whole shards (each shard's units on one rank, in order)."""
+    if shard_of is None:
+        return distributed.shard(units, dist, first=first)
+    groups: dict[Hashable, list[T]] = {}
+    for unit in units:
+        groups.setdefault(shard_of(unit), []).append(unit)
+    return [u for group in distributed.shard(list(groups.values()), dist, first=first) for u in group]
 
 
 def damage_report(store: RowStore | None, referenced: dict[str, int], keys: dict[str, list[str]], where: str,
@@ -120,7 +147,7 @@ def damage_report(store: RowStore | None, referenced: dict[str, int], keys: dict
         return []
     named = [k for i in bad for k in keys.get(i, [i])]
     return [f"damaged: {len(bad)} row(s) of {where} ({', '.join(named[:8])}{' ...' if len(named) > 8 else ''}) have "
-            f"a chunk file missing or of the wrong size, or failed their checksum when read; "
+            f"a shard file missing or too short, or failed their checksum when read; "
             f"`{command}` re-encodes exactly those"]
 
 

@@ -157,6 +157,13 @@ def find_mask(root: Path, image: Path, follow_outside: bool, tree: FolderTree) -
     return found[0]
 
 
+def _may_have_masks(root: Path, tree: FolderTree) -> bool:
+    """Whether any image can have a loss mask: the walk saw a `masks/` folder, a `*_mask.*` name or a
+    symlink (a folder it did not enter); else no item needs the per-image search (100k images: seconds)."""
+    return bool(tree.links) or tree.exists(str(root / MASKS_FOLDER)) or any(
+        os.path.splitext(p)[0].endswith(MASK_SUFFIX) for p in tree.stats)
+
+
 def _is_mask_file(root: Path, path: Path, tree: FolderTree) -> bool:
     """A file under `masks/`, or `<stem>_mask.<ext>` beside an image `<stem>.<ext>`: a mask, not an item."""
     rel = path.relative_to(root)
@@ -167,9 +174,16 @@ def _is_mask_file(root: Path, path: Path, tree: FolderTree) -> bool:
     return bool(tree.named(str(path.parent), path.stem[:-len(MASK_SUFFIX)], IMAGE_EXTS))
 
 
-def _file_problem(path: Path) -> str | None:
+def _file_problem(path: Path, tree: FolderTree | None = None) -> str | None:
     """Why `path` is not a readable regular file ("does not exist", "is a FIFO", ...), or None.
-    Only stats the path: opening a FIFO would block the scan."""
+    Only stats the path (or reads the stat `tree`'s walk took): opening a FIFO would block the scan."""
+    known = tree.stat(str(path)) if tree is not None else None
+    if known is not None and str(path) not in tree.links:  # a plain name the walk saw: no system call
+        mode = known[0]
+        return None if stat.S_ISREG(mode) else "is a folder" if stat.S_ISDIR(mode) else \
+            "is not a regular file (a FIFO, socket or device)"
+    if tree is not None and known is None and tree.exists(str(path)) is False:
+        return "does not exist"
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
@@ -255,9 +269,10 @@ def _metadata_path(root: Path, name: Any, where: str) -> Path:
     return root / rel
 
 
-def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
+def _from_metadata(root: Path, meta: Path, follow_outside: bool,
+                   tree: FolderTree) -> tuple[list[tuple[Path, str]], dict[Path, list[Path]]]:
     """(image, caption) pairs and each image's `control_image` paths (a string or a list of strings),
-    from one read of metadata.jsonl."""
+    from one read of metadata.jsonl (the files checked against `tree`, the folder's walk)."""
     _check_inside(root, meta, follow_outside)
     pairs, controls = [], {}
     for n, line in enumerate(_read_text(meta, f"metadata file '{meta}'").splitlines(), 1):
@@ -274,12 +289,12 @@ def _from_metadata(root: Path, meta: Path, follow_outside: bool) -> tuple[list[t
         if not isinstance(text, str) or not text.strip():
             raise DatasetError(f"{where}: empty caption for '{name}'")
         path = _metadata_path(root, name, where)
-        problem = _file_problem(path)
+        problem = _file_problem(path, tree)
         if problem == "is a folder" and is_clip_path(path):
             problem = None
         if problem:
             raise DatasetError(f"{where}: image '{path}' {problem}")
-        _check_inside(root, path, follow_outside)
+        _check_inside(root, path, follow_outside, tree)
         pairs.append((path, _decode(text.encode("utf-8"), f"{where}: the caption of '{name}'").strip()))
         controls[path] = _row_controls(root, row, where, follow_outside)
     return pairs, controls
@@ -300,7 +315,7 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped, tree: Folder
         if suffix in IMAGE_EXTS and _is_mask_file(root, path, tree):
             continue
         if suffix in IMAGE_EXTS or suffix in VIDEO_EXTS:
-            problem = _file_problem(path)
+            problem = _file_problem(path, tree)
             if problem is None:
                 images.append(path)
             elif problem != "is a folder":
@@ -342,7 +357,7 @@ def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _D
 def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool, tree: FolderTree) -> str:
     _check_inside(root, path, follow_outside, tree)
     cap = path.parent / (path.name + caption_ext) if path.is_dir() else path.with_suffix(caption_ext)
-    problem = _file_problem(cap)
+    problem = _file_problem(cap, tree)
     if problem == "does not exist":
         raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")
     if problem:
@@ -399,9 +414,10 @@ def _items(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None
     meta = (root / "metadata.jsonl").is_file()
     pairs, controls = _listing(root, caption_ext, follow_outside, warn, "data.path", tree)
     stems = {path.with_suffix("") for path, _ in pairs}
+    masks = _may_have_masks(root, tree)
     items = []
     for path, text in pairs:
-        mask = None if is_clip_path(path) else find_mask(root, path, follow_outside, tree)
+        mask = None if is_clip_path(path) or not masks else find_mask(root, path, follow_outside, tree)
         texts = [t.strip() for t in text.split(VARIANT_SEP)] + (
             [] if meta else _numbered_captions(root, path, caption_ext, stems, follow_outside))
         if caption_lines == "variants":
@@ -456,7 +472,7 @@ def _listing(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | No
     meta = root / "metadata.jsonl"
     dropped = _Dropped()
     if meta.is_file():
-        pairs, controls = _from_metadata(root, meta, follow_outside)
+        pairs, controls = _from_metadata(root, meta, follow_outside, tree)
     else:
         pairs = _from_folder(root, caption_ext, follow_outside, dropped, tree)
         controls = {path: _folder_controls(root, path, follow_outside, tree) for path, _ in pairs}
@@ -529,13 +545,21 @@ def latent_reference(cfg: Any) -> dict[str, Any]:
 def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
     """Every item of a run: its one data.path, or each [[datasets]] table's folder with item keys
     prefixed '<name>/'. Captions get their tag shuffles; items keep their dataset's index. With `ids`
-    False, images are read only for a dataset whose tag shuffles are seeded by them (data.shuffle_tags)."""
+    False, images are read only for a dataset whose tag shuffles are seeded by them (data.shuffle_tags).
+    A later call whose folders' scans gave the very same lists (nothing changed) with the same settings
+    returns the items made before (`status` asks once per stage: 100k items cost a second each time)."""
     warn = None if log is None else (lambda message, item: log.emit("warning", message=message, item=item))
-    out, reference = [], latent_reference(cfg)
-    for i, (data, name) in enumerate(zip(cfg.dataset_configs(), cfg.dataset_names())):
-        items = scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
-                     caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path",
-                     ids=ids or data.shuffle_tags, index_dir=index_dir(cfg))
+    reference = latent_reference(cfg)
+    datasets = list(zip(cfg.dataset_configs(), cfg.dataset_names()))
+    scanned = [scan(data.path, data.caption_ext, follow_symlinks_outside=data.follow_symlinks_outside, warn=warn,
+                    caption_lines=data.caption_lines, path_key=f"datasets[{i}].path" if cfg.datasets else "data.path",
+                    ids=ids or data.shuffle_tags, index_dir=index_dir(cfg)) for i, (data, _) in enumerate(datasets)]
+    key = repr((datasets, cfg.seed, reference, ids))
+    made = _RUN_ITEMS.get(key)
+    if made is not None and len(made[0]) == len(scanned) and all(a is b for a, b in zip(made[0], scanned)):
+        return list(made[1])
+    out = []
+    for i, ((data, name), items) in enumerate(zip(datasets, scanned)):
         settings = latent_settings(data)
         suffix = "" if settings == reference else \
             "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
@@ -545,7 +569,14 @@ def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
             out.append(dataclasses.replace(it, key=f"{name}/{it.key}" if name else it.key, caption=texts[0],
                                            caption_id=caption_id(texts[0]), captions=texts if len(texts) > 1 else (),
                                            dataset=i, latent_id=it.image_id + suffix if suffix and it.image_id else ""))
-    return sorted(out, key=lambda it: it.key)
+    out.sort(key=lambda it: it.key)
+    while len(_RUN_ITEMS) >= 2:  # with and without image ids (encode-captions asks without)
+        _RUN_ITEMS.pop(next(iter(_RUN_ITEMS)))
+    _RUN_ITEMS[key] = (scanned, out)
+    return list(out)
+
+
+_RUN_ITEMS: dict[str, tuple[list[list[Item]], list[Item]]] = {}  # scan_run's last result, with the scans it came from
 
 
 def caption_shuffles(text: str, data: Any, seed: int, image_id: str) -> list[str]:

@@ -7,8 +7,8 @@ The value is a comma-separated list of `<point>:<n>[:<signal>]`; when `point` is
 time in this process, the process sends itself the signal (default KILL, which no handler can
 catch: the same as a pre-empted job or the OOM killer). Points the stages call:
 
-    encode-captions, cache-latents   after each row is on disk (its `written` flag set)
-    mid-row                          inside a row write: every array written, the flag not yet set
+    encode-captions, cache-latents   after each row is on disk (its journal record complete)
+    mid-row                          inside a row's journal record: half of it written
     train                            after each optimizer step
     mid-save                         inside a checkpoint or lora/final save: adapter and state written,
                                      manifest not yet, folder not yet renamed into place

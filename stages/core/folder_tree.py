@@ -71,6 +71,10 @@ class FolderTree:
         """os.path.lexists(path), from the walk where it saw the folder."""
         return path in self.stats if (os.path.dirname(path) or ".") in self.folders else os.path.lexists(path)
 
+    def stat(self, path: str) -> Stat | None:
+        """The walk's stat of `path` (through a symlink that resolves), or None where it has none."""
+        return self.stats.get(path)
+
     def named(self, folder: str, stem: str, suffixes: Iterable[str]) -> list[str]:
         """The paths `folder/stem + suffix` that exist, in the order of `suffixes`."""
         base = join(folder, stem)

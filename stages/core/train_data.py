@@ -11,6 +11,7 @@ an item trains with is drawn from the step's generator (draw_variants, draw_capt
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,13 @@ class BucketSampler:
         self.index += 1
         return batch
 
+    def peek(self) -> tuple[str, list[int]] | None:
+        """The batch `next` gives next, without moving on; None at an epoch's end (the next epoch's
+        order is drawn when it starts)."""
+        if self._order is None:
+            self._order = self.epoch_batches(self.epoch)
+        return self._order[self.index] if self.index < len(self._order) else None
+
     def draws(self, epoch: int) -> dict[str, int]:
         """Images each bucket draws in `epoch`, repeats and weights included: what epoch_batches cuts."""
         copies = self.copies(self._generator(epoch))  # its first draw, as in epoch_batches
@@ -181,25 +189,27 @@ def join_items(items: list[dataset.Item], cap_manifest: dict[str, Any], lat_mani
     cap_rows, lat_index = cap_manifest["rows"], lat_manifest["index"]
     skipped = {s["item"] for s in lat_manifest.get("skipped", [])}
     stale_captions = f"run `{_rerun(run, 'encode-captions')}`"
-    pairs = []
+    pairs, buckets = [], {}  # each bucket name parsed once
     for it in items:
         if it.key in skipped:
             continue
-        if any(cid not in cap_rows for cid in it.caption_ids):
+        cids = it.caption_ids  # hashed on each access: once per item here
+        if any(cid not in cap_rows for cid in cids):
             raise ArtifactError(f"caption of '{it.key}' is not in captions.zarr (it changed or is new): {stale_captions}")
         if it.latent_key not in lat_index:
             raise ArtifactError(f"image '{it.key}' is not in latents.zarr (it changed or is new): "
                                 f"run `{_rerun(run, 'cache-latents')}`")
         data = datasets[it.dataset] if datasets else None
         dropout = data.caption_dropout if data else 0.0
-        empty_id = it.empty_caption_id  # one shared row, or the item's (empty, controls) row
-        if (dropout > 0 or blank) and empty_id not in cap_rows:
+        empty_id = it.empty_caption_id if dropout > 0 or blank else None  # one shared row, or the item's (empty, controls) row
+        if empty_id is not None and empty_id not in cap_rows:
             raise ArtifactError(f"the empty caption that caption dropout or train.preservation trains '{it.key}' on "
                                 f"is not in captions.zarr: {stale_captions}")
         loc = lat_index[it.latent_key]
-        pairs.append(Pair(it.key, it.image_id, it.caption_id, Bucket.parse(loc["bucket"]), loc["row"],
-                          cap_rows[it.caption_id], it.caption_ids, tuple(cap_rows[c] for c in it.caption_ids),
-                          dropout, (empty_id, cap_rows[empty_id]) if dropout > 0 or blank else None,
+        bucket = buckets.get(loc["bucket"]) or buckets.setdefault(loc["bucket"], Bucket.parse(loc["bucket"]))
+        pairs.append(Pair(it.key, it.image_id, it.caption_id, bucket, loc["row"],
+                          cap_rows[it.caption_id], cids, tuple(cap_rows[c] for c in cids),
+                          dropout, (empty_id, cap_rows[empty_id]) if empty_id is not None else None,
                           lat_manifest.get("variants_of", {}).get(it.latent_key, 0), it.dataset,
                           (data.weight or float(data.repeats)) if data else 1.0,
                           bool(data and data.role == "regularization")))
@@ -236,6 +246,8 @@ class TrainData:
         # only a run with a choice of captions draws one, so other runs keep their exact random stream
         self.caption_choice = any(len(p.caption_rows) > 1 or p.dropout > 0 for p in pairs)
         self.held_out: TrainData | None = None  # validation items (stages/core/validation.py), same stores
+        self._ahead: dict[tuple[int, int], Future] = {}  # (id of the store, row) -> its read, started early
+        self._reader: ThreadPoolExecutor | None = None
 
     def buckets(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -272,6 +284,31 @@ class TrainData:
             out.append(p.empty if p.empty is not None and d < p.dropout else (p.caption_ids[k], p.caption_rows[k]))
         return out
 
+    def prefetch(self, indices: list[int]) -> None:
+        """Start reading (on a thread) the rows a later `load` of these items needs: their latent rows and
+        every caption row they may draw, so the reads overlap the step. Call it after the batch before
+        was loaded: at most one batch is held ahead."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rows")
+        self._ahead = {}  # reads of the batch before that its draws did not use (other caption variants)
+        wanted = []
+        for p in (self.pairs[i] for i in indices):
+            wanted.append((self.latents[str(p.bucket)], p.latent_row))
+            wanted += [(self.captions, row) for row in (*p.caption_rows, *([p.empty[1]] if p.empty else []))]
+        for store, row in wanted:
+            if (id(store), row) not in self._ahead:
+                self._ahead[id(store), row] = self._reader.submit(store.read_row, row)
+
+    def _row(self, store: RowStore, row: int, key: str, stage: str) -> dict[str, np.ndarray]:
+        """A row checked against its checksums: the prefetched read where one was started, else read now."""
+        future = self._ahead.pop((id(store), row), None)
+        if future is None:
+            return _verified(store, row, key, stage)
+        try:
+            return future.result()
+        except DamagedRows:
+            return _verified(store, row, key, stage)  # read again here: it raises with the item named
+
     def load(self, indices: list[int], variant_choice: list[int],
              captions: list[tuple[str, int]] | None = None) -> Batch:
         """Read each item's latent and caption rows, checked against their checksums, and stack the
@@ -280,9 +317,9 @@ class TrainData:
         ps = [self.pairs[i] for i in indices]
         assert all(p.bucket == ps[0].bucket for p in ps), "a batch must come from one bucket"
         store = self.latents[str(ps[0].bucket)]
-        lat = [_verified(store, p.latent_row, p.key, "cache-latents") for p in ps]
+        lat = [self._row(store, p.latent_row, p.key, "cache-latents") for p in ps]
         chosen = captions or [(p.caption_id, p.caption_row) for p in ps]
-        caps = [_verified(self.captions, row, p.key, "encode-captions") for p, (_, row) in zip(ps, chosen)]
+        caps = [self._row(self.captions, row, p.key, "encode-captions") for p, (_, row) in zip(ps, chosen)]
         pick = lambda name: np.stack([row[name][v] for row, v in zip(lat, variant_choice)])  # noqa: E731
         bw, bh = ps[0].bucket.width, ps[0].bucket.height
         meta = BatchMeta(torch.from_numpy(np.stack([row["original_size"] for row in lat])).long(),
@@ -298,7 +335,7 @@ class TrainData:
 
     def blank_cond(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The empty caption's conditioning of each item (its Pair.empty row), checked as `load` checks rows."""
-        caps = [_verified(self.captions, self.pairs[i].empty[1], self.pairs[i].key, "encode-captions") for i in indices]
+        caps = [self._row(self.captions, self.pairs[i].empty[1], self.pairs[i].key, "encode-captions") for i in indices]
         return {name: torch.from_numpy(np.stack([row[name] for row in caps])) for name in self.caption_fields}
 
 

@@ -303,7 +303,12 @@ class Trainer:
         _, indices = self.sampler.next()
         # the stratum position of train.timestep_buckets: from the step number, so a resume continues it
         first, self.drawn_steps = self.drawn_steps * self.global_batch, self.drawn_steps + 1
-        return indices, self.draw(indices, first)
+        draws = self.draw(indices, first)
+        upcoming = self.sampler.peek()
+        if upcoming is not None:  # its rows are read while this batch trains
+            part = distributed.batch_slice(len(upcoming[1]), self.dist)
+            self.data.prefetch(upcoming[1][part] or upcoming[1][:1])
+        return indices, draws
 
     def step(self) -> tuple[float, float, int]:
         indices, draws = self.pending or self.draw_next()

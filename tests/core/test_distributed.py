@@ -3,7 +3,8 @@
     .venv/bin/python -m pytest tests/core/test_distributed.py -q
 
 - caches built by 2 ranks (captions in the spawned job, latents through `run --gpus 2`, i.e.
-  torchrun) are byte-identical to one process's, and only rank 0 writes events and manifests;
+  torchrun) are byte-identical to one process's, and only rank 0 writes events and manifests (stores
+  of 2 rows per shard, so that both ranks pack shards of one store);
 - two ranks with per-rank batch 2 train the same LoRA as one process with batch 4 (float32
   tolerance), through a bucket whose short last batch leaves one rank with no item;
 - a stop seen by rank 1 alone stops both ranks at the same step, and resuming on 2 ranks ends
@@ -108,6 +109,7 @@ def test_caches_from_two_ranks_are_byte_identical(trained):
         kinds = [e["event"] for e in events if e["stage"] == stage]
         assert kinds.count("start") == 1 and kinds.count("done") == 1, kinds  # rank 0 alone logs
     assert {e["world_size"] for e in events if e["event"] == "start"} == {2}
+    assert len(list((two / "captions.zarr" / "written" / "c").iterdir())) >= 4  # several shards, dealt to both ranks
 
 
 def _cache_latents_with_torchrun(cfg) -> None:
@@ -195,6 +197,14 @@ def trained(assets, tmp_path_factory):
     2 ranks (captions in the spawned job, latents through torchrun); trainings of one process at
     batch 4 and at batch 2, and of 2 spawned ranks at batch 2: a full run, a run stopped at step 2
     by rank 1, and its resume."""
+    from stages.core.rowstore import SHARD_ENV
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(SHARD_ENV, "2")  # the spawned ranks and torchrun's inherit it
+        yield _trained(assets, tmp_path_factory)
+
+
+def _trained(assets, tmp_path_factory):
     import torch.multiprocessing as mp
 
     from stages import cache_latents, encode_captions, train

@@ -170,6 +170,63 @@ def test_rowstore_bfloat16_roundtrip_matches_torch(tmp_path):
     assert back.written_mask().tolist() == [True, True] and back.ids == ["x", "y"]
 
 
+def _write_rows(path: Path, rows: list[int], kill: str = "") -> None:
+    """A writer process: journals `rows` (row r holds r), flushing at the end; `kill`: a fault spec."""
+    import os
+
+    from stages.core.faults import ENV
+
+    if kill:
+        os.environ[ENV] = kill
+    store = RowStore.open(path, mode="a")
+    for r in rows:
+        store.journal_row(r, {"v": np.full((2, 3), r), "n": [r]})
+    store.flush()
+
+
+def test_rowstore_packs_rows_into_shards_and_writers_of_one_shard_lose_none(tmp_path):
+    """Three processes write interleaved rows of the same shards at once: every row arrives (packing
+    a shard is a locked read-modify-write), and each array holds one file per shard."""
+    import multiprocessing as mp
+
+    path = tmp_path / "s.zarr"
+    store = RowStore.create(path, [f"i{k}" for k in range(30)], {"v": ((2, 3), "float16"), "n": ((1,), "int64")},
+                            rows_per_shard=8)
+    ctx = mp.get_context("fork")
+    writers = [ctx.Process(target=_write_rows, args=(path, list(range(k, 30, 3)))) for k in range(3)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+        assert w.exitcode == 0
+    back = RowStore.open(path)
+    assert back.intact_mask().all() and [int(back.read_row(r)["n"][0]) for r in range(30)] == list(range(30))
+    for name in ("v", "n", "checksums", "written"):
+        assert len([p for p in (path / name).rglob("*") if p.is_file() and p.name != "zarr.json"]) == 4  # 30 rows / 8
+    assert [p.name for p in (path / "journal").iterdir()] == ["pack.lock"]  # journals deleted once packed
+    store.append_rows(["late"])  # a new row goes to the last shard
+    _write_rows(path, [30])
+    assert RowStore.open(path).intact_mask().sum() == 31
+
+
+def test_rowstore_journal_of_a_killed_writer_is_packed_and_its_torn_record_dropped(tmp_path):
+    import multiprocessing as mp
+    import signal
+
+    path = tmp_path / "s.zarr"
+    RowStore.create(path, [f"i{k}" for k in range(6)], {"v": ((2, 3), "float16"), "n": ((1,), "int64")},
+                    rows_per_shard=4)
+    child = mp.get_context("fork").Process(target=_write_rows, args=(path, [0, 1, 2], "mid-row:3"))
+    child.start()
+    child.join()
+    assert child.exitcode == -signal.SIGKILL
+    store = RowStore.open(path, mode="a")
+    assert not store.written_mask().any() and len(list((path / "journal").glob("*.log"))) == 1
+    assert store.recover() == 2  # rows 0 and 1; row 2's record is torn
+    assert store.intact_mask().tolist() == [True, True, False, False, False, False]
+    assert not list((path / "journal").glob("*.log")) and int(store.read_row(1)["n"][0]) == 1
+
+
 def test_text_encoder_guards_name_the_value_the_limit_and_the_model(tmp_path):
     """The Qwen text encoders' caption-length guard and the FLUX.2 ones' layer-count guard (one helper
     each, shared by the families) refuse before any weight loads."""

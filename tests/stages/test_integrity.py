@@ -1,6 +1,6 @@
 """Damaged caches and the artifact schema.
 
-Each damage (a deleted chunk, a truncated chunk, a flipped byte, a truncated manifest) is detected
+Each damage (a deleted shard file, a truncated one, a flipped byte in one row, a truncated manifest) is detected
 by `status` or by the first read, named, and repaired by the cache stage re-encoding exactly the
 damaged rows; after a repair the adapter equals the undamaged run's. A manifest that does not parse
 reads as missing with a warning. `--force` checks the config before it deletes anything.
@@ -27,12 +27,38 @@ def run_copy(built_run, tmp_path):
     return dataclasses.replace(built_run, artifacts=str(tmp_path))
 
 
-def chunk(store_dir: Path, field: str, row: int) -> Path:
-    """The chunk file of one row of one field (one chunk per row, zarr v3's default key layout)."""
+def shard_file(store_dir: Path, field: str, row: int) -> Path:
+    """The shard file that holds one row of one field (zarr v3's default key layout)."""
     from stages.core.rowstore import RowStore
 
-    arr = RowStore.open(store_dir).group[field]
-    return store_dir / field / arr.metadata.encode_chunk_key((row, *(0,) * (arr.ndim - 1)))
+    store = RowStore.open(store_dir)
+    arr = store.group[field]
+    return store_dir / field / arr.metadata.encode_chunk_key((store.shard_of(row), *(0,) * (arr.ndim - 1)))
+
+
+def row_offset(store_dir: Path, field: str, row: int) -> tuple[Path, int]:
+    """(shard file, offset of the row's bytes in it): in a plain chunk the rows lie in order; a shard
+    ends with its index, (offset, size) as two little-endian uint64 per row, then a crc32c (zarr's
+    sharding codec)."""
+    import numpy as np
+
+    from stages.core.rowstore import RowStore
+
+    store = RowStore.open(store_dir)
+    per_shard, arr = store.rows_per_shard, store.group[field]
+    path = shard_file(store_dir, field, row)
+    if arr.shards is None:
+        return path, (row % per_shard) * int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
+    index = np.frombuffer(path.read_bytes()[-(16 * per_shard + 4):-4], dtype="<u8").reshape(per_shard, 2)
+    return path, int(index[row % per_shard, 0])
+
+
+def shard_mates(store_dir: Path, row: int, referenced: list[int]) -> int:
+    """How many of the `referenced` rows share `row`'s shard (a deleted shard file damages them all)."""
+    from stages.core.rowstore import RowStore
+
+    store = RowStore.open(store_dir)
+    return sum(store.shard_of(r) == store.shard_of(row) for r in referenced)
 
 
 def first_latent_row(cfg) -> tuple[Path, int, str]:
@@ -50,27 +76,31 @@ def encoded(result: dict) -> int:
 
 
 @ON_FLUX
-def test_deleted_and_truncated_chunks_are_named_by_status_and_reencoded(run_copy):
+def test_deleted_and_truncated_shards_are_named_by_status_and_reencoded(run_copy):
     from stages import cache_latents, encode_captions, train
+    from stages.core.artifacts import read_manifest
     from stages.core.errors import ArtifactError
     from stages.core.rowstore import RowStore
     from stages import registry
     from stages.core.stage import staleness
 
     store_dir, row, key = first_latent_row(run_copy)
-    chunk(store_dir, "mean", row).unlink()
+    index = read_manifest(store_dir.parent)["index"]
+    lost = shard_mates(store_dir, row, [loc["row"] for loc in index.values() if loc["bucket"] == store_dir.name])
+    shard_file(store_dir, "mean", row).unlink()
     cap_dir = run_copy.run_dir / "captions.zarr"
-    cap_chunk = chunk(cap_dir, RowStore.open(cap_dir).fields[0], 1)
-    cap_chunk.write_bytes(cap_chunk.read_bytes()[:10])
+    cap_shard = shard_file(cap_dir, RowStore.open(cap_dir).fields[0], 1)
+    cap_shard.write_bytes(cap_shard.read_bytes()[:10])
+    cap_lost = shard_mates(cap_dir, 1, list(read_manifest(cap_dir)["rows"].values()))
 
     ok, reasons = staleness(registry.get("cache-latents"), run_copy)
-    assert not ok and "damaged: 1 row(s)" in reasons[0] and key in reasons[0] and "cache-latents" in reasons[0]
+    assert not ok and f"damaged: {lost} row(s)" in reasons[0] and key in reasons[0] and "cache-latents" in reasons[0]
     ok, reasons = staleness(registry.get("encode-captions"), run_copy)
-    assert not ok and "damaged: 1 row(s) of captions.zarr" in reasons[0]
+    assert not ok and f"damaged: {cap_lost} row(s) of captions.zarr" in reasons[0]
     with pytest.raises(ArtifactError, match="cache-latents"):
         train.check_upstream(run_copy)
 
-    assert encoded(cache_latents.run(run_copy)) == 1 and encoded(encode_captions.run(run_copy)) == 1
+    assert encoded(cache_latents.run(run_copy)) == lost and encoded(encode_captions.run(run_copy)) == cap_lost
     assert staleness(registry.get("cache-latents"), run_copy) == (True, []) and staleness(registry.get("encode-captions"), run_copy) == (True, [])
 
 
@@ -82,9 +112,9 @@ def test_flipped_byte_stops_train_and_one_rerun_repairs_it_to_the_same_adapter(r
     from stages.core.stage import staleness
 
     store_dir, row, key = first_latent_row(run_copy)
-    path = chunk(store_dir, "logvar", row)
+    path, at = row_offset(store_dir, "logvar", row)
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    data[at + 20] ^= 0x01  # one row's bytes: only that row fails its checksum
     path.write_bytes(bytes(data))
     shutil.rmtree(run_copy.run_dir / "lora")
 
@@ -160,9 +190,9 @@ def test_inspect_reports_damaged_rows(run_copy):
     from stages.core.rowstore import RowStore
 
     store_dir, row, _ = first_latent_row(run_copy)
-    path = chunk(store_dir, "mean", row)
+    path, at = row_offset(store_dir, "mean", row)
     data = bytearray(path.read_bytes())
-    data[0] ^= 0xFF
+    data[at] ^= 0xFF
     path.write_bytes(bytes(data))
     report = inspect_stage.latents_section(run_copy.run_dir, 64)
     assert report["buckets"][store_dir.name]["damaged_rows"] == [RowStore.open(store_dir).ids[row]]
@@ -183,3 +213,57 @@ def test_manifest_schema_rejects_bad_fields_and_bucket_parses_once():
     assert any("undocumented field 'texts'" in p for p in problems)
     with pytest.raises(ValueError, match="missing field 'step'"):
         write_manifest(Path("/nonexistent"), "train", kind="checkpoint", fingerprint="f", fingerprint_parts={})
+
+
+@ON_FLUX
+def test_prefetched_rows_load_as_read_rows_and_a_damaged_one_still_names_its_item(run_copy):
+    """Train reads the next batch's rows on a thread: a load of prefetched rows equals a plain load,
+    holds nothing once used, and a row damaged on disk stops training naming its item as before."""
+    from stages.core.errors import ArtifactError
+    from stages.train.trainer import build_data
+
+    data, _ = build_data(run_copy)
+    bucket = str(data.pairs[0].bucket)
+    batch = [i for i, p in enumerate(data.pairs) if str(p.bucket) == bucket][:2]
+    plain = data.load(batch, [0] * len(batch))
+    data.prefetch(batch)
+    assert data._ahead  # reads in flight or done, none consumed yet
+    ahead = data.load(batch, [0] * len(batch))
+    assert torch.equal(ahead.mean, plain.mean) and all(torch.equal(ahead.cond[k], plain.cond[k]) for k in plain.cond)
+    assert all((id(data.latents[bucket]), data.pairs[i].latent_row) not in data._ahead for i in batch)  # taken, not kept
+
+    store_dir = run_copy.run_dir / "latents.zarr" / bucket
+    path, at = row_offset(store_dir, "mean", data.pairs[batch[0]].latent_row)
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    data, _ = build_data(run_copy)
+    data.prefetch(batch)
+    with pytest.raises(ArtifactError, match=f"item '{data.pairs[batch[0]].key}'.*cache-latents"):
+        data.load(batch, [0] * len(batch))
+
+
+@ON_FLUX
+def test_a_cache_of_an_older_layout_is_rebuilt_once_with_one_warning(run_copy):
+    """A latents.zarr of an older lorapipe (schema 3 manifest, stores of one chunk file per row, no
+    `format` attribute) is read as missing with one warning and re-encoded whole, once."""
+    import warnings
+
+    import zarr
+
+    from stages import cache_latents
+    from stages.core.artifacts import DamagedManifest, atomic_write_json, read_json
+
+    out = run_copy.run_dir / "latents.zarr"
+    manifest = read_json(out / "manifest.json")
+    atomic_write_json(out / "manifest.json", {**manifest, "schema_version": 3})
+    for bucket in manifest["buckets"]:
+        del zarr.open_group(str(out / bucket), mode="a").attrs["format"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rebuilt = cache_latents.run(run_copy)
+    assert [str(w.message) for w in seen if w.category is DamagedManifest] == [
+        f"'{out / 'manifest.json'}' is treated as missing: another lorapipe version wrote it (schema 3, this one "
+        f"reads 4); rerunning its stage rewrites it (cached rows are kept)"]
+    assert encoded(rebuilt) == len(rebuilt["index"]) == len(manifest["index"])
+    assert encoded(cache_latents.run(run_copy)) == 0
