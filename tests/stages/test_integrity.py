@@ -203,7 +203,7 @@ def test_manifest_schema_rejects_bad_fields_and_bucket_parses_once():
     from stages.core.artifacts import write_manifest
     from stages.core.schema import Bucket, validate_manifest
 
-    assert str(Bucket.parse("512x768")) == "512x768" and Bucket.parse("512x768") == (512, 768)
+    assert str(Bucket.parse("512x768")) == "512x768" and Bucket.parse("512x768") == (512, 768, 1) and Bucket.parse("832x480x33f") == (832, 480, 33)
     with pytest.raises(ValueError, match="not a bucket name"):
         Bucket.parse("512-768")
     assert validate_manifest("latents", []) == ["a manifest is a JSON object, not list"]
