@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "qwen-image-edit-2511": "stages.families.qwen_image_edit_2511.family:QwenImageEdit2511",
     "chroma": "stages.families.chroma.family:Chroma",
     "wan2.2-5b": "stages.families.wan22_5b.family:Wan22_5B",
+    "wan2.2-14b": "stages.families.wan22_14b.family:Wan22_14B",
 }
 
 
@@ -80,7 +81,11 @@ def config_errors(cfg: Any) -> list[str]:
     yields nothing here (the config validator reports it)."""
     if cfg.family not in FAMILIES:
         return []
-    return family_part(cfg.family).config_errors(cfg)
+    errors = family_part(cfg.family).config_errors(cfg)
+    if cfg.train.expert and not demo_hint(cfg.family, "EXPERTS", ()):
+        errors.append(f"train.expert = '{cfg.train.expert}': family = '{cfg.family}' has one denoiser; remove "
+                      f"train.expert (it picks an expert of a two-expert model such as wan2.2-14b)")
+    return errors
 
 
 def demo_variant(name: str) -> str:
