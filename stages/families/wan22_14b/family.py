@@ -8,7 +8,7 @@ runs `transformer` (the high-noise expert), every later step `transformer_2` (th
 its own guidance scale. A run trains one expert's LoRA (train.expert), on that expert's sigmas only:
 sigma >= 0.875 for "high", below for "low". "both" is refused (stages/families/wan22_14b/__init__.py): two
 adapters in one run would hold both 14B experts in memory for batches that each use one of them, which the
-memory plan would have to count twice for nothing; two runs share the caption and latent caches.
+memory plan would have to count twice for one expert's work; two runs each hold one.
 
 Export: the diffusers file has the `transformer.` keys WanPipeline writes for either expert;
 `load_lora_weights(..., load_into_transformer_2=True)` puts it on the low-noise one (WanLoraLoaderMixin),
