@@ -209,3 +209,19 @@ def test_planners_count_frames_and_both_experts_to_sample(wan, tmp_path):
                 for f in (family, one_expert))
     expert = weight_bytes(meta_component(src, "transformer_2"), "bf16")
     assert expert > 0 and two - one == pytest.approx(expert, rel=1e-6), "the second expert's weights are counted"
+
+
+def test_another_boundary_is_refused(wan, tmp_path):
+    """A folder whose pipeline switches experts elsewhere (Wan 2.2 I2V-A14B: 0.9) is not trained as T2V-A14B's."""
+    import json
+
+    from stages.core.errors import ModelError
+
+    family, folder, _ = wan
+    for part in folder.iterdir():
+        (tmp_path / part.name).symlink_to(part)
+    (tmp_path / "model_index.json").unlink()
+    index = json.loads((folder / "model_index.json").read_text())
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.9}))
+    with pytest.raises(ModelError, match="boundary_ratio 0.9.*point 'model' at a Wan2.2-T2V-A14B folder"):
+        family.load_denoiser(ModelSource(str(tmp_path)), "fp32", CPU, TrainConfig(expert="low"))
