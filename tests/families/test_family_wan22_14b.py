@@ -128,6 +128,7 @@ def test_wan21_vae_and_normalization(wan):
     ({"train.expert": ""}, ["train.expert = ''", "'high'", "'low'"]),
     ({"train.expert": "low", "train.timestep_max": 0.5}, ["train.timestep_min/max", "leave them 0 and 1"]),
     ({"train.expert": "high", "data.frames": 32}, ["data.frames = 32", "33"]),
+    ({"train.expert": "low", "train.adapter": "dora"}, ["train.adapter = 'dora'", "train.adapter = 'lora'"]),
     ({"family": "flux", "train.expert": "high"}, ["train.expert = 'high'", "one denoiser", "remove train.expert"]),
 ])
 def test_config_checks(tmp_path, overrides, wanted):

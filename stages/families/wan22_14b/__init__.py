@@ -32,6 +32,10 @@ def config_errors(cfg: Any) -> list[str]:
     elif t.expert not in EXPERTS:
         errors.append(f"train.expert = '{t.expert}': Wan 2.2 A14B has two experts; set train.expert = 'high' (the "
                       f"high-noise transformer, sigma >= {BOUNDARY_RATIO}) or 'low' (transformer_2, below it)")
+    if t.expert == "low" and t.adapter == "dora":
+        errors.append("train.adapter = 'dora' with train.expert = 'low': the export reads DoRA's base weights from "
+                      "`transformer`, the high-noise expert; use train.adapter = 'lora' (or 'lokr', 'loha') for the "
+                      "low-noise expert")
     if t.dynamic_shift:
         errors.append("train.dynamic_shift = true: Wan's scheduler has a fixed flow_shift; set train.dynamic_shift = "
                       "false and train.shift to the shift you sample with")
