@@ -63,9 +63,9 @@ def check_model_family(cfg: Any) -> None:
     if src.is_single_file or not index_file.is_file():
         return
     index = json.loads(index_file.read_text())
-    classes = {v[1] for v in index.values() if isinstance(v, list) and len(v) == 2}
+    held = {k: v[1] for k, v in index.items() if isinstance(v, list) and len(v) == 2}
     found = [(get_family(name).pipeline_class != index.get("_class_name"), name) for name in FAMILIES
-             if get_family(name).denoiser_class in classes]
+             if all(held.get(c) == get_family(name).denoiser_class for c in get_family(name).denoiser_components)]
     src.check_family(family, [name for _, name in sorted(found)])
 
 

@@ -226,3 +226,17 @@ def test_another_boundary_is_refused(wan, tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.9}))
     with pytest.raises(ModelError, match="boundary_ratio 0.9.*point 'model' at a Wan2.2-T2V-A14B folder"):
         family.load_denoiser(ModelSource(str(tmp_path)), "fp32", CPU, TrainConfig(expert="low"))
+
+
+def test_a_one_expert_wan_folder_is_named_before_any_stage(assets, tmp_path):
+    """family = "wan2.2-14b" on a TI2V-5B folder (no transformer_2) fails before encode-captions, naming the fix."""
+    from stages.core.config import load_config
+    from stages.core.errors import ModelError
+    from stages.families import check_model_family
+
+    cfg = load_config(None, {"family": NAME, "model": str(tiny_model(assets, FAMILIES["wan2.2-5b"])),
+                             "train.expert": "high", "artifacts": str(tmp_path)})
+    with pytest.raises(ModelError, match=r"\(transformer_2: none\).*set family = 'wan2.2-5b' \(it trains this folder\)"):
+        check_model_family(cfg)
+    check_model_family(load_config(None, {"family": NAME, "model": str(tiny_model(assets, FAMILIES[NAME])),
+                                           "train.expert": "low", "artifacts": str(tmp_path)}))
