@@ -127,7 +127,7 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
     if cfg.export.comfyui or kind in LYCORIS_ONLY:
         from stages.core.comfyui_file import comfyui_file_name, write_comfyui
 
-        files.append(write_comfyui(state, lora_cfg, manifest, tmp / comfyui_file_name(cfg.run, checkpoint),
+        files.append(write_comfyui(state, lora_cfg, manifest, tmp / comfyui_file_name(cfg.run, checkpoint, family.file_tag(cfg.train)),
                                    family.comfyui_layout, src))
     if cfg.export.format == "kohya":
         from stages.core.kohya import write_kohya, write_lycoris

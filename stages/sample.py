@@ -299,14 +299,15 @@ def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts
     `edit_error` (text-to-image: [])."""
     from stages.core.events import Progress
     from stages.edit_error import decoded_latents
+    from stages.families import get_family
 
-    labels, cells = ["base"], []
+    labels, cells, load_kwargs = ["base"], [], get_family(cfg.family).lora_load_kwargs(cfg.train)
     record = decoded_latents(pipe.vae) if controls is not None else contextlib.nullcontext([])
     with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar, \
             record as decoded:
         cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
         for i, (label, file) in enumerate(columns):
-            pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}")
+            pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}", **load_kwargs)
             pipe.set_adapters([f"col{i}"], [cfg.sample.lora_scale])
             cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
             labels.append(label)

@@ -260,3 +260,11 @@ def run_beside(built, name: str, **overrides):
     for cache in ("captions.zarr", "latents.zarr"):
         shutil.copytree(built.run_dir / cache, cfg.run_dir / cache)
     return cfg
+
+
+def comfy_name(cfg) -> str:
+    """The run's exported ComfyUI file name (with the family's expert tag where it has one: wan2.2-14b)."""
+    from stages.core.comfyui_file import comfyui_file_name
+    from stages.families import get_family
+
+    return comfyui_file_name(cfg.run, tag=get_family(cfg.family).file_tag(cfg.train))

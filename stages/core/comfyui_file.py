@@ -23,10 +23,11 @@ from stages.core.kohya import folded_factors, lycoris_scale, lora_scale, lycoris
 COMFYUI_SUFFIX = "_comfyui.safetensors"
 
 
-def comfyui_file_name(run: str, checkpoint: int | None = None) -> str:
+def comfyui_file_name(run: str, checkpoint: int | None = None, tag: str = "") -> str:
     """`<run>_comfyui.safetensors`, or `<run>-<step>_comfyui.safetensors` for a checkpoint's export (a
-    name that stays apart from the others once copied into ComfyUI's models/loras)."""
-    return f"{run}{'' if checkpoint is None else f'-{checkpoint}'}{COMFYUI_SUFFIX}"
+    name that stays apart from the others once copied into ComfyUI's models/loras); a family's `file_tag`
+    goes before the suffix (`<run>_high_noise_comfyui.safetensors`)."""
+    return f"{run}{'' if checkpoint is None else f'-{checkpoint}'}{f'_{tag}' if tag else ''}{COMFYUI_SUFFIX}"
 
 
 def lora_parts(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

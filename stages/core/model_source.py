@@ -95,10 +95,11 @@ class ModelSource:
         if self.is_single_file or not (self.path / "model_index.json").is_file():
             return
         index = json.loads((self.path / "model_index.json").read_text())
-        denoiser = family.denoiser_components[0]
-        held = index.get(denoiser)
-        held_class = held[1] if isinstance(held, list) and len(held) == 2 else None
-        if held_class == family.denoiser_class:
+        held_classes = {c: index[c][1] if isinstance(index.get(c), list) and len(index[c]) == 2 else None
+                        for c in family.denoiser_components}  # every one (Wan 2.2 A14B: both experts)
+        denoiser, held_class = next(((c, held) for c, held in held_classes.items() if held != family.denoiser_class),
+                                    (None, None))
+        if denoiser is None:
             return
         pipeline = index.get("_class_name", "an unknown pipeline")
         other = f"point 'model' at a {family.pipeline_class} folder"

@@ -43,6 +43,7 @@ FAMILIES: dict[str, str] = {
     "hidream-i1": "stages.families.hidream_i1.family:HiDreamI1",
     "ideogram4": "stages.families.ideogram4.family:Ideogram4",
     "wan2.2-5b": "stages.families.wan22_5b.family:Wan22_5B",
+    "wan2.2-14b": "stages.families.wan22_14b.family:Wan22_14B",
 }
 
 
@@ -65,9 +66,9 @@ def check_model_family(cfg: Any) -> None:
     if src.is_single_file or not index_file.is_file():
         return
     index = json.loads(index_file.read_text())
-    classes = {v[1] for v in index.values() if isinstance(v, list) and len(v) == 2}
+    held = {k: v[1] for k, v in index.items() if isinstance(v, list) and len(v) == 2}
     found = [(get_family(name).pipeline_class != index.get("_class_name"), name) for name in FAMILIES
-             if get_family(name).denoiser_class in classes]
+             if all(held.get(c) == get_family(name).denoiser_class for c in get_family(name).denoiser_components)]
     src.check_family(family, [name for _, name in sorted(found)])
 
 
@@ -83,7 +84,11 @@ def config_errors(cfg: Any) -> list[str]:
     yields nothing here (the config validator reports it)."""
     if cfg.family not in FAMILIES:
         return []
-    return family_part(cfg.family).config_errors(cfg)
+    errors = family_part(cfg.family).config_errors(cfg)
+    if cfg.train.expert and not demo_hint(cfg.family, "EXPERTS", ()):
+        errors.append(f"train.expert = '{cfg.train.expert}': family = '{cfg.family}' has one denoiser; remove "
+                      f"train.expert (it picks an expert of a two-expert model such as wan2.2-14b)")
+    return errors
 
 
 def demo_variant(name: str) -> str:

@@ -170,6 +170,17 @@ class FamilyTraits:
     """Pixels along a side per denoiser token (VAE downsampling x patch: 8 x 2 for the 2x2-patched image
     families; Wan 2.2 TI2V-5B: 16 x 2): the train and sample planners' token count."""
 
+    # ---- two-expert models (Wan 2.2 A14B): a run trains the expert train.expert names
+    def lora_load_kwargs(self, tcfg: "TrainConfig") -> dict[str, Any]:
+        """Extra arguments of `<Pipeline>.load_lora_weights` that put the exported LoRA on the denoiser it was
+        trained for (default: none; the low-noise Wan expert: load_into_transformer_2)."""
+        return {}
+
+    def file_tag(self, tcfg: "TrainConfig") -> str:
+        """Tag of the ComfyUI file's name where the model's denoisers load as separate models ("high_noise";
+        default "": the run's name alone)."""
+        return ""
+
     # ---- controls: edit families (min >= 1) and those with optional references (min 0)
     control_range: tuple[int, int] = (0, 0)
     """Min and max control images per item ((0, 0): none; min 0: optional, and then the items have all

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import demo_config_path, once, run_beside
+from conftest import comfy_name, demo_config_path, once, run_beside
 
 EMA = {"train.ema_decay": 0.9}
 SHORT = {"train.steps": 3, "train.batch_size": 2, "runtime.checkpoint_every": 1, "runtime.keep_checkpoints": 0}
@@ -171,7 +171,7 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
     cfg.export.verify = True  # every file checked: in diffusers' loader, and in ComfyUI's key map
     cfg.export.format = "kohya" if adapter in ("lokr", "loha") else "diffusers"
     manifest = export_lora.run(cfg)
-    comfy = f"{cfg.run}_comfyui.safetensors"
+    comfy = comfy_name(cfg)
     strengths = manifest["checks"][comfy]
     assert strengths["keys_loaded"] == strengths["keys"] and 0.99 < strengths["strength_min"] <= strengths["strength_max"] < 1.01
     if adapter in ("lora", "dora"):  # diffusers' own loader, output against the in-memory adapter

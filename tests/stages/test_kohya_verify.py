@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAMILIES, ROOT, demo_config_path, once, tiny_model
+from conftest import FAMILIES, ROOT, comfy_name, demo_config_path, once, tiny_model
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -52,7 +52,8 @@ NOT_ROUND_TRIPPED = {
     "chroma": r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)|x_embedder|context_embedder|proj_out"
               r"|distilled_guidance_layer\..+",
     # Wan: diffusers' musubi reader takes the blocks' attention and feed-forward only
-    "wan2.2-5b": r"condition_embedder\..+|proj_out|patch_embedding"
+    "wan2.2-5b": r"condition_embedder\..+|proj_out|patch_embedding",
+    "wan2.2-14b": r"condition_embedder\..+|proj_out|patch_embedding",
 }
 # diffusers 0.42.1 reads no kohya-named Krea 2 LoRA back into the transformer (not even its block
 # attention): its kohya copy is written for ComfyUI only, and --verify refuses it (tested below)
@@ -74,7 +75,8 @@ DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "ernie-image": "keys outside 'transformer' after ErnieImagePipeline's conversion",
                       "hidream-i1": "keys outside 'transformer' after HiDreamImagePipeline's conversion",
                       "ideogram4": "keys outside 'transformer' after Ideogram4Pipeline's conversion",
-                      "wan2.2-5b": "WanPipeline.lora_state_dict cannot read it"}  # its demo trains proj_out
+                      "wan2.2-5b": "WanPipeline.lora_state_dict cannot read it",  # its demo trains proj_out
+                      "wan2.2-14b": "WanPipeline.lora_state_dict cannot read it"}  # its demo trains proj_out
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
 
@@ -285,7 +287,7 @@ def _verify(cfg, files=None):
 def test_verify_accepts_the_export(run_copy):
     summary, state = _verify(run_copy)
     assert summary["pytorch_lora_weights.safetensors"] == {"modules": len(state) // 2}
-    comfy = summary[f"{run_copy.run}_comfyui.safetensors"]
+    comfy = summary[comfy_name(run_copy)]
     family = get_family(run_copy.family)
     config = ModelSource(run_copy.model).component_config(family.lora_prefix)
     entries = {comfyui.write_name(family.comfyui_layout, k.split(".lora_")[0], config) for k in state}  # fused: one
@@ -343,7 +345,7 @@ def test_verify_names_unexpected_and_missing_keys(run_copy, tmp_path):
 
 
 # Wan: diffusers' musubi reader takes a block's attention and feed-forward all together, never the attention alone
-ATTENTION_ALONE_READ = [f for f in KOHYA_READ_BY_DIFFUSERS if f != "wan2.2-5b"]
+ATTENTION_ALONE_READ = [f for f in KOHYA_READ_BY_DIFFUSERS if f not in ("wan2.2-5b", "wan2.2-14b")]
 
 
 @pytest.mark.parametrize("built_run", ATTENTION_ALONE_READ, indirect=True)
@@ -388,7 +390,7 @@ def test_cli_export_verify(run_copy):
     ok = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-2000:]
     manifest = json.loads((run_copy.run_dir / "export" / "manifest.json").read_text())
-    assert manifest["files"] == ["pytorch_lora_weights.safetensors", f"{run_copy.run}_comfyui.safetensors"]
+    assert manifest["files"] == ["pytorch_lora_weights.safetensors", comfy_name(run_copy)]
     assert manifest["step"] == run_copy.train.steps
     assert "ComfyUI loads" in ok.stderr + ok.stdout  # the summary says how the ComfyUI file loads
 
@@ -409,7 +411,7 @@ def test_export_kohya_with_verify_per_family(run_copy):
         assert json.loads((run_copy.run_dir / "export" / "manifest.json").read_text()) == before
     else:
         assert export_lora.run(both)["files"] == ["pytorch_lora_weights.safetensors",
-                                                  f"{run_copy.run}_comfyui.safetensors", kohya.KOHYA_FILE]
+                                                  comfy_name(run_copy), kohya.KOHYA_FILE]
 
 
 def test_export_force_rewrites_an_up_to_date_export(run_copy):

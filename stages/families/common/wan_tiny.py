@@ -1,5 +1,5 @@
 """The Wan families' tiny parts (stages.tiny builds and saves them through each family's `tiny.py`): a
-umT5 text encoder on the tiny T5 tokenizer, and the Wan 2.2 VAE and transformer at tiny widths.
+umT5 text encoder on the tiny T5 tokenizer, the Wan 2.2 and Wan 2.1 VAEs and the transformer at tiny widths.
 
 Real config values kept: Wan 2.2's VAE shape rules (`is_residual`, `patch_size` 2 folded into the
 channels before the encoder, `scale_factor_spatial` = 2 ** (len(dim_mult) - 1) x patch, the causal
@@ -71,3 +71,24 @@ def wan_transformer(seed: int, in_channels: int) -> Any:
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels,
         out_channels=in_channels, text_dim=T5_DMODEL, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024).eval())
+
+
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers scheduler: UniPC as TI2V-5B's with the repo's flow_shift 3.0.
+WAN22_A14B_SCHEDULER = {**WAN22_5B_SCHEDULER, "flow_shift": 3.0}
+
+
+def wan21_vae(seed: int) -> Any:
+    """AutoencoderKLWan as Wan 2.1's, which Wan 2.2 A14B uses (not residual, no patchifying, 16 channels, the
+    class defaults' latents_mean / latents_std: the released statistics), at a tiny width: four levels as real,
+    three spatial downsamplings (8 px a latent cell, as real), the last two in time too (4 frames a latent frame
+    after the first, as real). The logvar bias set to -6 as in `wan22_vae`, a trained VAE's narrow posterior."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    vae = seeded(seed, lambda: AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True, True], dropout=0.0).eval())
+    with torch.no_grad():
+        vae.quant_conv.bias[vae.config.z_dim:] = -6.0
+    return vae
+

@@ -1,0 +1,242 @@
+"""Wan 2.2 T2V-A14B against its own diffusers pipeline (WanPipeline with two experts), on the tiny real architecture.
+
+    .venv/bin/python -m pytest tests/families/test_family_wan22_14b.py -q
+
+- caption rows equal `encode_prompt`'s embeds;
+- train.expert loads the expert the pipeline runs on its side of boundary_ratio, and one training forward there
+  sees what the pipeline hands that expert at the same noisy latents (timestep sigma x 1000 per sample) and gives
+  the same prediction, for either expert;
+- training sigmas lie on the scheduler's flow_shift curve, each expert's only on its own side of the boundary,
+  stratified draws included;
+- the Wan 2.1 VAE: 16 channels, 8 px and 4 frames a latent cell, normalization the decode's inverse;
+- the config checks ("both", no expert, an expert on a one-denoiser family, timestep_min/max, frames);
+- a low-noise run end to end: its export loads into transformer_2 only (`load_into_transformer_2`), applies the
+  trained delta there, passes export --verify, names its ComfyUI file for the expert, and `sample` renders through
+  both experts with the LoRA on the low-noise one; the planners count one expert to train and two to sample.
+"""
+
+from __future__ import annotations
+
+import diffusers
+import pytest
+import torch
+
+from conftest import FAMILIES, run_beside, tiny_model
+from stages.core import flow
+from stages.core.config import CaptionsConfig, TrainConfig
+from stages.core.model_source import ModelSource
+from stages.core.runtime import make_runtime
+from stages.families import get_family
+from stages.families.base import BatchMeta
+
+NAME = "wan2.2-14b"
+CAPTIONS = ["a red circle", "a  large blue square &amp; a green triangle moving right across a white background"]
+CPU = make_runtime("cpu", "fp32")
+
+
+@pytest.fixture(scope="module")
+def wan(assets):
+    folder = tiny_model(assets, FAMILIES[NAME])
+    pipe = diffusers.WanPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return get_family(NAME), folder, pipe
+
+
+def _meta(b: int) -> BatchMeta:
+    z = torch.zeros(b, 2, dtype=torch.long)
+    return BatchMeta(z, z, z)
+
+
+def test_text_encoding_matches_pipeline(wan):
+    family, folder, pipe = wan
+    encoder = family.load_text_encoder(ModelSource(str(folder)), CaptionsConfig(max_sequence_length=16), CPU)
+    ours = encoder.encode(CAPTIONS)["prompt_embeds"]
+    with torch.no_grad():
+        theirs, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=16, device="cpu")
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("expert, component", [("high", "transformer"), ("low", "transformer_2")])
+def test_training_forward_is_the_experts(wan, expert, component):
+    """Every transformer call of a 4-step render, captured: the pipeline runs `transformer` at t >= 875 and
+    `transformer_2` below; the expert train.expert loads reproduces that expert's prediction at its first step."""
+    family, folder, pipe = wan
+    tcfg = TrainConfig(expert=expert, shift=pipe.scheduler.config.flow_shift)
+    embeds = family.load_text_encoder(ModelSource(str(folder)), CaptionsConfig(max_sequence_length=16),
+                                      CPU).encode(CAPTIONS[:1])["prompt_embeds"]
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 16, 3, 4, 6, generator=g)  # 9 frames of 48 x 32 px
+    calls = []
+    hooks = [getattr(pipe, c).register_forward_hook(
+        lambda m, a, k, out, c=c: calls.append((c, k["timestep"].clone(), k["hidden_states"].clone(), out[0])),
+        with_kwargs=True) for c in ("transformer", "transformer_2")]
+    try:
+        with torch.no_grad():
+            pipe(prompt_embeds=embeds, guidance_scale=1.0, num_frames=9, height=32, width=48, latents=latents.clone(),
+                 num_inference_steps=4, output_type="latent")
+    finally:
+        for h in hooks:
+            h.remove()
+    assert [c for c, *_ in calls] == ["transformer"] * 2 + ["transformer_2"] * 2  # t 999, 900 | 750, 500 at shift 3
+    assert all((t >= 875).all() == (c == "transformer") for c, t, *_ in calls)
+    _, given, x_t, out = next(call for call in calls if call[0] == component)
+    assert given.shape == (1,) and torch.equal(family.timestep(given.float() / 1000, latents, (1, 2, 2)), given.float())
+    sigma = given.float() / 1000
+    x0 = torch.randn(latents.shape, generator=g)
+    noise = (x_t - (1 - sigma) * x0) / sigma  # so that flow.noisy_latents(x0, noise, sigma) is what the expert saw
+    model = family.load_denoiser(ModelSource(str(folder)), "fp32", CPU, tcfg)
+    with flow.captured_prediction() as box, torch.no_grad():
+        family.loss(model, x0, noise, sigma, {"prompt_embeds": embeds}, _meta(1), tcfg)
+    torch.testing.assert_close(box[0], out, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("buckets", [0, 8])
+def test_each_expert_draws_only_its_own_sigmas(wan, buckets):
+    """On the scheduler's flow_shift curve, each expert only on its side of the boundary, covering it."""
+    family, _, pipe = wan
+    shift, boundary = pipe.scheduler.config.flow_shift, pipe.config.boundary_ratio
+    assert (shift, boundary) == (3.0, 0.875)
+    table = flow.sigma_table(shift)
+    for expert in ("high", "low"):
+        tcfg = TrainConfig(expert=expert, shift=shift, timestep_density="uniform", timestep_buckets=buckets)
+        t = family.sample_timesteps(8192, (4, 4), torch.Generator().manual_seed(0), tcfg, first=0)
+        assert torch.isin(t, table).all(), "every sigma is a row of the shifted table"
+        runs_high = t * 1000 >= boundary * 1000  # WanPipeline: t >= boundary_ratio x num_train_timesteps
+        assert runs_high.all() if expert == "high" else not runs_high.any()
+        side = table[table >= boundary] if expert == "high" else table[table < boundary]
+        assert float(t.max()) == float(side.max()) and float(t.min()) == float(side.min()), "the whole side is drawn"
+
+
+def test_wan21_vae_and_normalization(wan):
+    family, folder, pipe = wan
+    vae = family.load_vae(ModelSource(str(folder)), CPU)
+    pixels = torch.rand(1, 3, 9, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    mean, logvar = family.encode_posterior(vae, pixels)
+    assert mean.shape == logvar.shape == (1, 16, 3, 8, 12)  # 8 px and 4 frames a latent cell, 16 channels
+    assert family.encode_posterior(vae, pixels[:, :, 0])[0].shape == (1, 16, 1, 8, 12)  # an image: one frame
+    norm = family.latent_normalization(pipe.vae)
+    z = torch.randn(2, 16, 3, 2, 2)
+    mean_c = torch.tensor(pipe.vae.config.latents_mean).view(1, 16, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, 16, 1, 1, 1)
+    x = family.normalize_latents(z, norm)
+    torch.testing.assert_close(x / inv_std + mean_c, z, rtol=1e-5, atol=1e-5)  # the pipeline's decode line
+    assert family.pixel_multiple(ModelSource(str(folder))) == 16
+
+
+@pytest.mark.parametrize("overrides, wanted", [
+    ({"train.expert": "both"}, ["train.expert = 'both'", "train.expert = 'high'", "train.expert = 'low'"]),
+    ({"train.expert": ""}, ["train.expert = ''", "'high'", "'low'"]),
+    ({"train.expert": "low", "train.timestep_max": 0.5}, ["train.timestep_min/max", "leave them 0 and 1"]),
+    ({"train.expert": "high", "data.frames": 32}, ["data.frames = 32", "33"]),
+    ({"train.expert": "low", "train.adapter": "dora"}, ["train.adapter = 'dora'", "train.adapter = 'lora'"]),
+    ({"family": "flux", "train.expert": "high"}, ["train.expert = 'high'", "one denoiser", "remove train.expert"]),
+])
+def test_config_checks(tmp_path, overrides, wanted):
+    from stages.core.config import load_config
+    from stages.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {"family": NAME, "model": str(tmp_path), **overrides})
+    assert all(w in str(e.value) for w in wanted), e.value
+
+
+def test_presets_match_the_pipeline(wan):
+    from stages.core.config import load_config
+
+    _, folder, pipe = wan
+    for preset in ("configs/wan2.2-14b.toml", "configs/demo-wan2.2-14b.toml"):
+        cfg = load_config(preset, {"model": str(folder)})
+        assert cfg.train.expert in ("high", "low") and cfg.train.shift == pipe.scheduler.config.flow_shift
+    assert load_config("configs/wan2.2-14b.toml", {"model": str(folder)}).model == str(folder)
+
+
+@pytest.mark.parametrize("built_run", [NAME], indirect=True)
+def test_low_noise_run_exports_and_samples_on_transformer_2(built_run):
+    from stages import export_lora, sample, train
+    from stages.core import lora
+    from stages.core.comfyui_file import comfyui_file_name
+    from stages.core.events import Progress
+    from test_family import _denoiser_output
+
+    cfg = run_beside(built_run, "low", **{"train.expert": "low", "train.steps": 3, "export.verify": True})
+    family = get_family(NAME)
+    train.run(cfg)
+    manifest = export_lora.run(cfg)  # --verify: the diffusers file in WanPipeline's loader, the ComfyUI file's keys
+    comfy = comfyui_file_name(cfg.run, tag="low_noise")
+    assert manifest["files"] == [export_lora.DIFFUSERS_FILE, comfy] and comfy.endswith("_low_noise_comfyui.safetensors")
+    assert manifest["checks"][comfy]["keys_loaded"] == manifest["checks"][comfy]["keys"]
+
+    final = cfg.run_dir / "lora" / "final"
+    state, adapter_cfg = lora.load_adapter_files(final)
+    in_memory = family.load_denoiser(ModelSource(cfg.model), "fp32", CPU, cfg.train)
+    lora.attach_lora(in_memory, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
+                                                 adapter_cfg["target_modules"]))
+    lora.load_adapter_weights(in_memory, final)
+    pipe = diffusers.WanPipeline.from_pretrained(cfg.model)
+    pipe.set_progress_bar_config(disable=True)
+    base_low, base_high = (_denoiser_output(cfg, family, getattr(pipe, c)) for c in ("transformer_2", "transformer"))
+    cfg.sample.steps, cfg.sample.seeds = 4, [0]
+    file = cfg.run_dir / "export" / export_lora.DIFFUSERS_FILE
+    with Progress("sample", 2, "images") as bar:
+        base_clip = sample.render_column(pipe, cfg, ["a red circle"], (64, 64), bar)
+        labels, cells, _ = sample.render_columns(pipe, cfg, [("LoRA", file)], ["a red circle"], (64, 64), None)
+    assert pipe.get_list_adapters() == {"transformer_2": ["col0"]}, "the LoRA sits on the low-noise expert only"
+    got = _denoiser_output(cfg, family, pipe.transformer_2)
+    torch.testing.assert_close(got, _denoiser_output(cfg, family, in_memory), rtol=1e-5, atol=1e-5)
+    assert (got - base_low).abs().max() > 1e-4, "the LoRA changed nothing: the test cannot tell files apart"
+    torch.testing.assert_close(_denoiser_output(cfg, family, pipe.transformer), base_high, rtol=0, atol=0)
+    assert labels == ["base", "LoRA"] and len(cells[1][0]) == 5  # a 5-frame clip through both experts
+    import numpy as np
+
+    assert np.array_equal(np.asarray(cells[0][0][0]), np.asarray(base_clip[0][0]))
+    assert not np.array_equal(np.asarray(cells[1][0][-1]), np.asarray(cells[0][0][-1])), "the LoRA shows in the clip"
+
+
+def test_planners_count_frames_and_both_experts_to_sample(wan, tmp_path):
+    """Tokens at 16 px and 4 frames a cell; sample's plan holds both experts' weights (the pipeline loads both)."""
+    from stages.core import memory
+    from stages.core.config import load_config
+    from stages.core.memory import calibration as cal
+    from stages.core.memory.sizes import latent_frames, meta_component, sample_tokens, weight_bytes
+
+    family, folder, _ = wan
+    assert [latent_frames(family, f) for f in (1, 9, 33, 81)] == [1, 3, 9, 21]
+    assert sample_tokens(family, 832, 480, 81) == 52 * 30 * 21  # Wan 2.2 A14B: 16 px a token, 21 latent frames
+    src = ModelSource(str(folder))
+    cfg = load_config("configs/demo-wan2.2-14b.toml", {"model": str(folder), "artifacts": str(tmp_path),
+                                                       "sample.precision": "bf16", "sample.cpu_offload": False})
+    one_expert = type("OneExpert", (type(family),), {"denoiser_components": ("transformer",)})()
+    two, one = (memory.plan_sample(cfg, f, src, memory.Budget(1000.0, "cap")).predicted_peak_gb * cal.GB
+                for f in (family, one_expert))
+    expert = weight_bytes(meta_component(src, "transformer_2"), "bf16")
+    assert expert > 0 and two - one == pytest.approx(expert, rel=1e-6), "the second expert's weights are counted"
+
+
+def test_another_boundary_is_refused(wan, tmp_path):
+    """A folder whose pipeline switches experts elsewhere (Wan 2.2 I2V-A14B: 0.9) is not trained as T2V-A14B's."""
+    import json
+
+    from stages.core.errors import ModelError
+
+    family, folder, _ = wan
+    for part in folder.iterdir():
+        (tmp_path / part.name).symlink_to(part)
+    (tmp_path / "model_index.json").unlink()
+    index = json.loads((folder / "model_index.json").read_text())
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.9}))
+    with pytest.raises(ModelError, match="boundary_ratio 0.9.*point 'model' at a Wan2.2-T2V-A14B folder"):
+        family.load_denoiser(ModelSource(str(tmp_path)), "fp32", CPU, TrainConfig(expert="low"))
+
+
+def test_a_one_expert_wan_folder_is_named_before_any_stage(assets, tmp_path):
+    """family = "wan2.2-14b" on a TI2V-5B folder (no transformer_2) fails before encode-captions, naming the fix."""
+    from stages.core.config import load_config
+    from stages.core.errors import ModelError
+    from stages.families import check_model_family
+
+    cfg = load_config(None, {"family": NAME, "model": str(tiny_model(assets, FAMILIES["wan2.2-5b"])),
+                             "train.expert": "high", "artifacts": str(tmp_path)})
+    with pytest.raises(ModelError, match=r"\(transformer_2: none\).*set family = 'wan2.2-5b' \(it trains this folder\)"):
+        check_model_family(cfg)
+    check_model_family(load_config(None, {"family": NAME, "model": str(tiny_model(assets, FAMILIES[NAME])),
+                                           "train.expert": "low", "artifacts": str(tmp_path)}))
