@@ -73,6 +73,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "lumina2": ("transformer.{d}", "diffusion_model.{d}", "lycoris_{u}", "{d}"),
     "sdxl": ("lora_unet_{u}", "lycoris_{u}", "{p}", "unet.{p}"),
     "wan": (),  # WAN21 / WAN22 have no diffusers table: only ComfyUI's own names (NATIVE_ALIASES) reach them
+    "ltxav": (),  # LTXV / LTXAV: no diffusers table either, their own names only
 }
 NATIVE_ALIASES = ("diffusion_model.{n}", "lora_unet_{v}")
 """The names of ComfyUI's own weights, for every model ({n}: its module path, {v}: with "_")."""

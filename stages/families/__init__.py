@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "qwen-image-edit-2511": "stages.families.qwen_image_edit_2511.family:QwenImageEdit2511",
     "chroma": "stages.families.chroma.family:Chroma",
     "wan2.2-5b": "stages.families.wan22_5b.family:Wan22_5B",
+    "ltx2": "stages.families.ltx2.family:LTX2",
 }
 
 
