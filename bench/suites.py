@@ -139,7 +139,8 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "krea2": "configs/krea2.toml",
            "qwen-image-2.1": "configs/qwen-image-2.1.toml", "flux-kontext": "configs/flux-kontext.toml",
            "qwen-image-edit": "configs/qwen-image-edit.toml", "flux2": "configs/flux2.toml",
-           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "wan2.2-5b": "configs/wan2.2-5b.toml"}
+           "qwen-image-edit-2511": "configs/qwen-image-edit-2511.toml", "wan2.2-5b": "configs/wan2.2-5b.toml",
+           "ltx2": "configs/ltx2.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -180,6 +181,8 @@ SUITES: dict[str, list[Row]] = {
     # Wan 2.2 TI2V-5B: every stage's peak and train s/step at 480p (resolution 640) and 720p (960), 33 and 81 frames,
     # nf4 and fp8 bases unconstrained, and each clip size under a 24 GB cap (the plan picks precision and swap)
     "wan2.2-5b": video_grid("wan2.2-5b", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
+    # LTX-2 (video stream): the same grid
+    "ltx2": video_grid("ltx2", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),

@@ -117,8 +117,7 @@ class LTX2(FamilyTraits):
 
     def pixel_multiple(self, src: Any) -> int:
         vae, patch = src.component_config("vae"), src.component_config("transformer").get("patch_size") or 1
-        scaling = vae.get("spatio_temporal_scaling") or (True, True, True, True)
-        ratio = vae.get("spatial_compression_ratio") or (vae.get("patch_size") or 4) * 2 ** sum(map(bool, scaling))
+        ratio = vae.get("spatial_compression_ratio") or spatial_ratio(vae)
         # the VAE's spatial_compression_ratio x the transformer's patch, and LTX2Pipeline.check_inputs takes sides
         # that are multiples of 32 only
         return math.lcm(int(ratio) * int(patch), 32)
@@ -181,6 +180,17 @@ class LTX2(FamilyTraits):
             isolate_modalities=True, use_cross_timestep=True, return_dict=False,
         )[0]
         return flow.per_sample_loss(unpack(pred, f, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)
+
+
+def spatial_ratio(vae: dict[str, Any]) -> int:
+    """Pixels a latent cell spans along a side, from an AutoencoderKLLTX2Video config without its own
+    spatial_compression_ratio: the input patch, halved by each scaling block that downsamples space (a "temporal"
+    block does not; the class's fallback counts every block, 64 for LTX-2's VAE, whose cells are 32 px)."""
+    scaling = vae.get("spatio_temporal_scaling", (True, True, True, True))
+    kinds = vae.get("downsample_type", ("spatial", "temporal", "spatiotemporal", "spatiotemporal"))
+    if isinstance(scaling, bool):
+        scaling = (scaling,) * len(kinds)
+    return int(vae.get("patch_size", 4)) * 2 ** sum(1 for on, kind in zip(scaling, kinds) if on and kind != "temporal")
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
