@@ -232,3 +232,35 @@ def test_frames_drive_the_latents_and_train_plans(ltx, tmp_path):
 
     (lat1, train1), (lat33, train33) = peaks(1), peaks(33)
     assert lat33 > lat1 and train33 > train1
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_block_swap_keeps_the_loss_and_lora_grads(ltx, checkpointing):
+    """LTX2VideoTransformerBlock (the blocks the planner swaps; 48 in the release): one of the two swapped, under
+    gradient checkpointing or not, the family's loss and its LoRA gradients are bit for bit the unswapped ones."""
+    from stages.core import blockswap, fastpath, lora
+
+    family, folder, _ = ltx
+    model = diffusers.LTX2VideoTransformer3DModel.from_pretrained(folder, subfolder="transformer")
+    model.requires_grad_(False)
+    lora.attach_lora(model, lora.lora_config(4, 4.0, 0.0, list(family.default_lora_targets)))
+    if checkpointing:
+        model.enable_gradient_checkpointing(fastpath.checkpoint_function(0.0, keep_attention=False))
+    model.train()
+    g = torch.Generator().manual_seed(3)
+    x0, noise = torch.randn(2, 8, 2, 4, 4, generator=g), torch.randn(2, 8, 2, 4, 4, generator=g)
+    cond = {"prompt_embeds": torch.randn(2, 8, 32, generator=g), "prompt_mask": torch.ones(2, 8, dtype=torch.long)}
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = family.loss(model, x0, noise, torch.tensor([0.3, 0.9]), cond, _meta(2), TrainConfig()).sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    loss_ref, grads_ref = loss_and_grads()
+    assert [type(b).__name__ for b in blockswap.repeated_blocks(model)] == ["LTX2VideoTransformerBlock"] * 2
+    swap = blockswap.install_block_swap(model, 1, torch.device("cpu"), "last")
+    loss, grads = loss_and_grads()
+    assert swap is not None and swap.copies >= 1
+    assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys() and grads
+    assert all(torch.equal(grads[n], grads_ref[n]) for n in grads)
