@@ -264,3 +264,23 @@ def test_block_swap_keeps_the_loss_and_lora_grads(ltx, checkpointing):
     assert swap is not None and swap.copies >= 1
     assert torch.equal(loss, loss_ref) and grads.keys() == grads_ref.keys() and grads
     assert all(torch.equal(grads[n], grads_ref[n]) for n in grads)
+
+
+def test_tiled_encode_of_a_clip_is_close_to_untiled(ltx):
+    """The latents planner may tile the encode under a small budget (LTX-2's enable_tiling takes a frame count
+    third: the plan passes its sizes by name). On the tiny VAE, 9 frames of 96 x 64 px in 64 px tiles (8 latent
+    cells, as the release's 512 px tiles are 16): the shapes stay and the posterior mean moves by a bounded amount
+    (measured 0.21; 32 px tiles of 4 cells, blended over one, move it by 0.75)."""
+    from stages.core.memory.apply import apply_vae_plan
+
+    family, folder, _ = ltx
+    vae = family.load_vae(ModelSource(str(folder)), CPU)
+    pixels = torch.rand(1, 3, 9, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    mean, _ = family.encode_posterior(vae, pixels)
+    apply_vae_plan(vae, type("Plan", (), {"settings": {"tiled": True, "sliced": True}})(), tile_px=64)
+    assert vae.use_tiling and vae.tile_sample_min_height == 64 and vae.tile_sample_stride_width == 48
+    assert vae.tile_sample_min_num_frames == 16, "the frame tiling keeps its default"
+    tiled, _ = family.encode_posterior(vae, pixels)
+    error = (tiled - mean).abs().mean() / mean.abs().mean()
+    print(f"tiled/untiled relative mean error {float(error):.4f}")
+    assert tiled.shape == mean.shape == (1, 8, 2, 8, 12) and 0 < float(error) < 0.3, float(error)
