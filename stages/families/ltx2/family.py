@@ -22,7 +22,8 @@ Checked against diffusers 0.42.1 `pipelines/ltx2/pipeline_ltx2.py`, `pipelines/l
 - Audio: the transformer always runs an audio stream beside the video, joined by audio<->video
   cross-attention in each block. Training is video-only, as LTX-2's own trainer trains video without audio:
   the forward runs with `isolate_modalities=True` (the cross-modal attention off, as the pipeline's modality
-  guidance pass runs it), where the video prediction does not depend on the audio inputs at all
+  guidance pass runs it, and as ComfyUI's LTXAV runs a clip without audio latents: `run_a2v` needs audio
+  tokens), where the video prediction does not depend on the audio inputs at all
   (tests/families/test_family_ltx2.py checks it), so those are one zero audio token and one zero caption row.
 """
 
