@@ -145,7 +145,8 @@ PRESETS = {"flux": "configs/flux-dev.toml", "qwen-image": "configs/qwen-image.to
            "hidream-i1": "configs/hidream-i1.toml",
            "ideogram4": "configs/ideogram4.toml",
            "wan2.2-5b": "configs/wan2.2-5b.toml",
-           "wan2.2-14b": "configs/wan2.2-14b.toml"}
+           "wan2.2-14b": "configs/wan2.2-14b.toml",
+           "ltx2": "configs/ltx2.toml"}
 GRID_BUDGETS = ("4", "6", "8", "12", "16", "24", "auto")
 
 
@@ -196,6 +197,8 @@ SUITES: dict[str, list[Row]] = {
     "wan2.2-5b": video_grid("wan2.2-5b", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
     # Wan 2.2 T2V-A14B (the preset's high-noise expert; the low-noise one is the same size): as wan2.2-5b's rows
     "wan2.2-14b": video_grid("wan2.2-14b", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
+    # LTX-2 (video stream): the same grid
+    "ltx2": video_grid("ltx2", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
     # "Memory budgets": every stage under each budget, 1024 px, then the 512 px rows
     "memory": [*memory_grid("flux", 1024, ("auto", "6", "8", "12")),
                *memory_grid("flux", 1024, ("16", "24"), PARTIAL_CKPT),

@@ -75,6 +75,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "ernie_image": ("transformer.{d}",),
     "hidream": ("transformer.{d}", "lycoris_{u}"),
     "wan": (),  # WAN21 / WAN22 have no diffusers table: only ComfyUI's own names (NATIVE_ALIASES) reach them
+    "ltxav": (),  # LTXV / LTXAV: no diffusers table either, their own names only
 }
 NATIVE_ALIASES = ("diffusion_model.{n}", "lora_unet_{v}")
 """The names of ComfyUI's own weights, for every model ({n}: its module path, {v}: with "_")."""

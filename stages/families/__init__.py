@@ -44,6 +44,7 @@ FAMILIES: dict[str, str] = {
     "ideogram4": "stages.families.ideogram4.family:Ideogram4",
     "wan2.2-5b": "stages.families.wan22_5b.family:Wan22_5B",
     "wan2.2-14b": "stages.families.wan22_14b.family:Wan22_14B",
+    "ltx2": "stages.families.ltx2.family:LTX2",
 }
 
 

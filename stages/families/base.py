@@ -84,10 +84,11 @@ class Family(Protocol):
 
     def load_denoiser(self, src: "ModelSource", precision: str, rt: "Runtime", tcfg: "TrainConfig") -> "torch.nn.Module": ...
 
-    def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: "torch.Generator", tcfg: "TrainConfig",
+    def sample_timesteps(self, n: int, latent_hw: tuple[int, ...], generator: "torch.Generator", tcfg: "TrainConfig",
                          first: int | None = None) -> "torch.Tensor":
         """Training timesteps for n samples (flow families: sigmas in (0, 1], drawn by `flow.draw_u`);
-        `first` is the run's index of the first draw, which train.timestep_buckets stratifies by (None:
+        `latent_hw` is the latent's size after its channels: (h, w), or (frames', h, w) for a video family's
+        5-D latents (LTX-2's shift counts every token of the clip); `first` is the run's index of the first draw, which train.timestep_buckets stratifies by (None:
         unstratified, as validation draws)."""
 
     def loss(

@@ -237,7 +237,7 @@ class Trainer:
         shape = (n, *batch.mean.shape[1:])
         eps = torch.randn(shape, generator=g)[part]
         noise = torch.randn(shape, generator=g)[part]
-        t = self.family.sample_timesteps(n, tuple(batch.mean.shape[-2:]), g, self.tcfg, first)[part]
+        t = self.family.sample_timesteps(n, tuple(batch.mean.shape[2:]), g, self.tcfg, first)[part]
         if batch.controls:  # drawn after the rest: text-to-image families draw exactly what they did
             batch.control_eps = tuple(torch.randn((n, *m.shape[1:]), generator=g)[part] for m, _ in batch.controls)
         if self.tcfg.preservation == "blank_prompt":  # read, not drawn: the random stream is unchanged
@@ -382,7 +382,7 @@ class Trainer:
         for p in pairs:
             g = torch.Generator().manual_seed(validation.item_seed(p.image_id, p.caption_id))
             draws.append((torch.randn((1, *shape), generator=g), torch.randn((1, *shape), generator=g),
-                          self.family.sample_timesteps(1, tuple(shape[-2:]), g, self.tcfg)))
+                          self.family.sample_timesteps(1, tuple(shape[1:]), g, self.tcfg)))
         return tuple(torch.cat(d) for d in zip(*draws))
 
     def _weighted_loss(self, draws: tuple[Any, ...], weight: float) -> torch.Tensor:

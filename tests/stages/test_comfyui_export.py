@@ -41,6 +41,8 @@ EXTRA = {
     "ideogram4": ("layers.0.adaln_modulation", "input_proj", "llm_cond_proj", "final_layer.linear"),
     "wan2.2-5b": ("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1", "proj_out"),
     "wan2.2-14b": ("condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1", "proj_out"),
+    "ltx2": ("proj_in", "time_embed.linear", "av_cross_attn_video_a2v_gate.linear",
+             "transformer_blocks.0.audio_to_video_attn.to_q", "proj_out"),
 }
 EXTRA["flux-kontext"], EXTRA["flux2"], EXTRA["qwen-image-edit"] = EXTRA["flux"], EXTRA["flux2-klein"], EXTRA["qwen-image"]
 EXTRA["qwen-image-edit-2511"] = EXTRA["qwen-image"]

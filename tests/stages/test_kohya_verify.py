@@ -56,7 +56,8 @@ NOT_ROUND_TRIPPED = {
     "wan2.2-14b": r"condition_embedder\..+|proj_out|patch_embedding",
 }
 # diffusers 0.42.1 reads no kohya-named Krea 2 LoRA back into the transformer (not even its block
-# attention): its kohya copy is written for ComfyUI only, and --verify refuses it (tested below)
+# attention): its kohya copy is written for ComfyUI only, and --verify refuses it (tested below); nor
+# LTX-2's (LTX2Pipeline converts only ComfyUI's `diffusion_model.` names, which its ComfyUI copy has)
 # The edit families have their base family's layout (flux, qwen-image cover them), and their
 # pipelines cannot render this text-only check: Kontext renders at max_area 1024 x 1024 whatever the
 # height and width (too slow on CPU), Qwen-Image-Edit-Plus needs an image.
@@ -64,7 +65,7 @@ NOT_ROUND_TRIPPED = {
 # only: ERNIE-Image's and HiDream-I1's kohya copies (lora_unet_<diffusers path>, ComfyUI's own names) are for ComfyUI
 KOHYA_READ_BY_DIFFUSERS = sorted(f for f in FAMILIES if f not in ("krea2", "flux-kontext", "qwen-image-edit",
                                                                       "qwen-image-edit-2511", "ernie-image",
-                                                                      "hidream-i1", "ideogram4"))
+                                                                      "hidream-i1", "ideogram4", "ltx2"))
 # (Ideogram 4: diffusers 0.42.1 reads only the ComfyUI / ai-toolkit names, `diffusion_model.` with fused qkv, which
 # the ComfyUI file has; sd-scripts has no Ideogram 4 layout, so its kohya copy has the diffusers paths)
 # Families whose demo targets include such layers: export --verify of the kohya copy fails, naming it
@@ -76,7 +77,8 @@ DEMO_KOHYA_REFUSED = {"flux": "FluxPipeline.lora_state_dict cannot read it",
                       "hidream-i1": "keys outside 'transformer' after HiDreamImagePipeline's conversion",
                       "ideogram4": "keys outside 'transformer' after Ideogram4Pipeline's conversion",
                       "wan2.2-5b": "WanPipeline.lora_state_dict cannot read it",  # its demo trains proj_out
-                      "wan2.2-14b": "WanPipeline.lora_state_dict cannot read it"}  # its demo trains proj_out
+                      "wan2.2-14b": "WanPipeline.lora_state_dict cannot read it",  # its demo trains proj_out
+                      "ltx2": "keys outside 'transformer' after LTX2Pipeline's conversion"}
 FLUX_LAYOUT = get_family("flux").kohya_layout
 
 

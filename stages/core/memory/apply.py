@@ -27,8 +27,10 @@ def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = 
         vae.enable_tiling()
         scale = 2 ** (len(vae.config.block_out_channels) - 1)  # 8 for the released VAEs
         vae.tile_sample_min_size, vae.tile_latent_min_size = side, side // scale
-    elif hasattr(vae, "tile_sample_min_height"):  # the Qwen-Image VAEs: 256 px tiles every 192 px by default
-        vae.enable_tiling(side, side, side * 3 // 4, side * 3 // 4)
+    elif hasattr(vae, "tile_sample_min_height"):  # the Qwen-Image and Wan VAEs: 256 px tiles every 192 px by default
+        # by keyword: LTX-2's VAE takes a frame count third
+        vae.enable_tiling(tile_sample_min_height=side, tile_sample_min_width=side,
+                          tile_sample_stride_height=side * 3 // 4, tile_sample_stride_width=side * 3 // 4)
     else:
         vae.enable_tiling()
 

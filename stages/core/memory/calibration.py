@@ -42,9 +42,14 @@ ATTENTION_SCORE_BYTES = 8.0
 VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064,
                           # an estimate, not measured: Qwen-Image's (the Wan 2.1 VAE) for Wan 2.2's per frame in
                           # flight; bench/suites wan2.2-5b measures cache-latents' peak
-                          "AutoencoderKLWan": 1064}
+                          "AutoencoderKLWan": 1064,
+                          # an estimate, not measured: LTX-2's VAE folds 4x4 pixels into channels first (256 channels
+                          # at a 16th of the pixels, where AutoencoderKL has 128 at every pixel): a quarter of
+                          # AutoencoderKL's figure, for each of a clip's frames (it encodes them all at once)
+                          "AutoencoderKLLTX2Video": 205}
 # Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
-VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256, "AutoencoderKLWan": 256}
+VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256, "AutoencoderKLWan": 256,
+                   "AutoencoderKLLTX2Video": 512}  # LTX-2's own default tile (16 latent cells), every 384 px
 # A LoRA parameter in training: fp32 weight + gradient + AdamW's two moments.
 LORA_BYTES_PER_PARAM = 16
 # Allocator margin of a block-swap plan beside its two fixed copy slots: Z-Image at 4 GB predicted 3.57, allocated

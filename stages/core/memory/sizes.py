@@ -23,7 +23,6 @@ def meta_component(src: Any, subfolder: str) -> torch.nn.Module:
     """The component's module built from its config on the meta device (no weights, no memory),
     once per process for each class and config (`_META_CACHE`). Shared: callers only read sizes
     (`offload_placement` sets its dtype first, which no other size here reads)."""
-    import importlib
     import json
 
     library, class_name = src.component_config("", "model_index.json")[subfolder]
@@ -32,16 +31,29 @@ def meta_component(src: Any, subfolder: str) -> torch.nn.Module:
     if key in _META_CACHE:
         _META_CACHE[key] = _META_CACHE.pop(key)  # most recently used last
         return _META_CACHE[key]
-    module = _build_meta(getattr(importlib.import_module(library), class_name), library, config)
+    module = _build_meta(component_class(library, class_name), config)
     _META_CACHE[key] = module
     while len(_META_CACHE) > _META_CACHE_SIZE:
         _META_CACHE.pop(next(iter(_META_CACHE)))
     return module
 
 
-def _build_meta(cls: type, library: str, config: dict[str, Any]) -> torch.nn.Module:
+def component_class(library: str, class_name: str) -> Any:
+    """A model_index.json entry's class, found as diffusers finds it: a library named after one of diffusers'
+    pipeline modules (LTX-2's "ltx2" text connectors and vocoder) is that module, else an importable package."""
+    import importlib
+
+    from diffusers import pipelines
+
+    module = getattr(pipelines, library) if hasattr(pipelines, library) else importlib.import_module(library)
+    return getattr(module, class_name, None)
+
+
+def _build_meta(cls: type, config: dict[str, Any]) -> torch.nn.Module:
+    from diffusers.configuration_utils import ConfigMixin
+
     with torch.device("meta"):
-        return cls.from_config(config) if library == "diffusers" else cls(cls.config_class.from_dict(config))
+        return cls.from_config(config) if issubclass(cls, ConfigMixin) else cls(cls.config_class.from_dict(config))
 
 
 def weight_bytes(module: torch.nn.Module, precision: str, codes_only: bool = False) -> float:
@@ -136,11 +148,9 @@ def lora_params(model: torch.nn.Module, targets: list[str], rank: int) -> int:
 
 def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
     """The components among `names` that are torch modules (not a tokenizer, processor or scheduler)."""
-    import importlib
-
     index = src.component_config("", "model_index.json")
     return [c for c in names if c in index and isinstance(index[c], list) and index[c][0]
-            and isinstance(cls := getattr(importlib.import_module(index[c][0]), index[c][1], None), type)
+            and isinstance(cls := component_class(*index[c]), type)
             and issubclass(cls, torch.nn.Module)]
 
 
