@@ -97,6 +97,7 @@ class ModelSource:
         index = json.loads((self.path / "model_index.json").read_text())
         held_classes = {c: index[c][1] if isinstance(index.get(c), list) and len(index[c]) == 2 else None
                         for c in family.denoiser_components}  # every one (Wan 2.2 A14B: both experts)
+        held_classes = {c: held for c, held in held_classes.items() if not str(held).endswith("Scheduler")}  # SDXL's
         denoiser, held_class = next(((c, held) for c, held in held_classes.items() if held != family.denoiser_class),
                                     (None, None))
         if denoiser is None:

@@ -64,8 +64,9 @@ def test_api():
 def test_generate_64(variant, loaded):
     pipe = loaded[variant]
     assert type(pipe).__name__ == PIPELINE_CLASS_NAMES[variant]
-    assert getattr(pipe, "vae_scale_factor", getattr(pipe, "vae_scale_factor_spatial", None)) == \
-        TINY_DIMS[variant]["vae_scale_factor"]  # a video pipeline's spatial factor
+    spatial = next((getattr(pipe, a) for a in ("vae_scale_factor", "vae_scale_factor_spatial", "vae_spatial_compression_ratio")
+                    if hasattr(pipe, a)), None)  # a video pipeline's spatial factor (Wan's, LTX-2's name)
+    assert spatial == TINY_DIMS[variant]["vae_scale_factor"]
     kwargs = {"guidance_scale": 3.5} if variant == "flux-dev" else {}
     if variant == "ideogram4":  # a guidance_scale or a schedule as long as the steps (the default has 48)
         kwargs = {"guidance_scale": 3.5, "guidance_schedule": None, "max_sequence_length": 64}
@@ -124,7 +125,9 @@ def test_components_load_by_subfolder(variant, built):
             continue
         library, class_name = spec
         # a stand-in class of our own (qwen-image-edit's processor) is named by its module
-        module = {"diffusers": diffusers, "transformers": transformers}.get(library) or importlib.import_module(library)
+        # a diffusers pipeline module's own class (LTX-2's connectors and vocoder: library "ltx2")
+        module = ({"diffusers": diffusers, "transformers": transformers}.get(library)
+                  or getattr(diffusers.pipelines, library, None) or importlib.import_module(library))
         cls = getattr(module, class_name)
         obj = cls.from_pretrained(folder, subfolder=name)
         assert obj is not None

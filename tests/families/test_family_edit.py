@@ -149,7 +149,7 @@ def test_kontext_control_latents_ids_and_loss_match_the_pipeline(built_run):
     torch.testing.assert_close(batch.controls[0][0], mean, rtol=1e-4, atol=3e-4)
 
     h, w = batch.mean.shape[-2:]
-    bw, bh = pair.bucket
+    bw, bh = pair.bucket[:2]
     _, image_latents, latent_ids, image_ids = pipe.prepare_latents(pixels, 1, 16, bh, bw, torch.float32, torch.device("cpu"), None)
     control = family.normalize_latents(batch.controls[0][0], trainer.norm)
     torch.testing.assert_close(image_latents, pipe._pack_latents(control, 1, 16, h, w), rtol=1e-3, atol=2e-3)
@@ -248,7 +248,7 @@ def test_qwen_edit_control_latents_and_loss_match_the_pipeline(built_run):
     cfg = built_run
     trainer, pair, item, batch = _one(cfg, index=2, variant=0, model=True)
     family, pipe = trainer.family, diffusers.QwenImageEditPlusPipeline.from_pretrained(cfg.model)
-    bw, bh = pair.bucket
+    bw, bh = pair.bucket[:2]
     image = dataset.load_image(item.controls[0])
     vw, vh = calculate_dimensions(bw * bh, image.width / image.height)  # the pipeline's rule at this area
     vae_image = pipe.image_processor.preprocess(image, vh, vw).unsqueeze(2)

@@ -151,7 +151,7 @@ def test_cached_references_are_the_pipelines_prepare_image_latents(ref_run, key)
     for k in range(cfg.data.cache_variants):
         trainer, pair, item, batch = _batch(cfg, key, k)
         family = trainer.family
-        bw, bh = pair.bucket
+        bw, bh = pair.bucket[:2]
         pixels = _pipeline_reference(pipe, item.controls[0], bw * bh)
         size = dataset.image_size(item.image_path)
         flip = dataset.plan_variants(dataset.pixels_id(item), size, (bw, bh), cfg.data.cache_variants, cfg.seed,

@@ -20,7 +20,7 @@ QWEN_2511 = pytest.mark.parametrize("built_run", ["qwen-image-edit-2511"], indir
 
 def _pipeline_prediction(transformer, pipe, x0, noise, t, control, text, bucket):
     """The prediction QwenImageEditPlusPipeline.__call__ makes at sigma t (target tokens) and its flow-matching loss."""
-    (bw, bh), (h, w), (ch, cw) = bucket, x0.shape[-2:], control.shape[-2:]
+    (bw, bh), (h, w), (ch, cw) = bucket[:2], x0.shape[-2:], control.shape[-2:]
     latents = pipe._pack_latents((1 - t) * x0 + t * noise, 1, 16, h, w)
     with torch.no_grad():
         pred = transformer(
