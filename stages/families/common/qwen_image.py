@@ -31,6 +31,7 @@ from stages.core.comfyui import ComfyLayout
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.text_encoders import trim_to_longest
 
 DROP_IDX = 34  # QwenImagePipeline.prompt_template_encode_start_idx: the system prefix's token count
@@ -41,7 +42,7 @@ SHIFT_BASE_SEQ_LEN, SHIFT_MAX_SEQ_LEN, SHIFT_BASE, SHIFT_MAX = 256, 8192, 0.5, 0
 COMFYUI_LAYOUT = ComfyLayout("qwen_image", same_names=True)
 
 
-class QwenImageBase(FamilyTraits):
+class QwenImageBase(ChannelNormalized, FamilyTraits):
     """Qwen-Image less its text encoder (`load_text_encoder`), which each family using it adds."""
 
     fp8_faster_from_tokens = 4173  # 1024 px b1, 77-token captions: fp8 0.91x bf16's step (512 px b1: 1.11x)
@@ -76,24 +77,6 @@ class QwenImageBase(FamilyTraits):
         video = pixels.to(vae.device, vae.dtype).unsqueeze(2)  # one frame: (B, 3, 1, H, W)
         dist = vae.encode(video).latent_dist  # logvar clamped to [-30, 20] by DiagonalGaussianDistribution
         return dist.mean.squeeze(2), dist.logvar.squeeze(2)
-
-    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
-        return {"latents_mean": [float(v) for v in vae.config.latents_mean],
-                "latents_std": [float(v) for v in vae.config.latents_std]}
-
-    def _channel_stats(self, x: torch.Tensor, norm: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        mean = torch.tensor(norm["latents_mean"], device=x.device, dtype=x.dtype).view(shape)
-        std = torch.tensor(norm["latents_std"], device=x.device, dtype=x.dtype).view(shape)
-        return mean, std
-
-    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        mean, std = self._channel_stats(z, norm)
-        return (z - mean) / std
-
-    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        mean, std = self._channel_stats(x, norm)
-        return x * std + mean
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:

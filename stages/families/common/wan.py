@@ -30,6 +30,7 @@ import torch
 from stages.core import flow
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.common.wan_layout import KOHYA_LAYOUT, LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, require_max_length
 
@@ -67,7 +68,7 @@ class WanTextEncoder:
         return [len(ids) for ids in self.tokenizer([prompt_clean(t) for t in texts], truncation=False).input_ids]
 
 
-class WanBase(FamilyTraits):
+class WanBase(ChannelNormalized, FamilyTraits):
     """The Wan families' shared side; a family sets `name`, `title` and, for TI2V, `expand_timesteps`."""
 
     pipeline_class = "WanPipeline"
@@ -113,24 +114,6 @@ class WanBase(FamilyTraits):
         video = pixels if pixels.dim() == 5 else pixels.unsqueeze(2)
         dist = vae.encode(video.to(vae.device, vae.dtype)).latent_dist  # logvar clamped to [-30, 20]
         return dist.mean, dist.logvar
-
-    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
-        return {"latents_mean": [float(v) for v in vae.config.latents_mean],
-                "latents_std": [float(v) for v in vae.config.latents_std]}
-
-    def _channel_stats(self, x: torch.Tensor, norm: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        mean = torch.tensor(norm["latents_mean"], device=x.device, dtype=x.dtype).view(shape)
-        std = torch.tensor(norm["latents_std"], device=x.device, dtype=x.dtype).view(shape)
-        return mean, std
-
-    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        mean, std = self._channel_stats(z, norm)
-        return (z - mean) / std
-
-    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        mean, std = self._channel_stats(x, norm)
-        return x * std + mean
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:

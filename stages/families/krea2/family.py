@@ -35,6 +35,7 @@ from stages.families.krea2.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.krea2 import SUFFIX_TOKENS
 from stages.families.common.qwen_image import DROP_IDX, QwenImageBase
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
@@ -81,7 +82,7 @@ class Krea2TextEncoder:
         return [len(i) - DROP_IDX + SUFFIX_TOKENS for i in ids]
 
 
-class Krea2(FamilyTraits):
+class Krea2(ChannelNormalized, FamilyTraits):
     name = "krea2"
     title = "Krea 2"
     pipeline_class = "Krea2Pipeline"
@@ -106,10 +107,6 @@ class Krea2(FamilyTraits):
     load_vae = QwenImageBase.load_vae
     pixel_multiple = QwenImageBase.pixel_multiple  # vae_scale_factor x patch_size 2
     encode_posterior = QwenImageBase.encode_posterior
-    latent_normalization = QwenImageBase.latent_normalization
-    _channel_stats = QwenImageBase._channel_stats
-    normalize_latents = QwenImageBase.normalize_latents
-    denormalize_latents = QwenImageBase.denormalize_latents
 
     def __init__(self) -> None:
         self._positions: dict[tuple, torch.Tensor] = {}

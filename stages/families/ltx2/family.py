@@ -38,6 +38,7 @@ from stages.core import flow
 from stages.core.errors import ConfigError
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.ltx2 import FRAME_RATE, FRAMES_PER_LATENT, GEMMA_MAX_TOKENS
 from stages.families.ltx2.comfyui import KOHYA_LAYOUT, LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, require_max_length
@@ -83,7 +84,7 @@ class LTX2TextEncoder:
         return [len(ids) for ids in self.tokenizer([t.strip() for t in texts], truncation=False).input_ids]
 
 
-class LTX2(FamilyTraits):
+class LTX2(ChannelNormalized, FamilyTraits):
     name = "ltx2"
     title = "LTX-2"
     pipeline_class = "LTX2Pipeline"
@@ -134,19 +135,9 @@ class LTX2(FamilyTraits):
         return {"latents_mean": [float(v) for v in vae.latents_mean], "latents_std": [float(v) for v in vae.latents_std],
                 "scaling_factor": float(vae.config.scaling_factor)}
 
-    def _channel_stats(self, x: torch.Tensor, norm: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        mean = torch.tensor(norm["latents_mean"], device=x.device, dtype=x.dtype).view(shape)
-        std = torch.tensor(norm["latents_std"], device=x.device, dtype=x.dtype).view(shape)
+    def channel_stats(self, x: torch.Tensor, norm: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, std = super().channel_stats(x, norm)
         return mean, std / norm["scaling_factor"]
-
-    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        mean, std = self._channel_stats(z, norm)
-        return (z - mean) / std
-
-    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        mean, std = self._channel_stats(x, norm)
-        return x * std + mean
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:

@@ -42,6 +42,7 @@ from stages.families.qwen_image_21.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.common.qwen_image import QwenImageBase
 from stages.families.qwen_image_21 import ROPE_POSITIONS
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, require_tokens
@@ -108,7 +109,7 @@ def joint_img_mask(b: int, text_len: int, image_tokens: int, device: torch.devic
                       torch.ones(b, image_tokens // IMG_TOKENS_PER_SLOT, dtype=torch.bool, device=device)], dim=1)
 
 
-class QwenImage21(FamilyTraits):
+class QwenImage21(ChannelNormalized, FamilyTraits):
     name = "qwen-image-2.1"
     title = "Qwen-Image 2.1"
     vae_downsample = 16
@@ -130,11 +131,6 @@ class QwenImage21(FamilyTraits):
     kohya_layout = KOHYA_LAYOUT
     comfyui_layout = COMFYUI_LAYOUT
 
-    # The same per-channel statistics as Qwen-Image: x = (z - latents_mean) / latents_std.
-    latent_normalization = QwenImageBase.latent_normalization
-    normalize_latents = QwenImageBase.normalize_latents
-    denormalize_latents = QwenImageBase.denormalize_latents
-    _channel_stats = QwenImageBase._channel_stats
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> QwenImage21TextEncoder:
