@@ -203,7 +203,7 @@ def make_clip_dataset(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for i, (size_word, colour, shape, motion, bg) in enumerate(combos[:n + 2]):
-        w, h = sizes[i % len(sizes)]
+        w, h = sizes[0] if i >= n else sizes[i % len(sizes)]  # the stills share one bucket
         r = SIZES_WORDS[size_word] * min(w, h) / 2
         (dx, dy), travel = MOTIONS[motion], (w - 2 * r, h - 2 * r)
         clip = []
