@@ -76,11 +76,12 @@ class DataConfig:
     """train: learn the images. regularization (with train.preservation = "dataset"): its items train toward the
     base model's own prediction on their caption (adapter off), not toward their image."""
     frames: Annotated[int, AT_LEAST_ONE] = 33
-    """Frames each clip trains on (video families; Wan: 4k + 1, e.g. 33 or 81); images are 1-frame clips.
-    More frames cost memory and time in proportion: lower it before data.resolution."""
+    """Frames each clip trains on (video families; Wan: 4k + 1, e.g. 33 or 81; LTX-2: 8k + 1); images are
+    1-frame clips. More frames cost memory and time in proportion: lower it before data.resolution."""
     fps: Annotated[float, NON_NEGATIVE] = 0.0
-    """Frame rate the clips are sampled at (0: each clip's own frames, one after another; Wan 2.2 TI2V-5B makes
-    24 fps video). A clip shorter than data.frames at this rate is a bad input: lower data.frames or data.fps."""
+    """Frame rate the clips are sampled at (0: each clip's own frames, one after another). Wan 2.2 TI2V-5B makes
+    24 fps video, T2V-A14B 16; LTX-2 takes 24 or 0. A clip shorter than data.frames at this rate is a bad
+    input: lower data.frames or data.fps."""
 
 
 # Keys a [[datasets]] table may set; any it leaves out come from [data]. The rest of [data]
@@ -334,7 +335,7 @@ class SampleConfig:
     """diffusers' enable_model_cpu_offload: one component on the GPU at a time (CUDA only); the memory
     planner also turns it on where the pipeline does not fit the budget whole."""
     frames: Annotated[int, NON_NEGATIVE] = 0
-    """Frames of each sample clip (video families; 0: data.frames). Wan: 4k + 1."""
+    """Frames of each sample clip (video families; 0: data.frames). Wan: 4k + 1; LTX-2: 8k + 1."""
 
 
 @dataclass
