@@ -52,3 +52,16 @@ def flow_only_defaults(cfg: Any, why: str) -> list[str]:
     return [f"'train.{key}' = {getattr(cfg.train, key)!r} applies to flow-matching families only, and {cfg.family} "
             f"{why}; remove it (train.loss and train.huber_c do apply)"
             for key, default in FLOW_ONLY.items() if getattr(cfg.train, key) != default]
+
+
+def clip_frames(cfg: Any, per_latent: int, vae: str) -> list[str]:
+    """Each dataset's data.frames must be k x per_latent + 1: a causal video VAE encodes the first frame alone,
+    then per_latent frames into each latent frame."""
+    errors = []
+    for i, data in enumerate(cfg.dataset_configs()):
+        if data.frames % per_latent != 1:
+            key = f"datasets[{i}].frames" if cfg.datasets else "data.frames"
+            low = (data.frames - 1) // per_latent * per_latent + 1
+            errors.append(f"{key} = {data.frames}: {vae} takes {per_latent}k + 1 frames (the first alone, then "
+                          f"{per_latent} per latent frame); set it to {low} or {low + per_latent}")
+    return errors

@@ -18,12 +18,9 @@ DEMO_DATA = "clips"  # drawn moving-shape clips (stages/tiny/shapes.py make_clip
 def config_errors(cfg: Any) -> list[str]:
     errors = checks.max_tokens(cfg, GEMMA_MAX_TOKENS, "LTX2Pipeline's caption length")
     errors += checks.bucket_step_multiple(cfg, 32, "the VAE's latent cell is 32 px")
+    errors += checks.clip_frames(cfg, FRAMES_PER_LATENT, "LTX-2's VAE")
     for i, data in enumerate(cfg.dataset_configs()):
         key = f"datasets[{i}]" if cfg.datasets else "data"
-        if data.frames % FRAMES_PER_LATENT != 1:
-            low = (data.frames - 1) // FRAMES_PER_LATENT * FRAMES_PER_LATENT + 1
-            errors.append(f"{key}.frames = {data.frames}: LTX-2's VAE takes 8k + 1 frames (the first alone, then 8 per "
-                          f"latent frame); set it to {low} or {low + FRAMES_PER_LATENT}")
         if data.fps not in (0, FRAME_RATE):
             errors.append(f"{key}.fps = {data.fps:g}: LTX-2 trains here at {FRAME_RATE:g} fps, the rate LTX2Pipeline "
                           f"samples at; set it to {FRAME_RATE:g} (or 0: the clips' own frames)")

@@ -19,12 +19,7 @@ DEMO_DATA = "clips"  # drawn moving-shape clips (stages/tiny/shapes.py make_clip
 def config_errors(cfg: Any) -> list[str]:
     errors = checks.max_tokens(cfg, UMT5_MAX_TOKENS, "Wan's umT5 text length")
     errors += checks.bucket_step_multiple(cfg, 2, "latents are patched 2x2 by the transformer")
-    for i, data in enumerate(cfg.dataset_configs()):
-        key = f"datasets[{i}].frames" if cfg.datasets else "data.frames"
-        if data.frames % FRAMES_PER_LATENT != 1:
-            low = data.frames // FRAMES_PER_LATENT * FRAMES_PER_LATENT + 1
-            errors.append(f"{key} = {data.frames}: Wan's VAE takes 4k + 1 frames (the first alone, then 4 per latent "
-                          f"frame); set it to {low} or {low + FRAMES_PER_LATENT}")
+    errors += checks.clip_frames(cfg, FRAMES_PER_LATENT, "Wan's VAE")
     t = cfg.train
     if t.expert == "both":
         errors.append("train.expert = 'both': Wan 2.2 A14B trains one expert a run (each a 14B model with its own "

@@ -17,12 +17,7 @@ DEMO_DATA = "clips"  # drawn moving-shape clips (stages/tiny/shapes.py make_clip
 def config_errors(cfg: Any) -> list[str]:
     errors = checks.max_tokens(cfg, UMT5_MAX_TOKENS, "Wan's umT5 text length")
     errors += checks.bucket_step_multiple(cfg, 2, "latents are patched 2x2 by the transformer")
-    for i, data in enumerate(cfg.dataset_configs()):
-        key = f"datasets[{i}].frames" if cfg.datasets else "data.frames"
-        if data.frames % FRAMES_PER_LATENT != 1:
-            low = data.frames // FRAMES_PER_LATENT * FRAMES_PER_LATENT + 1
-            errors.append(f"{key} = {data.frames}: Wan's VAE takes 4k + 1 frames (the first alone, then 4 per latent "
-                          f"frame); set it to {low} or {low + FRAMES_PER_LATENT}")
+    errors += checks.clip_frames(cfg, FRAMES_PER_LATENT, "Wan's VAE")
     if cfg.train.dynamic_shift:
         errors.append("train.dynamic_shift = true: Wan's scheduler has a fixed flow_shift (5.0 for TI2V-5B); set "
                       "train.dynamic_shift = false and train.shift to the shift you sample with")
