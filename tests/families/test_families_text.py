@@ -130,6 +130,27 @@ def _lora_model(family, folder):
     return model, params
 
 
+def loss_and_grads(family, model, params, x0, noise, t, cond, meta):
+    """One training loss per item and the LoRA parameters' gradients of its mean."""
+    model.zero_grad(set_to_none=True)
+    loss = family.loss(model, x0, noise, t, cond, meta, TrainConfig())
+    loss.mean().backward()
+    return loss.detach(), [p.grad.clone() for p in params]
+
+
+def checkpointing_changes_nothing(family, model, params, *batch):
+    """The loss and LoRA gradients with the model's gradient checkpointing on (as the trainer turns it on) equal
+    those without it; returns the plain ones. Leaves checkpointing on."""
+    plain_loss, plain_grads = loss_and_grads(family, model, params, *batch)
+    model.enable_gradient_checkpointing()
+    ckpt_loss, ckpt_grads = loss_and_grads(family, model, params, *batch)
+    torch.testing.assert_close(ckpt_loss, plain_loss, rtol=1e-6, atol=1e-7)
+    for a, b in zip(ckpt_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    assert any(grad.abs().max() > 0 for grad in plain_grads)
+    return plain_loss, plain_grads
+
+
 def test_padded_batch_trains_like_single_items(fam):
     family, folder, _ = fam
     model, params = _lora_model(family, folder)
