@@ -49,6 +49,7 @@ from stages.core import dataset, flow
 from stages.core.errors import DatasetError, ModelError
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.patch_bn import PatchBatchNormalized
 from stages.families.common.bfl import FLUX2 as COMFYUI_LAYOUT
 from stages.families.common.bfl import FLUX2_KOHYA as KOHYA_LAYOUT
 
@@ -71,12 +72,7 @@ def stacked_text_states(model: torch.nn.Module, tokens: Any, layers: tuple[int, 
     return {"prompt_embeds": torch.stack([out.hidden_states[k] for k in layers], dim=2).flatten(2)}
 
 
-def _patch_stats(x: torch.Tensor, values: list[float]) -> torch.Tensor:
-    """Per-patchified-channel statistics (C*4,) shaped to broadcast over x viewed (B, C, h/2, 2, w/2, 2)."""
-    return torch.tensor(values, device=x.device, dtype=x.dtype).view(1, -1, 1, 2, 1, 2)
-
-
-class Flux2DiT(FamilyTraits):
+class Flux2DiT(PatchBatchNormalized, FamilyTraits):
     lora_prefix = "transformer"
     denoiser_class = "Flux2Transformer2DModel"
     vae_class = "AutoencoderKLFlux2"
@@ -141,19 +137,6 @@ class Flux2DiT(FamilyTraits):
         im = Flux2ImageProcessor(vae_scale_factor=m).resize(im, h, w, resize_mode="crop")
         return [im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if v.flip else im for v in variants]
 
-    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
-        var = vae.bn.running_var.double() + vae.config.batch_norm_eps
-        return {"bn_mean": vae.bn.running_mean.double().tolist(), "bn_std": var.sqrt().tolist()}
-
-    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        b, c, h, w = z.shape
-        x = (z.view(b, c, h // 2, 2, w // 2, 2) - _patch_stats(z, norm["bn_mean"])) / _patch_stats(z, norm["bn_std"])
-        return x.view(b, c, h, w)
-
-    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        b, c, h, w = x.shape
-        z = x.view(b, c, h // 2, 2, w // 2, 2) * _patch_stats(x, norm["bn_std"]) + _patch_stats(x, norm["bn_mean"])
-        return z.view(b, c, h, w)
 
     # ---- sample
     def sample_image_kwargs(self, controls: list[Any], size: tuple[int, int]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from stages.core import flow
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.patch_bn import PatchBatchNormalized
 from stages.families.ernie_image.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
 
@@ -82,12 +83,7 @@ def unpatchify(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
 
 
-def _patch_stats(x: torch.Tensor, values: list[float]) -> torch.Tensor:
-    """Per-patchified-channel statistics (4C,) shaped to broadcast over x viewed (B, C, h/2, 2, w/2, 2)."""
-    return torch.tensor(values, device=x.device, dtype=x.dtype).view(1, -1, 1, 2, 1, 2)
-
-
-class ErnieImage(FamilyTraits):
+class ErnieImage(PatchBatchNormalized, FamilyTraits):
     name = "ernie-image"
     title = "ERNIE-Image"
     pipeline_class = "ErnieImagePipeline"
@@ -130,19 +126,8 @@ class ErnieImage(FamilyTraits):
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
 
-    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
-        var = vae.bn.running_var.double() + BN_EPS
-        return {"bn_mean": vae.bn.running_mean.double().tolist(), "bn_std": var.sqrt().tolist()}
-
-    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        b, c, h, w = z.shape
-        x = (z.view(b, c, h // 2, 2, w // 2, 2) - _patch_stats(z, norm["bn_mean"])) / _patch_stats(z, norm["bn_std"])
-        return x.view(b, c, h, w)
-
-    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        b, c, h, w = x.shape
-        z = x.view(b, c, h // 2, 2, w // 2, 2) * _patch_stats(x, norm["bn_std"]) + _patch_stats(x, norm["bn_mean"])
-        return z.view(b, c, h, w)
+    def bn_eps(self, vae: torch.nn.Module) -> float:
+        return BN_EPS
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
