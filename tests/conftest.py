@@ -127,6 +127,22 @@ def tiny_model(assets: Path, variant: str) -> Path:
     return _MODELS[variant]
 
 
+def flux_with_t5(assets: Path, folder: Path, **t5: int) -> str:
+    """The tiny FLUX's text encoders, T5's config changed by `t5` (d_model, d_ff, ...), as a folder of configs
+    only: planning builds them on the meta device, so a planner test gets a T5 of real size for free."""
+    import json
+
+    src = tiny_model(assets, FAMILIES["flux"])
+    for part in ("text_encoder", "text_encoder_2"):
+        (folder / part).mkdir(parents=True)
+        config = json.loads((src / part / "config.json").read_text())
+        if part == "text_encoder_2":
+            config.update(t5)
+        (folder / part / "config.json").write_text(json.dumps(config))
+    (folder / "model_index.json").write_text((src / "model_index.json").read_text())
+    return str(folder)
+
+
 def make_cfg(family: str, assets: Path, data: Path, root: Path, **overrides):
     """The family's demo config pointed at test assets, with dotted-key overrides."""
     from stages.core.config import load_config

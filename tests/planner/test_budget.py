@@ -68,19 +68,11 @@ def test_a_cap_is_the_whole_process_and_the_allocator_gets_it_less_the_context(m
 
 
 def _wider_t5(assets: Path, tmp_path: Path) -> str:
-    """The tiny FLUX's text encoders with a T5 of ~1.9 B parameters (configs only: planning builds them on the
-    meta device), so that its bf16 and nf4 plans lie apart by more than the CUDA context."""
-    from conftest import FAMILIES, tiny_model
+    """The tiny FLUX's text encoders with a T5 of ~1.9 B parameters, so that its bf16 and nf4 plans lie apart
+    by more than the CUDA context."""
+    from conftest import flux_with_t5
 
-    src, folder = tiny_model(assets, FAMILIES["flux"]), tmp_path / "wider-t5"
-    for part in ("text_encoder", "text_encoder_2"):
-        (folder / part).mkdir(parents=True)
-        config = json.loads((src / part / "config.json").read_text())
-        if part == "text_encoder_2":
-            config.update(d_model=4096, d_ff=4096, num_layers=16, num_heads=32, d_kv=128)
-        (folder / part / "config.json").write_text(json.dumps(config))
-    (folder / "model_index.json").write_text((src / "model_index.json").read_text())
-    return str(folder)
+    return flux_with_t5(assets, tmp_path / "wider-t5", d_model=4096, d_ff=4096, num_layers=16, num_heads=32, d_kv=128)
 
 
 class _Log:

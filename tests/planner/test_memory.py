@@ -1092,18 +1092,11 @@ def test_cache_fingerprints_ask_their_own_stage_planner_only(assets, demo_data, 
 
 
 def _wider_t5(assets, tmp_path) -> str:
-    """The tiny FLUX's text encoders with a T5 of ~0.4 B parameters (configs only: planning builds them on
-    the meta device), so its bf16 and nf4 peaks lie apart by more than a budget's rounding."""
-    src = tiny_model(assets, FAMILIES["flux"])
-    folder = tmp_path / "wider-t5"
-    for part in ("text_encoder", "text_encoder_2"):
-        (folder / part).mkdir(parents=True)
-        config = json.loads((src / part / "config.json").read_text())
-        if part == "text_encoder_2":
-            config.update(d_model=1024, d_ff=16384, num_layers=8, num_heads=16, d_kv=64)
-        (folder / part / "config.json").write_text(json.dumps(config))
-    (folder / "model_index.json").write_text((src / "model_index.json").read_text())
-    return str(folder)
+    """The tiny FLUX's text encoders with a T5 of ~0.4 B parameters, so its bf16 and nf4 peaks lie apart by
+    more than a budget's rounding."""
+    from conftest import flux_with_t5
+
+    return flux_with_t5(assets, tmp_path / "wider-t5", d_model=1024, d_ff=16384, num_layers=8, num_heads=16, d_kv=64)
 
 
 def test_auto_captions_under_trains_peak_store_what_their_fingerprint_expects(assets, demo_data, tmp_path, monkeypatch):
