@@ -333,7 +333,7 @@ def _listed_images(root: Path, caption_ext: str, dropped: _Dropped, tree: Folder
 
 def _is_clip_folder(path: Path, caption_ext: str, tree: FolderTree) -> bool:
     """A folder of frames with a caption file of its name beside it (`walk/` + `walk.txt`): one clip."""
-    return path.is_dir() and tree.exists(str(path.parent / (path.name + caption_ext)))
+    return tree.is_dir(str(path)) and tree.exists(str(path.parent / (path.name + caption_ext)))
 
 
 def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _Dropped,
@@ -356,7 +356,7 @@ def _from_folder(root: Path, caption_ext: str, follow_outside: bool, dropped: _D
 
 def _caption_of(root: Path, path: Path, caption_ext: str, follow_outside: bool, tree: FolderTree) -> str:
     _check_inside(root, path, follow_outside, tree)
-    cap = path.parent / (path.name + caption_ext) if path.is_dir() else path.with_suffix(caption_ext)
+    cap = path.parent / (path.name + caption_ext) if tree.is_dir(str(path)) else path.with_suffix(caption_ext)
     problem = _file_problem(cap, tree)
     if problem == "does not exist":
         raise DatasetError(f"image '{path}' has no caption file '{cap.name}'; add one or move the image out")

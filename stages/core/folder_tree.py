@@ -75,6 +75,13 @@ class FolderTree:
         """The walk's stat of `path` (through a symlink that resolves), or None where it has none."""
         return self.stats.get(path)
 
+    def is_dir(self, path: str) -> bool:
+        """os.path.isdir(path), from the walk's stat where it saw the folder holding it."""
+        if path in self.stats:
+            st = self.stats[path]
+            return st is not None and stat.S_ISDIR(st[0])
+        return os.path.isdir(path)
+
     def named(self, folder: str, stem: str, suffixes: Iterable[str]) -> list[str]:
         """The paths `folder/stem + suffix` that exist, in the order of `suffixes`."""
         base = join(folder, stem)
