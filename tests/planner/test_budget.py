@@ -297,7 +297,7 @@ def test_the_planner_predicts_every_budget_grid_row_from_above(tmp_path, monkeyp
     # budget and at least what it held (FLUX.1 at 4 GB: 1.18x, so more layers could have stayed on the GPU)
     for name, r in rows:
         if name in offloads:
-            assert 1.0 <= ratios[name] and r["plan"]["predicted_total_gb"] <= float(r["budget"]) * 1.0, name
+            assert 1.0 <= ratios[name] and r["plan"]["predicted_total_gb"] <= float(r["budget"]), name
 
 
 def test_the_cache_planners_predict_the_memory_rows_from_above(tmp_path):
