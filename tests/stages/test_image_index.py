@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 import pipeline
 from conftest import once
-from stages.core import image_index
+from stages.core import dataset, image_index
 from stages.core.dataset import IMAGE_EXTS
 
 _COUNTING: list[list[str]] = []  # the open lists of the `opened` blocks now running
@@ -153,7 +153,9 @@ def test_a_damaged_index_is_rebuilt_with_a_warning(run):
     invoke("status", *by_name)
     index = _index_file(run)
     index.write_text('{"version": 1, "entries": {"shape_000.png": [[1, 2')  # cut short
-    image_index._open.clear()
+    image_index._open.clear()  # a new process: the index is read from its file, the folder scanned anew
+    dataset._RUN_ITEMS.clear()
+    dataset._LISTED.clear()
     _settle(data)
     with pytest.warns(image_index.DamagedIndex, match=f"image index '{index}' is damaged") as caught, \
             opened(data) as reads:
