@@ -151,32 +151,38 @@ def checkpointing_changes_nothing(family, model, params, *batch):
     return plain_loss, plain_grads
 
 
+def padded_batch_trains_like_single_items(family, model, params, cond, channels: int, checkpointing=(False,)):
+    """A batch of two captions of different lengths gives each item the loss and LoRA gradients it has alone
+    (for each gradient-checkpointing setting in `checkpointing`); reading the short caption's padding as tokens
+    would not."""
+    lengths = cond["prompt_length"].tolist()
+    assert lengths[0] < lengths[1] < cond["prompt_embeds"].shape[1], "the batch must hold captions of different token lengths"
+    g = torch.Generator().manual_seed(2)
+    x0, noise = torch.randn(2, channels, 8, 8, generator=g), torch.randn(2, channels, 8, 8, generator=g)
+    t = torch.tensor([0.3, 0.8])
+
+    def rows_loss(rows: list[int], c: dict[str, torch.Tensor]):
+        return loss_and_grads(family, model, params, x0[rows], noise[rows], t[rows], {k: v[rows] for k, v in c.items()},
+                              _meta(len(rows), 8, 8))
+
+    for on in checkpointing:
+        if on:  # the stock forward hands its mask to checkpointed blocks too
+            model.enable_gradient_checkpointing()
+        batch_losses, batch_grads = rows_loss([0, 1], cond)
+        singles = [rows_loss([i], cond) for i in range(2)]
+        torch.testing.assert_close(batch_losses, torch.cat([s[0] for s in singles]), rtol=1e-5, atol=1e-6)
+        for j, grad in enumerate(batch_grads):
+            torch.testing.assert_close(grad, (singles[0][1][j] + singles[1][1][j]) / 2, rtol=1e-4, atol=1e-7)
+    # Not vacuous: had the short caption's padding been read as tokens, its loss would differ.
+    unmasked = {**cond, "prompt_length": torch.tensor([lengths[1], lengths[1]])}
+    attended, _ = rows_loss([0], unmasked)
+    assert (attended - singles[0][0]).abs().item() > 1e-4
+
+
 def test_padded_batch_trains_like_single_items(fam):
     family, folder, _ = fam
     model, params = _lora_model(family, folder)
-    cond = _encoder(family, folder, 64).encode(CAPTIONS)
-    lengths = cond["prompt_length"].tolist()
-    assert lengths[0] < lengths[1] < 64, "the batch must hold captions of different token lengths"
-    g = torch.Generator().manual_seed(2)
-    x0, noise = torch.randn(2, 16, 8, 8, generator=g), torch.randn(2, 16, 8, 8, generator=g)
-    t = torch.tensor([0.3, 0.8])
-
-    def loss_and_grads(rows: list[int], c: dict[str, torch.Tensor]):
-        model.zero_grad(set_to_none=True)
-        per_item = family.loss(model, x0[rows], noise[rows], t[rows], {k: v[rows] for k, v in c.items()},
-                               _meta(len(rows), 8, 8), TrainConfig())
-        per_item.mean().backward()
-        return per_item.detach(), [p.grad.clone() for p in params]
-
-    batch_losses, batch_grads = loss_and_grads([0, 1], cond)
-    singles = [loss_and_grads([i], cond) for i in range(2)]
-    torch.testing.assert_close(batch_losses, torch.cat([s[0] for s in singles]), rtol=1e-5, atol=1e-6)
-    for j, grad in enumerate(batch_grads):
-        torch.testing.assert_close(grad, (singles[0][1][j] + singles[1][1][j]) / 2, rtol=1e-4, atol=1e-7)
-    # Not vacuous: had the short caption's padding been read as tokens, its loss would differ.
-    unmasked = {**cond, "prompt_length": torch.tensor([lengths[1], lengths[1]])}
-    attended, _ = loss_and_grads([0], unmasked)
-    assert (attended - singles[0][0]).abs().item() > 1e-4
+    padded_batch_trains_like_single_items(family, model, params, _encoder(family, folder, 64).encode(CAPTIONS), 16)
 
 
 def test_latent_normalization_as_pipeline_decodes(fam):
