@@ -21,13 +21,13 @@ from __future__ import annotations
 from stages.core.memory import calibration, sizes
 from stages.core.memory.calibration import (
     ATTENTION_KEPT_UNITS, ATTENTION_SCORE_BYTES, AUTO_BASE_PRECISIONS, AUTO_MARGIN_GB, BLOCK_SAVED_UNITS, BLOCK_WORK_UNITS,
-    CFG_BATCH, CHECKPOINT_SAVED_UNITS, CUDA_CONTEXT_GB, FRAGMENTATION, GB, GRAPH_ROOM_MARGIN, LORA_BYTES_PER_PARAM,
+    CFG_BATCH, CHECKPOINT_SAVED_UNITS, CUDA_CONTEXT_GB, FRAGMENTATION, GB, GRAPH_ROOM_MARGIN,
     NF4_BYTES_PER_WEIGHT, SWAP_EXTRA_GB, VAE_ELEMENTS_PER_PIXEL, VAE_TILE_PIXELS)
 from stages.core.memory.budget import (
     ALLOC_CONF_VARS, CAP_ALLOC_CONF, Budget, allocator_cap_gb, allocator_for_cap, allocator_setting, allocator_summary,
     cap_budget, context_note, host_available_bytes, measure_context, parse_budget, planned_context_gb, process_total_gb,
     resolve_budget, retries_note)
-from stages.core.memory.sizes import fp8_nf4_weight_bytes, lora_params, meta_component, module_components, weight_bytes
+from stages.core.memory.sizes import fp8_nf4_weight_bytes, meta_component, module_components, weight_bytes
 from stages.core.memory.stage_plan import Planner, StagePlan
 from stages.core.memory import captions, latents, sample, train, train_options
 from stages.core.memory.captions import HOST_BYTES, OFFLOAD_PRECISION, Placement, offload_placement
@@ -46,12 +46,12 @@ from stages.core.memory.planning import (
 __all__ = [
     "ALLOC_CONF_VARS", "ATTENTION_KEPT_UNITS", "ATTENTION_SCORE_BYTES", "AUTO_BASE_PRECISIONS", "AUTO_MARGIN_GB",
     "BLOCK_SAVED_UNITS", "BLOCK_WORK_UNITS", "Budget", "CAP_ALLOC_CONF", "CFG_BATCH", "CHECKPOINT_SAVED_UNITS",
-    "CUDA_CONTEXT_GB", "FRAGMENTATION", "GB", "GRAPH_ROOM_MARGIN", "HOST_BYTES", "LORA_BYTES_PER_PARAM",
+    "CUDA_CONTEXT_GB", "FRAGMENTATION", "GB", "GRAPH_ROOM_MARGIN", "HOST_BYTES",
     "NF4_BYTES_PER_WEIGHT", "OFFLOAD_PRECISION", "PLAN_FILE", "PLANNERS", "Placement", "Planner", "SWAP_EXTRA_GB",
     "StagePlan", "VAE_ELEMENTS_PER_PIXEL", "VAE_TILE_PIXELS", "allocator_cap_gb", "allocator_for_cap",
     "allocator_setting", "allocator_summary", "apply_train_plan", "apply_vae_plan", "calibration", "cap_budget",
     "captions", "checkpointed_blocks", "context_note", "forced_by_memory", "fp8_host_short", "fp8_nf4_weight_bytes",
-    "graph_room", "host_available_bytes", "host_shortfall", "latents", "load_device", "lora_params",
+    "graph_room", "host_available_bytes", "host_shortfall", "latents", "load_device",
     "measure_context", "meta_component", "module_components", "offload_placement", "oom_advice", "own_settings",
     "parse_budget", "plan_captions", "plan_for", "plan_latents", "plan_sample", "plan_stage", "plan_train",
     "planned_caption_precision", "planned_context_gb", "planned_vae", "plans_for_gpu", "process_total_gb",

@@ -50,8 +50,20 @@ VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064,
 # Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256, "AutoencoderKLWan": 256,
                    "AutoencoderKLLTX2Video": 512}  # LTX-2's own default tile (16 latent cells), every 384 px
-# A LoRA parameter in training: fp32 weight + gradient + AdamW's two moments.
-LORA_BYTES_PER_PARAM = 16
+# train.optimizer's state per fp32 adapter parameter (beside its fp32 weight and gradient), bytes, rounded up from what each library keeps after its
+# first steps on adapter-shaped parameters (tests/planner/test_adapter_memory.py measures it on the CPU): AdamW's
+# two moments; 8-bit AdamW's two blockwise-quantized ones (2.09); Prodigy's moments, s and p0; the schedule-free
+# ones' z (and AdamW's second moment; Prodigy+SF slices s and p0: 4.65); Adafactor's factored moments (0.28).
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 3, "prodigy": 16, "prodigy_schedulefree": 5,
+                         "adamw_schedulefree": 8, "adafactor": 1}
+# The working memory one adapted Linear (in x out) makes for a moment beyond a LoRA layer's, as (bytes per
+# in x out, bytes per in x in), measured on the CPU by tests/planner/test_adapter_memory.py: DoRA multiplies an
+# fp32 identity of in x in through lora_A and lora_B into an fp32 delta weight, casts it, and takes the norm of
+# weight + delta (14.2; an nf4 base's dequantized copy adds 2); LoHa rebuilds its Hadamard delta weight in the
+# backward (18.0); LoKr its Kronecker one (9.98).
+ADAPTER_TRANSIENT_BYTES = {"lora": (0, 0), "dora": (16, 4), "loha": (19, 0), "lokr": (10, 0)}
+# What an adapted Linear keeps for the backward beyond LoRA, per token and output feature (DoRA: 1.56 measured).
+ADAPTER_SAVED_BYTES_PER_TOKEN_OUT = {"lora": 0, "dora": 2, "loha": 0, "lokr": 0}
 # Allocator margin of a block-swap plan beside its two fixed copy slots: Z-Image at 4 GB predicted 3.57, allocated
 # 3.32, reserved 4.00 (bench/results/memory-zimage-4gb-slots-h200.json; memory-qwen-image-8gb-slots-h200.json).
 SWAP_EXTRA_GB = 0.4

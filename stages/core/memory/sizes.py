@@ -141,11 +141,6 @@ def text_dims(module: torch.nn.Module) -> tuple[int, int, int, int]:
     return _width(module), heads if isinstance(heads, int) else 0, layers if isinstance(layers, int) else 0, vocab
 
 
-def lora_params(model: torch.nn.Module, targets: list[str], rank: int) -> int:
-    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
-
-
 def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
     """The components among `names` that are torch modules (not a tokenizer, processor or scheduler)."""
     index = src.component_config("", "model_index.json")

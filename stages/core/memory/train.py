@@ -11,8 +11,9 @@ from stages.core.errors import ConfigError
 from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
-from stages.core.memory.sizes import (_width, fp8_nf4_weight_bytes, lora_params, meta_component, planned_frames,
-                                       sample_tokens, weight_bytes)
+from stages.core.memory.adapter import adapter_memory
+from stages.core.memory.sizes import (_width, fp8_nf4_weight_bytes, meta_component, planned_frames, sample_tokens,
+                                       weight_bytes)
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 from stages.core.memory.train_options import graphs_mode, train_options, with_fp8_nf4, with_graph_room
 
@@ -66,7 +67,8 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         model._repeated_blocks = list(family.repeated_blocks)
     blocks = blockswap.repeated_blocks(model)
     targets = tcfg.target_modules or list(family.default_lora_targets)
-    lora = lora_params(model, targets, tcfg.rank) * cal.LORA_BYTES_PER_PARAM
+    adapter = adapter_memory(model, tcfg, cfg.runtime, targets, blocks)
+    lora = adapter.resident_bytes
     side = max(d.resolution for d in cfg.dataset_configs())  # tokens: / family.pixels_per_token (VAE x patch)
     images = 1 + planned_controls(cfg, family)  # edit families: control tokens join the sequence
     image_tokens = sample_tokens(family, side, side, planned_frames(cfg, family))  # a clip: x its latent frames
@@ -102,15 +104,20 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     outside += family.outside_rows_per_token * tcfg.batch_size * images * image_tokens * _width(model) * 4
     # the un-checkpointed blocks are the last ones (trainer: blocks[checkpointed:])
     own_units = family.block_saved_units
-    saved = [own_units.get(type(b).__name__, cal.BLOCK_SAVED_UNITS) for b in blocks]
+    # a block keeps what the adapter saves for the backward too (DoRA: its per-output scale's operands)
+    per_token = unit / max(1, tokens)
+    saved = [own_units.get(type(b).__name__, cal.BLOCK_SAVED_UNITS) + extra / per_token
+             for b, extra in zip(blocks, adapter.block_saved_bytes_per_token)]
     work = cal.BLOCK_WORK_UNITS if family.block_work_units is None else family.block_work_units
+    work += max(adapter.block_saved_bytes_per_token, default=0) / per_token
     kept = cal.ATTENTION_KEPT_UNITS if keep_attention else 0.0  # per checkpointed unswapped block
     # train.preservation adds no term: its base forwards run under no_grad (each block's transients freed as
     # the next runs, no more than the `work` a graded block holds), "dataset" before the graded forward and
     # "blank_prompt" after the graded backward freed its activations; blank_prompt's graded forward on the
     # empty caption then runs alone with a caption no longer than the batch's (Trainer._backward_once), so the
     # peak is one graded step's, as planned. What stays alive across them is one prediction, latent-sized.
-    activations = lambda checkpointed, swapped=0: outside + unit * (  # noqa: E731
+    # one adapted layer at a time adds its transient (DoRA's weight norm, LoHa's and LoKr's delta weight)
+    activations = lambda checkpointed, swapped=0: outside + adapter.transient_bytes + unit * (  # noqa: E731
         checkpointed * cal.CHECKPOINT_SAVED_UNITS + max(0, checkpointed - swapped) * kept + sum(saved[checkpointed:]) + work)
     options = with_fp8_nf4(train_options(cfg.runtime.gradient_checkpointing, precisions, n, sorted(precisions, key=whole.get)),
                             n, fp8_fixed)
@@ -140,7 +147,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             settings["swap_layout"] = layout
         candidates.append((settings, peak / cal.GB))
     plan = fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
-    grads_gb = lora / cal.LORA_BYTES_PER_PARAM * 4 / cal.GB  # the LoRA's fp32 gradients: a step allocates them anew
+    grads_gb = adapter.grads_bytes / cal.GB  # the adapter's fp32 gradients: a step allocates them anew
     for tried in plan.tried:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"], tried["swapped_blocks"]) / cal.GB, 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
