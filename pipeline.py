@@ -167,6 +167,7 @@ def cli() -> None:
 
 
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
+    from stages.core.caches import lora_final_dir
     from stages.core.config import command
     from stages.core.fsaccess import ensure_writable
     from stages.families import check_model_family
@@ -187,8 +188,10 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
         click.echo(f"train: up to date (step {manifest.get('step')} of {cfg.train.steps}, made with these settings), "
                    f"nothing to train; `{command(cfg, 'train', '--restart')}` trains again from step 0")
     if manifest.get("stopped"):
-        saved = "checkpoint and lora/final (complete=false) written" if manifest.get("saved") else "nothing new written"
-        click.echo(f"{name}: stopped at step {manifest.get('step')}, {saved}; continue with "
+        where = lora_final_dir(cfg, manifest.get("expert")).relative_to(cfg.run_dir).as_posix()
+        saved = f"checkpoint and {where} (complete=false) written" if manifest.get("saved") else "nothing new written"
+        whose = f" of the {manifest['expert']} expert" if manifest.get("expert") else ""
+        click.echo(f"{name}: stopped at step {manifest.get('step')}{whose}, {saved}; continue with "
                    f"`{command(cfg, 'train', '--resume')}`")
         return
 
@@ -358,6 +361,7 @@ def _train_start(cfg: Any, force: bool) -> str:
 def status_cmd(spec: RunSpec) -> None:
     """Show each stage of a run as up to date or stale, and why (read-only: works on a read-only folder)."""
     from stages.core.artifacts import lock_holder_pid, read_manifest
+    from stages.core.caches import lora_dir
     from stages.core.stage import staleness
 
     cfg = _settled(spec, write=False)
@@ -370,25 +374,37 @@ def status_cmd(spec: RunSpec) -> None:
             ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
         if not ok:
             changing.append(name)
-        mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
+        units = stage.units(cfg)
         pid = lock_holder_pid(cfg.run_dir, name)
         running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
-        click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({clip(reasons, 300)})") + running)
-    sizes = (read_manifest(registry.get("train").artifact_dir(cfg)) or {}).get("batch_sizes")
-    if sizes:
-        steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
-        click.echo(f"{'':16s} realised batch sizes (train.batch_size = {cfg.train.batch_size}): {steps}")
+        click.echo(f"{name:16s} {_mark(ok)}" + ("" if ok or len(units) > 1 else f"  ({clip(reasons, 300)})") + running)
+        for unit in units if len(units) > 1 else ():  # each expert's adapter (train.expert = "both")
+            unit_ok, why = staleness(stage, unit)
+            why = ([f"because {' and '.join(upstream)} will change"] if upstream else []) + ([] if unit_ok else why)
+            click.echo(f"{'':16s} {unit.train.expert + ':':6s} {_mark(unit_ok and not upstream)}"
+                       + (f"  ({clip(why, 300)})" if why else ""))
+    for unit in registry.get("train").units(cfg):
+        sizes = (read_manifest(registry.get("train").artifact_dir(unit)) or {}).get("batch_sizes")
+        if sizes:
+            steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
+            whose = f" of the {unit.train.expert} expert" if unit.train.expert else ""
+            click.echo(f"{'':16s} realised batch sizes{whose} (train.batch_size = {cfg.train.batch_size}): {steps}")
     _status_validation(cfg.run_dir)
-    _status_set_aside(cfg.run_dir)
+    _status_set_aside([lora_dir(unit) for unit in registry.get("train").units(cfg)])
 
 
-def _status_set_aside(run_dir: Path) -> None:
-    """The trainings a restart set aside (lora/.restarted-*), kept until the user removes them."""
+def _mark(ok: bool) -> str:
+    return click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
+
+
+def _status_set_aside(folders: list[Path]) -> None:
+    """The trainings a restart set aside (lora/.restarted-*, lora/<expert>/.restarted-*), kept until the user
+    removes them."""
     import shlex
 
     from stages.core.artifacts import dir_bytes
 
-    aside = sorted((run_dir / "lora").glob(".restarted-*"))
+    aside = sorted(p for folder in folders for p in folder.glob(".restarted-*"))
     if aside:
         size = sum(dir_bytes(p) for p in aside) / 2**20
         click.echo(f"{'':16s} {len(aside)} earlier training(s) set aside by restarts ({size:.1f} MiB), kept until you "
@@ -505,12 +521,22 @@ def report_cmd(spec: RunSpec, out: str | None, smooth: float, as_json: bool) -> 
     from stages import report
     from stages.core.fsaccess import writable_or_temp
 
+    from stages.core.events import read_events
+
     run_dir = spec.run_dir()
-    png, summary = report.run(run_dir, Path(out) if out else writable_or_temp(run_dir, "report.png"), smooth)
+    target = Path(out) if out else writable_or_temp(run_dir, "report.png")
+    experts = report.experts_in(read_events(run_dir))
+    done = {}
+    for expert in experts:  # a two-expert run: one plot per expert, report-<expert>.png
+        png = target.with_name(f"{target.stem}-{expert}{target.suffix}") if len(experts) > 1 else target
+        done[expert] = report.run(run_dir, png, smooth, expert)
     if as_json:
-        click.echo(json.dumps({"png": str(png), **summary}, indent=2))
-    else:
-        click.echo("\n".join(report.format_summary(summary)) + f"\nplot: {png}")
+        found = {e: {"png": str(png), **summary} for e, (png, summary) in done.items()}
+        click.echo(json.dumps(found[""] if len(experts) == 1 and "" in found else {"experts": found}, indent=2))
+        return
+    for expert, (png, summary) in done.items():
+        head = [f"{expert} expert:"] if expert else []
+        click.echo("\n".join(head + report.format_summary(summary)) + f"\nplot: {png}")
 
 
 @cli.command("plan", epilog=examples("plan --config configs/flux-dev.toml --vram 8", "plan my-lora --vram 12 --json"))
@@ -661,10 +687,11 @@ def lora_posthoc_ema_cmd(spec: RunSpec, sigma_rel: float, out: str | None) -> No
     (diffusers and ComfyUI files, checked as `export-lora --verify` does). See docs/exporting.md."""
     from stages.tools import posthoc_ema
 
-    result = posthoc_ema.run(_settled(spec, write=False), sigma_rel, Path(out) if out else None)
-    pairs = ", ".join(f"{s}: {w:.3f}" for s, w in zip(result["steps"], result["weights"]))
-    click.echo(f"post-hoc EMA (sigma_rel {sigma_rel:g}, gamma {result['gamma']:.2f}) of steps {pairs}\n"
-               + "\n".join([f"wrote {f}" for f in result["files"]] + result["notes"]))
+    done = posthoc_ema.run(_settled(spec, write=False), sigma_rel, Path(out) if out else None)
+    for result in done.get("experts", [done]):
+        pairs = ", ".join(f"{s}: {w:.3f}" for s, w in zip(result["steps"], result["weights"]))
+        click.echo(f"post-hoc EMA (sigma_rel {sigma_rel:g}, gamma {result['gamma']:.2f}) of steps {pairs}\n"
+                   + "\n".join([f"wrote {f}" for f in result["files"]] + result["notes"]))
 
 
 @cli.command("demo", epilog=examples("demo", "demo --family sdxl --steps 20"))

@@ -23,6 +23,7 @@ from stages.core.config import SampleConfig
 from stages.core.schema import Bucket
 from stages.core.dataset import scan
 from stages.core.events import read_events, validate_event
+from stages.core.caches import export_dir, lora_dir
 
 
 @pytest.fixture
@@ -168,7 +169,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     manifest = sample.run(cfg)
     edits = sample.edit_rows(cfg)  # None for text-to-image families
     prompts, lead = ([p for p, _ in edits], ["control"]) if edits else (PROMPTS, [])
-    kept = sorted(p.name for p in (cfg.run_dir / "lora").glob("checkpoint-*")
+    kept = sorted(p.name for p in (lora_dir(cfg)).glob("checkpoint-*")
                   if int(p.name.split("-")[1]) != cfg.train.steps)
     assert manifest["columns"] == [*lead, "base", *kept, f"LoRA (step {cfg.train.steps})"]
     scale = -(-sample.MIN_CELL // SIZE)
@@ -177,7 +178,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     assert grid.size == (200 + cols * (SIZE * scale + 4), 28 + rows * (SIZE * scale + 4)) == tuple(manifest["grid_size"])
 
     family = get_family(cfg.family)
-    pipe = getattr(diffusers, read_manifest(cfg.run_dir / "export")["pipeline_class"]).from_pretrained(cfg.model)
+    pipe = getattr(diffusers, read_manifest(export_dir(cfg))["pipeline_class"]).from_pretrained(cfg.model)
     pipe.set_progress_bar_config(disable=True)
     extra = family.sample_image_kwargs([dataset.load_image(c) for c in edits[0][1]], (SIZE, SIZE)) if edits else {}
     context = family.sample_context((SIZE, SIZE)) if hasattr(family, "sample_context") else contextlib.nullcontext()
@@ -205,7 +206,7 @@ def test_sample_refuses_without_export_or_settings(run_copy):
 
     with pytest.raises(UserError, match="sample.seeds"):
         sample.run(dataclasses.replace(run_copy, sample=SampleConfig(seeds=[])))
-    shutil.rmtree(run_copy.run_dir / "export")
+    shutil.rmtree(export_dir(run_copy))
     with pytest.raises(Exception, match="export-lora"):
         sample.run(sample_cfg(run_copy))
 
