@@ -315,11 +315,11 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
             continue
         click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
         extra = ["--force"] if force and stage.takes_force else []  # a stage without the flag reruns anyway
-        extra += [_train_start(cfg, force)] if name == "train" else []
-        code = call_child(stage_command(name, [*spec.child_args(), *extra], gpus))
-        if code != 0:
-            click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
-            sys.exit(code)
+        for call in _train_calls(cfg, force) if name == "train" else [extra]:
+            code = call_child(stage_command(name, [*spec.child_args(), *call], gpus))
+            if code != 0:
+                click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
+                sys.exit(code)
         if name == "train" and not staleness(stage, cfg)[0]:
             click.echo("train was stopped before its last step; later stages not run (run again to continue)")
             return
@@ -345,6 +345,22 @@ def clip(reasons: list[str], n: int) -> str:
     return "; ".join(one(r) for r in reasons)
 
 
+def _train_calls(cfg: Any, force: bool) -> list[list[str]]:
+    """The train children `run` starts, by their extra arguments: one, with `_train_start`'s flag. Where the
+    config trains several experts (train.expert = "both") and one of the stale ones must start over while
+    another is up to date or continues, one child per stale expert (`--once train.expert=<expert>`, the
+    same adapter as in a both-run), so a restart never retrains an expert that is up to date."""
+    from stages.core.stage import staleness
+
+    train = registry.get("train")
+    units = train.units(cfg)
+    stale = [u for u in units if not staleness(train, u)[0]]
+    starts = [_train_start(u, force) for u in stale]
+    if len(units) == 1 or force or "--restart" not in starts or starts == ["--restart"] * len(units):
+        return [[_train_start(cfg, force)]]  # every stale expert continues, or every expert starts over
+    return [["--once", f"train.expert={u.train.expert}", start] for u, start in zip(stale, starts)]
+
+
 def _train_start(cfg: Any, force: bool) -> str:
     """How `run` starts a stale train: a stopped or killed one continues from its newest checkpoint made
     with these settings (and ends bit-identical to an uninterrupted run); one trained with other
@@ -362,27 +378,19 @@ def status_cmd(spec: RunSpec) -> None:
     """Show each stage of a run as up to date or stale, and why (read-only: works on a read-only folder)."""
     from stages.core.artifacts import lock_holder_pid, read_manifest
     from stages.core.caches import lora_dir
-    from stages.core.stage import staleness
 
     cfg = _settled(spec, write=False)
-    changing: list[str] = []  # stages that will rerun, whose outputs the stages below them read
+    changing: dict[str, set[str]] = {}  # stage -> the experts ("" for all) whose artifacts will change
     for stage in registry.ALL:
-        name = stage.name
-        ok, reasons = staleness(stage, cfg)
-        upstream = [registry.get(u).produces for u in stage.upstream if u in changing]
-        if upstream:
-            ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
-        if not ok:
-            changing.append(name)
-        units = stage.units(cfg)
+        name, units = stage.name, stage.units(cfg)
+        rows = [_status_row(stage, unit, unit.train.expert if len(units) > 1 else "", changing) for unit in units]
+        ok = all(unit_ok for _, unit_ok, _ in rows)
         pid = lock_holder_pid(cfg.run_dir, name)
         running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
-        click.echo(f"{name:16s} {_mark(ok)}" + ("" if ok or len(units) > 1 else f"  ({clip(reasons, 300)})") + running)
-        for unit in units if len(units) > 1 else ():  # each expert's adapter (train.expert = "both")
-            unit_ok, why = staleness(stage, unit)
-            why = ([f"because {' and '.join(upstream)} will change"] if upstream else []) + ([] if unit_ok else why)
-            click.echo(f"{'':16s} {unit.train.expert + ':':6s} {_mark(unit_ok and not upstream)}"
-                       + (f"  ({clip(why, 300)})" if why else ""))
+        reasons = rows[0][2] if len(rows) == 1 else []  # several: a line for each expert
+        click.echo(f"{name:16s} {_mark(ok)}" + (f"  ({clip(reasons, 300)})" if reasons else "") + running)
+        for expert, unit_ok, why in rows if len(rows) > 1 else ():
+            click.echo(f"{'':16s} {expert + ':':6s} {_mark(unit_ok)}" + (f"  ({clip(why, 300)})" if why else ""))
     for unit in registry.get("train").units(cfg):
         sizes = (read_manifest(registry.get("train").artifact_dir(unit)) or {}).get("batch_sizes")
         if sizes:
@@ -391,6 +399,21 @@ def status_cmd(spec: RunSpec) -> None:
             click.echo(f"{'':16s} realised batch sizes{whose} (train.batch_size = {cfg.train.batch_size}): {steps}")
     _status_validation(cfg.run_dir)
     _status_set_aside([lora_dir(unit) for unit in registry.get("train").units(cfg)])
+
+
+def _status_row(stage: Any, cfg: Any, expert: str, changing: dict[str, set[str]]) -> tuple[str, bool, list[str]]:
+    """(expert, up to date, reasons) of one artifact of `stage` (the run's, or an expert's), a stage above it
+    that will rerun for it (for every expert, or for this one) included; adds itself to `changing` if stale."""
+    from stages.core.stage import staleness
+
+    ok, reasons = staleness(stage, cfg)
+    upstream = [registry.get(u).produces for u in stage.upstream
+                if changing.get(u) and (not expert or expert in changing[u] or "" in changing[u])]
+    if upstream:
+        ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
+    if not ok:
+        changing.setdefault(stage.name, set()).add(expert)
+    return expert, ok, [] if ok else reasons
 
 
 def _mark(ok: bool) -> str:
@@ -532,7 +555,7 @@ def report_cmd(spec: RunSpec, out: str | None, smooth: float, as_json: bool) -> 
         done[expert] = report.run(run_dir, png, smooth, expert)
     if as_json:
         found = {e: {"png": str(png), **summary} for e, (png, summary) in done.items()}
-        click.echo(json.dumps(found[""] if len(experts) == 1 and "" in found else {"experts": found}, indent=2))
+        click.echo(json.dumps(next(iter(found.values())) if len(found) == 1 else {"experts": found}, indent=2))
         return
     for expert, (png, summary) in done.items():
         head = [f"{expert} expert:"] if expert else []

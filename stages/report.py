@@ -236,13 +236,15 @@ def draw_report(curve: Curve, weight: float, title: str, out: Path) -> Path:
     return out
 
 
-def run(run_dir: Path, out: Path | None = None, weight: float = 0.9, expert: str = "") -> tuple[Path, dict[str, Any]]:
-    """Draw the report PNG for one run folder (of `expert`'s adapter: `experts_in`); returns (png path, summary)."""
+def run(run_dir: Path, out: Path | None = None, weight: float = 0.9, expert: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Draw the report PNG for one run folder, of `expert`'s adapter (`experts_in`; default: the first whose
+    steps the events hold); returns (png path, summary)."""
     from stages.core.errors import UserError
 
     events = read_events(run_dir)
     if not events:
         raise UserError(f"'{run_dir / 'events.jsonl'}' is missing or empty: run a stage of run '{run_dir.name}' first")
+    expert = experts_in(events)[0] if expert is None else expert
     curve = train_curve(events, expert)
     if not curve.steps:
         raise UserError(f"run '{run_dir.name}' has no training steps in its events.jsonl yet: "

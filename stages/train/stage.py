@@ -41,7 +41,7 @@ def stop_file(run_dir: Path) -> Path:
     return run_dir / "train.stop"
 
 
-def where(cfg: Any) -> str:
+def folder_name(cfg: Any) -> str:
     """The adapter folder of one expert's (or a one-denoiser run's) config, as messages name it: lora, lora/high."""
     return lora_dir(cfg).relative_to(cfg.run_dir).as_posix()
 
@@ -80,7 +80,7 @@ def partial_state(cfg: Any) -> str | None:
     found = complete_checkpoints(lora_dir(cfg))
     if not found:
         return None
-    return other_settings(cfg) or (f"interrupted: no {where(cfg)}/final yet, newest complete checkpoint is {found[-1].name}; "
+    return other_settings(cfg) or (f"interrupted: no {folder_name(cfg)}/final yet, newest complete checkpoint is {found[-1].name}; "
                                    f"`{command(cfg, NAME, '--resume')}` (or `run`) continues from it")
 
 
@@ -99,9 +99,9 @@ def trained_with(cfg: Any) -> tuple[str, dict[str, Any]] | None:
 
     final = read_manifest(lora_final_dir(cfg))
     if final is not None:
-        return f"{where(cfg)}/final (step {final.get('step')})", final
+        return f"{folder_name(cfg)}/final (step {final.get('step')})", final
     found = complete_checkpoints(lora_dir(cfg))
-    return (f"{where(cfg)}/{found[-1].name}", read_manifest(found[-1])) if found else None
+    return (f"{folder_name(cfg)}/{found[-1].name}", read_manifest(found[-1])) if found else None
 
 
 def other_settings(cfg: Any) -> str | None:
@@ -124,7 +124,7 @@ def other_settings(cfg: Any) -> str | None:
     what = [describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
     return (f"{where} was trained with other settings ({'; '.join(what)[:400] or 'fingerprint changed'}), and no "
             f"checkpoint of these settings continues it: `{command(cfg, NAME, '--restart')}` trains again from step 0 "
-            f"(the earlier checkpoints and adapter are set aside in {where(cfg)}/.restarted-<time>/, nothing is deleted)")
+            f"(the earlier checkpoints and adapter are set aside in {folder_name(cfg)}/.restarted-<time>/, nothing is deleted)")
 
 
 def refuse_unfinished(cfg: Any, resume: bool) -> None:
@@ -137,7 +137,7 @@ def refuse_unfinished(cfg: Any, resume: bool) -> None:
         raise ArtifactError(
             f"run '{cfg.run}' has an unfinished training made with this config ({found}, step {step_of(found)} of "
             f"{cfg.train.steps}): continue it with `{command(cfg, NAME, '--resume')}`, or start over with "
-            f"`{command(cfg, NAME, '--restart')}` (the old checkpoints are moved to {where(cfg)}/.restarted-<time>/, "
+            f"`{command(cfg, NAME, '--restart')}` (the old checkpoints are moved to {folder_name(cfg)}/.restarted-<time>/, "
             f"nothing is deleted)")
     changed = other_settings(cfg)
     if changed is not None:

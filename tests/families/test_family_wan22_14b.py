@@ -212,6 +212,7 @@ def test_both_experts_train_in_one_run_on_their_own_sigmas_stop_and_resume_in_th
     the boundary. Stopped in the low phase (SIGTERM after its 2nd step) and resumed, it ends with the adapters of a
     run that trained high alone and then switched to "both" (which trains low only): each expert's adapter is a
     single-expert run's, and the resume is exact. A finished both-run is up to date, and so is "low" alone."""
+    import pipeline
     from stages import registry, train
     from stages.core import faults
     from stages.core.stage import staleness
@@ -233,6 +234,7 @@ def test_both_experts_train_in_one_run_on_their_own_sigmas_stop_and_resume_in_th
     assert all((t >= 0.875).all() if e == "high" else (t < 0.875).all() for e, t in drawn), "each on its own side"
     ok, reasons = staleness(registry.get("train"), cfg)
     assert not ok and reasons == [r for r in reasons if r.startswith("expert low: ")] and "--resume" in reasons[0]
+    assert pipeline._train_calls(cfg, False) == [["--resume"]]
     high_final = (lora_dir(high) / "final" / "manifest.json").stat().st_mtime_ns
 
     monkeypatch.delenv(faults.ENV)
@@ -246,10 +248,16 @@ def test_both_experts_train_in_one_run_on_their_own_sigmas_stop_and_resume_in_th
     switch = run_beside(built_run, "switch", **{"train.expert": "high", **steps})
     train.run(switch)
     switch = _same_run(switch, "both")
+    assert pipeline._train_calls(switch, False) == [["--resume"]]  # `lorapipe run`: low is new, high up to date
     trained = train.run(switch)  # high from the single-expert run is up to date; only low trains
     assert trained["experts"]["high"]["up_to_date"] and not trained["experts"]["low"].get("up_to_date")
     for unit, expert in zip(registry.each_expert(switch), ("high", "low")):
         assert _same(_adapter(lora_dir(unit) / "final"), _adapter(lora_dir(cfg, expert) / "final")), expert
+
+    other = _same_run(switch, "low")
+    other.train.learning_rate *= 2
+    train.run(other, restart=True)  # low of other settings: `run` restarts low alone, never the up-to-date high
+    assert pipeline._train_calls(switch, False) == [["--once", "train.expert=low", "--restart"]]
 
 
 @pytest.mark.parametrize("built_run", [NAME], indirect=True)

@@ -24,6 +24,7 @@ from stages.core.schema import Bucket
 from stages.core.dataset import scan
 from stages.core.events import read_events, validate_event
 from stages.core.caches import export_dir, lora_dir
+from stages.families import get_family
 
 
 @pytest.fixture
@@ -69,10 +70,15 @@ def test_inspect_reports_every_artifact(built_run):
     assert {k for k, s in rep["stages"].items() if s["up_to_date"]} == {"encode-captions", "cache-latents", "train",
                                                                          "export-lora"}
     assert rep["stages"]["sample"]["reasons"] == ["never built (no manifest)"]
-    final = rep["lora"]["final"]
+    expert = built_run.train.expert  # a two-expert family's report holds each expert's adapter and export
+    lora, export = (rep[k][expert] if expert else rep[k] for k in ("lora", "export"))
+    final = lora["final"]
     assert final["step"] == built_run.train.steps and final["lora_config"]["r"] == built_run.train.rank
     assert final["hyper_parameters"]["learning_rate"] == built_run.train.learning_rate
-    assert rep["export"]["files"]["pytorch_lora_weights.safetensors"] > 0
+    assert export["files"]["pytorch_lora_weights.safetensors"] > 0
+    if expert:  # the other expert, untrained in this run, is named with nothing in it
+        assert [e for e, section in rep["lora"].items() if section["final"] is None] == [
+            e for e in get_family(built_run.family).experts if e != expert]
 
 
 def test_inspect_finds_nan_orphaned_missing_and_stale(run_copy):
