@@ -9,10 +9,14 @@
 - training sigmas lie on the scheduler's flow_shift curve, each expert's only on its own side of the boundary,
   stratified draws included;
 - the Wan 2.1 VAE: 16 channels, 8 px and 4 frames a latent cell, normalization the decode's inverse;
-- the config checks ("both", no expert, an expert on a one-denoiser family, timestep_min/max, frames);
+- the config checks (no expert, DoRA on the low expert, an expert on a one-denoiser family, timestep_min/max, frames);
 - a low-noise run end to end: its export loads into transformer_2 only (`load_into_transformer_2`), applies the
   trained delta there, passes export --verify, names its ComfyUI file for the expert, and `sample` renders through
-  both experts with the LoRA on the low-noise one; the planners count one expert to train and two to sample.
+  both experts with the LoRA on the low-noise one; the planners count one expert to train and two to sample;
+- train.expert = "both": one run trains high's adapter then low's (lora/high/, lora/low/), each on its own sigmas,
+  stops and resumes in the low phase, skips a finished expert, equals single-expert runs (high -> "both" trains
+  low alone; "low" finds it up to date); its export writes each expert's files, which load in WanPipeline with
+  every key and the trained delta on the right expert, and `sample` puts each LoRA on its own expert.
 """
 
 from __future__ import annotations
@@ -213,7 +217,7 @@ def test_both_experts_train_in_one_run_on_their_own_sigmas_stop_and_resume_in_th
     run that trained high alone and then switched to "both" (which trains low only): each expert's adapter is a
     single-expert run's, and the resume is exact. A finished both-run is up to date, and so is "low" alone."""
     import pipeline
-    from stages import registry, train
+    from stages import registry, run_settings, train
     from stages.core import faults
     from stages.core.stage import staleness
     from stages.families.wan22_14b.family import Wan22_14B
@@ -244,6 +248,7 @@ def test_both_experts_train_in_one_run_on_their_own_sigmas_stop_and_resume_in_th
     assert {e for e, _ in drawn[len(order):]} == {"low"}  # the resume trains low's third step alone
     assert train.run(cfg)["up_to_date"], "a finished both-run trains nothing"
     assert staleness(registry.get("train"), low)[0], "switching to train.expert = 'low' finds low up to date"
+    assert run_settings.made_stale(cfg, low) == [] and run_settings.made_stale(high, cfg) == ["train"]  # `config`'s diff
 
     switch = run_beside(built_run, "switch", **{"train.expert": "high", **steps})
     train.run(switch)
@@ -256,7 +261,9 @@ def test_both_experts_train_in_one_run_on_their_own_sigmas_stop_and_resume_in_th
 
     other = _same_run(switch, "low")
     other.train.learning_rate *= 2
+    kept = sorted((p.name, p.stat().st_mtime_ns) for p in lora_dir(switch, "high").rglob("*"))
     train.run(other, restart=True)  # low of other settings: `run` restarts low alone, never the up-to-date high
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in lora_dir(switch, "high").rglob("*")) == kept
     assert pipeline._train_calls(switch, False) == [["--once", "train.expert=low", "--restart"]]
 
 
