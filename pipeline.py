@@ -167,6 +167,7 @@ def cli() -> None:
 
 
 def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
+    from stages.core.caches import lora_final_dir
     from stages.core.config import command
     from stages.core.fsaccess import ensure_writable
     from stages.families import check_model_family
@@ -187,8 +188,10 @@ def _run_stage(name: str, cfg: Any, force: bool = False, **kwargs: Any) -> None:
         click.echo(f"train: up to date (step {manifest.get('step')} of {cfg.train.steps}, made with these settings), "
                    f"nothing to train; `{command(cfg, 'train', '--restart')}` trains again from step 0")
     if manifest.get("stopped"):
-        saved = "checkpoint and lora/final (complete=false) written" if manifest.get("saved") else "nothing new written"
-        click.echo(f"{name}: stopped at step {manifest.get('step')}, {saved}; continue with "
+        where = lora_final_dir(cfg, manifest.get("expert")).relative_to(cfg.run_dir).as_posix()
+        saved = f"checkpoint and {where} (complete=false) written" if manifest.get("saved") else "nothing new written"
+        whose = f" of the {manifest['expert']} expert" if manifest.get("expert") else ""
+        click.echo(f"{name}: stopped at step {manifest.get('step')}{whose}, {saved}; continue with "
                    f"`{command(cfg, 'train', '--resume')}`")
         return
 
@@ -312,11 +315,11 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
             continue
         click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
         extra = ["--force"] if force and stage.takes_force else []  # a stage without the flag reruns anyway
-        extra += [_train_start(cfg, force)] if name == "train" else []
-        code = call_child(stage_command(name, [*spec.child_args(), *extra], gpus))
-        if code != 0:
-            click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
-            sys.exit(code)
+        for call in _train_calls(cfg, force) if name == "train" else [extra]:
+            code = call_child(stage_command(name, [*spec.child_args(), *call], gpus))
+            if code != 0:
+                click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
+                sys.exit(code)
         if name == "train" and not staleness(stage, cfg)[0]:
             click.echo("train was stopped before its last step; later stages not run (run again to continue)")
             return
@@ -342,6 +345,22 @@ def clip(reasons: list[str], n: int) -> str:
     return "; ".join(one(r) for r in reasons)
 
 
+def _train_calls(cfg: Any, force: bool) -> list[list[str]]:
+    """The train children `run` starts, by their extra arguments: one, with `_train_start`'s flag. Where the
+    config trains several experts (train.expert = "both") and one of the stale ones must start over while
+    another is up to date or continues, one child per stale expert (`--once train.expert=<expert>`, the
+    same adapter as in a both-run), so a restart never retrains an expert that is up to date."""
+    from stages.core.stage import staleness
+
+    train = registry.get("train")
+    units = train.units(cfg)
+    stale = [u for u in units if not staleness(train, u)[0]]
+    starts = [_train_start(u, force) for u in stale]
+    if len(units) == 1 or force or "--restart" not in starts or starts == ["--restart"] * len(units):
+        return [[_train_start(cfg, force)]]  # every stale expert continues, or every expert starts over
+    return [["--once", f"train.expert={u.train.expert}", start] for u, start in zip(stale, starts)]
+
+
 def _train_start(cfg: Any, force: bool) -> str:
     """How `run` starts a stale train: a stopped or killed one continues from its newest checkpoint made
     with these settings (and ends bit-identical to an uninterrupted run); one trained with other
@@ -358,37 +377,57 @@ def _train_start(cfg: Any, force: bool) -> str:
 def status_cmd(spec: RunSpec) -> None:
     """Show each stage of a run as up to date or stale, and why (read-only: works on a read-only folder)."""
     from stages.core.artifacts import lock_holder_pid, read_manifest
-    from stages.core.stage import staleness
+    from stages.core.caches import lora_dir
 
     cfg = _settled(spec, write=False)
-    changing: list[str] = []  # stages that will rerun, whose outputs the stages below them read
+    changing: dict[str, set[str]] = {}  # stage -> the experts ("" for all) whose artifacts will change
     for stage in registry.ALL:
-        name = stage.name
-        ok, reasons = staleness(stage, cfg)
-        upstream = [registry.get(u).produces for u in stage.upstream if u in changing]
-        if upstream:
-            ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
-        if not ok:
-            changing.append(name)
-        mark = click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
+        name, units = stage.name, stage.units(cfg)
+        rows = [_status_row(stage, unit, unit.train.expert if len(units) > 1 else "", changing) for unit in units]
+        ok = all(unit_ok for _, unit_ok, _ in rows)
         pid = lock_holder_pid(cfg.run_dir, name)
         running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
-        click.echo(f"{name:16s} {mark}" + ("" if ok else f"  ({clip(reasons, 300)})") + running)
-    sizes = (read_manifest(registry.get("train").artifact_dir(cfg)) or {}).get("batch_sizes")
-    if sizes:
-        steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
-        click.echo(f"{'':16s} realised batch sizes (train.batch_size = {cfg.train.batch_size}): {steps}")
+        reasons = rows[0][2] if len(rows) == 1 else []  # several: a line for each expert
+        click.echo(f"{name:16s} {_mark(ok)}" + (f"  ({clip(reasons, 300)})" if reasons else "") + running)
+        for expert, unit_ok, why in rows if len(rows) > 1 else ():
+            click.echo(f"{'':16s} {expert + ':':6s} {_mark(unit_ok)}" + (f"  ({clip(why, 300)})" if why else ""))
+    for unit in registry.get("train").units(cfg):
+        sizes = (read_manifest(registry.get("train").artifact_dir(unit)) or {}).get("batch_sizes")
+        if sizes:
+            steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
+            whose = f" of the {unit.train.expert} expert" if unit.train.expert else ""
+            click.echo(f"{'':16s} realised batch sizes{whose} (train.batch_size = {cfg.train.batch_size}): {steps}")
     _status_validation(cfg.run_dir)
-    _status_set_aside(cfg.run_dir)
+    _status_set_aside([lora_dir(unit) for unit in registry.get("train").units(cfg)])
 
 
-def _status_set_aside(run_dir: Path) -> None:
-    """The trainings a restart set aside (lora/.restarted-*), kept until the user removes them."""
+def _status_row(stage: Any, cfg: Any, expert: str, changing: dict[str, set[str]]) -> tuple[str, bool, list[str]]:
+    """(expert, up to date, reasons) of one artifact of `stage` (the run's, or an expert's), a stage above it
+    that will rerun for it (for every expert, or for this one) included; adds itself to `changing` if stale."""
+    from stages.core.stage import staleness
+
+    ok, reasons = staleness(stage, cfg)
+    upstream = [registry.get(u).produces for u in stage.upstream
+                if changing.get(u) and (not expert or expert in changing[u] or "" in changing[u])]
+    if upstream:
+        ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
+    if not ok:
+        changing.setdefault(stage.name, set()).add(expert)
+    return expert, ok, [] if ok else reasons
+
+
+def _mark(ok: bool) -> str:
+    return click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
+
+
+def _status_set_aside(folders: list[Path]) -> None:
+    """The trainings a restart set aside (lora/.restarted-*, lora/<expert>/.restarted-*), kept until the user
+    removes them."""
     import shlex
 
     from stages.core.artifacts import dir_bytes
 
-    aside = sorted((run_dir / "lora").glob(".restarted-*"))
+    aside = sorted(p for folder in folders for p in folder.glob(".restarted-*"))
     if aside:
         size = sum(dir_bytes(p) for p in aside) / 2**20
         click.echo(f"{'':16s} {len(aside)} earlier training(s) set aside by restarts ({size:.1f} MiB), kept until you "
@@ -505,12 +544,22 @@ def report_cmd(spec: RunSpec, out: str | None, smooth: float, as_json: bool) -> 
     from stages import report
     from stages.core.fsaccess import writable_or_temp
 
+    from stages.core.events import read_events
+
     run_dir = spec.run_dir()
-    png, summary = report.run(run_dir, Path(out) if out else writable_or_temp(run_dir, "report.png"), smooth)
+    target = Path(out) if out else writable_or_temp(run_dir, "report.png")
+    experts = report.experts_in(read_events(run_dir))
+    done = {}
+    for expert in experts:  # a two-expert run: one plot per expert, report-<expert>.png
+        png = target.with_name(f"{target.stem}-{expert}{target.suffix}") if len(experts) > 1 else target
+        done[expert] = report.run(run_dir, png, smooth, expert)
     if as_json:
-        click.echo(json.dumps({"png": str(png), **summary}, indent=2))
-    else:
-        click.echo("\n".join(report.format_summary(summary)) + f"\nplot: {png}")
+        found = {e: {"png": str(png), **summary} for e, (png, summary) in done.items()}
+        click.echo(json.dumps(next(iter(found.values())) if len(found) == 1 else {"experts": found}, indent=2))
+        return
+    for expert, (png, summary) in done.items():
+        head = [f"{expert} expert:"] if expert else []
+        click.echo("\n".join(head + report.format_summary(summary)) + f"\nplot: {png}")
 
 
 @cli.command("plan", epilog=examples("plan --config configs/flux-dev.toml --vram 8", "plan my-lora --vram 12 --json"))
@@ -661,10 +710,11 @@ def lora_posthoc_ema_cmd(spec: RunSpec, sigma_rel: float, out: str | None) -> No
     (diffusers and ComfyUI files, checked as `export-lora --verify` does). See docs/exporting.md."""
     from stages.tools import posthoc_ema
 
-    result = posthoc_ema.run(_settled(spec, write=False), sigma_rel, Path(out) if out else None)
-    pairs = ", ".join(f"{s}: {w:.3f}" for s, w in zip(result["steps"], result["weights"]))
-    click.echo(f"post-hoc EMA (sigma_rel {sigma_rel:g}, gamma {result['gamma']:.2f}) of steps {pairs}\n"
-               + "\n".join([f"wrote {f}" for f in result["files"]] + result["notes"]))
+    done = posthoc_ema.run(_settled(spec, write=False), sigma_rel, Path(out) if out else None)
+    for result in done.get("experts", [done]):
+        pairs = ", ".join(f"{s}: {w:.3f}" for s, w in zip(result["steps"], result["weights"]))
+        click.echo(f"post-hoc EMA (sigma_rel {sigma_rel:g}, gamma {result['gamma']:.2f}) of steps {pairs}\n"
+                   + "\n".join([f"wrote {f}" for f in result["files"]] + result["notes"]))
 
 
 @cli.command("demo", epilog=examples("demo", "demo --family sdxl --steps 20"))

@@ -10,7 +10,8 @@ Everything it needs (family, pipeline class, LoRA config) is read from lora/fina
 if that is missing it refuses and names the command that makes it. `--checkpoint N` exports
 lora/checkpoint-N to export/checkpoint-N/, beside the final export, which it leaves as it is. An
 export that is up to date is not rewritten unless forced. `--ema` exports the EMA of the adapter
-weights (train.ema_decay > 0) in the same files instead.
+weights (train.ema_decay > 0) in the same files instead. A two-expert family's adapter lora/<expert>/
+exports to export/<expert>/ (its ComfyUI file named for the expert); train.expert = "both" exports each.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any
 
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
 # DIFFUSERS_FILE and scale_folded stay importable from here
-from stages.core.caches import (DIFFUSERS_FILE, complete_checkpoints, export_dir as export_root, lora_final_dir,  # noqa: F401
-                                 scale_folded, write_diffusers)
+from stages.core.caches import (DIFFUSERS_FILE, complete_checkpoints, export_dir as export_root, lora_dir,  # noqa: F401
+                                 lora_final_dir, scale_folded, write_diffusers)
 from stages.core.config import command
 
 NAME = "export-lora"
@@ -41,9 +42,13 @@ def export_dir(cfg: Any, checkpoint: int | None) -> Path:
 
 def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]:
     if checkpoint is not None:
-        source = read_manifest(cfg.run_dir / "lora" / f"checkpoint-{checkpoint}")
+        source = read_manifest(lora_dir(cfg) / f"checkpoint-{checkpoint}")
         return {"checkpoint": checkpoint, "lora": source and source.get("fingerprint"),
                 "lineage": source and source.get("lineage"), **_file_parts(cfg)}
+    if cfg.train.expert == "both":
+        from stages.registry import each_expert
+
+        return {unit.train.expert: fingerprint_parts(unit) for unit in each_expert(cfg)}
     final = read_manifest(lora_final_dir(cfg))
     return {"lora": final and final.get("fingerprint"), "lora_step": final and final.get("step"), **_file_parts(cfg)}
 
@@ -69,43 +74,57 @@ def adapter_weights(cfg: Any, folder: Path) -> str:
 
 
 def source_manifest(cfg: Any, checkpoint: int | None = None) -> tuple[Path, dict[str, Any]]:
-    folder = lora_final_dir(cfg) if checkpoint is None else cfg.run_dir / "lora" / f"checkpoint-{checkpoint}"
+    folder = lora_final_dir(cfg) if checkpoint is None else lora_dir(cfg) / f"checkpoint-{checkpoint}"
     manifest = read_manifest(folder)
     if manifest is not None:
         return folder, manifest
+    where = lora_dir(cfg).relative_to(cfg.run_dir).as_posix()
     if checkpoint is None:
-        raise ArtifactError(f"'{folder}' has no complete adapter (lora/final missing or unfinished): run "
+        raise ArtifactError(f"'{folder}' has no complete adapter ({where}/final missing or unfinished): run "
                             f"`{command(cfg, 'train')}` first")
-    steps = [p.name[11:] for p in complete_checkpoints(cfg.run_dir / "lora")]
+    steps = [p.name[11:] for p in complete_checkpoints(lora_dir(cfg))]
     there = (f"the checkpoints there are: {', '.join(steps)} (e.g. `{command(cfg, NAME, '--checkpoint', steps[-1])}`)"
              if steps else "there are none (runtime.checkpoint_every and runtime.keep_checkpoints decide which are kept)")
-    raise ArtifactError(f"run '{cfg.run}' has no complete lora/checkpoint-{checkpoint}: {there}")
+    raise ArtifactError(f"run '{cfg.run}' has no complete {where}/checkpoint-{checkpoint}: {there}")
 
 
 def run(cfg: Any, checkpoint: int | None = None, force: bool = False) -> dict[str, Any]:
+    """Export the run's adapter (each expert's, for train.expert = "both"); returns the manifest, the last
+    expert's with `experts` holding each one's when there are several."""
     from stages.core.runtime import install_model_trace
     from stages.families import library_notices
     from stages.core.stage import running_stage
-    from stages.registry import conflicts
+    from stages.registry import conflicts, each_expert
 
     install_model_trace(NAME, library_notices())
     with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
-        folder, manifest = source_manifest(cfg, checkpoint)
-        out, parts = export_dir(cfg, checkpoint), fingerprint_parts(cfg, checkpoint)
-        current = read_manifest(out)
-        if not force and current is not None and current.get("fingerprint") == fingerprint(parts):
-            checks = verify(cfg, folder, manifest, [out / f for f in current["files"]]) if cfg.export.verify else {}
-            ctx.log.emit("up_to_date", fingerprint=current["fingerprint"], notes=notes(checks))
-            return current
-        with atomic_dir(out) as tmp:
-            fields = write_export(cfg, folder, manifest, parts, tmp, complete=checkpoint is not None,
-                                  checkpoint=checkpoint)
-            result = write_manifest(tmp, NAME, **fields, seconds=ctx.elapsed())
-            if checkpoint is None:
-                keep_checkpoint_exports(out, tmp)
-        ctx.log.emit("done", seconds=ctx.elapsed(), files=[str(out / f) for f in result["files"]],
-                     notes=notes(result.get("checks", {})))
-        return result
+        units = each_expert(cfg)
+        sources = [source_manifest(unit, checkpoint) for unit in units]  # every adapter is there before one is written
+        done = {unit.train.expert: export_one(unit, ctx, folder, manifest, checkpoint, force)
+                for unit, (folder, manifest) in zip(units, sources)}
+        result = done[units[-1].train.expert]
+        return result if len(units) == 1 else {**result, "experts": done}
+
+
+def export_one(cfg: Any, ctx: Any, folder: Path, manifest: dict[str, Any], checkpoint: int | None,
+               force: bool) -> dict[str, Any]:
+    """One adapter's export (the run's, or one expert's) into its folder, unless it is up to date."""
+    out, parts = export_dir(cfg, checkpoint), fingerprint_parts(cfg, checkpoint)
+    current = read_manifest(out)
+    if not force and current is not None and current.get("fingerprint") == fingerprint(parts):
+        checks = verify(cfg, folder, manifest, [out / f for f in current["files"]]) if cfg.export.verify else {}
+        ctx.log.emit("up_to_date", fingerprint=current["fingerprint"], notes=notes(checks),
+                     **({"expert": cfg.train.expert} if cfg.train.expert else {}))
+        return current
+    with atomic_dir(out) as tmp:
+        fields = write_export(cfg, folder, manifest, parts, tmp, complete=checkpoint is not None,
+                              checkpoint=checkpoint)
+        result = write_manifest(tmp, NAME, **fields, seconds=ctx.elapsed())
+        if checkpoint is None:
+            keep_checkpoint_exports(out, tmp)
+    ctx.log.emit("done", seconds=ctx.elapsed(), files=[str(out / f) for f in result["files"]],
+                 notes=notes(result.get("checks", {})))
+    return result
 
 
 def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[str, Any], tmp: Path,

@@ -216,15 +216,16 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
             "bytes_on_disk": dir_bytes(path)}
 
 
-def lora_section(run_dir: Path) -> dict[str, Any]:
-    folder = run_dir / "lora"
+def lora_section(folder: Path, name: str = "lora") -> dict[str, Any]:
+    """One adapter folder (lora/, or lora/<expert>/ of a two-expert family, `name` as the report shows it):
+    checkpoints, final, profile."""
     checkpoints = []
     for p in sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]) if p.name[11:].isdigit() else -1):
         m = read_manifest(p)
         checkpoints.append({"name": p.name, "step": m and m.get("step"), "complete": m is not None,
                             "bytes_on_disk": dir_bytes(p)})
     final = read_manifest(folder / "final")
-    out: dict[str, Any] = {"checkpoints": checkpoints, "final": None}
+    out: dict[str, Any] = {"folder": name, "checkpoints": checkpoints, "final": None}
     if final is not None:
         keys = ("step", "complete", "incomplete_reason", "loss_first", "loss_last", "samples_per_second", "seconds",
                 "precision", "device", "peak_vram_gb", "pipeline_class")
@@ -249,11 +250,11 @@ def profile_section(path: Path, top: int = 10) -> dict[str, Any] | None:
         return {"path": str(path), "error": f"unreadable ({type(e).__name__}: {e}); rerun train with runtime.profile_steps"}
 
 
-def export_section(run_dir: Path, name: str) -> dict[str, Any] | None:
-    manifest = read_manifest(run_dir / name)
+def export_section(folder: Path) -> dict[str, Any] | None:
+    manifest = read_manifest(folder)
     if manifest is None:
         return None
-    files = {f: (run_dir / name / f).stat().st_size for f in manifest.get("files", []) if (run_dir / name / f).exists()}
+    files = {f: (folder / f).stat().st_size for f in manifest.get("files", []) if (folder / f).exists()}
     return {"files": files, **{k: manifest[k] for k in ("step", "columns", "prompts", "seeds") if k in manifest}}
 
 
@@ -279,9 +280,30 @@ def inspect_run(run_dir: Path, config: Any = None, rows: int = 64) -> dict[str, 
         "config": None if cfg is None else {"family": cfg.family, "model": cfg.model, "data": [d.path for d in cfg.dataset_configs()] if cfg.datasets else cfg.data.path},
         "stages": None if cfg is None else stages_section(cfg),
         "captions": captions_section(run_dir, rows, cfg), "latents": latents_section(run_dir, rows),
-        "lora": lora_section(run_dir), "export": export_section(run_dir, "export"),
-        "samples": export_section(run_dir, "samples"), "events": events_section(run_dir),
+        **adapter_sections(run_dir, cfg), "samples": export_section(run_dir / "samples"),
+        "events": events_section(run_dir),
     }
+
+
+def adapter_sections(run_dir: Path, cfg: Any) -> dict[str, Any]:
+    """"lora" and "export": the run's adapter folder and export, or for a two-expert family
+    {expert: section} of each of its experts (trained or not)."""
+    from stages.core.caches import EXPORT, LORA, export_dir, lora_dir
+
+    if cfg is None:  # no config.json: the one-denoiser layout
+        return {"lora": lora_section(run_dir / LORA), "export": export_section(run_dir / EXPORT)}
+    experts = experts_of(cfg)
+    if not experts:
+        return {"lora": lora_section(lora_dir(cfg)), "export": export_section(export_dir(cfg))}
+    return {"lora": {e: lora_section(lora_dir(cfg, e), lora_dir(cfg, e).relative_to(run_dir).as_posix()) for e in experts},
+            "export": {e: export_section(export_dir(cfg, e)) for e in experts}}
+
+
+def experts_of(cfg: Any) -> tuple[str, ...]:
+    """The family's experts where the run picks one (train.expert set), else ()."""
+    from stages.families import get_family
+
+    return get_family(cfg.family).experts if cfg.train.expert else ()
 
 
 def to_json(report: dict[str, Any]) -> str:
@@ -413,7 +435,13 @@ def render(report: dict[str, Any], console: Any) -> None:
         console.print(t)
     _render_captions(report["captions"], console)
     _render_latents(report["latents"], console)
-    _render_lora(report["lora"], report["export"], report["samples"], console)
+    if "checkpoints" in report["lora"]:
+        _render_lora(report["lora"], report["export"], console)
+    else:  # a two-expert run: each expert's adapter and export
+        for expert, section in report["lora"].items():
+            console.print(f"[bold]{expert} expert[/bold]")
+            _render_lora(section, report["export"][expert], console)
+    console.print(f"samples: {report['samples']['files'] if report['samples'] else 'none'}")
     ev = report["events"]
     console.print(f"events: {ev['lines']} lines " + ", ".join(f"{k} {v}" for k, v in sorted(ev["counts"].items()))
                   + (f"; last error ({ev['last_error']['stage']}): {ev['last_error']['message']}" if ev["last_error"] else ""))
@@ -500,13 +528,14 @@ def _render_latents(lat: dict[str, Any], console: Any) -> None:
         console.print(t)
 
 
-def _render_lora(lora: dict[str, Any], export: dict[str, Any] | None, samples: dict[str, Any] | None, console: Any) -> None:
+def _render_lora(lora: dict[str, Any], export: dict[str, Any] | None, console: Any) -> None:
     ckpts = ", ".join(f"{c['name']}{'' if c['complete'] else ' (incomplete)'}" for c in lora["checkpoints"]) or "none"
-    console.print(f"lora: checkpoints {ckpts}")
+    where = lora.get("folder", "lora")
+    console.print(f"{where}: checkpoints {ckpts}")
     final = lora["final"]
     if final:
         lc = final["lora_config"]
-        console.print(f"lora/final: step {final.get('step')}, complete {final.get('complete')}, rank {lc['r']}, alpha "
+        console.print(f"{where}/final: step {final.get('step')}, complete {final.get('complete')}, rank {lc['r']}, alpha "
                       f"{lc['lora_alpha']}, targets {lc['target_modules']}; loss {_num(final.get('loss_first'))} -> "
                       f"{_num(final.get('loss_last'))}; {_num(final.get('samples_per_second'))} samples/s on "
                       f"{final.get('device')}")
@@ -514,11 +543,10 @@ def _render_lora(lora: dict[str, Any], export: dict[str, Any] | None, samples: d
         console.print("  hyper-parameters: " + ", ".join(f"{k}={v}" for k, v in sorted(hp.items()) if k != "target_modules"))
     prof = lora.get("profile")
     if prof and "error" in prof:
-        console.print(f"lora/profile.json: {prof['error']}")
+        console.print(f"{where}/profile.json: {prof['error']}")
     elif prof:
-        console.print(f"lora/profile.json: {prof['steps']} profiled step(s), {_num(prof['ms_per_step'])} ms per step on "
+        console.print(f"{where}/profile.json: {prof['steps']} profiled step(s), {_num(prof['ms_per_step'])} ms per step on "
                       f"{prof['device']} (host-to-device copies {_num(prof['host_to_device_ms_per_step'])} ms); longest:")
         for r in prof["top"]:
             console.print(f"  {r['ms']:9.2f} ms {r['pct']:5.1f}% x{r['calls']:<5} {r['name'][:100]}")
-    console.print(f"export: {export['files'] if export else 'none'}; samples: "
-                  f"{samples['files'] if samples else 'none'}")
+    console.print(f"export: {export['files'] if export else 'none'}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stages.registry import PLANNED as PLANNED_STAGES  # sample's plan: the whole pipeline, to render
+from stages.registry import PLANNED as PLANNED_STAGES, each_expert  # sample's plan: the whole pipeline, to render
 SCHEMA_VERSION = 1
 
 
@@ -43,6 +43,11 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
     family, src, budget = get_family(cfg.family), model_source(cfg), _budget(budget_gb)
     src.check(family.text_components + family.vae_components + family.denoiser_components[:1], family)  # a clear error first
     stages = [memory.plan_for(cfg, family, src, budget, name) for name in PLANNED_STAGES]
+    experts = [unit.train.expert for unit in each_expert(cfg)]
+    for p in stages if len(experts) > 1 else ():  # train.expert = "both": one expert in memory at a time
+        if p.stage == "train":
+            p.note = "; ".join(filter(None, [f"runs {len(experts)} times, once per expert ({', '.join(experts)}), each "
+                                             f"holding one expert with this plan", p.note]))
     if record:
         memory.record_plans(cfg.run_dir, stages, "planned")
     fitting = [p for p in stages if p.fits]

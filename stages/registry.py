@@ -76,6 +76,9 @@ class Stage:
     """When the artifact was made with other settings than cfg: what differs and what to run."""
     request_stop: Callable[[Path, bool], Any] | None = None
     """(run folder, save) -> asks the running stage to stop; None: `stop` sends it SIGTERM."""
+    units: Callable[[Any], list[Any]] = lambda cfg: [cfg]
+    """The configs the stage makes one artifact each for: [cfg], or one per expert it trains (train and
+    export-lora of train.expert = "both": caches.expert_configs). A stage is up to date when each one is."""
 
     @property
     def planned(self) -> bool:
@@ -88,6 +91,15 @@ class Stage:
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
+
+
+def each_expert(cfg: Any) -> list[Any]:
+    """One config per adapter the run trains (stages.core.caches.expert_configs with the family's experts)."""
+    if cfg.train.expert != "both":
+        return [cfg]
+    from stages.families import get_family
+
+    return caches.expert_configs(cfg, get_family(cfg.family).experts)
 
 
 def _declare(name: str, module: str, hooks: tuple[str, ...] = (), **fields: Any) -> Stage:
@@ -105,10 +117,11 @@ ALL: tuple[Stage, ...] = (
              planner="stages.core.memory.latents", takes_force=True),
     _declare("train", "stages.train", ("partial_state", "describe_change", "other_settings", "request_stop"),
              reads=("encode-captions", "cache-latents"), writes=f"{caches.LORA}/", produces="the LoRA",
-             artifact_dir=caches.lora_final_dir, planner="stages.core.memory.train"),
+             artifact_dir=caches.lora_final_dir, planner="stages.core.memory.train", units=each_expert),
     # reads one small adapter and needs no GPU
     _declare("export-lora", "stages.export_lora", reads=("train",), writes=f"{caches.EXPORT}/",
-             produces="the export", artifact_dir=caches.export_dir, takes_force=True, one_process=True),
+             produces="the export", artifact_dir=caches.export_dir, takes_force=True, one_process=True,
+             units=each_expert),
     # reads the checkpoints as well as the export; its fingerprint holds the export's
     _declare("sample", "stages.sample", reads=("train", "export-lora"), follows=("export-lora",),
              writes=f"{caches.SAMPLES}/", produces="the samples", artifact_dir=caches.samples_dir,

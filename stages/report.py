@@ -9,7 +9,8 @@ copy of the file from another machine. Drawn with PIL, so it needs no plotting l
 
 A run's events keep every attempt of `train`. The curve is rebuilt the way the checkpoints were:
 each attempt's steps replace those at and after its first step, so a resume from checkpoint-40
-continues the curve at 41 and a fresh restart replaces it.
+continues the curve at 41 and a fresh restart replaces it. A two-expert run (Wan 2.2 A14B) logs each
+expert's steps with its name: each expert has its own curve (`experts_in`, report-<expert>.png).
 """
 
 from __future__ import annotations
@@ -39,13 +40,20 @@ class Curve:
     val_loss: list[float] = field(default_factory=list)
 
 
-def train_curve(events: list[dict[str, Any]]) -> Curve:
-    """The step events of the run's history as the final adapter saw it (see module docstring)."""
+def experts_in(events: list[dict[str, Any]]) -> list[str]:
+    """The experts whose steps the run's events hold, in the order they trained ([""]: one adapter)."""
+    found = dict.fromkeys(e.get("expert", "") for e in events if e.get("stage") == "train" and e["event"] == "step")
+    return list(found) or [""]
+
+
+def train_curve(events: list[dict[str, Any]], expert: str = "") -> Curve:
+    """The step events of the run's history (of `expert`'s adapter) as the final adapter saw it (see module
+    docstring)."""
     by_step: dict[int, dict[str, Any]] = {}
     val: dict[int, float] = {}
     attempt_start = True
     for e in events:
-        if e.get("stage") != "train":
+        if e.get("stage") != "train" or e["event"] in ("step", "validation", "done") and e.get("expert", "") != expert:
             continue
         if e["event"] == "start":
             attempt_start = True
@@ -98,9 +106,9 @@ def current_history(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return events[begin:]
 
 
-def summary(events: list[dict[str, Any]], curve: Curve, weight: float) -> dict[str, Any]:
+def summary(events: list[dict[str, Any]], curve: Curve, weight: float, expert: str = "") -> dict[str, Any]:
     """Numbers for the printed summary and --json (counts cover the current history only)."""
-    events = current_history(events)
+    events = [e for e in current_history(events) if e.get("expert", "") == expert or e["event"] not in ("step", "done")]
     n = len(curve.steps)
     sm = smooth(curve.loss, weight)
     best = min(range(n), key=sm.__getitem__) if n else None
@@ -228,21 +236,24 @@ def draw_report(curve: Curve, weight: float, title: str, out: Path) -> Path:
     return out
 
 
-def run(run_dir: Path, out: Path | None = None, weight: float = 0.9) -> tuple[Path, dict[str, Any]]:
-    """Draw the report PNG for one run folder; returns (png path, summary)."""
+def run(run_dir: Path, out: Path | None = None, weight: float = 0.9, expert: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Draw the report PNG for one run folder, of `expert`'s adapter (`experts_in`; default: the first whose
+    steps the events hold); returns (png path, summary)."""
     from stages.core.errors import UserError
 
     events = read_events(run_dir)
     if not events:
         raise UserError(f"'{run_dir / 'events.jsonl'}' is missing or empty: run a stage of run '{run_dir.name}' first")
-    curve = train_curve(events)
+    expert = experts_in(events)[0] if expert is None else expert
+    curve = train_curve(events, expert)
     if not curve.steps:
         raise UserError(f"run '{run_dir.name}' has no training steps in its events.jsonl yet: "
                         f"run `{command_for(run_dir, 'train')}` first")
     if not 0 <= weight < 1:
         raise UserError(f"--smooth must be in [0, 1), got {weight}")
-    png = draw_report(curve, weight, f"run '{run_dir.name}': {len(curve.steps)} steps", out or run_dir / "report.png")
-    return png, summary(events, curve, weight)
+    title = f"run '{run_dir.name}'{f', {expert} expert' if expert else ''}: {len(curve.steps)} steps"
+    png = draw_report(curve, weight, title, out or run_dir / "report.png")
+    return png, summary(events, curve, weight, expert)
 
 
 def format_summary(s: dict[str, Any]) -> list[str]:

@@ -40,22 +40,35 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def _parts(name: str, cfg: Any) -> Any:
+def _parts(stage: Any, cfg: Any) -> dict[str, Any]:
+    """The stage's fingerprint parts under `cfg`, by expert ("" for a stage with one artifact): a stage that
+    trains or exports each expert of train.expert = "both" keeps each one's as a run of that expert alone."""
     try:
-        return registry.get(name).fingerprint_parts(cfg)
+        return {unit.train.expert if len(units) > 1 else "": stage.fingerprint_parts(unit)
+                for units in [stage.units(cfg)] for unit in units}
     except (UserError, OSError) as e:  # a setting the stage cannot read yet counts as a change
-        return f"{type(e).__name__}: {e}"
+        return {"": f"{type(e).__name__}: {e}"}
+
+
+def _built(stage: Any, cfg: Any) -> bool:
+    from stages.core.caches import lora_dir
+
+    return any(stage.artifact_dir(u).exists() or (stage.name == "train" and lora_dir(u).exists()) for u in stage.units(cfg))
 
 
 def made_stale(old: Any, new: Any) -> list[str]:
     """The stages with artifacts that going from settings `old` to `new` makes stale: what they read of the
-    settings changed, or a stage they read from is made stale."""
+    settings changed (for each adapter `new` trains: switching train.expert from "both" to "low" keeps low's),
+    or a stage they read from is made stale."""
     stale: list[str] = []
     for stage in registry.ALL:
-        name = stage.name
-        built = stage.artifact_dir(old).exists() or (name == "train" and (old.run_dir / "lora").exists())
-        if built and (any(u in stale for u in stage.reads) or _parts(name, old) != _parts(name, new)):
-            stale.append(name)
+        before, after = _parts(stage, old), _parts(stage, new)
+        if len(before) > 1 and len(after) == 1:  # "both" -> one expert: that expert's adapter as it was
+            before = {"": before.get(new.train.expert)}
+        elif len(after) > 1 and len(before) == 1:  # one expert -> "both": the other's is new
+            before = {old.train.expert: before[""]}
+        if _built(stage, old) and (any(u in stale for u in stage.reads) or before != after):
+            stale.append(stage.name)
     return stale
 
 

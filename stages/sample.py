@@ -7,7 +7,9 @@ Loads the whole pipeline (text encoders, VAE, denoiser: the one stage that needs
 it runs alone, after training has freed the GPU), renders every `sample.prompts` x `sample.seeds`
 with the base model, then with the exported LoRA (export/pytorch_lora_weights.safetensors, the file
 users ship) and, with `sample.every_n_checkpoints`, with kept checkpoints too. The same seed gives
-the same starting noise in every column, so a column differs from the base only by the adapter.
+the same starting noise in every column, so a column differs from the base only by the adapter. A
+two-expert family (Wan 2.2 A14B) renders through both experts, each LoRA the run trains on its own
+expert (export/high/ on `transformer`, export/low/ on `transformer_2`), together in one column.
 
 Rows are prompt x seed, columns base | checkpoints... | final; edit families (flux-kontext,
 qwen-image-edit; flux2-klein and flux2 on items with reference images) render the first dataset
@@ -26,7 +28,7 @@ from typing import Any
 
 from stages.core import faults
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, read_manifest, write_manifest
-from stages.core.caches import DIFFUSERS_FILE, export_dir, samples_dir, scan_items, write_diffusers
+from stages.core.caches import DIFFUSERS_FILE, export_dir, lora_dir, samples_dir, scan_items, write_diffusers
 from stages.core.config import command
 from stages.core.errors import ConfigError
 from stages.core.model_source import model_source
@@ -96,11 +98,11 @@ def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str], list[Path] | Non
     rows, prompts, targets = planned or planned_rows(cfg)
     family = get_family(cfg.family)
     components = family.text_components + family.vae_components + family.denoiser_components
-    export = read_manifest(export_dir(cfg))
+    exports = [(read_manifest(export_dir(unit)) or {}).get("fingerprint") for unit in each_expert(cfg)]
     settings = {k: v for k, v in dataclasses.asdict(cfg.sample).items() if k not in ("after_train", "cpu_offload")}
     return {"family": cfg.family, "model": model_source(cfg).identity(components),
-            "export": export and export.get("fingerprint"), "sample": settings, "prompts": prompts,
-            "checkpoints": [p.name for p in chosen_checkpoints(cfg)], "resolution": cfg.data.resolution,
+            "export": exports[0] if len(exports) == 1 else exports, "sample": settings, "prompts": prompts,
+            "checkpoints": [name for name, _ in checkpoint_columns(cfg)], "resolution": cfg.data.resolution,
             **({"controls": [[dataset_id(p) for p in controls] for _, controls in rows],
                 "targets": [dataset_id(p) for p in targets]} if rows is not None else {})}
 
@@ -144,10 +146,10 @@ def _shift_terminal(cfg: Any) -> float | None:
 
 
 def chosen_checkpoints(cfg: Any) -> list[Path]:
-    """Kept checkpoints whose step is a multiple of every_n_checkpoints x runtime.checkpoint_every,
-    except the one at the final step (the exported LoRA is that column already)."""
+    """Kept checkpoints (of one adapter's config) whose step is a multiple of every_n_checkpoints x
+    runtime.checkpoint_every, except the one at the final step (the exported LoRA is that column already)."""
     n, every = cfg.sample.every_n_checkpoints, cfg.runtime.checkpoint_every
-    folder = cfg.run_dir / "lora"
+    folder = lora_dir(cfg)
     if n <= 0 or every <= 0 or not folder.is_dir():
         return []
     final = read_manifest(folder / "final")
@@ -156,29 +158,56 @@ def chosen_checkpoints(cfg: Any) -> list[Path]:
     return [p for step, p in steps if step % (n * every) == 0 and step != (final or {}).get("step")]
 
 
-def adapters(cfg: Any, tmp: Path) -> list[tuple[str, Path]]:
-    """(column label, diffusers LoRA file) for each column after the base: checkpoints, then final.
+def checkpoint_columns(cfg: Any) -> list[tuple[str, list[tuple[Any, Path]]]]:
+    """(checkpoint-N, [(expert's config, its lora/<expert>/checkpoint-N)]) for each chosen step that every
+    adapter of the run has (`chosen_checkpoints`); one adapter: its chosen checkpoints."""
+    units = each_expert(cfg)
+    chosen = [{p.name: p for p in chosen_checkpoints(unit)} for unit in units]
+    return [(name, [(unit, found[name]) for unit, found in zip(units, chosen)])
+            for name in chosen[0] if all(name in found for found in chosen)]
+
+
+Column = tuple[str, list[tuple[Path, dict[str, Any]]]]  # label, [(diffusers LoRA file, load_lora_weights kwargs)]
+
+
+def adapters(cfg: Any, tmp: Path) -> list[Column]:
+    """(column label, [(diffusers LoRA file, its load_lora_weights arguments)]) for each column after the
+    base: checkpoints, then final; a column holds one file per adapter the run trains (each expert's, put on
+    its own expert by the family's `lora_load_kwargs`).
 
     Checkpoints are written to `tmp` with export-lora's own writer (stages.core.caches), so every column loads through
     the same `load_lora_weights` call the exported file does."""
     from stages.core import lora
+    from stages.families import get_family
 
-    final = export_dir(cfg)
-    export = read_manifest(final)
-    if export is None:
-        raise ArtifactError(f"'{final}' has no exported LoRA: run `{command(cfg, 'export-lora')}` first")
-    if DIFFUSERS_FILE not in export.get("files", [DIFFUSERS_FILE]):
-        raise ArtifactError(f"'{final}' holds no diffusers LoRA file (a {export.get('adapter', 'LyCORIS')} adapter is "
-                            f"exported for ComfyUI only), and sample loads that file: sample a lora or dora run")
-    out = []
-    for ckpt in chosen_checkpoints(cfg):
-        manifest = read_manifest(ckpt)
-        state, lora_cfg = lora.load_adapter_files(ckpt)
-        folder = tmp / ckpt.name
-        folder.mkdir()
-        out.append((ckpt.name, write_diffusers(state, lora_cfg, manifest, folder)))
-    out.append((f"LoRA (step {export.get('step')})", final / DIFFUSERS_FILE))
+    family, finals = get_family(cfg.family), []
+    for unit in each_expert(cfg):
+        final = export_dir(unit)
+        export = read_manifest(final)
+        if export is None:
+            raise ArtifactError(f"'{final}' has no exported LoRA: run `{command(cfg, 'export-lora')}` first")
+        if DIFFUSERS_FILE not in export.get("files", [DIFFUSERS_FILE]):
+            raise ArtifactError(f"'{final}' holds no diffusers LoRA file (a {export.get('adapter', 'LyCORIS')} adapter "
+                                f"is exported for ComfyUI only), and sample loads that file: sample a lora or dora run")
+        finals.append((unit, export, final / DIFFUSERS_FILE))
+    out: list[Column] = []
+    for name, found in checkpoint_columns(cfg):
+        files = []
+        for unit, ckpt in found:
+            state, lora_cfg = lora.load_adapter_files(ckpt)
+            folder = tmp / "-".join(filter(None, (ckpt.name, unit.train.expert)))
+            folder.mkdir()
+            files.append((write_diffusers(state, lora_cfg, read_manifest(ckpt), folder), family.lora_load_kwargs(unit.train)))
+        out.append((name, files))
+    steps = sorted({str(export.get("step")) for _, export, _ in finals})
+    out.append((f"LoRA (step {'/'.join(steps)})", [(file, family.lora_load_kwargs(unit.train)) for unit, _, file in finals]))
     return out
+
+
+def each_expert(cfg: Any) -> list[Any]:
+    from stages.registry import each_expert as units
+
+    return units(cfg)
 
 
 def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
@@ -291,9 +320,10 @@ def load_controls(cfg: Any, rows: Rows) -> list[list[Any]] | None:
     return None if rows is None else [[dataset.load_image(p, cfg.data.background) for p in c] for _, c in rows]
 
 
-def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts: list[str],
+def render_columns(pipe: Any, cfg: Any, columns: list[Column], prompts: list[str],
                    size: tuple[int, int], controls: list[list[Any]] | None) -> tuple[list[str], list[list[Any]], list[Any]]:
-    """The base column, then one per adapter file, each made the only active adapter in turn.
+    """The base column, then one per column of `adapters` (its files loaded under one adapter name), each made
+    the only active adapter in turn.
     Edit families (`controls`: `load_controls`): a first column shows each row's (first) control
     image, the edit's input; the latents the pipeline decoded, in render order, come back for
     `edit_error` (text-to-image: [])."""
@@ -301,13 +331,14 @@ def render_columns(pipe: Any, cfg: Any, columns: list[tuple[str, Path]], prompts
     from stages.edit_error import decoded_latents
     from stages.families import get_family
 
-    labels, cells, load_kwargs = ["base"], [], get_family(cfg.family).lora_load_kwargs(cfg.train)
+    labels, cells = ["base"], []
     record = decoded_latents(pipe.vae) if controls is not None else contextlib.nullcontext([])
     with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar, \
             record as decoded:
         cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
-        for i, (label, file) in enumerate(columns):
-            pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}", **load_kwargs)
+        for i, (label, files) in enumerate(columns):
+            for file, load_kwargs in files:  # one name for the column: each expert's file sits on its own expert
+                pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}", **load_kwargs)
             pipe.set_adapters([f"col{i}"], [cfg.sample.lora_scale])
             cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
             labels.append(label)
@@ -333,7 +364,7 @@ def edit_errors(pipe: Any, cfg: Any, labels: list[str], decoded: list[Any], targ
             "edit_summary": edit_error.summary(errors, rendered[-1])}
 
 
-def render_planned(cfg: Any, log: Any, columns: list[tuple[str, Path]], prompts: list[str], size: tuple[int, int],
+def render_planned(cfg: Any, log: Any, columns: list[Column], prompts: list[str], size: tuple[int, int],
                    edits: Any, targets: list[Path] | None) -> dict[str, Any]:
     """Plan, load and render every column (and score an edit grid). The plan's activations are estimates: a
     CUDA out-of-memory error frees the pipeline and goes on with the next smaller plan (bf16 offloaded, nf4,
@@ -365,7 +396,7 @@ def render_planned(cfg: Any, log: Any, columns: list[tuple[str, Path]], prompts:
             torch.cuda.empty_cache()
 
 
-def _render(cfg: Any, plan: Any, log: Any, columns: list[tuple[str, Path]], prompts: list[str], size: tuple[int, int],
+def _render(cfg: Any, plan: Any, log: Any, columns: list[Column], prompts: list[str], size: tuple[int, int],
             controls: list[list[Any]] | None, targets: list[Path] | None) -> dict[str, Any]:
     """One attempt of `render_planned` with `cfg` as planned: the pipeline lives in this frame only."""
     from stages.core.runtime import reset_peak
@@ -400,7 +431,7 @@ def run(cfg: Any) -> dict[str, Any]:
             rows = [(p, seed) for p in prompts for seed in cfg.sample.seeds]
             grid, files = draw_outputs(cfg, labels, rows, cells, tmp)
             ctx.log.emit("sample", path=str(out / GRID), prompts=prompts, seeds=list(cfg.sample.seeds),
-                         adapter=columns[-1][1].name, seconds=ctx.elapsed(),
+                         adapter=", ".join(str(f.relative_to(cfg.run_dir)) for f, _ in columns[-1][1]), seconds=ctx.elapsed(),
                          **{k: v for k, v in scores.items() if k != "edit_summary"})
             manifest = write_manifest(tmp, NAME, family=cfg.family, model=cfg.model, files=files, columns=labels,
                                       prompts=prompts, seeds=list(cfg.sample.seeds), size=list(size),

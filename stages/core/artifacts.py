@@ -8,6 +8,10 @@ Layout of a run folder (artifacts/<run>/):
     export/                                                                  + manifest.json
     events.jsonl
 
+A two-expert family (Wan 2.2 A14B: train.expert "high", "low" or "both") keeps each expert's adapter and
+export in a folder of its own, lora/<expert>/ (checkpoint-<N>/, final/) and export/<expert>/, beside the
+shared caches; `stages.core.caches.lora_dir` and `export_dir` are the one place that says where they are.
+
 A manifest is always written last and atomically, so a folder without one (or with one whose
 fingerprint differs, or one that does not parse) is never mistaken for a finished artifact.
 """

@@ -26,12 +26,38 @@ def latents_dir(cfg: Any) -> Path:
     return cfg.run_dir / LATENTS
 
 
-def lora_final_dir(cfg: Any) -> Path:
-    return cfg.run_dir / LORA / "final"
+def expert_folder(root: Path, expert: str) -> Path:
+    """`root` itself for a one-denoiser family (train.expert ""), `root/<expert>/` for each expert of a two-expert
+    family: the one rule of where a run keeps an adapter and its export."""
+    if expert == "both":
+        raise ValueError(f"'{root}': name the expert whose folder is meant (train.expert = 'both' trains several)")
+    return root / expert if expert else root
 
 
-def export_dir(cfg: Any) -> Path:
-    return cfg.run_dir / EXPORT
+def lora_dir(cfg: Any, expert: str | None = None) -> Path:
+    """The adapter folder (checkpoint-<N>/, final/, .restarted-*/) of the run's `expert` (default: the one
+    cfg.train.expert names): lora/ for a one-denoiser family, lora/high/ and lora/low/ for Wan 2.2 A14B."""
+    return expert_folder(cfg.run_dir / LORA, cfg.train.expert if expert is None else expert)
+
+
+def lora_final_dir(cfg: Any, expert: str | None = None) -> Path:
+    return lora_dir(cfg, expert) / "final"
+
+
+def export_dir(cfg: Any, expert: str | None = None) -> Path:
+    """export-lora's folder of that adapter: export/, or export/high/ and export/low/ (as `lora_dir`)."""
+    return expert_folder(cfg.run_dir / EXPORT, cfg.train.expert if expert is None else expert)
+
+
+def expert_configs(cfg: Any, experts: tuple[str, ...]) -> list[Any]:
+    """The configs the run trains one adapter each with: [cfg], or for train.expert = "both" one copy per expert of
+    `experts` (the family's, in training order) with train.expert set to it, which is exactly the config of a run
+    that trains that expert alone (so each adapter's fingerprint, folder and files are that run's)."""
+    import dataclasses
+
+    if cfg.train.expert != "both":
+        return [cfg]
+    return [dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, expert=e)) for e in experts]
 
 
 def samples_dir(cfg: Any) -> Path:

@@ -224,9 +224,9 @@ class TrainConfig:
     """A diffusers LoRA (.safetensors file or its folder) merged into the frozen base for training only, e.g. a
     de-distill adapter for turbo/schnell checkpoints; never exported, and not used by sample ('': none)."""
     expert: Literal["", "high", "low", "both"] = ""
-    """Two-expert models (wan2.2-14b): "high" trains the high-noise expert (transformer), "low" the low-noise one
-    (transformer_2), each on its own side of the pipeline's boundary_ratio; "both" is refused: run one of each.
-    "" for one-denoiser families."""
+    """Two-expert models (wan2.2-14b): "high" trains the high-noise expert's LoRA (transformer), "low" the low-noise
+    one's (transformer_2), each on its own side of the pipeline's boundary_ratio; "both" trains high, then low, in
+    one run (train.steps each, one expert in memory at a time) and exports both. "" for one-denoiser families."""
 
 
 @dataclass

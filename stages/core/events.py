@@ -55,15 +55,16 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
     "info": {"required": {"message": "string"}, "optional": {}},
     "step": {"required": {"step": "integer", "loss": "number", "lr": "number", "batch_size": "integer",
                           "samples_per_second": ["number", "null"], "peak_vram_gb": "number"},
-             "optional": {"world_size": "integer"}},
+             "optional": {"world_size": "integer", "expert": "string"}},
     "checkpoint": {"required": {"step": "integer", "path": "string"}, "optional": {}},
-    "validation": {"required": {"step": "integer", "loss": "number", "items": "integer"}, "optional": {}},
-    "stopped": {"required": {"saved": "boolean"}, "optional": {"step": "integer", "checkpoint": "string", "rank": "integer"}},
+    "validation": {"required": {"step": "integer", "loss": "number", "items": "integer"}, "optional": {"expert": "string"}},
+    "stopped": {"required": {"saved": "boolean"}, "optional": {"step": "integer", "checkpoint": "string", "rank": "integer",
+                                                               "expert": "string"}},
     "done": {"required": {"seconds": "number"}, "extra": True,
              "optional": {"encoded": "integer", "total": "integer", "skipped": "integer", "step": "integer",
                           "loss_first": ["number", "null"], "loss_last": ["number", "null"], "files": "array",
                           "images": "integer", "notes": "array"}},
-    "up_to_date": {"required": {}, "optional": {"fingerprint": "string", "notes": "array"}},
+    "up_to_date": {"required": {}, "optional": {"fingerprint": "string", "notes": "array", "expert": "string"}},
     "error": {"required": {"message": "string"},
               "optional": {"item": ["string", "null"], "type": "string", "rank": "integer"}},
     "plan": {"required": {"budget_gb": ["number", "null"], "budget_source": "string", "settings": "object",
@@ -109,13 +110,16 @@ def validate_event(record: dict[str, Any]) -> list[str]:
     return record_problems(event, EVENT_SCHEMA[event], COMMON_FIELDS, record, "EVENT_SCHEMA and docs/configuration.md")
 
 
-def step_losses(events: list[dict[str, Any]]) -> list[float]:
+def step_losses(events: list[dict[str, Any]], expert: str = "") -> list[float]:
     """The logged losses of the run's training history by step: each train attempt's steps replace
-    those at and after its first one (a resume continues the curve, a restart replaces it)."""
+    those at and after its first one (a resume continues the curve, a restart replaces it). `expert`:
+    only the steps of that expert's adapter (a two-expert run logs each one's steps with its name)."""
     by_step: dict[int, float] = {}
     fresh = True
     for e in events:
         if e.get("stage") != "train" or e["event"] not in ("start", "step"):
+            continue
+        if e["event"] == "step" and e.get("expert", "") != expert:
             continue
         if e["event"] == "start":
             fresh = True
@@ -232,7 +236,8 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
     if "step" in done:
         loss = (f", loss {done['loss_first']:.4g} -> {done['loss_last']:.4g}"
                 if isinstance(done.get("loss_first"), float) and isinstance(done.get("loss_last"), float) else "")
-        parts.append(f"step {done['step']}{loss}")
+        whose = f"{done['expert']} expert: " if "expert" in done else ""
+        parts.append(f"{whose}step {done['step']}{loss}")
     if "images" in done:
         parts.append(_count(done["images"], "image"))
     if isinstance(done.get("edit_closer_percent"), (int, float)):

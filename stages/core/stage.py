@@ -163,7 +163,18 @@ def staleness(stage: Any, cfg: Any) -> tuple[bool, list[str]]:
 def freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
     """`staleness`, and the manifest's message when the artifact is stale only because the free memory
     forced its settings (no other plan fitted) and no row is damaged: a later stage may use it with
-    that warning, while `staleness` still counts it stale, so `run` retries it."""
+    that warning, while `staleness` still counts it stale, so `run` retries it. A stage with several
+    artifacts (one per expert: `stage.units`) is up to date when each is; its reasons name the expert."""
+    units = stage.units(cfg)
+    if len(units) == 1:
+        return _freshness(stage, units[0])
+    found = [(unit.train.expert, *_freshness(stage, unit)) for unit in units]
+    reasons = [f"expert {expert}: {reason}" for expert, ok, why, _ in found if not ok for reason in why]
+    forced = [f for _, ok, _, f in found if not ok]
+    return all(ok for _, ok, _, _ in found), reasons, "; ".join(forced) if forced and all(forced) else None
+
+
+def _freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
     folder = stage.artifact_dir(cfg)
     manifest = read_manifest(folder)
     partial = stage.partial_state(cfg) if manifest is None else None

@@ -171,7 +171,12 @@ class FamilyTraits:
     """Pixels along a side per denoiser token (VAE downsampling x patch: 8 x 2 for the 2x2-patched image
     families; Wan 2.2 TI2V-5B: 16 x 2): the train and sample planners' token count."""
 
-    # ---- two-expert models (Wan 2.2 A14B): a run trains the expert train.expert names
+    # ---- two-expert models (Wan 2.2 A14B): a run trains the expert train.expert names, or each of them
+    experts: tuple[str, ...] = ()
+    """The denoisers train.expert picks from, in the order train.expert = "both" trains them (Wan 2.2 A14B:
+    "high", "low"), each with its own adapter in lora/<expert>/ and export in export/<expert>/; () for a
+    one-denoiser family (lora/ and export/)."""
+
     def lora_load_kwargs(self, tcfg: "TrainConfig") -> dict[str, Any]:
         """Extra arguments of `<Pipeline>.load_lora_weights` that put the exported LoRA on the denoiser it was
         trained for (default: none; the low-noise Wan expert: load_into_transformer_2)."""

@@ -88,24 +88,36 @@ def averaged(points: list[tuple[int, Path, dict[str, Any]]], weights: list[float
 
 def run(cfg: Any, sigma_rel: float, out: Path | None) -> dict[str, Any]:
     """Write the post-hoc EMA of `cfg`'s run at `sigma_rel` into `out` (default
-    artifacts/<run>/posthoc-ema/sigma-<sigma_rel>/); returns its summary."""
+    artifacts/<run>/posthoc-ema/sigma-<sigma_rel>/; a two-expert family's into its <expert>/ there, for each
+    expert the run trains); returns its summary (the last expert's, with `experts` holding each one's)."""
+    from stages.core.caches import expert_configs, expert_folder
+    from stages.families import get_family
+
+    family = get_family(cfg.family)
+    target = out or cfg.run_dir / "posthoc-ema" / f"sigma-{sigma_rel:g}"
+    done = [run_one(unit, sigma_rel, expert_folder(target, unit.train.expert), family.file_tag(unit.train))
+            for unit in expert_configs(cfg, family.experts)]
+    return done[0] if len(done) == 1 else {**done[-1], "experts": done}
+
+
+def run_one(cfg: Any, sigma_rel: float, target: Path, tag: str) -> dict[str, Any]:
+    """One adapter's post-hoc EMA (the run's, or one expert's) into `target`; `tag`: its ComfyUI file's."""
     from stages.core.artifacts import atomic_dir, atomic_write_json
-    from stages.core.caches import LORA
+    from stages.core.caches import lora_dir
 
     gamma = sigma_rel_to_gamma(sigma_rel)
-    points = saved_adapters(cfg.run_dir / LORA)
+    points = saved_adapters(lora_dir(cfg))
     if len(points) < 2:
-        raise ArtifactError(f"run '{cfg.run}' has {len(points)} saved adapter(s) in '{cfg.run_dir / LORA}'; a "
+        raise ArtifactError(f"run '{cfg.run}' has {len(points)} saved adapter(s) in '{lora_dir(cfg)}'; a "
                             f"post-hoc EMA averages several checkpoints: train with more of them kept (`lorapipe "
                             f"keys | grep checkpoint` lists the settings)")
     steps = [p[0] for p in points]
     weights = ema_weights(steps, gamma)
     state, lora_cfg = averaged(points, weights)
     manifest = points[-1][2]
-    target = out or cfg.run_dir / "posthoc-ema" / f"sigma-{sigma_rel:g}"
     recipe = {"sigma_rel": sigma_rel, "gamma": gamma, "steps": steps, "weights": weights}
     with atomic_dir(target) as tmp:
-        files, checks = write_files(cfg, manifest, state, lora_cfg, tmp, f"{cfg.run}-ema{sigma_rel:g}",
+        files, checks = write_files(cfg, manifest, state, lora_cfg, tmp, "_".join(filter(None, (f"{cfg.run}-ema{sigma_rel:g}", tag))),
                                     {"lorapipe_posthoc_ema": json.dumps(recipe)})
         atomic_write_json(tmp / RECIPE, {**recipe, "family": manifest["family"], "files": [f.name for f in files],
                                          "sources": [str(p[1]) for p in points], "checks": checks})

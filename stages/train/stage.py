@@ -4,7 +4,10 @@
 
 Each step: draw a batch from one bucket, pick a random cached variant per item, draw a fresh latent
 sample mean + exp(logvar/2) * eps, normalize it as the family's VAE does, and take one denoiser
-forward over the whole batch. Writes lora/checkpoint-<step>/ (resumable) and lora/final/.
+forward over the whole batch. Writes lora/checkpoint-<step>/ (resumable) and lora/final/; a two-expert
+family's run writes lora/<expert>/..., and with train.expert = "both" trains each expert in turn (high,
+then low), each as a run of that expert alone would (one model in memory at a time), skipping one
+that is up to date.
 Stop with Ctrl-C, SIGTERM or `lorapipe stop <run> [--no-save]`; `--resume` continues. Nothing starts
 over unasked: a finished run of these settings is up to date (skipped); a plain `train` over an
 unfinished one refuses and names `--resume` and `--restart`; over a training of other settings, plain
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.core.artifacts import ArtifactError, fingerprint, read_manifest
-from stages.core.caches import captions_dir, complete_checkpoints, latents_dir, lora_final_dir, step_of
+from stages.core.caches import captions_dir, complete_checkpoints, latents_dir, lora_dir, lora_final_dir, step_of
 from stages.core.config import command
 from stages.core.model_source import model_source
 
@@ -38,7 +41,21 @@ def stop_file(run_dir: Path) -> Path:
     return run_dir / "train.stop"
 
 
+def folder_name(cfg: Any) -> str:
+    """The adapter folder of one expert's (or a one-denoiser run's) config, as messages name it: lora, lora/high."""
+    return lora_dir(cfg).relative_to(cfg.run_dir).as_posix()
+
+
 def fingerprint_parts(cfg: Any) -> dict[str, Any]:
+    """What the adapter is made from; for train.expert = "both", each expert's adapter's, by expert."""
+    from stages.registry import each_expert
+
+    if cfg.train.expert == "both":
+        return {unit.train.expert: fingerprint_parts(unit) for unit in each_expert(cfg)}
+    return _fingerprint_parts(cfg)
+
+
+def _fingerprint_parts(cfg: Any) -> dict[str, Any]:
     from stages.core import lora
     from stages.families import get_family
 
@@ -60,10 +77,10 @@ def fingerprint_parts(cfg: Any) -> dict[str, Any]:
 
 def partial_state(cfg: Any) -> str | None:
     """For `status`: a run killed before lora/final was written, and what continues it."""
-    found = complete_checkpoints(cfg.run_dir / "lora")
+    found = complete_checkpoints(lora_dir(cfg))
     if not found:
         return None
-    return other_settings(cfg) or (f"interrupted: no lora/final yet, newest complete checkpoint is {found[-1].name}; "
+    return other_settings(cfg) or (f"interrupted: no {folder_name(cfg)}/final yet, newest complete checkpoint is {found[-1].name}; "
                                    f"`{command(cfg, NAME, '--resume')}` (or `run`) continues from it")
 
 
@@ -80,30 +97,34 @@ def trained_with(cfg: Any) -> tuple[str, dict[str, Any]] | None:
     """The newest training of the run ('lora/final' or a checkpoint) and its manifest, if any."""
     from stages.core.artifacts import read_manifest
 
-    final = read_manifest(cfg.run_dir / "lora" / "final")
+    final = read_manifest(lora_final_dir(cfg))
     if final is not None:
-        return f"lora/final (step {final.get('step')})", final
-    found = complete_checkpoints(cfg.run_dir / "lora")
-    return (f"lora/{found[-1].name}", read_manifest(found[-1])) if found else None
+        return f"{folder_name(cfg)}/final (step {final.get('step')})", final
+    found = complete_checkpoints(lora_dir(cfg))
+    return (f"{folder_name(cfg)}/{found[-1].name}", read_manifest(found[-1])) if found else None
 
 
 def other_settings(cfg: Any) -> str | None:
     """When the run's newest training was made with other settings than `cfg` (and no checkpoint of
-    `cfg` continues it): what differs, and the commands that train again or go back; else None."""
+    `cfg` continues it): what differs, and the commands that train again or go back; else None. For
+    train.expert = "both": the first expert's of which that holds."""
+    from stages.registry import each_expert
     from stages.train.checkpoints import Checkpoints
 
+    if cfg.train.expert == "both":
+        return next(filter(None, (other_settings(unit) for unit in each_expert(cfg))), None)
     parts = fingerprint_parts(cfg)
     newest = trained_with(cfg)
     if newest is None or newest[1].get("fingerprint") == fingerprint(parts):
         return None
-    if Checkpoints(cfg.run_dir / "lora", fingerprint(parts), 0, None).matching():
+    if Checkpoints(lora_dir(cfg), fingerprint(parts), 0, None).matching():
         return None
     where, manifest = newest
     old = manifest.get("fingerprint_parts", {})
     what = [describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
     return (f"{where} was trained with other settings ({'; '.join(what)[:400] or 'fingerprint changed'}), and no "
             f"checkpoint of these settings continues it: `{command(cfg, NAME, '--restart')}` trains again from step 0 "
-            f"(the earlier checkpoints and adapter are set aside in lora/.restarted-<time>/, nothing is deleted)")
+            f"(the earlier checkpoints and adapter are set aside in {folder_name(cfg)}/.restarted-<time>/, nothing is deleted)")
 
 
 def refuse_unfinished(cfg: Any, resume: bool) -> None:
@@ -111,12 +132,12 @@ def refuse_unfinished(cfg: Any, resume: bool) -> None:
     an unfinished run of this config needs --resume, one of other settings --restart."""
     from stages.train.checkpoints import Checkpoints
 
-    found = Checkpoints(cfg.run_dir / "lora", fingerprint(fingerprint_parts(cfg)), 0, None).unfinished()
+    found = Checkpoints(lora_dir(cfg), fingerprint(fingerprint_parts(cfg)), 0, None).unfinished()
     if found is not None and not resume:
         raise ArtifactError(
             f"run '{cfg.run}' has an unfinished training made with this config ({found}, step {step_of(found)} of "
             f"{cfg.train.steps}): continue it with `{command(cfg, NAME, '--resume')}`, or start over with "
-            f"`{command(cfg, NAME, '--restart')}` (the old checkpoints are moved to lora/.restarted-<time>/, "
+            f"`{command(cfg, NAME, '--restart')}` (the old checkpoints are moved to {folder_name(cfg)}/.restarted-<time>/, "
             f"nothing is deleted)")
     changed = other_settings(cfg)
     if changed is not None:
@@ -131,7 +152,7 @@ def up_to_date(cfg: Any, log: Any) -> dict[str, Any] | None:
     if not staleness(registry.get(NAME), cfg)[0]:
         return None
     manifest = read_manifest(artifact_dir(cfg))
-    log.emit("up_to_date", fingerprint=manifest["fingerprint"])
+    log.emit("up_to_date", fingerprint=manifest["fingerprint"], **({"expert": cfg.train.expert} if cfg.train.expert else {}))
     return {**manifest, "up_to_date": True}
 
 
@@ -159,24 +180,50 @@ def check_upstream(cfg: Any, log: Any = None) -> None:
 
 def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]:
     """Train; `resume` continues the newest checkpoint of this config (also with runtime.resume =
-    'auto'), `restart` starts at step 0 over an unfinished run (its checkpoints are set aside)."""
+    'auto'), `restart` starts at step 0 over an unfinished run (its checkpoints are set aside). With
+    train.expert = "both" each expert in turn, as `train_expert`; a stop ends the stage in the expert it
+    stopped (the manifest says which), and the returned manifest is the last expert's with `experts`
+    holding each one's."""
     from stages.core.runtime import install_model_trace
     from stages.families import library_notices
     from stages.core.stage import running_stage
-    from stages.registry import conflicts
-    from stages.train.trainer import Trainer
+    from stages.registry import conflicts, each_expert
 
     install_model_trace(NAME, library_notices())
     resume = (resume or cfg.runtime.resume == "auto") and not restart
     with running_stage(cfg, NAME, rerun=("--resume",), own_signals=True, beside=conflicts(NAME)) as ctx, _StopRequests(stop_file(cfg.run_dir), since=ctx.t0) as stop:
         check_upstream(cfg, ctx.log)
-        if not restart:
-            done = up_to_date(cfg, ctx.log)
-            if done is not None:
-                return done
-            refuse_unfinished(cfg, resume)
-        trainer = Trainer(cfg, ctx.log, ctx.dist)
-        return trainer.fit(resume=resume, stop=stop, t0=ctx.t0)
+        units, done = each_expert(cfg), {}
+        for unit in units:  # each expert's summary counts its own seconds
+            t0 = ctx.t0 if unit is units[0] else time.time()
+            done[unit.train.expert] = result = train_expert(unit, ctx, stop, resume, restart, t0)
+            if result.get("stopped"):
+                break
+        if len(units) == 1:
+            return result
+        return {**result, "up_to_date": all(r.get("up_to_date") for r in done.values()), "experts": done}
+
+
+def train_expert(cfg: Any, ctx: Any, stop: Any, resume: bool, restart: bool, t0: float) -> dict[str, Any]:
+    """One adapter's training (the run's, or one expert's of a "both" run): skipped when up to date, else
+    trained, then its model and optimizer freed (and CUDA's cached blocks) before the next one loads."""
+    import gc
+
+    from stages.train.trainer import Trainer
+
+    if not restart:
+        done = up_to_date(cfg, ctx.log)
+        if done is not None:
+            return {**done, **({"expert": cfg.train.expert} if cfg.train.expert else {})}
+        refuse_unfinished(cfg, resume)
+    trainer = Trainer(cfg, ctx.log, ctx.dist)
+    try:
+        result = trainer.fit(resume=resume, stop=stop, t0=t0)
+    finally:
+        trainer.release()
+        del trainer
+        gc.collect()
+    return {**result, **({"expert": cfg.train.expert} if cfg.train.expert else {})}
 
 
 class _StopRequests:

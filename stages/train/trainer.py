@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from stages.core import blockswap, distributed, fastpath, faults, flow, lora, memory, validation
-from stages.core.caches import load_captions, load_latents, scan_items
+from stages.core.caches import load_captions, load_latents, lora_dir, scan_items
 from stages.core.artifacts import ArtifactError, atomic_dir, fingerprint, sweep_leftovers, write_manifest
 from stages.core.config import command
 from stages.core.errors import TrainingDiverged
@@ -138,7 +138,8 @@ class Trainer:
             log.emit("warning", message=note)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.parts = fingerprint_parts(cfg)
-        self.lora_dir = cfg.run_dir / "lora"
+        self.lora_dir = lora_dir(cfg)
+        self.expert = {"expert": cfg.train.expert} if cfg.train.expert else {}  # on the events of one expert's training
         self.checkpoints = Checkpoints(self.lora_dir, fingerprint(self.parts), self.cfg.runtime.keep_checkpoints, log)
         # set by setup_model
         self.model: Any = None
@@ -477,6 +478,19 @@ class Trainer:
                                   fingerprint=fingerprint(self.parts), fingerprint_parts=self.parts,
                                   **self.info(), **summary, **extra)
 
+    def release(self) -> None:
+        """Drop the model, its adapter, optimizer, CUDA graphs and compiled code, and CUDA's cached blocks, so
+        the next expert of a train.expert = "both" run loads into a GPU this one no longer holds."""
+        if self.compiled:
+            torch._dynamo.reset()  # its guards and graphs keep references to this model's modules
+        self.model = self.denoiser = self.optimizer = self.scheduler = self.ema = self.swap = self.pending = None
+        self.params = []
+        if self.rt is not None and self.rt.is_cuda:
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
+
     # ---- the loop
     def fit(self, resume: bool, stop: Any, t0: float) -> dict[str, Any]:
         torch.manual_seed(self.cfg.seed)
@@ -520,7 +534,7 @@ class Trainer:
                     self.log.emit("step", step=step, loss=loss, lr=lr, batch_size=n,
                                   samples_per_second=stats.samples_per_second(),
                                   peak_vram_gb=peak_vram_gb(self.rt, with_total=False)["allocated"],
-                                  world_size=self.dist.world_size)
+                                  world_size=self.dist.world_size, **self.expert)
                 bar.advance(1, loss=loss, lr=lr)
                 self._maybe_validate(step)
                 faults.hit("train")
@@ -534,7 +548,7 @@ class Trainer:
         if self.saved_step != step:
             self.save_checkpoint(step)
         manifest = self.save_final(step, True, summary)
-        self.log.emit("done", seconds=round(time.time() - t0, 3), step=step,
+        self.log.emit("done", seconds=round(time.time() - t0, 3), step=step, **self.expert,
                       **{k: summary[k] for k in ("loss_first", "loss_last", "batch_sizes")})
         return manifest
 
@@ -544,7 +558,7 @@ class Trainer:
             return
         if self.dist.is_main:  # the replicas are identical: rank 0 alone evaluates
             loss, n = self.validation_loss()
-            self.log.emit("validation", step=step, loss=loss, items=n)
+            self.log.emit("validation", step=step, loss=loss, items=n, **self.expert)
 
     def _diverged(self, loss: float, step: int) -> TrainingDiverged:
         """The error for a non-finite loss: which step, and what to change before training again (the
@@ -571,7 +585,7 @@ class Trainer:
     def _summary(self, stats: RunStats, t0: float) -> dict[str, Any]:
         sync(self.rt)
         # the logged steps of the whole history (resumes too), as `report` reads them
-        losses = loss_ends(step_losses(read_events(self.cfg.run_dir)))
+        losses = loss_ends(step_losses(read_events(self.cfg.run_dir), self.tcfg.expert))
         return {**losses, "samples": stats.samples, "samples_per_second": stats.samples_per_second(),
                 "precision": self.precision,
                 # {batch size: steps} of the whole run (resumes included): buckets smaller than
@@ -604,11 +618,11 @@ class Trainer:
         """After a stop request, between steps: a resumable checkpoint and the adapter (lora/final,
         complete=false), or with --no-save nothing new at all (earlier checkpoints stay as they are)."""
         if not save:
-            self.log.emit("stopped", step=step, saved=False)
+            self.log.emit("stopped", step=step, saved=False, **self.expert)
             return {"stage": "train", "stopped": True, "saved": False, "step": step}
         if self.saved_step != step:
             self.save_checkpoint(step)
         # the losses so far; no sample counts or speed for a run cut short (as before the split)
         manifest = self.save_final(step, False, self._summary(RunStats(stats.warmup, stats.losses), t0))
-        self.log.emit("stopped", step=step, saved=True, checkpoint=f"checkpoint-{step}")
+        self.log.emit("stopped", step=step, saved=True, checkpoint=f"checkpoint-{step}", **self.expert)
         return {**manifest, "stopped": True, "saved": True}

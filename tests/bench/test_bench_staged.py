@@ -26,6 +26,7 @@ from bench import staged
 from bench.bench import Runner, _short_plan, plan, run_args
 from conftest import FAMILIES, make_cfg, tiny_model
 from stages.core.model_source import ModelSource
+from stages.core.caches import export_dir
 
 FAMILY = "flux2"
 
@@ -84,7 +85,7 @@ def test_each_stage_runs_on_a_folder_holding_its_own_components(tmp_path: Path, 
     assert staged.read_state(folder, FAMILY) == {"text_encoder": "stand-in", "vae": "stand-in", "transformer": "built"}
     train.run(cfg)  # its upstream check recomputes the text encoder's and the VAE's identities: still the caches'
     export_lora.run(cfg)
-    loaded = verify(str(folder), cfg.run_dir / "export")
+    loaded = verify(str(folder), export_dir(cfg))
     assert loaded["ok"] and loaded["tensors_in_file"] > 0 and loaded["denoiser"] == "Flux2Transformer2DModel"
 
     assert runner.to_build(FAMILY, "export") == [] and runner.to_build(FAMILY, "encode") == ["text_encoder"]

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, demo_config_path, make_cfg, tiny_model
+from stages.core.caches import lora_dir
 
 STEPS = 4  # one epoch of the 13-item set at global batch 4: batches of 4, 4, 4 and 1
 TRAIN = {"train.steps": STEPS, "runtime.checkpoint_every": 0, "runtime.log_every": 1, "train.lr_warmup_steps": 1}
@@ -182,7 +183,7 @@ def _free_port() -> int:
 def _adapter(cfg, folder: str = "final") -> dict:
     from safetensors.torch import load_file
 
-    return load_file(str(cfg.run_dir / "lora" / folder / "adapter_model.safetensors"))
+    return load_file(str(lora_dir(cfg) / folder / "adapter_model.safetensors"))
 
 
 def _events(cfg, event: str) -> list[dict]:
@@ -250,7 +251,7 @@ def test_two_ranks_train_the_same_lora_as_one_process_with_the_global_batch(trai
     assert {e["world_size"] for e in steps_two} == {2}
     for a, b in zip(steps_one, steps_two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["lr"] == pytest.approx(a["lr"])
-    final = json.loads((trained["two_b2"].run_dir / "lora" / "final" / "manifest.json").read_text())
+    final = json.loads((lora_dir(trained["two_b2"]) / "final" / "manifest.json").read_text())
     assert (final["world_size"], final["global_batch_size"], final["step"]) == (2, 4, STEPS)
     assert len(final["peak_vram_gb_per_rank"]) == 2
 
@@ -263,7 +264,7 @@ def test_stop_seen_by_one_rank_stops_both_and_resume_continues(trained):
     assert [(e["step"], e["saved"]) for e in stopped] == [(2, True)]  # one event: both ranks stopped at 2
     from stages.train.checkpoints import read_training_state
 
-    state = read_training_state(cfg.run_dir / "lora" / "checkpoint-2")
+    state = read_training_state(lora_dir(cfg) / "checkpoint-2")
     assert state["step"] == 2 and state["world_size"] == 2 and len(state["torch_rng_ranks"]) == 2
     done = _events(cfg, "done")
     assert len(done) == 1 and done[0]["step"] == STEPS

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import demo_config_path, once
 from stages.core.events import COMMON_FIELDS, EVENT_SCHEMA, EVENT_TYPES, describe_events, read_events, validate_event
+from stages.core.caches import lora_dir
 
 
 def violations(events: list[dict]) -> list[str]:
@@ -110,7 +111,7 @@ def test_stop_resume_cli_and_failure_events_conform(eventful_run):
     assert len(profile) == 2 and profile[-1]["top"][0].endswith(table["top"][0]["name"][:60])
     from stages import inspect as inspect_stage
 
-    shown = inspect_stage.lora_section(eventful_run.run_dir)["profile"]  # `pipeline.py inspect` shows it
+    shown = inspect_stage.lora_section(lora_dir(eventful_run))["profile"]  # `pipeline.py inspect` shows it
     assert shown["ms_per_step"] == table["ms_per_step"] and shown["top"] == table["top"][:10]
     stopped = [e for e in events if e["event"] == "stopped"]
     assert [(e["step"], e["saved"]) for e in stopped] == [(2, True)]

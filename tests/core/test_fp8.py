@@ -19,6 +19,7 @@ from stages.core.config import TrainConfig
 from stages.core.errors import ResourceError
 from stages.core.fp8 import (FP8_MAX, Fp8Linear, fp8_bytes, inside_repeated_blocks, quantize_denoiser_fp8,
                              require_fp8_device)
+from stages.core.caches import lora_dir
 
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 # where the fp8 matmuls run: torch 2.13's CPU build has `_scaled_mm`, torch 2.11's (the GPU machine) has not
@@ -286,7 +287,7 @@ def test_fp8_scaled_single_file_model_trains_through_the_stages(assets, demo_dat
     for stage in (encode_captions, cache_latents, train):
         stage.run(cfg)
     converted = list((tmp_path / "runs" / ".model-cache" / "fp8_scaled").glob("*/model.safetensors"))
-    assert len(converted) == 1 and (cfg.run_dir / "lora" / "final").is_dir()
+    assert len(converted) == 1 and (lora_dir(cfg) / "final").is_dir()
     first = converted[0].stat().st_mtime_ns
     loaded = model_source(cfg).load(FluxTransformer2DModel, "transformer", torch_dtype=torch.bfloat16).state_dict()
     assert converted[0].stat().st_mtime_ns == first  # read from the cache, not converted again

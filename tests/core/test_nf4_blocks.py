@@ -22,6 +22,7 @@ from conftest import FAMILIES, make_cfg, tiny_model
 from stages.core import blockswap, fastpath, lora, memory, nf4_blocks
 from stages.core.model_source import ModelSource
 from stages.families import get_family
+from stages.core.caches import lora_dir
 
 
 def _diffusers_nf4(src: ModelSource, cls, monkeypatch) -> torch.nn.Module:
@@ -208,7 +209,7 @@ def test_nf4_swap_training_resumes_bit_identically(assets, demo_data, tmp_path_f
     straight = train.run(_cfg(cached, **sets))
     swap = straight["runtime"]["block_swap"]  # one swapped block: copied once, then found in its slot every fetch
     assert swap["swapped_blocks"] == 1 and swap["copies"] == 1 and straight["runtime"]["cuda_alloc_retries"] == 0
-    want = load_file(str(cached.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    want = load_file(str(lora_dir(cached) / "final" / "adapter_model.safetensors"))
     cfg = _cfg(cached, **sets)
     tr = _trainer(cfg)
     assert tr.swap is not None and len(tr.swap.blocks) == 1 and tr.model.is_loaded_in_4bit
@@ -217,7 +218,7 @@ def test_nf4_swap_training_resumes_bit_identically(assets, demo_data, tmp_path_f
     tr.save_checkpoint(2)
     del tr
     resumed = train.run(cfg, resume=True)
-    got = load_file(str(cfg.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    got = load_file(str(lora_dir(cfg) / "final" / "adapter_model.safetensors"))
     assert straight["step"] == resumed["step"] == 4
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)

@@ -100,7 +100,8 @@ def test_each_family_stage_builds_only_its_models_and_status_after_a_run(built_r
     _assert_stages_build_only_their_models(cfg.family, BUILT_MODELS[cfg.family])
     args = ["status", "--config", str(demo_config_path(cfg.family)), "--model", cfg.model,
             "--set", f"data.path={cfg.data.path}", "--set", f"artifacts={cfg.artifacts}",
-            "--set", f"device={cfg.device}", "--set", f"train.steps={cfg.train.steps}"]
+            "--set", f"device={cfg.device}", "--set", f"train.steps={cfg.train.steps}",
+            *(["--set", f"train.expert={cfg.train.expert}"] if cfg.train.expert else [])]
     status = CliRunner().invoke(cli, args)
     changed = CliRunner().invoke(cli, [*args, "--set", "train.learning_rate=0.01"])
     assert status.exit_code == 0 and changed.exit_code == 0, status.output + changed.output

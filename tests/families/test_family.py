@@ -22,6 +22,7 @@ from stages.core.schema import Bucket
 from stages.train.trainer import Trainer, build_data
 from conftest import FAMILIES, ROOT
 from stages.families import get_family
+from stages.core.caches import export_dir
 
 
 def _trainer(cfg):
@@ -145,7 +146,7 @@ def test_export_round_trip(built_run):
 
     cfg = built_run
     family = get_family(cfg.family)
-    export = cfg.run_dir / "export"
+    export = export_dir(cfg)
     final = train.artifact_dir(cfg)
     adapter, adapter_cfg = lora.load_adapter_files(final)
     assert adapter_cfg["r"] != adapter_cfg["lora_alpha"], "use lora_alpha != rank so the metadata matters"

@@ -26,6 +26,7 @@ from stages.core.runtime import make_runtime
 from stages.families import get_family
 from stages.train.trainer import Trainer
 from conftest import make_cfg
+from stages.core.caches import export_dir
 
 FAMILIES = ["flux2-klein", "flux2"]
 CPU = torch.device("cpu")
@@ -203,7 +204,7 @@ def test_export_round_trip_with_references(ref_run):
     trainer, _, _, batch = _batch(cfg, "shape_001.png", 1, model=True)
     family, pipe = trainer.family, _pipe(cfg)
     adapter, adapter_cfg = lora.load_adapter_files(train.artifact_dir(cfg))
-    pipe.load_lora_weights(str(cfg.run_dir / "export"), weight_name="pytorch_lora_weights.safetensors")
+    pipe.load_lora_weights(str(export_dir(cfg)), weight_name="pytorch_lora_weights.safetensors")
     in_memory = family.load_denoiser(ModelSource(cfg.model), "fp32", make_runtime("cpu", "fp32"), cfg.train)
     lora.attach_lora(in_memory, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
                                                  adapter_cfg["target_modules"]))

@@ -9,10 +9,14 @@
 - training sigmas lie on the scheduler's flow_shift curve, each expert's only on its own side of the boundary,
   stratified draws included;
 - the Wan 2.1 VAE: 16 channels, 8 px and 4 frames a latent cell, normalization the decode's inverse;
-- the config checks ("both", no expert, an expert on a one-denoiser family, timestep_min/max, frames);
+- the config checks (no expert, DoRA on the low expert, an expert on a one-denoiser family, timestep_min/max, frames);
 - a low-noise run end to end: its export loads into transformer_2 only (`load_into_transformer_2`), applies the
   trained delta there, passes export --verify, names its ComfyUI file for the expert, and `sample` renders through
-  both experts with the LoRA on the low-noise one; the planners count one expert to train and two to sample.
+  both experts with the LoRA on the low-noise one; the planners count one expert to train and two to sample;
+- train.expert = "both": one run trains high's adapter then low's (lora/high/, lora/low/), each on its own sigmas,
+  stops and resumes in the low phase, skips a finished expert, equals single-expert runs (high -> "both" trains
+  low alone; "low" finds it up to date); its export writes each expert's files, which load in WanPipeline with
+  every key and the trained delta on the right expert, and `sample` puts each LoRA on its own expert.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
 from stages.families import get_family
 from stages.families.base import BatchMeta
+from stages.core.caches import export_dir, lora_dir
 
 NAME = "wan2.2-14b"
 CAPTIONS = ["a red circle", "a  large blue square &amp; a green triangle moving right across a white background"]
@@ -124,8 +129,9 @@ def test_wan21_vae_and_normalization(wan):
 
 
 @pytest.mark.parametrize("overrides, wanted", [
-    ({"train.expert": "both"}, ["train.expert = 'both'", "train.expert = 'high'", "train.expert = 'low'"]),
-    ({"train.expert": ""}, ["train.expert = ''", "'high'", "'low'"]),
+    ({"train.expert": "both", "train.adapter": "dora"}, ["train.adapter = 'dora'", "train.expert = 'both'",
+                                                          "train.adapter = 'lora'", "train.expert = 'high' for DoRA"]),
+    ({"train.expert": ""}, ["train.expert = ''", "'both'", "'high'", "'low'"]),
     ({"train.expert": "low", "train.timestep_max": 0.5}, ["train.timestep_min/max", "leave them 0 and 1"]),
     ({"train.expert": "high", "data.frames": 32}, ["data.frames = 32", "33"]),
     ({"train.expert": "low", "train.adapter": "dora"}, ["train.adapter = 'dora'", "train.adapter = 'lora'"]),
@@ -146,8 +152,9 @@ def test_presets_match_the_pipeline(wan):
     _, folder, pipe = wan
     for preset in ("configs/wan2.2-14b.toml", "configs/demo-wan2.2-14b.toml"):
         cfg = load_config(preset, {"model": str(folder)})
-        assert cfg.train.expert in ("high", "low") and cfg.train.shift == pipe.scheduler.config.flow_shift
-    assert load_config("configs/wan2.2-14b.toml", {"model": str(folder)}).model == str(folder)
+        assert cfg.train.expert == "both" and cfg.train.shift == pipe.scheduler.config.flow_shift  # one adapter each
+    preset = load_config("configs/wan2.2-14b.toml", {"model": str(folder)})
+    assert preset.model == str(folder) and preset.run == NAME
 
 
 @pytest.mark.parametrize("built_run", [NAME], indirect=True)
@@ -166,7 +173,7 @@ def test_low_noise_run_exports_and_samples_on_transformer_2(built_run):
     assert manifest["files"] == [export_lora.DIFFUSERS_FILE, comfy] and comfy.endswith("_low_noise_comfyui.safetensors")
     assert manifest["checks"][comfy]["keys_loaded"] == manifest["checks"][comfy]["keys"]
 
-    final = cfg.run_dir / "lora" / "final"
+    final = lora_dir(cfg) / "final"
     state, adapter_cfg = lora.load_adapter_files(final)
     in_memory = family.load_denoiser(ModelSource(cfg.model), "fp32", CPU, cfg.train)
     lora.attach_lora(in_memory, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
@@ -176,10 +183,11 @@ def test_low_noise_run_exports_and_samples_on_transformer_2(built_run):
     pipe.set_progress_bar_config(disable=True)
     base_low, base_high = (_denoiser_output(cfg, family, getattr(pipe, c)) for c in ("transformer_2", "transformer"))
     cfg.sample.steps, cfg.sample.seeds = 4, [0]
-    file = cfg.run_dir / "export" / export_lora.DIFFUSERS_FILE
+    file = export_dir(cfg) / export_lora.DIFFUSERS_FILE
     with Progress("sample", 2, "images") as bar:
         base_clip = sample.render_column(pipe, cfg, ["a red circle"], (64, 64), bar)
-        labels, cells, _ = sample.render_columns(pipe, cfg, [("LoRA", file)], ["a red circle"], (64, 64), None)
+        labels, cells, _ = sample.render_columns(pipe, cfg, [("LoRA", [(file, family.lora_load_kwargs(cfg.train))])],
+                                                 ["a red circle"], (64, 64), None)
     assert pipe.get_list_adapters() == {"transformer_2": ["col0"]}, "the LoRA sits on the low-noise expert only"
     got = _denoiser_output(cfg, family, pipe.transformer_2)
     torch.testing.assert_close(got, _denoiser_output(cfg, family, in_memory), rtol=1e-5, atol=1e-5)
@@ -190,6 +198,145 @@ def test_low_noise_run_exports_and_samples_on_transformer_2(built_run):
 
     assert np.array_equal(np.asarray(cells[0][0][0]), np.asarray(base_clip[0][0]))
     assert not np.array_equal(np.asarray(cells[1][0][-1]), np.asarray(cells[0][0][-1])), "the LoRA shows in the clip"
+
+
+def _adapter(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("built_run", [NAME], indirect=True)
+def test_both_experts_train_in_one_run_on_their_own_sigmas_stop_and_resume_in_the_second(built_run, monkeypatch):
+    """train.expert = "both": high's adapter, then low's, in one `train` on the same caches, each only on its side of
+    the boundary. Stopped in the low phase (SIGTERM after its 2nd step) and resumed, it ends with the adapters of a
+    run that trained high alone and then switched to "both" (which trains low only): each expert's adapter is a
+    single-expert run's, and the resume is exact. A finished both-run is up to date, and so is "low" alone."""
+    import pipeline
+    from stages import registry, run_settings, train
+    from stages.core import faults
+    from stages.core.stage import staleness
+    from stages.families.wan22_14b.family import Wan22_14B
+
+    drawn: list[tuple[str, torch.Tensor]] = []
+    draw = Wan22_14B.sample_timesteps
+    monkeypatch.setattr(Wan22_14B, "sample_timesteps", lambda self, n, hw, g, tcfg, first=None: drawn.append(
+        (tcfg.expert, t := draw(self, n, hw, g, tcfg, first))) or t)
+    steps = {"train.steps": 3, "runtime.checkpoint_every": 2, "runtime.log_every": 1}
+    cfg = run_beside(built_run, "both", **{"train.expert": "both", **steps})
+    high, low = registry.each_expert(cfg)
+    monkeypatch.setenv(faults.ENV, "train:5:TERM")  # high's 3 steps, then low's 2nd
+    stopped = train.run(cfg)
+    assert stopped["stopped"] and stopped["expert"] == "low" and stopped["step"] == 2
+    assert stopped["experts"]["high"]["complete"] and stopped["experts"]["high"]["step"] == 3
+    order = [e for e, _ in drawn]  # each step's draw (and the next one's, read ahead while it runs)
+    assert order == sorted(order) and order.count("high") >= 3 and order.count("low") >= 2, order  # high, then low
+    assert all((t >= 0.875).all() if e == "high" else (t < 0.875).all() for e, t in drawn), "each on its own side"
+    ok, reasons = staleness(registry.get("train"), cfg)
+    assert not ok and reasons == [r for r in reasons if r.startswith("expert low: ")] and "--resume" in reasons[0]
+    assert pipeline._train_calls(cfg, False) == [["--resume"]]
+    high_final = (lora_dir(high) / "final" / "manifest.json").stat().st_mtime_ns
+
+    monkeypatch.delenv(faults.ENV)
+    done = train.run(cfg, resume=True)  # high is up to date, low continues from its checkpoint-2
+    assert done["experts"]["high"]["up_to_date"] and done["complete"] and done["step"] == 3
+    assert (lora_dir(high) / "final" / "manifest.json").stat().st_mtime_ns == high_final
+    assert {e for e, _ in drawn[len(order):]} == {"low"}  # the resume trains low's third step alone
+    assert train.run(cfg)["up_to_date"], "a finished both-run trains nothing"
+    assert staleness(registry.get("train"), low)[0], "switching to train.expert = 'low' finds low up to date"
+    assert run_settings.made_stale(cfg, low) == [] and run_settings.made_stale(high, cfg) == ["train"]  # `config`'s diff
+
+    switch = run_beside(built_run, "switch", **{"train.expert": "high", **steps})
+    train.run(switch)
+    switch = _same_run(switch, "both")
+    assert pipeline._train_calls(switch, False) == [["--resume"]]  # `lorapipe run`: low is new, high up to date
+    trained = train.run(switch)  # high from the single-expert run is up to date; only low trains
+    assert trained["experts"]["high"]["up_to_date"] and not trained["experts"]["low"].get("up_to_date")
+    for unit, expert in zip(registry.each_expert(switch), ("high", "low")):
+        assert _same(_adapter(lora_dir(unit) / "final"), _adapter(lora_dir(cfg, expert) / "final")), expert
+
+    other = _same_run(switch, "low")
+    other.train.learning_rate *= 2
+    kept = sorted((p.name, p.stat().st_mtime_ns) for p in lora_dir(switch, "high").rglob("*"))
+    train.run(other, restart=True)  # low of other settings: `run` restarts low alone, never the up-to-date high
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in lora_dir(switch, "high").rglob("*")) == kept
+    assert pipeline._train_calls(switch, False) == [["--once", "train.expert=low", "--restart"]]
+
+
+@pytest.mark.parametrize("built_run", [NAME], indirect=True)
+def test_both_run_exports_each_expert_and_samples_each_lora_on_its_own(built_run, tmp_path):
+    """export-lora of a both-run writes each expert's files (export/high/, export/low/, their ComfyUI files named for
+    the expert, checked by --verify); in WanPipeline's own load_lora_weights each diffusers file loads every key it
+    holds, none missing or added, onto its expert only (the low one with load_into_transformer_2=True), and applies
+    exactly the trained delta there; `sample` puts each LoRA on its own expert in every column."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from stages import export_lora, registry, sample, train
+    from stages.core import lora
+    from stages.core.artifacts import read_manifest
+    from stages.core.comfyui_file import comfyui_file_name
+    from test_family import _denoiser_output
+
+    cfg = run_beside(built_run, "both-export", **{"train.expert": "both", "train.steps": 3, "export.verify": True,
+                                                 "runtime.checkpoint_every": 2, "sample.every_n_checkpoints": 1})
+    train.run(cfg)
+    export_lora.run(cfg)
+    family, units = get_family(NAME), registry.each_expert(cfg)
+    components = {"high": "transformer", "low": "transformer_2"}
+
+    def trained(unit):  # the expert with its trained adapter, in memory
+        final = lora_dir(unit) / "final"
+        _, adapter_cfg = lora.load_adapter_files(final)
+        model = family.load_denoiser(ModelSource(cfg.model), "fp32", CPU, unit.train)
+        lora.attach_lora(model, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
+                                                 adapter_cfg["target_modules"]))
+        lora.load_adapter_weights(model, final)
+        return _denoiser_output(unit, family, model)
+
+    want = {unit.train.expert: trained(unit) for unit in units}
+    pipe = diffusers.WanPipeline.from_pretrained(cfg.model)
+    base = {unit.train.expert: _denoiser_output(unit, family, getattr(pipe, components[unit.train.expert]))
+            for unit in units}
+    for unit in units:
+        expert, folder = unit.train.expert, export_dir(unit)
+        comfy = comfyui_file_name(cfg.run, tag=f"{expert}_noise")
+        manifest = read_manifest(folder)
+        assert manifest["files"] == [export_lora.DIFFUSERS_FILE, comfy], manifest["files"]
+        assert manifest["checks"][comfy]["keys_loaded"] == manifest["checks"][comfy]["keys"] > 0
+        pipe.load_lora_weights(str(folder), adapter_name=expert, **({"load_into_transformer_2": True} if expert == "low" else {}))
+        file = load_file(str(folder / export_lora.DIFFUSERS_FILE))
+        loaded = get_peft_model_state_dict(getattr(pipe, components[expert]), adapter_name=expert)
+        assert sorted(f"transformer.{k}" for k in loaded) == sorted(file), "keys missing or unexpected"
+        assert all(torch.equal(v, file[f"transformer.{k}"]) for k, v in loaded.items())
+    assert pipe.get_list_adapters() == {"transformer": ["high"], "transformer_2": ["low"]}
+    for expert, component in components.items():
+        got = _denoiser_output(units[0] if expert == "high" else units[1], family, getattr(pipe, component))
+        torch.testing.assert_close(got, want[expert], rtol=1e-5, atol=1e-5)
+        assert (got - base[expert]).abs().max() > 1e-4, "the LoRA changed nothing: the test cannot tell files apart"
+
+    columns = sample.adapters(cfg, tmp_path)
+    assert [(label, len(files)) for label, files in columns] == [("checkpoint-2", 2), ("LoRA (step 3)", 2)]
+    cfg.sample.steps, cfg.sample.seeds = 4, [0]
+    pipe = diffusers.WanPipeline.from_pretrained(cfg.model)
+    pipe.set_progress_bar_config(disable=True)
+    labels, cells, _ = sample.render_columns(pipe, cfg, columns, ["a red circle"], (64, 64), None)
+    assert labels == ["base", "checkpoint-2", "LoRA (step 3)"] and len(cells[2][0]) == 5
+    assert pipe.get_list_adapters() == {"transformer": ["col0", "col1"], "transformer_2": ["col0", "col1"]}
+    for unit in units:  # the final column is the active one: each expert carries its own LoRA
+        got = _denoiser_output(unit, family, getattr(pipe, components[unit.train.expert]))
+        torch.testing.assert_close(got, want[unit.train.expert], rtol=1e-5, atol=1e-5)
+
+
+def _same_run(cfg, expert: str):
+    """The same run folder with train.expert changed, as `--set train.expert=...` by name would give it."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, expert=expert))
 
 
 def test_planners_count_frames_and_both_experts_to_sample(wan, tmp_path):
@@ -210,6 +357,10 @@ def test_planners_count_frames_and_both_experts_to_sample(wan, tmp_path):
                 for f in (family, one_expert))
     expert = weight_bytes(meta_component(src, "transformer_2"), "bf16")
     assert expert > 0 and two - one == pytest.approx(expert, rel=1e-6), "the second expert's weights are counted"
+    from stages import plan
+
+    train = next(p for p in plan.plans(cfg, 80.0)["stages"] if p["stage"] == "train")  # "both": one expert's plan
+    assert train["note"].startswith("runs 2 times, once per expert (high, low), each holding one expert with this plan")
 
 
 def test_another_boundary_is_refused(wan, tmp_path):

@@ -23,6 +23,7 @@ from stages.core.runtime import make_runtime
 from stages.families import get_family
 from stages.families.sdxl import family as sdxl
 from stages.families.base import BatchMeta
+from stages.core.caches import export_dir
 
 GAMMA = 5.0
 
@@ -248,7 +249,7 @@ def test_export_loads_into_stable_diffusion_xl_pipeline(built_run):
     from peft.utils import get_peft_model_state_dict
     from safetensors import safe_open
 
-    export = run.run_dir / "export" / export_lora.DIFFUSERS_FILE
+    export = export_dir(run) / export_lora.DIFFUSERS_FILE
     adapter, adapter_cfg = lora.load_adapter_files(train.artifact_dir(run))
     with safe_open(str(export), "pt") as f:
         keys = set(f.keys())

@@ -19,6 +19,7 @@ from stages.core import blockswap, memory
 from stages.core.errors import ResourceError
 from stages.core.model_source import ModelSource, stored_dtypes
 from stages.families import get_family
+from stages.core.caches import lora_dir
 
 
 def _plan(stage: str, cfg, gb: float) -> memory.StagePlan:
@@ -368,7 +369,7 @@ def test_oom_in_each_stage_is_one_clear_error_and_loses_nothing(assets, demo_dat
         monkeypatch.undo()
         result = CliRunner().invoke(cli, [stage, *args, *rerun])
         assert result.exit_code == 0, result.output
-    final = read_manifest(cfg.run_dir / "lora" / "final")
+    final = read_manifest(lora_dir(cfg) / "final")
     assert final["step"] == 4 and final["complete"]
     events = [json.loads(line) for line in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e["event"] == "warning" and "resumed from checkpoint-1" in e["message"]]
@@ -1044,11 +1045,11 @@ def test_a_cuda_crash_under_the_cudnn_attention_opt_in_names_the_setting_and_the
     assert "--resume" in resume and "runtime.cudnn_attention=false" in resume
     from stages.train.checkpoints import complete_checkpoints
 
-    assert [p.name for p in complete_checkpoints(cfg.run_dir / "lora")] == ["checkpoint-1"]  # the step before it
+    assert [p.name for p in complete_checkpoints(lora_dir(cfg))] == ["checkpoint-1"]  # the step before it
     monkeypatch.undo()
     result = CliRunner().invoke(cli, shlex.split(resume)[1:])  # the printed command, as the user would paste it
     assert result.exit_code == 0, result.output
-    final = read_manifest(cfg.run_dir / "lora" / "final")
+    final = read_manifest(lora_dir(cfg) / "final")
     assert final["step"] == 3 and final["complete"]
 
     monkeypatch.setattr("stages.core.faults.hit", _raise_at("train", 1, crash))

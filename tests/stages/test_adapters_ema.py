@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import comfy_name, demo_config_path, once, run_beside
+from stages.core.caches import export_dir, lora_dir
 
 EMA = {"train.ema_decay": 0.9}
 SHORT = {"train.steps": 3, "train.batch_size": 2, "runtime.checkpoint_every": 1, "runtime.keep_checkpoints": 0}
@@ -41,7 +42,7 @@ def test_ema_average_resume_and_export(built_run):
 
     cfg = new_run(built_run, "ema", **EMA)
     train.run(cfg)
-    lora = cfg.run_dir / "lora"
+    lora = lora_dir(cfg)
     w = {s: weights(lora / f"checkpoint-{s}") for s in (1, 2, 3)}
     e = {s: weights(lora / f"checkpoint-{s}", "ema_model.safetensors") for s in (1, 2, 3)}
     assert same(e[3], weights(lora / "final", "ema_model.safetensors"))
@@ -55,19 +56,19 @@ def test_ema_average_resume_and_export(built_run):
 
     # resume from checkpoint-1: the same weights and EMA as the uninterrupted run
     resumed = new_run(built_run, "ema-resumed", **EMA)
-    shutil.copytree(lora / "checkpoint-1", resumed.run_dir / "lora" / "checkpoint-1")
+    shutil.copytree(lora / "checkpoint-1", lora_dir(resumed) / "checkpoint-1")
     train.run(resumed, resume=True)
     for name in ("adapter_model.safetensors", "ema_model.safetensors"):
-        assert same(weights(resumed.run_dir / "lora" / "final", name), weights(lora / "final", name)), name
+        assert same(weights(lora_dir(resumed) / "final", name), weights(lora / "final", name)), name
 
     # export --ema: the EMA under diffusers' keys (its scale folded into lora_B); the plain export stays the weights
     saved_cfg = lora_config_of(lora / "final")
     plain = export_lora.run(cfg)
-    exported = weights(cfg.run_dir / "export", "pytorch_lora_weights.safetensors")
+    exported = weights(export_dir(cfg), "pytorch_lora_weights.safetensors")
     assert not plain.get("ema") and _values(exported) == _values(export_lora.scale_folded(w[3], saved_cfg)[0])
     cfg.export.ema = True
     assert export_lora.run(cfg)["ema"] is True  # another fingerprint: rewritten, not "up to date"
-    assert _values(weights(cfg.run_dir / "export", "pytorch_lora_weights.safetensors")) \
+    assert _values(weights(export_dir(cfg), "pytorch_lora_weights.safetensors")) \
         == _values(export_lora.scale_folded(e[3], saved_cfg)[0])
 
     no_ema = new_run(built_run, "no-ema", **{"train.steps": 1})
@@ -158,13 +159,13 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
                  "train.steps": 2, **PATTERNS}
     cfg = new_run(built_run, f"adapter-{adapter}", **overrides)
     train.run(cfg)
-    final = cfg.run_dir / "lora" / "final"
+    final = lora_dir(cfg) / "final"
     state, saved_cfg = lora.load_adapter_files(final)
     assert lora.adapter_type(saved_cfg) == adapter and saved_cfg["rank_pattern"] == {"to_out.0": 2}
     resumed = new_run(built_run, f"adapter-{adapter}-resumed", **overrides)
-    shutil.copytree(cfg.run_dir / "lora" / "checkpoint-1", resumed.run_dir / "lora" / "checkpoint-1")
+    shutil.copytree(lora_dir(cfg) / "checkpoint-1", lora_dir(resumed) / "checkpoint-1")
     train.run(resumed, resume=True)
-    assert same(weights(resumed.run_dir / "lora" / "final"), weights(final))
+    assert same(weights(lora_dir(resumed) / "final"), weights(final))
 
     family = get_family(cfg.family)
     model = _in_memory(cfg, final)
@@ -181,7 +182,7 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
         pipe = getattr(diffusers, family.pipeline_class).from_pretrained(cfg.model)
         denoiser = getattr(pipe, family.lora_prefix)
         base = _denoiser_output(cfg, family, denoiser)
-        pipe.load_lora_weights(str(cfg.run_dir / "export"), weight_name=export_lora.DIFFUSERS_FILE)
+        pipe.load_lora_weights(str(export_dir(cfg)), weight_name=export_lora.DIFFUSERS_FILE)
         got, want = _denoiser_output(cfg, family, denoiser), _denoiser_output(cfg, family, model)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert (got - base).abs().max() > 1e-4, "the adapter changed nothing: the test cannot tell files apart"
@@ -189,7 +190,7 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
     # LoKr/LoHa: the ComfyUI file, and with --format kohya LyCORIS key names in kohya's layout, whose
     # delta a LyCORIS reader builds equals peft's
     assert manifest["files"] == [comfy, "lora_lycoris.safetensors"]
-    tensors = load_file(str(cfg.run_dir / "export" / "lora_lycoris.safetensors"))
+    tensors = load_file(str(export_dir(cfg) / "lora_lycoris.safetensors"))
     import re
 
     assert all(re.fullmatch(LYCORIS_KEY, k) for k in tensors), sorted(tensors)[:6]

@@ -17,6 +17,7 @@ import pytest
 
 from badinput import BLUE, READABLE, RED, UNREADABLE, write_caption_case, write_good_images, write_image_cases
 from conftest import demo_config_path, make_cfg
+from stages.core.caches import lora_dir
 
 HINT = 'data.on_bad_image = "skip"'
 
@@ -303,7 +304,7 @@ def test_full_disk_while_saving_a_checkpoint(built_run, monkeypatch):
     monkeypatch.setattr(safetensors.torch, "save_file", _fail_after(1, safetensors.torch.save_file))
     with pytest.raises(DiskFull, match=f"disk full while writing '{cfg.run_dir / 'lora' / 'checkpoint-4'}'"):
         train.run(cfg)
-    lora = cfg.run_dir / "lora"
+    lora = lora_dir(cfg)
     assert sorted(p.name for p in lora.iterdir()) == ["checkpoint-2"]  # intact; no half-written folder
     assert read_manifest(lora / "checkpoint-2")["step"] == 2
     monkeypatch.undo()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from stages.core.caches import export_dir
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -184,7 +185,7 @@ def test_export_checkpoint_beside_final(exported_copy):
     from stages.core.errors import ArtifactError
 
     cfg = exported_copy
-    export = cfg.run_dir / "export"
+    export = export_dir(cfg)
     final_before = (export / "manifest.json").read_text()
     result = export_lora.run(cfg, checkpoint=8)
     assert result["source"].endswith("checkpoint-8") and result["step"] == 8

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, demo_config_path
+from stages.core.caches import lora_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("built_run", ["flux"], indirect=True)]
 TRAIN = {"train.steps": 8, "runtime.checkpoint_every": 2}  # built_run trains 8 steps; checkpoints change no math
@@ -123,7 +124,7 @@ def test_kill_train(built_run):
     cfg = crash_cfg(built_run, "crash-train")
     for cache in ("captions.zarr", "latents.zarr"):
         shutil.copytree(built_run.run_dir / cache, cfg.run_dir / cache)
-    lora = cfg.run_dir / "lora"
+    lora = lora_dir(cfg)
     # checkpoint-2 is saved; steps 3-4 run; the kill lands inside checkpoint-4's save (adapter
     # and training state written, manifest not, folder not renamed)
     assert killed(pipeline(cfg, "train", kill="mid-save:2"))
@@ -131,7 +132,7 @@ def test_kill_train(built_run):
     final = train.run(cfg, resume=True)  # continues from checkpoint-2, the newest complete one
     assert final["complete"] and final["step"] == 8
     got = load_file(str(lora / "final" / "adapter_model.safetensors"))
-    want = load_file(str(built_run.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    want = load_file(str(lora_dir(built_run) / "final" / "adapter_model.safetensors"))
     assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want)
     assert not leftovers(lora)
 

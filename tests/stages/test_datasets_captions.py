@@ -16,6 +16,7 @@ import pytest
 
 from conftest import demo_config_path, make_cfg
 from stages.core.errors import ConfigError
+from stages.core.caches import lora_dir
 
 STEPS, STOP_AT = 6, 3
 
@@ -311,7 +312,7 @@ def test_stop_and_resume_is_bit_identical_with_every_control_on(multi_run, monke
     assert train.run(cut)["step"] == STOP_AT
     monkeypatch.delenv(faults.ENV)
     assert train.run(cut, resume=True)["step"] == STEPS
-    want, got = _adapter(whole.run_dir / "lora" / "final"), _adapter(cut.run_dir / "lora" / "final")
+    want, got = _adapter(lora_dir(whole) / "final"), _adapter(lora_dir(cut) / "final")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 

@@ -22,6 +22,7 @@ from stages.core.artifacts import ArtifactError
 from stages.inspect import captions_section
 from stages.train.trainer import build_data
 from conftest import make_cfg, run_beside
+from stages.core.caches import lora_dir
 
 QWEN_EDIT = pytest.mark.parametrize("built_run", ["qwen-image-edit"], indirect=True)
 
@@ -151,8 +152,8 @@ def test_stop_and_resume_with_dropout_is_bit_identical(built_run, dropping, monk
     assert train.run(cut, resume=True)["step"] == 6
     from safetensors.torch import load_file
 
-    want = load_file(str(whole.run_dir / "lora" / "final" / "adapter_model.safetensors"))
-    got = load_file(str(cut.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    want = load_file(str(lora_dir(whole) / "final" / "adapter_model.safetensors"))
+    got = load_file(str(lora_dir(cut) / "final" / "adapter_model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 

@@ -23,6 +23,8 @@ from stages.core.config import SampleConfig
 from stages.core.schema import Bucket
 from stages.core.dataset import scan
 from stages.core.events import read_events, validate_event
+from stages.core.caches import export_dir, lora_dir
+from stages.families import get_family
 
 
 @pytest.fixture
@@ -68,10 +70,15 @@ def test_inspect_reports_every_artifact(built_run):
     assert {k for k, s in rep["stages"].items() if s["up_to_date"]} == {"encode-captions", "cache-latents", "train",
                                                                          "export-lora"}
     assert rep["stages"]["sample"]["reasons"] == ["never built (no manifest)"]
-    final = rep["lora"]["final"]
+    expert = built_run.train.expert  # a two-expert family's report holds each expert's adapter and export
+    lora, export = (rep[k][expert] if expert else rep[k] for k in ("lora", "export"))
+    final = lora["final"]
     assert final["step"] == built_run.train.steps and final["lora_config"]["r"] == built_run.train.rank
     assert final["hyper_parameters"]["learning_rate"] == built_run.train.learning_rate
-    assert rep["export"]["files"]["pytorch_lora_weights.safetensors"] > 0
+    assert export["files"]["pytorch_lora_weights.safetensors"] > 0
+    if expert:  # the other expert, untrained in this run, is named with nothing in it
+        assert [e for e, section in rep["lora"].items() if section["final"] is None] == [
+            e for e in get_family(built_run.family).experts if e != expert]
 
 
 def test_inspect_finds_nan_orphaned_missing_and_stale(run_copy):
@@ -168,7 +175,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     manifest = sample.run(cfg)
     edits = sample.edit_rows(cfg)  # None for text-to-image families
     prompts, lead = ([p for p, _ in edits], ["control"]) if edits else (PROMPTS, [])
-    kept = sorted(p.name for p in (cfg.run_dir / "lora").glob("checkpoint-*")
+    kept = sorted(p.name for p in (lora_dir(cfg)).glob("checkpoint-*")
                   if int(p.name.split("-")[1]) != cfg.train.steps)
     assert manifest["columns"] == [*lead, "base", *kept, f"LoRA (step {cfg.train.steps})"]
     scale = -(-sample.MIN_CELL // SIZE)
@@ -177,7 +184,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     assert grid.size == (200 + cols * (SIZE * scale + 4), 28 + rows * (SIZE * scale + 4)) == tuple(manifest["grid_size"])
 
     family = get_family(cfg.family)
-    pipe = getattr(diffusers, read_manifest(cfg.run_dir / "export")["pipeline_class"]).from_pretrained(cfg.model)
+    pipe = getattr(diffusers, read_manifest(export_dir(cfg))["pipeline_class"]).from_pretrained(cfg.model)
     pipe.set_progress_bar_config(disable=True)
     extra = family.sample_image_kwargs([dataset.load_image(c) for c in edits[0][1]], (SIZE, SIZE)) if edits else {}
     context = family.sample_context((SIZE, SIZE)) if hasattr(family, "sample_context") else contextlib.nullcontext()
@@ -205,7 +212,7 @@ def test_sample_refuses_without_export_or_settings(run_copy):
 
     with pytest.raises(UserError, match="sample.seeds"):
         sample.run(dataclasses.replace(run_copy, sample=SampleConfig(seeds=[])))
-    shutil.rmtree(run_copy.run_dir / "export")
+    shutil.rmtree(export_dir(run_copy))
     with pytest.raises(Exception, match="export-lora"):
         sample.run(sample_cfg(run_copy))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from stages.core.caches import lora_dir
 
 ON_FLUX = pytest.mark.parametrize("built_run", ["flux"], indirect=True)  # one family: the row store is shared
 
@@ -116,15 +117,15 @@ def test_flipped_byte_stops_train_and_one_rerun_repairs_it_to_the_same_adapter(r
     data = bytearray(path.read_bytes())
     data[at + 20] ^= 0x01  # one row's bytes: only that row fails its checksum
     path.write_bytes(bytes(data))
-    shutil.rmtree(run_copy.run_dir / "lora")
+    shutil.rmtree(lora_dir(run_copy))
 
     with pytest.raises(ArtifactError, match=f"item '{key}'.*cache-latents"):
         train.run(run_copy)
     assert not staleness(registry.get("cache-latents"), run_copy)[0]  # the read unflagged the row: status names it now
     assert encoded(cache_latents.run(run_copy)) == 1 and encoded(encode_captions.run(run_copy)) == 0
     train.run(run_copy)
-    repaired = load_file(run_copy.run_dir / "lora" / "final" / "adapter_model.safetensors")
-    reference = load_file(built_run.run_dir / "lora" / "final" / "adapter_model.safetensors")
+    repaired = load_file(lora_dir(run_copy) / "final" / "adapter_model.safetensors")
+    reference = load_file(lora_dir(built_run) / "final" / "adapter_model.safetensors")
     assert repaired.keys() == reference.keys()
     assert all(torch.equal(repaired[k], reference[k]) for k in reference)
 

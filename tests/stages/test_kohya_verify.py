@@ -29,6 +29,7 @@ from stages.core.verify import VerifyError, verify_export  # noqa: E402
 from stages.export_lora import write_diffusers  # noqa: E402
 from stages.core.model_source import ModelSource  # noqa: E402
 from stages.families import get_family  # noqa: E402
+from stages.core.caches import export_dir  # noqa: E402
 
 RANK, ALPHA = 4, 6.0  # alpha != rank: a file that loses the scale fails the comparison
 # Modules diffusers 0.42.1's kohya converters cannot bring back, per family (on its tiny model):
@@ -391,7 +392,7 @@ def test_cli_export_verify(run_copy):
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], "--verify"]
     ok = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    manifest = json.loads((run_copy.run_dir / "export" / "manifest.json").read_text())
+    manifest = json.loads((export_dir(run_copy) / "manifest.json").read_text())
     assert manifest["files"] == ["pytorch_lora_weights.safetensors", comfy_name(run_copy)]
     assert manifest["step"] == run_copy.train.steps
     assert "ComfyUI loads" in ok.stderr + ok.stdout  # the summary says how the ComfyUI file loads
@@ -405,12 +406,12 @@ def test_export_kohya_with_verify_per_family(run_copy):
 
     from stages import export_lora
 
-    before = json.loads((run_copy.run_dir / "export" / "manifest.json").read_text())
+    before = json.loads((export_dir(run_copy) / "manifest.json").read_text())
     both = dataclasses.replace(run_copy, export=dataclasses.replace(run_copy.export, format="kohya", verify=True))
     if run_copy.family in DEMO_KOHYA_REFUSED:
         with pytest.raises(VerifyError, match=f"lora_kohya.safetensors: {DEMO_KOHYA_REFUSED[run_copy.family]}"):
             export_lora.run(both)
-        assert json.loads((run_copy.run_dir / "export" / "manifest.json").read_text()) == before
+        assert json.loads((export_dir(run_copy) / "manifest.json").read_text()) == before
     else:
         assert export_lora.run(both)["files"] == ["pytorch_lora_weights.safetensors",
                                                   comfy_name(run_copy), kohya.KOHYA_FILE]
@@ -422,7 +423,7 @@ def test_export_force_rewrites_an_up_to_date_export(run_copy):
 
     import pipeline
 
-    manifest = run_copy.run_dir / "export" / "manifest.json"
+    manifest = export_dir(run_copy) / "manifest.json"
     before = manifest.stat().st_ino
     pipeline._run_stage("export-lora", run_copy)  # up to date: nothing rewritten
     assert manifest.stat().st_ino == before

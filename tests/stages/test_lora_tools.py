@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import pipeline
 from conftest import FAMILIES, library_lines, make_cfg, tiny_model
+from stages.core.caches import lora_dir
 
 FAMILY = "flux"
 MODULES = ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_out.0", "single_transformer_blocks.0.proj_out")
@@ -220,7 +221,7 @@ def test_posthoc_ema_is_the_power_ema_of_the_checkpoint_trajectory(shapes, asset
     steps, states = (10, 25, 40), []
     for i, step in enumerate(steps):
         state, lora_cfg = random_lora(shapes, 4, 8.0, seed=10 + i)
-        folder = cfg.run_dir / "lora" / f"checkpoint-{step}"
+        folder = lora_dir(cfg) / f"checkpoint-{step}"
         folder.mkdir(parents=True)
         save_file(state, str(folder / ADAPTER_WEIGHTS))
         (folder / ADAPTER_CONFIG).write_text(json.dumps(lora_cfg))

@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from conftest import make_cfg, once, run_beside
+from stages.core.caches import lora_dir
 
 N_ITEMS = 6
 
@@ -129,7 +130,7 @@ def _train(cfg, restart: bool = False) -> tuple[list[float], dict]:
     events = [e for e in read_events(cfg.run_dir) if e["stage"] == "train"]
     start = max(i for i, e in enumerate(events) if e["event"] == "start")
     losses = [e["loss"] for e in events[start:] if e["event"] == "step"]
-    return losses, load_file(str(cfg.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    return losses, load_file(str(lora_dir(cfg) / "final" / "adapter_model.safetensors"))
 
 
 def _cached_masks(cfg) -> dict[str, tuple[np.ndarray, dict]]:
@@ -201,7 +202,7 @@ def test_masks_end_to_end(assets, demo_data, tmp_path):
     assert train.run(cut, resume=True)["step"] == 3
     from safetensors.torch import load_file
 
-    resumed = load_file(str(cut.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    resumed = load_file(str(lora_dir(cut) / "final" / "adapter_model.safetensors"))
     assert all(torch.equal(resumed[k], masked_adapter[k]) for k in masked_adapter)
 
 
@@ -314,7 +315,7 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
     # it draws nothing from training: the same losses and adapter as a run without it
     plain = run_beside(built_run, "no-validation", **SHORT)
     train.run(plain)
-    final = lambda c: load_file(str(c.run_dir / "lora" / "final" / "adapter_model.safetensors"))  # noqa: E731
+    final = lambda c: load_file(str(lora_dir(c) / "final" / "adapter_model.safetensors"))  # noqa: E731
     assert [e["loss"] for e in _events(plain, "step")] == [e["loss"] for e in _events(cfg, "step")]
     assert all(torch.equal(a, b) for a, b in zip(final(plain).values(), final(cfg).values()))
 
@@ -322,7 +323,7 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
     resumed = run_beside(built_run, "validation-resumed", **{**SHORT, **val})
     encode_captions.run(resumed)
     cache_latents.run(resumed)
-    shutil.copytree(cfg.run_dir / "lora" / "checkpoint-1", resumed.run_dir / "lora" / "checkpoint-1")
+    shutil.copytree(lora_dir(cfg) / "checkpoint-1", lora_dir(resumed) / "checkpoint-1")
     train.run(resumed, resume=True)
     assert _events(resumed, "validation") == [dict(e, ts=r["ts"], run=r["run"]) for e, r in
                                              zip(events, _events(resumed, "validation"))]

@@ -15,6 +15,7 @@ import torch
 from conftest import losses_and_lora, run_beside
 from stages.core import flow, lora
 from stages.core.errors import ConfigError
+from stages.core.caches import lora_dir
 
 flux_run = pytest.mark.parametrize("built_run", ["flux"], indirect=True)
 
@@ -133,7 +134,7 @@ def test_resume_is_bit_exact_with_preservation(built_run, monkeypatch):
     assert train.run(stopped)["step"] == STOP_AT
     monkeypatch.delenv(faults.ENV)
     train.run(stopped, resume=True)
-    assert_same_adapter(adapter(stopped.run_dir / "lora" / "final"), adapter(whole.run_dir / "lora" / "final"))
+    assert_same_adapter(adapter(lora_dir(stopped) / "final"), adapter(lora_dir(whole) / "final"))
     want = {e["step"]: e["loss"] for e in run_events(whole, "step") if e["step"] > STOP_AT}
     assert {e["step"]: e["loss"] for e in run_events(stopped, "step")} == want
 
@@ -201,7 +202,7 @@ def test_assistant_trains_is_fingerprinted_and_never_exported(built_run, tmp_pat
     parts = fingerprint_parts(cfg)
     assert parts["assistant"]["path"] == str(file) and len(parts["assistant"]["sha256"]) == 64
     train.run(cfg)
-    final = read_manifest(cfg.run_dir / "lora" / "final")
+    final = read_manifest(lora_dir(cfg) / "final")
     assert final["assistant_adapter"] == parts["assistant"]
 
     def never(*args, **kwargs):
@@ -209,7 +210,7 @@ def test_assistant_trains_is_fingerprinted_and_never_exported(built_run, tmp_pat
 
     monkeypatch.setattr(lora, "merge_assistant", never)
     export_lora.run(cfg)
-    trained = load_file(str(cfg.run_dir / "lora" / "final" / lora.ADAPTER_WEIGHTS))
+    trained = load_file(str(lora_dir(cfg) / "final" / lora.ADAPTER_WEIGHTS))
     exported = [p for p in export_lora.artifact_dir(cfg).rglob("*.safetensors")]
     assert exported
     for path in exported:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, demo_config_path, once, run_beside
+from stages.core.caches import export_dir, lora_dir
 
 STEPS, STOP_AT = 6, 3
 TRAIN = {"train.steps": STEPS, "runtime.checkpoint_every": 4, "runtime.log_every": 1}
@@ -51,7 +52,7 @@ def reference(built) -> tuple[dict, dict[int, tuple[float, float]]]:
         cfg = new_run(built, "uninterrupted")
         train.run(cfg)
         steps = {e["step"]: (e["loss"], e["lr"]) for e in run_events(cfg, "step")}
-        _REFERENCE[built.family] = (adapter(cfg.run_dir / "lora" / "final"), steps)
+        _REFERENCE[built.family] = (adapter(lora_dir(cfg) / "final"), steps)
     return _REFERENCE[built.family]
 
 
@@ -75,8 +76,8 @@ def test_stop_then_resume_is_bit_identical(built_run, monkeypatch):
     stopped = train.run(cfg)
     assert stopped["stopped"] and stopped["saved"] and stopped["step"] == STOP_AT
     assert [(e["step"], e["saved"]) for e in run_events(cfg, "stopped")] == [(STOP_AT, True)]
-    final = cfg.run_dir / "lora" / "final"
-    assert (cfg.run_dir / "lora" / f"checkpoint-{STOP_AT}" / "manifest.json").is_file()
+    final = lora_dir(cfg) / "final"
+    assert (lora_dir(cfg) / f"checkpoint-{STOP_AT}" / "manifest.json").is_file()
     ok, reasons = staleness(registry.get("train"), cfg)
     assert not ok and "--resume" in reasons[0], reasons  # status tells how to finish
 
@@ -108,7 +109,7 @@ def test_second_signal_during_save_corrupts_nothing(built_run, monkeypatch):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "stopped at step 2" in result.output
-    lora = cfg.run_dir / "lora"
+    lora = lora_dir(cfg)
     assert sorted(p.name for p in lora.iterdir()) == ["checkpoint-2", "final"]  # no temp folder left
     assert adapter(lora / "checkpoint-2").keys() == want.keys()
     monkeypatch.delenv(faults.ENV)
@@ -124,7 +125,7 @@ def _stop_when_training(cfg, save: bool, seen: list) -> None:
     deadline = time.time() + 120
     while time.time() < deadline:
         if any(e["event"] == "step" and e["step"] >= 2 for e in read_events(cfg.run_dir)):
-            seen.append(sorted(p.name for p in (cfg.run_dir / "lora").glob("checkpoint-*")))
+            seen.append(sorted(p.name for p in (lora_dir(cfg)).glob("checkpoint-*")))
             seen.append(request_stop(cfg.run_dir, save=save))
             return
         time.sleep(0.05)
@@ -148,7 +149,7 @@ def test_stop_no_save_writes_nothing_new(built_run):
     before, pid = seen
     assert pid is not None and result["stopped"] and not result["saved"]
     assert [e["saved"] for e in run_events(cfg, "stopped")] == [False]
-    lora = cfg.run_dir / "lora"
+    lora = lora_dir(cfg)
     assert not (lora / "final").exists()
     after = sorted(p.name for p in lora.iterdir())
     assert set(before) <= set(after) and all(int(n.split("-")[1]) <= result["step"] for n in after)
@@ -193,8 +194,8 @@ def test_sigterm_to_pipeline_run_stops_train_cleanly(built_run):
     assert "train was stopped before its last step; later stages not run" in output
     stopped = [e for e in read_events(cfg.run_dir) if e["event"] == "stopped"]
     assert len(stopped) == 1 and stopped[0]["saved"]
-    assert (cfg.run_dir / "lora" / f"checkpoint-{stopped[0]['step']}" / "manifest.json").is_file()
-    assert not (cfg.run_dir / "export").exists()
+    assert (lora_dir(cfg) / f"checkpoint-{stopped[0]['step']}" / "manifest.json").is_file()
+    assert not (export_dir(cfg)).exists()
 
 
 @pytest.mark.parametrize("built_run", ["flux"], indirect=True)
@@ -213,7 +214,7 @@ def test_plain_train_refuses_then_restart_keeps_new_lineage(built_run, monkeypat
 
     want, _ = reference(built_run)
     cfg = new_run(built_run, "restarted")
-    lora = cfg.run_dir / "lora"
+    lora = lora_dir(cfg)
     monkeypatch.setenv(faults.ENV, "train:5:TERM")
     assert train.run(cfg)["step"] == 5
     before = sorted(p.name for p in lora.iterdir())
@@ -257,7 +258,7 @@ def test_old_pickle_training_state_is_never_loaded(built_run, monkeypatch, tmp_p
     monkeypatch.setenv(faults.ENV, f"train:{STOP_AT}:TERM")
     train.run(cfg)
     monkeypatch.delenv(faults.ENV)
-    checkpoint = cfg.run_dir / "lora" / f"checkpoint-{STOP_AT}"
+    checkpoint = lora_dir(cfg) / f"checkpoint-{STOP_AT}"
     for name in (STATE_JSON, STATE_TENSORS):
         (checkpoint / name).unlink()
     marker = tmp_path / "payload-ran"
@@ -305,7 +306,7 @@ def test_each_optimizer_resumes_bit_identical(built_run, setting, monkeypatch):
     overrides = OPTIMIZER_RUNS[setting]
     straight = new_run(built_run, f"{setting}-straight", **overrides)
     train.run(straight)
-    want = adapter(straight.run_dir / "lora" / "final")
+    want = adapter(lora_dir(straight) / "final")
     want_steps = {e["step"]: (e["loss"], e["lr"]) for e in run_events(straight, "step")}
     plain, _ = reference(built_run)
     assert any(not torch_equal(want[k], plain[k]) for k in want), "the setting changed nothing"
@@ -315,7 +316,7 @@ def test_each_optimizer_resumes_bit_identical(built_run, setting, monkeypatch):
     assert train.run(cfg)["step"] == STOP_AT
     monkeypatch.delenv(faults.ENV)
     train.run(cfg, resume=True)
-    assert_same_adapter(adapter(cfg.run_dir / "lora" / "final"), want)
+    assert_same_adapter(adapter(lora_dir(cfg) / "final"), want)
     got_steps = {e["step"]: (e["loss"], e["lr"]) for e in run_events(cfg, "step")}
     assert got_steps == {s: v for s, v in want_steps.items() if s > STOP_AT}
 
@@ -350,7 +351,7 @@ def test_schedule_free_adapter_is_the_eval_point(built_run, optimizer):
     assert all(g["train_mode"] for g in trainer.optimizer.param_groups)
     trainer.optimizer.eval()
     x = lora.adapter_state_dict(trainer.model)
-    saved = adapter(cfg.run_dir / "lora" / "final")
+    saved = adapter(lora_dir(cfg) / "final")
     assert_same_adapter(saved, x)
     trainer.optimizer.train()
     with torch.no_grad():

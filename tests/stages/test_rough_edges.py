@@ -15,6 +15,7 @@ from click.testing import CliRunner
 import pipeline
 from badinput import write_good_images, write_image_cases
 from conftest import FAMILIES, ROOT, demo_config_path, make_cfg, once, run_beside, tiny_model
+from stages.core.caches import lora_dir
 
 
 def invoke(*args):
@@ -192,7 +193,7 @@ def test_the_train_summary_and_report_give_the_same_losses(built_run):
     from stages.core.artifacts import read_manifest
     from stages.core.events import read_events
 
-    final = read_manifest(built_run.run_dir / "lora" / "final")
+    final = read_manifest(lora_dir(built_run) / "final")
     summary = report.summary(read_events(built_run.run_dir), report.train_curve(read_events(built_run.run_dir)), 0.9)
     assert (final["loss_first"], final["loss_last"]) == (summary["loss_first"], summary["loss_last"])
 

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 import pipeline
 from conftest import demo_config_path, once, run_beside
+from stages.core.caches import lora_dir
 
 
 def invoke(*args: str):
@@ -70,7 +71,7 @@ def paste(command: str):
 @once
 def test_train_on_a_finished_run_is_up_to_date_and_other_settings_refuse(built_run):
     cfg = copy_run(built_run, "finished")
-    lora = cfg.run_dir / "lora"
+    lora = lora_dir(cfg)
     before = sorted(p.name for p in lora.iterdir())
     result = invoke("train", *by_name(cfg))
     assert result.exit_code == 0, result.output
@@ -137,7 +138,7 @@ def test_a_stage_never_rewrites_what_a_running_stage_reads(built_run):
         result = invoke("train", *by_name(cfg), "--restart")
         assert result.exit_code == 2 and "writes latents.zarr, which train reads" in result.output, result.output
     assert (cfg.run_dir / "latents.zarr" / "manifest.json").read_bytes() == latents
-    assert not any(p.name.startswith(".restarted-") for p in (cfg.run_dir / "lora").iterdir())
+    assert not any(p.name.startswith(".restarted-") for p in (lora_dir(cfg)).iterdir())
 
 
 # ---- 4. --resume never starts over; a settings change is a diff, and status gives the true next step -------
@@ -164,12 +165,12 @@ def test_resume_after_a_settings_change_refuses_and_names_the_keys(built_run, mo
     train_line = next(l for l in status.output.splitlines() if l.startswith("train"))
     assert "train.steps: 6 -> 4" in train_line and "--restart" in train_line and "--resume" not in train_line
 
-    lora = sorted(p.name for p in (cfg.run_dir / "lora").iterdir())
+    lora = sorted(p.name for p in (lora_dir(cfg)).iterdir())
     steps = len(train_events(cfg, "step"))
     resumed = invoke("train", *by_name(cfg), "--resume")
     assert resumed.exit_code == 2, resumed.output
     assert "train.steps: 6 -> 4" in resumed.output and "--restart" in resumed.output
-    assert sorted(p.name for p in (cfg.run_dir / "lora").iterdir()) == lora and len(train_events(cfg, "step")) == steps
+    assert sorted(p.name for p in (lora_dir(cfg)).iterdir()) == lora and len(train_events(cfg, "step")) == steps
     restart = suggested(resumed.output)
     assert len(restart) == 1 and paste(restart[0]).exit_code == 0
     assert train_events(cfg, "done")[-1]["step"] == 4

@@ -24,6 +24,7 @@ from stages.core.config import load_config
 from stages.core.errors import UserError
 from stages.core.events import EventLog
 from stages.core.runtime import global_flags, make_runtime, torch_flags
+from stages.core.caches import export_dir, lora_dir
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -46,7 +47,7 @@ def _cfg(cached, **overrides):
             "run": cached.run, "train.steps": 4, "runtime.checkpoint_every": 0, "runtime.warmup_steps_excluded": 1}
     base.update(overrides)
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.toml", base)
-    shutil.rmtree(cfg.run_dir / "lora", ignore_errors=True)
+    shutil.rmtree(lora_dir(cfg), ignore_errors=True)
     return cfg
 
 
@@ -82,7 +83,7 @@ def test_a_diverged_loss_stops_train_with_what_to_change_and_keeps_the_checkpoin
     assert "set train.max_grad_norm" in str(err.value) and "cudnn_attention" not in str(err.value)
     from stages.train.checkpoints import complete_checkpoints, step_of
 
-    assert max(step_of(c) for c in complete_checkpoints(cfg.run_dir / "lora")) == step - 1
+    assert max(step_of(c) for c in complete_checkpoints(lora_dir(cfg))) == step - 1
 
 
 def test_train_stage_restores_global_state(cached):
@@ -281,7 +282,7 @@ def test_resume_with_read_ahead_is_exact(cached):
     tr.save_checkpoint(3)  # a batch is pending (read ahead) at this point
     del tr
     resumed = train.run(cfg, resume=True)
-    got = load_file(str(cfg.run_dir / "lora" / "final" / "adapter_model.safetensors"))
+    got = load_file(str(lora_dir(cfg) / "final" / "adapter_model.safetensors"))
     assert resumed["loss_last"] is not None and straight["step"] == resumed["step"] == 6
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -352,8 +353,8 @@ def test_an_fp8_run_on_cuda_trains_like_bf16_under_graphs_and_compile_and_its_ex
     train.run(cfg)
     export_lora.run(cfg)
     pipe = diffusers.FluxPipeline.from_pretrained(cfg.model)
-    exported = load_file(str(cfg.run_dir / "export" / export_lora.DIFFUSERS_FILE))
-    pipe.load_lora_weights(str(cfg.run_dir / "export"), weight_name=export_lora.DIFFUSERS_FILE)
+    exported = load_file(str(export_dir(cfg) / export_lora.DIFFUSERS_FILE))
+    pipe.load_lora_weights(str(export_dir(cfg)), weight_name=export_lora.DIFFUSERS_FILE)
     from peft.utils import get_peft_model_state_dict
 
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")

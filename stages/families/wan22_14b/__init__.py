@@ -10,7 +10,7 @@ from stages.families import checks
 UMT5_MAX_TOKENS = 512  # Wan's text_len; the pipeline's own default is 226
 FRAMES_PER_LATENT = 4  # the Wan 2.1 VAE's scale_factor_temporal: clips are 4k + 1 frames
 BOUNDARY_RATIO = 0.875  # model_index.json boundary_ratio: t >= 875 runs `transformer`, below it `transformer_2`
-EXPERTS = ("high", "low")  # train.expert: the high-noise `transformer`, the low-noise `transformer_2`
+EXPERTS = ("high", "low")  # train.expert: the high-noise `transformer`, the low-noise `transformer_2` ("both": in this order)
 DEMO_VARIANT = "wan2.2-14b"
 DEMO_CONFIG = "demo-wan2.2-14b.toml"
 DEMO_DATA = "clips"  # drawn moving-shape clips (stages/tiny/shapes.py make_clip_dataset)
@@ -21,16 +21,15 @@ def config_errors(cfg: Any) -> list[str]:
     errors += checks.bucket_step_multiple(cfg, 2, "latents are patched 2x2 by the transformer")
     errors += checks.clip_frames(cfg, FRAMES_PER_LATENT, "Wan's VAE")
     t = cfg.train
-    if t.expert == "both":
-        errors.append("train.expert = 'both': Wan 2.2 A14B trains one expert a run (each a 14B model with its own "
-                      "noise range); run it twice, with train.expert = 'high' and with train.expert = 'low'")
-    elif t.expert not in EXPERTS:
-        errors.append(f"train.expert = '{t.expert}': Wan 2.2 A14B has two experts; set train.expert = 'high' (the "
-                      f"high-noise transformer, sigma >= {BOUNDARY_RATIO}) or 'low' (transformer_2, below it)")
-    if t.expert == "low" and t.adapter == "dora":
-        errors.append("train.adapter = 'dora' with train.expert = 'low': the export reads DoRA's base weights from "
-                      "`transformer`, the high-noise expert; use train.adapter = 'lora' (or 'lokr', 'loha') for the "
-                      "low-noise expert")
+    if t.expert not in (*EXPERTS, "both"):
+        errors.append(f"train.expert = '{t.expert}': Wan 2.2 A14B has two experts; set train.expert = 'both' (one "
+                      f"adapter each, in one run), 'high' (the high-noise transformer, sigma >= {BOUNDARY_RATIO}) or "
+                      f"'low' (transformer_2, below it)")
+    if t.expert in ("low", "both") and t.adapter == "dora":
+        # the DoRA export folds the magnitude with base weights read from `transformer` (the family's lora_prefix)
+        errors.append(f"train.adapter = 'dora' with train.expert = '{t.expert}': the export reads DoRA's base "
+                      f"weights from `transformer`, the high-noise expert, so the low-noise expert's file would be "
+                      f"wrong; use train.adapter = 'lora' (or 'lokr', 'loha'), or train.expert = 'high' for DoRA")
     if t.dynamic_shift:
         errors.append("train.dynamic_shift = true: Wan's scheduler has a fixed flow_shift; set train.dynamic_shift = "
                       "false and train.shift to the shift you sample with")

@@ -5,10 +5,9 @@ per sample, and a mixture of two 14B transformers that WanPipeline switches betw
 Checked against diffusers 0.42.1 `WanPipeline.__call__`: with `boundary_ratio` set (0.875 in the release's
 model_index.json), a step whose scheduler timestep t (sigma x 1000) is >= boundary_ratio x num_train_timesteps
 runs `transformer` (the high-noise expert), every later step `transformer_2` (the low-noise expert), each with
-its own guidance scale. A run trains one expert's LoRA (train.expert), on that expert's sigmas only:
-sigma >= 0.875 for "high", below for "low". "both" is refused (stages/families/wan22_14b/__init__.py): two
-adapters in one run would hold both 14B experts in memory for batches that each use one of them, which the
-memory plan would have to count twice for one expert's work; two runs each hold one.
+its own guidance scale. Each adapter trains one expert (train.expert), on that expert's sigmas only: sigma >= 0.875
+for "high", below for "low"; "both" trains the high one's adapter and then the low one's in one `train`, each as a
+run of that expert alone would (stages/core/caches.py `expert_configs`), one 14B expert in memory at a time.
 
 Export: the diffusers file has the `transformer.` keys WanPipeline writes for either expert;
 `load_lora_weights(..., load_into_transformer_2=True)` puts it on the low-noise one (WanLoraLoaderMixin),
@@ -25,17 +24,18 @@ from stages.core import flow
 from stages.core.errors import ConfigError, ModelError
 from stages.core.lora import load_denoiser_weights
 from stages.families.common.wan import WanBase
-from stages.families.wan22_14b import BOUNDARY_RATIO
+from stages.families.wan22_14b import BOUNDARY_RATIO, EXPERTS
 
 COMPONENT = {"high": "transformer", "low": "transformer_2"}
 TAG = {"high": "high_noise", "low": "low_noise"}
 
 
 def expert_of(tcfg: Any) -> str:
-    """train.expert, which the config check holds to "high" or "low"; a ConfigError naming the key otherwise."""
+    """train.expert of one adapter's config ("high" or "low"; a "both" run hands each expert's config,
+    stages/core/caches.py `expert_configs`); a ConfigError naming the key otherwise."""
     if tcfg.expert not in COMPONENT:
-        raise ConfigError(f"train.expert = '{tcfg.expert}': set 'high' or 'low' to pick the Wan 2.2 A14B expert "
-                          f"this run trains")
+        raise ConfigError(f"train.expert = '{tcfg.expert}': set 'high', 'low' or 'both' to pick the Wan 2.2 A14B "
+                          f"experts this run trains")
     return tcfg.expert
 
 
@@ -50,7 +50,8 @@ class Wan22_14B(WanBase):
     name = "wan2.2-14b"
     title = "Wan 2.2 T2V-A14B"
     expand_timesteps = False  # the release's model_index.json: one timestep per sample
-    denoiser_components = ("transformer", "transformer_2")  # a run loads one; the pipeline (sample) holds both
+    denoiser_components = ("transformer", "transformer_2")  # train loads one at a time; the pipeline (sample) both
+    experts = EXPERTS
     pixels_per_token = 16  # the Wan 2.1 VAE's 8 px a latent cell, then the transformer's 2x2 patches
     vae_downsample = 8
 
