@@ -209,8 +209,8 @@ def write_comfyui(state: Mapping[str, torch.Tensor], lora_cfg: dict[str, Any], m
 
     prefix = manifest["lora_prefix"]
     base = None
-    if adapter_type(lora_cfg) == "dora":
-        base = base_reader(src.weight_files(prefix))
+    if adapter_type(lora_cfg) == "dora":  # the trained component's weights (Wan 2.2 A14B's low expert: transformer_2)
+        base = base_reader(src.weight_files(manifest.get("component", prefix)))
         if base is None:
             raise ComfyError(f"a DoRA adapter's ComfyUI file needs the base weights as diffusers safetensors files, "
                              f"and '{src.ref}' has none for its {prefix}; give --model a diffusers folder, or export "

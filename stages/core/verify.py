@@ -204,7 +204,8 @@ def verify_export(cfg: Any, manifest: dict[str, Any], files: list[Path], state: 
     from stages.core.model_source import model_source
 
     src, prefix = model_source(cfg), manifest["lora_prefix"]
-    base = base_reader(src.weight_files(prefix)) if adapter_type(lora_cfg) == "dora" else None
+    component = manifest.get("component", prefix)  # the trained denoiser's weights (a Wan 2.2 A14B expert's own)
+    base = base_reader(src.weight_files(component)) if adapter_type(lora_cfg) == "dora" else None
     trained = TrainedDeltas(state, lora_cfg, base)
     lora_part = TrainedDeltas({k: v for k, v in state.items() if "magnitude" not in k}, lora_cfg)
     comfy = _ComfyCheck(cfg, manifest, trained)

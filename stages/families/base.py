@@ -177,6 +177,11 @@ class FamilyTraits:
     "high", "low"), each with its own adapter in lora/<expert>/ and export in export/<expert>/; () for a
     one-denoiser family (lora/ and export/)."""
 
+    def trained_component(self, tcfg: "TrainConfig") -> str:
+        """The pipeline component whose weights the run's adapter is trained on (the export reads DoRA's base
+        weights from it): the denoiser, or the expert train.expert names."""
+        return self.denoiser_components[0]
+
     def lora_load_kwargs(self, tcfg: "TrainConfig") -> dict[str, Any]:
         """Extra arguments of `<Pipeline>.load_lora_weights` that put the exported LoRA on the denoiser it was
         trained for (default: none; the low-noise Wan expert: load_into_transformer_2)."""

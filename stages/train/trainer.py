@@ -463,7 +463,8 @@ class Trainer:
         """What export-lora needs (family, pipeline, LoRA config) and how the run was launched."""
         assistant = {"assistant_adapter": self.parts["assistant"]} if self.parts.get("assistant") else {}
         return {"family": self.cfg.family, "model": self.cfg.model, "pipeline_class": self.family.pipeline_class,
-                "lora_prefix": self.family.lora_prefix, "lora_config": lora.config_dict(self.lora_config),
+                "lora_prefix": self.family.lora_prefix, "component": self.family.trained_component(self.tcfg),
+                "lora_config": lora.config_dict(self.lora_config),
                 "world_size": self.dist.world_size, "global_batch_size": self.global_batch, **assistant}
 
     def save_final(self, step: int, complete: bool, summary: dict[str, Any]) -> dict[str, Any]:

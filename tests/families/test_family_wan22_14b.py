@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+import json
+
 import diffusers
 import pytest
 import torch
@@ -129,12 +131,9 @@ def test_wan21_vae_and_normalization(wan):
 
 
 @pytest.mark.parametrize("overrides, wanted", [
-    ({"train.expert": "both", "train.adapter": "dora"}, ["train.adapter = 'dora'", "train.expert = 'both'",
-                                                          "train.adapter = 'lora'", "train.expert = 'high' for DoRA"]),
     ({"train.expert": ""}, ["train.expert = ''", "'both'", "'high'", "'low'"]),
     ({"train.expert": "low", "train.timestep_max": 0.5}, ["train.timestep_min/max", "leave them 0 and 1"]),
     ({"train.expert": "high", "data.frames": 32}, ["data.frames = 32", "33"]),
-    ({"train.expert": "low", "train.adapter": "dora"}, ["train.adapter = 'dora'", "train.adapter = 'lora'"]),
     ({"family": "flux", "train.expert": "high"}, ["train.expert = 'high'", "one denoiser", "remove train.expert"]),
 ])
 def test_config_checks(tmp_path, overrides, wanted):
@@ -198,6 +197,50 @@ def test_low_noise_run_exports_and_samples_on_transformer_2(built_run):
 
     assert np.array_equal(np.asarray(cells[0][0][0]), np.asarray(base_clip[0][0]))
     assert not np.array_equal(np.asarray(cells[1][0][-1]), np.asarray(cells[0][0][-1])), "the LoRA shows in the clip"
+
+
+@pytest.mark.parametrize("built_run", [NAME], indirect=True)
+def test_a_dora_low_expert_file_folds_transformer_2s_weights(built_run):
+    """DoRA's ComfyUI file carries m x ||W|| / ||W + dW|| from the base it trained on: for the low-noise expert
+    transformer_2's weights. Read through the ComfyUI check with transformer_2 as the base, every module gets
+    peft's own merged delta of the trained adapter; with `transformer`'s weights it would not."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors.torch import load_file
+
+    from stages import export_lora, train
+    from stages.core import comfyui, lora
+    from stages.core.comfyui_file import comfyui_file_name
+    from stages.core.verify import comfyui_key_map
+
+    cfg = run_beside(built_run, "dora-low", **{"train.expert": "low", "train.adapter": "dora", "train.steps": 2,
+                                               "export.verify": True})
+    family = get_family(NAME)
+    train.run(cfg)
+    manifest = export_lora.run(cfg)  # --verify passes: every file applies the trained delta in its reader
+    final = lora_dir(cfg) / "final"
+    trained_on = family.load_denoiser(ModelSource(cfg.model), "fp32", CPU, cfg.train)
+    state, adapter_cfg = lora.load_adapter_files(final)
+    lora.attach_lora(trained_on, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
+                                                  adapter_cfg["target_modules"], "dora"))
+    lora.load_adapter_weights(trained_on, final)
+    bases = {c: {n: m.weight.detach().clone() for n, m in getattr(pipe_part, "named_modules")()
+                 if isinstance(m, torch.nn.Linear)}
+             for c, pipe_part in (("transformer", diffusers.WanTransformer3DModel.from_pretrained(cfg.model, subfolder="transformer")),
+                                  ("transformer_2", diffusers.WanTransformer3DModel.from_pretrained(cfg.model, subfolder="transformer_2")))}
+    merged = {}
+    for name, module in trained_on.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            merged[name] = module.get_base_layer().weight.detach() - bases["transformer_2"][name]
+    tensors = load_file(str(export_dir(cfg) / comfyui_file_name(cfg.run, tag="low_noise")))
+    assert any(k.endswith(".dora_scale") for k in tensors)
+    kmap = comfyui_key_map(cfg, json.loads((final / "manifest.json").read_text()))
+    right = comfyui.check("low", tensors, kmap, merged, base=bases["transformer_2"].__getitem__)
+    assert right.problems() == [] and sorted(right.strength) == sorted(merged), right.problems()
+    assert all(abs(r - 1) < 1e-3 and e < 1e-3 for r, e in right.strength.values()), right.strength
+    wrong = comfyui.check("high", tensors, kmap, merged, base=bases["transformer"].__getitem__)
+    assert any(e > 1e-2 for _, e in wrong.strength.values()), "the two experts' bases must differ for this to tell"
+    assert manifest["checks"]
 
 
 def _adapter(folder):

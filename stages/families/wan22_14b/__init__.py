@@ -25,11 +25,6 @@ def config_errors(cfg: Any) -> list[str]:
         errors.append(f"train.expert = '{t.expert}': Wan 2.2 A14B has two experts; set train.expert = 'both' (one "
                       f"adapter each, in one run), 'high' (the high-noise transformer, sigma >= {BOUNDARY_RATIO}) or "
                       f"'low' (transformer_2, below it)")
-    if t.expert in ("low", "both") and t.adapter == "dora":
-        # the DoRA export folds the magnitude with base weights read from `transformer` (the family's lora_prefix)
-        errors.append(f"train.adapter = 'dora' with train.expert = '{t.expert}': the export reads DoRA's base "
-                      f"weights from `transformer`, the high-noise expert, so the low-noise expert's file would be "
-                      f"wrong; use train.adapter = 'lora' (or 'lokr', 'loha'), or train.expert = 'high' for DoRA")
     if t.dynamic_shift:
         errors.append("train.dynamic_shift = true: Wan's scheduler has a fixed flow_shift; set train.dynamic_shift = "
                       "false and train.shift to the shift you sample with")

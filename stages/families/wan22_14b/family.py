@@ -62,8 +62,11 @@ class Wan22_14B(WanBase):
         if ratio is not None and abs(float(ratio) - BOUNDARY_RATIO) > 1e-6:
             raise ModelError(f"model '{src.ref}' switches experts at boundary_ratio {ratio}, family = '{self.name}' "
                              f"trains Wan 2.2 T2V-A14B's {BOUNDARY_RATIO}: point 'model' at a Wan2.2-T2V-A14B folder")
-        component = COMPONENT[expert_of(tcfg)]
-        return load_denoiser_weights(WanTransformer3DModel, src, component, precision, rt, tcfg.nf4_double_quant)
+        return load_denoiser_weights(WanTransformer3DModel, src, self.trained_component(tcfg), precision, rt,
+                                     tcfg.nf4_double_quant)
+
+    def trained_component(self, tcfg: Any) -> str:
+        return COMPONENT[expert_of(tcfg)]
 
     def sample_timesteps(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator, tcfg: Any,
                          first: int | None = None) -> torch.Tensor:
