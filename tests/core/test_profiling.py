@@ -53,7 +53,7 @@ def test_inspect_shows_the_profile_and_names_a_damaged_one(tmp_path):
     shown = inspect_stage.profile_section(path, top=3)
     assert shown["steps"] == 1 and len(shown["top"]) == 3 and shown["top"][0] == json.loads(path.read_text())["top"][0]
     console = Console(record=True, width=200)
-    inspect_stage._render_lora({"checkpoints": [], "final": None, "profile": shown}, None, None, console)
+    inspect_stage._render_lora({"checkpoints": [], "final": None, "profile": shown}, None, console)
     text = console.export_text()
     assert "1 profiled step(s)" in text and shown["top"][0]["name"] in text
     path.write_text("{not json")
