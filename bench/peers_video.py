@@ -60,12 +60,20 @@ SHIFT = 3.0  # configs/wan2.2-14b.toml train.shift (the Diffusers repo's flow_sh
 
 def ensure_clips(data: Path, tiny: bool, frames: int) -> list[Path]:
     """8 drawn moving-shape clips (stages/tiny/shapes.py make_clip_dataset) at 832x480 (96x64 tiny), `frames` frames
-    each at 16 fps; its two stills are removed (the peer trains clips only). Made once per folder."""
+    each, every one a folder of PNG frames (make_clip_dataset's fallback where PyAV cannot write: the GPU machine's
+    wheels carry no PyAV, and the decode is outside the timed steps); its two stills are removed (the peer trains
+    clips only). Made once per folder."""
+    import stages.core.video as video
     from stages.tiny.shapes import make_clip_dataset
 
     clips = sorted(p for p in data.glob("clip_*") if p.suffix != ".txt")
     if not clips:
-        make_clip_dataset(data, n=8, seed=0, frames=frames, fps=16.0, sizes=((96, 64),) if tiny else ((832, 480),))
+        write_mp4 = video.write_mp4
+        video.write_mp4 = lambda *a, **k: False  # "no encoder": make_clip_dataset writes the frames as a folder
+        try:
+            make_clip_dataset(data, n=8, seed=0, frames=frames, fps=16.0, sizes=((96, 64),) if tiny else ((832, 480),))
+        finally:
+            video.write_mp4 = write_mp4
         for still in data.glob("still_*"):
             still.unlink()
         clips = sorted(p for p in data.glob("clip_*") if p.suffix != ".txt")
@@ -102,6 +110,8 @@ def peer_env(a: argparse.Namespace, steps_file: Path) -> tuple[dict[str, str], b
     tv = _imports("torchvision", {**env, "LORAPIPE_PEER_STEPS": ""})
     if not tv:
         env["LORAPIPE_PEER_TV_STANDIN"] = "1"
+    if not _imports("cv2", {**env, "LORAPIPE_PEER_STEPS": ""}):  # musubi imports it for resizing images it never
+        env["LORAPIPE_PEER_CV2_STANDIN"] = "1"  # gets here (its caches are written from the product's): a stand-in
     return env, tv
 
 
@@ -165,6 +175,7 @@ def run_peer(a: argparse.Namespace, run_dir: Path, data: Path, left: float) -> d
                            "clip_shape": f"{w}x{h}x{frames}f", "convert_s": convert_s, "convert_reused": reused,
                            "caches_s": round(time.time() - t1, 2), "datasets": "product's caches",
                            "torchvision": "ok" if tv else "C ops skipped (CPU stand-in)",
+                           "cv2": "stand-in (not installed)" if env.get("LORAPIPE_PEER_CV2_STANDIN") else "installed",
                            "cudnn_sdpa": "torch's default" if a.tiny else "off (as the product's train stage)"}
     left -= time.time() - t0
     t0 = time.time()
@@ -276,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
                    "peers.sh puts it in /dev/shm beside the model folder)")
     r.add_argument("--scripts", default=str(SCRIPTS), help="the carried peers' folder (.carry-peers)")
     r.add_argument("--peer-pythonpath", default="", help="extra import paths for the peer only (its wheels, e.g. "
-                   "easydict, ftfy, einops, voluptuous, toml, opencv, where the environment lacks them)")
+                   "easydict, ftfy, einops, voluptuous, toml, where the environment lacks them)")
     r.add_argument("--tiny", action="store_true", help="tiny models on CPU: fp32 (plumbing check)")
     return ap
 

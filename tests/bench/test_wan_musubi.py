@@ -148,3 +148,24 @@ def test_musubi_command_and_dataset(tmp_path: Path) -> None:
     cfg = tomllib.loads(dataset_toml(tmp_path / "cache", tmp_path / "clips", 832, 480, 33, 1))
     assert cfg["general"]["resolution"] == [832, 480] and cfg["general"]["batch_size"] == 1
     assert cfg["datasets"][0]["target_frames"] == [33] and cfg["datasets"][0]["cache_directory"] == str(tmp_path / "cache")
+
+
+def test_clips_are_frame_folders_without_stills(tmp_path: Path) -> None:
+    """The side-by-side's clips need no PyAV (the GPU machine's wheels carry none): every clip a folder of frames."""
+    from bench.peers_video import ensure_clips
+
+    clips = ensure_clips(tmp_path, tiny=True, frames=9)
+    assert len(clips) == 8 and all(c.is_dir() and len(list(c.glob("*.png"))) == 9 for c in clips)
+    assert all((tmp_path / f"{c.name}.txt").read_text() for c in clips) and not list(tmp_path.glob("still_*"))
+    assert ensure_clips(tmp_path, tiny=True, frames=9) == clips  # made once
+
+
+def test_cv2_stand_in(tmp_path: Path) -> None:
+    """Without OpenCV the peer imports a cv2 whose attributes are missing with a line naming the stand-in."""
+    import subprocess
+
+    code = "import cv2\ntry:\n    cv2.resize\nexcept AttributeError as e:\n    print(e)\n"
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT / "bench" / "peer_site"),
+           "LORAPIPE_PEER_CV2_STANDIN": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert "cv2.resize: OpenCV is not installed" in out.stdout, out.stderr
