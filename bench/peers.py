@@ -595,7 +595,8 @@ def report_section(results: list[dict[str, Any]]) -> str:
             continue
         rows = res.get("rows", [])
         peer = next((r for r in rows if r.get("side") != "product"), None)  # diffusers' script, or musubi-tuner
-        head = f"| {res['family']} | {res['res']} | {res['batch']} "
+        px = f"{res['res']}, {res['frames']} frames" if res.get("frames") else res["res"]  # a video side by side
+        head = f"| {res['family']} | {px} | {res['batch']} "
         if peer is not None:
             status = "" if peer.get("status") == "ok" else f" ({peer.get('status')})"
             if peer.get("from_file"):  # a product-only probe (--peer-row)
@@ -624,8 +625,11 @@ def report_section(results: list[dict[str, Any]]) -> str:
                              + "; ".join(parts) + f"; all three {_fmt(r.get('total_wall_s'), 0)} s for "
                              f"{res['steps']} steps")
         if peer is not None:
+            what = ("loading, text encoding and latent caching included" if peer.get("side") == "diffusers script" else
+                    f"loading included; its caches written from the product's in {_fmt(peer.get('caches_s'), 0)} s, "
+                    f"the transformer converted in {_fmt(peer.get('convert_s'), 0)} s")
             notes.append(f"- {res['family']} {res['res']} px b{res['batch']} script: {_fmt(peer.get('wall_s'), 0)} s "
-                         f"wall for {res['steps']} steps (loading, text encoding and latent caching included{', ' + peer['stopped'] if peer.get('stopped') else ''}); "
+                         f"wall for {res['steps']} steps ({what}{', ' + peer['stopped'] if peer.get('stopped') else ''}); "
                          f"process peak {_fmt(peer.get('process_peak_gb'), 1)} GB; upstream commit "
                          f"{str(peer.get('upstream_commit', '?'))[:10]}; data via {peer.get('datasets', '?')}")
         notes.append(f"- command: `{res.get('meta', {}).get('command', '?')}`")
