@@ -9,7 +9,7 @@
 # still has it (one family there at a time), then runs bench/peers.py within ~560 s of this script's start.
 set -u
 which=$1; res=${2:-}; batch=${3:-1}; steps=${4:-}; frames=${5:-33}
-runner=bench/peers.py; build_flags=""
+runner=bench/peers.py; build_flags=""; ready=model_index.json
 case $which in
   klein) fam=flux2-klein; prec=nf4,nf4+fitpeer,nf4+cudnn+fitpeer ;;
   # Kontext: the script trains a bf16 base (the product's bf16 row too); its backward died in cuDNN SDPA.
@@ -22,7 +22,7 @@ case $which in
   # low-noise expert (neither side loads it: bench/staged.py leaves its config), the converted transformer sits
   # beside the model folder in /dev/shm
   wan14b) fam=wan2.2-14b; prec=bf16; runner=bench/peers_video.py; res=${res:-640}; steps=${steps:-10}
-          build_flags="--components text_encoder,vae,transformer" ;;
+          build_flags="--components text_encoder,vae,transformer"; ready=transformer/config.json ;;  # built last
   *) echo "usage: bash bench/peers.sh klein|kontext|ideogram|wan14b [res] [batch] [steps] [frames: wan14b]"; exit 2 ;;
 esac
 res=${res:-1024}; steps=${steps:-20}
@@ -31,7 +31,7 @@ res=${res:-1024}; steps=${steps:-20}
 start=$(date +%s)
 m=/dev/shm/m/$fam
 for other in /dev/shm/m/*; do [ -e "$other" ] && [ "$other" != "$m" ] && [ "$other" != "$m.musubi" ] && rm -rf "$other"; done
-if [ ! -e "$m/model_index.json" ]; then
+if [ ! -e "$m/$ready" ]; then  # a staged build writes model_index.json first, each module when it is whole
   python3 bench/bench.py build --family $fam --folder $m --counts $OUT/build-$fam.json $build_flags > $OUT/build-$fam.log 2>&1 \
     || { tail -30 $OUT/build-$fam.log; exit 1; }
   echo "built $fam in $(( $(date +%s) - start )) s"
