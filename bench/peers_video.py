@@ -118,9 +118,9 @@ def peer_env(a: argparse.Namespace, steps_file: Path) -> tuple[dict[str, str], b
 def peer_command(a: argparse.Namespace, dims: Path, dit: Path, dataset: Path, out_dir: Path) -> list[str]:
     """musubi's wan_train_network.py arguments for the same work as the product's train row: LoRA r16/alpha 16 on
     every Linear of the blocks (musubi's default set = the product's default targets), gradient checkpointing, bf16,
-    SDPA attention, torch's AdamW (fused on CUDA, as the product's), constant LR 1e-4, the expert's timesteps through the same flow shift, one timestep per sample
-    (`--force_v2_1_time_embedding`: the diffusers A14B transformer's embedding; musubi's default for Wan 2.2 builds a
-    per-token one, the same values at more memory)."""
+    SDPA attention, torch's AdamW (fused on CUDA, as the product's), constant LR 1e-4, the expert's timesteps through
+    the same flow shift, one timestep per sample (`--force_v2_1_time_embedding`: the diffusers A14B transformer's
+    embedding; musubi's default for Wan 2.2 builds a per-token one, the same values at more memory)."""
     peer = PEERS[a.family]
     return [sys.executable, str(ROOT / "bench" / "musubi_launch.py"), "--dims", str(dims), "--",
             "--task", peer.task, "--dit", str(dit), "--dataset_config", str(dataset), "--sdpa",
