@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -143,10 +145,7 @@ def run_peer(a: argparse.Namespace, run_dir: Path, data: Path, left: float) -> d
         raise FileNotFoundError(f"{src} is missing: carry {peer.upstream} at {peer.upstream_commit[:10]} in "
                                 f".carry-peers/{peer.folder} (bench/peers.md says how)")
     out_dir = work / f"peer-out-{a.family}-{a.res}-b{a.batch}"
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     steps_file, log = out_dir / "steps.jsonl", work / f"peer-{a.family}-{a.res}-b{a.batch}.log"
     env, tv = peer_env(a, steps_file)
@@ -156,8 +155,6 @@ def run_peer(a: argparse.Namespace, run_dir: Path, data: Path, left: float) -> d
     dims.write_text(json.dumps({**musubi_dims(Path(a.model) / peer.component), "full": not a.tiny}))
     cache = out_dir / "cache"
     t1 = time.time()
-    import subprocess
-
     made = subprocess.run([sys.executable, str(ROOT / "bench" / "wan_musubi.py"), "caches", "--run-dir", str(run_dir),
                            "--data", str(data), "--out", str(cache)], env={**env, "LORAPIPE_PEER_STEPS": ""},
                           capture_output=True, text=True)
