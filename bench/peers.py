@@ -246,6 +246,28 @@ def _imports(module: str, env: dict[str, str]) -> bool:
     return subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True).returncode == 0
 
 
+def watch(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: float, lora: Path, steps_file: Path,
+          steps: int) -> tuple[int, str]:
+    """Run a peer to its end, killed at `timeout` s, stopped once its LoRA file is saved after `steps` optimizer
+    steps (what follows, a model card or a final-inference reload, is not training). Returns (rc, how it stopped)."""
+    t0 = time.time()
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        stopped = ""
+        while proc.poll() is None:
+            time.sleep(1.0)
+            if time.time() - t0 > timeout:
+                proc.kill()
+                stopped = f"killed at the {timeout:.0f}s limit"
+                break
+            if lora.exists() and len(read_steps(steps_file)[0]) >= steps:
+                time.sleep(3.0)
+                if proc.poll() is None:
+                    proc.terminate()
+                    stopped = "stopped after its LoRA was saved (the rest is not training)"
+        return proc.wait(), stopped
+
+
 def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: list[str], left: float) -> dict[str, Any]:
     work = Path(a.work)
     out_dir = work / f"peer-out-{fam}-{a.res}-b{a.batch}"
@@ -274,22 +296,7 @@ def run_peer(a: argparse.Namespace, fam: str, data: Path, prompt: str, targets: 
                            "cudnn_sdpa": "off (as the product's train stage)" if a.peer_no_cudnn_sdpa else "torch's default"}
     lora = out_dir / "pytorch_lora_weights.safetensors"
     t0 = time.time()
-    timeout = max(30.0, min(a.peer_timeout_s, left))
-    with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT)
-        stopped = ""
-        while proc.poll() is None:
-            time.sleep(1.0)
-            if time.time() - t0 > timeout:
-                proc.kill()
-                stopped = f"killed at the {timeout:.0f}s limit"
-                break
-            if lora.exists() and len(read_steps(steps_file)[0]) >= a.steps:
-                time.sleep(3.0)  # its LoRA is saved: what follows (model card, Kontext's final-inference reload) is not timed
-                if proc.poll() is None:
-                    proc.terminate()
-                    stopped = "stopped after its LoRA was saved (the rest is not training)"
-        rc = proc.wait()
+    rc, stopped = watch(cmd, work, env, log, max(30.0, min(a.peer_timeout_s, left)), lora, steps_file, a.steps)
     steps, exit_row = read_steps(steps_file)
     row.update(rc=rc, wall_s=round(time.time() - t0, 2), lora_saved=lora.exists(), stopped=stopped)
     row.update(peer_summary(steps, exit_row, a.batch, a.warmup))
@@ -368,7 +375,10 @@ def peer_row_from(path: Path, fam: str, res: int, batch: int) -> dict[str, Any]:
 
 
 def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runner: Any, res_sets: dict[str, Any],
-                rows: dict[str, Any], peer_peak: dict[str, Any] | None = None) -> dict[str, Any]:
+                rows: dict[str, Any], peer_peak: dict[str, Any] | None = None,
+                kinds: tuple[str, ...] = ("encode", "latents", "train")) -> dict[str, Any]:
+    """One product row: encode-captions, cache-latents (each once per run: `rows` keeps their rows for the next
+    variant) and train. `kinds` ("encode", "latents"): the caches only (a peer that trains on them runs next)."""
     from bench.bench import KILLED_AFTER_MANIFEST, Item, collect, finished_before_kill
 
     precision, *flags = variant.split("+")
@@ -381,6 +391,8 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
     row: dict[str, Any] = {"side": "product", "precision": "fp32" if a.tiny else variant, "stages": {}}
     total = 0.0
     for kind, stage in (("encode", "encode-captions"), ("latents", "cache-latents"), ("train", "train")):
+        if kind not in kinds:
+            continue
         sets = dict(res_sets)
         if kind == "train":
             sets.update({"train.base_precision": precision, "train.batch_size": a.batch})
@@ -425,6 +437,9 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
         else:
             rows[kind] = info
         row["stages"][kind] = info
+    if "train" not in kinds:
+        row["status"] = "ok"
+        return row
     train = row["stages"]["train"]
     row.update({k: train.get(k) for k in ("step_s", "samples_per_s", "peak_gb", "peak_reserved_gb", "steps_done",
                                           "manifest_samples_per_s", "compiled")})
@@ -579,13 +594,15 @@ def report_section(results: list[dict[str, Any]]) -> str:
         if res.get("meta", {}).get("tiny"):
             continue
         rows = res.get("rows", [])
-        peer = next((r for r in rows if r.get("side") == "diffusers script"), None)
-        head = f"| {res['family']} | {res['res']} | {res['batch']} "
+        peer = next((r for r in rows if r.get("side") != "product"), None)  # diffusers' script, or musubi-tuner
+        px = f"{res['res']}, {res['frames']} frames" if res.get("frames") else res["res"]  # a video side by side
+        head = f"| {res['family']} | {px} | {res['batch']} "
         if peer is not None:
             status = "" if peer.get("status") == "ok" else f" ({peer.get('status')})"
             if peer.get("from_file"):  # a product-only probe (--peer-row)
                 status += f" (its row of `{Path(peer['from_file']).name}`, an earlier run)"
-            out.append(head + f"| diffusers `{peer.get('script', '?')}`{status} | {peer.get('precision', '—')} | "
+            who = "diffusers" if peer.get("side") == "diffusers script" else peer.get("side", "?")
+            out.append(head + f"| {who} `{peer.get('script', '?')}`{status} | {peer.get('precision', '—')} | "
                               f"{_fmt(peer.get('step_s'), 3)} | {_fmt(peer.get('samples_per_s'))} | "
                               f"{_fmt(peer.get('peak_gb'), 1)} | {'1.00' if peer.get('samples_per_s') else '—'} | |")
         for r in rows:
@@ -608,8 +625,11 @@ def report_section(results: list[dict[str, Any]]) -> str:
                              + "; ".join(parts) + f"; all three {_fmt(r.get('total_wall_s'), 0)} s for "
                              f"{res['steps']} steps")
         if peer is not None:
+            what = ("loading, text encoding and latent caching included" if peer.get("side") == "diffusers script" else
+                    f"loading included; its caches written from the product's in {_fmt(peer.get('caches_s'), 0)} s, "
+                    f"the transformer converted in {_fmt(peer.get('convert_s'), 0)} s")
             notes.append(f"- {res['family']} {res['res']} px b{res['batch']} script: {_fmt(peer.get('wall_s'), 0)} s "
-                         f"wall for {res['steps']} steps (loading, text encoding and latent caching included{', ' + peer['stopped'] if peer.get('stopped') else ''}); "
+                         f"wall for {res['steps']} steps ({what}{', ' + peer['stopped'] if peer.get('stopped') else ''}); "
                          f"process peak {_fmt(peer.get('process_peak_gb'), 1)} GB; upstream commit "
                          f"{str(peer.get('upstream_commit', '?'))[:10]}; data via {peer.get('datasets', '?')}")
         notes.append(f"- command: `{res.get('meta', {}).get('command', '?')}`")

@@ -12,8 +12,8 @@ overwrites; bench/report.py shows, per key, the latest measurement. Kinds of row
   profile rows are the same family's other stage items.
 - `Memory`: `bench/memory.py run --families F --res PX --budgets B [--set K=V]`: every stage under a
   budget (GB, or "auto": no cap).
-- `Peers`: `bash bench/peers.sh WHICH PX BATCH STEPS` with PEERS_PRODUCT: diffusers' script beside the
-  product's rows.
+- `Peers`: `bash bench/peers.sh WHICH PX BATCH STEPS` with PEERS_PRODUCT: diffusers' script (musubi-tuner for
+  `wan14b`) beside the product's rows.
 - `Script`: any other bench script whose result a doc cites; "{out}" in its arguments is the result file.
 """
 
@@ -217,6 +217,10 @@ SUITES: dict[str, list[Row]] = {
     "peers-kontext": [Peers("kontext", 1024, 1, 10, "fp8+fitpeer,fp8,nf4"),
                       Peers("kontext", 1024, 1, 10, "fp8+cudnn,fp8+cudnn+keepattn,fp8+cudnn+fitpeer+keepattn")],
     "peers-ideogram4": [Peers("ideogram", 1024, 1, 15, "nf4,nf4+fitpeer,fp8+fitpeer")],
+    # Wan 2.2 T2V-A14B's high-noise expert beside musubi-tuner (bench/peers_video.py), 832x480, 33 frames: one product
+    # train per call (a 14B train row, the peer and the caches fill one call); the build is skipped on a warm machine
+    "peers-wan2.2-14b": [Peers("wan14b", 640, 1, 10, "bf16"), Peers("wan14b", 640, 1, 10, "bf16+fitpeer"),
+                         Peers("wan14b", 640, 1, 10, "fp8+fitpeer")],
     # "Optimizers": each train.optimizer's step time and peak (its state), FLUX.1 bf16 1024 px b1; AdamW's row
     # is the flux suite's flux.train.bf16-1024-b1
     "optimizers": [train("flux", "bf16", 1024, 1, f"opt-{name}") for name in

@@ -6,6 +6,8 @@ and the peak CUDA memory since the previous step's end (max_memory_allocated/res
 step's peak covers exactly its own forward, backward and update. At exit it writes the peak of the
 whole process. With LORAPIPE_PEER_TV_STANDIN=1 (CPU machines whose torchvision wheel was built for
 CUDA and cannot load its C ops) it skips torchvision's fake-op registrations so `transforms` imports.
+With LORAPIPE_PEER_CV2_STANDIN=1 (no OpenCV) `import cv2` gives a stand-in whose every attribute is missing:
+musubi-tuner imports cv2 at start for resizing images, which its training from cache files never does.
 With LORAPIPE_PEER_NO_CUDNN_SDPA=1 it turns cuDNN's SDPA backend off, as the product's train stage
 does: on torch 2.11 + CUDA 13 the Kontext script's first backward died in it (illegal memory access).
 """
@@ -22,6 +24,18 @@ import types
 _PATH = os.environ.get("LORAPIPE_PEER_STEPS", "")
 if os.environ.get("LORAPIPE_PEER_TV_STANDIN") == "1":
     sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+
+
+class _Cv2StandIn(types.ModuleType):
+    """`cv2` where OpenCV is not installed: importable, every attribute missing with a line that says why."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        raise AttributeError(f"cv2.{name}: OpenCV is not installed for this peer (a stand-in module from "
+                             f"bench/peer_site, LORAPIPE_PEER_CV2_STANDIN); install opencv-python-headless to use it")
+
+
+if os.environ.get("LORAPIPE_PEER_CV2_STANDIN") == "1":
+    sys.modules.setdefault("cv2", _Cv2StandIn("cv2"))
 
 
 def _install() -> None:
