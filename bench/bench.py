@@ -335,17 +335,27 @@ class Runner:
         print(f"[bench] built {key} in {wall:.0f}s at {folder}", flush=True)
         return folder
 
-    def ensure_data(self, controls: int = 0) -> Path:
-        """The synthetic dataset, with `controls` control images per item (edit families, references)."""
-        data = self.work / ("data" if not controls else f"data-c{controls}")
+    def ensure_data(self, controls: int = 0, video: bool = False) -> Path:
+        """The synthetic dataset, with `controls` control images per item (edit families, references); for a video
+        family, clips of CLIP_FRAMES frames (every item a whole clip, so each step trains data.frames frames)."""
+        data = self.work / ("data-clips" if video else "data" if not controls else f"data-c{controls}")
         if not data.exists():
-            make_dataset(data, n=8, side=96 if self.args.tiny else 1024, controls=controls)
+            if video:
+                make_clips(data, n=4, frames=CLIP_FRAMES, size=(96, 64) if self.args.tiny else (1280, 720))
+            else:
+                make_dataset(data, n=8, side=96 if self.args.tiny else 1024, controls=controls)
         return data
 
     def base_sets(self, fam: str, res: int, controls: int | None = None) -> dict[str, Any]:
+        from stages.families import get_family
+
         tiny = self.args.tiny
         controls = _family_controls(fam) if controls is None else controls
-        return {"artifacts": str(self.work / "artifacts"), "data.path": str(self.ensure_data(controls)),
+        # a video family's clips are frame folders read at their own rate (data.fps = 0): every row's data.frames
+        # are consecutive frames of one clip
+        video = {"data.fps": 0} if get_family(fam).trains_video else {}
+        return {"artifacts": str(self.work / "artifacts"), "data.path": str(self.ensure_data(controls, bool(video))),
+                **video,
                 "data.resolution": 64 if tiny else res, "data.cache_variants": 1, "captions.batch_size": 8,
                 "captions.text_encoder_precision": _text_precision(fam),  # every train run reads these captions
                 "captions.max_sequence_length": CAPTION_TOKENS,
@@ -601,6 +611,35 @@ def _shell(cmd: list[str], env: dict[str, str]) -> str:
     args = [Path(c).name if c == sys.executable else c for c in cmd]
     args = ["python" if a.startswith("python") else a for a in args]
     return (pre + " " if pre else "") + " ".join(str(a).replace(str(ROOT) + "/", "") for a in args)
+
+
+CLIP_FRAMES = 81  # the longest clip a video row trains (suites.video_grid: 33 and 81 frames)
+
+
+def make_clips(folder: Path, n: int, frames: int, size: tuple[int, int]) -> Path:
+    """n clips, each a folder of `frames` PNG frames (the GPU machine has no video encoder): a colour field with a
+    disc moving across it, and a caption per clip."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w] / max(w, h)
+    for i in range(n):
+        clip = folder / f"clip_{i:03d}"
+        clip.mkdir(exist_ok=True)
+        base, fill = rng.uniform(0, 255, 3), tuple(int(v) for v in rng.uniform(0, 255, 3))
+        field = np.stack([base[c] * (0.5 + 0.5 * np.sin(6 * xx * (c + 1) + 4 * yy + i)) for c in range(3)], -1)
+        background = Image.fromarray(field.clip(0, 255).astype("uint8"))
+        r = h // 5
+        for k in range(frames):
+            frame = background.copy()
+            cx = r + (w - 2 * r) * k / max(1, frames - 1)
+            ImageDraw.Draw(frame).ellipse((cx - r, h // 2 - r, cx + r, h // 2 + r), fill=fill)
+            frame.save(clip / f"{k:04d}.png", compress_level=1)
+        (folder / f"clip_{i:03d}.txt").write_text(f"a disc moving right across a colour field, clip {i}")
+    return folder
 
 
 def make_dataset(folder: Path, n: int, side: int, controls: int = 0) -> Path:

@@ -78,3 +78,23 @@ def test_a_child_killed_from_outside_is_not_read_as_cut_off_by_the_budget(tmp_pa
     rc, _, _ = runner.call(kill, {}, "killed")
     assert _failed(rc).startswith("killed (SIGKILL before the budget's deadline")
     assert _failed(-9) == "cut off (budget)"  # what call() returns when its timeout (the budget's) kills the child
+
+
+def test_a_video_familys_rows_train_whole_clips_of_every_frame_count_they_ask(tmp_path: Path) -> None:
+    """The bench's data for a video family is clips only (no stills, which would train 1-frame steps), each long
+    enough for the longest row's data.frames at its own rate, so a row of 81 frames trains 81 frames a step."""
+    from stages.core import video
+
+    runner = Runner(run_args(work=str(tmp_path / "w"), out=str(tmp_path / "o.json"), tiny=True))
+    sets = runner.base_sets("wan2.2-5b", 640)
+    data = Path(sets["data.path"])
+    assert sets["data.fps"] == 0
+    clips = sorted(p for p in data.iterdir() if p.is_dir())
+    assert clips and all((p.parent / f"{p.name}.txt").exists() for p in clips)
+    assert not [p for p in data.iterdir() if p.is_file() and p.suffix != ".txt"], "no stills among the clips"
+    for clip in clips:
+        info = video.probe(clip)
+        assert video.too_short(clip, info, 81, sets["data.fps"]) is None
+        first, last = (video.read_frames(clip, [i])[0] for i in (0, info.frames - 1))
+        assert first.tobytes() != last.tobytes(), "the frames move"
+    assert "data.fps" not in runner.base_sets("flux", 1024)
