@@ -290,10 +290,8 @@ def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
 def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_run: bool) -> None:
     """Run all stages in order, each as a child process; stages whose manifest matches are skipped.
     A child stage dies with this process (SIGTERM when it is killed)."""
-    from stages.core.events import EventLog
-    from stages.core.proc import call_child
+    from stages.core.dataset import one_walk
     from stages.core.fsaccess import ensure_writable
-    from stages.core.stage import staleness
 
     cfg = _settled(spec, write=not dry_run)
     if dry_run:
@@ -303,6 +301,15 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         return
     ensure_writable(cfg.run_dir)
     _rehash_once(cfg)
+    with one_walk() as walks:  # the checks of the stages skipped in a row read one walk of the dataset
+        _run_stages(spec, cfg, only, force, gpus, walks)
+
+
+def _run_stages(spec: RunSpec, cfg: Any, only: tuple[str, ...], force: bool, gpus: int, walks: dict) -> None:
+    from stages.core.events import EventLog
+    from stages.core.proc import call_child
+    from stages.core.stage import staleness
+
     for name in only or registry.REQUIRED + (registry.OPTIONAL if cfg.sample.after_train else ()):
         stage = registry.get(name)
         ok, reasons = staleness(stage, cfg)
@@ -313,6 +320,7 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
         extra = ["--force"] if force and stage.takes_force else []  # a stage without the flag reruns anyway
         extra += [_train_start(cfg, force)] if name == "train" else []
+        walks.clear()  # the next checks walk the dataset again, after this stage ran
         code = call_child(stage_command(name, [*spec.child_args(), *extra], gpus))
         if code != 0:
             click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
@@ -357,10 +365,20 @@ def _train_start(cfg: Any, force: bool) -> str:
 @_guarded
 def status_cmd(spec: RunSpec) -> None:
     """Show each stage of a run as up to date or stale, and why (read-only: works on a read-only folder)."""
+    from stages.core.dataset import one_walk
+
+    cfg = _settled(spec, write=False)
+    with one_walk():  # every stage's check reads one walk of the dataset
+        _status_lines(cfg)
+    _status_validation(cfg.run_dir)
+    _status_set_aside(cfg.run_dir)
+
+
+def _status_lines(cfg: Any) -> None:
+    """One line per stage (up to date, or stale and why; running now), and train's realised batch sizes."""
     from stages.core.artifacts import lock_holder_pid, read_manifest
     from stages.core.stage import staleness
 
-    cfg = _settled(spec, write=False)
     changing: list[str] = []  # stages that will rerun, whose outputs the stages below them read
     for stage in registry.ALL:
         name = stage.name
@@ -378,8 +396,6 @@ def status_cmd(spec: RunSpec) -> None:
     if sizes:
         steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
         click.echo(f"{'':16s} realised batch sizes (train.batch_size = {cfg.train.batch_size}): {steps}")
-    _status_validation(cfg.run_dir)
-    _status_set_aside(cfg.run_dir)
 
 
 def _status_set_aside(run_dir: Path) -> None:
