@@ -11,6 +11,11 @@ encode a tenth of their captions' text variety (captions repeat, so encode-capti
 latents, the scan, the joins and the sampler still see N items) to keep the run within minutes on 2 cores.
 `--repo DIR` measures another checkout's code (e.g. the main branch) with this same script.
 Writes <out>/scale-<N>.json per size and prints a table.
+
+    python bench/scale.py --gpu-latents 400 --px 1024 --out $OUT/scale-gpu.json   # the `scale-gpu` suite
+
+measures cache-latents alone on the GPU with the full-size FLUX.1 VAE instead (`gpu_latents`): images/s, the
+encoder's busy share and the GPU's.
 """
 
 from __future__ import annotations
@@ -209,6 +214,77 @@ def light(repo: Path, work: Path, n: int, model: Path, out_file: Path, store: bo
     return out
 
 
+def draw_photos(folder: Path, first: int, last: int, px: int) -> None:
+    """JPEGs first..last-1 of px x px (a quarter px x 3/4 px): smooth gradients and a shape that move with the
+    index, so the bytes differ and the decode costs what a photo's does."""
+    import numpy as np
+    from PIL import Image
+
+    for i in range(first, last):
+        w, h = (px, px * 3 // 4) if i % 4 == 3 else (px, px)
+        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+        rgb = np.stack([(x * (i % 7 + 1) / w * 255) % 256, (y * (i % 5 + 1) / h * 255) % 256,
+                        128 + 127 * np.sin((x + y + i) / 37.0)], axis=-1)
+        rgb[(x - (i * 53) % w) ** 2 + (y - (i * 31) % h) ** 2 < (h / 6) ** 2] = (i * 37 % 256, 60, 200)
+        Image.fromarray(rgb.astype(np.uint8)).save(folder / f"photo_{i:06d}.jpg", quality=90)
+
+
+def gpu_latents(work: Path, n: int, px: int, out_file: Path) -> dict:
+    """cache-latents on the GPU with the full-size FLUX.1 VAE (random weights, bench/full_configs.py) in the tiny
+    FLUX pipeline folder: n distinct px JPEGs, one variant each. Its images/s and encoder busy share (the
+    stage's own summary), and the GPU's busy share over the encode loop (nvidia-smi, every 100 ms)."""
+    import shutil
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from bench.full_configs import build_module
+    from stages.tiny.models import build_tiny_pipeline
+
+    model = work / "flux-dev-full-vae"
+    if not (model / "model_index.json").exists():
+        build_tiny_pipeline("flux-dev", model, seed=0)
+        shutil.rmtree(model / "vae")
+        build_module("flux", "vae", "cuda", torch.float32).save_pretrained(str(model / "vae"), safe_serialization=True)
+    data = work / f"photos-{n}-{px}"
+    if not (data / "metadata.jsonl").exists():
+        data.mkdir(parents=True, exist_ok=True)
+        step = max(1, n // (os.cpu_count() or 1))
+        starts = list(range(0, n, step))
+        with ProcessPoolExecutor() as pool:
+            list(pool.map(draw_photos, [data] * len(starts), starts, [min(n, k + step) for k in starts], [px] * len(starts)))
+        (data / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"photo_{i:06d}.jpg", "text": f"photo {i}"})
+                                                     + "\n" for i in range(n)))
+    run, artifacts = f"gpu-latents-{n}-{px}", work / "artifacts"
+    sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": "cuda",
+            "data.resolution": px, "data.cache_variants": 1}
+    args = ["cache-latents", "--config", str(ROOT / "configs" / "demo.toml"), "--run", run, "--force",
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    samples: list[tuple[float, float]] = []
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i",
+                            os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], "-lms", "100"],
+                           stdout=subprocess.PIPE, text=True)
+    reader = threading.Thread(target=lambda: samples.extend((time.time(), float(line)) for line in smi.stdout
+                                                            if line.strip().isdigit()), daemon=True)
+    reader.start()
+    try:
+        wall, _, output = cli(ROOT, args, work / "child.json")
+    finally:
+        smi.terminate()
+    run_events = events(artifacts / run, "cache-latents")
+    loaded = next(e["ts"] for e in run_events if e["event"] == "loaded")
+    done = run_events[-1]
+    busy = [u for t, u in samples if loaded <= t <= done["ts"]]
+    out = {"n": n, "px": px, "vae": "FLUX.1 AutoencoderKL, full size, random weights", "seconds": round(wall, 2),
+           "stage_seconds": done.get("seconds"), "images_per_second": done.get("images_per_second"),
+           "encoder_busy": done.get("encoder_busy"), "gpu_busy_pct": round(sum(busy) / len(busy), 1) if busy else None,
+           "gpu_samples": len(busy), "device": torch.cuda.get_device_name(0), "summary": output.strip().splitlines()[-1]}
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
 def table(rows: list[dict]) -> str:
     head = ("| items | files per 10k items (captions + latents) | cache-latents images/s | train start-up s "
             "| train peak RSS MiB | status s | no-op run s | scan s (indexed) |\n|---|---|---|---|---|---|---|---|")
@@ -231,8 +307,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the stages' device (cuda on the GPU machine)")
     parser.add_argument("--no-store", action="store_true", help="--light sizes skip `mechanics`")
     parser.add_argument("--light", default="", help="comma-separated sizes measured without the encoders (`light`)")
+    parser.add_argument("--gpu-latents", type=int, default=0, metavar="N",
+                        help="instead: cache-latents of N photos on the GPU with the full-size FLUX.1 VAE (`gpu_latents`); "
+                             "--out is then the result file")
+    parser.add_argument("--px", type=int, default=1024, help="--gpu-latents: the photos' size and data.resolution")
     args = parser.parse_args()
     sys.path.insert(0, str(args.repo))
+    if args.gpu_latents:
+        print(json.dumps(gpu_latents(args.work, args.gpu_latents, args.px, args.out)), flush=True)
+        return
     from stages.tiny.models import build_tiny_pipeline
 
     args.work.mkdir(parents=True, exist_ok=True)
