@@ -27,9 +27,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ((32, 32), (48, 32), (32, 48))
+STAGES = ("encode-captions", "cache-latents", "train", "export-lora")  # a plain `run`'s
 # runs the CLI in a child and writes its peak RSS (KiB) and its start time (before any import) to a file
 CHILD = ("import atexit, json, resource, sys, time; t0 = time.time(); out = sys.argv.pop(1)\n"
          "atexit.register(lambda: open(out, 'w').write(json.dumps({'t0': t0, 'maxrss_kib': "
@@ -92,7 +94,8 @@ def events(run_dir: Path, stage: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["stage"] == stage]
 
 
-def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str, out_file: Path) -> dict:
+def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str, out_file: Path,
+            checks_only: bool = False) -> dict:
     data = make_dataset(work / f"data-{n}", n, n if full else max(1, n // 10))
     run, artifacts = f"scale-{n}", work / "artifacts"
     sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": device,
@@ -105,6 +108,10 @@ def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str
 
     def keep() -> None:  # after each step: a run stopped midway keeps what it measured
         out_file.write_text(json.dumps(out, indent=2) + "\n")
+
+    if checks_only:  # the run built before, its figures kept: status, the no-op run and the scan again
+        out = {**json.loads(out_file.read_text()), "checks_repo": str(repo)}
+        return checks(repo, run_dir, base, sets, n, out, keep)
 
     for stage in ("encode-captions", "cache-latents"):
         wall, _, _ = cli(repo, [stage, *base], stats)
@@ -121,11 +128,21 @@ def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str
                     "peak_rss_mib": round(child["maxrss_kib"] / 1024)}
     keep()
     cli(repo, ["export-lora", *base], stats)
+    return checks(repo, run_dir, base, sets, n, out, keep)
+
+
+def checks(repo: Path, run_dir: Path, base: list[str], sets: dict, n: int, out: dict, keep: Any) -> dict:
+    """`status` and a no-op `run` (the best of two, each its own process; every stage must be up to date), and the
+    dataset scan in a child."""
     for name, args in (("status", ["status", *base]), ("noop_run", ["run", *base])):
-        walls = [cli(repo, args, stats)[0] for _ in range(2)]
-        out[name] = {"seconds": round(min(walls), 2), "budget_s": round(2 + 1e-4 * n, 2)}
+        results = [cli(repo, args, run_dir.parent / "child.json") for _ in range(2)]
+        text = results[-1][2]
+        lines = [line for line in text.splitlines() if line.startswith(STAGES)]
+        if len(lines) != len(STAGES) or not all("up to date" in line for line in lines):
+            raise SystemExit(f"`{args[0]}` found a stage to run, not a no-op:\n{text}")
+        out[name] = {"seconds": round(min(r[0] for r in results), 2), "budget_s": round(2 + 1e-4 * n, 2)}
         keep()
-    out["scan"] = scan_times(repo, repo / "configs" / "demo.toml", {**sets, "run": run})
+    out["scan"] = scan_times(repo, repo / "configs" / "demo.toml", {**sets, "run": run_dir.name})
     keep()
     return out
 
@@ -307,6 +324,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the stages' device (cuda on the GPU machine)")
     parser.add_argument("--no-store", action="store_true", help="--light sizes skip `mechanics`")
     parser.add_argument("--light", default="", help="comma-separated sizes measured without the encoders (`light`)")
+    parser.add_argument("--checks-only", action="store_true",
+                        help="runs built before (in --work): measure status, the no-op run and the scan again, "
+                             "keeping the other figures of <out>/scale-<N>.json")
     parser.add_argument("--gpu-latents", type=int, default=0, metavar="N",
                         help="instead: cache-latents of N photos on the GPU with the full-size FLUX.1 VAE (`gpu_latents`); "
                              "--out is then the result file")
@@ -326,8 +346,9 @@ def main() -> None:
     rows = []
     for n in (int(s) for s in args.sizes.split(",") if s):
         row = measure(args.repo.resolve(), args.work, n, n <= args.full_up_to, model, args.device,
-                      args.out / f"scale-{n}.json")
-        row["mechanics"] = mechanics(args.repo.resolve(), args.work, n)
+                      args.out / f"scale-{n}.json", args.checks_only)
+        if not args.checks_only:
+            row["mechanics"] = mechanics(args.repo.resolve(), args.work, n)
         (args.out / f"scale-{n}.json").write_text(json.dumps(row, indent=2) + "\n")
         rows.append(row)
         print(json.dumps(row), flush=True)
