@@ -598,6 +598,9 @@ def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
         settings = latent_settings(data)
         suffix = "" if settings == reference else \
             "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
+        if not (i or name or suffix or data.shuffle_tags):  # the first dataset as scanned: its items as they are
+            out += items
+            continue
         for it in items:
             texts = tuple(dict.fromkeys(t for text in it.texts for t in caption_shuffles(
                 text, data, cfg.seed, it.image_id)))

@@ -234,9 +234,11 @@ class ImageIndex:
 
 
 def _well_formed(entry: object) -> bool:
-    return (isinstance(entry, list) and len(entry) >= 2
-            and all(isinstance(s, list) and len(s) == 4 and all(type(x) is int for x in s) for s in entry[:-1])
-            and isinstance(entry[-1], list) and len(entry[-1]) == 2 and all(isinstance(x, str) for x in entry[-1]))
+    if type(entry) is not list or len(entry) < 2:
+        return False
+    ids = entry[-1]
+    return (type(ids) is list and len(ids) == 2 and type(ids[0]) is str and type(ids[1]) is str
+            and all(type(s) is list and len(s) == 4 and {type(x) for x in s} == {int} for s in entry[:-1]))
 
 
 def _stats(request: Request, known: Callable[[str], Stat | None] | None = None) -> list[list[int]] | None:
