@@ -104,7 +104,8 @@ def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str
     base = ["--config", str(repo / "configs" / "demo.toml"), "--run", run,
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     stats, run_dir = work / "child.json", artifacts / run
-    out = {"n": n, "repo": str(repo), "full": full, "device": device, "cpus": os.cpu_count()}
+    out = {"n": n, "repo": str(repo), "full": full, "device": device, "cpus": os.cpu_count(),
+           "omp_threads": os.environ.get("OMP_NUM_THREADS")}
 
     def keep() -> None:  # after each step: a run stopped midway keeps what it measured
         out_file.write_text(json.dumps(out, indent=2) + "\n")
@@ -113,11 +114,16 @@ def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str
         out = {**json.loads(out_file.read_text()), "checks_repo": str(repo)}
         return checks(repo, run_dir, base, sets, n, out, keep)
 
+    earlier = json.loads(out_file.read_text()) if out_file.exists() else {}
     for stage in ("encode-captions", "cache-latents"):
         wall, _, _ = cli(repo, [stage, *base], stats)
         done = events(run_dir, stage)[-1]
-        out[stage] = {"seconds": round(wall, 2), "stage_seconds": done.get("seconds"),
-                      "encoded": done.get("encoded"), "images_per_second": done.get("images_per_second")}
+        rebuilt_nothing = done["event"] == "up_to_date" or done.get("encoded") == 0
+        if rebuilt_nothing and earlier.get(stage, {}).get("encoded"):
+            out[stage] = {**earlier[stage], "from_earlier_run": True}  # a size measured again after a stop
+        else:  # a stopped cache continues: `encoded` counts the rows of this run
+            out[stage] = {"seconds": round(wall, 2), "stage_seconds": done.get("seconds"),
+                          "encoded": done.get("encoded"), "images_per_second": done.get("images_per_second")}
         keep()
     for cache in ("captions.zarr", "latents.zarr"):
         files = count_files(run_dir / cache)
