@@ -12,7 +12,7 @@ latents, the scan, the joins and the sampler still see N items) to keep the run 
 `--repo DIR` measures another checkout's code (e.g. the main branch) with this same script.
 Writes <out>/scale-<N>.json per size and prints a table.
 
-    python bench/scale.py --gpu-latents 400 --px 1024 --out $OUT/scale-gpu.json   # the `scale-gpu` suite
+    python bench/scale.py --gpu-latents 400 --px 1024 --device cuda --out $OUT/scale-gpu.json   # suite `scale-gpu`
 
 measures cache-latents alone on the GPU with the full-size FLUX.1 VAE instead (`gpu_latents`): images/s, the
 encoder's busy share and the GPU's.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -252,11 +253,10 @@ def draw_photos(folder: Path, first: int, last: int, px: int) -> None:
         Image.fromarray(rgb.astype(np.uint8)).save(folder / f"photo_{i:06d}.jpg", quality=90)
 
 
-def gpu_latents(work: Path, n: int, px: int, out_file: Path) -> dict:
+def gpu_latents(work: Path, n: int, px: int, out_file: Path, device: str = "cuda") -> dict:
     """cache-latents on the GPU with the full-size FLUX.1 VAE (random weights, bench/full_configs.py) in the tiny
     FLUX pipeline folder: n distinct px JPEGs, one variant each. Its images/s and encoder busy share (the
     stage's own summary), and the GPU's busy share over the encode loop (nvidia-smi, every 100 ms)."""
-    import shutil
     import threading
     from concurrent.futures import ProcessPoolExecutor
 
@@ -269,7 +269,7 @@ def gpu_latents(work: Path, n: int, px: int, out_file: Path) -> dict:
     if not (model / "model_index.json").exists():
         build_tiny_pipeline("flux-dev", model, seed=0)
         shutil.rmtree(model / "vae")
-        build_module("flux", "vae", "cuda", torch.float32).save_pretrained(str(model / "vae"), safe_serialization=True)
+        build_module("flux", "vae", device, torch.float32).save_pretrained(str(model / "vae"), safe_serialization=True)
     data = work / f"photos-{n}-{px}"
     if not (data / "metadata.jsonl").exists():
         data.mkdir(parents=True, exist_ok=True)
@@ -280,21 +280,22 @@ def gpu_latents(work: Path, n: int, px: int, out_file: Path) -> dict:
         (data / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"photo_{i:06d}.jpg", "text": f"photo {i}"})
                                                      + "\n" for i in range(n)))
     run, artifacts = f"gpu-latents-{n}-{px}", work / "artifacts"
-    sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": "cuda",
+    sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": device,
             "data.resolution": px, "data.cache_variants": 1}
     args = ["cache-latents", "--config", str(ROOT / "configs" / "demo.toml"), "--run", run, "--force",
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     samples: list[tuple[float, float]] = []
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i",
                             os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], "-lms", "100"],
-                           stdout=subprocess.PIPE, text=True)
-    reader = threading.Thread(target=lambda: samples.extend((time.time(), float(line)) for line in smi.stdout
-                                                            if line.strip().isdigit()), daemon=True)
-    reader.start()
+                           stdout=subprocess.PIPE, text=True) if shutil.which("nvidia-smi") else None
+    if smi is not None:
+        threading.Thread(target=lambda: samples.extend((time.time(), float(line)) for line in smi.stdout
+                                                       if line.strip().isdigit()), daemon=True).start()
     try:
         wall, _, output = cli(ROOT, args, work / "child.json")
     finally:
-        smi.terminate()
+        if smi is not None:
+            smi.terminate()
     run_events = events(artifacts / run, "cache-latents")
     loaded = next(e["ts"] for e in run_events if e["event"] == "loaded")
     done = run_events[-1]
@@ -302,7 +303,8 @@ def gpu_latents(work: Path, n: int, px: int, out_file: Path) -> dict:
     out = {"n": n, "px": px, "vae": "FLUX.1 AutoencoderKL, full size, random weights", "seconds": round(wall, 2),
            "stage_seconds": done.get("seconds"), "images_per_second": done.get("images_per_second"),
            "encoder_busy": done.get("encoder_busy"), "gpu_busy_pct": round(sum(busy) / len(busy), 1) if busy else None,
-           "gpu_samples": len(busy), "device": torch.cuda.get_device_name(0), "summary": output.strip().splitlines()[-1]}
+           "gpu_samples": len(busy), "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
+           "summary": output.strip().splitlines()[-1]}
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(out, indent=2) + "\n")
     return out
@@ -340,7 +342,7 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(args.repo))
     if args.gpu_latents:
-        print(json.dumps(gpu_latents(args.work, args.gpu_latents, args.px, args.out)), flush=True)
+        print(json.dumps(gpu_latents(args.work, args.gpu_latents, args.px, args.out, args.device)), flush=True)
         return
     from stages.tiny.models import build_tiny_pipeline
 
