@@ -293,10 +293,8 @@ def stage_command(name: str, args: list[str], gpus: int) -> list[str]:
 def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_run: bool) -> None:
     """Run all stages in order, each as a child process; stages whose manifest matches are skipped.
     A child stage dies with this process (SIGTERM when it is killed)."""
-    from stages.core.events import EventLog
-    from stages.core.proc import call_child
+    from stages.core.dataset import one_walk
     from stages.core.fsaccess import ensure_writable
-    from stages.core.stage import staleness
 
     cfg = _settled(spec, write=not dry_run)
     if dry_run:
@@ -306,6 +304,15 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         return
     ensure_writable(cfg.run_dir)
     _rehash_once(cfg)
+    with one_walk() as walks:  # the checks of the stages skipped in a row read one walk of the dataset
+        _run_stages(spec, cfg, only, force, gpus, walks)
+
+
+def _run_stages(spec: RunSpec, cfg: Any, only: tuple[str, ...], force: bool, gpus: int, walks: dict) -> None:
+    from stages.core.events import EventLog
+    from stages.core.proc import call_child
+    from stages.core.stage import staleness
+
     for name in only or registry.REQUIRED + (registry.OPTIONAL if cfg.sample.after_train else ()):
         stage = registry.get(name)
         ok, reasons = staleness(stage, cfg)
@@ -316,6 +323,7 @@ def run_cmd(spec: RunSpec, force: bool, only: tuple[str, ...], gpus: int, dry_ru
         click.echo(f"{name}: running ({clip(reasons, 200) or 'forced'})")
         extra = ["--force"] if force and stage.takes_force else []  # a stage without the flag reruns anyway
         for call in _train_calls(cfg, force) if name == "train" else [extra]:
+            walks.clear()  # the next checks walk the dataset again, after this stage ran
             code = call_child(stage_command(name, [*spec.child_args(), *call], gpus))
             if code != 0:
                 click.secho(f"{name} failed (exit {code}); later stages not run", fg="red", err=True)
@@ -376,10 +384,21 @@ def _train_start(cfg: Any, force: bool) -> str:
 @_guarded
 def status_cmd(spec: RunSpec) -> None:
     """Show each stage of a run as up to date or stale, and why (read-only: works on a read-only folder)."""
-    from stages.core.artifacts import lock_holder_pid, read_manifest
+    from stages.core.dataset import one_walk
+
     from stages.core.caches import lora_dir
 
     cfg = _settled(spec, write=False)
+    with one_walk():  # every stage's check reads one walk of the dataset
+        _status_lines(cfg)
+    _status_validation(cfg.run_dir)
+    _status_set_aside([lora_dir(unit) for unit in registry.get("train").units(cfg)])
+
+
+def _status_lines(cfg: Any) -> None:
+    """One line per stage (up to date, or stale and why; running now), and train's realised batch sizes."""
+    from stages.core.artifacts import lock_holder_pid, read_manifest
+
     changing: dict[str, set[str]] = {}  # stage -> the experts ("" for all) whose artifacts will change
     for stage in registry.ALL:
         name, units = stage.name, stage.units(cfg)
@@ -397,8 +416,6 @@ def status_cmd(spec: RunSpec) -> None:
             steps = ", ".join(f"{n} steps at batch {size}" for size, n in sorted(sizes.items(), key=lambda kv: -int(kv[0])))
             whose = f" of the {unit.train.expert} expert" if unit.train.expert else ""
             click.echo(f"{'':16s} realised batch sizes{whose} (train.batch_size = {cfg.train.batch_size}): {steps}")
-    _status_validation(cfg.run_dir)
-    _status_set_aside([lora_dir(unit) for unit in registry.get("train").units(cfg)])
 
 
 def _status_row(stage: Any, cfg: Any, expert: str, changing: dict[str, set[str]]) -> tuple[str, bool, list[str]]:

@@ -11,6 +11,11 @@ encode a tenth of their captions' text variety (captions repeat, so encode-capti
 latents, the scan, the joins and the sampler still see N items) to keep the run within minutes on 2 cores.
 `--repo DIR` measures another checkout's code (e.g. the main branch) with this same script.
 Writes <out>/scale-<N>.json per size and prints a table.
+
+    python bench/scale.py --gpu-latents 400 --px 1024 --device cuda --out $OUT/scale-gpu.json   # suite `scale-gpu`
+
+measures cache-latents alone on the GPU with the full-size FLUX.1 VAE instead (`gpu_latents`): images/s, the
+encoder's busy share and the GPU's.
 """
 
 from __future__ import annotations
@@ -18,13 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ((32, 32), (48, 32), (32, 48))
+STAGES = ("encode-captions", "cache-latents", "train", "export-lora")  # a plain `run`'s
 # runs the CLI in a child and writes its peak RSS (KiB) and its start time (before any import) to a file
 CHILD = ("import atexit, json, resource, sys, time; t0 = time.time(); out = sys.argv.pop(1)\n"
          "atexit.register(lambda: open(out, 'w').write(json.dumps({'t0': t0, 'maxrss_kib': "
@@ -87,7 +95,8 @@ def events(run_dir: Path, stage: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["stage"] == stage]
 
 
-def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str, out_file: Path) -> dict:
+def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str, out_file: Path,
+            checks_only: bool = False) -> dict:
     data = make_dataset(work / f"data-{n}", n, n if full else max(1, n // 10))
     run, artifacts = f"scale-{n}", work / "artifacts"
     sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": device,
@@ -96,16 +105,26 @@ def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str
     base = ["--config", str(repo / "configs" / "demo.toml"), "--run", run,
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     stats, run_dir = work / "child.json", artifacts / run
-    out = {"n": n, "repo": str(repo), "full": full, "device": device, "cpus": os.cpu_count()}
+    out = {"n": n, "repo": str(repo), "full": full, "device": device, "cpus": os.cpu_count(),
+           "omp_threads": os.environ.get("OMP_NUM_THREADS")}
 
     def keep() -> None:  # after each step: a run stopped midway keeps what it measured
         out_file.write_text(json.dumps(out, indent=2) + "\n")
 
+    if checks_only:  # the run built before, its figures kept: status, the no-op run and the scan again
+        out = {**json.loads(out_file.read_text()), "checks_repo": str(repo)}
+        return checks(repo, run_dir, base, sets, n, out, keep)
+
+    earlier = json.loads(out_file.read_text()) if out_file.exists() else {}
     for stage in ("encode-captions", "cache-latents"):
         wall, _, _ = cli(repo, [stage, *base], stats)
         done = events(run_dir, stage)[-1]
-        out[stage] = {"seconds": round(wall, 2), "stage_seconds": done.get("seconds"),
-                      "encoded": done.get("encoded"), "images_per_second": done.get("images_per_second")}
+        rebuilt_nothing = done["event"] == "up_to_date" or done.get("encoded") == 0
+        if rebuilt_nothing and earlier.get(stage, {}).get("encoded"):
+            out[stage] = {**earlier[stage], "from_earlier_run": True}  # a size measured again after a stop
+        else:  # a stopped cache continues: `encoded` counts the rows of this run
+            out[stage] = {"seconds": round(wall, 2), "stage_seconds": done.get("seconds"),
+                          "encoded": done.get("encoded"), "images_per_second": done.get("images_per_second")}
         keep()
     for cache in ("captions.zarr", "latents.zarr"):
         files = count_files(run_dir / cache)
@@ -116,11 +135,21 @@ def measure(repo: Path, work: Path, n: int, full: bool, model: Path, device: str
                     "peak_rss_mib": round(child["maxrss_kib"] / 1024)}
     keep()
     cli(repo, ["export-lora", *base], stats)
+    return checks(repo, run_dir, base, sets, n, out, keep)
+
+
+def checks(repo: Path, run_dir: Path, base: list[str], sets: dict, n: int, out: dict, keep: Any) -> dict:
+    """`status` and a no-op `run` (the best of two, each its own process; every stage must be up to date), and the
+    dataset scan in a child."""
     for name, args in (("status", ["status", *base]), ("noop_run", ["run", *base])):
-        walls = [cli(repo, args, stats)[0] for _ in range(2)]
-        out[name] = {"seconds": round(min(walls), 2), "budget_s": round(2 + 1e-4 * n, 2)}
+        results = [cli(repo, args, run_dir.parent / "child.json") for _ in range(2)]
+        text = results[-1][2]
+        lines = [line for line in text.splitlines() if line.startswith(STAGES)]
+        if len(lines) != len(STAGES) or not all("up to date" in line for line in lines):
+            raise SystemExit(f"`{args[0]}` found a stage to run, not a no-op:\n{text}")
+        out[name] = {"seconds": round(min(r[0] for r in results), 2), "budget_s": round(2 + 1e-4 * n, 2)}
         keep()
-    out["scan"] = scan_times(repo, repo / "configs" / "demo.toml", {**sets, "run": run})
+    out["scan"] = scan_times(repo, repo / "configs" / "demo.toml", {**sets, "run": run_dir.name})
     keep()
     return out
 
@@ -209,6 +238,78 @@ def light(repo: Path, work: Path, n: int, model: Path, out_file: Path, store: bo
     return out
 
 
+def draw_photos(folder: Path, first: int, last: int, px: int) -> None:
+    """JPEGs first..last-1 of px x px (a quarter px x 3/4 px): smooth gradients and a shape that move with the
+    index, so the bytes differ and the decode costs what a photo's does."""
+    import numpy as np
+    from PIL import Image
+
+    for i in range(first, last):
+        w, h = (px, px * 3 // 4) if i % 4 == 3 else (px, px)
+        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+        rgb = np.stack([(x * (i % 7 + 1) / w * 255) % 256, (y * (i % 5 + 1) / h * 255) % 256,
+                        128 + 127 * np.sin((x + y + i) / 37.0)], axis=-1)
+        rgb[(x - (i * 53) % w) ** 2 + (y - (i * 31) % h) ** 2 < (h / 6) ** 2] = (i * 37 % 256, 60, 200)
+        Image.fromarray(rgb.astype(np.uint8)).save(folder / f"photo_{i:06d}.jpg", quality=90)
+
+
+def gpu_latents(work: Path, n: int, px: int, out_file: Path, device: str = "cuda") -> dict:
+    """cache-latents on the GPU with the full-size FLUX.1 VAE (random weights, bench/full_configs.py) in the tiny
+    FLUX pipeline folder: n distinct px JPEGs, one variant each. Its images/s and encoder busy share (the
+    stage's own summary), and the GPU's busy share over the encode loop (nvidia-smi, every 100 ms)."""
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    from bench.full_configs import build_module
+    from stages.tiny.models import build_tiny_pipeline
+
+    model = work / "flux-dev-full-vae"
+    if not (model / "model_index.json").exists():
+        build_tiny_pipeline("flux-dev", model, seed=0)
+        shutil.rmtree(model / "vae")
+        build_module("flux", "vae", device, torch.float32).save_pretrained(str(model / "vae"), safe_serialization=True)
+    data = work / f"photos-{n}-{px}"
+    if not (data / "metadata.jsonl").exists():
+        data.mkdir(parents=True, exist_ok=True)
+        step = max(1, n // (os.cpu_count() or 1))
+        starts = list(range(0, n, step))
+        with ProcessPoolExecutor() as pool:
+            list(pool.map(draw_photos, [data] * len(starts), starts, [min(n, k + step) for k in starts], [px] * len(starts)))
+        (data / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"photo_{i:06d}.jpg", "text": f"photo {i}"})
+                                                     + "\n" for i in range(n)))
+    run, artifacts = f"gpu-latents-{n}-{px}", work / "artifacts"
+    sets = {"model": str(model), "data.path": str(data), "artifacts": str(artifacts), "device": device,
+            "data.resolution": px, "data.cache_variants": 1}
+    args = ["cache-latents", "--config", str(ROOT / "configs" / "demo.toml"), "--run", run, "--force",
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    samples: list[tuple[float, float]] = []
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i",
+                            os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0], "-lms", "100"],
+                           stdout=subprocess.PIPE, text=True) if shutil.which("nvidia-smi") else None
+    if smi is not None:
+        threading.Thread(target=lambda: samples.extend((time.time(), float(line)) for line in smi.stdout
+                                                       if line.strip().isdigit()), daemon=True).start()
+    try:
+        wall, _, output = cli(ROOT, args, work / "child.json")
+    finally:
+        if smi is not None:
+            smi.terminate()
+    run_events = events(artifacts / run, "cache-latents")
+    loaded = next(e["ts"] for e in run_events if e["event"] == "loaded")
+    done = run_events[-1]
+    busy = [u for t, u in samples if loaded <= t <= done["ts"]]
+    out = {"n": n, "px": px, "vae": "FLUX.1 AutoencoderKL, full size, random weights", "seconds": round(wall, 2),
+           "stage_seconds": done.get("seconds"), "images_per_second": done.get("images_per_second"),
+           "encoder_busy": done.get("encoder_busy"), "gpu_busy_pct": round(sum(busy) / len(busy), 1) if busy else None,
+           "gpu_samples": len(busy), "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
+           "summary": output.strip().splitlines()[-1]}
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
 def table(rows: list[dict]) -> str:
     head = ("| items | files per 10k items (captions + latents) | cache-latents images/s | train start-up s "
             "| train peak RSS MiB | status s | no-op run s | scan s (indexed) |\n|---|---|---|---|---|---|---|---|")
@@ -231,8 +332,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the stages' device (cuda on the GPU machine)")
     parser.add_argument("--no-store", action="store_true", help="--light sizes skip `mechanics`")
     parser.add_argument("--light", default="", help="comma-separated sizes measured without the encoders (`light`)")
+    parser.add_argument("--checks-only", action="store_true",
+                        help="runs built before (in --work): measure status, the no-op run and the scan again, "
+                             "keeping the other figures of <out>/scale-<N>.json")
+    parser.add_argument("--gpu-latents", type=int, default=0, metavar="N",
+                        help="instead: cache-latents of N photos on the GPU with the full-size FLUX.1 VAE (`gpu_latents`); "
+                             "--out is then the result file")
+    parser.add_argument("--px", type=int, default=1024, help="--gpu-latents: the photos' size and data.resolution")
     args = parser.parse_args()
     sys.path.insert(0, str(args.repo))
+    if args.gpu_latents:
+        print(json.dumps(gpu_latents(args.work, args.gpu_latents, args.px, args.out, args.device)), flush=True)
+        return
     from stages.tiny.models import build_tiny_pipeline
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -243,8 +354,9 @@ def main() -> None:
     rows = []
     for n in (int(s) for s in args.sizes.split(",") if s):
         row = measure(args.repo.resolve(), args.work, n, n <= args.full_up_to, model, args.device,
-                      args.out / f"scale-{n}.json")
-        row["mechanics"] = mechanics(args.repo.resolve(), args.work, n)
+                      args.out / f"scale-{n}.json", args.checks_only)
+        if not args.checks_only:
+            row["mechanics"] = mechanics(args.repo.resolve(), args.work, n)
         (args.out / f"scale-{n}.json").write_text(json.dumps(row, indent=2) + "\n")
         rows.append(row)
         print(json.dumps(row), flush=True)

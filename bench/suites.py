@@ -233,6 +233,9 @@ SUITES: dict[str, list[Row]] = {
                  Script("multigpu-flux-nf4", ("bench/multigpu.py", "run", "--precisions", "nf4", "--out", "{out}"), gpus=2)],
     # the tiled VAE encode against untiled, every distinct VAE (cache-latents' last resort)
     "tiling": [Script("tiling", ("bench/tiling.py", "--budget-s", "140", "--out", "{out}"))],
+    # cache-latents with the full-size FLUX.1 VAE at 1024 px: images/s, encoder and GPU busy (docs/performance.md, scale)
+    "scale-gpu": [Script("scale-gpu-flux-vae-1024", ("bench/scale.py", "--gpu-latents", "400", "--px", "1024",
+                                                      "--device", "cuda", "--work", "/tmp/lorapipe-scale-gpu", "--out", "{out}"))],
     # the tests marked for CUDA, on the GPU (skipped on CPU)
     "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/stages/test_trainer_paths.py",
                                          "tests/core/test_runtime_flags.py", "tests/core/test_fp8.py", "tests/planner/test_sample_memory.py",

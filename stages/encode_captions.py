@@ -50,11 +50,11 @@ def artifact_dir(cfg: Any) -> Path:
 def resolved_precision(cfg: Any) -> str:
     """The text encoders' precision as this stage will run them (on cfg.device, not merely any GPU)."""
     from stages.core import memory
-    from stages.core.runtime import pick_device, resolve_precision
+    from stages.core.runtime import device_type, resolve_precision
     from stages.families import get_family
 
     planned = memory.planned_caption_precision(cfg, get_family(cfg.family))  # "auto" under a GPU budget is the planner's choice
-    return planned or resolve_precision(cfg.captions.text_encoder_precision, pick_device(cfg.device), "text_encoder")
+    return planned or resolve_precision(cfg.captions.text_encoder_precision, device_type(cfg.device), "text_encoder")
 
 
 def layout_parts(cfg: Any) -> dict[str, Any]:

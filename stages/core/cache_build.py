@@ -14,6 +14,7 @@ from stages.core import distributed
 from stages.core.rowstore import RowStore
 
 T = TypeVar("T")
+PROGRESS_EVERY_S = 1.0  # events.jsonl gets a progress event at most this often (100k images: not 100k lines)
 
 
 def rows_to_encode(store: RowStore | None, ids: Sequence[str], grow: bool) -> list[str]:
@@ -70,8 +71,8 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
 
     Under torchrun rank 0 first encodes alone each unit whose store does not exist yet (a store's
     shapes come from the model's first output), everyone `reopen`s the stores, then each rank
-    encodes its round-robin share of the rest. Progress and `preparing` events count global items:
-    rank 0's own count times the world size (ranks keep about the same pace), capped at the total.
+    encodes its round-robin share of the rest. Progress and `preparing` events (at most one a second) count
+    global items: rank 0's own count times the world size (ranks keep about the same pace), capped at the total.
     With `prepare` (the host's part: reading and decoding), `encode(unit, prepare(unit))` runs while
     threads prepare the next units, so the encoder does not wait on the disk. Units with the same
     `shard_of` (the store shard their rows go to) go to one rank, which alone packs that shard; `flush`
@@ -79,7 +80,7 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
     {"units", "seconds", "encode_seconds"}: how busy the encoder was."""
     dist = ctx.dist
     todo = sum(size(u) for u in units)
-    counted = {"here": 0, "shown": 0}
+    counted = {"here": 0, "shown": 0, "logged": 0.0}
     stats = {"units": 0.0, "seconds": 0.0, "encode_seconds": 0.0}
     start = time.perf_counter()
     with distributed.progress(dist, label, todo, unit_name) as bar:
@@ -92,7 +93,10 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
             estimate = min(todo, counted["here"] * dist.world_size)
             bar.advance(estimate - counted["shown"])
             counted["shown"] = estimate
-            ctx.log.emit("preparing", done=done_before + estimate, total=total, encoded=estimate)
+            now = time.perf_counter()
+            if now - counted["logged"] >= PROGRESS_EVERY_S or estimate == todo:
+                counted["logged"] = now
+                ctx.log.emit("preparing", done=done_before + estimate, total=total, encoded=estimate)
 
         def run(some: Iterable[T]) -> None:
             if prepare is None:

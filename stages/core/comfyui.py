@@ -25,9 +25,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-import torch
-
 from stages.core.errors import UserError
+from stages.core.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 
 class ComfyError(UserError, ValueError):

@@ -86,6 +86,7 @@ class Item:
     control_ids: tuple[str, ...] = ()  # their content ids
     caption_salt: str = ""  # set by for_family when the family's text encoder sees the controls
     pixel_id: str = ""  # with a loss mask: the image bytes' own id (`pixels_id`); "" otherwise
+    clip: bool | None = None  # a clip, as the scan's walk saw it; None: not known (is_clip stats the path)
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -111,7 +112,7 @@ class Item:
     @property
     def is_clip(self) -> bool:
         """A video file or a folder of frames (trained as `data.frames` frames), not a still image."""
-        return is_clip_path(self.image_path)
+        return is_clip_path(self.image_path) if self.clip is None else self.clip
 
 
 def _salted(content: str, salt: str) -> str:
@@ -394,7 +395,7 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
     if not root.is_dir():
         raise DatasetError(f"dataset folder '{root}' does not exist (set {path_key})")
     key = (os.path.abspath(root), caption_ext, follow_symlinks_outside, caption_lines)
-    tree = FolderTree(root)
+    tree = _walk(root)
     listed = _LISTED.get(key)
     if listed is None or not listed.holds(tree):
         heard: list[tuple[str, str | None]] = []
@@ -405,7 +406,7 @@ def scan(root: str | Path, caption_ext: str = ".txt", *, follow_symlinks_outside
     for message, item in listed.warnings:
         if warn is not None:
             warn(message, item)
-    return listed.with_ids(ImageIndex.for_folder(root, index_dir)) if ids else listed.items
+    return listed.with_ids(ImageIndex.for_folder(root, index_dir), tree) if ids else listed.items
 
 
 def _items(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None, caption_lines: str,
@@ -413,19 +414,29 @@ def _items(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None
     """`scan`'s items without their image ids (image_id, pixel_id and control_ids empty)."""
     meta = (root / "metadata.jsonl").is_file()
     pairs, controls = _listing(root, caption_ext, follow_outside, warn, "data.path", tree)
-    stems = {path.with_suffix("") for path, _ in pairs}
+    stems = set() if meta else {path.with_suffix("") for path, _ in pairs}  # numbered captions: folder mode only
     masks = _may_have_masks(root, tree)
+    key_of = _keys_under(root)
     items = []
     for path, text in pairs:
-        mask = None if is_clip_path(path) or not masks else find_mask(root, path, follow_outside, tree)
+        clip = path.suffix.lower() in VIDEO_EXTS or tree.is_dir(str(path))  # from the walk: no stat per item
+        mask = None if clip or not masks else find_mask(root, path, follow_outside, tree)
         texts = [t.strip() for t in text.split(VARIANT_SEP)] + (
             [] if meta else _numbered_captions(root, path, caption_ext, stems, follow_outside))
         if caption_lines == "variants":
             texts = [line.strip() for t in texts for line in t.splitlines() if line.strip()]
         texts = list(dict.fromkeys(texts))
-        items.append(Item(path.relative_to(root).as_posix(), path, texts[0], "", caption_id(texts[0]),
-                          tuple(texts) if len(texts) > 1 else (), mask_path=mask, controls=tuple(controls.get(path, ()))))
+        items.append(Item(key_of(path), path, texts[0], "", caption_id(texts[0]),
+                          tuple(texts) if len(texts) > 1 else (), mask_path=mask, controls=tuple(controls.get(path, ())),
+                          clip=clip))
     return sorted(items, key=lambda it: it.key)
+
+
+def _keys_under(root: Path) -> Callable[[Path], str]:
+    """path -> `path.relative_to(root).as_posix()`, by cutting the root's text off (100k items: a second less)."""
+    prefix = str(root).rstrip("/") + "/"
+    return lambda path: (str(path)[len(prefix):] if str(path).startswith(prefix) and os.sep == "/"
+                         else path.relative_to(root).as_posix())
 
 
 class _Listed:
@@ -437,20 +448,20 @@ class _Listed:
         self.generation = 0  # image_index.generation() when the ids were taken
         # files read outside the walk (below a symlinked folder): their stats are checked too
         self.outside = {str(p): stat_of(str(p)) for it in items for p in (it.image_path, it.mask_path, *it.controls)
-                        if p is not None and str(p.parent) not in tree.folders}
+                        if p is not None and (os.path.dirname(str(p)) or ".") not in tree.folders}
 
     def holds(self, tree: FolderTree) -> bool:
         """Whether nothing the listing read has changed since (`tree` is a new walk of the folder)."""
         return tree.digest() == self.digest and all(stat_of(p) == s for p, s in self.outside.items())
 
-    def with_ids(self, index: ImageIndex) -> list[Item]:
+    def with_ids(self, index: ImageIndex, tree: FolderTree | None = None) -> list[Item]:
         """The items with their image, pixel and control ids: from the index where the files' stats
-        match it, else read (in parallel) and the index saved."""
+        (those `tree`, the walk just made, holds) match it, else read (in parallel) and the index saved."""
         if self.identified is None or self.generation != image_index.generation():
             self.generation = image_index.generation()
             requests = [(it.image_path, it.mask_path) for it in self.items] + [
                 (c, None) for it in self.items for c in it.controls]
-            found = index.ids(requests)
+            found = index.ids(requests, None if tree is None else tree.stat)
             index.save()
             self.identified = [dataclasses.replace(
                 it, image_id=found[it.image_path, it.mask_path][0],
@@ -460,6 +471,30 @@ class _Listed:
 
 
 _LISTED: dict[tuple[str, str, bool, str], _Listed] = {}  # (folder, caption_ext, follow, caption_lines) -> listing
+_WALKS: dict[str, FolderTree] | None = None  # inside `one_walk`: each folder's walk
+
+
+@contextlib.contextmanager
+def one_walk() -> Iterator[dict[str, FolderTree]]:
+    """Scans inside the block walk each folder once (a later scan reuses the walk instead of checking
+    that nothing changed): `status` and `run`'s checks read one snapshot of the dataset, where each
+    stage's check scans it (100k images: ~0.6 s a walk). Clear the dict it yields to walk again."""
+    global _WALKS
+    outer = _WALKS
+    _WALKS = {} if outer is None else outer
+    try:
+        yield _WALKS
+    finally:
+        _WALKS = outer
+
+
+def _walk(root: Path) -> FolderTree:
+    if _WALKS is None:
+        return FolderTree(root)
+    key = os.path.abspath(root)
+    if key not in _WALKS:
+        _WALKS[key] = FolderTree(root)
+    return _WALKS[key]
 
 
 def _listing(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | None,
@@ -468,7 +503,7 @@ def _listing(root: Path, caption_ext: str, follow_outside: bool, warn: Warn | No
     files) alone: no image is opened or hashed."""
     if not root.is_dir():
         raise DatasetError(f"dataset folder '{root}' does not exist (set {path_key})")
-    tree = tree or FolderTree(root)
+    tree = tree or _walk(root)
     meta = root / "metadata.jsonl"
     dropped = _Dropped()
     if meta.is_file():
@@ -563,6 +598,9 @@ def scan_run(cfg: Any, log: Any = None, ids: bool = True) -> list[Item]:
         settings = latent_settings(data)
         suffix = "" if settings == reference else \
             "-" + content_id(json.dumps(settings, sort_keys=True).encode())[:8]
+        if not (i or name or suffix or data.shuffle_tags):  # the first dataset as scanned: its items as they are
+            out += items
+            continue
         for it in items:
             texts = tuple(dict.fromkeys(t for text in it.texts for t in caption_shuffles(
                 text, data, cfg.seed, it.image_id)))

@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeVar
 
-import torch
-import torch.distributed as tdist
+if TYPE_CHECKING:  # torch is imported where a process group is used: `status` and a no-op `run` import this module
+    import torch
 
 T = TypeVar("T")
 
@@ -46,6 +46,8 @@ class Dist:
     @property
     def device(self) -> torch.device:
         """Where collectives' tensors live: NCCL needs them on this rank's GPU."""
+        import torch
+
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -56,6 +58,8 @@ def env_world_size() -> int:
 
 
 def _wants_cuda(device: str) -> bool:
+    import torch
+
     return device != "cpu" and torch.cuda.is_available()
 
 
@@ -67,6 +71,9 @@ def process_group(device: str) -> Iterator[Dist]:
     alone. On CUDA each rank takes the GPU of its LOCAL_RANK before anything allocates, so
     `torch.device("cuda")` and bitsandbytes' loader (which uses the current device) land on it.
     """
+    import torch
+    import torch.distributed as tdist
+
     if tdist.is_available() and tdist.is_initialized():
         yield _current(device)
         return
@@ -90,6 +97,9 @@ def process_group(device: str) -> Iterator[Dist]:
 
 
 def _current(device: str) -> Dist:
+    import torch
+    import torch.distributed as tdist
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = tdist.get_backend()
     if backend == "nccl":
@@ -99,6 +109,8 @@ def _current(device: str) -> Dist:
 
 def barrier(d: Dist) -> None:
     if d.is_distributed:
+        import torch.distributed as tdist
+
         tdist.barrier()
 
 
@@ -143,6 +155,8 @@ def all_gather(obj: Any, d: Dist) -> list[Any]:
     """Every rank's `obj`, in rank order (picklable objects)."""
     if not d.is_distributed:
         return [obj]
+    import torch.distributed as tdist
+
     out: list[Any] = [None] * d.world_size
     tdist.all_gather_object(out, obj)
     return out
@@ -152,6 +166,8 @@ def broadcast(obj: Any, d: Dist) -> Any:
     """Rank 0's `obj` on every rank."""
     if not d.is_distributed:
         return obj
+    import torch.distributed as tdist
+
     box = [obj]
     tdist.broadcast_object_list(box, src=0)
     return box[0]
@@ -161,6 +177,9 @@ def any_rank(flags: Sequence[bool], d: Dist) -> list[bool]:
     """Element-wise OR of boolean flags over all ranks (one small all-reduce)."""
     if not d.is_distributed:
         return list(flags)
+    import torch
+    import torch.distributed as tdist
+
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=d.device)
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return [bool(v) for v in t.tolist()]
@@ -170,6 +189,8 @@ def mean_over_ranks(value: torch.Tensor, d: Dist) -> torch.Tensor:
     """Average of a scalar over ranks (the reported loss equals the single-process batch mean)."""
     if not d.is_distributed:
         return value
+    import torch.distributed as tdist
+
     t = value.detach().float().reshape(1).to(d.device)
     tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
     return t[0] / d.world_size
@@ -181,6 +202,8 @@ def broadcast_params(params: Sequence[torch.nn.Parameter], d: Dist) -> None:
     replicas identical by construction instead of by luck (CUDA init kernels, peft versions)."""
     if not d.is_distributed:
         return
+    import torch.distributed as tdist
+
     for p in params:
         tdist.broadcast(p.data, src=0)
 
@@ -197,6 +220,9 @@ def average_gradients(params: Sequence[torch.nn.Parameter], d: Dist) -> None:
     """
     if not d.is_distributed:
         return
+    import torch
+    import torch.distributed as tdist
+
     grads = [p.grad for p in params if p.grad is not None]
     if len(grads) != len(params):
         raise RuntimeError(f"{len(params) - len(grads)} LoRA parameters got no gradient this step; every rank "

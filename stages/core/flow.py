@@ -16,7 +16,9 @@ import contextvars
 import math
 from typing import Iterator
 
-import torch
+from stages.core.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 NUM_TRAIN_TIMESTEPS = 1000
 

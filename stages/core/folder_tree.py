@@ -51,6 +51,7 @@ class FolderTree:
         self.folders: set[str] = set()  # walked: real folders, not symlinks to folders
         self.links: set[str] = set()
         self._by_stem: dict[str, set[str]] | None = None  # path less its suffix -> paths, built on first use
+        self._digest: bytes | None = None
         self._walk(self.root)
 
     def _walk(self, folder: str) -> None:
@@ -98,7 +99,8 @@ class FolderTree:
 
     def plainly_inside(self, path: Path) -> bool:
         """Whether `path` is inside the root with no symlink on the way (then it resolves inside it)."""
-        return str(path.parent) in self.folders and str(path) not in self.links
+        name = str(path)
+        return (os.path.dirname(name) or ".") in self.folders and name not in self.links
 
     def paths(self) -> list[Path]:
         """Every name below the root, sorted as `sorted(root.rglob("*"))` sorts them."""
@@ -116,4 +118,6 @@ class FolderTree:
     def digest(self) -> bytes:
         """What a later walk compares against to see that nothing changed (a few bytes, where the
         names and stats of 150,000 files take tens of MB)."""
-        return hashlib.sha256(repr((self.root, sorted(self.stats.items()))).encode()).digest()
+        if self._digest is None:
+            self._digest = hashlib.sha256(repr((self.root, sorted(self.stats.items()))).encode()).digest()
+        return self._digest

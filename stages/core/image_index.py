@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 INDEX_DIR = ".index"
 VERSION = 1
@@ -38,6 +39,7 @@ RACY_NS = 2_000_000_000
 UNREADABLE_ID_PREFIX = "unreadable-"
 
 Request = tuple[Path, "Path | None"]  # (image, its loss mask or None)
+Stat = tuple[int, int, int, int, int]  # (mode, size, mtime_ns, ctime_ns, inode): stages.core.folder_tree.Stat
 Ids = tuple[str, str]  # (the item's content id, its pixels' id)
 
 _rehash = False
@@ -169,19 +171,27 @@ class ImageIndex:
 
     def _key(self, request: Request) -> str:
         image, mask = request
-        name = os.path.relpath(image, self.root)
-        return name if mask is None else f"{name}\n{os.path.relpath(mask, self.root)}"
+        name = self._relative(image)
+        return name if mask is None else f"{name}\n{self._relative(mask)}"
 
-    def ids(self, requests: Iterable[Request]) -> dict[Request, Ids]:
+    def _relative(self, path: Path) -> str:
+        """os.path.relpath(path, root), cutting the root's text off where it starts the path (100k items: a second)."""
+        name, prefix = str(path), self.root.rstrip("/") + "/"
+        if name.startswith(prefix) and "/." not in name:
+            return name[len(prefix):]
+        return os.path.relpath(path, self.root)
+
+    def ids(self, requests: Iterable[Request], known: Callable[[str], Stat | None] | None = None) -> dict[Request, Ids]:
         """The ids of each (image, mask): from the index where every file's stat matches its entry
         (under --rehash, only once this process has read it), else read and hashed in parallel
-        threads, and the entry renewed."""
+        threads, and the entry renewed. `known`: the stats a walk of the folder just took (FolderTree.stat),
+        so that a file it saw is not stat'ed again."""
         out: dict[Request, Ids] = {}
         todo: list[tuple[Request, str]] = []
         for request in dict.fromkeys(requests):
             key = self._key(request)
             entry = self.entries.get(key)
-            if entry is not None and entry[:-1] == _stats(request) and (not _rehash or key in self.checked):
+            if entry is not None and entry[:-1] == _stats(request, known) and (not _rehash or key in self.checked):
                 out[request] = tuple(entry[-1])
             else:
                 todo.append((request, key))
@@ -224,16 +234,27 @@ class ImageIndex:
 
 
 def _well_formed(entry: object) -> bool:
-    return (isinstance(entry, list) and len(entry) >= 2
-            and all(isinstance(s, list) and len(s) == 4 and all(type(x) is int for x in s) for s in entry[:-1])
-            and isinstance(entry[-1], list) and len(entry[-1]) == 2 and all(isinstance(x, str) for x in entry[-1]))
+    if type(entry) is not list or len(entry) < 2:
+        return False
+    ids = entry[-1]
+    return (type(ids) is list and len(ids) == 2 and type(ids[0]) is str and type(ids[1]) is str
+            and all(type(s) is list and len(s) == 4 and {type(x) for x in s} == {int} for s in entry[:-1]))
 
 
-def _stats(request: Request) -> list[list[int]] | None:
-    try:
-        return [_signature(os.stat(q)) for p in request for q in _members(p)]
-    except OSError:
-        return None
+def _stats(request: Request, known: Callable[[str], Stat | None] | None = None) -> list[list[int]] | None:
+    """The signatures of the request's files (a clip folder's frames too); a regular file's from `known`
+    where it has one."""
+    out = []
+    for path in request:
+        st = known(str(path)) if known is not None and path is not None else None
+        if st is not None and stat.S_ISREG(st[0]):
+            out.append([st[1], st[2], st[3], st[4]])
+            continue
+        try:
+            out += [_signature(os.stat(q)) for q in _members(path)]
+        except OSError:
+            return None
+    return out
 
 
 def _hash(request: Request) -> tuple[Ids, list[list[int]] | None]:

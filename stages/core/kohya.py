@@ -24,9 +24,10 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from stages.core.errors import UserError
+from stages.core.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 KOHYA_FILE = "lora_kohya.safetensors"
 PREFIX = "lora_unet_"

@@ -14,9 +14,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from stages.core.errors import ConfigError
+from stages.core.lazy import lazy_module, no_grad
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -153,7 +154,7 @@ class AdapterEMA:
         self.device = params[0].device if device == "auto" else torch.device(device)
         self.shadow = [p.detach().to(self.device, torch.float32, copy=True) for p in params]
 
-    @torch.no_grad()
+    @no_grad
     def update(self) -> None:
         for s, p in zip(self.shadow, self.params):
             s.lerp_(p.detach().to(self.device, torch.float32), 1.0 - self.decay)
@@ -166,7 +167,7 @@ class AdapterEMA:
             raise ValueError("the checkpoint's EMA does not match this adapter's parameters")
         self.shadow = [t.to(self.device, torch.float32).clone() for t in state]
 
-    @torch.no_grad()
+    @no_grad
     def state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The EMA under the adapter's own state-dict keys: the weights are swapped in, read, swapped back."""
         saved = [p.data for p in self.params]

@@ -222,7 +222,7 @@ class RowStore:
         and only then do other readers see it."""
         from stages.core import faults
 
-        if self._pending and self.shard_of(row) not in {self.shard_of(p) for p in self._pending}:
+        if self._pending and self.shard_of(row) != self.shard_of(next(iter(self._pending))):  # they share one shard
             self.flush()
         stored = {name: _stored(value, self._reader(name)) for name, value in values.items()}
         header = json.dumps([[name, _crc32c(v)] for name, v in stored.items()]).encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-import torch
-
 from stages.core.errors import ResourceError
+from stages.core.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 
 @dataclass
@@ -78,11 +80,18 @@ def pick_device(name: str) -> torch.device:
 AUTO_ON_CUDA = {"denoiser": "bf16", "text_encoder": "bf16", "vae": "bf16"}
 
 
-def resolve_precision(precision: str, device: torch.device, role: str) -> str:
-    """The one place "auto" becomes a concrete precision name, for `role` in AUTO_ON_CUDA."""
+def device_type(name: str) -> str:
+    """`pick_device(name).type` ("cpu", "cuda"), without importing torch for "cpu" (`status` of a CPU run)."""
+    return "cpu" if name == "cpu" else pick_device(name).type
+
+
+def resolve_precision(precision: str, device: torch.device | str, role: str) -> str:
+    """The one place "auto" becomes a concrete precision name, for `role` in AUTO_ON_CUDA (`device`: a
+    torch.device or its type)."""
     if precision != "auto":
         return precision
-    return AUTO_ON_CUDA[role] if device.type == "cuda" else "fp32"
+    kind = device if isinstance(device, str) else device.type
+    return AUTO_ON_CUDA[role] if kind == "cuda" else "fp32"
 
 
 def precision_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -155,18 +164,22 @@ def global_flags() -> dict[str, Any]:
     return _flags()
 
 
-class _OneGradLayout(torch.autograd.Function):
-    """Identity on an attention output (B, H, S, D) whose backward hands the gradient on laid out as (B, S, H, D)
-    in memory, the layout diffusers' attention output already has (a copy only where the gradient arrives
-    otherwise, e.g. as a slice)."""
+@functools.cache
+def _one_grad_layout() -> Any:
+    """An autograd Function (made on first use: its base class is torch's): identity on an attention output
+    (B, H, S, D) whose backward hands the gradient on laid out as (B, S, H, D) in memory, the layout diffusers'
+    attention output already has (a copy only where the gradient arrives otherwise, e.g. as a slice)."""
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+    class OneGradLayout(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.transpose(1, 2).contiguous().transpose(1, 2)
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad.transpose(1, 2).contiguous().transpose(1, 2)
+
+    return OneGradLayout
 
 
 def cudnn_safe_sdpa(sdpa: Any) -> Any:
@@ -185,7 +198,7 @@ def cudnn_safe_sdpa(sdpa: Any) -> Any:
 
     def safe(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = sdpa(*args, **kwargs)
-        return _OneGradLayout.apply(out) if out.requires_grad and out.dim() == 4 else out
+        return _one_grad_layout().apply(out) if out.requires_grad and out.dim() == 4 else out
 
     return safe
 

@@ -57,15 +57,22 @@ def get_family(name: str) -> "Family":
 
 def check_model_family(cfg: Any) -> None:
     """ModelError when the run's local model folder holds another family's denoiser, naming both and
-    the family that trains it (stages.core.model_source.ModelSource.check_family)."""
+    the family that trains it (stages.core.model_source.ModelSource.check_family). Only a mismatch imports
+    the other families (one of them imports transformers: seconds of every stage's start-up)."""
     import json
 
+    from stages.core.errors import ModelError
     from stages.core.model_source import model_source
 
     src, family = model_source(cfg), get_family(cfg.family)
     index_file = src.path / "model_index.json"
     if src.is_single_file or not index_file.is_file():
         return
+    try:
+        src.check_family(family)
+        return
+    except ModelError:
+        pass  # name the families that do train this folder
     index = json.loads(index_file.read_text())
     held = {k: v[1] for k, v in index.items() if isinstance(v, list) and len(v) == 2}
     found = [(get_family(name).pipeline_class != index.get("_class_name"), name) for name in FAMILIES

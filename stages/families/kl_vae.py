@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
+from stages.core.lazy import lazy_module, no_grad
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 
 class KLVAELatents:
@@ -26,9 +27,10 @@ class KLVAELatents:
         blocks = src.component_config("vae")["block_out_channels"]
         return 2 ** (len(blocks) - 1) * 2  # the pipeline's vae_scale_factor x the 2x2 latent patches
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        weight = next(vae.parameters())  # vae.device and vae.dtype walk every module: ~0.5 ms an image
+        dist = vae.encode(pixels.to(weight.device, weight.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
 
     def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:

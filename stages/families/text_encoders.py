@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core.errors import ArtifactError, ConfigError, ResourceError
+from stages.core.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 
 def require_max_length(cfg: Any, limit: int, model: str) -> None:

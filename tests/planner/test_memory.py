@@ -173,6 +173,7 @@ def test_a_stage_process_builds_each_meta_component_once(assets, demo_data, tmp_
     from stages.core import runtime
 
     monkeypatch.setattr(runtime, "pick_device", lambda name: torch.device("cuda"))  # plan as on a GPU (no CUDA call)
+    monkeypatch.setattr(runtime, "device_type", lambda name: "cuda")
     monkeypatch.setattr(memory.sizes, "_META_CACHE", {})
     built, build = Counter(), memory.sizes._build_meta
     monkeypatch.setattr(memory.sizes, "_build_meta", lambda cls, *a: built.update([cls.__name__]) or build(cls, *a))
@@ -213,6 +214,7 @@ def test_latents_planned_by_a_budget_are_the_latents_train_expects(assets, demo_
     cap = _just_above(_peak_of(_plan("cache-latents", cfg, 1000.0), vae_precision="bf16", sliced=True, tiled=False))
     assert cap < fp32 * memory.FRAGMENTATION
     monkeypatch.setattr(runtime, "pick_device", lambda name: torch.device("cuda"))  # plan as on a GPU (no CUDA call)
+    monkeypatch.setattr(runtime, "device_type", lambda name: "cuda")
     capped = make_cfg("flux", assets, demo_data, tmp_path, **{"latents.vae_precision": "fp32", "data.resolution": 1024,
                                                               "gpu.vram_budget_gb": cap})
     plan = _plan("cache-latents", capped, cap)

@@ -245,3 +245,27 @@ def test_reads_run_ahead_of_the_encoder_in_order():
             assert value == k * k and max(started) <= k + 4  # never more than 2 x workers ahead
             seen.append(k)
     assert seen == list(range(7))
+
+
+HEAVY = ("torch", "diffusers", "transformers")
+
+
+@once
+def test_status_and_a_noop_run_import_no_torch(run):
+    """`status` and a no-op `run` of a finished run, each in its own process as the user runs them, find
+    every stage up to date without importing torch, diffusers or transformers (stages/core/lazy.py: torch
+    alone is most of a 2 s budget)."""
+    import subprocess
+
+    root = Path(pipeline.__file__).resolve().parent
+    code = ("import sys; sys.argv = ['lorapipe', *sys.argv[1:]]\nfrom pipeline import cli\n"
+            "try:\n    cli(standalone_mode=False)\nfinally:\n"
+            f"    print('heavy:', sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
+    env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "LORAPIPE_PLAIN": "1"}
+    for command in ("status", "run"):
+        out = subprocess.run([sys.executable, "-c", code, command, run.run, "--artifacts", str(run.artifacts)],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "heavy: []" in out.stdout, out.stdout
+        lines = [line for line in out.stdout.splitlines() if line.startswith(("encode-captions", "cache-latents", "train"))]
+        assert len(lines) == 3 and all("up to date" in line for line in lines), out.stdout

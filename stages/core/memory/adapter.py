@@ -12,9 +12,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from stages.core.lazy import lazy_module
 from stages.core.memory import calibration as cal
+
+torch = lazy_module("torch")
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,18 @@ block swap, and an out-of-memory error turned into what to change."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from stages.core import blockswap
 from stages.core.errors import ResourceError
+from stages.core.lazy import lazy_module
 from stages.core.memory import calibration as cal
 from stages.core.memory import train
 from stages.core.memory.stage_plan import StagePlan
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
+
+if TYPE_CHECKING:
+    from stages.core import blockswap
 
 
 def apply_vae_plan(vae: torch.nn.Module, plan: StagePlan, tile_px: int | None = None) -> None:
@@ -79,6 +82,8 @@ def checkpointed_blocks(plan: StagePlan, blocks: int) -> int:
 
 def apply_train_plan(model: torch.nn.Module, plan: StagePlan, rt: Any) -> blockswap.BlockSwap | None:
     """Install the plan's block swap (after LoRA is attached, before the optimizer is made)."""
+    from stages.core import blockswap
+
     swap = blockswap.install_block_swap(model, plan.settings.get("swapped_blocks", 0), rt.device,
                                         plan.settings.get("swap_layout", "last"))
     blockswap.move_unswapped(model, swap, rt.device)

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from stages.core.errors import ResourceError
+from stages.core.lazy import lazy_module
 from stages.core.memory import calibration as cal
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 
 @dataclass

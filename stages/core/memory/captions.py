@@ -7,12 +7,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from stages.core.lazy import lazy_module
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import meta_component, module_components, text_dims, weight_bytes
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, halvings
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 
 def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:

@@ -83,9 +83,9 @@ def unplanned(cfg: Any, stage: str, budget: Budget) -> StagePlan:
 
 def plans_for_gpu(cfg: Any) -> bool:
     """Whether `cfg`'s stages plan for a GPU budget (its device is CUDA; tests simulate one here)."""
-    from stages.core.runtime import pick_device
+    from stages.core.runtime import device_type
 
-    return pick_device(cfg.device).type == "cuda"
+    return device_type(cfg.device) == "cuda"
 
 
 def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:

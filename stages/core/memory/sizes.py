@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-
-from stages.core import blockswap
+from stages.core.lazy import lazy_module
 from stages.core.memory import calibration as cal
+
+torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
 
 # (library, class, config.json) -> its meta module: one stage process plans several times before it
@@ -86,6 +86,8 @@ def fp8_nf4_weight_bytes(model: torch.nn.Module) -> list[float]:
     """Bytes of the base with its first m repeated blocks in fp8 and the rest of it in nf4, for m = 0..n
     (stages/core/fp8.py `quantize_fp8_nf4`): m = 0 is the nf4 base; a block in fp8 counts its eligible
     Linears' weights at one byte plus a 4-byte scale per output channel, its other weights bf16."""
+    from stages.core import blockswap
+
     nf4 = _nf4_param_bytes(model)
     sizes = [sum(nf4.values())]
     for block in blockswap.repeated_blocks(model):

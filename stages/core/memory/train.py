@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from stages.core import blockswap
 from stages.core.errors import ConfigError
 from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
@@ -61,6 +60,8 @@ def _base_precisions(cfg: Any, family: Any, host_gb: float, tokens: int) -> tupl
 
 
 def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
+    from stages.core import blockswap  # imports torch: the plan builds the denoiser on the meta device
+
     tcfg = cfg.train
     model = meta_component(src, family.denoiser_components[0])
     if family.repeated_blocks:  # a diffusers class that names none (HiDream-I1)

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.chroma.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.common.flux1 import Flux1
 from stages.families.text_encoders import load_text_model, require_max_length, trim_to_longest
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 
 class ChromaTextEncoder:
@@ -48,7 +49,7 @@ class ChromaTextEncoder:
         self.tokenizer = src.load(AutoTokenizer, "tokenizer")
         self.t5 = load_text_model(T5EncoderModel, src, "text_encoder", cfg, rt)
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": (B, max_len, D) as the pipeline's, "prompt_length": (B,) tokens its mask keeps}."""
         tokens = self.tokenizer(texts, padding="max_length", max_length=self.max_len, truncation=True,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from stages.core.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 
 class ChannelNormalized:

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.bfl import FLUX1 as COMFYUI_LAYOUT
 from stages.families.common.bfl import FLUX1_KOHYA as KOHYA_LAYOUT
 from stages.families.kl_vae import KLVAELatents
 from stages.families.text_encoders import load_text_model
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 
 class FluxTextEncoder:
@@ -37,7 +38,7 @@ class FluxTextEncoder:
         self.clip = src.load(CLIPTextModel, "text_encoder", dtype=dtype).to(rt.device).eval()  # CLIP stays whole
         self.t5 = load_text_model(T5EncoderModel, src, "text_encoder_2", cfg, rt)  # nf4 and layer offload are T5's
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         clip_ids = self.clip_tok(texts, padding="max_length", max_length=self.clip_tok.model_max_length,
                                  truncation=True, return_tensors="pt").input_ids

@@ -43,15 +43,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from stages.core import dataset, flow
 from stages.core.errors import DatasetError, ModelError
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.patch_bn import PatchBatchNormalized
 from stages.families.common.bfl import FLUX2 as COMFYUI_LAYOUT
 from stages.families.common.bfl import FLUX2_KOHYA as KOHYA_LAYOUT
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 SHIFT_STEPS = 50  # both pipelines' default num_inference_steps, for the resolution shift
 REFERENCE_TIME_SCALE = 10  # _prepare_image_ids' `scale`: reference k has time id 10 + 10 k
@@ -112,7 +113,7 @@ class Flux2DiT(PatchBatchNormalized, FamilyTraits):
         blocks = src.component_config("vae")["block_out_channels"]
         return 2 ** (len(blocks) - 1) * 2  # the pipelines' vae_scale_factor x the 2x2 patches
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution

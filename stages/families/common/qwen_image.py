@@ -24,15 +24,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from stages.core import flow
 from stages.core.comfyui import ComfyLayout
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.text_encoders import trim_to_longest
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 DROP_IDX = 34  # QwenImagePipeline.prompt_template_encode_start_idx: the system prefix's token count
 # FlowMatchEulerDiscreteScheduler config of Qwen/Qwen-Image: the resolution-dependent shift's range.
@@ -72,7 +73,7 @@ class QwenImageBase(ChannelNormalized, FamilyTraits):
         downsample = src.component_config("vae")["temperal_downsample"]
         return 2 ** len(downsample) * 2  # QwenImagePipeline.vae_scale_factor x 2x2 packing
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         video = pixels.to(vae.device, vae.dtype).unsqueeze(2)  # one frame: (B, 3, 1, H, W)
         dist = vae.encode(video).latent_dist  # logvar clamped to [-30, 20] by DiagonalGaussianDistribution

@@ -31,9 +31,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-import torch
-
 from stages.core import dataset, flow
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
 from stages.families.common.qwen_image import QwenImageBase
@@ -42,6 +41,8 @@ from stages.families.common.qwen_image import QwenImageBase
 from stages.families.common import qwen_image_edit_processor as _processor  # noqa: F401
 from stages.families.common.qwen_image_edit_checks import PIPELINE_MAX_SEQUENCE_LENGTH
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, trim_to_longest
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
@@ -81,7 +82,7 @@ class QwenImageEditTextEncoder:
         self.model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, "text_encoder", cfg, rt)
         self.last: tuple[list[str], list[int]] = ([], [])  # the last batch's texts and token counts
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str], controls: list[list[Any]]) -> dict[str, torch.Tensor]:
         """One caption at a time, as the pipeline (batch size 1): no padding enters the VL model."""
         rows, counts = zip(*(self._encode_one(text, images) for text, images in zip(texts, controls)))

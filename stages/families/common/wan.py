@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.common.wan_layout import KOHYA_LAYOUT, LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, require_max_length
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 UMT5_MAX_TOKENS = 512  # umt5-xxl's position buckets serve any length; Wan was trained with 512 (text_len)
 
@@ -53,7 +54,7 @@ class WanTextEncoder:
         self.tokenizer = src.load(AutoTokenizer, "tokenizer")
         self.model = load_text_model(UMT5EncoderModel, src, "text_encoder", cfg, rt)
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": (B, max_len, D)}: the pipeline's rows, zero past each caption's tokens."""
         tokens = self.tokenizer([prompt_clean(t) for t in texts], padding="max_length", max_length=self.max_len,
@@ -108,7 +109,7 @@ class WanBase(ChannelNormalized, FamilyTraits):
         vae = src.component_config("vae")
         return int(vae.get("scale_factor_spatial") or 8) * 2  # WanPipeline's vae_scale_factor_spatial x the 2x2 patch
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixels (B, 3, H, W) (an image: one frame) or (B, 3, F, H, W) -> mean, logvar (B, C, F', h, w)."""
         video = pixels if pixels.dim() == 5 else pixels.unsqueeze(2)

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.patch_bn import PatchBatchNormalized
 from stages.families.ernie_image.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 HIDDEN_STATE = -2  # ErnieImagePipeline.encode_prompt: the second-to-last hidden state ("matches training")
 BN_EPS = 1e-5  # the pipeline's decode: sqrt(running_var + 1e-5), whatever vae.config.batch_norm_eps says
@@ -56,7 +57,7 @@ class ErnieImageTextEncoder:
         tokens = self.tokenizer(texts, add_special_tokens=True, padding=False, **kwargs)
         return [ids or [bos] for ids in tokens.input_ids]
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": (B, max_len, D) each caption's states then zeros, "prompt_length": (B,)}."""
         rows = self._ids(texts, min(self.max_len, self.tokenizer.model_max_length))
@@ -121,7 +122,7 @@ class ErnieImage(PatchBatchNormalized, FamilyTraits):
         blocks = src.component_config("vae")["block_out_channels"]
         return 2 ** len(blocks)  # the pipeline's vae_scale_factor: the VAE's 2 ** (blocks - 1) x the 2x2 patches
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from stages.core.lazy import lazy_module, no_grad
 from stages.families.common.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
 from stages.families.text_encoders import load_chat_tokenizer, load_text_model
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 HIDDEN_STATES_LAYERS = (10, 20, 30)  # Flux2Pipeline's text_encoder_out_layers default
 
@@ -50,7 +51,7 @@ class Flux2TextEncoder:
         return self.tokenizer.apply_chat_template(format_input(texts, system_message=SYSTEM_MESSAGE),
                                                   add_generation_prompt=False, tokenize=True, return_dict=True, **kwargs)
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         tokens = self._tokens(texts, return_tensors="pt", padding="max_length", truncation=True,
                               max_length=self.max_len).to(self.device)

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from stages.core.lazy import lazy_module, no_grad
 from stages.families.common.flux2_dit import Flux2DiT, require_text_layers, stacked_text_states
 from stages.families.text_encoders import chat_prompts, load_chat_tokenizer, load_text_model
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 HIDDEN_STATES_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
 
@@ -43,7 +44,7 @@ class Flux2KleinTextEncoder:
     def _templated(self, texts: list[str]) -> list[str]:
         return chat_prompts(self.tokenizer, texts, enable_thinking=False)
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         tokens = self.tokenizer(self._templated(texts), padding="max_length", max_length=self.max_len,
                                 truncation=True, return_tensors="pt").to(self.device)

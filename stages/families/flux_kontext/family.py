@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import dataset, flow
+from stages.core.lazy import lazy_module
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
 from stages.families.common.flux1 import Flux1
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 
 class FluxKontext(Flux1):

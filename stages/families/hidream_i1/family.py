@@ -22,15 +22,16 @@ import contextlib
 import math
 from typing import Any, Iterator
 
-import torch
-
 from stages.core import flow
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.hidream_i1.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.kl_vae import KLVAELatents
 from stages.families.text_encoders import load_text_model, require_max_length
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 CLIP_TOKENS = 218  # _get_clip_prompt_embeds: min(max_sequence_length, 218)
 
@@ -59,7 +60,7 @@ class HiDreamTextEncoder:
         return tokenizer(texts, padding="max_length", max_length=min(self.max_len, limit), truncation=True,
                          add_special_tokens=True, return_tensors="pt")
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """{"pooled": (B, CLIP-L + CLIP-G projections), "t5": (B, L, 4096), "llama": (B, layers, L, 4096)}, as
         encode_prompt returns them (its llama tensor is (layers, B, L, D))."""

@@ -39,14 +39,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from stages.core import flow
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.ideogram4.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_chat_tokenizer, load_text_model, pad_valid_tokens, trim_to_longest
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 # The pipeline's clamp of model time t = 1 - sigma to log-SNR [-15, 18] (`_logit_normal_sigmas`).
 SIGMA_MIN, SIGMA_MAX = 1 / (1 + math.exp(7.5)), 1 / (1 + math.exp(-9.0))
@@ -72,7 +73,7 @@ class Ideogram4TextEncoder:
                    for t in texts]
         return self.tokenizer(prompts, add_special_tokens=False).input_ids
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": (B, max_len, 13 D) each caption's features from row 0, "prompt_length": (B,)};
         a caption over max_len tokens keeps its first max_len (the pipeline refuses it)."""
@@ -155,7 +156,7 @@ class Ideogram4(FamilyTraits):
         blocks = src.component_config("vae")["block_out_channels"]
         return 2 ** (len(blocks) - 1) * 2  # the pipeline's vae_scale_factor x its patch size 2
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution

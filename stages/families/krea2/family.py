@@ -28,9 +28,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from stages.core import flow
+from stages.core.lazy import lazy_module, no_grad
 from stages.families.krea2.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
@@ -39,6 +38,8 @@ from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.krea2 import SUFFIX_TOKENS
 from stages.families.common.qwen_image import DROP_IDX, QwenImageBase
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, trim_to_longest
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 PROMPT_PREFIX = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -69,7 +70,7 @@ class Krea2TextEncoder:
         ids = torch.cat([text.input_ids, suffix.input_ids], dim=1)
         return ids.to(self.device), torch.cat([text.attention_mask, suffix.attention_mask], dim=1).bool().to(self.device)
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         ids, mask = self._tokens(texts)
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)

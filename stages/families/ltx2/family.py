@@ -32,16 +32,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from stages.core import flow
 from stages.core.errors import ConfigError
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.ltx2 import FRAME_RATE, FRAMES_PER_LATENT, GEMMA_MAX_TOKENS
 from stages.families.ltx2.comfyui import KOHYA_LAYOUT, LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_text_model, require_max_length
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 # Lightricks/LTX-2 scheduler_config.json: the resolution-dependent shift (calculate_shift's arguments)
 SHIFT_BASE_SEQ_LEN, SHIFT_MAX_SEQ_LEN, SHIFT_BASE, SHIFT_MAX = 1024, 4096, 0.95, 2.05
@@ -67,7 +68,7 @@ class LTX2TextEncoder:
         dtype = torch.bfloat16 if cfg.text_encoder_precision == "nf4" else self.model.dtype
         self.connectors = src.load(LTX2TextConnectors, "connectors", torch_dtype=dtype).to(rt.device).eval()
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """{"prompt_embeds": (B, max_len, D) the connectors' video rows, "prompt_mask": (B, max_len) their mask}:
         what LTX2Pipeline hands its transformer as encoder_hidden_states and encoder_attention_mask."""
@@ -124,7 +125,7 @@ class LTX2(ChannelNormalized, FamilyTraits):
         # that are multiples of 32 only
         return math.lcm(int(ratio) * int(patch), 32)
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixels (B, 3, H, W) (an image: one frame) or (B, 3, F, H, W) -> mean, logvar (B, C, F', h, w)."""
         video = pixels if pixels.dim() == 5 else pixels.unsqueeze(2)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
+from stages.core.lazy import lazy_module, no_grad
 from stages.families.common.qwen_image import DROP_IDX, QwenImageBase
 from stages.families.qwen_image import PIPELINE_MAX_SEQUENCE_LENGTH
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -27,7 +28,7 @@ class QwenImageTextEncoder:
         self.tokenizer = src.load(AutoTokenizer, "tokenizer")
         self.model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, "text_encoder", cfg, rt)
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         # Truncating at max_len + 34 (the pipeline: 1024 + 34, then cuts to max_len) keeps the same
         # first max_len states: the decoder is causal, later tokens never change earlier ones.

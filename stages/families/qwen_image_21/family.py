@@ -35,9 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
+from stages.core.lazy import lazy_module, no_grad
 from stages.families.qwen_image_21.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
@@ -46,6 +45,8 @@ from stages.families.common.channel_norm import ChannelNormalized
 from stages.families.common.qwen_image import QwenImageBase
 from stages.families.qwen_image_21 import ROPE_POSITIONS
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, require_tokens
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 SYSTEM_PREFIX = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"  # the chat template's system message
@@ -68,7 +69,7 @@ class QwenImage21TextEncoder:
     def _prompts(self, texts: list[str]) -> list[str]:
         return [PROMPT_TEMPLATE.format(t or " ") for t in texts]  # Qwen has no bos: never an empty caption
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         # Truncating at max_len + the prefix keeps the first max_len states: the decoder is causal.
         tokens = self.tokenizer(self._prompts(texts), padding=True, padding_side="left", truncation=True,
@@ -145,7 +146,7 @@ class QwenImage21(ChannelNormalized, FamilyTraits):
     def pixel_multiple(self, src: Any) -> int:
         return VAE_SCALE_FACTOR * 2  # the pipeline rounds sides to this: even latent sides fill whole slots
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pixels = pixels.to(vae.device, vae.dtype)
         b, _, h, w = pixels.shape

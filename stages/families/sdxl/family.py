@@ -20,15 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
 from stages.core.config import ConfigError
+from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.core.model_source import ModelError
 from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.sdxl.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.sdxl.kohya import LAYOUT as KOHYA_LAYOUT
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 # SDXL base 1.0's training schedule (its scheduler_config.json). The train stage replaces it with the
@@ -64,7 +65,7 @@ class SDXLTextEncoder:
             raise ConfigError(f"captions.max_sequence_length = {wanted}, but SDXL's CLIP encoders always read "
                               f"{n} tokens (longer captions are truncated): set captions.max_sequence_length = {n}")
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         states, pooled = [], None
         for tok, enc in zip(self.tokenizers, self.encoders):
@@ -164,7 +165,7 @@ class SDXL(FamilyTraits):
         unet = 2 ** (len(src.component_config("unet")["block_out_channels"]) - 1)
         return vae * unet
 
-    @torch.no_grad()
+    @no_grad
     def encode_posterior(self, vae: torch.nn.Module, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
 from stages.core.errors import ConfigError, ModelError
+from stages.core.lazy import lazy_module
 from stages.core.lora import load_denoiser_weights
 from stages.families.common.wan import WanBase
 from stages.families.wan22_14b import BOUNDARY_RATIO, EXPERTS
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 COMPONENT = {"high": "transformer", "low": "transformer_2"}
 TAG = {"high": "high_noise", "low": "low_noise"}

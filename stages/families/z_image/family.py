@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from stages.core import flow
+from stages.core.lazy import lazy_module, no_grad
 from stages.families.z_image.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lora import base_dtype, load_denoiser_weights
@@ -29,6 +28,8 @@ from stages.families.base import BatchMeta, FamilyTraits
 from stages.families.kl_vae import KLVAELatents
 from stages.families.text_encoders import (chat_prompts, load_chat_tokenizer, load_text_model, pad_valid_tokens,
                                           require_tokens)
+
+torch = lazy_module("torch")  # imported at first use: a family's traits and `status` need no torch
 
 
 class ZImageTextEncoder:
@@ -42,7 +43,7 @@ class ZImageTextEncoder:
     def _templated(self, texts: list[str]) -> list[str]:
         return chat_prompts(self.tokenizer, texts, enable_thinking=True)
 
-    @torch.no_grad()
+    @no_grad
     def encode(self, texts: list[str]) -> dict[str, torch.Tensor]:
         tokens = self.tokenizer(self._templated(texts), padding="max_length", max_length=self.max_len,
                                 truncation=True, return_tensors="pt").to(self.device)
