@@ -211,6 +211,8 @@ def _expected_lr(tcfg, k: int) -> float:
     return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+# the edit demos' own learning test trains their full schedule on their demo models (tests/e2e/test_edit_demo.py)
+@pytest.mark.parametrize("built_run", sorted(set(FAMILIES) - {"flux-kontext", "qwen-image-edit"}), indirect=True)
 def test_lr_schedule_and_it_learns(built_run, tmp_path):
     """The full demo schedule: events report the configured LR each step, and the loss falls."""
     from stages.core.config import load_config
