@@ -493,10 +493,14 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             if store is not None:
                 store.flush()
 
-    pace = encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
-                        needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
-                        done_before=len(plan) - len(todo), total=len(plan), prepare=read_image,
-                        shard_of=lambda unit: (unit[0], rows[unit[0]][unit[1]] // per_shard[unit[0]]), flush=flush)
+    from stages.core.gpu_busy import GpuBusy
+
+    with GpuBusy(rt.device) as busy:  # the GPU's utilization over the encode loop (None off CUDA)
+        pace = encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
+                            needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
+                            done_before=len(plan) - len(todo), total=len(plan), prepare=read_image,
+                            shard_of=lambda unit: (unit[0], rows[unit[0]][unit[1]] // per_shard[unit[0]]), flush=flush)
+    pace["gpu_busy"] = busy.share
     return {"stores": stores, "normalization": norm, "load_skipped": load_skipped, "load_failed": load_failed, "rt": rt,
             "pace": pace}
 
@@ -562,12 +566,14 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
 
 
 def _pace(pace: dict[str, float]) -> dict[str, float]:
-    """images_per_second (the encode loop's, rank 0's share times the ranks is the run's) and encoder_busy:
-    the share of that loop's time the encoder (VAE forward and row write) worked, not waiting on reads."""
+    """images_per_second (the encode loop's, rank 0's share times the ranks is the run's), encoder_busy:
+    the share of that loop's time the encoder (VAE forward and row write) worked, not waiting on reads, and on a
+    CUDA GPU gpu_busy: the share of it in which the GPU ran kernels (NVML's utilization, stages/core/gpu_busy.py)."""
     if not pace["units"] or pace["seconds"] <= 0:
         return {}
+    gpu = {"gpu_busy": pace["gpu_busy"]} if pace.get("gpu_busy") is not None else {}
     return {"images_per_second": round(pace["units"] / pace["seconds"], 3),
-            "encoder_busy": round(min(1.0, pace["encode_seconds"] / pace["seconds"]), 3)}
+            "encoder_busy": round(min(1.0, pace["encode_seconds"] / pace["seconds"]), 3), **gpu}
 
 
 def _tidy(out: Path, by_bucket: dict[Bucket, list[str]]) -> None:

@@ -228,7 +228,8 @@ def _is_user_error(name: str | None) -> bool:
 def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[str]:
     parts = []
     if "total" in done:
-        pace = (f" ({done['images_per_second']:.3g} images/s, encoder busy {done['encoder_busy']:.0%})"
+        gpu = f", GPU busy {done['gpu_busy']:.0%}" if isinstance(done.get("gpu_busy"), float) else ""
+        pace = (f" ({done['images_per_second']:.3g} images/s, encoder busy {done['encoder_busy']:.0%}{gpu})"
                 if isinstance(done.get("images_per_second"), float) and isinstance(done.get("encoder_busy"), float) else "")
         parts.append(f"{done.get('encoded', 0)} of {done['total']} encoded this run{pace}")
     if done.get("skipped"):

@@ -37,7 +37,7 @@ MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
                 # the layout parts the free memory forced on an "auto" run, and why (cache_latents._forced)
                 "optional": {**_COST, "variants_of": "object", "memory_forced": "object",
                              # the encode loop's pace: images per second, and the share of it the encoder worked
-                             "images_per_second": "number", "encoder_busy": "number"}},
+                             "images_per_second": "number", "encoder_busy": "number", "gpu_busy": "number"}},
     "checkpoint": {"required": {**_PROVENANCE, "kind": "string", "step": "integer"}, "optional": _COST, "extra": True},
     "final": {"required": {**_PROVENANCE, "kind": "string", "step": "integer", "complete": "boolean"},
               "optional": _COST, "extra": True},
