@@ -41,9 +41,10 @@ def verify(model: str, export: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     manifest = json.loads((export / "manifest.json").read_text())
-    from stages.families import get_family
+    from stages.families import get_family, pipeline_class
 
-    pipeline_cls, prefix = getattr(diffusers, manifest["pipeline_class"]), get_family(manifest["family"]).lora_prefix
+    family = get_family(manifest["family"])
+    pipeline_cls, prefix = pipeline_class(family), family.lora_prefix
     index = json.loads((Path(model) / "model_index.json").read_text())
     components = {k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and isinstance(v[-1], str)}
     # weightless parts stay (QwenImage21Pipeline's __init__ tokenizes its system prompt with the processor);

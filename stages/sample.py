@@ -215,11 +215,10 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
     what was loaded: precision and cpu_offload)."""
     import time
 
-    import diffusers
     import torch
 
     from stages.core.runtime import make_runtime
-    from stages.families import get_family
+    from stages.families import get_family, pipeline_class
 
     family = get_family(cfg.family)
     src = model_source(cfg)
@@ -233,7 +232,7 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
     straight = rt.is_cuda and not offload and not src.is_single_file  # a single-file denoiser is read on the host first
     if straight:  # each component read to the GPU shard by shard, never whole in host memory (memory.plan_sample)
         kwargs["device_map"] = "cuda"
-    pipe = src.load_pipeline(getattr(diffusers, family.pipeline_class), torch_dtype=rt.dtype, **kwargs)
+    pipe = src.load_pipeline(pipeline_class(family), torch_dtype=rt.dtype, **kwargs)
     if offload:
         pipe.enable_model_cpu_offload()
     elif not straight:  # a device-mapped pipeline refuses .to()

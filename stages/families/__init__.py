@@ -55,6 +55,16 @@ def get_family(name: str) -> "Family":
     return getattr(importlib.import_module(module), cls)()
 
 
+def pipeline_class(family: "Family") -> Any:
+    """The family's diffusers pipeline class, with the modules its folders may name for a component imported
+    first (family.pipeline_modules): use it for `from_pretrained` of a whole pipeline."""
+    import diffusers
+
+    for module in family.pipeline_modules:
+        importlib.import_module(module)
+    return getattr(diffusers, family.pipeline_class)
+
+
 def check_model_family(cfg: Any) -> None:
     """ModelError when the run's local model folder holds another family's denoiser, naming both and
     the family that trains it (stages.core.model_source.ModelSource.check_family). Only a mismatch imports

@@ -177,6 +177,11 @@ class FamilyTraits:
     "high", "low"), each with its own adapter in lora/<expert>/ and export in export/<expert>/; () for a
     one-denoiser family (lora/ and export/)."""
 
+    pipeline_modules: tuple[str, ...] = ()
+    """Modules a pipeline folder of this family may name for a component's class (Qwen-Image-Edit's processor
+    without torchvision), which diffusers loads only once they are imported: `families.pipeline_class` imports
+    them before returning the pipeline's class."""
+
     def trained_component(self, tcfg: "TrainConfig") -> str:
         """The pipeline component whose weights the run's adapter is trained on (the export reads DoRA's base
         weights from it): the denoiser, or the expert train.expert names."""

@@ -210,3 +210,22 @@ def test_no_getattr_on_a_stage_outside_the_registry():
                     and node.args and ast.unparse(node.args[0]) in stage_names):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "\n".join(found)
+
+
+def test_every_familys_traits_are_read_without_torch():
+    """`status` and a no-op `run` read family traits (config checks, experts, pipeline class, LoRA prefix): every
+    family's object is made, and its traits read, without importing torch, diffusers or transformers (its module
+    takes torch on first use: stages/core/lazy.py)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys\nfrom stages.families import FAMILIES, get_family\n"
+            "for name in FAMILIES:\n"
+            "    f = get_family(name)\n"
+            "    (f.pipeline_class, f.lora_prefix, f.experts, f.denoiser_components, f.pipeline_modules)\n"
+            "print('heavy:', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'diffusers', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert "heavy: []" in out.stdout, out.stdout

@@ -22,7 +22,7 @@ from stages.core.config import CaptionsConfig, ConfigError, TrainConfig
 from stages.core.errors import ArtifactError, UserError
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
-from stages.families import get_family
+from stages.families import get_family, pipeline_class
 from stages.families.base import BatchMeta
 
 # The families whose captions are variable-length decoder states (stages.families.text_encoders) -> tiny variant
@@ -36,7 +36,7 @@ def fam(request, assets):
     """(family, model folder, pipeline loaded by its real class)."""
     family = get_family(request.param)
     folder = tiny_model(assets, VARIANTS[request.param])
-    return family, folder, getattr(diffusers, family.pipeline_class).from_pretrained(folder)
+    return family, folder, pipeline_class(family).from_pretrained(folder)
 
 
 def _encoder(family, folder, max_len: int):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import shutil
 
-import diffusers
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from stages.core.runtime import make_runtime
 from stages.core.schema import Bucket
 from stages.train.trainer import Trainer, build_data
 from conftest import FAMILIES, ROOT
-from stages.families import get_family
+from stages.families import get_family, pipeline_class
 from stages.core.caches import export_dir
 
 
@@ -151,7 +150,7 @@ def test_export_round_trip(built_run):
     adapter, adapter_cfg = lora.load_adapter_files(final)
     assert adapter_cfg["r"] != adapter_cfg["lora_alpha"], "use lora_alpha != rank so the metadata matters"
 
-    pipe = getattr(diffusers, family.pipeline_class).from_pretrained(cfg.model)
+    pipe = pipeline_class(family).from_pretrained(cfg.model)
     denoiser = getattr(pipe, family.lora_prefix)
     base_out = _denoiser_output(cfg, family, denoiser)
     pipe.load_lora_weights(str(export), weight_name="pytorch_lora_weights.safetensors")

@@ -21,7 +21,7 @@ from stages.core.errors import DatasetError
 from stages.core.events import EventLog
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
-from stages.families import get_family
+from stages.families import get_family, pipeline_class
 from stages.train.trainer import Trainer
 from conftest import make_cfg
 
@@ -228,7 +228,7 @@ def test_qwen_edit_caption_row_is_the_pipelines_encode_prompt_with_its_controls(
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
 
     _, _, item, batch = _one(built_run)
-    pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(built_run.model)
+    pipe = pipeline_class(get_family(built_run.family)).from_pretrained(built_run.model)
     condition = []
     for path in item.controls:
         image = dataset.load_image(path)
@@ -247,7 +247,7 @@ def test_qwen_edit_control_latents_and_loss_match_the_pipeline(built_run):
 
     cfg = built_run
     trainer, pair, item, batch = _one(cfg, index=2, variant=0, model=True)
-    family, pipe = trainer.family, diffusers.QwenImageEditPlusPipeline.from_pretrained(cfg.model)
+    family, pipe = trainer.family, pipeline_class(trainer.family).from_pretrained(cfg.model)
     bw, bh = pair.bucket[:2]
     image = dataset.load_image(item.controls[0])
     vw, vh = calculate_dimensions(bw * bh, image.width / image.height)  # the pipeline's rule at this area

@@ -23,7 +23,7 @@ from stages.core.errors import DatasetError
 from stages.core.events import EventLog
 from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
-from stages.families import get_family
+from stages.families import get_family, pipeline_class
 from stages.train.trainer import Trainer
 from conftest import make_cfg
 from stages.core.caches import export_dir
@@ -59,7 +59,7 @@ KLEIN = pytest.mark.parametrize("ref_run", ["flux2-klein"], indirect=True)
 
 
 def _pipe(cfg):
-    pipe = getattr(diffusers, get_family(cfg.family).pipeline_class).from_pretrained(cfg.model)
+    pipe = pipeline_class(get_family(cfg.family)).from_pretrained(cfg.model)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stages.core.events import EventLog
-from stages.families import get_family
+from stages.families import get_family, pipeline_class
 from stages.train.trainer import Trainer
 
 QWEN_2511 = pytest.mark.parametrize("built_run", ["qwen-image-edit-2511"], indirect=True)
@@ -36,7 +36,7 @@ def test_loss_is_the_pipelines_zero_cond_t_call_and_the_flag_changes_it(built_ru
     trainer = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
     trainer.setup_model()
     pair, batch = trainer.data.pairs[2], trainer.data.load([2], [0])
-    family, pipe = trainer.family, diffusers.QwenImageEditPlusPipeline.from_pretrained(cfg.model)
+    family, pipe = trainer.family, pipeline_class(trainer.family).from_pretrained(cfg.model)
     assert pipe.transformer.config.zero_cond_t and trainer.model.config.zero_cond_t
     x0 = family.normalize_latents(batch.mean, trainer.norm)
     control = family.normalize_latents(batch.controls[0][0], trainer.norm)

@@ -176,10 +176,11 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
     strengths = manifest["checks"][comfy]
     assert strengths["keys_loaded"] == strengths["keys"] and 0.99 < strengths["strength_min"] <= strengths["strength_max"] < 1.01
     if adapter in ("lora", "dora"):  # diffusers' own loader, output against the in-memory adapter
+        from stages.families import pipeline_class
         from test_family import _denoiser_output
 
         assert manifest["files"] == [export_lora.DIFFUSERS_FILE, comfy]
-        pipe = getattr(diffusers, family.pipeline_class).from_pretrained(cfg.model)
+        pipe = pipeline_class(family).from_pretrained(cfg.model)
         denoiser = getattr(pipe, family.lora_prefix)
         base = _denoiser_output(cfg, family, denoiser)
         pipe.load_lora_weights(str(export_dir(cfg)), weight_name=export_lora.DIFFUSERS_FILE)

@@ -12,7 +12,6 @@ import dataclasses
 import shutil
 from collections import Counter
 
-import diffusers
 import pytest
 import torch
 
@@ -23,6 +22,7 @@ from stages.inspect import captions_section
 from stages.train.trainer import build_data
 from conftest import make_cfg, run_beside
 from stages.core.caches import lora_dir
+from stages.families import get_family, pipeline_class
 
 QWEN_EDIT = pytest.mark.parametrize("built_run", ["qwen-image-edit"], indirect=True)
 
@@ -66,7 +66,7 @@ def test_empty_rows_per_control_set_match_the_pipeline_and_follow_their_controls
                                                                                                   "shape_005.png"]
 
     store, _ = encode_captions.load_captions(cfg)
-    pipe = diffusers.QwenImageEditPlusPipeline.from_pretrained(cfg.model)
+    pipe = pipeline_class(get_family(cfg.family)).from_pretrained(cfg.model)
     for cid in sorted(set(own.values())):
         key = next(k for k, c in own.items() if c == cid)
         _assert_row_is(store, manifest["rows"][cid], _pipeline_row(pipe, "", items[key].controls))

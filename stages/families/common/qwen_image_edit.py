@@ -36,9 +36,6 @@ from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
 from stages.families.common.qwen_image import QwenImageBase
-# imported here so diffusers finds it: a tiny pipeline's model_index.json names this module's processor,
-# and diffusers loads a class of a non-library module only once that module is imported
-from stages.families.common import qwen_image_edit_processor as _processor  # noqa: F401
 from stages.families.common.qwen_image_edit_checks import PIPELINE_MAX_SEQUENCE_LENGTH
 from stages.families.text_encoders import load_text_model, pad_valid_tokens, require_max_length, trim_to_longest
 
@@ -76,9 +73,11 @@ class QwenImageEditTextEncoder:
     def __init__(self, src: Any, cfg: Any, rt: Any):
         from transformers import Qwen2_5_VLForConditionalGeneration
 
+        from stages.families.common.qwen_image_edit_processor import Qwen2VLImageProcessorOnly
+
         require_max_length(cfg, PIPELINE_MAX_SEQUENCE_LENGTH, "Qwen-Image-Edit-Plus")
         self.device, self.max_len = rt.device, cfg.max_sequence_length
-        self.processor = src.load(_processor.Qwen2VLImageProcessorOnly, "processor")
+        self.processor = src.load(Qwen2VLImageProcessorOnly, "processor")
         self.model = load_text_model(Qwen2_5_VLForConditionalGeneration, src, "text_encoder", cfg, rt)
         self.last: tuple[list[str], list[int]] = ([], [])  # the last batch's texts and token counts
 
@@ -113,6 +112,8 @@ class QwenImageEdit(QwenImageBase):
     # fp8_faster_from_tokens: Qwen-Image's, the same transformer (control tokens lengthen the sequence); no
     # fp8 rows of its own yet
     pipeline_class = "QwenImageEditPlusPipeline"
+    # a tiny pipeline's model_index.json names the processor without torchvision (and an older one its alias)
+    pipeline_modules = ("stages.families.common.qwen_image_edit_processor", "stages.families.qwen_image_edit.processor")
     text_components = ("tokenizer", "text_encoder", "processor")
     control_range = (1, 3)  # Qwen-Image-Edit-2509 is trained on 1 to 3 input images
     text_sees_controls = True
