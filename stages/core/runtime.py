@@ -81,8 +81,24 @@ AUTO_ON_CUDA = {"denoiser": "bf16", "text_encoder": "bf16", "vae": "bf16"}
 
 
 def device_type(name: str) -> str:
-    """`pick_device(name).type` ("cpu", "cuda"), without importing torch for "cpu" (`status` of a CPU run)."""
-    return "cpu" if name == "cpu" else pick_device(name).type
+    """`pick_device(name).type` ("cpu", "cuda"), without importing torch where no GPU can be seen: "cpu", or
+    "auto" on a machine with no NVIDIA driver or with CUDA_VISIBLE_DEVICES empty (`status` of a CPU run)."""
+    if name == "cpu" or (name == "auto" and not nvidia_gpu_possible()):
+        return "cpu"
+    return pick_device(name).type
+
+
+def nvidia_gpu_possible() -> bool:
+    """Whether torch could see a CUDA GPU here: the NVIDIA driver lists a GPU (/proc/driver/nvidia/gpus, or a
+    /dev/nvidia0 device) and CUDA_VISIBLE_DEVICES does not hide them all. False means torch.cuda.is_available()
+    is False; True needs torch to tell."""
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    gpus = "/proc/driver/nvidia/gpus"
+    return (os.path.isdir(gpus) and bool(os.listdir(gpus))) or os.path.exists("/dev/nvidia0")
 
 
 def resolve_precision(precision: str, device: torch.device | str, role: str) -> str:

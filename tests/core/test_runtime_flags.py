@@ -161,3 +161,22 @@ def test_cuda_flags_restored():
     with torch_flags(True, True, True):
         assert torch.backends.cuda.cudnn_sdp_enabled() is False
     assert global_flags() == before
+
+
+def test_device_auto_is_told_cpu_without_torch_where_no_gpu_can_be_seen():
+    """`status` of a run with device = "auto" on a CPU machine (or with every GPU hidden) imports no torch to learn
+    its device type; where a GPU may be there, torch is asked."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys\nfrom stages.core.runtime import device_type, nvidia_gpu_possible\n"
+            "print(device_type('auto'), nvidia_gpu_possible(), 'torch' in sys.modules)")
+    hidden = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""})
+    assert hidden.stdout.split() == ["cpu", "False", "False"], hidden.stderr
+    here = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+    kind, possible, imported = here.stdout.split()
+    assert kind == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert imported == possible, "torch is imported exactly where a GPU may be there"
