@@ -47,7 +47,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -449,6 +449,24 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
     return row
 
 
+def result_file(out: Path, result: dict[str, Any]) -> tuple[Callable[[], None], Callable[[dict[str, Any]], None]]:
+    """(save, add) for a side by side's JSON: `save` rewrites `out` atomically; `add` appends a row to
+    result["rows"], saves, and prints the row's figures as a `[peers]` line."""
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=str))
+        tmp.replace(out)
+
+    def add(row: dict[str, Any]) -> None:
+        result["rows"].append(row)
+        save()
+        keys = ("side", "precision", "status", "step_s", "samples_per_s", "peak_gb", "wall_s", "total_wall_s", "stopped")
+        print("[peers]", json.dumps({k: row.get(k) for k in keys if k in row}), flush=True)
+
+    return save, add
+
+
 def run(a: argparse.Namespace) -> None:
     from bench.bench import Runner, family_full, machine_info, run_args
     from stages.families import get_family
@@ -468,18 +486,7 @@ def run(a: argparse.Namespace) -> None:
         "text_tokens": a.text_tokens, "lora": {"rank": 16, "alpha": 16, "targets": targets},
         "gradient_checkpointing": True, "images": len(images), "model": str(a.model), "rows": []}
 
-    def save() -> None:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1, default=str))
-        tmp.replace(out)
-
-    def add(row: dict[str, Any]) -> None:
-        result["rows"].append(row)
-        save()
-        keys = ("side", "precision", "status", "step_s", "samples_per_s", "peak_gb", "wall_s", "total_wall_s", "stopped")
-        print("[peers]", json.dumps({k: row.get(k) for k in keys if k in row}), flush=True)
+    save, add = result_file(Path(a.out), result)
 
     save()
     sides = a.sides.split(",")
@@ -496,7 +503,7 @@ def run(a: argparse.Namespace) -> None:
     if "product" in sides:
         runner = Runner(run_args(work=str(work / "product"), budget_s=max(30.0, deadline - time.time()),
                                  out=str(work / "product" / "runner.json"), tiny=a.tiny, keep=True))
-        runner.ensure_data = lambda controls=0: Path(a.data).resolve()  # the side-by-side data, not the bench's own
+        runner.ensure_data = lambda controls=0, video=False: Path(a.data).resolve()  # the side-by-side data, not the bench's own
         res_sets = {**runner.base_sets(fam, a.res), "data.path": str(Path(a.data).resolve()),
                     "data.resolution": a.res, "captions.max_sequence_length": a.text_tokens,
                     "train.steps": a.steps, "runtime.warmup_steps_excluded": a.warmup, "train.rank": 16, "train.alpha": 16,

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peers import (  # noqa: E402
-    SITE, SCRIPTS, _imports, peer_row_from, peer_summary, read_steps, run_product, watch,
+    SITE, SCRIPTS, _imports, peer_row_from, peer_summary, read_steps, result_file, run_product, watch,
 )
 
 
@@ -206,23 +206,12 @@ def run(a: argparse.Namespace) -> None:
         "text_tokens": 512, "lora": {"rank": 16, "alpha": 16, "targets": targets}, "gradient_checkpointing": True,
         "images": len(clips), "clips": len(clips), "model": str(a.model), "rows": []}
 
-    def save() -> None:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1, default=str))
-        tmp.replace(out)
-
-    def add(row: dict[str, Any]) -> None:
-        result["rows"].append(row)
-        save()
-        keys = ("side", "precision", "status", "step_s", "samples_per_s", "peak_gb", "wall_s", "total_wall_s", "stopped")
-        print("[peers]", json.dumps({k: row.get(k) for k in keys if k in row}), flush=True)
+    save, add = result_file(Path(a.out), result)
 
     save()
     runner = Runner(run_args(work=str(work / "product"), budget_s=max(30.0, deadline - time.time()),
                              out=str(work / "product" / "runner.json"), tiny=a.tiny, keep=True))
-    runner.ensure_data = lambda controls=0: data
+    runner.ensure_data = lambda controls=0, video=False: data
     res_sets = {**runner.base_sets(fam, a.res), "data.path": str(data), "data.resolution": a.res,
                 "data.frames": a.frames, "data.fps": 0, "captions.max_sequence_length": 512, "train.steps": a.steps,
                 "runtime.warmup_steps_excluded": a.warmup, "train.rank": 16, "train.alpha": 16, "train.expert": "high",
