@@ -275,6 +275,8 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     install_model_trace(NAME, library_notices())
     with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
         configured = cfg
+        # the plan the fingerprint asks for, recorded for later checks of this config (memory.recorded_plan)
+        planned = memory.recorded_plan(cfg, get_family(cfg.family), NAME)
         cfg, vae_plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's VAE settings
         buckets = check(cfg)
         out = artifact_dir(cfg)
@@ -308,7 +310,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         skipped += [(key, reason) for _, key, reason in sorted(s for part in gathered for s in part)]
         n_encoded = len(todo) - sum(len(part) for part in gathered)  # images that failed to load were not encoded
         manifest = _write(ctx, cfg, items, plan, by_bucket, encoded, skipped, duplicates, n_encoded, layout, forced,
-                          clips)
+                          clips, planned)
         _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped),
                      **_pace(encoded["pace"]))
@@ -531,7 +533,8 @@ def _check_control_shapes(store: RowStore, posteriors: dict[str, Any], item: dat
 
 def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket: dict[Bucket, list[str]],
            encoded: dict[str, Any], skipped: list[tuple[str, str]], duplicates: dict, n_encoded: int,
-           layout: dict[str, Any], forced: dict[str, Any] | None, clips: dict[str, ClipInfo]) -> dict[str, Any]:
+           layout: dict[str, Any], forced: dict[str, Any] | None, clips: dict[str, ClipInfo],
+           planned: dict[str, Any]) -> dict[str, Any]:
     """The manifest (rank 0): every image id whose row is written, by bucket and row; `forced`: what the
     free memory forced (`_forced`), absent otherwise."""
     from stages.core.runtime import peak_vram_gb
@@ -557,7 +560,7 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
         fingerprint_parts=parts, index=index, items={it.key: it.latent_key for it in items if it.latent_key in index},
         buckets={str(b): len(ids) for b, ids in sorted(by_bucket.items())},
         normalization=encoded["normalization"], variants=n_var, **({"variants_of": fewer} if fewer else {}),
-        **({"memory_forced": forced} if forced else {}),
+        **({"memory_forced": forced} if forced else {}), **planned,
         skipped=[{"item": k, "reason": r} for k, r in skipped], duplicates=duplicates,
         warnings=[{"item": it.key, "message": note} for it, size, bucket in plan.values()
                   for note in dataset.size_notes(it.key, size, bucket, cfg.data.max_aspect)],

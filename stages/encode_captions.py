@@ -139,6 +139,8 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
 
     install_model_trace(NAME, library_notices())
     with running_stage(cfg, NAME, beside=conflicts(NAME)) as ctx:
+        # the plan the fingerprint asks for, recorded for later checks of this config (memory.recorded_plan)
+        planned = memory.recorded_plan(cfg, get_family(cfg.family), NAME)
         cfg, plan = memory.plan_stage(cfg, get_family(cfg.family), NAME, ctx.log)  # the budget's precision and batch size
         check(cfg)
         rt = memory.text_encoder_runtime(plan, make_runtime(cfg.device, "auto"))  # layer offload: placement only
@@ -155,7 +157,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         encoded = _encode(ctx, cfg, rt, texts, todo_ids, store, layout, row_controls(items))
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
-        manifest = _write(ctx, cfg, items, texts, encoded, len(todo_ids))
+        manifest = _write(ctx, cfg, items, texts, encoded, len(todo_ids), planned)
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=len(todo_ids), total=len(texts))
         return manifest
 
@@ -254,7 +256,7 @@ def template_tokens(family: Any, encoder: Any, max_length: int) -> int:
 
 
 def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str], encoded: dict[str, Any],
-           n_encoded: int) -> dict[str, Any]:
+           n_encoded: int, planned: dict[str, Any]) -> dict[str, Any]:
     """Warn about truncated captions and write the manifest (rank 0)."""
     from stages.core.runtime import peak_vram_gb
 
@@ -292,7 +294,7 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str],
                 for k in store.fields},
         encoded_this_run=n_encoded, world_size=ctx.dist.world_size,
         truncated={it.key: max(truncated[c] for c in it.caption_ids if c in truncated) for it in items
-                   if any(c in truncated for c in it.caption_ids)}, **extra,
+                   if any(c in truncated for c in it.caption_ids)}, **extra, **planned,
         seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(encoded["rt"]))
 
 

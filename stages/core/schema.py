@@ -26,7 +26,9 @@ MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
                               "encoded_this_run": "integer"},
                  # items -> all their caption ids (caption variants); the empty caption's id (dropout), or per
                  # item its own (empty, controls) row id when the text encoder sees the controls
-                 "optional": {**_COST, "variants": "object", "empty_caption": "string", "empty_captions": "object"}},
+                 "optional": {**_COST, "variants": "object", "empty_caption": "string", "empty_captions": "object",
+                              # on a GPU: the plan its fingerprint asked for, and the key of what it depends on
+                              "planned": "object"}},
     # latents.zarr: image id -> {bucket, row}, items -> image id, images per bucket, the family's
     # normalization, variants per image, skipped / duplicated items and size warnings
     "latents": {"required": {**_PROVENANCE, "family": "string", "model": "string", "index": "object",
@@ -35,7 +37,7 @@ MANIFEST_SCHEMA: dict[str, dict[str, Any]] = {
                              "warnings": "array", "encoded_this_run": "integer"},
                 # latent id -> variants cached, where datasets cache different numbers ("variants": the most)
                 # the layout parts the free memory forced on an "auto" run, and why (cache_latents._forced)
-                "optional": {**_COST, "variants_of": "object", "memory_forced": "object",
+                "optional": {**_COST, "variants_of": "object", "memory_forced": "object", "planned": "object",
                              # the encode loop's pace: images per second, and the share of it the encoder worked
                              "images_per_second": "number", "encoder_busy": "number", "gpu_busy": "number"}},
     "checkpoint": {"required": {**_PROVENANCE, "kind": "string", "step": "integer"}, "optional": _COST, "extra": True},

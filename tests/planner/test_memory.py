@@ -1120,3 +1120,40 @@ def test_auto_captions_under_trains_peak_store_what_their_fingerprint_expects(as
     assert plan.settings["text_encoder_precision"] == "bf16"
     monkeypatch.setattr(memory.planning, "plans_for_gpu", lambda cfg: True)
     assert memory.planned_caption_precision(cfg, family) == "bf16"  # what encode-captions' fingerprint expects
+
+
+def test_the_cache_stages_record_their_plan_and_a_check_with_the_same_key_reads_it(assets, demo_data, tmp_path,
+                                                                                  monkeypatch):
+    """On a GPU the caches' fingerprints ask their planners (own_settings), which build the models on the meta device
+    (diffusers and transformers: seconds of `status`). A cache's manifest records that plan with the key of what it
+    depends on; a later check with the same key reads it and builds nothing, and one with another config or model
+    plans again. The fingerprints are the same either way."""
+    from stages import cache_latents, encode_captions
+    from stages.core import runtime
+    from stages.core.artifacts import atomic_write_json, manifest_path, read_manifest
+    from stages.core.caches import captions_dir, latents_dir
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, **{"captions.text_encoder_precision": "auto",
+                                                            "gpu.vram_budget_gb": 0.3})
+    encode_captions.run(cfg), cache_latents.run(cfg)  # real manifests (on the CPU: no plan in them)
+    assert "planned" not in read_manifest(captions_dir(cfg))
+    monkeypatch.setattr(runtime, "pick_device", lambda name: torch.device("cuda"))  # plan as on a GPU (no CUDA call)
+    monkeypatch.setattr(runtime, "device_type", lambda name: "cuda")
+    family = get_family("flux")
+    planned = {stage: memory.recorded_plan(cfg, family, stage) for stage in memory.RECORDED_PLANS}
+    parts = encode_captions.fingerprint_parts(cfg), cache_latents.fingerprint_parts(cfg)
+    for stage, folder in (("encode-captions", captions_dir(cfg)), ("cache-latents", latents_dir(cfg))):
+        assert planned[stage]["planned"]["settings"] == memory.own_settings(cfg, family, stage)
+        atomic_write_json(manifest_path(folder), {**read_manifest(folder), **planned[stage]})  # as a GPU run writes it
+        assert read_manifest(folder)["planned"] == planned[stage]["planned"]
+    calls = []
+    for stage in memory.RECORDED_PLANS:
+        planner = memory.PLANNERS[stage]
+        counted = lambda *a, plan=planner.plan, stage=stage, **k: calls.append(stage) or plan(*a, **k)  # noqa: E731
+        monkeypatch.setitem(memory.PLANNERS, stage, dataclasses.replace(planner, plan=counted))
+    assert (encode_captions.fingerprint_parts(cfg), cache_latents.fingerprint_parts(cfg)) == parts
+    assert calls == [], "the recorded plans were read, not planned again"
+    other = dataclasses.replace(cfg, gpu=dataclasses.replace(cfg.gpu, vram_budget_gb=0.2))
+    assert memory.plan_key(other, family) != memory.plan_key(cfg, family)
+    encode_captions.fingerprint_parts(other), cache_latents.fingerprint_parts(other)
+    assert sorted(set(calls)) == sorted(memory.RECORDED_PLANS), "another budget plans again"

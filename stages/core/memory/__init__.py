@@ -40,7 +40,8 @@ from stages.core.memory.train_options import graph_room
 from stages.core.memory.apply import (
     apply_train_plan, apply_vae_plan, checkpointed_blocks, load_device, text_encoder_runtime)
 from stages.core.memory.planning import (
-    PLAN_FILE, PLANNERS, forced_by_memory, oom_advice, own_settings, plan_for, plan_stage, planned_caption_precision,
+    PLAN_FILE, PLANNERS, RECORDED_PLANS, forced_by_memory, oom_advice, own_settings, plan_for, plan_key, plan_stage,
+    planned_caption_precision, recorded_plan,
     planned_vae, plans_for_gpu, record_plans, translate_oom, unplanned, with_plan)
 
 __all__ = [
@@ -54,6 +55,6 @@ __all__ = [
     "graph_room", "host_available_bytes", "host_shortfall", "latents", "load_device",
     "measure_context", "meta_component", "module_components", "offload_placement", "oom_advice", "own_settings",
     "parse_budget", "plan_captions", "plan_for", "plan_latents", "plan_sample", "plan_stage", "plan_train",
-    "planned_caption_precision", "planned_context_gb", "planned_vae", "plans_for_gpu", "process_total_gb",
+    "RECORDED_PLANS", "plan_key", "planned_caption_precision", "recorded_plan", "planned_context_gb", "planned_vae", "plans_for_gpu", "process_total_gb",
     "record_plans", "resolve_budget", "retries_note", "sample", "sizes", "text_encoder_runtime", "train",
     "train_options", "translate_oom", "unplanned", "weight_bytes", "with_plan"]

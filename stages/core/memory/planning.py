@@ -98,10 +98,54 @@ def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
 
     if not plans_for_gpu(cfg):
         return None
+    recorded = _recorded_plan(cfg, stage)
+    if recorded is not None and recorded.get("key") == plan_key(cfg, family):
+        return recorded["settings"]  # `status` and the up-to-date checks: no model built on the meta device
     value = parse_budget(cfg.gpu.vram_budget_gb)
     budget = (Budget(math.inf, "auto") if value == "auto"
               else budgets.cap_budget(float(value), budgets.planned_context_gb()))
     return PLANNERS[stage].plan(cfg, family, model_source(cfg), budget).settings
+
+
+# The cache stages whose fingerprints ask their own planner (own_settings), by the folder of their artifact
+RECORDED_PLANS = ("encode-captions", "cache-latents")
+
+
+def recorded_plan(cfg: Any, family: Any, stage: str) -> dict[str, Any]:
+    """What a cache stage's manifest records of the plan its fingerprint asked for ({} on CPU): its settings
+    and the key of what they depend on, so a later check with the same key reads them instead of planning."""
+    settings = own_settings(cfg, family, stage)
+    return {} if settings is None else {"planned": {"key": plan_key(cfg, family), "settings": settings}}
+
+
+def plan_key(cfg: Any, family: Any) -> str:
+    """What own_settings' plan depends on, hashed: the config, the model's components (their configs and weight
+    files' sizes and edges, ModelSource.identity), the planner's and the families' code, and the versions of the
+    libraries that build the models it sizes. The GPU itself is not in it: these plans do not ask it anything."""
+    import hashlib
+    from importlib.metadata import version
+
+    from stages.core.artifacts import fingerprint
+    from stages.core.model_source import model_source
+
+    code = hashlib.sha256()
+    root = Path(__file__).resolve().parents[2]  # stages/
+    for path in sorted([*(root / "core" / "memory").glob("*.py"), *(root / "families").rglob("*.py")]):
+        code.update(path.read_bytes())
+    components = (*family.text_components, *family.vae_components, *family.denoiser_components)
+    return fingerprint({"config": cfg.to_dict(), "model": model_source(cfg).identity(components),
+                        "code": code.hexdigest(), "libraries": [version(p) for p in ("diffusers", "transformers")]})
+
+
+def _recorded_plan(cfg: Any, stage: str) -> dict[str, Any] | None:
+    from stages.core.artifacts import read_manifest
+    from stages.core.caches import captions_dir, latents_dir
+
+    if stage not in RECORDED_PLANS:
+        return None
+    manifest = read_manifest((captions_dir if stage == "encode-captions" else latents_dir)(cfg))
+    planned = (manifest or {}).get("planned")
+    return planned if isinstance(planned, dict) and isinstance(planned.get("settings"), dict) else None
 
 
 def planned_caption_precision(cfg: Any, family: Any) -> str | None:
