@@ -354,8 +354,10 @@ class Runner:
         # a video family's clips are frame folders read at their own rate (data.fps = 0): every row's data.frames
         # are consecutive frames of one clip
         video = {"data.fps": 0} if get_family(fam).trains_video else {}
+        # a two-expert family's rows train its first expert (Wan 2.2 A14B: the high-noise one; the other is its twin)
+        experts = get_family(fam).experts
         return {"artifacts": str(self.work / "artifacts"), "data.path": str(self.ensure_data(controls, bool(video))),
-                **video,
+                **video, **({"train.expert": experts[0]} if experts else {}),
                 "data.resolution": 64 if tiny else res, "data.cache_variants": 1, "captions.batch_size": 8,
                 "captions.text_encoder_precision": _text_precision(fam),  # every train run reads these captions
                 "captions.max_sequence_length": CAPTION_TOKENS,
@@ -578,8 +580,21 @@ def run_name(fam: str, item: Item) -> str:
 
 def stage_manifest(run_dir: Path, kind: str) -> Path:
     """The manifest a stage of item `kind` (encode, latents, train, export) writes last in its run's folder."""
-    where = {"encode": "captions.zarr", "latents": "latents.zarr", "train": "lora/final", "export": "export"}[kind]
-    return run_dir / where / "manifest.json"
+    if kind == "train":
+        return adapter_folder(run_dir) / "final" / "manifest.json"
+    if kind == "export":
+        return adapter_folder(run_dir, "export") / "manifest.json"
+    return run_dir / {"encode": "captions.zarr", "latents": "latents.zarr"}[kind] / "manifest.json"
+
+
+def adapter_folder(run_dir: Path, name: str = "lora") -> Path:
+    """The run's lora/ (or export/) folder, or for a two-expert family's run the one of the expert its config
+    trains (lora/<expert>/: the bench trains one expert, `Runner.base_sets`)."""
+    try:
+        expert = json.loads((run_dir / "config.json").read_text()).get("train", {}).get("expert", "")
+    except (OSError, ValueError):
+        expert = ""
+    return run_dir / name / expert if expert and expert != "both" else run_dir / name
 
 
 def finished_before_kill(run_dir: Path, kind: str, since: float, steps: int) -> bool:
@@ -702,7 +717,7 @@ def collect(run_dir: Path, kind: str, since: float) -> dict[str, Any]:
     if kind == "train":
         steps = [e for e in mine if e["event"] == "step"]
         out["steps"] = [{"step": e["step"], "ts": e["ts"], "loss": e["loss"], "peak": e.get("peak_vram_gb")} for e in steps]
-        profile = run_dir / "lora" / "profile.json"  # runtime.profile_steps, written by this call
+        profile = adapter_folder(run_dir) / "profile.json"  # runtime.profile_steps, written by this call
         if profile.exists() and profile.stat().st_mtime >= since:
             out["profile"] = json.loads(profile.read_text())
     return out

@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench import Item, Runner, collect, events_since, model_dir, run_args  # noqa: E402
+from bench.bench import Item, Runner, collect, events_since, model_dir, run_args, stage_manifest  # noqa: E402
 
 STAGES = (("encode", "encode-captions", "captions.zarr"), ("latents", "cache-latents", "latents.zarr"),
           ("train", "train", "lora/final"))
@@ -75,7 +75,7 @@ class MemoryRunner(Runner):
 
         return plans(self.row_config(fam, model, budget, res), float(budget))["stages"]
 
-    def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str, where: str) -> dict[str, Any]:
+    def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str) -> dict[str, Any]:
         res = self.args.res
         base = f"mem-{fam}" if res == RESOLUTION else f"mem-{fam}-{res}"
         run = base if kind != "train" else f"{base}-train-{budget}"
@@ -100,7 +100,7 @@ class MemoryRunner(Runner):
             return {**row, "status": "failed", "plan": _plan_event(run_dir, stage, t0), "log_tail": tail[-1500:],
                     "warnings": [e.get("message") for e in events_since(run_dir, t0) if e["event"] == "warning"]}
         summary = collect(run_dir, kind, t0)
-        manifest = json.loads((run_dir / where / "manifest.json").read_text())
+        manifest = json.loads(stage_manifest(run_dir, kind).read_text())
         return {**row, "status": "ok", "plan": _plan_event(run_dir, stage, t0), "peak_vram_gb": summary.get("peak_vram_gb"),
                 "samples_per_second": summary.get("samples_per_second") or _items_per_s(manifest), "seconds": summary.get("seconds"),
                 "items": manifest.get("encoded_this_run"), "loaded_s": summary.get("loaded_s"),
@@ -113,7 +113,7 @@ class MemoryRunner(Runner):
         measured: dict[tuple[str, str], dict[str, Any]] = {}  # (stage, settings) -> the row that measured it
         for budget in self.args.budgets.split(","):
             settings = self.planned(fam, model, budget)
-            for kind, stage, where in STAGES:
+            for kind, stage, _ in STAGES:
                 key = (stage, json.dumps(settings.get(stage), sort_keys=True))
                 if stage in settings and key in measured:
                     self.add({"family": fam, "budget": budget, "stage": stage, "status": "same plan",
@@ -124,7 +124,7 @@ class MemoryRunner(Runner):
                               "reason": f"device-time budget: {self.left():.0f}s left"})
                     continue
                 self.ensure_model(fam, kind)  # a staged family (FLUX.2 dev): this stage's components
-                row = self.measure(fam, model, budget, kind, stage, where)
+                row = self.measure(fam, model, budget, kind, stage)
                 self.add(row)
                 if row["status"] == "ok" and row["plan"]:
                     measured[(stage, json.dumps(row["plan"]["settings"], sort_keys=True))] = row

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> None:
     model = Path(args.models) / "flux-multigpu"
     t = time.time()
     results["build"] = {"params_b": build_pipeline(model, args.tiny), "seconds": round(time.time() - t, 1)}
-    from bench.bench import make_dataset
+    from bench.bench import make_dataset, stage_manifest
 
     make_dataset(work / "data", n=8, side=96 if args.tiny else RES)
     save()
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> None:
         row: dict[str, Any] = {"id": f"train-{precision}-{gpus}gpu", "precision": precision, "gpus": gpus, "rc": rc,
                                "wall_s": wall, "log_tail": tail}
         if rc == 0:
-            final = json.loads((run_dir / "lora" / "final" / "manifest.json").read_text())
+            final = json.loads(stage_manifest(run_dir, "train").read_text())
             events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
             row.update(summarize(final, [e for e in events if e["stage"] == "train" and e["ts"] >= since]))
         results["items"].append(row)

@@ -412,7 +412,8 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
             row["stages"][kind] = cached
             total += cached.get("wall_s") or 0.0
             continue
-        cmd = runner.stage_cmd(fam, item, stage, Path(a.model), ["--force"] if kind != "train" else [])
+        # each variant measures a fresh training: --restart sets the previous variant's adapter of this run aside
+        cmd = runner.stage_cmd(fam, item, stage, Path(a.model), ["--force"] if kind != "train" else ["--restart"])
         t0 = time.time()
         rc, wall, tail = runner.call(cmd, env if kind == "train" else {}, f"peers-{fam}-{kind}-{variant}")
         total += wall
