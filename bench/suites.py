@@ -195,7 +195,7 @@ SUITES: dict[str, list[Row]] = {
     # Wan 2.2 TI2V-5B: every stage's peak and train s/step at 480p (resolution 640) and 720p (960), 33 and 81 frames,
     # nf4 and fp8 bases unconstrained, and each clip size under a 24 GB cap (the plan picks precision and swap)
     "wan2.2-5b": video_grid("wan2.2-5b", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
-    # Wan 2.2 T2V-A14B (the preset's high-noise expert; the low-noise one is the same size): as wan2.2-5b's rows
+    # Wan 2.2 T2V-A14B (the high-noise expert, which the bench trains: Runner.base_sets; the low-noise one is the same size): as wan2.2-5b's rows
     "wan2.2-14b": video_grid("wan2.2-14b", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
     # LTX-2 (video stream): the same grid
     "ltx2": video_grid("ltx2", ((640, 33), (640, 81), (960, 33), (960, 81)), ("nf4", "fp8")),
