@@ -33,6 +33,7 @@ from stages.families import FAMILIES as REGISTRY, demo_variant  # noqa: E402 - a
 # family -> tiny variant built for it
 FAMILIES: dict[str, str] = {name: demo_variant(name) for name in REGISTRY}
 ONE_FAMILY = next(iter(FAMILIES))
+ONCE = "session"  # pytest's scope of a fixture built once for the whole test run
 once = pytest.mark.parametrize("built_run", [ONE_FAMILY], indirect=True)
 """For family-independent wiring (CLI paths, signals): the test runs on one family's built run."""
 
@@ -104,12 +105,12 @@ def demo_config_path(family: str) -> Path:
     return demo_config(family)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=ONCE)
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("assets")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=ONCE)
 def demo_data(assets: Path) -> Path:
     from stages.tiny.shapes import make_demo_dataset
 
@@ -153,7 +154,7 @@ def make_cfg(family: str, assets: Path, data: Path, root: Path, **overrides):
     return load_config(demo_config_path(family), base)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=ONCE)
 def edit_data(assets: Path) -> Path:
     """Edit pairs (control -> target: the shape turns blue) for the edit families."""
     from stages.tiny.shapes import make_edit_dataset
@@ -161,7 +162,7 @@ def edit_data(assets: Path) -> Path:
     return make_edit_dataset(assets / "data-edit", n=12, seed=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope=ONCE)
 def clip_data(assets: Path) -> Path:
     """Moving-shape clips (mp4 and folders of frames) and two stills, for the video families."""
     from stages.tiny.shapes import make_clip_dataset
@@ -232,7 +233,7 @@ def record_models():
             base.__init__ = original
 
 
-@pytest.fixture(scope="session", params=sorted(FAMILIES))
+@pytest.fixture(scope=ONCE, params=sorted(FAMILIES))
 def built_run(request: pytest.FixtureRequest, assets: Path, tmp_path_factory: pytest.TempPathFactory):
     """All four stages run in-process once per family (the demo config and data, fewer steps); the
     model classes each stage constructs go to BUILT_MODELS."""
