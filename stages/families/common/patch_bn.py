@@ -1,5 +1,5 @@
-"""Latents normalized per 2x2-patchified channel by the VAE's batch-norm statistics, as FLUX.2's and
-ERNIE-Image's pipelines apply them: a (B, C, H, W) latent viewed (B, C, H/2, 2, W/2, 2) minus running_mean,
+"""Latents normalized per 2x2-patchified channel by the VAE's batch-norm statistics, as FLUX.2's, ERNIE-Image's
+and Ideogram 4's pipelines apply them: a (B, C, H, W) latent viewed (B, C, H/2, 2, W/2, 2) minus running_mean,
 over sqrt(running_var + eps). A family mixes this in before FamilyTraits."""
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ def _patch_stats(x: torch.Tensor, values: list[float]) -> torch.Tensor:
 
 class PatchBatchNormalized:
     """`bn_eps` is the epsilon the pipeline's decode adds to running_var (the VAE config's batch_norm_eps
-    unless the family's pipeline hard-codes another)."""
+    unless the family's pipeline hard-codes another); `patch_stats` shapes the (4C,) statistics in the order
+    the VAE's batch norm lists the patchified channels (channel-major: c, row, col)."""
 
     def bn_eps(self, vae: torch.nn.Module) -> float:
         return vae.config.batch_norm_eps
+
+    def patch_stats(self, x: torch.Tensor, values: list[float]) -> torch.Tensor:
+        return _patch_stats(x, values)
 
     def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
         var = vae.bn.running_var.double() + self.bn_eps(vae)
@@ -29,10 +33,10 @@ class PatchBatchNormalized:
 
     def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
         b, c, h, w = z.shape
-        x = (z.view(b, c, h // 2, 2, w // 2, 2) - _patch_stats(z, norm["bn_mean"])) / _patch_stats(z, norm["bn_std"])
+        x = (z.view(b, c, h // 2, 2, w // 2, 2) - self.patch_stats(z, norm["bn_mean"])) / self.patch_stats(z, norm["bn_std"])
         return x.view(b, c, h, w)
 
     def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
         b, c, h, w = x.shape
-        z = x.view(b, c, h // 2, 2, w // 2, 2) * _patch_stats(x, norm["bn_std"]) + _patch_stats(x, norm["bn_mean"])
+        z = x.view(b, c, h // 2, 2, w // 2, 2) * self.patch_stats(x, norm["bn_std"]) + self.patch_stats(x, norm["bn_mean"])
         return z.view(b, c, h, w)

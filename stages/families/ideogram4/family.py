@@ -44,6 +44,7 @@ from stages.core.kohya import GENERIC as KOHYA_LAYOUT
 from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
 from stages.families.base import BatchMeta, FamilyTraits
+from stages.families.common.patch_bn import PatchBatchNormalized
 from stages.families.ideogram4.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.text_encoders import load_chat_tokenizer, load_text_model, pad_valid_tokens, trim_to_longest
 
@@ -111,14 +112,7 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
 
 
-def _tile(x: torch.Tensor, values: list[float]) -> torch.Tensor:
-    """Per-packed-channel statistics ((row, col, c) order) shaped to broadcast over x viewed (B, C, h/2, 2, w/2, 2)."""
-    c = len(values) // 4
-    stats = torch.tensor(values, device=x.device, dtype=x.dtype).view(2, 2, c).permute(2, 0, 1)
-    return stats.reshape(1, c, 1, 2, 1, 2)
-
-
-class Ideogram4(FamilyTraits):
+class Ideogram4(PatchBatchNormalized, FamilyTraits):
     name = "ideogram4"
     title = "Ideogram 4"
     pipeline_class = "Ideogram4Pipeline"
@@ -161,18 +155,11 @@ class Ideogram4(FamilyTraits):
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
 
-    def latent_normalization(self, vae: torch.nn.Module) -> dict[str, Any]:
-        var = vae.bn.running_var.double() + vae.config.batch_norm_eps
-        return {"bn_mean": vae.bn.running_mean.double().tolist(), "bn_std": var.sqrt().tolist()}
-
-    def normalize_latents(self, z: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        b, c, h, w = z.shape
-        x = (z.view(b, c, h // 2, 2, w // 2, 2) - _tile(z, norm["bn_mean"])) / _tile(z, norm["bn_std"])
-        return x.view(b, c, h, w)
-
-    def denormalize_latents(self, x: torch.Tensor, norm: dict[str, Any]) -> torch.Tensor:
-        b, c, h, w = x.shape
-        return (x.view(b, c, h // 2, 2, w // 2, 2) * _tile(x, norm["bn_std"]) + _tile(x, norm["bn_mean"])).view(b, c, h, w)
+    def patch_stats(self, x: torch.Tensor, values: list[float]) -> torch.Tensor:
+        """Ideogram 4's batch norm lists the packed channels in (row, col, c) order (`pack`)."""
+        c = len(values) // 4
+        stats = torch.tensor(values, device=x.device, dtype=x.dtype).view(2, 2, c).permute(2, 0, 1)
+        return stats.reshape(1, c, 1, 2, 1, 2)
 
     # ---- train
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
