@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,6 +127,21 @@ def tiny_model(assets: Path, variant: str) -> Path:
 
         _MODELS[variant] = build_tiny_pipeline(variant, assets / variant, seed=0)
     return _MODELS[variant]
+
+
+def trained_denoiser(cfg: Any, folder: Path) -> Any:
+    """A fresh fp32 denoiser on the CPU (the expert cfg.train names, for a two-expert family) with the adapter
+    train attaches for cfg, its weights loaded from `folder` (a checkpoint or lora final)."""
+    from stages.core import lora
+    from stages.core.model_source import model_source
+    from stages.core.runtime import make_runtime
+    from stages.families import get_family
+
+    family = get_family(cfg.family)
+    model = family.load_denoiser(model_source(cfg), "fp32", make_runtime("cpu", "fp32"), cfg.train)
+    lora.attach_lora(model, lora.train_lora_config(cfg.train, family.default_lora_targets, dropout=0.0))
+    lora.load_adapter_weights(model, folder)
+    return model
 
 
 def flux_with_t5(assets: Path, folder: Path, **t5: int) -> str:

@@ -12,7 +12,7 @@ import contextlib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from stages.core.errors import ConfigError
 from stages.core.lazy import lazy_module, no_grad
@@ -69,6 +69,14 @@ def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tu
     if adapter in ("lokr", "loha"):
         return (LoKrConfig if adapter == "lokr" else LoHaConfig)(alpha=alpha, module_dropout=dropout, **common)
     raise ValueError(f"unknown adapter type {adapter!r}")
+
+
+def train_lora_config(tcfg: Any, default_targets: Sequence[str], dropout: float | None = None) -> Any:
+    """The peft config train attaches for `tcfg`: train.adapter at train.rank and train.alpha, on
+    train.target_modules (else `default_targets`, the family's), with train.rank_pattern and alpha_pattern;
+    `dropout` in place of train.dropout (0.0 where only the parameters matter)."""
+    return lora_config(tcfg.rank, tcfg.alpha, tcfg.dropout if dropout is None else dropout,
+                       list(tcfg.target_modules or default_targets), tcfg.adapter, tcfg.rank_pattern, tcfg.alpha_pattern)
 
 
 def adapter_type(config: dict[str, Any]) -> str:

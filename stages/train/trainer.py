@@ -180,9 +180,7 @@ class Trainer:
                                           f"({merged} modules); export-lora and sample run without it")
         elif note := distilled_note(self.cfg.model):
             self.log.emit("info", message=note)
-        targets = self.tcfg.target_modules or list(self.family.default_lora_targets)
-        self.lora_config = lora.lora_config(self.tcfg.rank, self.tcfg.alpha, self.tcfg.dropout, targets, self.tcfg.adapter,
-                                            self.tcfg.rank_pattern, self.tcfg.alpha_pattern)
+        self.lora_config = lora.train_lora_config(self.tcfg, self.family.default_lora_targets)
         self.params = lora.attach_lora(self.model, self.lora_config)
         self.ema = lora.AdapterEMA(self.params, self.tcfg.ema_decay, self.cfg.runtime.ema_device) if self.tcfg.ema_decay else None
         self.enable_checkpointing()

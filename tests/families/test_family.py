@@ -19,7 +19,7 @@ from stages.core.model_source import ModelSource, stored_dtypes
 from stages.core.runtime import make_runtime
 from stages.core.schema import Bucket
 from stages.train.trainer import Trainer, build_data
-from conftest import FAMILIES, ROOT
+from conftest import FAMILIES, ROOT, trained_denoiser
 from stages.families import get_family, pipeline_class
 from stages.core.caches import export_dir
 
@@ -165,10 +165,7 @@ def test_export_round_trip(built_run):
     for k, v in folded.items():
         torch.testing.assert_close(loaded[k].float(), v)
 
-    in_memory = family.load_denoiser(ModelSource(cfg.model), "fp32", make_runtime("cpu", "fp32"), cfg.train)
-    lora.attach_lora(in_memory, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0, adapter_cfg["target_modules"]))
-    lora.load_adapter_weights(in_memory, final)
-    expected = _denoiser_output(cfg, family, in_memory)
+    expected = _denoiser_output(cfg, family, trained_denoiser(cfg, final))
     got = _denoiser_output(cfg, family, denoiser)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert (got - base_out).abs().max() > 1e-4, "the LoRA changed nothing: the test cannot tell files apart"

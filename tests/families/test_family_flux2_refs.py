@@ -25,7 +25,7 @@ from stages.core.model_source import ModelSource
 from stages.core.runtime import make_runtime
 from stages.families import get_family, pipeline_class
 from stages.train.trainer import Trainer
-from conftest import make_cfg
+from conftest import make_cfg, trained_denoiser
 from stages.core.caches import export_dir
 
 FAMILIES = ["flux2-klein", "flux2"]
@@ -205,10 +205,7 @@ def test_export_round_trip_with_references(ref_run):
     family, pipe = trainer.family, _pipe(cfg)
     adapter, adapter_cfg = lora.load_adapter_files(train.artifact_dir(cfg))
     pipe.load_lora_weights(str(export_dir(cfg)), weight_name="pytorch_lora_weights.safetensors")
-    in_memory = family.load_denoiser(ModelSource(cfg.model), "fp32", make_runtime("cpu", "fp32"), cfg.train)
-    lora.attach_lora(in_memory, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
-                                                 adapter_cfg["target_modules"]))
-    lora.load_adapter_weights(in_memory, train.artifact_dir(cfg))
+    in_memory = trained_denoiser(cfg, train.artifact_dir(cfg))
     noise, t = torch.randn(batch.mean.shape, generator=torch.Generator().manual_seed(2)), torch.tensor([0.4])
     eps = torch.zeros_like(batch.mean)
     with torch.no_grad():  # the trainer's loss (references included) through either denoiser

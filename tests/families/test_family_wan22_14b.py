@@ -27,7 +27,7 @@ import diffusers
 import pytest
 import torch
 
-from conftest import FAMILIES, run_beside, tiny_model
+from conftest import FAMILIES, run_beside, tiny_model, trained_denoiser
 from stages.core import flow
 from stages.core.config import CaptionsConfig, TrainConfig
 from stages.core.model_source import ModelSource
@@ -159,7 +159,6 @@ def test_presets_match_the_pipeline(wan):
 @pytest.mark.parametrize("built_run", [NAME], indirect=True)
 def test_low_noise_run_exports_and_samples_on_transformer_2(built_run):
     from stages import export_lora, sample, train
-    from stages.core import lora
     from stages.core.comfyui_file import comfyui_file_name
     from stages.core.events import Progress
     from test_family import _denoiser_output
@@ -172,12 +171,7 @@ def test_low_noise_run_exports_and_samples_on_transformer_2(built_run):
     assert manifest["files"] == [export_lora.DIFFUSERS_FILE, comfy] and comfy.endswith("_low_noise_comfyui.safetensors")
     assert manifest["checks"][comfy]["keys_loaded"] == manifest["checks"][comfy]["keys"]
 
-    final = lora_dir(cfg) / "final"
-    state, adapter_cfg = lora.load_adapter_files(final)
-    in_memory = family.load_denoiser(ModelSource(cfg.model), "fp32", CPU, cfg.train)
-    lora.attach_lora(in_memory, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
-                                                 adapter_cfg["target_modules"]))
-    lora.load_adapter_weights(in_memory, final)
+    in_memory = trained_denoiser(cfg, lora_dir(cfg) / "final")
     pipe = diffusers.WanPipeline.from_pretrained(cfg.model)
     pipe.set_progress_bar_config(disable=True)
     base_low, base_high = (_denoiser_output(cfg, family, getattr(pipe, c)) for c in ("transformer_2", "transformer"))
@@ -208,21 +202,16 @@ def test_a_dora_low_expert_file_folds_transformer_2s_weights(built_run):
     from safetensors.torch import load_file
 
     from stages import export_lora, train
-    from stages.core import comfyui, lora
+    from stages.core import comfyui
     from stages.core.comfyui_file import comfyui_file_name
     from stages.core.verify import comfyui_key_map
 
     cfg = run_beside(built_run, "dora-low", **{"train.expert": "low", "train.adapter": "dora", "train.steps": 2,
                                                "export.verify": True})
-    family = get_family(NAME)
     train.run(cfg)
     manifest = export_lora.run(cfg)  # --verify passes: every file applies the trained delta in its reader
     final = lora_dir(cfg) / "final"
-    trained_on = family.load_denoiser(ModelSource(cfg.model), "fp32", CPU, cfg.train)
-    state, adapter_cfg = lora.load_adapter_files(final)
-    lora.attach_lora(trained_on, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
-                                                  adapter_cfg["target_modules"], "dora"))
-    lora.load_adapter_weights(trained_on, final)
+    trained_on = trained_denoiser(cfg, final)
     bases = {c: {n: m.weight.detach().clone() for n, m in getattr(pipe_part, "named_modules")()
                  if isinstance(m, torch.nn.Linear)}
              for c, pipe_part in (("transformer", diffusers.WanTransformer3DModel.from_pretrained(cfg.model, subfolder="transformer")),
@@ -320,7 +309,6 @@ def test_both_run_exports_each_expert_and_samples_each_lora_on_its_own(built_run
     from safetensors.torch import load_file
 
     from stages import export_lora, registry, sample, train
-    from stages.core import lora
     from stages.core.artifacts import read_manifest
     from stages.core.comfyui_file import comfyui_file_name
     from test_family import _denoiser_output
@@ -333,13 +321,7 @@ def test_both_run_exports_each_expert_and_samples_each_lora_on_its_own(built_run
     components = {"high": "transformer", "low": "transformer_2"}
 
     def trained(unit):  # the expert with its trained adapter, in memory
-        final = lora_dir(unit) / "final"
-        _, adapter_cfg = lora.load_adapter_files(final)
-        model = family.load_denoiser(ModelSource(cfg.model), "fp32", CPU, unit.train)
-        lora.attach_lora(model, lora.lora_config(adapter_cfg["r"], adapter_cfg["lora_alpha"], 0.0,
-                                                 adapter_cfg["target_modules"]))
-        lora.load_adapter_weights(model, final)
-        return _denoiser_output(unit, family, model)
+        return _denoiser_output(unit, family, trained_denoiser(unit, lora_dir(unit) / "final"))
 
     want = {unit.train.expert: trained(unit) for unit in units}
     pipe = diffusers.WanPipeline.from_pretrained(cfg.model)

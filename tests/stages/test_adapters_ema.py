@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import comfy_name, demo_config_path, once, run_beside
+from conftest import comfy_name, demo_config_path, once, run_beside, trained_denoiser
 from stages.core.caches import export_dir, lora_dir
 
 EMA = {"train.ema_decay": 0.9}
@@ -110,22 +110,6 @@ LYCORIS_KEY = r"lora_unet_[a-z0-9_]+\.(lokr_w1|lokr_w1_a|lokr_w1_b|lokr_w2|lokr_
               r"hada_w2_a|hada_w2_b|alpha|diff)"
 
 
-def _in_memory(cfg, folder: Path):
-    """A fresh denoiser with the run's adapter attached and its saved weights loaded."""
-    from stages.core import lora
-    from stages.core.model_source import model_source
-    from stages.core.runtime import make_runtime
-    from stages.families import get_family
-
-    family = get_family(cfg.family)
-    model = family.load_denoiser(model_source(cfg), "fp32", make_runtime("cpu", "fp32"), cfg.train)
-    t = cfg.train
-    lora.attach_lora(model, lora.lora_config(t.rank, t.alpha, 0.0, t.target_modules, t.adapter, t.rank_pattern,
-                                             t.alpha_pattern))
-    lora.load_adapter_weights(model, folder)
-    return model
-
-
 def _comfy_delta(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """A LyCORIS module's weight delta as ComfyUI's weight_adapter (lokr.py, loha.py) builds it,
     written out here independently of stages/core/kohya.py."""
@@ -148,7 +132,6 @@ def _comfy_delta(parts: dict[str, torch.Tensor]) -> torch.Tensor:
 @once
 @pytest.mark.parametrize("adapter", ["lora", "dora", "lokr", "loha"])
 def test_adapter_types_train_resume_and_export(built_run, adapter):
-    import diffusers
     from safetensors.torch import load_file
 
     from stages import export_lora, train
@@ -168,7 +151,7 @@ def test_adapter_types_train_resume_and_export(built_run, adapter):
     assert same(weights(lora_dir(resumed) / "final"), weights(final))
 
     family = get_family(cfg.family)
-    model = _in_memory(cfg, final)
+    model = trained_denoiser(cfg, final)
     cfg.export.verify = True  # every file checked: in diffusers' loader, and in ComfyUI's key map
     cfg.export.format = "kohya" if adapter in ("lokr", "loha") else "diffusers"
     manifest = export_lora.run(cfg)

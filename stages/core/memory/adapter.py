@@ -41,7 +41,7 @@ def targeted_linears(model: torch.nn.Module, tcfg: Any, targets: list[str]) -> d
 
     from stages.core import lora
 
-    config = lora.lora_config(tcfg.rank, tcfg.alpha, 0.0, targets, tcfg.adapter, tcfg.rank_pattern, tcfg.alpha_pattern)
+    config = lora.train_lora_config(tcfg, targets, dropout=0.0)
     return {name: (m, config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), name), config.r))
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and check_target_module_exists(config, name)}
