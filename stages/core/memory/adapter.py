@@ -8,6 +8,7 @@ moment (DoRA's weight norm, LoHa's and LoKr's delta weight), and what DoRA keeps
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ def targeted_linears(model: torch.nn.Module, tcfg: Any, targets: list[str]) -> d
             if isinstance(m, torch.nn.Linear) and check_target_module_exists(config, name)}
 
 
+@functools.lru_cache(maxsize=256)
 def _params_of_one(adapter: str, in_features: int, out_features: int, rank: int) -> int:
     """The parameters peft adds to one Linear of this shape: counted on a meta Linear, so every adapter type's
     own factorization (LoKr's Kronecker factors, LoHa's two products, DoRA's magnitude) is peft's."""

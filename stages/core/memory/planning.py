@@ -10,6 +10,7 @@ plans. A fingerprint asks its own stage's planner only (planned_caption_precisio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -122,19 +123,25 @@ def plan_key(cfg: Any, family: Any) -> str:
     """What own_settings' plan depends on, hashed: the config, the model's components (their configs and weight
     files' sizes and edges, ModelSource.identity), the planner's and the families' code, and the versions of the
     libraries that build the models it sizes. The GPU itself is not in it: these plans do not ask it anything."""
-    import hashlib
-    from importlib.metadata import version
-
     from stages.core.artifacts import fingerprint
     from stages.core.model_source import model_source
+
+    components = (*family.text_components, *family.vae_components, *family.denoiser_components)
+    return fingerprint({"config": cfg.to_dict(), "model": model_source(cfg).identity(components), **_planner_code()})
+
+
+@functools.lru_cache(maxsize=1)
+def _planner_code() -> dict[str, Any]:
+    """The planner's and the families' source, hashed, and the versions of diffusers and transformers: read once
+    a process (they do not change under it)."""
+    import hashlib
+    from importlib.metadata import version
 
     code = hashlib.sha256()
     root = Path(__file__).resolve().parents[2]  # stages/
     for path in sorted([*(root / "core" / "memory").glob("*.py"), *(root / "families").rglob("*.py")]):
         code.update(path.read_bytes())
-    components = (*family.text_components, *family.vae_components, *family.denoiser_components)
-    return fingerprint({"config": cfg.to_dict(), "model": model_source(cfg).identity(components),
-                        "code": code.hexdigest(), "libraries": [version(p) for p in ("diffusers", "transformers")]})
+    return {"code": code.hexdigest(), "libraries": [version(p) for p in ("diffusers", "transformers")]}
 
 
 def _recorded_plan(cfg: Any, stage: str) -> dict[str, Any] | None:
