@@ -162,6 +162,13 @@ CAPTURE_ROOM = 2.0
 # Without swap (partial checkpointing fills a budget with un-checkpointed blocks) 1.45x is the lowest room
 # at which a measured capture ran; lower ones ran out of memory (bench/LOG.md).
 UNSWAPPED_CAPTURE_ROOM = 1.45
+# A batch shape first seen after graphs were captured (another bucket, a longer caption where the family cuts
+# captions to the batch's longest) runs one eager step beside the graphs' pool, which the cap does not give back:
+# under a budget its activations (the captured shapes' eager activations, scaled by its larger inputs, with this
+# margin) must fit what is free, else the graphs are released and every step runs eager. Ideogram 4 under an fp8
+# plan at an 18.5 GB cap ran its captured shape, then ran out of memory at the first step of a longer caption
+# (bench/results/peers-ideogram4/).
+NEW_SHAPE_ROOM = 1.15
 SWAP_GRAPHS = (f"on under block swap where the capture has room (mode auto): captured at its second step if "
                f"the memory free under the budget is {CAPTURE_ROOM:g}x the eager step's activations, else eager; "
                f"runtime.cuda_graphs = 'on' captures regardless, 'off' never")
@@ -176,6 +183,7 @@ class CaptureRoom:
     def __init__(self, device: torch.device, budget_gb: float, factor: float):
         self.device, self.budget, self.factor = device, int(budget_gb * 2**30), factor
         self.base: int | None = None
+        self.eager_need = 0  # the largest eager step's activations weighed at a capture (bytes)
 
     def first_call(self) -> None:
         if self.base is None:
@@ -186,10 +194,22 @@ class CaptureRoom:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         need = max(torch.cuda.max_memory_allocated(self.device) - (self.base or 0), 0)
+        self.eager_need = max(self.eager_need, need)
         free = self.budget - torch.cuda.memory_reserved(self.device)
         return free >= self.factor * need, (f"{free / 2**30:.2f} GB free under the {self.budget / 2**30:.2f} GB "
                                             f"budget for a capture that wants {self.factor:g}x the eager step's "
                                             f"{need / 2**30:.2f} GB of activations")
+
+    def eager_fits(self, scale: float) -> tuple[bool, str]:
+        """(room?, the figures weighed) for the first, eager step of a batch shape not seen before, while the
+        captured graphs keep their pool: the memory free under the budget against NEW_SHAPE_ROOM times the
+        captured shapes' eager activations, scaled by how much larger the new shape's inputs are (`scale`)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        want = NEW_SHAPE_ROOM * max(1.0, scale) * self.eager_need
+        free = self.budget - torch.cuda.memory_reserved(self.device)
+        return free >= want, (f"{free / 2**30:.2f} GB free under the {self.budget / 2**30:.2f} GB budget beside the "
+                              f"graphs' memory, for a new batch shape's eager step that may want {want / 2**30:.2f} GB")
 
 
 def graphs_plan(rt: Any, dropout: float, mode: str, swapped: int = 0) -> tuple[bool, str]:
@@ -253,6 +273,8 @@ class GraphedDenoiser:
         self._graphs: dict[Any, Callable[..., Any]] = {}
         self._failed: set[Any] = set()
         self._oom = False  # a capture ran out of memory: no further shape is captured (each would need as much)
+        self._released = ""  # why the graphs were released for a new shape's eager step ("" while they are kept)
+        self._weighed = 0  # the most input elements of a shape whose eager activations the room weighed
         self.replays = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -270,13 +292,16 @@ class GraphedDenoiser:
             self._seen[key] += 1
             if self._room is not None:
                 self._room.first_call()
+                if self._seen[key] == 1 and self._graphs:
+                    self._make_room_for_new_shape(leaves)
             if self._seen[key] == CAPTURE_AT and len(self._graphs) >= self.max_graphs and key not in self._failed:
                 self._warn_full(leaves)
             if (self._seen[key] < CAPTURE_AT or key in self._failed or key in self._no_room or self._oom
-                    or len(self._graphs) >= self.max_graphs):
+                    or self._released or len(self._graphs) >= self.max_graphs):
                 return self.model(*args, **kwargs)
             if self._room is not None:
                 fits, why = self._room.check()
+                self._weighed = max(self._weighed, _elements(leaves))
                 self._room_checks.append(("" if fits else "no room: ") + why)
                 if not fits:
                     self._no_room.add(key)
@@ -286,6 +311,24 @@ class GraphedDenoiser:
                 return self.model(*args, **kwargs)
         self.replays += 1
         return graph(leaves)
+
+    def _make_room_for_new_shape(self, leaves: list[Any]) -> None:
+        """Before a new batch shape's first (eager) step while graphs hold their pool: where that step may not fit
+        what the budget leaves free (CaptureRoom.eager_fits), release the graphs so it runs, and every step
+        after it, eager."""
+        fits, why = self._room.eager_fits(_elements(leaves) / max(1, self._weighed))
+        self._room_checks.append(("" if fits else "released: ") + why)
+        if fits:
+            return
+        self._graphs.clear()
+        self._pool = None
+        forget_slots(self.model)
+        _release_graph_memory()
+        self._released = why
+        shapes = [tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)][:2]
+        self.log.emit("warning", message=f"CUDA graphs released: batch shape {shapes} is new and its eager step may "
+                                         f"not fit beside their memory ({why}); every step runs eager from here (slower). "
+                                         f"A larger --vram keeps them")
 
     def _warn_full(self, leaves: list[Any]) -> None:
         """A repeated batch shape past the graph limit runs eager from now on: say so, once per shape."""
@@ -321,7 +364,7 @@ class GraphedDenoiser:
             del static
             self._failed.add(key)
             forget_slots(self.model)
-            _release_failed_capture()
+            _release_graph_memory()
             then = "; no other shape is captured either (each would need as much memory)" if self._oom else ""
             self.log.emit("warning", message=f"CUDA graph capture failed for input shapes "
                                              f"{[tuple(leaves[i].shape) for i in at]}; this shape runs eager{then}: {failure}")
@@ -331,11 +374,17 @@ class GraphedDenoiser:
 
     def summary(self) -> dict[str, Any]:
         room = {"no_room": len(self._no_room), "room": self._room_checks} if self._room is not None else {}
-        stopped = {"stopped": "a capture ran out of memory"} if self._oom else {}
+        stopped = ({"stopped": "a capture ran out of memory"} if self._oom else
+                   {"stopped": f"released for a new shape's eager step: {self._released}"} if self._released else {})
         return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays, **room, **stopped}
 
 
-def _release_failed_capture() -> None:
+def _elements(leaves: list[Any]) -> int:
+    """The input elements of a call (its tensors' sizes summed): how a shape's activations compare with another's."""
+    return sum(leaf.numel() for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _release_graph_memory() -> None:
     """Give back what a failed capture allocated (its pool's blocks, the half-built graph's tensors), so
     the eager steps that follow have the memory they had before it."""
     gc.collect()

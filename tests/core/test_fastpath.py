@@ -104,7 +104,7 @@ def test_graphed_denoiser_capture_failure_runs_eager_with_warning():
 
 def test_a_failed_capture_frees_its_tensors_before_the_cache_is_released(monkeypatch):
     """What the failed capture allocated (held by the exception's frames while it is being handled) is
-    gone when `_release_failed_capture` empties the CUDA cache, so the eager steps get that memory."""
+    gone when `_release_graph_memory` empties the CUDA cache, so the eager steps get that memory."""
     import weakref
 
     model, log, refs, alive = _Model(), _Log(), [], []
@@ -114,7 +114,7 @@ def test_a_failed_capture_frees_its_tensors_before_the_cache_is_released(monkeyp
         refs.append(weakref.ref(out[0]))
         raise RuntimeError("CUDA out of memory inside the capture")
 
-    monkeypatch.setattr(fastpath, "_release_failed_capture", lambda: alive.append([r() is not None for r in refs]))
+    monkeypatch.setattr(fastpath, "_release_graph_memory", lambda: alive.append([r() is not None for r in refs]))
     g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=broken)
     for _ in range(2):
         g(torch.randn(2, 4), return_dict=False)
@@ -229,16 +229,20 @@ def test_auto_captures_only_with_room_under_the_budget_and_swap_skips_the_side_s
 
 
 class _Room:
-    """CaptureRoom's protocol with its answers given, one per check."""
+    """CaptureRoom's protocol with its answers given, one per check (a capture's, then a new shape's eager step's)."""
 
-    def __init__(self, fits: list[bool]):
-        self.answers, self.first_calls = list(fits), 0
+    def __init__(self, fits: list[bool], eager: list[bool] = ()):
+        self.answers, self.eager, self.first_calls, self.scales = list(fits), list(eager), 0, []
 
     def first_call(self) -> None:
         self.first_calls += 1
 
     def check(self) -> tuple[bool, str]:
         return self.answers.pop(0), "figures"
+
+    def eager_fits(self, scale: float) -> tuple[bool, str]:
+        self.scales.append(scale)
+        return self.eager.pop(0), "eager figures"
 
 
 def test_without_room_a_shape_runs_eager_and_is_not_asked_again():
@@ -256,6 +260,38 @@ def test_without_room_a_shape_runs_eager_and_is_not_asked_again():
     assert g.summary()["room"] == ["no room: figures", "figures"]
     assert g._room.answers == [] and g._room.first_calls > 0  # asked once per shape; told of the first call
     assert not [e for e, _ in log.events if e == "warning"]  # a plan, not a fault: in the summary, no warning
+
+
+def test_a_new_shape_whose_eager_step_may_not_fit_beside_the_graphs_releases_them():
+    """Under a budget, a batch shape first seen after a capture runs eager beside the graphs' pool: where the room
+    says that step may not fit (scaled by how much larger its inputs are), the graphs are released and every step
+    runs eager, with a warning; where it fits they stay. Ideogram 4's fp8 plan at an 18.5 GB cap ran out of
+    memory at exactly that step."""
+    model, log, record = _Model(), _Log(), []
+    released: list = []
+    room = _Room([True], eager=[True, False])
+    g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record), room=room)
+    a, b, c = torch.randn(2, 4), torch.randn(3, 4), torch.randn(4, 4)
+    for x in (a, a, a):  # captured at its second call, replayed at its third
+        g(x, return_dict=False)
+    assert g.summary()["graphs"] == 1 and room.scales == []  # no graph existed at the first shape's first step
+    g(b, return_dict=False)  # a new shape: room for its eager step, the graph stays
+    assert g.summary()["graphs"] == 1 and room.scales == [1.5] and not [e for e, _ in log.events if e == "warning"]
+    fastpath_release = fastpath._release_graph_memory
+    try:
+        fastpath._release_graph_memory = lambda: released.append(True)
+        out = g(c, return_dict=False)[0]  # larger again: no room beside the graph, so it is released first
+    finally:
+        fastpath._release_graph_memory = fastpath_release
+    assert torch.equal(out, model(c, return_dict=False)[0]) and released == [True] and room.scales == [1.5, 2.0]  # against the captured shape's inputs
+    warnings = [m["message"] for e, m in log.events if e == "warning"]
+    assert len(warnings) == 1 and warnings[0].startswith("CUDA graphs released: batch shape [(4, 4)]")
+    assert "eager figures" in warnings[0] and "--vram" in warnings[0]
+    for x in (a, a, c, c, c):  # every shape eager from here: nothing captured or replayed again
+        g(x, return_dict=False)
+    summary = g.summary()
+    assert summary["graphs"] == 0 and summary["replays"] == 2 and len(record) == 1  # those of shape a, before
+    assert summary["stopped"].startswith("released for a new shape's eager step") and room.answers == []
 
 
 def test_capture_room_weighs_the_free_budget_against_the_eager_steps_activations(monkeypatch):
@@ -278,3 +314,9 @@ def test_capture_room_weighs_the_free_budget_against_the_eager_steps_activations
     figures.update(peak=6 * GB)  # the eager step reached 6 GB: 1.0 GB of activations, 2.0 wanted
     fits, why = room.check()
     assert fits is False and "1.60 GB free" in why and "1.00 GB of activations" in why
+    # a new shape's eager step beside the graphs: 1.15x the largest weighed activations (1.0 GB), scaled by its inputs
+    fits, why = room.eager_fits(1.2)
+    assert fits is True and why.endswith("may want 1.38 GB")  # 1.60 GB free
+    fits, why = room.eager_fits(1.5)
+    assert fits is False and "1.60 GB free" in why and why.endswith("may want 1.72 GB")
+    assert room.eager_fits(0.5)[1].endswith("may want 1.15 GB")  # a smaller shape: never below the measured step
