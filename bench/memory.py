@@ -77,7 +77,7 @@ class MemoryRunner(Runner):
 
     def measure(self, fam: str, model: Path, budget: str, kind: str, stage: str) -> dict[str, Any]:
         res = self.args.res
-        base = f"mem-{fam}" if res == RESOLUTION else f"mem-{fam}-{res}"
+        base = _base_run(fam, res)
         run = base if kind != "train" else f"{base}-train-{budget}"
         run_dir = self.work / "artifacts" / run
         if kind == "train":  # a fresh run per budget, on the captions and latents measured last
@@ -113,7 +113,12 @@ class MemoryRunner(Runner):
         measured: dict[tuple[str, str], dict[str, Any]] = {}  # (stage, settings) -> the row that measured it
         for budget in self.args.budgets.split(","):
             settings = self.planned(fam, model, budget)
-            for kind, stage, _ in STAGES:
+            cache_failed = ""  # a cache stage of this budget that failed and left no cache: train has nothing to read
+            for kind, stage, store in STAGES:
+                if kind == "train" and cache_failed:
+                    self.add({"family": fam, "budget": budget, "stage": stage, "status": "skipped",
+                              "reason": f"{cache_failed} failed: no cache to train on"})
+                    continue
                 key = (stage, json.dumps(settings.get(stage), sort_keys=True))
                 if stage in settings and key in measured:
                     self.add({"family": fam, "budget": budget, "stage": stage, "status": "same plan",
@@ -126,6 +131,9 @@ class MemoryRunner(Runner):
                 self.ensure_model(fam, kind)  # a staged family (FLUX.2 dev): this stage's components
                 row = self.measure(fam, model, budget, kind, stage)
                 self.add(row)
+                if kind != "train" and row["status"] != "ok" and not (
+                        self.work / "artifacts" / _base_run(fam, self.args.res) / store).exists():
+                    cache_failed = stage
                 if row["status"] == "ok" and row["plan"]:
                     measured[(stage, json.dumps(row["plan"]["settings"], sort_keys=True))] = row
         if not self.args.keep:
@@ -137,6 +145,11 @@ class MemoryRunner(Runner):
         self.save()
         brief = {k: row.get(k) for k in ("status", "peak_vram_gb", "samples_per_second", "wall_s", "same_as_budget")}
         print(f"[memory] {row['family']} {row['stage']} @{row['budget']}: {json.dumps(brief)[:300]}", flush=True)
+
+
+def _base_run(fam: str, res: int) -> str:
+    """The run whose caches a family's rows at `res` share (each train row copies them into its own run)."""
+    return f"mem-{fam}" if res == RESOLUTION else f"mem-{fam}-{res}"
 
 
 class SmiPeak:

@@ -160,12 +160,15 @@ def preset_captions(family: str) -> dict[str, object]:
 
 def budget_grid(family: str) -> list[Memory]:
     """The preset as a user runs it (its caption length, caption batch and text-encoder precision) under every
-    budget, at the preset's caption length and at 77 tokens, train batch 1 and 4, 1024 and 512 px; the
+    budget, at the preset's caption length and at 77 tokens (or the family's shortest), train batch 1 and 4, 1024 and 512 px; the
     preset's length, batch 1 and 1024 px first. Each call is one (length, px, batch): bench/memory.py measures
     every stage under each budget there, predicted / allocated / reserved / with the CUDA context."""
     captions = preset_captions(family)
     fixed = tuple(f"captions.{k}={captions[k]}" for k in ("batch_size", "text_encoder_precision") if k in captions)
-    lengths = list(dict.fromkeys((int(captions.get("max_sequence_length", 77)), 77)))
+    from bench.bench import caption_tokens
+
+    short = caption_tokens(family)
+    lengths = list(dict.fromkeys((int(captions.get("max_sequence_length", short)), short)))
     return [Memory(family, px, b, (*fixed, f"captions.max_sequence_length={n}", f"train.batch_size={batch}"))
             for n, batch, px in product(lengths, (1, 4), (1024, 512)) for b in GRID_BUDGETS]
 

@@ -539,3 +539,32 @@ def test_gpu_probe_section_shows_gradients_against_flash_and_the_attention_modes
     assert "| tiny-widths-guard | cuDNN | True | 0.02 |  |  | 1/2, 0.5, 0.9 |" in text
     assert "| kontext-eager | cuDNN | False |  |  | illegal memory access |  |" in text
     assert "1 (rows, in, out) shapes of the fp8 Linear, 0 with" in text and "| guard | fp8 | 0 of 3 |" in text
+
+
+def test_memory_rows_skip_train_when_a_cache_stage_left_no_cache(tmp_path: Path, monkeypatch) -> None:
+    """A failed encode-captions (LTX-2's connectors refused 77-token captions) leaves no captions.zarr: the row's
+    train says it was skipped and why, and the call goes on (it once crashed the whole call on the missing store).
+    Where an earlier budget's caches exist, train still runs on them."""
+    from bench.bench import run_args
+    from bench.memory import MemoryRunner, parser
+
+    runner = MemoryRunner(run_args(parser, work=str(tmp_path), budgets="auto,8", tiny=True))
+    monkeypatch.setattr(runner, "ensure_model", lambda fam, kind: tmp_path / "model")
+    monkeypatch.setattr(runner, "save", lambda: None)
+    ran: list = []
+
+    def measure(fam, model, budget, kind, stage):  # the fault: encode fails at the first budget only
+        ran.append((budget, stage))
+        if kind == "encode" and budget == "auto":
+            return {"family": fam, "budget": budget, "stage": stage, "status": "failed", "plan": None}
+        if kind != "train":
+            (tmp_path / "artifacts" / "mem-ltx2" / ("captions.zarr" if kind == "encode" else "latents.zarr")).mkdir(parents=True, exist_ok=True)
+        return {"family": fam, "budget": budget, "stage": stage, "status": "ok", "plan": {"settings": {"b": budget}}}
+
+    monkeypatch.setattr(runner, "measure", measure)
+    runner.run_family("ltx2")
+    items = [(r["budget"], r["stage"], r["status"], r.get("reason", "")) for r in runner.results["items"]]
+    assert items[:3] == [("auto", "encode-captions", "failed", ""), ("auto", "cache-latents", "ok", ""),
+                         ("auto", "train", "skipped", "encode-captions failed: no cache to train on")]
+    assert ("auto", "train") not in ran and ("8", "encode-captions") in ran and ("8", "train") in ran
+    assert items[-1] == ("8", "train", "ok", "")
