@@ -35,18 +35,19 @@ KEEP_ATTENTION_HINT_TOKENS = 8704
 # 77-token captions at batch 8 reserved 4.54 (bench/results/memory-flux-512-h200.json).
 # 8 bytes (fp32 scores and their softmax) puts batch 8 above that cap, batch 1 at 4.75 GB reserved.
 ATTENTION_SCORE_BYTES = 8.0
-# VAE encode work per pixel of one image, per VAE class, sized so that x FRAGMENTATION covers what the fp32 encode
-# reserved at 512 and 1024 px with ~1 % to spare: AutoencoderKL 1.23 and 3.90 GB (allocated 1.10 and 3.36), the
-# Qwen-Image VAE 1.68 and 5.12 GB (allocated 1.52 and 4.57) (bench/results/memory-{flux,qwen-image}-512-h200.json,
-# memory-flux-h200.json, memory-qwen-image-8gb-slots-h200.json). A class not listed is planned with the larger figure.
-VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064,
-                          # an estimate, not measured: Qwen-Image's (the Wan 2.1 VAE) for Wan 2.2's per frame in
-                          # flight; bench/suites wan2.2-5b measures cache-latents' peak
+# VAE encode work per pixel of one image (a video VAE: per pixel of each frame in flight), per VAE class (and
+# patch size, where a class patchifies in some checkpoints only), sized so that x FRAGMENTATION covers what the fp32
+# encode reserved with ~1 % to spare: AutoencoderKL 1.23 and 3.90 GB at 512 and 1024 px (allocated 1.10 and 3.36),
+# the Qwen-Image VAE 1.68 and 5.12 GB (allocated 1.52 and 4.57) (bench/results/memory-{flux,qwen-image}-512-h200.json,
+# memory-flux-h200.json, memory-qwen-image-8gb-slots-h200.json); FLUX.2's VAE (ERNIE-Image's, Ideogram 4's) 3.48 GB
+# at 1024 px like AutoencoderKL's, whose encoder it shares; Wan 2.2's VAE (2x2 patches folded into channels first)
+# 7.18 GB and LTX-2's 8.48 GB at 640 px and 33 frames (bench/results/{ernie-image,ideogram4,wan2.2-5b,ltx2}/).
+# A class not listed is planned with the largest figure.
+VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064, "AutoencoderKLFlux2": 820,
+                          # Wan 2.1's VAE (Wan 2.2 A14B's), not measured: the Qwen-Image VAE's, its derivative
                           "AutoencoderKLWan": 1064,
-                          # an estimate, not measured: LTX-2's VAE folds 4x4 pixels into channels first (256 channels
-                          # at a 16th of the pixels, where AutoencoderKL has 128 at every pixel): a quarter of
-                          # AutoencoderKL's figure, for each of a clip's frames (it encodes them all at once)
-                          "AutoencoderKLLTX2Video": 205}
+                          "AutoencoderKLWan/patch2": 470,  # Wan 2.2 TI2V-5B's, per frame of the 5 in flight
+                          "AutoencoderKLLTX2Video": 56}  # every frame of the clip at once
 # Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256, "AutoencoderKLWan": 256,
                    "AutoencoderKLLTX2Video": 512}  # LTX-2's own default tile (16 latent cells), every 384 px

@@ -37,8 +37,11 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 
 
 def vae_elements_per_pixel(vae: Any) -> int:
-    """The VAE's work per pixel of one image (calibration.VAE_ELEMENTS_PER_PIXEL: its class's, else the largest)."""
-    return cal.VAE_ELEMENTS_PER_PIXEL.get(type(vae).__name__, max(cal.VAE_ELEMENTS_PER_PIXEL.values()))
+    """The VAE's work per pixel of one image (calibration.VAE_ELEMENTS_PER_PIXEL: its class's with its patch size
+    where one is listed, else its class's, else the largest)."""
+    name, patch = type(vae).__name__, getattr(vae.config, "patch_size", None) if hasattr(vae, "config") else None
+    table = cal.VAE_ELEMENTS_PER_PIXEL
+    return table.get(f"{name}/patch{patch}", table.get(name, max(table.values())))
 
 
 def configured_vae_precision(cfg: Any) -> str:
