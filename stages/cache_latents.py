@@ -15,7 +15,7 @@ import dataclasses
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from stages.core import dataset, distributed, video
 from stages.core import faults
@@ -397,6 +397,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     import torch
 
     from stages.core import memory
+    from stages.core.host_copies import pinned, to_host
     from stages.core.runtime import make_runtime, reset_peak
     from stages.families import get_family
 
@@ -422,7 +423,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
 
     def read_image(unit: tuple[Bucket, str]) -> Any:
         """The host's part, on a reader thread ahead of the encoder: the decoded image, its mask and
-        controls, its variants and their pixels; or the BadImage that stops it."""
+        controls, its variants and their pixels (pinned for a CUDA GPU); or the BadImage that stops it."""
         bucket, image_id = unit
         item, size, _ = plan[image_id]
         d = datasets[item.dataset]
@@ -430,7 +431,8 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
                                          d.crop, d.crop_zoom)
         try:
             if item.is_clip:
-                return None, None, [], *_clip_pixels(item, clips[image_id], variants, bucket, d, cfg)
+                variants, pixels = _clip_pixels(item, clips[image_id], variants, bucket, d, cfg)
+                return None, None, [], variants, pinned(pixels, rt.device)
             image = dataset.load_image(item.image_path, cfg.data.background)
             mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
             controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
@@ -438,21 +440,26 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
             return dataset.BadImage(str(e))
         except dataset.BadImage as e:
             return e
-        return image, mask, controls, variants, _pixels(image, variants, bucket)
+        return image, mask, controls, variants, pinned(_pixels(image, variants, bucket), rt.device)
 
-    def encode_image(unit: tuple[Bucket, str], read: Any) -> None:
+    def skip_image(unit: tuple[Bucket, str], bad: dataset.BadImage) -> None:
+        item = plan[unit[1]][0]
+        if cfg.data.on_bad_image == "error":  # reported with every other one once the rest are encoded
+            load_failed.append((position[unit], item.key, str(bad)))
+            return
+        load_skipped.append((position[unit], item.key, str(bad)))
+        ctx.log.emit("skipped", item=item.key, reason=str(bad))
+
+    def encode_image(unit: tuple[Bucket, str], read: Any) -> Callable[[], None]:
+        """Queue the VAE's work for one image; -> its finish (encode_units calls it once the next image's
+        work is queued): the row copied to the host and journaled, or a bad image reported, in order."""
         bucket, image_id = unit
         item, size, _ = plan[image_id]
         if isinstance(read, dataset.BadImage):
-            if cfg.data.on_bad_image == "error":  # reported with every other one once the rest are encoded
-                load_failed.append((position[unit], item.key, str(read)))
-                return
-            load_skipped.append((position[unit], item.key, str(read)))
-            ctx.log.emit("skipped", item=item.key, reason=str(read))
-            return
+            return lambda: skip_image(unit, read)
         _, mask, controls, variants, pixels = read
         with torch.no_grad():
-            mean, logvar = family.encode_posterior(vae, pixels.to(rt.device))
+            mean, logvar = family.encode_posterior(vae, pixels.to(rt.device, non_blocking=True))
             posteriors = _control_posteriors(family, vae, controls, size, variants, bucket, rt.device)
         if len(variants) < n_var:  # another dataset caches more: repeat this one's to fill the row
             cycle = [k % len(variants) for k in range(n_var)]
@@ -471,16 +478,23 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         if bucket not in rows_of:
             rows_of[bucket] = stores[bucket].row_of()
         _check_control_shapes(stores[bucket], posteriors, item, bucket)
-        stores[bucket].journal_row(rows_of[bucket][image_id], {
-            "mean": mean.float(), "logvar": logvar.float(), **{k: v.float() for k, v in posteriors.items()},
-            # (top, left) of the crop in the image the model sees: for a flipped variant that
-            # is the mirrored image, where the box starts at resized_width - left - bucket_width
-            "crop_top_left": [[v.crop_top, v.resized[0] - v.crop_left - bucket[0] if v.flip else v.crop_left]
-                              for v in variants],
-            "flip": [int(v.flip) for v in variants], "original_size": [size[1], size[0]],
-            **({"start_frame": [v.start for v in variants]} if bucket.frames > 1 else {}),
-            "mask": _masks(mask, variants, bucket, tuple(mean.shape[-2:]))})
-        faults.hit(NAME)
+        latents = to_host({"mean": mean.float(), "logvar": logvar.float(),
+                           **{k: v.float() for k, v in posteriors.items()}}, rt.device)
+        store, row, latent_hw = stores[bucket], rows_of[bucket][image_id], tuple(mean.shape[-2:])
+
+        def finish() -> None:
+            store.journal_row(row, {
+                **latents(),
+                # (top, left) of the crop in the image the model sees: for a flipped variant that
+                # is the mirrored image, where the box starts at resized_width - left - bucket_width
+                "crop_top_left": [[v.crop_top, v.resized[0] - v.crop_left - bucket[0] if v.flip else v.crop_left]
+                                  for v in variants],
+                "flip": [int(v.flip) for v in variants], "original_size": [size[1], size[0]],
+                **({"start_frame": [v.start for v in variants]} if bucket.frames > 1 else {}),
+                "mask": _masks(mask, variants, bucket, latent_hw)})
+            faults.hit(NAME)
+
+        return finish
 
     def reopen() -> None:  # stores rank 0 created while seeding
         for bucket in stores:
@@ -511,9 +525,12 @@ def _control_posteriors(family: Any, vae: Any, controls: list[Any], size: tuple[
                         variants: list[dataset.Variant], bucket: Bucket, device: Any) -> dict[str, Any]:
     """Each control image's posterior, `control_<k>_mean`/`_logvar` (n_variants, C, h, w), as the
     family's pipeline would see it beside each variant of the target (its `control_images`)."""
+    from stages.core.host_copies import pinned
+
     out = {}
     for k, control in enumerate(controls):
-        pixels = _to_pixels(family.control_images(control, size, variants, tuple(bucket))).to(device)
+        pixels = _to_pixels(family.control_images(control, size, variants, tuple(bucket)))
+        pixels = pinned(pixels, device).to(device, non_blocking=True)
         out[f"control_{k}_mean"], out[f"control_{k}_logvar"] = family.encode_posterior(vae, pixels)
     return out
 

@@ -14,6 +14,7 @@ from stages.core import distributed
 from stages.core.rowstore import RowStore
 
 T = TypeVar("T")
+Finish = Callable[[], None]  # the host part of a unit's encode: its row copied off the device and written
 PROGRESS_EVERY_S = 1.0  # events.jsonl gets a progress event at most this often (100k images: not 100k lines)
 
 
@@ -63,7 +64,7 @@ def prepare_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encode: Callable[..., None], *,
+def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encode: Callable[..., Finish | None], *,
                  size: Callable[[T], int], needs_store: Callable[[T], bool], reopen: Callable[[], None],
                  done_before: int, total: int, prepare: Callable[[T], Any] | None = None,
                  shard_of: Callable[[T], Hashable] | None = None, flush: Callable[[], None] = lambda: None) -> dict[str, float]:
@@ -74,20 +75,28 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
     encodes its round-robin share of the rest. Progress and `preparing` events (at most one a second) count
     global items: rank 0's own count times the world size (ranks keep about the same pace), capped at the total.
     With `prepare` (the host's part: reading and decoding), `encode(unit, prepare(unit))` runs while
-    threads prepare the next units, so the encoder does not wait on the disk. Units with the same
-    `shard_of` (the store shard their rows go to) go to one rank, which alone packs that shard; `flush`
+    threads prepare the next units, so the encoder does not wait on the disk. `encode` may return a finish
+    (the unit's row copied to the host and written), called once the next unit's encode is queued, so the
+    GPU works on that one meanwhile (a one-deep pipeline; units are counted when finished); an error or a
+    stop finishes the unit in flight before it is raised, and seeding finishes each unit at once. Units with
+    the same `shard_of` (the store shard their rows go to) go to one rank, which alone packs that shard; `flush`
     packs what this rank journaled (after rank 0's seeding and before the final barrier). Returns this rank's
-    {"units", "seconds", "encode_seconds"}: how busy the encoder was."""
+    {"units", "seconds", "encode_seconds"}: how busy the encoder was (encodes and finishes)."""
     dist = ctx.dist
     todo = sum(size(u) for u in units)
     counted = {"here": 0, "shown": 0, "logged": 0.0}
     stats = {"units": 0.0, "seconds": 0.0, "encode_seconds": 0.0}
+    in_flight: deque[tuple[T, Finish]] = deque()  # at most one: encoded, its row not yet written
     start = time.perf_counter()
     with distributed.progress(dist, label, todo, unit_name) as bar:
-        def encode_one(unit: T, *prepared: Any) -> None:
+        def timed(work: Callable[..., Any], *args: Any) -> Any:
             t0 = time.perf_counter()
-            encode(unit, *prepared)
-            stats["encode_seconds"] += time.perf_counter() - t0
+            try:
+                return work(*args)
+            finally:
+                stats["encode_seconds"] += time.perf_counter() - t0
+
+        def done(unit: T) -> None:
             stats["units"] += 1
             counted["here"] += size(unit)
             estimate = min(todo, counted["here"] * dist.world_size)
@@ -98,6 +107,24 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
                 counted["logged"] = now
                 ctx.log.emit("preparing", done=done_before + estimate, total=total, encoded=estimate)
 
+        def finish_in_flight() -> None:
+            while in_flight:
+                unit, finish = in_flight.popleft()
+                timed(finish)
+                done(unit)
+
+        def encode_one(unit: T, *prepared: Any) -> None:
+            finish = timed(encode, unit, *prepared)
+            before = list(in_flight)  # the previous unit: its row is written now that this one is queued
+            in_flight.clear()
+            if finish is not None:
+                in_flight.append((unit, finish))  # an error finishing `before` still writes this one
+            for previous, previous_finish in before:
+                timed(previous_finish)
+                done(previous)
+            if finish is None:
+                done(unit)
+
         def run(some: Iterable[T]) -> None:
             if prepare is None:
                 for unit in some:
@@ -105,6 +132,7 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
             else:
                 for unit, prepared in prefetched(some, prepare, prepare_workers()):
                     encode_one(unit, prepared)
+            finish_in_flight()
 
         seeded: list[int] = []
         with distributed.main_first(dist):
@@ -113,6 +141,7 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
                     if needs_store(unit):  # the first unit of each new store makes it: the rest need it no more
                         seeded.append(k)
                         encode_one(unit, *([prepare(unit)] if prepare is not None else []))
+                        finish_in_flight()
                 flush()  # the seeded rows are in their shards before another rank packs them
         seeded = distributed.broadcast(seeded, dist)
         if seeded:
@@ -122,6 +151,8 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
         try:
             run(_deal(rest, dist, len(seeded), shard_of))
         except BaseException:
+            with contextlib.suppress(Exception):  # the unit encoded before the failure keeps its row
+                finish_in_flight()
             with contextlib.suppress(Exception):  # what stays journaled is packed by the next run
                 flush()
             raise
