@@ -312,13 +312,18 @@ def test_the_cache_planners_predict_the_memory_rows_from_above(tmp_path):
     assert all(1.0 <= x <= 1.15 for x in ratios.values()), {k: round(v, 3) for k, v in ratios.items()}
 
 
-def test_the_vae_plans_of_the_newer_families_predict_their_rows_from_above(tmp_path, monkeypatch):
-    """cache-latents' rows of the families measured in their own suites (bench/results/<family>/memory.*.json: FLUX.2's
-    VAE under ERNIE-Image and Ideogram 4 at 1024 px, Wan 2.2's patchified VAE and LTX-2's at 640 px and 33 frames):
-    the prediction recomputed by today's planner at or above what the process held, within 15 %."""
+def test_the_newer_families_rows_are_predicted_from_above(tmp_path, monkeypatch):
+    """The rows of the families measured in their own suites (bench/results/<family>/memory.*.json), recomputed by
+    today's planner, at or above what the process held and within 15 %: cache-latents (FLUX.2's VAE under ERNIE-Image
+    and Ideogram 4 at 1024 px, Wan 2.2's patchified VAE and LTX-2's at 640 px and 33 frames) and train under a cap
+    (ERNIE-Image, HiDream-I1 and Ideogram 4 at 16 GB). Uncapped train rows are left out: without a cap the allocator
+    keeps freed blocks cached (Wan 2.2 TI2V-5B reserved 1.27x what it allocated)."""
+    monkeypatch.setattr("stages.core.fp8.fp8_supported", lambda: True)
     monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: 120 * GB)
     files = sorted(p for p in RESULTS.glob("*/memory.*.json") if p.parent.name != "budget-grid" and not p.name.endswith(".failed.json"))
-    rows = _measured_rows(files, ("cache-latents",))
+    rows = [(name, r) for name, r in _measured_rows(files, ("cache-latents", "train"))
+            if r["stage"] == "cache-latents" or r["budget"] != "auto"]
     assert {r["family"] for _, r in rows} >= {"ernie-image", "ideogram4", "wan2.2-5b", "ltx2"}
+    assert {r["family"] for _, r in rows if r["stage"] == "train"} >= {"ernie-image", "hidream-i1", "ideogram4"}
     ratios = _ratios(rows, tmp_path, counts_context=True)
     assert all(1.0 <= x <= 1.15 for x in ratios.values()), {k: round(v, 3) for k, v in ratios.items()}
