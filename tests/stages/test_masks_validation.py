@@ -292,7 +292,7 @@ def _events(cfg, event: str) -> list[dict]:
 
 
 @once
-def test_validation_loss_end_to_end(built_run, tmp_path):
+def test_validation_loss_end_to_end(built_run, tmp_path, monkeypatch):
     from click.testing import CliRunner
     from safetensors.torch import load_file
 
@@ -300,6 +300,17 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
     from stages import cache_latents, encode_captions, report, train
     from stages.core.events import validate_event
     from stages.tiny.shapes import make_demo_dataset
+    from stages.train.trainer import Trainer
+
+    grad_when_validating = []  # autograd's state in each loss validation computes (the model in eval mode)
+    per_sample_loss = Trainer._per_sample_loss
+
+    def spy(self, model, *args, **kwargs):
+        if not model.training:
+            grad_when_validating.append(torch.is_grad_enabled())
+        return per_sample_loss(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_per_sample_loss", spy)
 
     held = make_demo_dataset(tmp_path / "held", n=3, seed=7)
     val = {"validation.path": str(held), "validation.every_n_steps": 2}
@@ -311,6 +322,7 @@ def test_validation_loss_end_to_end(built_run, tmp_path):
     assert [(e["step"], e["items"]) for e in events] == [(2, 3), (3, 3)]  # every 2 steps and at the last
     assert [validate_event(e) for e in events] == [[], []]  # EVENT_SCHEMA
     assert all(np.isfinite(e["loss"]) for e in events) and events[0]["loss"] != events[1]["loss"]
+    assert grad_when_validating and not any(grad_when_validating)  # no activations kept for a backward
 
     # it draws nothing from training: the same losses and adapter as a run without it
     plain = run_beside(built_run, "no-validation", **SHORT)
