@@ -383,8 +383,8 @@ class Runner:
 
     def stage_cmd(self, fam: str, item: Item, stage: str, model: Path, extra: list[str] = ()) -> list[str]:
         sets = {**self.base_sets(fam, item.res, item.controls), **item.sets}
-        if self.args.tiny:  # nf4/bf16 need CUDA: the tiny run checks the plumbing in fp32
-            sets = {k: ("fp32" if v in ("nf4", "bf16") else v) for k, v in sets.items()}
+        if self.args.tiny:  # nf4, fp8 and bf16 need CUDA: the tiny run checks the plumbing in fp32
+            sets = {k: ("fp32" if v in ("nf4", "fp8", "bf16") else v) for k, v in sets.items()}
         cmd = [sys.executable, str(ROOT / "pipeline.py"), stage, "--config", str(ROOT / family_full(fam).PRESET),
                "--model", str(model), "--run", run_name(fam, item)]
         for k, v in sets.items():
