@@ -243,5 +243,6 @@ SUITES: dict[str, list[Row]] = {
     "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/stages/test_trainer_paths.py",
                                          "tests/core/test_runtime_flags.py", "tests/core/test_fp8.py", "tests/planner/test_sample_memory.py",
                                          "tests/planner/test_memory.py", "tests/planner/test_partial_checkpointing.py",
-                                         "tests/core/test_fastpath.py", "tests/planner/test_text_offload.py", "-k", "cuda"))],
+                                         "tests/core/test_fastpath.py", "tests/planner/test_text_offload.py",
+                                         "tests/core/test_cache_build.py", "-k", "cuda"))],
 }
