@@ -162,3 +162,23 @@ def test_cuda_bf16_pipeline_loads_straight_to_the_gpu_and_offloaded(cfg):
         assert cells[0][0].size == (64, 64)
         del pipe
         torch.cuda.empty_cache()
+
+
+def test_work_runs_at_the_blocks_width_over_the_tokens_each_model_sees(tmp_path, monkeypatch):
+    """Full-size LTX-2 (config only, meta device): its transformer's first Linear is the 128-channel patch
+    projection and its text connectors' the projection of all of Gemma's layers at once (188,160 wide), but
+    they work at their blocks' widths (4096, 3840), and Gemma at its text width (its first Linear is the vision
+    tower's). Counting the first Linears, the connectors' work over the clip's tokens planned 51.6 GB for a
+    sample that --vram 24 now fits, as nf4 offloaded."""
+    from bench.plan_cost import config_only_model
+    from stages.core.config import load_config
+    from stages.core.memory.sizes import meta_component, work_width
+
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: 24 * 2**30)
+    model = config_only_model("ltx2", tmp_path / "ltx2")
+    cfg = load_config("configs/ltx2.toml", {"model": str(model), "artifacts": str(tmp_path / "a")})
+    src = ModelSource(cfg.model, cfg.revision)
+    widths = {c: work_width(meta_component(src, c)) for c in ("transformer", "connectors", "text_encoder")}
+    assert widths == {"transformer": 4096, "connectors": 3840, "text_encoder": 3840}
+    plan = memory.plan_for(cfg, get_family("ltx2"), src, memory.cap_budget(24.0, memory.CUDA_CONTEXT_GB), "sample")
+    assert plan.fits and _choice(plan) == ("nf4", True) and plan.predicted_peak_gb < 16

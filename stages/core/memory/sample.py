@@ -9,8 +9,8 @@ from stages.core.memory import budget as budgets
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.latents import vae_elements_per_pixel
-from stages.core.memory.sizes import (_width, meta_component, module_components, planned_frames, sample_tokens,
-                                       weight_bytes)
+from stages.core.memory.sizes import (meta_component, module_components, planned_frames, sample_tokens, weight_bytes,
+                                       work_width)
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 
 
@@ -31,9 +31,13 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     quantized = set(models) - set(family.vae_components)  # what nf4 quantizes: the text encoders and the denoiser
     width, height = s.width or cfg.data.resolution, s.height or cfg.data.resolution
     frames = (s.frames or planned_frames(cfg, family)) if family.trains_video else 1
-    tokens = sample_tokens(family, width, height, frames) * (1 + planned_controls(cfg, family)) \
-        + cfg.captions.max_sequence_length
-    work = {c: cal.CFG_BATCH * tokens * _width(models[c]) * 2 * cal.BLOCK_WORK_UNITS for c in quantized}
+    text_tokens = cfg.captions.max_sequence_length + family.text_tokens_beyond_max
+    tokens = sample_tokens(family, width, height, frames) * (1 + planned_controls(cfg, family)) + text_tokens
+    denoisers = set(family.denoiser_components) | set(family.sample_components)
+    # the denoiser works over the image and caption tokens, the text side (encoders, LTX-2's connectors) over the
+    # caption's alone, each at the width its blocks run at
+    work = {c: cal.CFG_BATCH * (tokens if c in denoisers else text_tokens) * work_width(models[c]) * 2 * cal.BLOCK_WORK_UNITS
+            for c in quantized}
     # the VAE decodes a clip a latent frame at a time (cached features) into every frame's fp32 pixels
     in_flight = min(frames, family.vae_frames_in_flight)
     work.update({c: width * height * (vae_elements_per_pixel(models[c]) * in_flight * 2 + (3 * 4 * frames if frames > 1 else 0))

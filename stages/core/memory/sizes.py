@@ -140,7 +140,27 @@ def text_dims(module: torch.nn.Module) -> tuple[int, int, int, int]:
     heads, layers = (getattr(text, k, 0) for k in ("num_attention_heads", "num_hidden_layers"))
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
     vocab = head.out_features if isinstance(head, torch.nn.Linear) else 0
-    return _width(module), heads if isinstance(heads, int) else 0, layers if isinstance(layers, int) else 0, vocab
+    return work_width(module), heads if isinstance(heads, int) else 0, layers if isinstance(layers, int) else 0, vocab
+
+
+def work_width(model: Any) -> int:
+    """The width a model's work runs at: its repeated blocks' (their first Linear's input), else the text width its
+    config gives, else the width most of its Linears take. A denoiser's first Linear is its patch projection (LTX-2:
+    128 channels, against its blocks' 4096) and LTX-2's text connectors' is their projection of every Gemma layer
+    at once (188,160 wide, against their blocks' 3840)."""
+    from collections import Counter
+
+    from transformers import PretrainedConfig
+
+    from stages.core import blockswap
+
+    blocks = blockswap.repeated_blocks(model)
+    if blocks:
+        return _width(blocks[0])
+    if isinstance(getattr(model, "config", None), PretrainedConfig):
+        return _width(model)
+    widths = Counter(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return widths.most_common(1)[0][0] if widths else _width(model)
 
 
 def module_components(src: Any, names: tuple[str, ...]) -> list[str]:
