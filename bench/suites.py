@@ -55,7 +55,8 @@ class Peers:
 
     @property
     def key(self) -> str:
-        return f"peers.{self.which}-{self.px}-b{self.batch}-{self.product.replace(',', '_')}"
+        # file names of plain characters: the GPU machine's results do not come back under names with "+"
+        return f"peers.{self.which}-{self.px}-b{self.batch}-{self.product.replace(',', '_').replace('+', '-')}"
 
 
 @dataclass(frozen=True)
