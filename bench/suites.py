@@ -211,6 +211,10 @@ SUITES: dict[str, list[Row]] = {
                *memory_grid("sdxl", 1024, ("auto", "4"))],
     "memory-512": [*memory_grid("flux", 512, ("auto", "6", "8")), *memory_grid("qwen-image", 512, ("auto", "8")),
                    *memory_grid("z-image", 512, ("auto", "4")), *memory_grid("sdxl", 512, ("auto", "4", "8"))],
+    # where a 512 px step under block swap spends its time (0.53-0.54x the uncapped step): torch.profiler over two
+    # steps after the warm-up gives the GPU kernels' and the host-to-device copies' milliseconds beside the step's
+    "swap-512-profile": [*memory_grid("flux", 512, ("6",), ("runtime.profile_steps=2",)),
+                         *memory_grid("qwen-image", 512, ("8",), ("runtime.profile_steps=2",))],
     # "Memory budgets that hold": every preset x budget x caption length x train batch x px, most-used presets first;
     # tests/planner/test_budget.py holds the planner's predictions against these rows
     "budget-grid": [row for family in PRESETS for row in budget_grid(family)],
