@@ -385,8 +385,8 @@ def _elements(leaves: list[Any]) -> int:
 
 
 def _release_graph_memory() -> None:
-    """Give back what a failed capture allocated (its pool's blocks, the half-built graph's tensors), so
-    the eager steps that follow have the memory they had before it."""
+    """Give back what a failed capture allocated, or what released graphs held (their pool's blocks, the
+    graphs' tensors), so the eager steps that follow have that memory."""
     gc.collect()
     if torch.cuda.is_available():
         try:
