@@ -129,7 +129,8 @@ class Ideogram4(PatchBatchNormalized, FamilyTraits):
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
     # fitted to the H200 row at 1024 px under --vram 16 (fp8, every block checkpointed): its eager step worked in
-    # 2.96 GB of activations where the default 24 units gave 2.39 (bench/results/ideogram4/)
+    # 2.96 GB of activations (the LoRA's gradients with them) where the default 24 units planned 2.39
+    # (bench/results/ideogram4/)
     block_work_units = 41.0
     sample_components = ("unconditional_transformer",)  # the pipeline's CFG branch: sampled with, never trained
     kohya_layout = KOHYA_LAYOUT  # sd-scripts has no Ideogram 4 layout: the diffusers paths

@@ -15,6 +15,6 @@ class Wan22_5B(WanBase):
     pixels_per_token = 32  # the VAE's 16 px a latent cell, then the transformer's 2x2 patches
     outside_rows_per_token = 8.0  # timestep_proj (6 rows), temb and time_embedder's hidden, fp32, per latent token
     # fitted to the H200 row at 640 px and 33 frames (nf4, every block checkpointed): its eager step worked in 1.86 GB
-    # of activations where the default 24 units gave 1.59 (bench/results/wan2.2-5b/)
+    # of activations (the LoRA's gradients with them) where the default 24 units planned 1.59 (bench/results/wan2.2-5b/)
     block_work_units = 37.0
     vae_downsample = 16
