@@ -335,6 +335,7 @@ def _graphs(r: dict[str, Any]) -> str:
     if not g:
         return ""
     how = {"graphs": "under CUDA graphs", "failed": "eager after a failed capture",
+           "released": "under CUDA graphs, then eager (released for a new shape)",
            "no room": "eager (no room to capture)", "eager": "eager"}[graphs_ran(g)]
     return f"train {how}, "
 

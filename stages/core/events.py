@@ -270,15 +270,18 @@ def _gpu_part(done: dict[str, Any]) -> str | None:
     graphs = runtime.get("cuda_graphs")
     if graphs is not None:
         bits.append({"graphs": "CUDA graphs", "failed": "eager: the CUDA graph capture failed",
+                     "released": "CUDA graphs, then eager: released for a new batch shape under the budget",
                      "no room": "eager: no room to capture CUDA graphs", "eager": "eager"}[graphs_ran(graphs)])
     return ", ".join(bits) or None
 
 
 def graphs_ran(graphs: dict[str, Any]) -> str:
     """How train's denoiser ran, from its summary's `runtime.cuda_graphs` (fastpath.GraphedDenoiser's
-    summary and plan): "graphs" (a shape captured), "failed" (a capture failed: eager), "no room" (no
-    room to capture under block swap: eager) or "eager"."""
+    summary and plan): "graphs" (a shape captured), "failed" (a capture failed: eager), "released" (graphs
+    captured, then released for a new shape's eager step under the budget), "no room" (no room to capture
+    under block swap: eager) or "eager"."""
     return ("graphs" if graphs.get("graphs") else "failed" if graphs.get("failed")
+            else "released" if str(graphs.get("stopped", "")).startswith("released")
             else "no room" if graphs.get("no_room") else "eager")
 
 

@@ -275,6 +275,7 @@ class GraphedDenoiser:
         self._oom = False  # a capture ran out of memory: no further shape is captured (each would need as much)
         self._released = ""  # why the graphs were released for a new shape's eager step ("" while they are kept)
         self._weighed = 0  # the most input elements of a shape whose eager activations the room weighed
+        self._past_limit = 0  # repeated shapes left eager past max_graphs
         self.replays = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -331,12 +332,17 @@ class GraphedDenoiser:
                                          f"A larger --vram keeps them")
 
     def _warn_full(self, leaves: list[Any]) -> None:
-        """A repeated batch shape past the graph limit runs eager from now on: say so, once per shape."""
+        """A repeated batch shape past the graph limit runs eager from now on: say so for the first such shape
+        (the summary counts them all: with captions cut to the batch's longest, every caption length is a shape)."""
+        self._past_limit += 1
+        if self._past_limit > 1:
+            return
         shapes = [tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)][:2]
-        self.log.emit("warning", message=f"batch shape {shapes} runs without a CUDA graph: only the first "
-                                         f"{self.max_graphs} shapes get one, as each holds memory for its replays "
-                                         f"(slower per step); fewer aspect buckets "
-                                         f"avoid it (data.max_aspect, data.bucket_merge)")
+        self.log.emit("warning", message=f"batch shape {shapes} runs without a CUDA graph, as will any other shape "
+                                         f"past the first {self.max_graphs}: each graph holds memory for its replays "
+                                         f"(those steps are slower). Shapes differ by aspect bucket and, in families "
+                                         f"that cut captions to the batch's longest, by caption length: fewer buckets "
+                                         f"(data.max_aspect, data.bucket_merge) give fewer shapes")
 
     def _make(self, key: Any, leaves: list[Any], spec: Any) -> Callable[..., Any] | None:
         at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -376,7 +382,8 @@ class GraphedDenoiser:
         room = {"no_room": len(self._no_room), "room": self._room_checks} if self._room is not None else {}
         stopped = ({"stopped": "a capture ran out of memory"} if self._oom else
                    {"stopped": f"released for a new shape's eager step: {self._released}"} if self._released else {})
-        return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays, **room, **stopped}
+        past = {"past_limit": self._past_limit} if self._past_limit else {}
+        return {"graphs": len(self._graphs), "failed": len(self._failed), "replays": self.replays, **room, **past, **stopped}
 
 
 def _elements(leaves: list[Any]) -> int:

@@ -165,14 +165,16 @@ def test_graphed_denoiser_skips_no_grad_and_odd_arguments():
 def test_graphed_denoiser_respects_max_graphs():
     model, log, record = _Model(), _Log(), []
     g = fastpath.GraphedDenoiser(model, [model.lora], log, capture=_fake_capture(record), max_graphs=1)
-    for n in (2, 3):
+    for n in (2, 3, 5, 6):
         x = torch.randn(n, 4)
         for _ in range(3):
             g(x, return_dict=False)
     assert len(record) == 1
-    # the second shape, seen again past the limit, runs eager: one warning naming it, not one per step
+    # the shapes seen again past the limit run eager: one warning naming the first, not one per step or per
+    # shape (every caption length is a shape where captions are cut to the batch's longest); the summary counts them
     warnings = [f["message"] for e, f in log.events if e == "warning"]
     assert len(warnings) == 1 and "(3, 4)" in warnings[0] and "without a CUDA graph" in warnings[0]
+    assert "caption length" in warnings[0] and g.summary()["past_limit"] == 3
 
 
 def test_graphs_plan(monkeypatch):

@@ -126,6 +126,9 @@ def test_on_a_gpu_the_summary_says_the_peak_and_how_train_ran():
     assert "54 of 57 blocks swapped, eager: no room to capture CUDA graphs;" in line(device="cuda:0", peak_vram_gb=peak, runtime=runtime)
     runtime["cuda_graphs"].update(no_room=0, failed=1)
     assert "eager: the CUDA graph capture failed;" in line(device="cuda:0", peak_vram_gb=peak, runtime=runtime)
+    runtime["cuda_graphs"].update(failed=0, stopped="released for a new shape's eager step: ...")  # graphs cleared
+    assert "CUDA graphs, then eager: released for a new batch shape under the budget;" in \
+        line(device="cuda:0", peak_vram_gb=peak, runtime=runtime)
     cached = terminal_line({"event": "done", "stage": "cache-latents", "seconds": 3.0, "total": 4, "encoded": 4,
                             "peak_vram_gb": {"allocated": 3.364, "reserved": 3.895}}, 0, Path("/x"))[0]
     assert cached == "cache-latents done in 3.0 s: 4 of 4 encoded this run; peak 3.90 GB reserved; 0 warnings; output in /x"
