@@ -450,6 +450,40 @@ def run_product(a: argparse.Namespace, fam: str, data: Path, variant: str, runne
     return row
 
 
+def peer_side(a: argparse.Namespace, add: Callable[[dict[str, Any]], None], side: str,
+              run_peer: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    """The peer's row: run now (`run_peer`) where --sides has "peer", else the one --peer-row names (a product-only
+    probe: the peer's row from an earlier run, which gives fitpeer/fitreserved its peak); added to the results and
+    returned (None where the peer failed, named `side` in its row, or neither was asked for)."""
+    if "peer" in a.sides.split(","):
+        try:
+            row = run_peer()
+        except Exception as e:  # noqa: BLE001 - the product's rows still count
+            add({"side": side, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+            return None
+        add(row)
+        return row
+    if a.peer_row:
+        row = peer_row_from(Path(a.peer_row), a.family, a.res, a.batch)
+        add(row)
+        return row
+    return None
+
+
+def product_rows(precisions: list[str], deadline: float, add: Callable[[dict[str, Any]], None],
+                 run_one: Callable[[str], dict[str, Any]]) -> None:
+    """The product's train row of each variant in turn (`run_one(variant)`), added as it ends or fails; those the
+    budget leaves no time for are added as skipped."""
+    for precision in precisions:
+        if time.time() > deadline - 20:
+            add({"side": "product", "precision": precision, "status": "skipped", "reason": "budget"})
+            continue
+        try:
+            add(run_one(precision))
+        except Exception as e:  # noqa: BLE001
+            add({"side": "product", "precision": precision, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+
+
 def result_file(out: Path, result: dict[str, Any]) -> tuple[Callable[[], None], Callable[[dict[str, Any]], None]]:
     """(save, add) for a side by side's JSON: `save` rewrites `out` atomically; `add` appends a row to
     result["rows"], saves, and prints the row's figures as a `[peers]` line."""
@@ -490,18 +524,8 @@ def run(a: argparse.Namespace) -> None:
     save, add = result_file(Path(a.out), result)
 
     save()
-    sides = a.sides.split(",")
-    peer_peak = None
-    if "peer" in sides:
-        try:
-            add(run_peer(a, fam, data, prompt, targets, deadline - time.time()))
-            peer_peak = result["rows"][-1]
-        except Exception as e:  # noqa: BLE001 - the product's rows still count
-            add({"side": "diffusers script", "status": "failed", "reason": f"{type(e).__name__}: {e}"})
-    elif a.peer_row:  # a product-only probe: the script's row (its peak for fitpeer/fitreserved) from an earlier run
-        peer_peak = peer_row_from(Path(a.peer_row), fam, a.res, a.batch)
-        add(peer_peak)
-    if "product" in sides:
+    peer_peak = peer_side(a, add, "diffusers script", lambda: run_peer(a, fam, data, prompt, targets, deadline - time.time()))
+    if "product" in a.sides.split(","):
         runner = Runner(run_args(work=str(work / "product"), budget_s=max(30.0, deadline - time.time()),
                                  out=str(work / "product" / "runner.json"), tiny=a.tiny, keep=True))
         runner.ensure_data = lambda controls=0, video=False: Path(a.data).resolve()  # the side-by-side data, not the bench's own
@@ -510,15 +534,8 @@ def run(a: argparse.Namespace) -> None:
                     "train.steps": a.steps, "runtime.warmup_steps_excluded": a.warmup, "train.rank": 16, "train.alpha": 16,
                     "runtime.gradient_checkpointing": True, "train.lr_scheduler": "constant"}
         cache_rows: dict[str, Any] = {}
-        precisions = [p for p in a.product_precisions.split(",") if p]
-        for precision in precisions:
-            if time.time() > deadline - 20:
-                add({"side": "product", "precision": precision, "status": "skipped", "reason": "budget"})
-                continue
-            try:
-                add(run_product(a, fam, Path(a.data), precision, runner, res_sets, cache_rows, peer_peak))
-            except Exception as e:  # noqa: BLE001
-                add({"side": "product", "precision": precision, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+        product_rows([p for p in a.product_precisions.split(",") if p], deadline, add,
+                     lambda precision: run_product(a, fam, Path(a.data), precision, runner, res_sets, cache_rows, peer_peak))
     result["text_precision_product"] = family_full(fam).TEXT_PRECISION
     save()
 

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peers import (  # noqa: E402
-    SITE, SCRIPTS, _imports, peer_row_from, peer_summary, read_steps, result_file, run_product, watch,
+    SITE, SCRIPTS, _imports, peer_side, peer_summary, product_rows, read_steps, result_file, run_product, watch,
 )
 
 
@@ -217,7 +217,6 @@ def run(a: argparse.Namespace) -> None:
                 "runtime.warmup_steps_excluded": a.warmup, "train.rank": 16, "train.alpha": 16, "train.expert": "high",
                 "runtime.gradient_checkpointing": True, "train.lr_scheduler": "constant"}
     precisions = [p for p in a.product_precisions.split(",") if p]
-    sides = a.sides.split(",")
     cache_rows: dict[str, Any] = {}
     caches = run_product(a, fam, data, precisions[0] if precisions else "bf16", runner, res_sets, cache_rows,
                          kinds=("encode", "latents"))
@@ -227,25 +226,10 @@ def run(a: argparse.Namespace) -> None:
         add({**caches, "side": "product", "precision": "caches"})
         return
     run_dir = Path(res_sets["artifacts"]) / f"peers-{fam}-{a.res}"
-    peer_peak = None
-    if "peer" in sides:
-        try:
-            add(run_peer(a, run_dir, data, deadline - time.time()))
-            peer_peak = result["rows"][-1]
-        except Exception as e:  # noqa: BLE001 - the product's rows still count
-            add({"side": "musubi-tuner", "status": "failed", "reason": f"{type(e).__name__}: {e}"})
-    elif a.peer_row:
-        peer_peak = peer_row_from(Path(a.peer_row), fam, a.res, a.batch)
-        add(peer_peak)
-    if "product" in sides:
-        for precision in precisions:
-            if time.time() > deadline - 20:
-                add({"side": "product", "precision": precision, "status": "skipped", "reason": "budget"})
-                continue
-            try:
-                add(run_product(a, fam, data, precision, runner, res_sets, cache_rows, peer_peak))
-            except Exception as e:  # noqa: BLE001
-                add({"side": "product", "precision": precision, "status": "failed", "reason": f"{type(e).__name__}: {e}"})
+    peer_peak = peer_side(a, add, "musubi-tuner", lambda: run_peer(a, run_dir, data, deadline - time.time()))
+    if "product" in a.sides.split(","):
+        product_rows(precisions, deadline, add,
+                     lambda precision: run_product(a, fam, data, precision, runner, res_sets, cache_rows, peer_peak))
     result["text_precision_product"] = family_full(fam).TEXT_PRECISION
     save()
 
