@@ -2,8 +2,8 @@
 # The benchmark on the GPU machine: installs the wheels, then runs suites (bench/suites.py) with bench/run.py.
 #   bash bench/device.sh <suite> [<suite> ...] [run.py options: --only GLOB, --missing, --budget-s S]
 # Here first: `bash ../shared/device/wheels.sh`; carry `.whl` (and `.carry-peers` for the peers suites).
-# Results come back in $OUT/results/<suite>/<row key>.json: copy them into bench/results/<suite>/ (a newer
-# file of a row replaces the older), then `python bench/bench.py report --write /tmp/RESULTS.md`.
+# Results come back in $OUT/results/<suite>/<row key>.json, and a failed row's log in $OUT/logs/: copy the
+# results into bench/results/<suite>/ (a newer file of a row replaces the older), then `python bench/bench.py report --write /tmp/RESULTS.md`.
 # `python bench/run.py --list` shows every suite's rows and commands.
 set -eu
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -11,4 +11,4 @@ export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 df -h /dev/shm /tmp | tail -2
 python3 bench/run.py "$@"
-grep -h "^\[\(bench\|memory\|peers\)\]" "${OUT:-/tmp/lorapipe-run}"/logs/*.log 2>/dev/null | cut -c1-300 || true
+grep -h "^\[\(bench\|memory\|peers\)\]" /tmp/lorapipe-run/logs/*.log 2>/dev/null | cut -c1-300 || true

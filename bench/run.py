@@ -140,7 +140,9 @@ def gpu_count() -> int:
         return 0
 
 
-def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float) -> None:
+def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float, failed_logs: Path | None) -> None:
+    """Runs one call of `rows` and writes their results; its log stays in `logs`, and is copied to `failed_logs`
+    (the files that come back from the GPU machine, which are few) where a row failed or wrote nothing."""
     need = rows[0].gpus if isinstance(rows[0], Script) else 1
     if need > 1 and gpu_count() < need:
         print(f"[run] {suite}/{rows[0].key}: needs {need} GPUs (the nvidia-h200-x{need} machine); not run", flush=True)
@@ -177,13 +179,22 @@ def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float
                 "log_tail": tail} if isinstance(rows[0], Script) else None
         if data is None:
             print(f"[run] {suite}: no result (rc {rc}); log {log}\n{tail}", flush=True)
+            keep_log(log, failed_logs)
             return
     else:
         data = json.loads(out.read_text())
     for key, result in split(rows, data).items():
         path = write(results / suite, key, result)
         print(f"[run] {suite}/{key}: {'written ' + path.name if path else 'not started (budget)'}", flush=True)
+        if path is not None and not measured(result):
+            keep_log(log, failed_logs)
     print(f"[run] {suite}: rc {rc} after {time.time() - t:.0f} s", flush=True)
+
+
+def keep_log(log: Path, folder: Path | None) -> None:
+    if folder is not None and log.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, folder / log.name)
 
 
 def selected(suite: str, rows: list[Row], only: list[str], missing: bool, results: Path) -> list[Row]:
@@ -226,8 +237,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     out = os.environ.get("OUT")
     results = Path(args.results) if args.results else Path(out) / "results" if out else RECORD
-    logs = Path(out) / "logs" if out else Path("/tmp/lorapipe-run")
+    logs = Path("/tmp/lorapipe-run/logs")
     logs.mkdir(parents=True, exist_ok=True)
+    failed_logs = Path(out) / "logs" if out else None
     deadline = time.time() + args.budget_s
     for suite in args.suites:
         rows = selected(suite, SUITES[suite], args.only, args.missing, results)
@@ -236,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             if left < 60:
                 print(f"[run] {suite}: budget spent; not started: {', '.join(r.key for r in group)}", flush=True)
                 continue
-            run_call(suite, list(group), results, logs, left)
+            run_call(suite, list(group), results, logs, left, failed_logs)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ STAGES = ("encode-captions", "cache-latents", "train", "export-lora")  # a plain
 # runs the CLI in a child and writes its peak RSS (KiB) and its start time (before any import) to a file
 CHILD = ("import atexit, json, resource, sys, time; t0 = time.time(); out = sys.argv.pop(1)\n"
          "atexit.register(lambda: open(out, 'w').write(json.dumps({'t0': t0, 'maxrss_kib': "
-         "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss})))\n"
+         "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, 'torch_imported': 'torch' in sys.modules})))\n"
          "sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[1:]; sys.argv[0] = 'pipeline.py'\n"
          "from pipeline import cli; cli()")
 
@@ -147,7 +147,8 @@ def checks(repo: Path, run_dir: Path, base: list[str], sets: dict, n: int, out: 
         lines = [line for line in text.splitlines() if line.startswith(STAGES)]
         if len(lines) != len(STAGES) or not all("up to date" in line for line in lines):
             raise SystemExit(f"`{args[0]}` found a stage to run, not a no-op:\n{text}")
-        out[name] = {"seconds": round(min(r[0] for r in results), 2), "budget_s": round(2 + 1e-4 * n, 2)}
+        out[name] = {"seconds": round(min(r[0] for r in results), 2), "budget_s": round(2 + 1e-4 * n, 2),
+                     "torch_imported": any(r[1].get("torch_imported") for r in results)}
         keep()
     out["scan"] = scan_times(repo, repo / "configs" / "demo.toml", {**sets, "run": run_dir.name})
     keep()
@@ -328,7 +329,8 @@ def main() -> None:
     parser.add_argument("--full-up-to", type=int, default=10_000, help="larger sizes repeat their captions")
     parser.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose code is measured")
     parser.add_argument("--work", type=Path, default=Path("/tmp/lorapipe-scale"), help="datasets, model and runs")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale",
+                        help="a folder for scale-<N>.json, or with one size a .json file")
     parser.add_argument("--device", default="cpu", help="the stages' device (cuda on the GPU machine)")
     parser.add_argument("--no-store", action="store_true", help="--light sizes skip `mechanics`")
     parser.add_argument("--light", default="", help="comma-separated sizes measured without the encoders (`light`)")
@@ -350,14 +352,19 @@ def main() -> None:
     model = args.work / "flux-dev"
     if not (model / "model_index.json").exists():
         build_tiny_pipeline("flux-dev", model, seed=0)
-    args.out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    one_file = args.out.suffix == ".json"
+    if one_file and len(sizes) != 1:
+        raise SystemExit(f"--out {args.out} is one file: give one size, or a folder")
+    (args.out.parent if one_file else args.out).mkdir(parents=True, exist_ok=True)
     rows = []
-    for n in (int(s) for s in args.sizes.split(",") if s):
-        row = measure(args.repo.resolve(), args.work, n, n <= args.full_up_to, model, args.device,
-                      args.out / f"scale-{n}.json", args.checks_only)
+    for n in sizes:
+        out_file = args.out if one_file else args.out / f"scale-{n}.json"
+        row = measure(args.repo.resolve(), args.work, n, n <= args.full_up_to, model, args.device, out_file,
+                      args.checks_only)
         if not args.checks_only:
             row["mechanics"] = mechanics(args.repo.resolve(), args.work, n)
-        (args.out / f"scale-{n}.json").write_text(json.dumps(row, indent=2) + "\n")
+        out_file.write_text(json.dumps(row, indent=2) + "\n")
         rows.append(row)
         print(json.dumps(row), flush=True)
     for n in (int(s) for s in args.light.split(",") if s):

@@ -243,7 +243,10 @@ SUITES: dict[str, list[Row]] = {
     "tiling": [Script("tiling", ("bench/tiling.py", "--budget-s", "140", "--out", "{out}"))],
     # cache-latents with the full-size FLUX.1 VAE at 1024 px: images/s, encoder and GPU busy (docs/performance.md, scale)
     "scale-gpu": [Script("scale-gpu-flux-vae-1024", ("bench/scale.py", "--gpu-latents", "400", "--px", "1024",
-                                                      "--device", "cuda", "--work", "/tmp/lorapipe-scale-gpu", "--out", "{out}"))],
+                                                      "--device", "cuda", "--work", "/tmp/lorapipe-scale-gpu", "--out", "{out}")),
+                  # status and a no-op run on a GPU machine, where torch would be imported to see the GPU
+                  Script("scale-gpu-status-1000", ("bench/scale.py", "--sizes", "1000", "--device", "cuda", "--work",
+                                                   "/tmp/lorapipe-scale-status", "--out", "{out}"))],
     # the tests marked for CUDA, on the GPU (skipped on CPU)
     "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/stages/test_trainer_paths.py",
                                          "tests/core/test_runtime_flags.py", "tests/core/test_fp8.py", "tests/planner/test_sample_memory.py",

@@ -81,11 +81,37 @@ AUTO_ON_CUDA = {"denoiser": "bf16", "text_encoder": "bf16", "vae": "bf16"}
 
 
 def device_type(name: str) -> str:
-    """`pick_device(name).type` ("cpu", "cuda"), without importing torch where no GPU can be seen: "cpu", or
-    "auto" on a machine with no NVIDIA driver or with CUDA_VISIBLE_DEVICES empty (`status` of a CPU run)."""
+    """`pick_device(name).type` ("cpu", "cuda"), without importing torch where a process has not: "cpu" where no
+    NVIDIA GPU can be seen (no driver, or CUDA_VISIBLE_DEVICES empty) or torch is a CPU build, else "cuda". So
+    `status` and a no-op `run` learn their device without torch's import. A process that has imported torch asks
+    it; a stage that finds no usable GPU after all says so when it picks its device."""
+    import sys
+
     if name == "cpu" or (name == "auto" and not nvidia_gpu_possible()):
         return "cpu"
+    if "torch" not in sys.modules and nvidia_gpu_possible():
+        if torch_cuda_version() is not None:
+            return "cuda"
+        if name == "auto":
+            return "cpu"
     return pick_device(name).type
+
+
+def torch_cuda_version() -> str | None:
+    """The CUDA version the installed torch was built for, as `torch.version.cuda` gives it, read from its
+    version.py without importing torch (None: a CPU build, or no torch found)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def nvidia_gpu_possible() -> bool:

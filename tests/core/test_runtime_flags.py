@@ -163,20 +163,30 @@ def test_cuda_flags_restored():
     assert global_flags() == before
 
 
-def test_device_auto_is_told_cpu_without_torch_where_no_gpu_can_be_seen():
-    """`status` of a run with device = "auto" on a CPU machine (or with every GPU hidden) imports no torch to learn
-    its device type; where a GPU may be there, torch is asked."""
+def test_device_auto_is_told_without_importing_torch(tmp_path):
+    """`status` of a run with device = "auto" imports no torch to learn its device type: "cpu" where no GPU can be
+    seen (every GPU hidden here), and where one can, "cuda" for a CUDA build of torch and "cpu" for a CPU build,
+    read from torch's version.py. The fake torch below fails if it is imported."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys\nfrom stages.core.runtime import device_type, nvidia_gpu_possible\n"
-            "print(device_type('auto'), nvidia_gpu_possible(), 'torch' in sys.modules)")
-    hidden = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""})
-    assert hidden.stdout.split() == ["cpu", "False", "False"], hidden.stderr
-    here = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
-    kind, possible, imported = here.stdout.split()
-    assert kind == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert imported == possible, "torch is imported exactly where a GPU may be there"
+    code = ("import sys\nfrom stages.core import runtime\n"
+            "if sys.argv[1] == 'gpu':\n    runtime.nvidia_gpu_possible = lambda: True\n"
+            "print(runtime.device_type('auto'), 'torch' in sys.modules)")
+
+    def told(gpu: str, build: str | None) -> list[str]:
+        fake = tmp_path / str(build) / "torch"
+        fake.mkdir(parents=True, exist_ok=True)
+        (fake / "__init__.py").write_text("raise ImportError('torch was imported')\n")
+        (fake / "version.py").write_text(f"from typing import Optional\n__version__ = '2.11.0'\n"
+                                         f"cuda: Optional[str] = {build!r}\n")
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{fake.parent}:{root}", "CUDA_VISIBLE_DEVICES": ""}
+        proc = subprocess.run([sys.executable, "-c", code, gpu], cwd=root, capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert told("hidden", "13.0") == ["cpu", "False"]
+    assert told("gpu", "13.0") == ["cuda", "False"]
+    assert told("gpu", None) == ["cpu", "False"]
