@@ -9,12 +9,13 @@ run resumes where it stopped (a row's `written` flag is set only after its array
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from stages.core import dataset, distributed, validation
 from stages.core import faults
-from stages.core.artifacts import fingerprint, remove_dir, sweep_leftovers, write_manifest
+from stages.core.artifacts import fingerprint, read_manifest, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
 from stages.core.config import command
 from stages.core.caches import captions_dir, load_captions, scan_items as scan_family_items  # noqa: F401 - load_captions: still importable from here
@@ -150,6 +151,13 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         texts = caption_texts(cfg, items)
         layout = layout_parts(cfg)
         out = artifact_dir(cfg)
+        index = _index(cfg, items, texts)
+        existing = None if force else read_manifest(out)
+        if existing is not None and _up_to_date(cfg, existing, index, planned):
+            ctx.log.emit("up_to_date", fingerprint=existing["fingerprint"],
+                         notes=[f"every caption is encoded with these settings; `{command(cfg, NAME, '--force')}` "
+                                f"encodes them again"])
+            return {**existing, "encoded_this_run": 0, "up_to_date": True}
         with distributed.main_first(ctx.dist):  # rank 0 grows the store before the others read it
             store = _open_store(out, layout)
             todo_ids = rows_to_encode(store, sorted(texts), grow=ctx.dist.is_main)
@@ -157,7 +165,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
         encoded = _encode(ctx, cfg, rt, texts, todo_ids, store, layout, row_controls(items))
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
-        manifest = _write(ctx, cfg, items, texts, encoded, len(todo_ids), planned)
+        manifest = _write(ctx, cfg, items, texts, index, encoded, len(todo_ids), planned)
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=len(todo_ids), total=len(texts))
         return manifest
 
@@ -255,8 +263,36 @@ def template_tokens(family: Any, encoder: Any, max_length: int) -> int:
     return n
 
 
-def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str], encoded: dict[str, Any],
-           n_encoded: int, planned: dict[str, Any]) -> dict[str, Any]:
+def _index(cfg: Any, items: list[dataset.Item], texts: dict[str, str]) -> dict[str, Any]:
+    """What the manifest records of `items` besides their rows: the fingerprint over the layout and the captions,
+    each item's caption id, and (only where a dataset has them) caption variants and the dropout rows."""
+    parts = {**layout_parts(cfg), "captions": sorted(texts)}
+    index: dict[str, Any] = {"fingerprint": fingerprint(parts), "fingerprint_parts": parts,
+                             "items": {it.key: it.caption_id for it in items}}
+    if any(it.captions for it in items):
+        index["variants"] = {it.key: list(it.caption_ids) for it in items if it.captions}
+    shared = dataset.caption_id(EMPTY_CAPTION)
+    if shared in texts:
+        index["empty_caption"] = shared
+    own = {key: cid for key, cid in dropout_rows(cfg, items).items() if cid != shared}
+    if own:  # a family whose text encoder sees the controls: each item's own (empty, controls) row
+        index["empty_captions"] = own
+    return index
+
+
+def _up_to_date(cfg: Any, manifest: dict[str, Any], index: dict[str, Any], planned: dict[str, Any]) -> bool:
+    """Whether the complete cache of `manifest` already holds what `index` (and the recorded plan) describe, with
+    no row damaged: then the stage loads no encoder and rewrites nothing."""
+    wanted = {**{k: v for k, v in index.items() if k != "fingerprint_parts"}, **planned}
+    extras = ("variants", "empty_caption", "empty_captions")
+    return (manifest.get("complete", True)
+            and all(json.loads(json.dumps(v)) == manifest.get(k) for k, v in wanted.items())
+            and not any(k in manifest and k not in wanted for k in extras)
+            and not damaged_rows(cfg, manifest))
+
+
+def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str], index: dict[str, Any],
+           encoded: dict[str, Any], n_encoded: int, planned: dict[str, Any]) -> dict[str, Any]:
     """Warn about truncated captions and write the manifest (rank 0)."""
     from stages.core.runtime import peak_vram_gb
 
@@ -274,27 +310,16 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], texts: dict[str, str],
     assert store is not None
     out = artifact_dir(cfg)
     sweep_leftovers(out)  # temp files of killed writers: space only, never read
-    parts = {**layout_parts(cfg), "captions": sorted(texts)}
     row_of = store.row_of()
-    # Caption variants and the dropout caption only add keys, so a plain run's manifest is as before.
-    extra: dict[str, Any] = {}
-    if any(it.captions for it in items):
-        extra["variants"] = {it.key: list(it.caption_ids) for it in items if it.captions}
-    shared = dataset.caption_id(EMPTY_CAPTION)
-    if shared in texts:
-        extra["empty_caption"] = shared
-    own = {key: cid for key, cid in dropout_rows(cfg, items).items() if cid != shared}
-    if own:  # a family whose text encoder sees the controls: each item's own (empty, controls) row
-        extra["empty_captions"] = own
     return write_manifest(
-        out, NAME, family=cfg.family, model=cfg.model, fingerprint=fingerprint(parts), fingerprint_parts=parts,
-        rows={cid: row_of[cid] for cid in parts["captions"]}, items={it.key: it.caption_id for it in items},
+        out, NAME, family=cfg.family, model=cfg.model, **index,
+        rows={cid: row_of[cid] for cid in index["fingerprint_parts"]["captions"]},
         lengths={cid: len(text) for cid, text in texts.items()},
         fields={k: {"shape": list(store.group[k].shape[1:]), "dtype": store.group[k].attrs["logical_dtype"]}
                 for k in store.fields},
         encoded_this_run=n_encoded, world_size=ctx.dist.world_size,
         truncated={it.key: max(truncated[c] for c in it.caption_ids if c in truncated) for it in items
-                   if any(c in truncated for c in it.caption_ids)}, **extra, **planned,
+                   if any(c in truncated for c in it.caption_ids)}, **planned,
         seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(encoded["rt"]))
 
 

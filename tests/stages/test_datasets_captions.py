@@ -448,3 +448,31 @@ def test_a_data_key_every_dataset_overrides_leaves_the_latents_up_to_date(assets
     own = dataclasses.replace(cfg, datasets=[tables[0], {**tables[1], "resolution": 32}])
     # a dataset's own value counts, and status names it (its rows get new keys)
     assert staleness(registry.get("cache-latents"), own) == (False, ["datasets[1].resolution: 48 -> 32", "image of small/s0.png changed"])
+
+
+def test_encode_captions_with_nothing_new_is_up_to_date_and_a_moved_caption_rewrites_the_index(assets, demo_data,
+                                                                                                 tmp_path):
+    """A rerun with the same captions says up to date and rewrites nothing; two images that swap captions encode
+    nothing (the rows are the same) but the manifest maps each image to its new caption."""
+    from stages import encode_captions
+    from stages.core.artifacts import read_manifest
+    from stages.core.caches import captions_dir
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    cfg = make_cfg("flux", assets, data, tmp_path / "artifacts")
+    assert encode_captions.run(cfg)["encoded_this_run"] == 12
+    manifest_file = captions_dir(cfg) / "manifest.json"
+    written = manifest_file.stat().st_mtime_ns
+    again = encode_captions.run(cfg)
+    assert again.get("up_to_date") is True and again["encoded_this_run"] == 0
+    assert manifest_file.stat().st_mtime_ns == written
+    first, second = (data / "shape_000.txt").read_text(), (data / "shape_001.txt").read_text()
+    assert first != second
+    (data / "shape_000.txt").write_text(second)
+    (data / "shape_001.txt").write_text(first)
+    swapped = encode_captions.run(cfg)
+    assert not swapped.get("up_to_date") and swapped["encoded_this_run"] == 0
+    items = read_manifest(captions_dir(cfg))["items"]
+    before = {k: v for k, v in again["items"].items()}
+    assert items != before and sorted(items.values()) == sorted(before.values())
