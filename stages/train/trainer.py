@@ -444,7 +444,7 @@ class Trainer:
             return 0
         path, state = loaded
         self.restore(state)
-        self.log.emit("warning", message=f"resumed from {path.name} at step {state['step']}")
+        self.log.emit("info", message=f"resumed from {path.name} at step {state['step']}")
         return int(state["step"])
 
     def _check_world_size(self, path: Any, manifest: dict[str, Any]) -> None:

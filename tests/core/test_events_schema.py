@@ -62,7 +62,7 @@ def eventful_run(built_run, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     import pipeline
-    from stages import cache_latents, export_lora, train
+    from stages import cache_latents, encode_captions, export_lora, train
     from stages.core import faults
     from stages.core.config import load_config
 
@@ -77,7 +77,7 @@ def eventful_run(built_run, tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV, f"train:2:TERM,unused-{built_run.family}:1")
     assert train.run(cfg)["stopped"]
     monkeypatch.delenv(faults.ENV)
-    train.run(cfg, resume=True)  # `warning` (resumed from checkpoint-2)
+    train.run(cfg, resume=True)  # `info` (resumed from checkpoint-2)
     export_lora.run(cfg)
     args = ["run", "--config", str(demo_config_path(built_run.family))]
     args += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -93,6 +93,8 @@ def eventful_run(built_run, tmp_path, monkeypatch):
     broken.write_bytes(b"not a png")
     bad = load_config(demo_config_path(built_run.family), {**sets, "data.path": str(data), "data.on_bad_image": "skip"})
     cache_latents.run(bad)  # `skipped`
+    broken.with_suffix(".txt").write_text("a caption " * 200)
+    encode_captions.run(bad)  # `warning`: that caption is truncated
     return cfg
 
 
@@ -101,9 +103,8 @@ def test_stop_resume_cli_and_failure_events_conform(eventful_run):
     events = read_events(eventful_run.run_dir)
     assert violations(events) == []
     seen = {e["event"] for e in events}
-    # `sample`, `validation` and `info` (train on a Hopper GPU) conform in their own tests
-    # (test_inspect_sample_report, test_masks_validation, test_runtime_flags)
-    others = {"sample", "validation", "info"}
+    # `sample` and `validation` conform in their own tests (test_inspect_sample_report, test_masks_validation)
+    others = {"sample", "validation"}
     assert seen == set(EVENT_SCHEMA) - others, f"not exercised: {set(EVENT_SCHEMA) - others - seen}"
     profile = [e for e in events if e["event"] == "profile"]
     table = json.loads(Path(profile[-1]["path"]).read_text())  # the resumed run profiled step 4 too
