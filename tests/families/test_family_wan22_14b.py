@@ -416,3 +416,27 @@ def test_a_one_expert_wan_folder_is_named_before_any_stage(assets, tmp_path):
         check_model_family(cfg)
     check_model_family(load_config(None, {"family": NAME, "model": str(tiny_model(assets, FAMILIES[NAME])),
                                            "train.expert": "low", "artifacts": str(tmp_path)}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("built_run", [NAME], indirect=True)
+def test_both_experts_on_cuda_free_the_first_before_the_second_loads(built_run, monkeypatch):
+    """On the GPU, the high expert's model, adapter and optimizer are gone from the GPU's memory when the low
+    expert's trainer starts: it starts from what the first one started from (a leak holds a 14B expert twice)."""
+    from stages import train
+    from stages.train import trainer as trainer_module
+
+    started: list[int] = []
+    init = trainer_module.Trainer.__init__
+
+    def recording(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        started.append(torch.cuda.memory_allocated())
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", recording)
+    cfg = run_beside(built_run, "both-cuda", **{"device": "cuda", "train.expert": "both", "train.steps": 2,
+                                                "runtime.checkpoint_every": 0})
+    done = train.run(cfg)
+    assert done["experts"]["high"]["complete"] and done["experts"]["low"]["complete"]
+    assert len(started) == 2 and started[1] <= started[0] + 2**20, started
