@@ -241,6 +241,9 @@ SUITES: dict[str, list[Row]] = {
                  Script("multigpu-flux-nf4", ("bench/multigpu.py", "run", "--precisions", "nf4", "--out", "{out}"), gpus=2)],
     # the tiled VAE encode against untiled, every distinct VAE (cache-latents' last resort)
     "tiling": [Script("tiling", ("bench/tiling.py", "--budget-s", "140", "--out", "{out}"))],
+    # the same for the video VAEs, on 33-frame clips at 640 and 960 px (about 480p and 720p in pixels)
+    "tiling-video": [Script("tiling-video", ("bench/tiling.py", "--families", "wan2.2-5b,wan2.2-14b,ltx2", "--sizes",
+                                             "640,960", "--frames", "33", "--budget-s", "240", "--out", "{out}"))],
     # cache-latents with the full-size FLUX.1 VAE at 1024 px: images/s, encoder and GPU busy (docs/performance.md, scale)
     "scale-gpu": [Script("scale-gpu-flux-vae-1024", ("bench/scale.py", "--gpu-latents", "400", "--px", "1024",
                                                       "--device", "cuda", "--work", "/tmp/lorapipe-scale-gpu", "--out", "{out}")),

@@ -2,6 +2,7 @@
 
     python bench/tiling.py --out $OUT/tiling.json                  # H200: every distinct full-size VAE (--budget-s 140)
     python bench/tiling.py --tiny --out /tmp/tiling-tiny.json      # CPU plumbing: the tiny VAEs, 64 px tiles
+    python bench/tiling.py --families wan2.2-5b,wan2.2-14b,ltx2 --sizes 640,960 --frames 33 --out $OUT/t.json  # clips
 
 For each distinct VAE of the registered families (FLUX.1 = Z-Image = Kontext's AutoencoderKL, SDXL's,
 Qwen-Image = Krea 2 = Qwen-Image-Edit's, FLUX.2's, Qwen-Image 2.1's; duplicates by class and config
@@ -64,6 +65,15 @@ def synthetic_image(side: int, seed: int = 0) -> Any:
         fill = tuple(int(c) for c in rng.integers(20, 236, 3))
         (draw.ellipse if k % 3 else draw.rectangle)(box, fill=fill)
     return image.filter(ImageFilter.GaussianBlur(max(1, side // 512)))
+
+
+def synthetic_clip(side: int, frames: int) -> list[Any]:
+    """`frames` frames of the synthetic image, its content sliding right by side/64 px a frame (wrapping)."""
+    import numpy as np
+    from PIL import Image
+
+    first = np.asarray(synthetic_image(side))
+    return [Image.fromarray(np.roll(first, k * max(1, side // 64), axis=1)) for k in range(frames)]
 
 
 def vae_builders(families: list[str], tiny: bool) -> list[tuple[list[str], Callable[[str], torch.nn.Module]]]:
@@ -158,14 +168,15 @@ class _BuiltSource:
         return dict(self.vae.config)
 
 
-def predicted_peaks(family: Any, vae: torch.nn.Module, side: int) -> dict[str, float]:
-    """The cache-latents planner's predicted peak (GB) for each mode measured here: one image of `side`."""
+def predicted_peaks(family: Any, vae: torch.nn.Module, side: int, frames: int = 1) -> dict[str, float]:
+    """The cache-latents planner's predicted peak (GB) for each mode measured here: one image (or clip of
+    `frames`) of `side`."""
     from types import SimpleNamespace
 
     from stages.core import memory
 
     cfg = SimpleNamespace(latents=SimpleNamespace(vae_precision="fp32"),
-                          dataset_configs=lambda: [SimpleNamespace(cache_variants=1, resolution=side)])
+                          dataset_configs=lambda: [SimpleNamespace(cache_variants=1, resolution=side, frames=frames)])
     tried = memory.plan_latents(cfg, family, _BuiltSource(vae), memory.Budget(None, "bench")).tried
     modes = {"untiled": ("fp32", False, False), "tiled": ("fp32", True, True), "bf16": ("bf16", True, False)}
     return {name: round(t["predicted_peak_gb"], 3) for name, mode in modes.items() for t in tried
@@ -183,12 +194,15 @@ def summary_line(name: str, side: int, e: dict[str, Any]) -> str:
 
 
 def measure(names: list[str], build: Callable[[str], torch.nn.Module], sizes: list[int], device: str,
-            tile_px: int | None, repeats: int, deadline: float) -> dict[str, Any]:
+            tile_px: int | None, repeats: int, deadline: float, frames: int = 1) -> dict[str, Any]:
+    """One VAE's posterior untiled, tiled and bf16 at each size: of one image, or for a video family of one clip of
+    `frames` frames (the cache's (1, 3, F, H, W) pixels; the planner's prediction counts them)."""
     from stages import cache_latents
     from stages.core import memory
     from stages.families import get_family
 
     family = get_family(names[0])
+    frames = frames if family.trains_video else 1
     vae = build(device)
     tiled = copy.deepcopy(vae)
     memory.apply_vae_plan(tiled, _plan("fp32", True), tile_px)
@@ -199,12 +213,15 @@ def measure(names: list[str], build: Callable[[str], torch.nn.Module], sizes: li
         "weights_fp32_gb": round(memory.weight_bytes(vae, "fp32") / GB, 3),
         # the planner offers tiling only for classes with a tile size (memory.plan_latents)
         "planner_tiles_this_class": cls in memory.VAE_TILE_PIXELS,
-        "tile_px": tile_px or memory.VAE_TILE_PIXELS.get(cls, 512), "sizes": {}}
+        "tile_px": tile_px or memory.VAE_TILE_PIXELS.get(cls, 512), "frames": frames, "sizes": {}}
     for side in sizes:
         if time.perf_counter() > deadline:
             row["sizes"][str(side)] = {"skipped": "out of time (--budget-s)"}
             continue
-        pixels = cache_latents._to_pixels([synthetic_image(side)]).to(device)  # [-1, 1], as cache-latents feeds it
+        if frames > 1:  # (1, 3, F, H, W), as cache-latents feeds a clip
+            pixels = cache_latents._to_pixels(synthetic_clip(side, frames)).transpose(0, 1)[None].to(device)
+        else:
+            pixels = cache_latents._to_pixels([synthetic_image(side)]).to(device)  # [-1, 1], as cache-latents feeds it
         ref = _encode(family, vae, pixels, repeats)
         til = _encode(family, tiled, pixels, repeats)
         low = _encode(family, bf16, pixels, repeats)
@@ -217,7 +234,7 @@ def measure(names: list[str], build: Callable[[str], torch.nn.Module], sizes: li
             "bf16_vs_fp32_untiled": _errors(ref, low),
             **{f"{k}_{name}": v[k] for name, v in (("untiled", ref), ("tiled", til), ("bf16", low))
                for k in ("seconds", "peak_gb", "peak_above_weights_gb", "encoder_calls")},
-            **{f"predicted_peak_gb_{k}": v for k, v in predicted_peaks(family, vae, side).items()}}
+            **{f"predicted_peak_gb_{k}": v for k, v in predicted_peaks(family, vae, side, frames).items()}}
         row["sizes"][str(side)] = entry
         print(summary_line(names[0], side, entry), flush=True)
         del ref, til, low, pixels
@@ -235,6 +252,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="all", help="comma-separated, or 'all' (duplicate VAEs measured once)")
     ap.add_argument("--sizes", default=None, help="image sides in px (default 1024,2048; --tiny 128,256)")
+    ap.add_argument("--frames", type=int, default=33,
+                    help="a video family's clip length, 8k+1 for every video VAE (default 33; --tiny 9)")
     ap.add_argument("--repeats", type=int, default=None, help="timed encodes after one warm-up (default 2; --tiny 1)")
     ap.add_argument("--budget-s", type=float, default=140.0, help="sizes not started by then are skipped")
     ap.add_argument("--tiny", action="store_true", help="CPU, the tiny VAEs, 64 px tiles")
@@ -253,7 +272,8 @@ def main() -> None:
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
         "weights": "random (each class's own init), not a trained VAE", "precision": "fp32 (tiled and untiled); bf16 untiled for scale",
-        "image": "synthetic: gradients, a sinusoid, 9 blurred shapes", "sizes": sizes,
+        "image": "synthetic: gradients, a sinusoid, 9 blurred shapes (a video family's clip: that image sliding right)",
+        "sizes": sizes,
         "flags": {"cudnn_tf32": torch.backends.cudnn.allow_tf32, "matmul_tf32": torch.backends.cuda.matmul.allow_tf32},
         "vaes": []}
     for shared, build in vae_builders(names, a.tiny):
@@ -262,7 +282,8 @@ def main() -> None:
             continue
         print(f"== {shared[0]} (also {', '.join(shared[1:]) or '-'})", flush=True)
         try:
-            out["vaes"].append(measure(shared, build, sizes, device, 64 if a.tiny else None, repeats, start + a.budget_s))
+            out["vaes"].append(measure(shared, build, sizes, device, 64 if a.tiny else None, repeats, start + a.budget_s,
+                                       9 if a.tiny and a.frames == 33 else a.frames))
         except Exception as e:  # noqa: BLE001 - one VAE failing (out of memory, a diffusers change) keeps the others
             out["vaes"].append({"families": shared, "error": f"{type(e).__name__}: {e}"[:2000]})
             print(f"   failed: {type(e).__name__}: {e}", flush=True)
