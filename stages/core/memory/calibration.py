@@ -44,13 +44,17 @@ ATTENTION_SCORE_BYTES = 8.0
 # 7.18 GB and LTX-2's 8.48 GB at 640 px and 33 frames (bench/results/{ernie-image,ideogram4,wan2.2-5b,ltx2}/).
 # A class not listed is planned with the largest figure.
 VAE_ELEMENTS_PER_PIXEL = {"AutoencoderKL": 820, "AutoencoderKLQwenImage": 1064, "AutoencoderKLFlux2": 820,
-                          # Wan 2.1's VAE (Wan 2.2 A14B's), not measured: the Qwen-Image VAE's, its derivative
-                          "AutoencoderKLWan": 1064,
+                          # Wan 2.1's VAE (Wan 2.2 A14B's): it allocated 7.03 and 15.21 GB encoding 33 frames at
+                          # 640 and 960 px in fp32 (bench/results/tiling-video/); this figure plans them at
+                          # 1.09x, as Wan 2.2's figure plans its VAE's allocated peak there (1.08-1.11x)
+                          "AutoencoderKLWan": 900,
                           "AutoencoderKLWan/patch2": 470,  # Wan 2.2 TI2V-5B's, per frame of the 5 in flight
                           "AutoencoderKLLTX2Video": 56}  # every frame of the clip at once
 # Tile side (px) of a tiled VAE encode, per VAE class; bench/tiling.py measures what tiling changes.
 VAE_TILE_PIXELS = {"AutoencoderKL": 512, "AutoencoderKLQwenImage": 256, "AutoencoderKLWan": 256,
                    "AutoencoderKLLTX2Video": 512}  # LTX-2's own default tile (16 latent cells), every 384 px
+# VAE classes that tile after patchifying their input, so that a tile above covers patch_size times its side in pixels
+VAE_TILES_IN_PATCHES = ("AutoencoderKLWan",)
 # train.optimizer's state per fp32 adapter parameter (beside its fp32 weight and gradient), bytes, rounded up from what each library keeps after its
 # first steps on adapter-shaped parameters (tests/planner/test_adapter_memory.py measures it on the CPU): AdamW's
 # two moments; 8-bit AdamW's two blockwise-quantized ones (2.09); Prodigy's moments, s and p0; the schedule-free

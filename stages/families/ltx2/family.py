@@ -97,6 +97,7 @@ class LTX2(ChannelNormalized, FamilyTraits):
                             "attn2.to_v", "attn2.to_out.0", "ff.net.0.proj", "ff.net.2")
     text_component_classes = ("Gemma3ForConditionalGeneration", "LTX2TextConnectors")
     text_components = ("tokenizer", "text_encoder", "connectors")
+    text_whole_components = ("connectors",)  # loaded in bf16 beside an nf4 Gemma (load_text_encoder)
     text_offload_components = ("text_encoder",)  # loaded by load_text_model: the planner may offload its layers
     vae_components = ("vae",)
     denoiser_components = ("transformer",)
