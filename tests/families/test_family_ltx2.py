@@ -284,3 +284,26 @@ def test_tiled_encode_of_a_clip_is_close_to_untiled(ltx):
     error = (tiled - mean).abs().mean() / mean.abs().mean()
     print(f"tiled/untiled relative mean error {float(error):.4f}")
     assert tiled.shape == mean.shape == (1, 8, 2, 8, 12) and 0 < float(error) < 0.3, float(error)
+
+
+def test_the_training_forward_builds_no_coordinates_inside_the_transformer(ltx, monkeypatch):
+    """The loss passes the RoPE coordinates, built once per shape outside the transformer: building them copies
+    Python numbers to the device, which a CUDA graph's capture refuses (LTX-2's train ran eager for it)."""
+    family, folder, pipe = ltx
+    rows = _encode(family, folder, 16).encode(CAPTIONS[:1])
+    family = type(family)()  # none built yet
+    built = []
+    prepare = pipe.transformer.rope.prepare_video_coords
+    monkeypatch.setattr(pipe.transformer.rope, "prepare_video_coords", lambda *a, **k: built.append(a) or prepare(*a, **k))
+    seen = []
+    handle = pipe.transformer.register_forward_hook(lambda m, a, k, out: seen.append(k), with_kwargs=True)
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(1, 8, 2, 4, 12, generator=g), torch.randn(1, 8, 2, 4, 12, generator=g)
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                family.loss(pipe.transformer, x0, noise, torch.tensor([0.5]), rows, _meta(1), TrainConfig())
+    finally:
+        handle.remove()
+    assert len(built) == 1, "built once, outside the forward, and reused"
+    assert all(k["video_coords"] is not None and k["audio_coords"] is not None for k in seen) and len(seen) == 2

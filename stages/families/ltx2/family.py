@@ -109,6 +109,9 @@ class LTX2(ChannelNormalized, FamilyTraits):
     vae_frames_in_flight = 257  # the encoder takes the whole clip at once (no framewise cache): every frame, to 257
     pixels_per_token = 32  # the VAE's 32 px a latent cell, patch 1
 
+    def __init__(self) -> None:
+        self._coords: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> LTX2TextEncoder:
         return LTX2TextEncoder(src, cfg, rt)
@@ -157,9 +160,20 @@ class LTX2(ChannelNormalized, FamilyTraits):
             shift = math.exp(flow.dynamic_shift_mu(tokens, SHIFT_BASE_SEQ_LEN, SHIFT_MAX_SEQ_LEN, SHIFT_BASE, SHIFT_MAX))
         return flow.lookup_sigmas(flow.draw_u(n, generator, tcfg, first), flow.sigma_table(shift))
 
+    def coords(self, denoiser: torch.nn.Module, b: int, f: int, h: int, w: int, device: torch.device) -> tuple:
+        """(video_coords, audio_coords) as the transformer's forward builds them when given none
+        (`rope.prepare_video_coords`, `audio_rope.prepare_audio_coords`), built once per shape outside it: building
+        them copies Python numbers to the GPU, which a CUDA graph's capture refuses."""
+        key = (b, f, h, w, str(device))
+        if key not in self._coords:
+            self._coords[key] = (denoiser.rope.prepare_video_coords(b, f, h, w, device, fps=FRAME_RATE),
+                                 denoiser.audio_rope.prepare_audio_coords(b, 1, device))
+        return self._coords[key]
+
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, _, f, h, w = x0.shape
+        video_coords, audio_coords = self.coords(denoiser, b, f, h, w, x0.device)
         cfg, dtype, device = denoiser.config, base_dtype(denoiser), x0.device
         timestep = t.to(device, torch.float32) * 1000.0  # the scheduler's t; the pipeline passes it as sigma too
         audio_width = cfg.caption_channels if cfg.use_prompt_embeddings else cfg.audio_cross_attention_dim
@@ -171,6 +185,7 @@ class LTX2(ChannelNormalized, FamilyTraits):
             timestep=timestep, sigma=timestep,
             encoder_attention_mask=cond["prompt_mask"].to(device),
             num_frames=f, height=h, width=w, fps=FRAME_RATE, audio_num_frames=1,
+            video_coords=video_coords, audio_coords=audio_coords,
             isolate_modalities=True, use_cross_timestep=True, return_dict=False,
         )[0]
         return flow.per_sample_loss(unpack(pred, f, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)
