@@ -199,3 +199,32 @@ def test_tiny_config_relations(chroma):
     assert t.in_channels == 4 * pipe.vae.config.latent_channels
     assert sum(t.axes_dims_rope) == t.attention_head_dim and t.approximator_num_channels % 4 == 0
     assert not pipe.vae.config.use_quant_conv and pipe.vae.config.shift_factor == pytest.approx(0.1159)
+
+
+def test_the_timestep_embedding_is_the_stock_one_made_on_the_timesteps_device(chroma, monkeypatch):
+    """ChromaTrainable's timestep embedding equals diffusers' for a batch, and makes nothing on the CPU to copy over
+    (the stock one's `torch.tensor([0] * batch)` made Chroma's CUDA graph capture fail, so its train ran eager)."""
+    from diffusers.models.transformers.transformer_chroma import ChromaCombinedTimestepTextProjEmbeddings
+
+    from stages.families.chroma.denoiser import ChromaTrainable
+
+    family, folder, pipe = chroma
+    model = ChromaTrainable.from_pretrained(folder, subfolder="transformer")
+    stock_model = diffusers.ChromaTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+    g = torch.Generator().manual_seed(0)
+    inputs = {"hidden_states": torch.randn(2, 16, 64, generator=g), "encoder_hidden_states": torch.randn(2, 8, 32, generator=g),
+              "timestep": torch.tensor([0.3, 0.8]), "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(8, 3),
+              "return_dict": False}
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], stock_model(**inputs)[0])
+    embed = model.time_text_embed
+    assert type(embed) is not ChromaCombinedTimestepTextProjEmbeddings
+    t = torch.tensor([0.3, 0.8]) * 1000
+    ours = embed(t)
+    stock = ChromaCombinedTimestepTextProjEmbeddings.forward(embed, t)
+    assert torch.equal(ours, stock)
+    made = []
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or tensor(*a, **k))
+    embed(t)
+    assert made == []

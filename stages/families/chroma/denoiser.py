@@ -7,6 +7,9 @@ blocks mask. Training checkpoints blocks to fit memory, which must not change th
 picks how many), so a masked batch runs `masked_forward`: the stock forward's modules, in the same order,
 on the same values, with the mask handed to every block (tests/families/test_family_chroma.py checks it against the
 stock forward without checkpointing). Everything else, a batch without a mask among it, runs the stock forward.
+
+Its timestep embedding builds the (zero) guidance input on the timestep's device: the stock one makes it on the CPU
+and copies it over, which a CUDA graph's capture refuses (Chroma's train ran eager for it).
 """
 
 from __future__ import annotations
@@ -15,12 +18,29 @@ from typing import Any
 
 import torch
 from diffusers import ChromaTransformer2DModel
+from diffusers.models.transformers.transformer_chroma import ChromaCombinedTimestepTextProjEmbeddings
+
+
+class DeviceGuidanceEmbeddings(ChromaCombinedTimestepTextProjEmbeddings):
+    """The stock timestep embedding, with its guidance input (zeros) made on the timestep's device."""
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        batch_size, mod_index_length = timestep.shape[0], self.mod_proj.shape[0]
+        timesteps_proj = self.time_proj(timestep).to(dtype=timestep.dtype)
+        zeros = torch.zeros(batch_size, dtype=torch.long, device=timestep.device)  # stock: torch.tensor([0] * batch)
+        guidance_proj = self.guidance_proj(zeros).to(dtype=timestep.dtype)
+        mod_proj = self.mod_proj.to(dtype=timesteps_proj.dtype, device=timesteps_proj.device).repeat(batch_size, 1, 1)
+        timestep_guidance = torch.cat([timesteps_proj, guidance_proj], dim=1).unsqueeze(1).repeat(1, mod_index_length, 1)
+        return torch.cat([timestep_guidance, mod_proj], dim=-1).to(timestep.dtype)
 
 
 class ChromaTrainable(ChromaTransformer2DModel):
     """The diffusers transformer (same config, weights and LoRA names) with the masked checkpointed forward."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the same module and buffers, with its own forward (set here: an __init__ of its own would hide the
+        # parent's config signature from diffusers' loader)
+        self.time_text_embed.__class__ = DeviceGuidanceEmbeddings
         checkpointing = torch.is_grad_enabled() and self.gradient_checkpointing
         if args or kwargs.get("attention_mask") is None or not checkpointing or not set(kwargs) <= MASKED_ARGS:
             return super().forward(*args, **kwargs)
