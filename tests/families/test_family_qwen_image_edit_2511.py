@@ -82,3 +82,39 @@ def test_tiny_models_share_the_edit_familys_weights_with_the_flag_set():
     assert rest(flagged.config) == rest(edit.config)
     a, b = edit.state_dict(), flagged.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@QWEN_2511
+def test_the_trained_class_is_the_stock_forward_with_its_modulation_index_built_once(built_run, monkeypatch):
+    """train loads the transformer as ZeroCondTrainable: its forward gives the stock forward's prediction and
+    gradients, with and without gradient checkpointing, and builds its modulation index once per layout (the
+    stock forward builds it from Python numbers on every call, a copy a CUDA graph's capture refuses)."""
+    from stages.families.qwen_image_edit_2511.denoiser import ZeroCondTrainable
+
+    cfg = built_run
+    trainer = Trainer(cfg, EventLog(cfg.run_dir, cfg.run, "test", enabled=False))
+    trainer.setup_model()
+    assert isinstance(trainer.model, ZeroCondTrainable)
+    ours = ZeroCondTrainable.from_pretrained(cfg.model, subfolder="transformer")
+    stock = diffusers.QwenImageTransformer2DModel.from_pretrained(cfg.model, subfolder="transformer")
+    g = torch.Generator().manual_seed(0)
+    shapes = [[(1, 2, 2), (1, 2, 2)], [(1, 2, 2), (1, 2, 2)]]
+    inputs = {"hidden_states": torch.randn(2, 8, ours.config.in_channels, generator=g),
+              "encoder_hidden_states": torch.randn(2, 5, ours.config.joint_attention_dim, generator=g),
+              "encoder_hidden_states_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool),
+              "timestep": torch.tensor([0.3, 0.8]), "img_shapes": shapes, "guidance": None, "return_dict": False}
+    for checkpointing in (False, True):
+        grads = []
+        for model in (ours, stock):
+            model.zero_grad()
+            model.enable_gradient_checkpointing() if checkpointing else model.disable_gradient_checkpointing()
+            out = model(**inputs)[0]
+            out.square().mean().backward()
+            grads.append((out.detach(), model.img_in.weight.grad.clone()))
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), checkpointing
+    made = []
+    tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or tensor(*a, **k))
+    with torch.no_grad():
+        ours(**inputs)
+    assert made == [], "the index is reused"
