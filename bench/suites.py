@@ -250,10 +250,10 @@ SUITES: dict[str, list[Row]] = {
                   # status and a no-op run on a GPU machine, where torch would be imported to see the GPU
                   Script("scale-gpu-status-1000", ("bench/scale.py", "--sizes", "1000", "--device", "cuda", "--work",
                                                    "/tmp/lorapipe-scale-status", "--out", "{out}"))],
-    # the tests marked for CUDA, on the GPU (skipped on CPU)
-    "cuda-tests": [Script("cuda-tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/stages/test_trainer_paths.py",
-                                         "tests/core/test_runtime_flags.py", "tests/core/test_fp8.py", "tests/planner/test_sample_memory.py",
-                                         "tests/planner/test_memory.py", "tests/planner/test_partial_checkpointing.py",
-                                         "tests/core/test_fastpath.py", "tests/planner/test_text_offload.py",
-                                         "tests/core/test_cache_build.py", "tests/families/test_family_wan22_14b.py", "-k", "cuda"))],
+    # the tests that need a CUDA GPU (skipped on the CPU; conftest's --cuda-only selects them), in two calls' worth:
+    # the trainer's paths (compile, graphs, fp8, swap), then the rest
+    "cuda-tests": [Script("cuda-tests-trainer", ("-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--cuda-only",
+                                                 "tests/stages/test_trainer_paths.py")),
+                   Script("cuda-tests", ("-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--cuda-only", "tests/",
+                                         "--ignore=tests/stages/test_trainer_paths.py"))],
 }

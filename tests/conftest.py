@@ -311,3 +311,18 @@ def comfy_name(cfg) -> str:
     from stages.families import get_family
 
     return comfyui_file_name(cfg.run, tag=get_family(cfg.family).file_tag(cfg.train))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cuda-only", action="store_true",
+                     help="run only the tests that need a CUDA GPU (those skipped elsewhere): the GPU machine's "
+                          "cuda-tests suite")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if not config.getoption("--cuda-only"):
+        return
+    keep = [it for it in items
+            if any("cuda" in str(m.kwargs.get("reason", "")).lower() for m in it.iter_markers("skipif"))]
+    config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+    items[:] = keep
