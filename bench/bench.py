@@ -33,7 +33,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TRAIN_STEPS, WARMUP = 8, 3  # 3 steps excluded from samples/s (first step, graph capture, one replay)
+TRAIN_STEPS, WARMUP = 8, 3
+VARIED_CAPTIONS = 24  # images in the dataset of varied caption lengths (memory.py --captions varied)  # 3 steps excluded from samples/s (first step, graph capture, one replay)
 CAPTION_TOKENS = 77
 # a family whose text encoder takes only some lengths: LTX-2's connectors fill the padding with their 128 learnable
 # registers, so its captions are a multiple of 128 tokens
@@ -345,12 +346,15 @@ class Runner:
     def ensure_data(self, controls: int = 0, video: bool = False) -> Path:
         """The synthetic dataset, with `controls` control images per item (edit families, references); for a video
         family, clips of CLIP_FRAMES frames (every item a whole clip, so each step trains data.frames frames)."""
+        varied = getattr(self.args, "captions", "equal") == "varied"
         data = self.work / ("data-clips" if video else "data" if not controls else f"data-c{controls}")
+        data = data.with_name(data.name + "-varied") if varied else data
         if not data.exists():
             if video:
                 make_clips(data, n=4, frames=CLIP_FRAMES, size=(96, 64) if self.args.tiny else (1280, 720))
             else:
-                make_dataset(data, n=8, side=96 if self.args.tiny else 1024, controls=controls)
+                make_dataset(data, n=VARIED_CAPTIONS if varied else 8, side=96 if self.args.tiny else 1024,
+                             controls=controls, varied=varied)
         return data
 
     def base_sets(self, fam: str, res: int, controls: int | None = None) -> dict[str, Any]:
@@ -664,10 +668,12 @@ def make_clips(folder: Path, n: int, frames: int, size: tuple[int, int]) -> Path
     return folder
 
 
-def make_dataset(folder: Path, n: int, side: int, controls: int = 0) -> Path:
+def make_dataset(folder: Path, n: int, side: int, controls: int = 0, varied: bool = False) -> Path:
     """n synthetic images (smooth colour fields with a shape) and ~77-token captions; with `controls`,
     that many control images per item beside each (img_XXX_control.png, or _control_1.png, _2, ...: the
-    target with its colour channels rotated), for the edit families."""
+    target with its colour channels rotated), for the edit families. `varied`: caption i has 4 + 2i words of
+    that text instead, so every caption has its own length, as in a real dataset (and every length is a batch
+    shape in the families that cut captions to the batch's longest)."""
     import numpy as np
     from PIL import Image, ImageDraw
 
@@ -690,6 +696,8 @@ def make_dataset(folder: Path, n: int, side: int, controls: int = 0) -> Path:
             suffix = "_control" if controls == 1 else f"_control_{k}"
             Image.fromarray(np.roll(np.asarray(im), k, axis=-1)).save(folder / f"img_{i:03d}{suffix}.png")
         caption = words.format(c=colours[i % 4], s=shapes[(i // 4) % 4], b=backs[i % 2]) + f", variant {i}"
+        if varied:  # 4 + 2i words, under the bench's 77 tokens for 24 images
+            caption = " ".join((caption.split() * 2)[:4 + 2 * i])
         (folder / f"img_{i:03d}.txt").write_text(caption)
     return folder
 

@@ -435,6 +435,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keep", action="store_true")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every row's stages (repeatable), e.g. runtime.profile_steps=2")
+    r.add_argument("--captions", choices=("equal", "varied"), default="equal",
+                   help="varied: 24 images whose captions each have their own length (equal: 8 of about one length)")
     r.set_defaults(skip_done=[], only=[])  # what bench.py's Runner reads: every row runs
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")

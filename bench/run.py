@@ -42,7 +42,7 @@ def call_of(row: Row) -> tuple:
     if isinstance(row, Bench):
         return ("bench", row.family)
     if isinstance(row, Memory):
-        return ("memory", row.family, row.px, row.sets)
+        return ("memory", row.family, row.px, row.sets, row.captions)
     return (type(row).__name__, row.key)
 
 
@@ -54,7 +54,7 @@ def command(rows: list[Row], out: Path, budget_s: float) -> tuple[list[str], dic
         return [py, "bench/bench.py", "run", "--families", first.family, "--keep", "--budget-s", f"{budget_s:.0f}",
                 "--out", str(out), *only], {}
     if isinstance(first, Memory):
-        sets = [a for s in first.sets for a in ("--set", s)]
+        sets = [a for s in first.sets for a in ("--set", s)] + (["--captions", first.captions] if first.captions != "equal" else [])
         return [py, "bench/memory.py", "run", "--families", first.family, "--res", str(first.px), "--budgets",
                 ",".join(r.budget for r in rows), "--keep", "--budget-s", f"{budget_s:.0f}", "--out", str(out), *sets], {}
     if isinstance(first, Peers):  # peers.sh writes $OUT/peers-<which>-<px>-b<batch>-<tag>.json
@@ -80,7 +80,7 @@ def split(rows: list[Row], data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     def key(item: dict[str, Any]) -> str:
         if isinstance(first, Bench):
             return bench_key(item["id"])
-        return memory_key(item["family"], item.get("resolution", first.px), item["budget"], first.sets)
+        return memory_key(item["family"], item.get("resolution", first.px), item["budget"], first.sets, first.captions)
 
     out: dict[str, dict[str, Any]] = {}
     for item in data.get("items", []):

@@ -39,10 +39,11 @@ class Memory:
     px: int
     budget: str  # GB, or "auto"
     sets: tuple[str, ...] = ()  # "KEY=VALUE" overrides of every stage (a variant with its own report table)
+    captions: str = "equal"  # memory.py --captions: "varied" gives every caption its own length
 
     @property
     def key(self) -> str:
-        return memory_key(self.family, self.px, self.budget, self.sets)
+        return memory_key(self.family, self.px, self.budget, self.sets, self.captions)
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,12 @@ def bench_key(item_id: str) -> str:
     return item_id.split("#")[0].replace("/", ".")
 
 
-def memory_key(family: str, px: int, budget: str, sets: tuple[str, ...] | list[str] = ()) -> str:
-    """A memory row's result key: family, px, budget and its `--set` overrides."""
+def memory_key(family: str, px: int, budget: str, sets: tuple[str, ...] | list[str] = (), captions: str = "equal") -> str:
+    """A memory row's result key: family, px, budget, its `--set` overrides and its captions where not "equal"."""
     settings = "".join(f"-{s.replace('=', '_')}" for s in sorted(sets))
-    return f"memory.{family}-{px}-{budget if budget != '-' else 'build'}{'' if budget in ('auto', '-') else 'gb'}{settings}"
+    captions = "" if captions == "equal" else f"-{captions}-captions"
+    return (f"memory.{family}-{px}-{budget if budget != '-' else 'build'}{'' if budget in ('auto', '-') else 'gb'}"
+            f"{settings}{captions}")
 
 
 def train(family: str, precision: str, px: int, batch: int, settings: str = "") -> Bench:
@@ -215,6 +218,10 @@ SUITES: dict[str, list[Row]] = {
     # steps after the warm-up gives the GPU kernels' and the host-to-device copies' milliseconds beside the step's
     "swap-512-profile": [*memory_grid("flux", 512, ("6",), ("runtime.profile_steps=2",)),
                          *memory_grid("qwen-image", 512, ("8",), ("runtime.profile_steps=2",))],
+    # a dataset whose captions each have their own length (every length a batch shape where the family cuts captions
+    # to the batch's longest, and past 8 shapes steps run without CUDA graphs) against one of about one length, over
+    # two epochs of its 24 images: Qwen-Image at 1024 px under its 8 GB swap plan and uncapped
+    "caption-lengths": [Memory("qwen-image", 1024, b, ("train.steps=48",), c) for c in ("varied", "equal") for b in ("8", "auto")],
     # "Memory budgets that hold": every preset x budget x caption length x train batch x px, most-used presets first;
     # tests/planner/test_budget.py holds the planner's predictions against these rows
     "budget-grid": [row for family in PRESETS for row in budget_grid(family)],

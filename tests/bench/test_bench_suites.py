@@ -153,3 +153,19 @@ def test_the_budget_grid_runs_every_preset_as_users_run_it_most_used_first() -> 
     assert all(len(c) == len(suites.GRID_BUDGETS) for c in calls)
     cmd, _ = run.command(calls[0], Path("/tmp/row.json"), 540)
     assert cmd[1:3] == ["bench/memory.py", "run"] and "4,6,8,12,16,24,auto" in cmd
+
+
+def test_a_varied_captions_row_draws_captions_of_distinct_lengths_and_keys_apart(tmp_path: Path) -> None:
+    """`caption-lengths`: memory.py --captions varied draws 24 images whose captions all differ in length (the
+    default draws 8 of about one length), and its rows' keys and commands differ from the equal-caption rows'."""
+    from bench.bench import VARIED_CAPTIONS, make_dataset
+
+    varied = make_dataset(tmp_path / "varied", VARIED_CAPTIONS, 32, varied=True)
+    equal = make_dataset(tmp_path / "equal", 8, 32)
+    assert len({len(p.read_text().split()) for p in varied.glob("*.txt")}) == VARIED_CAPTIONS
+    assert len({len(p.read_text().split()) for p in equal.glob("*.txt")}) == 1
+    rows = suites.SUITES["caption-lengths"]
+    assert len({r.key for r in rows}) == len(rows) == 4
+    calls = [run.command([r], tmp_path / "row.json", 540)[0] for r in rows]
+    assert sum("--captions" in c for c in calls) == 2 and all(("--captions" in c) == ("varied" in r.key)
+                                                             for c, r in zip(calls, rows))
