@@ -162,7 +162,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             store = _open_store(out, layout)
             todo_ids = rows_to_encode(store, sorted(texts), grow=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(texts) - len(todo_ids), total=len(texts), encoded=0)
-        encoded = _encode(ctx, cfg, rt, texts, todo_ids, store, layout, row_controls(items))
+        encoded = _encode(ctx, cfg, rt, texts, todo_ids, store, layout, row_controls(items), existing)
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
         manifest = _write(ctx, cfg, items, texts, index, encoded, len(todo_ids), planned)
@@ -171,9 +171,10 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
 
 
 def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[str], store: RowStore | None,
-            layout: dict[str, Any], controls: dict[str, tuple]) -> dict[str, Any]:
+            layout: dict[str, Any], controls: dict[str, tuple], earlier_manifest: dict[str, Any] | None) -> dict[str, Any]:
     """Encode the rows in `todo_ids` (ranks deal out whole batches) with the encoders loaded on `rt`
-    (memory.text_encoder_runtime); -> store, truncated, runtime.
+    (memory.text_encoder_runtime); -> store, truncated, runtime. `earlier_manifest`: the cache's manifest
+    before this run (None: none, or --force), whose truncated captions stay listed.
     A family whose text encoder sees the control images (`text_sees_controls`) gets them too: its
     rows are keyed by (caption, controls)."""
     import torch
@@ -190,7 +191,7 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
     batches = shard_batches(todo_ids, cfg.captions.batch_size, lambda cid: rows[cid] // per_shard)
     reset_peak(rt)
     # with the same settings, captions truncated by earlier runs stay listed
-    earlier = _earlier_truncations(out) if store is not None else {}
+    earlier = _earlier_truncations(earlier_manifest) if store is not None else {}
     state = {"store": store, "encoder": None,
              "truncated": {cid: n for cid, n in earlier.items() if cid in texts}}
 
@@ -330,12 +331,10 @@ def damaged_rows(cfg: Any, manifest: dict[str, Any]) -> list[str]:
     return damage_report(store, manifest["rows"], keys_by_id(manifest["items"]), out.name, command(cfg, NAME))
 
 
-def _earlier_truncations(out: Path) -> dict[str, int]:
-    """caption id -> token count of captions truncated by earlier runs into this same store, so an
-    incremental run keeps listing them."""
-    from stages.core.artifacts import read_manifest
-
-    m = read_manifest(out) or {"items": {}, "truncated": {}}
+def _earlier_truncations(manifest: dict[str, Any] | None) -> dict[str, int]:
+    """caption id -> token count of captions truncated by earlier runs into this same store (their `manifest`),
+    so an incremental run keeps listing them."""
+    m = manifest or {"items": {}, "truncated": {}}
     return {m["items"][key]: n for key, n in m["truncated"].items() if key in m["items"]}
 
 

@@ -107,21 +107,22 @@ def encode_units(ctx: Any, label: str, unit_name: str, units: Sequence[T], encod
                 counted["logged"] = now
                 ctx.log.emit("preparing", done=done_before + estimate, total=total, encoded=estimate)
 
-        def finish_in_flight() -> None:
-            while in_flight:
-                unit, finish = in_flight.popleft()
+        def finish_all(queue: deque[tuple[T, Finish]]) -> None:
+            while queue:
+                unit, finish = queue.popleft()
                 timed(finish)
                 done(unit)
 
+        def finish_in_flight() -> None:
+            finish_all(in_flight)
+
         def encode_one(unit: T, *prepared: Any) -> None:
             finish = timed(encode, unit, *prepared)
-            before = list(in_flight)  # the previous unit: its row is written now that this one is queued
+            before = deque(in_flight)  # the previous unit: its row is written now that this one is queued
             in_flight.clear()
             if finish is not None:
                 in_flight.append((unit, finish))  # an error finishing `before` still writes this one
-            for previous, previous_finish in before:
-                timed(previous_finish)
-                done(previous)
+            finish_all(before)
             if finish is None:
                 done(unit)
 

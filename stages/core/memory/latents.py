@@ -42,16 +42,20 @@ def tile_pixels(vae: Any) -> int | None:
     times as many pixels a side: 512 px at Wan 2.2 TI2V-5B's patch 2, measured (bench/results/tiling-video/)."""
     name = type(vae).__name__
     tile = cal.VAE_TILE_PIXELS.get(name)
-    patch = getattr(vae.config, "patch_size", None) if name in cal.VAE_TILES_IN_PATCHES else None
+    patch = _patch_size(vae) if name in cal.VAE_TILES_IN_PATCHES else None
     return tile * patch if tile and patch else tile
 
 
 def vae_elements_per_pixel(vae: Any) -> int:
     """The VAE's work per pixel of one image (calibration.VAE_ELEMENTS_PER_PIXEL: its class's with its patch size
     where one is listed, else its class's, else the largest)."""
-    name, patch = type(vae).__name__, getattr(vae.config, "patch_size", None) if hasattr(vae, "config") else None
-    table = cal.VAE_ELEMENTS_PER_PIXEL
-    return table.get(f"{name}/patch{patch}", table.get(name, max(table.values())))
+    name, table = type(vae).__name__, cal.VAE_ELEMENTS_PER_PIXEL
+    return table.get(f"{name}/patch{_patch_size(vae)}", table.get(name, max(table.values())))
+
+
+def _patch_size(vae: Any) -> int | None:
+    """The pixels a side the VAE folds into channels before its encoder (its config's patch_size; None: none)."""
+    return getattr(getattr(vae, "config", None), "patch_size", None)
 
 
 def configured_vae_precision(cfg: Any) -> str:
