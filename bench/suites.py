@@ -220,8 +220,11 @@ SUITES: dict[str, list[Row]] = {
                          *memory_grid("qwen-image", 512, ("8",), ("runtime.profile_steps=2",))],
     # a dataset whose captions each have their own length (every length a batch shape where the family cuts captions
     # to the batch's longest, and past 8 shapes steps run without CUDA graphs) against one of about one length, over
-    # two epochs of its 24 images: Qwen-Image at 1024 px under its 8 GB swap plan and uncapped
-    "caption-lengths": [Memory("qwen-image", 1024, b, ("train.steps=48",), c) for c in ("varied", "equal") for b in ("8", "auto")],
+    # two epochs of its 24 images: Qwen-Image at 1024 px under its 8 GB swap plan and uncapped; then the varied
+    # captions rounded up to 64 tokens (runtime.caption_tokens_multiple: masked padding, fewer shapes)
+    "caption-lengths": [Memory("qwen-image", 1024, b, ("train.steps=48",), c) for c in ("varied", "equal") for b in ("8", "auto")]
+                       + [Memory("qwen-image", 1024, b, ("train.steps=48", "runtime.caption_tokens_multiple=64"), "varied")
+                          for b in ("8", "auto")],
     # "Memory budgets that hold": every preset x budget x caption length x train batch x px, most-used presets first;
     # tests/planner/test_budget.py holds the planner's predictions against these rows
     "budget-grid": [row for family in PRESETS for row in budget_grid(family)],

@@ -23,3 +23,6 @@ class BatchMeta:
     controls: tuple["torch.Tensor", ...] = ()
     """Edit families: each control image's normalized latents (B, C, h, w), in the item's control
     order (sampled from their cached posterior like the target); empty for text-to-image families."""
+    text_multiple: int = 1
+    """Families that cut a batch's captions to its longest: that length rounded up to a multiple of this many
+    tokens (the padding masked), runtime.caption_tokens_multiple; 1 cuts to the longest."""

@@ -248,6 +248,12 @@ class RuntimeConfig:
     where the budget has 2x the eager step's activations free at the capture (capturing needs memory a
     swap plan may not have; else eager; the planner swaps more blocks where that leaves the room).
     LORAPIPE_CUDA_GRAPHS overrides it."""
+    caption_tokens_multiple: Annotated[int, AT_LEAST_ONE] = 1
+    """Families that cut a batch's captions to its longest (Qwen-Image and its edit models, Krea 2,
+    Chroma, ERNIE-Image, Ideogram 4): round that length up to a multiple of this many tokens, the padding
+    masked. Same loss; fewer batch shapes (each caption length is one, and a shape past the 8th runs without
+    a CUDA graph), at the cost of masked attention for captions shorter than the rounded length. 1: cut to
+    the longest."""
     block_swap_layout: Literal["last", "spread"] = "last"
     """Which blocks a memory plan that swaps N blocks keeps in host memory: the last N in execution order,
     or N spread evenly among all blocks, so their copies overlap the compute of the resident blocks

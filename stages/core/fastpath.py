@@ -342,7 +342,8 @@ class GraphedDenoiser:
                                          f"past the first {self.max_graphs}: each graph holds memory for its replays "
                                          f"(those steps are slower). Shapes differ by aspect bucket and, in families "
                                          f"that cut captions to the batch's longest, by caption length: fewer buckets "
-                                         f"(data.max_aspect, data.bucket_merge) give fewer shapes")
+                                         f"(data.max_aspect, data.bucket_merge) and caption lengths rounded up "
+                                         f"(--set runtime.caption_tokens_multiple=64) give fewer shapes")
 
     def _make(self, key: Any, leaves: list[Any], spec: Any) -> Callable[..., Any] | None:
         at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]

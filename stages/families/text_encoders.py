@@ -113,9 +113,17 @@ def require_tokens(lengths: list[int]) -> None:
                             f"rebuild it with `{command_for(None, 'encode-captions', '--force')}`")
 
 
-def trim_to_longest(embeds: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cut stored padding down to the batch's longest caption; (embeds (B, L, D), mask (B, L) bool)."""
-    require_tokens([int(lengths.max())])
+def padded_length(lengths: torch.Tensor, stored: int, multiple: int = 1) -> int:
+    """The batch's longest caption in tokens, rounded up to a multiple of `multiple` (at most the `stored` rows'
+    length): fewer distinct batch shapes, each a CUDA graph, where captions of many lengths would make many."""
     longest = int(lengths.max())
+    return min(stored, -(-longest // multiple) * multiple) if multiple > 1 else longest
+
+
+def trim_to_longest(embeds: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut stored padding down to the batch's longest caption (rounded up to `multiple` tokens: padded_length);
+    (embeds (B, L, D), mask (B, L) bool, False on padding)."""
+    require_tokens([int(lengths.max())])
+    longest = padded_length(lengths, embeds.shape[1], multiple)
     mask = torch.arange(longest, device=embeds.device)[None, :] < lengths.to(embeds.device)[:, None]
     return embeds[:, :longest], mask

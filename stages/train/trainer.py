@@ -278,7 +278,7 @@ class Trainer:
         dev = self.rt.device
         x0 = self.family.normalize_latents(sample_posterior(batch.mean.to(dev), batch.logvar.to(dev), eps.to(dev)), self.norm)
         cond = {k: v.to(dev) for k, v in batch.cond.items()}
-        meta = batch.meta
+        meta = dataclasses.replace(batch.meta, text_multiple=self.cfg.runtime.caption_tokens_multiple)
         if batch.mask is not None:
             meta = dataclasses.replace(meta, loss_mask=batch.mask.to(dev))
         if batch.controls:

@@ -165,7 +165,9 @@ def test_a_varied_captions_row_draws_captions_of_distinct_lengths_and_keys_apart
     assert len({len(p.read_text().split()) for p in varied.glob("*.txt")}) == VARIED_CAPTIONS
     assert len({len(p.read_text().split()) for p in equal.glob("*.txt")}) == 1
     rows = suites.SUITES["caption-lengths"]
-    assert len({r.key for r in rows}) == len(rows) == 4
+    assert len({r.key for r in rows}) == len(rows) == 6
     calls = [run.command([r], tmp_path / "row.json", 540)[0] for r in rows]
-    assert sum("--captions" in c for c in calls) == 2 and all(("--captions" in c) == ("varied" in r.key)
+    assert sum("--captions" in c for c in calls) == 4 and all(("--captions" in c) == ("varied" in r.key)
                                                              for c, r in zip(calls, rows))
+    rounded = [c for c in calls if "runtime.caption_tokens_multiple=64" in c]
+    assert len(rounded) == 2 and all("varied" in c for c in rounded)

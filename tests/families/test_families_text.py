@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import diffusers
 import pytest
 import torch
@@ -161,9 +163,9 @@ def padded_batch_trains_like_single_items(family, model, params, cond, channels:
     x0, noise = torch.randn(2, channels, 8, 8, generator=g), torch.randn(2, channels, 8, 8, generator=g)
     t = torch.tensor([0.3, 0.8])
 
-    def rows_loss(rows: list[int], c: dict[str, torch.Tensor]):
-        return loss_and_grads(family, model, params, x0[rows], noise[rows], t[rows], {k: v[rows] for k, v in c.items()},
-                              _meta(len(rows), 8, 8))
+    def rows_loss(rows: list[int], c: dict[str, torch.Tensor], multiple: int = 1):
+        meta = dataclasses.replace(_meta(len(rows), 8, 8), text_multiple=multiple)
+        return loss_and_grads(family, model, params, x0[rows], noise[rows], t[rows], {k: v[rows] for k, v in c.items()}, meta)
 
     for on in checkpointing:
         if on:  # the stock forward hands its mask to checkpointed blocks too
@@ -173,6 +175,20 @@ def padded_batch_trains_like_single_items(family, model, params, cond, channels:
         torch.testing.assert_close(batch_losses, torch.cat([s[0] for s in singles]), rtol=1e-5, atol=1e-6)
         for j, grad in enumerate(batch_grads):
             torch.testing.assert_close(grad, (singles[0][1][j] + singles[1][1][j]) / 2, rtol=1e-4, atol=1e-7)
+        # captions rounded up to a multiple of tokens (runtime.caption_tokens_multiple): the masked padding
+        # up to the stored length changes no item's loss or gradients either
+        for i, (single_loss, single_grads) in enumerate(singles):
+            padded_loss, padded_grads = rows_loss([i], cond, multiple=cond["prompt_embeds"].shape[1])
+            torch.testing.assert_close(padded_loss, single_loss, rtol=1e-5, atol=1e-6)
+            for a, b in zip(padded_grads, single_grads):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        # captions rounded up to a multiple of tokens (runtime.caption_tokens_multiple): the masked padding
+        # up to the stored length changes no item's loss or gradients either
+        for i, (single_loss, single_grads) in enumerate(singles):
+            padded_loss, padded_grads = rows_loss([i], cond, multiple=cond["prompt_embeds"].shape[1])
+            torch.testing.assert_close(padded_loss, single_loss, rtol=1e-5, atol=1e-6)
+            for a, b in zip(padded_grads, single_grads):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     # Not vacuous: had the short caption's padding been read as tokens, its loss would differ.
     unmasked = {**cond, "prompt_length": torch.tensor([lengths[1], lengths[1]])}
     attended, _ = rows_loss([0], unmasked)
@@ -256,6 +272,17 @@ def test_zero_token_caption_rows_are_an_artifact_error():
         trim_to_longest(torch.zeros(2, 4, 3), torch.tensor([0, 0]))
     embeds, mask = trim_to_longest(torch.ones(2, 4, 3), torch.tensor([1, 3]))
     assert embeds.shape == (2, 3, 3) and mask.tolist() == [[True, False, False], [True, True, True]]
+
+
+def test_caption_tokens_multiple_rounds_the_cut_up_and_masks_the_padding():
+    from stages.families.text_encoders import trim_to_longest
+
+    embeds, mask = trim_to_longest(torch.ones(2, 10, 3), torch.tensor([1, 5]), multiple=4)
+    assert embeds.shape == (2, 8, 3) and mask.sum(1).tolist() == [1, 5] and not mask[:, 5:].any()
+    embeds, mask = trim_to_longest(torch.ones(2, 10, 3), torch.tensor([1, 8]), multiple=4)
+    assert embeds.shape == (2, 8, 3), "a length already at a multiple is kept"
+    embeds, mask = trim_to_longest(torch.ones(2, 10, 3), torch.tensor([1, 9]), multiple=64)
+    assert embeds.shape == (2, 10, 3), "never past the stored rows"
 
 
 def test_z_image_tokenizer_without_chat_template_is_a_model_error(assets, tmp_path):

@@ -242,8 +242,11 @@ def test_qwen_edit_caption_row_is_the_pipelines_encode_prompt_with_its_controls(
 
 
 @QWEN_EDIT
-def test_qwen_edit_control_latents_and_loss_match_the_pipeline(built_run):
+def test_qwen_edit_control_latents_and_loss_match_the_pipeline(built_run, monkeypatch):
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    from stages.families.common import qwen_image_edit as edit_module
+    from stages.families.text_encoders import trim_to_longest
 
     cfg = built_run
     trainer, pair, item, batch = _one(cfg, index=2, variant=0, model=True)
@@ -271,7 +274,16 @@ def test_qwen_edit_control_latents_and_loss_match_the_pipeline(built_run):
             guidance=None, encoder_hidden_states_mask=None, encoder_hidden_states=batch.cond["prompt_embeds"][:, :n],
             img_shapes=[[(1, h // 2, w // 2), (1, ch // 2, cw // 2)]], return_dict=False)[0][:, : latents.size(1)]
         theirs = ((pipe._unpack_latents(pred, bh, bw, pipe.vae_scale_factor)[:, :, 0] - (noise - x0)) ** 2).mean()
+        # the caption rounded up to the stored length (runtime.caption_tokens_multiple), its padding masked
+        stored = batch.cond["prompt_embeds"].shape[1]
+        assert n < stored
+        trainer.cfg.runtime.caption_tokens_multiple = stored
+        seen = []
+        monkeypatch.setattr(edit_module, "trim_to_longest", lambda *a: seen.append(trim_to_longest(*a)) or seen[-1])
+        rounded = trainer.compute_loss(batch, torch.zeros_like(batch.mean), noise, t)
+        assert [text.shape[1] for text, _ in seen] == [stored], "the trainer hands the setting to the loss"
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rounded, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_qwen_edit_changed_control_reencodes_its_caption_row(assets, edit_data, tmp_path):

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import diffusers
@@ -118,11 +119,11 @@ def test_training_forward_trains_as_the_stock_forward(ideogram, rows):
     x0, noise = torch.randn(2, CHANNELS, 8, 8, generator=g), torch.randn(2, CHANNELS, 8, 8, generator=g)
     t = torch.tensor([0.3, 0.8])
 
-    def loss_and_grads(items=(0, 1)):
+    def loss_and_grads(items=(0, 1), multiple=1):
         model.zero_grad(set_to_none=True)
         i = list(items)
-        loss = family.loss(model, x0[i], noise[i], t[i], {k: v[i] for k, v in rows.items()}, _meta(len(i), 8, 8),
-                           TrainConfig())
+        meta = dataclasses.replace(_meta(len(i), 8, 8), text_multiple=multiple)
+        loss = family.loss(model, x0[i], noise[i], t[i], {k: v[i] for k, v in rows.items()}, meta, TrainConfig())
         loss.mean().backward()
         return loss.detach(), [p.grad.clone() for p in params]
 
@@ -130,6 +131,7 @@ def test_training_forward_trains_as_the_stock_forward(ideogram, rows):
     model.enable_gradient_checkpointing()
     ckpt_loss, ckpt_grads = loss_and_grads()
     single = [loss_and_grads([i]) for i in range(2)]
+    rounded = [loss_and_grads([i], multiple=rows["prompt_embeds"].shape[1]) for i in range(2)]  # masked padding
     model.disable_gradient_checkpointing()
     model.__class__ = diffusers.Ideogram4Transformer2DModel  # the same modules and weights, the stock forward
     stock_loss, stock_grads = loss_and_grads()
@@ -138,6 +140,10 @@ def test_training_forward_trains_as_the_stock_forward(ideogram, rows):
         for a, b in zip(grads, plain_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(torch.cat([s[0] for s in single]), plain_loss, rtol=1e-5, atol=1e-7)
+    for (loss, grads), (rounded_loss, rounded_grads) in zip(single, rounded):
+        torch.testing.assert_close(rounded_loss, loss, rtol=1e-5, atol=1e-7)
+        for a, b in zip(rounded_grads, grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     summed = [(a + b) / 2 for a, b in zip(single[0][1], single[1][1])]  # the batch's mean loss
     for a, b in zip(summed, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

@@ -45,8 +45,13 @@ def test_loss_is_the_pipelines_zero_cond_t_call_and_the_flag_changes_it(built_ru
     noise, t = torch.randn(x0.shape, generator=g), torch.tensor([0.6])
     with torch.no_grad():
         ours = trainer.compute_loss(batch, torch.zeros_like(batch.mean), noise, t)
+        # the caption rounded up to the stored length (runtime.caption_tokens_multiple), its padding masked
+        assert text.shape[1] < batch.cond["prompt_embeds"].shape[1]
+        trainer.cfg.runtime.caption_tokens_multiple = batch.cond["prompt_embeds"].shape[1]
+        rounded = trainer.compute_loss(batch, torch.zeros_like(batch.mean), noise, t)
     pred, theirs = _pipeline_prediction(pipe.transformer, pipe, x0, noise, t, control, text, pair.bucket)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rounded, theirs, rtol=1e-5, atol=1e-6)
 
     # the plain edit family's model: the same weights, the flag off (every token modulated at t)
     init = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}

@@ -31,6 +31,7 @@ from typing import Any
 
 from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
+from stages.families.base import BatchMeta
 from stages.families.chroma.comfyui import LAYOUT as COMFYUI_LAYOUT
 from stages.families.common.flux1 import Flux1
 from stages.families.text_encoders import load_text_model, require_max_length, trim_to_longest
@@ -91,11 +92,11 @@ class Chroma(Flux1):
         return load_denoiser_weights(ChromaTrainable, src, "transformer", precision, rt, tcfg.nf4_double_quant)
 
     def predict(self, denoiser: torch.nn.Module, tokens: torch.Tensor, img_ids: torch.Tensor, t: torch.Tensor,
-                cond: dict[str, torch.Tensor], tcfg: Any) -> torch.Tensor:
+                cond: dict[str, torch.Tensor], tcfg: Any, meta: BatchMeta) -> torch.Tensor:
         """One transformer forward over packed image tokens (B, N, C*4) with their ids (N, 3)."""
         device, dtype = tokens.device, base_dtype(denoiser)
         lengths = cond["prompt_length"]
-        text, kept = trim_to_longest(cond["prompt_embeds"].to(device, dtype), lengths)
+        text, kept = trim_to_longest(cond["prompt_embeds"].to(device, dtype), lengths, meta.text_multiple)
         mask = None
         if int(lengths.min()) < text.shape[1]:  # the pipeline's mask, with the image tokens kept, as booleans
             mask = torch.cat([kept, kept.new_ones(kept.shape[0], tokens.shape[1])], dim=1)

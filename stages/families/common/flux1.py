@@ -111,11 +111,11 @@ class Flux1(KLVAELatents, FamilyTraits):
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         _, _, h, w = x0.shape
         x_t = flow.noisy_latents(x0, noise, t)
-        pred = self.predict(denoiser, flow.pack_2x2(x_t), self.image_ids(h, w, x0.device, base_dtype(denoiser)), t, cond, tcfg)
+        pred = self.predict(denoiser, flow.pack_2x2(x_t), self.image_ids(h, w, x0.device, base_dtype(denoiser)), t, cond, tcfg, meta)
         return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)
 
     def predict(self, denoiser: torch.nn.Module, tokens: torch.Tensor, img_ids: torch.Tensor, t: torch.Tensor,
-                cond: dict[str, torch.Tensor], tcfg: Any) -> torch.Tensor:
+                cond: dict[str, torch.Tensor], tcfg: Any, meta: BatchMeta) -> torch.Tensor:
         """One transformer forward over packed image tokens (B, N, C*4) with their ids (N, 3)."""
         b, device, dtype = tokens.shape[0], tokens.device, base_dtype(denoiser)
         text = cond["prompt_embeds"].to(device, dtype)

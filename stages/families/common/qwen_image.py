@@ -98,7 +98,7 @@ class QwenImageBase(ChannelNormalized, FamilyTraits):
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, _, h, w = x0.shape
         dtype, device = base_dtype(denoiser), x0.device
-        text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
+        text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"], meta.text_multiple)
         guidance = None
         if denoiser.config.guidance_embeds:
             guidance = torch.full((b,), tcfg.guidance_scale, device=device, dtype=torch.float32)

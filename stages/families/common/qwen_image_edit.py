@@ -154,7 +154,7 @@ class QwenImageEdit(QwenImageBase):
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         b, _, h, w = x0.shape
         dtype, device = base_dtype(denoiser), x0.device
-        text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
+        text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"], meta.text_multiple)
         target = flow.pack_2x2(flow.noisy_latents(x0, noise, t))
         tokens = torch.cat([target, *(flow.pack_2x2(c.to(device, target.dtype)) for c in meta.controls)], dim=1)
         shapes = [(1, h // 2, w // 2), *((1, c.shape[-2] // 2, c.shape[-1] // 2) for c in meta.controls)]

@@ -146,7 +146,7 @@ class ErnieImage(PatchBatchNormalized, FamilyTraits):
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         dtype, device = base_dtype(denoiser), x0.device
         lengths = cond["prompt_length"].to(device)
-        text, _ = trim_to_longest(cond["prompt_embeds"].to(device, dtype), lengths)
+        text, _ = trim_to_longest(cond["prompt_embeds"].to(device, dtype), lengths, meta.text_multiple)
         pred = denoiser(
             hidden_states=patchify(flow.noisy_latents(x0, noise, t)).to(dtype),
             timestep=(NUM_TRAIN_TIMESTEPS * t.float()).to(device, dtype),  # the pipeline's t_batch, in its dtype

@@ -77,5 +77,5 @@ class FluxKontext(Flux1):
         tokens = torch.cat([target, *(flow.pack_2x2(c.to(device, target.dtype)) for c in meta.controls)], dim=1)
         ids = torch.cat([self.image_ids(h, w, device, dtype),
                          *(self.control_ids(c.shape[-2], c.shape[-1], device, dtype) for c in meta.controls)])
-        pred = self.predict(denoiser, tokens, ids, t, cond, tcfg)[:, : target.shape[1]]
+        pred = self.predict(denoiser, tokens, ids, t, cond, tcfg, meta)[:, : target.shape[1]]
         return flow.per_sample_loss(flow.unpack_2x2(pred, h, w), flow.flow_target(x0, noise), meta.loss_mask, tcfg, t)

@@ -201,7 +201,7 @@ class Ideogram4(PatchBatchNormalized, FamilyTraits):
         b, _, h, w = x0.shape
         dtype, device = base_dtype(denoiser), x0.device
         lengths = cond["prompt_length"].tolist()
-        text, _ = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
+        text, _ = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"], meta.text_multiple)
         longest = text.shape[1]
         left = torch.zeros_like(text)  # each caption right-aligned in the text rows, as the pipeline pads
         for i, n in enumerate(lengths):

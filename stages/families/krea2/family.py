@@ -145,7 +145,7 @@ class Krea2(ChannelNormalized, FamilyTraits):
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
         _, _, h, w = x0.shape
         dtype, device = base_dtype(denoiser), x0.device
-        text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"])
+        text, mask = trim_to_longest(cond["prompt_embeds"].to(device, dtype), cond["prompt_length"], meta.text_multiple)
         pred = denoiser(
             hidden_states=flow.pack_2x2(flow.noisy_latents(x0, noise, t)).to(dtype),
             encoder_hidden_states=text,
