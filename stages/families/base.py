@@ -153,6 +153,10 @@ class FamilyTraits:
     """Tokens a text encoder reads beyond captions.max_sequence_length (a chat template's system prefix that
     the pipeline drops afterwards), which encode-captions' planner counts; 0 where every encoder reads at most
     max(captions.max_sequence_length, 77) tokens (FLUX.1's T5 padded to the length, its CLIP to 77)."""
+    captions_cut_to_longest: bool = False
+    """A training batch's caption rows are cut to its longest caption and the rest masked, so each caption length
+    is a batch shape, which runtime.caption_tokens_multiple rounds up; False where the text has one length (FLUX.1's
+    T5) or the denoiser takes each caption at its own length."""
 
     # ---- video families (images are 1-frame clips there)
     trains_video: bool = False

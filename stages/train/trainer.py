@@ -191,6 +191,10 @@ class Trainer:
         self.scheduler = optimizers.make_scheduler(self.optimizer, self.tcfg)
         for note in optimizers.notes(self.tcfg):
             self.log.emit("info", message=note)
+        if self.cfg.runtime.caption_tokens_multiple > 1 and not self.family.captions_cut_to_longest:
+            self.log.emit("info", message=f"runtime.caption_tokens_multiple = {self.cfg.runtime.caption_tokens_multiple} "
+                                          f"changes nothing for {self.family.name}: its batches are not cut to their "
+                                          f"longest caption")
         self.compiled = compile_model(self.model, self.cfg.runtime.compile_transformer, self.rt.is_cuda, self.log)
         distributed.broadcast_params(self.params, self.dist)
         if self.dist.is_distributed:

@@ -66,6 +66,20 @@ def _trainer(cfg):
     return tr
 
 
+def test_caption_tokens_multiple_is_named_where_the_family_does_not_cut_captions(cached):
+    """FLUX.1's T5 rows have one length, so runtime.caption_tokens_multiple has nothing to round: train says so
+    instead of ignoring it; families that cut captions to the batch's longest declare it."""
+    from stages.families import get_family
+
+    _trainer(_cfg(cached, **{"runtime.caption_tokens_multiple": 64}))
+    notes = [e["message"] for e in _events(cached, "info") if "caption_tokens_multiple" in e.get("message", "")]
+    assert notes == ["runtime.caption_tokens_multiple = 64 changes nothing for flux: its batches are not cut to "
+                     "their longest caption"]
+    cutting = {"qwen-image", "qwen-image-edit", "qwen-image-edit-2511", "krea2", "chroma", "ernie-image", "ideogram4"}
+    assert all(get_family(name).captions_cut_to_longest for name in cutting)
+    assert not any(get_family(name).captions_cut_to_longest for name in ("flux", "qwen-image-2.1", "z-image", "sdxl"))
+
+
 def test_a_diverged_loss_stops_train_with_what_to_change_and_keeps_the_checkpoints(cached):
     """A learning rate far too high makes the loss non-finite within a few steps: train stops with a
     UserError (one line in the terminal, no traceback) naming the step and the settings to change, and the

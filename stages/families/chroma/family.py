@@ -67,6 +67,7 @@ class ChromaTextEncoder:
 class Chroma(Flux1):
     name = "chroma"
     title = "Chroma"
+    captions_cut_to_longest = True
     # fp8_faster_from_tokens: FLUX.1's. Chroma's attention and MLP Linears are FLUX.1's, at the same widths
     # (the modulation Linears it lacks run on one vector a sample); no fp8 rows of its own yet
     block_saved_units = {"ChromaSingleTransformerBlock": 13.0}  # FLUX.1's single block, without its modulation

@@ -88,6 +88,7 @@ class ErnieImage(PatchBatchNormalized, FamilyTraits):
     name = "ernie-image"
     title = "ERNIE-Image"
     pipeline_class = "ErnieImagePipeline"
+    captions_cut_to_longest = True
     lora_prefix = "transformer"
     denoiser_class = "ErnieImageTransformer2DModel"
     vae_class = "AutoencoderKLFlux2"

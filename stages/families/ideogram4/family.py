@@ -116,6 +116,7 @@ class Ideogram4(PatchBatchNormalized, FamilyTraits):
     name = "ideogram4"
     title = "Ideogram 4"
     pipeline_class = "Ideogram4Pipeline"
+    captions_cut_to_longest = True
     lora_prefix = "transformer"
     denoiser_class = "Ideogram4Transformer2DModel"
     vae_class = "AutoencoderKLFlux2"

@@ -87,6 +87,7 @@ class Krea2(ChannelNormalized, FamilyTraits):
     name = "krea2"
     title = "Krea 2"
     pipeline_class = "Krea2Pipeline"
+    captions_cut_to_longest = True
     lora_prefix = "transformer"
     denoiser_class = "Krea2Transformer2DModel"
     vae_class = "AutoencoderKLQwenImage"
