@@ -776,7 +776,9 @@ def parser() -> argparse.ArgumentParser:
                    "build: model_index.json and the weightless parts are written too; nothing else is built)")
     p = sub.add_parser("report", help="results JSON files -> bench/RESULTS.md and bench/APPENDIX.md")
     p.add_argument("files", nargs="*", help="default: every file under bench/results (bench/report.py result_files)")
-    p.add_argument("--write", default="")
+    p.add_argument("--write", default="", help="write the report there (and APPENDIX.md beside it) instead of printing it")
+    p.add_argument("--docs", default="", help="rewrite the per-family train tables of this docs/performance.md in place "
+                   "from the latest results instead")
     return ap
 
 
@@ -786,11 +788,19 @@ def main() -> None:
         build(args.family, Path(args.folder), Path(args.counts), args.tiny, [c for c in args.components.split(",") if c])
         return
     if args.cmd == "report":
-        from bench.report import result_files, write_report
+        from bench.report import APPENDIX, result_files, sync_performance_doc, write_report
 
-        docs = write_report([Path(f) for f in args.files] or result_files())
-        for name, text in docs.items():  # RESULTS.md at --write, the appendix beside it
-            Path(args.write).with_name(name).write_text(text) if args.write else print(text)
+        files = [Path(f) for f in args.files] or result_files()
+        if args.docs:
+            doc = Path(args.docs)
+            doc.write_text(sync_performance_doc(doc.read_text(), files))
+            return
+        docs = write_report(files)
+        if args.write:
+            Path(args.write).write_text(docs["RESULTS.md"])
+            Path(args.write).with_name(APPENDIX).write_text(docs[APPENDIX])
+        else:
+            print(docs["RESULTS.md"])
         return
     from stages.families import FAMILIES
 

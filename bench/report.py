@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,9 @@ def _flops(fam: str, res: int, batch: int, cache: dict) -> dict[str, float] | No
     return cache[key]
 
 
-def train_rows(items: dict[str, dict[str, Any]], flops_cache: dict) -> list[dict[str, Any]]:
+def train_rows(items: dict[str, dict[str, Any]], flops_cache: dict | None) -> list[dict[str, Any]]:
+    """Each train item as a table row; with its MFU unless `flops_cache` is None (the FLOPs are counted on the meta
+    device, seconds a family)."""
     rows = []
     for rid, row in sorted(items.items()):
         if row["kind"] != "train":
@@ -109,7 +112,7 @@ def train_rows(items: dict[str, dict[str, Any]], flops_cache: dict) -> list[dict
             r.update(step_s=st, sps=s.get("samples_per_second"), peak=s.get("peak_vram_gb", {}), compiled=s.get("compiled"),
                      graphs_used=rt.get("cuda_graphs", {}).get("graphs", 0), wall=row.get("wall_s"),
                      loss=(s.get("loss_first"), s.get("loss_last")), load_s=(s.get("loaded_s") or [None])[0])
-            f = _flops(fam, r["res"], r["batch"], flops_cache)
+            f = _flops(fam, r["res"], r["batch"], flops_cache) if flops_cache is not None else None
             if f and st:
                 r["mfu_rule"] = (4 * f["params"] * f["tokens"] + 3 * f["attention_fwd"]) / st / PEAK_FLOPS
                 r["mfu_counted"] = (2 * f["linear_fwd"] + 3 * f["attention_fwd"]) / st / PEAK_FLOPS
@@ -620,23 +623,74 @@ def verify_table(items: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows) if len(rows) > 2 else "(not run)"
 
 
+def headline_rows(rows: list[dict[str, Any]], fam: str) -> list[dict[str, Any]]:
+    """The row standing for today's defaults at each measured shape (compiled nf4 where it ran), nf4 then fp8 then
+    bf16, 512 then 1024 px, batch 1 then 4."""
+    found = (_default(rows, fam, f"{p}-{res}-b{b}") for p in ("nf4", "fp8", "bf16") for res in (512, 1024) for b in (1, 4))
+    return [r for r in found if r and r["step_s"]]
+
+
+def cache_peaks(items: dict[str, dict[str, Any]], fam: str) -> list[tuple[str, float]]:
+    """(stage/run, GB allocated) of the family's cache stages' latest rows."""
+    return [(k.split("/", 1)[1], v["summary"]["peak_vram_gb"]["allocated"]) for k, v in sorted(items.items())
+            if k.startswith(fam + "/") and v["kind"] in ("encode", "latents") and v["status"] == "ok"
+            and (v.get("summary", {}).get("peak_vram_gb") or {}).get("allocated") is not None]
+
+
+def ran_eager(r: dict[str, Any]) -> bool:
+    """A row measured without today's defaults' speed-ups: an nf4 base left uncompiled, or no CUDA graph captured."""
+    return _predates_nf4_compile(r) or not r.get("graphs_used")
+
+
+DOCS_TRAIN_HEAD = "| base | px | batch | step s | samples/s | train peak GB (allocated) | run |"
+
+
+def docs_train_table(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]], fam: str) -> list[str]:
+    """docs/performance.md's table of a family (`headline_rows`, † on rows measured eager) and its cache stages' line."""
+    lines = [DOCS_TRAIN_HEAD, "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['res']} | {r['batch']} | {r['step_s']:.3f}{' †' if ran_eager(r) else ''} | "
+              f"{_f(r['sps'], 2)} | {_f(r['peak'].get('allocated'), 2)} | `{r['name']}` |" for r in headline_rows(rows, fam)]
+    stages = cache_peaks(items, fam)
+    return lines + (["", "Cache stages, peak GB allocated: " + ", ".join(f"{k} {v:.2f}" for k, v in stages) + "."]
+                    if stages else [])
+
+
+SUITE_LINE = re.compile(r"^`bash bench/device\.sh ([\w.-]+)` \(one row: ")
+
+
+def sync_performance_doc(text: str, files: list[Path]) -> str:
+    """docs/performance.md with each family's train table (the table after its "`bash bench/device.sh <family>`
+    (one row: ..." line) and the "Cache stages, ..." line after it rebuilt from the latest results
+    (`docs_train_table`); everything else as it was."""
+    bench = [f for f in files if _kind(json.loads(f.read_text())) == "bench"]
+    _, items, _ = load(bench)
+    rows = train_rows(items, None)
+    lines, out, i = text.split("\n"), [], 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = SUITE_LINE.match(lines[i])
+        i += 1
+        if not m or i >= len(lines) or lines[i] != "" or not lines[i + 1].startswith("|"):
+            continue
+        end = i + 1
+        while end < len(lines) and lines[end].startswith("|"):
+            end += 1
+        if end + 1 < len(lines) and lines[end] == "" and lines[end + 1].startswith("Cache stages, "):
+            end += 2
+        out += [""] + docs_train_table(rows, items, m.group(1))
+        i = end
+    return "\n".join(out)
+
+
 def headline_table(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]], fam: str) -> str:
     """Today's defaults per shape (compiled nf4 where it ran) and bf16 beside them, then each stage's peak."""
-    lines = []
-    for p in ("nf4", "fp8", "bf16"):
-        for res in (512, 1024):
-            for b in (1, 4):
-                r = _default(rows, fam, f"{p}-{res}-b{b}")
-                if r and r["step_s"]:
-                    lines.append(f"| {p} | {res} | {b} | {r['step_s']:.3f} | {_f(r['sps'], 2)} | "
-                                 f"{_f(r['peak'].get('allocated'), 2)} | {_pct(r.get('mfu_rule'))} | {r['name']} |")
+    lines = [f"| {r['precision']} | {r['res']} | {r['batch']} | {r['step_s']:.3f} | {_f(r['sps'], 2)} | "
+             f"{_f(r['peak'].get('allocated'), 2)} | {_pct(r.get('mfu_rule'))} | {r['name']} |" for r in headline_rows(rows, fam)]
     if not lines:
         return ""
     head = ["| base | px | batch | step s | samples/s | train peak GB (allocated) | MFU (4·P·T rule) | run |",
             "|---|---|---|---|---|---|---|---|"]
-    stages = [(k.split("/", 1)[1], v["summary"]["peak_vram_gb"]["allocated"]) for k, v in sorted(items.items())
-              if k.startswith(fam + "/") and v["kind"] in ("encode", "latents") and v["status"] == "ok"
-              and (v.get("summary", {}).get("peak_vram_gb") or {}).get("allocated") is not None]
+    stages = cache_peaks(items, fam)
     tail = ("\n\nCache stages' peaks (GB allocated): " + ", ".join(f"{k} {v:.2f}" for k, v in stages) + ".") if stages else ""
     notes = [f"- {k}: {v['note']}" for k, v in sorted(items.items()) if k.startswith(fam + "/") and v.get("note")]
     return "\n".join(head + lines) + tail + ("\n\n" + "\n".join(notes) if notes else "")

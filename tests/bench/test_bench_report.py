@@ -568,3 +568,17 @@ def test_memory_rows_skip_train_when_a_cache_stage_left_no_cache(tmp_path: Path,
                          ("auto", "train", "skipped", "encode-captions failed: no cache to train on")]
     assert ("auto", "train") not in ran and ("8", "encode-captions") in ran and ("8", "train") in ran
     assert items[-1] == ("8", "train", "ok", "")
+
+
+def test_the_performance_docs_train_tables_are_the_latest_results() -> None:
+    """docs/performance.md's per-family train tables are rebuilt from bench/results (`python bench/bench.py report
+    --docs docs/performance.md`): a newer result, or a figure edited by hand, shows here until the doc is rebuilt."""
+    doc = Path(__file__).resolve().parents[2] / "docs" / "performance.md"
+    text = doc.read_text()
+    tables = [line for line in text.splitlines() if report.SUITE_LINE.match(line)]
+    assert len(tables) >= 11, tables
+    assert report.sync_performance_doc(text, report.result_files()) == text, \
+        "run `python bench/bench.py report --docs docs/performance.md` and commit the doc"
+    # not vacuous: a hand-edited figure is put back
+    edited = text.replace("| 0.451 |", "| 0.450 |", 1)  # FLUX.1's fp8-1024-b1 step
+    assert edited != text and report.sync_performance_doc(edited, report.result_files()).count("| 0.450 |") == 0
