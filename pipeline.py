@@ -747,4 +747,4 @@ def demo_cmd(family: str, steps: int | None) -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    cli(prog_name="lorapipe")  # usage and error lines name the installed command, as every printed command does

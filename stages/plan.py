@@ -8,7 +8,9 @@ beside the plan each stage ran with ("ran", written by the stage); `run --dry-ru
 
 Sizes come from the meta device (each component built from its config.json) and the activation
 estimates in stages/core/memory/. `--vram auto` (or none) plans for the free memory of this
-machine's GPU; without a GPU it needs a number.
+machine's GPU; where the stages run on the CPU (device = "cpu", or "auto" without a CUDA GPU) there is
+no budget and each stage runs its settings as configured, which the table shows; a `--vram` number plans
+for a GPU of that size on any machine.
 """
 
 from __future__ import annotations
@@ -16,21 +18,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from stages.core.runspec import command_for
 from stages.registry import PLANNED as PLANNED_STAGES, each_expert  # sample's plan: the whole pipeline, to render
 SCHEMA_VERSION = 1
 
 
-def _budget(value: Any) -> Any:
+def _budget(value: Any, device: str) -> Any:
+    """A number: that GPU budget, wherever this runs; "auto": this machine's free GPU memory where the stages run
+    on CUDA, else no budget (the CPU)."""
     import torch
 
     from stages.core import memory
-    from stages.core.errors import ResourceError
+    from stages.core.runtime import pick_device
 
     parsed = memory.parse_budget(value)
     if parsed != "auto":  # a GPU stage counts its CUDA context in the number, here too (even planned on a CPU)
         return memory.cap_budget(float(parsed), memory.CUDA_CONTEXT_GB)
-    if not torch.cuda.is_available():
-        raise ResourceError("plan --vram auto needs a CUDA GPU to measure free memory: give a number, e.g. --vram 12")
+    if pick_device(device).type != "cuda":
+        return memory.Budget(None, "cpu")
     return memory.resolve_budget("auto", torch.device("cuda"), enforce=False)
 
 
@@ -40,9 +45,10 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
     from stages.core.model_source import model_source
     from stages.families import get_family
 
-    family, src, budget = get_family(cfg.family), model_source(cfg), _budget(budget_gb)
+    family, src, budget = get_family(cfg.family), model_source(cfg), _budget(budget_gb, cfg.device)
     src.check(family.text_components + family.vae_components + family.denoiser_components[:1], family)  # a clear error first
-    stages = [memory.plan_for(cfg, family, src, budget, name) for name in PLANNED_STAGES]
+    stages = [memory.plan_for(cfg, family, src, budget, name) if budget.gb is not None else
+              memory.unplanned(cfg, name, budget) for name in PLANNED_STAGES]
     experts = [unit.train.expert for unit in each_expert(cfg)]
     for p in stages if len(experts) > 1 else ():  # train.expert = "both": one expert in memory at a time
         if p.stage == "train":
@@ -54,7 +60,7 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.vram_gb,
             "budget_source": budget.source, "allocator_gb": budget.gb, "context_gb": budget.context_gb,
             "fits": len(fitting) == len(stages), "peak_gb": round(max(p.predicted_peak_gb for p in stages), 3),
-            "total_gb": max(budget.total_gb(p.predicted_peak_gb) for p in stages),
+            "total_gb": round(max(budget.total_gb(p.predicted_peak_gb) for p in stages), 3),
             "stages": [p.to_dict() for p in stages]}
 
 
@@ -72,6 +78,8 @@ def print_table(result: dict[str, Any]) -> None:
 
     from stages.core import memory
 
+    if result["budget_source"] == "cpu":
+        return print_cpu_table(result)
     table = Table(title=f"memory plan of run '{result['run']}' ({result['family']}), budget "
                         f"{result['budget_gb']:.2f} GB ({result['budget_source']})")
     for column in ("stage", "settings", "predicted peak GB", "with context GB", "fits"):
@@ -92,6 +100,24 @@ def print_table(result: dict[str, Any]) -> None:
                       f"allocator and {result['context_gb']:.2f} GB of CUDA context.")
     if result["budget_source"] == "cap":
         console.print(allocator_line())
+
+
+def print_cpu_table(result: dict[str, Any]) -> None:
+    """The stages' settings where they run on the CPU: no GPU budget, nothing to plan."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"run '{result['run']}' ({result['family']}) runs on the CPU: no GPU budget, each stage "
+                        f"runs its settings as configured")
+    for column in ("stage", "settings"):
+        table.add_column(column)
+    for p in result["stages"]:  # "auto" precisions are fp32 on the CPU (stages/core/runtime.py)
+        shown = {k: ("fp32" if k.endswith("precision") and v == "auto" else v) for k, v in p["settings"].items()
+                 if v is not None}
+        table.add_row(p["stage"], _settings_text(shown))
+    console = Console()
+    console.print(table)
+    console.print(f"For a GPU's plans give its memory: `{command_for(None, 'plan', '--vram', '12')}`.")
 
 
 def allocator_line() -> str:

@@ -356,9 +356,7 @@ class Config:
     run: str = "default"
     """Run name: artifacts go to <artifacts>/<run>/."""
     family: str = "flux"
-    """Model family: flux, flux-kontext, qwen-image, qwen-image-edit, qwen-image-edit-2511, qwen-image-2.1,
-    z-image, sdxl, flux2-klein, flux2, krea2, chroma, ernie-image, hidream-i1 or ideogram4
-    (stages/families/__init__.py)."""
+    """Model family: the architecture the stages load and train (the README's family table)."""
     model: str = ""
     """A local diffusers pipeline folder, a hub id (e.g. black-forest-labs/FLUX.1-dev), or a single-file
     denoiser checkpoint (.safetensors; fp8_scaled files are converted once into <artifacts>/.model-cache)."""
@@ -720,6 +718,10 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
 
 
 def _choices(key: str, tp: Any) -> str:
+    if key == "family":
+        from stages.families import FAMILIES
+
+        return " | ".join(repr(name) for name in sorted(FAMILIES))
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     return str(RANGES[key]) if key in RANGES else FORMS.get(key, "")

@@ -9,6 +9,7 @@ A value that failed its type check is left at its (valid) default here, so it is
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any
 
@@ -161,7 +162,9 @@ def _name_errors(cfg: Any) -> list[str]:
 
     errors = []
     if cfg.family not in FAMILIES:
-        errors.append(f"'family' = {cfg.family!r} is not one of {', '.join(sorted(FAMILIES))}")
+        close = difflib.get_close_matches(str(cfg.family), FAMILIES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        errors.append(f"'family' = {cfg.family!r} is not a family: {hint}one of {', '.join(sorted(FAMILIES))}")
     if not cfg.run or "/" in cfg.run or cfg.run.startswith("."):
         errors.append(f"'run' = {cfg.run!r} must be a plain folder name")
     if not cfg.model:

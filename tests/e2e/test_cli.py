@@ -71,11 +71,18 @@ def test_demo_family_is_a_choice_of_the_registry():
     result = invoke("demo", "--family", "flx")
     assert result.exit_code == 2 and "Traceback" not in result.output and "KeyError" not in result.output
     assert all(name in result.output for name in FAMILIES), result.output
+    # run as `python pipeline.py` (the Makefile's way), usage lines name the command a user types
+    out = subprocess.run([sys.executable, "pipeline.py", "demo", "--family", "flx"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and "Usage: lorapipe demo" in out.stderr and "pipeline.py" not in out.stderr, out.stderr
+
 
 
 def test_keys_lists_the_choices_of_enumerated_keys():
+    from stages.families import FAMILIES
+
     lines = {line.split()[0]: line for line in invoke("keys").output.splitlines()}
     assert lines["device"].endswith("['auto' | 'cpu' | 'cuda']") and lines["data.crop"].endswith("['random' | 'center']")
+    assert lines["family"].endswith(" | ".join(repr(name) for name in sorted(FAMILIES)) + "]"), "every registered family"
     assert all(len(line.split()) > 2 for line in lines.values()), "a key without a meaning"
 
 
@@ -313,3 +320,8 @@ def test_a_run_folder_path_names_the_run_and_its_root():
     assert RunSpec("my-lora").from_path() == RunSpec("my-lora")
     assert RunSpec("a/b", artifacts="/r").from_path() == RunSpec("a/b", artifacts="/r")
     assert RunSpec(None, "configs/flux-dev.toml").from_path() == RunSpec(None, "configs/flux-dev.toml")
+
+
+def test_a_mistyped_family_gets_the_closest_name(saved_run):
+    result = invoke("status", "named-run", "--artifacts", str(saved_run.artifacts), "--set", "family=flux2klein")
+    assert result.exit_code == 2 and "did you mean 'flux2-klein'?" in result.output, result.output

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -307,6 +308,23 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
     assert printed["total_gb"] == max(s["predicted_total_gb"] for s in printed["stages"])
     with pytest.raises(ResourceError, match="--vram"):
         plan.run(cfg, "lots", as_json=True)
+
+
+def test_plan_on_the_cpu_shows_the_settings_each_stage_runs_and_how_to_plan_for_a_gpu(assets, demo_data, tmp_path, capsys):
+    """Where the stages run on the CPU there is no budget: `plan` (the README's first command) shows each stage's
+    settings as they run there, exits 0, and names the command that plans for a GPU of a given size."""
+    from stages import plan
+
+    cfg = make_cfg("flux", assets, demo_data, tmp_path, device="cpu")
+    result = plan.run(cfg, "auto", as_json=True)
+    assert result["budget_source"] == "cpu" and result["budget_gb"] is None and result["fits"]
+    assert [s["settings"] for s in result["stages"]] == [memory.PLANNERS[s].configured(cfg) for s in plan.PLANNED_STAGES]
+    capsys.readouterr()
+    plan.print_table(result)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "runs on the CPU: no GPU budget" in out and re.search(r"`lorapipe plan [^`]*--vram 12`", out), out
+    assert "precision=auto" not in out, "'auto' precisions are shown as the CPU runs them"
+    assert plan.run(cfg, 12, as_json=True)["budget_source"] == "cap", "a number still plans for that GPU on a CPU"
 
 
 def test_plan_json_holds_what_plan_predicted_and_what_each_stage_ran_with(assets, demo_data, tmp_path, capsys):
