@@ -67,9 +67,11 @@ def adapter_weights(cfg: Any, folder: Path) -> str:
     if not cfg.export.ema:
         return lora.ADAPTER_WEIGHTS
     if not (folder / lora.EMA_WEIGHTS).is_file():
+        from stages.core.runspec import save_then
+
         raise ArtifactError(f"'{folder}' holds no EMA of the adapter ({lora.EMA_WEIGHTS}): it was trained with "
-                            f"train.ema_decay = 0; train with e.g. `--set train.ema_decay=0.999`, or export "
-                            f"without --ema")
+                            f"train.ema_decay = 0; train one with {save_then(cfg.run_dir, 'train', '--restart', sets=('train.ema_decay=0.999',))}, "
+                            f"or export without --ema")
     return lora.EMA_WEIGHTS
 
 

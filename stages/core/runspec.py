@@ -194,6 +194,24 @@ def command_for(run_dir: Path | None, name: str, *flags: str) -> str:
     return shlex.join(["lorapipe", name, run_dir.name, "--artifacts", str(run_dir.parent), *flags])
 
 
+def save_then(run_dir: Path, name: str, *flags: str, sets: tuple[str, ...] = ()) -> str:
+    """The pasteable way to run `name` with settings the run keeps: where the command named the run by name with
+    --set / --model (which apply to that command only), or `sets` are suggested, `lorapipe config` saves them
+    first, so a later plain command (`run`, `status`) agrees with what this one makes; else `command_for`."""
+    import shlex
+
+    spec = invoked(run_dir)
+    by_name = spec is None or not spec.config
+    one_off = (spec.sets if spec is not None and by_name else ()) + sets
+    model = spec.model if spec is not None and by_name else None
+    if not one_off and not model:
+        return f"`{command_for(run_dir, name, *flags)}`"
+    bare = dataclasses.replace(spec, sets=(), model=None) if spec is not None else None
+    args = bare.user_args() if bare is not None else [run_dir.name, "--artifacts", str(run_dir.parent)]
+    save = ["lorapipe", "config", *args, *(["--model", model] if model else []), *(a for s in one_off for a in ("--set", s))]
+    return f"`{shlex.join(save)}` (saves them as the run's settings), then `{shlex.join(['lorapipe', name, *args, *flags])}`"
+
+
 def read_saved(path: Path) -> dict[str, Any]:
     """A run's saved settings (`<run>/config.json`) as a nested dict. One written before [runtime] held how the
     stages run is rewritten once in this version's sections (the same settings), with a line saying so."""

@@ -28,6 +28,7 @@ from typing import Any
 from stages.core.artifacts import ArtifactError, fingerprint, read_manifest
 from stages.core.caches import captions_dir, complete_checkpoints, latents_dir, lora_dir, lora_final_dir, step_of
 from stages.core.config import command
+from stages.core.runspec import save_then
 from stages.core.model_source import model_source
 
 NAME = "train"
@@ -123,8 +124,9 @@ def other_settings(cfg: Any) -> str | None:
     old = manifest.get("fingerprint_parts", {})
     what = [describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
     return (f"{where} was trained with other settings ({'; '.join(what)[:400] or 'fingerprint changed'}), and no "
-            f"checkpoint of these settings continues it: `{command(cfg, NAME, '--restart')}` trains again from step 0 "
-            f"(the earlier checkpoints and adapter are set aside in {folder_name(cfg)}/.restarted-<time>/, nothing is deleted)")
+            f"checkpoint of these settings continues it: {save_then(cfg.run_dir, NAME, '--restart')} trains again from "
+            f"step 0 (the earlier checkpoints and adapter are set aside in {folder_name(cfg)}/.restarted-<time>/, nothing "
+            f"is deleted)")
 
 
 def refuse_unfinished(cfg: Any, resume: bool) -> None:

@@ -83,10 +83,15 @@ def test_train_on_a_finished_run_is_up_to_date_and_other_settings_refuse(built_r
     assert "train.learning_rate: 0.002 -> 0.001" in changed.output and "--restart" in changed.output
     assert sorted(p.name for p in lora.iterdir()) == before and not train_events(cfg, "step")
 
-    restart = suggested(changed.output)  # with the command's own --set: the settings it was refused for
-    assert restart == [f"lorapipe train finished --artifacts {cfg.artifacts} --set train.learning_rate=0.001 --restart"]
-    restarted = paste(restart[0])
+    # the command's own --set applies to it only: the suggestion saves it first, so that what the restart trains is
+    # what the run's later plain commands (`run`, `status`) expect
+    restart = suggested(changed.output)
+    assert restart == [f"lorapipe config finished --artifacts {cfg.artifacts} --set train.learning_rate=0.001",
+                       f"lorapipe train finished --artifacts {cfg.artifacts} --restart"], changed.output
+    assert paste(restart[0]).exit_code == 0
+    restarted = paste(restart[1])
     assert restarted.exit_code == 0 and train_events(cfg, "done"), restarted.output
+    assert re.search(r"train +up to date", invoke("status", *by_name(cfg)).output)
     aside = [p for p in lora.iterdir() if p.name.startswith(".restarted-")]
     assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == before
     status = invoke("status", *by_name(cfg))
