@@ -139,6 +139,16 @@ def describe_change(key: str, old: Any, new: Any) -> str:
     return f"{key}: {old!r} -> {new!r}"
 
 
+def model_change(model: str, old: Any, new: Any) -> str:
+    """The `model` fingerprint part changed (`ModelSource.identity`: a content hash of a local folder or file, or a
+    hub id and revision) as a user reads it: a hub reference by name, a local path that is gone, or changed files."""
+    if isinstance(old, str) and isinstance(new, str) and old.startswith("hub:") and new.startswith("hub:"):
+        return f"model: {old[4:]} -> {new[4:]}"
+    if isinstance(new, str) and not new.startswith("hub:") and model and not Path(model).expanduser().exists():
+        return f"model: '{model}' does not exist"
+    return f"model: the files of '{model}' are not the ones it was built from"
+
+
 def changed_items(before: dict[str, str], now: dict[str, str], what: str) -> str:
     """What changed among a stage's inputs, by file (item key -> content id, as built and as now):
     'image of cat.png changed; 1 new image (dog.png); 1 removed (owl.png)'."""
@@ -196,7 +206,8 @@ def _freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
         message = manifest["memory_forced"]["message"]
         return False, [message], None if stage.damaged_rows(cfg, manifest) else message
     old = manifest.get("fingerprint_parts", {})
-    reasons = [stage.describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts))
+    reasons = [model_change(cfg.model, old.get(k), parts.get(k)) if k == "model" else  # a hash, said as the path
+               stage.describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts))
                if old.get(k) != parts.get(k)]
     return False, reasons or ["fingerprint changed"], None
 

@@ -87,8 +87,10 @@ def partial_state(cfg: Any) -> str | None:
 
 def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new: Any) -> str:
     """A fingerprint part as a user reads it: the caches by name, not by hash."""
-    from stages.core.stage import describe_change as plain
+    from stages.core.stage import describe_change as plain, model_change
 
+    if key == "model":  # a content hash: said as the path and what happened to it
+        return model_change(cfg.model, old, new)
     if key in ("captions", "latents"):
         return f"{key}.zarr {'was rebuilt since' if old and new else 'is missing' if not new else 'was built since'}"
     return plain(key, old, new)

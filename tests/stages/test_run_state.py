@@ -101,6 +101,19 @@ def test_train_on_a_finished_run_is_up_to_date_and_other_settings_refuse(built_r
     assert not aside[0].exists() and (lora / "final").is_dir()
 
 
+@once
+def test_a_changed_model_is_named_by_its_path_not_its_hash(built_run, tmp_path):
+    cfg = copy_run(built_run, "model-moved")
+    gone = invoke("status", *by_name(cfg), "--model", str(tmp_path / "nope")).output
+    assert f"model: '{tmp_path / 'nope'}' does not exist" in gone and "local:" not in gone, gone
+    edited = tmp_path / "edited"
+    shutil.copytree(cfg.model, edited)
+    vae = json.loads((edited / "vae" / "config.json").read_text())
+    (edited / "vae" / "config.json").write_text(json.dumps({**vae, "scaling_factor": 0.5}))
+    changed = invoke("status", *by_name(cfg), "--model", str(edited)).output
+    assert f"model: the files of '{edited}' are not the ones it was built from" in changed and "local:" not in changed
+
+
 # ---- 2. command flags and by-name overrides apply to their command only ------------------------------------
 
 
