@@ -205,7 +205,8 @@ def test_train_refuses_caches_made_for_another_model_or_resolution(built_run, tm
     vae_config = json.loads((other / "vae" / "config.json").read_text())
     (other / "vae" / "config.json").write_text(json.dumps({**vae_config, "scaling_factor": 0.5}))
     message = refusal(model=str(other))
-    assert "latents.zarr: model: 'local:" in message and "`lorapipe cache-latents demo --artifacts" in message
+    assert f"latents.zarr: model: the files of '{other}' are not the ones it was built from" in message
+    assert "`lorapipe cache-latents demo --artifacts" in message
     assert "encode-captions" not in message  # same text encoders
 
     from stages.demo import demo_data_kind
