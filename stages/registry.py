@@ -61,7 +61,8 @@ class Stage:
     """The module that declares its memory planner (its PLANNER: stages/core/memory/stage_plan.Planner);
     None: the stage needs no GPU budget. `plan` shows the plans of the stages that have one."""
     takes_force: bool = False
-    """`--force` is handed to `run` (a cache deletes itself once it has checked the config)."""
+    """`run --force` hands `--force` to the stage's command (a cache deletes itself once it has checked the config;
+    sample renders again)."""
     one_process: bool = False
     """Always one process, never one per GPU through torchrun."""
     check: Callable[[Any], Any] | None = None
@@ -125,7 +126,7 @@ ALL: tuple[Stage, ...] = (
     # reads the checkpoints as well as the export; its fingerprint holds the export's
     _declare("sample", "stages.sample", reads=("train", "export-lora"), follows=("export-lora",),
              writes=f"{caches.SAMPLES}/", produces="the samples", artifact_dir=caches.samples_dir,
-             optional=True, planner="stages.core.memory.sample", one_process=True),
+             optional=True, planner="stages.core.memory.sample", one_process=True, takes_force=True),
 )
 BY_NAME = {s.name: s for s in ALL}
 NAMES = tuple(BY_NAME)

@@ -44,7 +44,7 @@ def test_every_command_help_has_examples_and_the_shared_options(command):
             assert shared in result.output, f"{command} --help lacks {shared}"
 
 
-@pytest.mark.parametrize("command", ["encode-captions", "cache-latents", "train", "export-lora"])
+@pytest.mark.parametrize("command", ["encode-captions", "cache-latents", "train", "export-lora", "sample"])
 def test_every_stage_that_redoes_work_takes_force(command):
     assert "--force" in invoke(command, "--help").output
 

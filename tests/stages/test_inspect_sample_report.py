@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -244,6 +245,12 @@ def test_run_renders_samples_after_train(run_copy):
     assert Image.open(run_copy.run_dir / "samples" / sample.GRID).size[0] > 200
     again = CliRunner().invoke(pipeline.cli, args[2:])  # nothing to run: no child process starts
     assert again.exit_code == 0 and again.output.count("up to date, skipped") == 5, again.output
+    # the sample command itself skips up-to-date samples too, and names the command that renders again
+    grid = run_copy.run_dir / "samples" / sample.GRID
+    before = grid.stat().st_mtime_ns
+    direct = CliRunner().invoke(pipeline.cli, ["sample", *args[3:]])
+    assert direct.exit_code == 0 and "sample: up to date, skipped" in direct.output, direct.output
+    assert grid.stat().st_mtime_ns == before and "--force" in re.findall(r"`(lorapipe sample [^`]+)`", direct.output)[0]
 
 
 # ---- report ----------------------------------------------------------------------------------------
