@@ -16,6 +16,7 @@ for a GPU of that size on any machine.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from stages.core.runspec import command_for
@@ -87,7 +88,7 @@ def print_table(result: dict[str, Any]) -> None:
     for p in result["stages"]:
         table.add_row(p["stage"], _settings_text(p["settings"]), f"{p['predicted_peak_gb']:.2f}",
                       f"{p['predicted_total_gb']:.2f}", "yes" if p["fits"] else "[red]no[/red]")
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: no column cut at 80
     console.print(table)
     for p in result["stages"]:
         if p["note"]:
@@ -115,7 +116,7 @@ def print_cpu_table(result: dict[str, Any]) -> None:
         shown = {k: ("fp32" if k.endswith("precision") and v == "auto" else v) for k, v in p["settings"].items()
                  if v is not None}
         table.add_row(p["stage"], _settings_text(shown))
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: no column cut at 80
     console.print(table)
     console.print(f"For a GPU's plans give its memory: `{command_for(None, 'plan', '--vram', '12')}`.")
 
