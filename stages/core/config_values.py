@@ -186,6 +186,8 @@ def _family_errors(cfg: Any) -> list[str]:
     if check is None or cfg.family not in families.FAMILIES or not cfg.model:
         return []
     try:
-        return list(check(cfg))
+        # each limit holds for this family: the message names it as a key, so that a `family` given on the command
+        # line is the origin config_errors shows (stages.core.config.config_errors)
+        return [f"{e} ('family' = {cfg.family!r})" for e in check(cfg)]
     except UserError as e:  # e.g. the model folder it reads the VAE config from does not exist
         return [str(e)]

@@ -325,3 +325,7 @@ def test_a_run_folder_path_names_the_run_and_its_root():
 def test_a_mistyped_family_gets_the_closest_name(saved_run):
     result = invoke("status", "named-run", "--artifacts", str(saved_run.artifacts), "--set", "family=flux2klein")
     assert result.exit_code == 2 and "did you mean 'flux2-klein'?" in result.output, result.output
+    # a family's limit that the saved settings break is put on the flag that named the family
+    other = invoke("status", "named-run", "--artifacts", str(saved_run.artifacts), "--set", "family=sdxl")
+    assert other.exit_code == 2 and other.output.startswith("error: --set family=sdxl: 'captions.max_sequence_length'"), \
+        other.output
