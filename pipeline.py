@@ -624,7 +624,7 @@ def keys_cmd() -> None:
     """List every config key with its default, its meaning and its valid choices or range."""
     from stages.core.config import describe_keys
 
-    for key, default, choices, meaning in describe_keys():
+    for key, default, choices, meaning in describe_keys({"family": sorted(FAMILIES)}):
         click.echo(f"{key:34s} {default:18s} {meaning}" + (f" [{choices}]" if choices else ""))
 
 

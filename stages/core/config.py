@@ -697,9 +697,10 @@ def _absolute(path: str, folder: Path) -> str:
     return p.as_posix() if p.is_absolute() else os.path.abspath(folder / p)
 
 
-def describe_keys() -> list[tuple[str, str, str, str]]:
+def describe_keys(registered: dict[str, list[str]] | None = None) -> list[tuple[str, str, str, str]]:
     """(dotted key, default, choices, meaning) for every key: `choices` lists an enumerated key's
-    values ('a' | 'b') or a number's valid range (>= 1), else ''. `pipeline.py keys` prints it."""
+    values ('a' | 'b'), a registered key's names (`registered`: the caller's registries, e.g. {"family": [...]})
+    or a number's valid range (>= 1), else ''. `pipeline.py keys` prints it."""
     rows = []
     for cls, prefix in [(Config, "")] + [(_hints(Config)[s], f"{s}.") for s in sorted(SECTIONS)]:
         docs = _field_docs(cls)
@@ -708,7 +709,9 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
             if f.name in SECTIONS:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            rows.append((prefix + f.name, repr(default), _choices(prefix + f.name, hints[f.name]), docs.get(f.name, "")))
+            names = (registered or {}).get(prefix + f.name)
+            choices = " | ".join(repr(n) for n in names) if names else _choices(prefix + f.name, hints[f.name])
+            rows.append((prefix + f.name, repr(default), choices, docs.get(f.name, "")))
     data_rows = {key.removeprefix("data."): row for key, *row in rows if key.startswith("data.")}
     for k in DATASET_KEYS:
         _, choices, meaning = data_rows.get(k, ("", "", ""))
@@ -718,10 +721,6 @@ def describe_keys() -> list[tuple[str, str, str, str]]:
 
 
 def _choices(key: str, tp: Any) -> str:
-    if key == "family":
-        from stages.families import FAMILIES
-
-        return " | ".join(repr(name) for name in sorted(FAMILIES))
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
     return str(RANGES[key]) if key in RANGES else FORMS.get(key, "")
