@@ -70,6 +70,9 @@ class Stage:
     """Why an artifact without a manifest is incomplete, and what continues it (None: nothing to say)."""
     damaged_rows: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
     """The damaged rows of an up-to-date artifact, as reasons it is stale."""
+    refused_skips: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
+    """Inputs an artifact of matching fingerprint skipped which cfg's settings refuse (cache-latents: images
+    skipped under data.on_bad_image = "skip" while the run says "error"), as reasons it is stale."""
     describe_change: Callable[..., str] = _plain_change
     """(cfg, manifest, key, old, new) -> a changed fingerprint part as a user reads it."""
     other_settings: Callable[[Any], str | None] = lambda cfg: None
@@ -112,7 +115,7 @@ ALL: tuple[Stage, ...] = (
     _declare("encode-captions", "stages.encode_captions", ("check", "damaged_rows", "describe_change"),
              reads=(), writes=caches.CAPTIONS, produces="captions", artifact_dir=caches.captions_dir,
              planner="stages.core.memory.captions", takes_force=True),
-    _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "describe_change"),
+    _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "refused_skips", "describe_change"),
              reads=(), writes=caches.LATENTS, produces="latents", artifact_dir=caches.latents_dir,
              planner="stages.core.memory.latents", takes_force=True),
     _declare("train", "stages.train", ("partial_state", "describe_change", "other_settings", "request_stop"),
