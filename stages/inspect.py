@@ -54,6 +54,8 @@ def sample_rows(n: int, limit: int) -> list[int]:
     """At most `limit` row indices, evenly spaced over n (all of them when n <= limit)."""
     if n <= limit:
         return list(range(n))
+    if limit == 1:
+        return [0]
     return sorted({int(round(i * (n - 1) / (limit - 1))) for i in range(limit)})
 
 
