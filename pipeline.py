@@ -78,6 +78,7 @@ def _guarded(f: Callable[..., None]) -> Callable[..., None]:
 
             forget()
             request_rehash(False)
+            _SHOWN.clear()
     return wrapper
 
 
@@ -139,12 +140,18 @@ def examples(*lines: str) -> str:
     return "\b\nExamples:\n" + "\n".join(f"  lorapipe {line}" for line in lines) + "\n"
 
 
+_SHOWN: set[str] = set()  # the product's warnings this command printed (`_guarded` forgets them when it ends)
+
+
 def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
                   line: str | None = None) -> None:
     """The product's own warnings (a damaged manifest or image index) as one `warning: ...` line, without the
-    file name and source line Python adds; the libraries' warnings as Python shows them."""
+    file name and source line Python adds, once per command however many checks read that file; the
+    libraries' warnings as Python shows them."""
     if category.__module__.startswith("stages."):
-        click.secho(f"warning: {message}", fg="yellow", err=True)
+        if str(message) not in _SHOWN:
+            _SHOWN.add(str(message))
+            click.secho(f"warning: {message}", fg="yellow", err=True)
     else:
         _python_show_warning(message, category, filename, lineno, file, line)
 
