@@ -78,6 +78,7 @@ def _guarded(f: Callable[..., None]) -> Callable[..., None]:
 
             forget()
             request_rehash(False)
+            _SHOWN.clear()
     return wrapper
 
 
@@ -139,12 +140,18 @@ def examples(*lines: str) -> str:
     return "\b\nExamples:\n" + "\n".join(f"  lorapipe {line}" for line in lines) + "\n"
 
 
+_SHOWN: set[str] = set()  # the product's warnings this command printed (`_guarded` forgets them when it ends)
+
+
 def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
                   line: str | None = None) -> None:
     """The product's own warnings (a damaged manifest or image index) as one `warning: ...` line, without the
-    file name and source line Python adds; the libraries' warnings as Python shows them."""
+    file name and source line Python adds, once per command however many checks read that file; the
+    libraries' warnings as Python shows them."""
     if category.__module__.startswith("stages."):
-        click.secho(f"warning: {message}", fg="yellow", err=True)
+        if str(message) not in _SHOWN:
+            _SHOWN.add(str(message))
+            click.secho(f"warning: {message}", fg="yellow", err=True)
     else:
         _python_show_warning(message, category, filename, lineno, file, line)
 
@@ -406,20 +413,19 @@ def status_cmd(spec: RunSpec) -> None:
 
 
 def _status_lines(cfg: Any) -> None:
-    """One line per stage (up to date, or stale and why; running now), and train's realised batch sizes."""
+    """One line per stage (up to date, stale or blocked, and why: registry.states; running now), and
+    train's realised batch sizes."""
     from stages.core.artifacts import lock_holder_pid, read_manifest
 
-    changing: dict[str, set[str]] = {}  # stage -> the experts ("" for all) whose artifacts will change
-    for stage in registry.ALL:
-        name, units = stage.name, stage.units(cfg)
-        rows = [_status_row(stage, unit, unit.train.expert if len(units) > 1 else "", changing) for unit in units]
-        ok = all(unit_ok for _, unit_ok, _ in rows)
+    for name, rows in registry.states(cfg).items():
         pid = lock_holder_pid(cfg.run_dir, name)
         running = f"  [running now, pid {pid}; `lorapipe stop {cfg.run} --artifacts {cfg.artifacts}`]" if pid else ""
-        reasons = rows[0][2] if len(rows) == 1 else []  # several: a line for each expert
-        click.echo(f"{name:16s} {_mark(ok)}" + (f"  ({clip(reasons, 300)})" if reasons else "") + running)
-        for expert, unit_ok, why in rows if len(rows) > 1 else ():
-            click.echo(f"{'':16s} {expert + ':':6s} {_mark(unit_ok)}" + (f"  ({clip(why, 300)})" if why else ""))
+        whole = next((r for r in rows if r.blocked), None) or next((r for r in rows if not r.up_to_date), rows[0])
+        reasons = list(rows[0].reasons) if len(rows) == 1 else []  # several: a line for each expert
+        click.echo(f"{name:16s} {_mark(whole.state)}" + (f"  ({clip(reasons, 300)})" if reasons else "") + running)
+        for row in rows if len(rows) > 1 else ():
+            click.echo(f"{'':16s} {row.expert + ':':6s} {_mark(row.state)}"
+                       + (f"  ({clip(list(row.reasons), 300)})" if row.reasons else ""))
     for unit in registry.get("train").units(cfg):
         sizes = (read_manifest(registry.get("train").artifact_dir(unit)) or {}).get("batch_sizes")
         if sizes:
@@ -428,23 +434,8 @@ def _status_lines(cfg: Any) -> None:
             click.echo(f"{'':16s} realised batch sizes{whose} (train.batch_size = {cfg.train.batch_size}): {steps}")
 
 
-def _status_row(stage: Any, cfg: Any, expert: str, changing: dict[str, set[str]]) -> tuple[str, bool, list[str]]:
-    """(expert, up to date, reasons) of one artifact of `stage` (the run's, or an expert's), a stage above it
-    that will rerun for it (for every expert, or for this one) included; adds itself to `changing` if stale."""
-    from stages.core.stage import staleness
-
-    ok, reasons = staleness(stage, cfg)
-    upstream = [registry.get(u).produces for u in stage.upstream
-                if changing.get(u) and (not expert or expert in changing[u] or "" in changing[u])]
-    if upstream:
-        ok, reasons = False, [f"because {' and '.join(upstream)} will change", *reasons]
-    if not ok:
-        changing.setdefault(stage.name, set()).add(expert)
-    return expert, ok, [] if ok else reasons
-
-
-def _mark(ok: bool) -> str:
-    return click.style("up to date", fg="green") if ok else click.style("stale", fg="yellow")
+def _mark(state: str) -> str:
+    return click.style(state, fg={"up to date": "green", "stale": "yellow"}.get(state, "red"))
 
 
 def _status_set_aside(folders: list[Path]) -> None:

@@ -159,8 +159,8 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
                 err.item = it.key
                 bad.append(err)
                 continue
-            skipped.append((it.key, str(err)))
-            log.emit("skipped", item=it.key, reason=str(err))
+            skipped.append((it.key, dataset.as_skipped(str(err))))
+            log.emit("skipped", item=it.key, reason=dataset.as_skipped(str(err)))
             continue
         found[it.latent_key] = (it, size)
     if bad:
@@ -340,10 +340,12 @@ def _up_to_date(cfg: Any, manifest: dict[str, Any], items: list[dataset.Item], l
     stage opens no image (planning the buckets reads every image's header), as `run` skips it."""
     parts = {**layout, "images": sorted({it.latent_key for it in items})}
     if not manifest.get("complete", True) or manifest.get("fingerprint") != fingerprint(parts) \
-            or damaged_rows(cfg, manifest):
-        return None
+            or damaged_rows(cfg, manifest) or refused_skips(cfg, manifest):
+        return None  # a skipped image refused by data.on_bad_image = "error" is planned again, and named
+    skipped = [s["item"] for s in manifest.get("skipped", [])]
+    cached = f"every image but the {len(skipped)} skipped ({dataset.listing(skipped)})" if skipped else "every image"
     log.emit("up_to_date", fingerprint=manifest["fingerprint"],
-             notes=[f"every image is cached with these settings; `{command(cfg, NAME, '--force')}` encodes them again"])
+             notes=[f"{cached} is cached with these settings; `{command(cfg, NAME, '--force')}` encodes them again"])
     return {**manifest, "encoded_this_run": 0, "up_to_date": True}
 
 
@@ -447,8 +449,8 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         if cfg.data.on_bad_image == "error":  # reported with every other one once the rest are encoded
             load_failed.append((position[unit], item.key, str(bad)))
             return
-        load_skipped.append((position[unit], item.key, str(bad)))
-        ctx.log.emit("skipped", item=item.key, reason=str(bad))
+        load_skipped.append((position[unit], item.key, dataset.as_skipped(str(bad))))
+        ctx.log.emit("skipped", item=item.key, reason=dataset.as_skipped(str(bad)))
 
     def encode_image(unit: tuple[Bucket, str], read: Any) -> Callable[[], None]:
         """Queue the VAE's work for one image; -> its finish (encode_units calls it once the next image's
@@ -604,6 +606,19 @@ def _tidy(out: Path, by_bucket: dict[Bucket, list[str]]) -> None:
         if group.is_dir() and not group.name.startswith(".") and group.name not in keep:
             remove_dir(group)
     sweep_leftovers(out)
+
+
+def refused_skips(cfg: Any, manifest: dict[str, Any]) -> list[str]:
+    """The images the cache skipped as unreadable (a run with data.on_bad_image = "skip") while `cfg` has
+    data.on_bad_image = "error": that setting refuses them, so the cache does not count as up to date and
+    its rerun names them as errors."""
+    skipped = [s["item"] for s in manifest.get("skipped", [])]
+    if cfg.data.on_bad_image != "error" or not skipped:
+        return []
+    return [f"{dataset.listing(skipped)} {'was' if len(skipped) == 1 else 'were'} skipped as unreadable under "
+            f"data.on_bad_image = \"skip\", and the run's setting is \"error\": replace or remove "
+            f"{'it' if len(skipped) == 1 else 'them'}, or keep skipping with "
+            f"`{command(cfg, 'config', '--set', 'data.on_bad_image=skip')}`"]
 
 
 def damaged_rows(cfg: Any, manifest: dict[str, Any]) -> list[str]:

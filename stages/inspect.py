@@ -54,6 +54,8 @@ def sample_rows(n: int, limit: int) -> list[int]:
     """At most `limit` row indices, evenly spaced over n (all of them when n <= limit)."""
     if n <= limit:
         return list(range(n))
+    if limit == 1:
+        return [0]
     return sorted({int(round(i * (n - 1) / (limit - 1))) for i in range(limit)})
 
 
@@ -82,16 +84,15 @@ def nonfinite(array: np.ndarray) -> dict[str, int]:
 
 
 def stages_section(cfg: Any) -> dict[str, Any]:
+    """Each stage up to date, stale or blocked, and why: the states `status` shows (registry.states)."""
     from stages import registry
-    from stages.core.stage import staleness
 
     out = {}
-    for stage in registry.ALL:
-        try:
-            ok, reasons = staleness(stage, cfg)
-            out[stage.name] = {"up_to_date": ok, "reasons": reasons}
-        except Exception as e:  # noqa: BLE001 - a missing dataset or model must not hide the rest
-            out[stage.name] = {"up_to_date": False, "reasons": [f"cannot check: {e}"]}
+    for name, rows in registry.states(cfg).items():
+        reasons = list(rows[0].reasons) if len(rows) == 1 else [
+            f"expert {row.expert}: {reason}" for row in rows for reason in row.reasons]
+        out[name] = {"up_to_date": all(row.up_to_date for row in rows), "blocked": any(row.blocked for row in rows),
+                     "reasons": reasons}
     return out
 
 
@@ -430,7 +431,8 @@ def render(report: dict[str, Any], console: Any) -> None:
     if report["stages"]:
         t = Table("stage", "state", "why", title="stages")
         for name, s in report["stages"].items():
-            t.add_row(name, "[green]up to date[/green]" if s["up_to_date"] else "[yellow]stale[/yellow]",
+            t.add_row(name, "[red]blocked[/red]" if s["blocked"] else "[green]up to date[/green]" if s["up_to_date"]
+                      else "[yellow]stale[/yellow]",
                       "; ".join(s["reasons"])[:120])
         console.print(t)
     _render_captions(report["captions"], console)

@@ -71,6 +71,9 @@ class Stage:
     """Why an artifact without a manifest is incomplete, and what continues it (None: nothing to say)."""
     damaged_rows: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
     """The damaged rows of an up-to-date artifact, as reasons it is stale."""
+    refused_skips: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
+    """Inputs an artifact of matching fingerprint skipped which cfg's settings refuse (cache-latents: images
+    skipped under data.on_bad_image = "skip" while the run says "error"), as reasons it is stale."""
     describe_change: Callable[..., str] = _plain_change
     """(cfg, manifest, key, old, new) -> a changed fingerprint part as a user reads it."""
     other_settings: Callable[[Any], str | None] = lambda cfg: None
@@ -113,7 +116,7 @@ ALL: tuple[Stage, ...] = (
     _declare("encode-captions", "stages.encode_captions", ("check", "damaged_rows", "describe_change"),
              reads=(), writes=caches.CAPTIONS, produces="captions", artifact_dir=caches.captions_dir,
              planner="stages.core.memory.captions", takes_force=True),
-    _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "describe_change"),
+    _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "refused_skips", "describe_change"),
              reads=(), writes=caches.LATENTS, produces="latents", artifact_dir=caches.latents_dir,
              planner="stages.core.memory.latents", takes_force=True),
     _declare("train", "stages.train", ("partial_state", "describe_change", "other_settings", "request_stop"),
@@ -151,3 +154,62 @@ def conflicts(name: str) -> tuple[tuple[str, str], ...]:
     return tuple((s.name, f"reads {me.writes}, which {name} writes" if name in s.reads
                   else f"writes {s.writes}, which {name} reads")
                  for s in ALL if s.name in me.reads or name in s.reads)
+
+
+@dataclass(frozen=True)
+class State:
+    """One artifact of a stage as `status` and `inspect` show it."""
+    expert: str
+    """The expert whose artifact it is ("" for the run's one artifact)."""
+    up_to_date: bool
+    reasons: tuple[str, ...]
+    """Why it is stale or blocked (empty when up to date)."""
+    blocked: bool = False
+    """Its inputs cannot be checked (a missing caption file, an unreadable folder: the reason names it and
+    the fix), or a stage above it is blocked: `run` would stop there."""
+
+    @property
+    def state(self) -> str:
+        return "blocked" if self.blocked else "up to date" if self.up_to_date else "stale"
+
+
+def states(cfg: Any) -> dict[str, list[State]]:
+    """Each stage's artifacts (the run's one, or one per expert) in `run`'s order, up to date, stale or
+    blocked, and why. A stage above that will rerun makes the ones that follow it stale ("because latents
+    will change"), for every expert or for its own; one that is blocked blocks them. `status` and `inspect`
+    both show this."""
+    changing: dict[str, set[str]] = {}  # stage -> the experts ("" for all) whose artifacts will change
+    blocking: dict[str, set[str]] = {}  # the same, for the stages that cannot check their inputs
+    out = {}
+    for stage in ALL:
+        units = stage.units(cfg)
+        out[stage.name] = [_state(stage, unit, unit.train.expert if len(units) > 1 else "", changing, blocking)
+                           for unit in units]
+    return out
+
+
+def _state(stage: Stage, cfg: Any, expert: str, changing: dict[str, set[str]],
+           blocking: dict[str, set[str]]) -> State:
+    """The State of one artifact of `stage`; adds it to `changing` when stale, to `blocking` when blocked."""
+    from stages.core.errors import UserError
+    from stages.core.stage import staleness
+
+    def above(marks: dict[str, set[str]]) -> list[str]:
+        return [u for u in stage.upstream if marks.get(u) and (not expert or expert in marks[u] or "" in marks[u])]
+
+    try:
+        ok, reasons, blocked = *staleness(stage, cfg), False
+    except (UserError, OSError) as e:  # a user's error in the inputs must not hide the other stages
+        ok, reasons, blocked = False, [f"cannot check its inputs: {e}"], True
+    waits, rerun = above(blocking), above(changing)
+    if waits:  # the stage above names the error (most often this one's too: one dataset)
+        reasons = [f"waits on {' and '.join(waits)}, which {'is' if len(waits) == 1 else 'are'} blocked",
+                   *([] if blocked else reasons)]
+        ok, blocked = False, True
+    elif rerun:
+        ok, reasons = False, [f"because {' and '.join(BY_NAME[u].produces for u in rerun)} will change", *reasons]
+    if blocked:
+        blocking.setdefault(stage.name, set()).add(expert)
+    elif not ok:
+        changing.setdefault(stage.name, set()).add(expert)
+    return State(expert, ok, () if ok else tuple(reasons), blocked)

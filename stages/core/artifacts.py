@@ -166,27 +166,59 @@ def write_manifest(artifact_dir: Path, stage: str, **fields: Any) -> dict[str, A
 def read_manifest(artifact_dir: Path) -> dict[str, Any] | None:
     """The artifact's manifest, or None when there is none. One that does not parse, was written by
     another schema version or breaks the schema is also None (the artifact counts as unfinished and
-    its stage rebuilds it), with a DamagedManifest warning naming the file: never a crash."""
+    its stage rebuilds it), with a DamagedManifest warning naming the file and what rewrites it: never
+    a crash."""
+    m, why = _checked_manifest(manifest_path(artifact_dir))
+    if why is not None:
+        warnings.warn(f"'{manifest_path(artifact_dir)}' is treated as missing: {why}; {repair_advice(artifact_dir)}",
+                      DamagedManifest, stacklevel=2)
+    return m
+
+
+def manifest_damage(artifact_dir: Path) -> str | None:
+    """Why the artifact's manifest.json cannot be used (it does not parse, another version wrote it, it
+    breaks the schema), without a warning; None when it is fine or there is none."""
+    return _checked_manifest(manifest_path(artifact_dir))[1]
+
+
+def _checked_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     from stages.core.schema import manifest_kind, validate_manifest
 
-    path = manifest_path(artifact_dir)
     if not path.is_file():
-        return None
+        return None, None
     try:
         m = read_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return _damaged(path, f"it does not parse ({e})")
+        return None, f"it does not parse ({e})"
     if not isinstance(m, dict) or m.get("schema_version") != SCHEMA_VERSION:
         version = m.get("schema_version") if isinstance(m, dict) else None
-        return _damaged(path, f"another lorapipe version wrote it (schema {version!r}, this one reads {SCHEMA_VERSION})")
+        return None, f"another lorapipe version wrote it (schema {version!r}, this one reads {SCHEMA_VERSION})"
     problems = validate_manifest(manifest_kind(str(m.get("stage")), m), m)
-    return _damaged(path, "; ".join(problems[:3])) if problems else m
+    return (None, "; ".join(problems[:3])) if problems else (m, None)
 
 
-def _damaged(path: Path, why: str) -> None:
-    warnings.warn(f"'{path}' is treated as missing: {why}; rerunning its stage rewrites it (cached rows "
-                  f"are kept)", DamagedManifest, stacklevel=3)
-    return None
+def repair_advice(artifact_dir: Path) -> str:
+    """What rewrites the manifest of an artifact of a run folder, by the kind of artifact: a cache keeps
+    its rows, an adapter is written again from the newest complete checkpoint, an export or the samples
+    are made again. Names the command where the folder lies in a run's folder as lorapipe lays it out."""
+    from stages.core.runspec import command_for
+
+    folder, kind = artifact_dir, artifact_dir.name
+    top = next((p for p in (folder, *folder.parents) if p.name in ("captions.zarr", "latents.zarr", "lora", "export",
+                                                                    "samples")), None)
+    if top is None:
+        return "rerunning its stage rewrites it"
+    run_dir = top.parent
+    if top.name.endswith(".zarr"):
+        stage = "encode-captions" if top.name == "captions.zarr" else "cache-latents"
+        return f"`{command_for(run_dir, stage)}` rewrites it and keeps the cached rows (only missing ones are encoded)"
+    if top.name == "lora" and kind.startswith("checkpoint-"):
+        return "the checkpoint counts as incomplete: --resume continues from the newest complete one"
+    if top.name == "lora":
+        return (f"`{command_for(run_dir, 'train', '--resume')}` writes the adapter again from the newest complete "
+                f"checkpoint (`{command_for(run_dir, 'train', '--restart')}` trains it again where there is none)")
+    stage = "export-lora" if top.name == "export" else "sample"
+    return f"`{command_for(run_dir, stage)}` makes {'the export' if stage == 'export-lora' else 'the samples'} again"
 
 
 def invalidate_manifest(artifact_dir: Path) -> None:

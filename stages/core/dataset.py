@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from stages.core import image_index
+from stages.core.video import SKIP_ADVICE
 from stages.core.errors import DatasetError
 from stages.core.folder_tree import FolderTree, stat_of
 from stages.core.image_index import INDEX_DIR, UNREADABLE_ID_PREFIX, ImageIndex, content_id  # noqa: F401 - UNREADABLE_ID_PREFIX: read here
@@ -878,7 +879,13 @@ def plan_variants(image_id: str, size: tuple[int, int], bucket: tuple[int, int],
 # ---- images ----------------------------------------------------------------------------------
 
 
-BAD_IMAGE_HINT = 'replace or remove the file, or set data.on_bad_image = "skip" to skip such files'
+BAD_IMAGE_HINT = f"replace or remove the file{SKIP_ADVICE}"
+
+
+def as_skipped(reason: str) -> str:
+    """A bad image's (or clip's) message as a skip reports it: without the advice to set
+    data.on_bad_image = "skip", which is already set."""
+    return reason.replace(SKIP_ADVICE, "")
 
 
 @contextlib.contextmanager

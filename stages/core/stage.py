@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from stages.core.artifacts import disk_full, fingerprint, lock_holder_pid, read_manifest, stage_lock
+from stages.core.artifacts import (disk_full, fingerprint, lock_holder_pid, manifest_damage, manifest_path, read_manifest,
+                                   repair_advice, stage_lock)
 from stages.core.errors import StageLocked, UserError  # noqa: F401 - UserError is imported from here too
 from stages.core.events import EventLog
 
@@ -186,6 +187,10 @@ def freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
 
 def _freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
     folder = stage.artifact_dir(cfg)
+    damage = manifest_damage(folder)
+    if damage is not None:  # read_manifest would warn: the reason says it all
+        where = manifest_path(folder).relative_to(cfg.run_dir) if folder.is_relative_to(cfg.run_dir) else manifest_path(folder)
+        return False, [f"damaged: {where} cannot be read ({damage}); {repair_advice(folder)}"], None
     manifest = read_manifest(folder)
     partial = stage.partial_state(cfg) if manifest is None else None
     if partial:
@@ -200,7 +205,7 @@ def _freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
         changed = manifest.get("fingerprint") != fingerprint(parts) and stage.other_settings(cfg)
         return False, [changed or manifest.get("incomplete_reason", "incomplete")], None
     if manifest.get("fingerprint") == fingerprint(parts):
-        damaged = stage.damaged_rows(cfg, manifest)
+        damaged = stage.damaged_rows(cfg, manifest) + stage.refused_skips(cfg, manifest)
         return not damaged, damaged, None
     if forced_only(manifest, parts):
         message = manifest["memory_forced"]["message"]

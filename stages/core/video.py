@@ -20,7 +20,8 @@ from stages.core.errors import DatasetError
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv", ".m4v")
 FRAME_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FOLDER_FPS = 24.0  # a folder of frames has no rate of its own: read as 24 fps (what data.fps resamples from)
-BAD_CLIP_HINT = 'replace or remove the clip, or set data.on_bad_image = "skip" to skip such files'
+SKIP_ADVICE = ', or set data.on_bad_image = "skip" to skip such files'  # cut from a skip's message (dataset.as_skipped)
+BAD_CLIP_HINT = f"replace or remove the clip{SKIP_ADVICE}"
 
 
 class BadClip(DatasetError):

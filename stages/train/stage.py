@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.core.artifacts import ArtifactError, fingerprint, read_manifest
+from stages.core.artifacts import ArtifactError, fingerprint, manifest_damage, read_manifest
 from stages.core.caches import captions_dir, complete_checkpoints, latents_dir, lora_dir, lora_final_dir, step_of
 from stages.core.config import command
 from stages.core.runspec import save_then
@@ -92,7 +92,9 @@ def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new:
     if key == "model":  # a content hash: said as the path and what happened to it
         return model_change(cfg.model, old, new)
     if key in ("captions", "latents"):
-        return f"{key}.zarr {'was rebuilt since' if old and new else 'is missing' if not new else 'was built since'}"
+        folder = (captions_dir if key == "captions" else latents_dir)(cfg)
+        gone = "cannot be read (its manifest is damaged)" if manifest_damage(folder) else "is missing"
+        return f"{key}.zarr {'was rebuilt since' if old and new else gone if not new else 'was built since'}"
     return plain(key, old, new)
 
 
@@ -176,10 +178,16 @@ def check_upstream(cfg: Any, log: Any = None) -> None:
         if not ok and not forced:
             stale.append((stage, reasons))
     if stale:
-        why = "; ".join(f"{s.artifact_dir(cfg).name}: {'; '.join(r)[:300]}" for s, r in stale)
+        why = "; ".join(f"{s.artifact_dir(cfg).name}: {_cut('; '.join(r), 300)}" for s, r in stale)
         rerun = " and ".join(f"`{command(cfg, s.name)}`" for s, _ in stale)
-        raise ArtifactError(f"the caches of run '{cfg.run}' were not made for this config ({why}): run {rerun} "
+        raise ArtifactError(f"the caches of run '{cfg.run}' are not ready for this config ({why}): run {rerun} "
                             f"first (or `{command(cfg, 'run')}`, which reruns exactly the stale stages)")
+
+
+def _cut(text: str, n: int) -> str:
+    """`text` cut to about `n` characters of prose; a command in backticks is kept whole (it must paste)."""
+    prose, tick, rest = text.partition("`")
+    return text if len(text) <= n else prose[:n] + ("… `" + rest if tick else "…")
 
 
 def run(cfg: Any, resume: bool = False, restart: bool = False) -> dict[str, Any]:

@@ -133,8 +133,9 @@ def rows_written(cfg) -> int:
 
 
 def test_bad_images_follow_the_policy_and_lose_nothing(assets, tmp_path):
-    from stages import cache_latents, encode_captions, train
+    from stages import cache_latents, encode_captions, registry, train
     from stages.core.dataset import BadImage, scan
+    from stages.core.stage import staleness
     from stages.core.train_data import join_items
 
     data, corpus = tmp_path / "data", tmp_path / "corpus"
@@ -168,7 +169,7 @@ def test_bad_images_follow_the_policy_and_lose_nothing(assets, tmp_path):
     readable = {n for n in cases if n not in UNREADABLE and n != "duplicate.png"}  # distinct readable images
     assert latents["encoded_this_run"] == len(readable) - kept_new  # the 4 old, and rows of the failed run, kept
     assert {s["item"] for s in latents["skipped"]} == set(UNREADABLE)
-    assert all(s["item"] in s["reason"] and HINT in s["reason"] for s in latents["skipped"])
+    assert all(s["item"] in s["reason"] and HINT not in s["reason"] for s in latents["skipped"])  # skip is set
     assert {e["item"] for e in events(cfg, "cache-latents", "skipped")} >= set(UNREADABLE)
     assert {w["item"] for w in latents["warnings"]} == {"tiny.png", "extreme_aspect.png"}
     assert [sorted(keys) for keys in latents["duplicates"].values()] == [["original.png"]]
@@ -178,6 +179,13 @@ def test_bad_images_follow_the_policy_and_lose_nothing(assets, tmp_path):
     pairs = join_items(scan(cfg.data.path), captions, latents, cfg.run)
     assert {p.key for p in pairs} == {p.name for p in data.glob("*") if p.suffix != ".txt"} - set(UNREADABLE)
     assert set(READABLE) <= {p.key for p in pairs}
+
+    strict = make_cfg("flux", assets, data, tmp_path / "artifacts", **{  # data.on_bad_image = "error" again
+        "data.cache_variants": 1, "captions.max_sequence_length": 32})
+    ok, reasons = staleness(registry.get("cache-latents"), strict)
+    assert not ok and all(name in reasons[0] for name in UNREADABLE) and "data.on_bad_image=skip`" in reasons[0]
+    with pytest.raises(BadImage, match=f"'{data / 'corrupt.jpg'}' starts like a JPEG but is corrupt.*{HINT}"):
+        cache_latents.run(strict)  # the skipped images are errors again, named
 
 
 # ---- artifacts made for something else ---------------------------------------------------------

@@ -142,9 +142,52 @@ def test_truncated_manifest_reads_as_missing_with_a_warning_and_reencodes_nothin
     with pytest.warns(DamagedManifest, match="manifest.json' is treated as missing"):
         assert read_manifest(path.parent) is None
     with pytest.warns(DamagedManifest):
-        assert "no manifest" in staleness(registry.get("cache-latents"), run_copy)[1][0]
+        assert "damaged:" in staleness(registry.get("cache-latents"), run_copy)[1][0]
         assert encoded(cache_latents.run(run_copy)) == 0
     assert read_manifest(path.parent)["index"]
+
+
+@ON_FLUX
+def test_a_damaged_manifest_is_named_once_per_command_with_what_repairs_it(run_copy):
+    import warnings
+
+    from click.testing import CliRunner
+
+    import pipeline
+    from stages.core.artifacts import atomic_write_json
+
+    atomic_write_json(run_copy.run_dir / "config.json", run_copy.to_dict())
+    repair = f"`lorapipe cache-latents {run_copy.run} --artifacts {run_copy.artifacts}` rewrites it"
+
+    def invoke(*args: str):
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = pipeline._show_warning  # as the CLI shows them
+            result = CliRunner().invoke(pipeline.cli, [*args, run_copy.run, "--artifacts", run_copy.artifacts])
+        lines = {line.split()[0]: line for line in result.output.splitlines() if line[:1].strip()}
+        return result, lines
+
+    def damage(name: str) -> None:
+        path = run_copy.run_dir / name
+        path.write_bytes(path.read_bytes()[:200])
+
+    damage("latents.zarr/manifest.json")
+    status, lines = invoke("status")
+    warned = [line for line in status.output.splitlines() if line.startswith("warning:")]
+    assert status.exit_code == 0 and len(warned) <= 1, status.output  # a damage is named once per command
+    assert "damaged:" in lines["cache-latents"] and repair in lines["cache-latents"]
+    assert "latents.zarr cannot be read (its manifest is damaged)" in lines["train"]
+    train, _ = invoke("train", "--resume")
+    assert train.exit_code == 2 and "not made for this config" not in train.output and train.output.count("warning:") <= 1
+    assert "damaged: latents.zarr/manifest.json cannot be read" in train.output and repair in train.output
+    assert invoke("cache-latents")[0].exit_code == 0 and "up to date" in invoke("status")[1]["cache-latents"]
+
+    damage("lora/final/manifest.json")
+    status, lines = invoke("status")
+    warned = [line for line in status.output.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "lora/final/manifest.json' is treated as missing" in warned[0], status.output
+    assert f"`lorapipe train {run_copy.run} --artifacts {run_copy.artifacts} --resume` writes the adapter again" in warned[0]
+    assert "cached rows" not in warned[0] and "damaged:" in lines["train"]
 
 
 @ON_FLUX
@@ -265,6 +308,7 @@ def test_a_cache_of_an_older_layout_is_rebuilt_once_with_one_warning(run_copy):
         rebuilt = cache_latents.run(run_copy)
     assert [str(w.message) for w in seen if w.category is DamagedManifest] == [
         f"'{out / 'manifest.json'}' is treated as missing: another lorapipe version wrote it (schema 3, this one "
-        f"reads 4); rerunning its stage rewrites it (cached rows are kept)"]
+        f"reads 4); `lorapipe cache-latents {run_copy.run} --artifacts {run_copy.artifacts}` rewrites it and keeps the "
+        f"cached rows (only missing ones are encoded)"]
     assert encoded(rebuilt) == len(rebuilt["index"]) == len(manifest["index"])
     assert encoded(cache_latents.run(run_copy)) == 0

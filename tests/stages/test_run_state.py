@@ -306,3 +306,37 @@ def test_a_saved_config_with_runtime_keys_under_train_is_rewritten_once_with_the
     cfg = build_config(data)
     assert (cfg.train.steps, cfg.runtime.cuda_graphs, cfg.runtime.checkpoint_every) == (5, "off", 7)
     assert read_saved(path) == data and capsys.readouterr().err == ""  # rewritten once
+
+
+# ---- 7. status and inspect show one state; an input error blocks stages without hiding them ----------------
+
+
+@once
+def test_status_and_inspect_agree_and_a_missing_caption_blocks_the_stages(built_run, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(built_run.data.path, data)
+    cfg = copy_run(built_run, "states", **{"data.path": str(data)})
+    image = sorted(data.glob("*.png"))[0]
+
+    def states() -> tuple[dict[str, str], dict]:
+        status = invoke("status", *by_name(cfg))
+        assert status.exit_code == 0, status.output
+        shown = invoke("inspect", *by_name(cfg), "--json", "--rows", "1")
+        assert shown.exit_code == 0, shown.output
+        lines = {line.split()[0]: line for line in status.output.splitlines() if line[:1].strip()}
+        return lines, json.loads(shown.output)["stages"]
+
+    image.write_bytes(image.read_bytes()[:200])  # changed (and corrupt): the latents will change, and all below
+    lines, report = states()
+    assert report["train"] == {"up_to_date": False, "blocked": False, "reasons": ["because latents will change"]}
+    assert lines["train"].split(None, 1)[1] == "stale  (because latents will change)"
+    for name, state in report.items():
+        assert ("up to date" in lines[name]) == state["up_to_date"], (name, lines[name], state)
+
+    image.with_suffix(".txt").unlink()
+    lines, report = states()
+    caption = f"has no caption file '{image.with_suffix('.txt').name}'; add one or move the image out"
+    assert lines["encode-captions"].split()[1] == "blocked" and caption in lines["encode-captions"]
+    assert "waits on encode-captions and cache-latents, which are blocked" in lines["train"]
+    assert all(state["blocked"] and not state["up_to_date"] for state in report.values())
+    assert caption in report["encode-captions"]["reasons"][0]
