@@ -195,6 +195,25 @@ def test_energy_ranks_of_modules_whose_paths_end_alike_load_each_with_its_own(mo
         check_output(out, "diffusers", back, denoiser(FAMILY, str(model)))
 
 
+def test_cli_resize_prints_no_library_notices(shapes, tmp_path):
+    """`lora resize` imports what the stages import (bitsandbytes, the pipelines' image processors) and is
+    as quiet as they are without --verbose: only its own report."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    file, _, _ = namesakes_file(shapes, tmp_path / "in")
+    env = {k: v for k, v in os.environ.items() if k not in ("LORAPIPE_DEBUG", "LORAPIPE_VERBOSE")}
+    r = subprocess.run([sys.executable, "pipeline.py", "lora", "resize", str(file), "--energy", "0.999999", "-o",
+                        str(tmp_path / "e.safetensors")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {tmp_path / 'e.safetensors'} (diffusers, flux): 3 modules at ranks 2-4"), r.stdout
+    noise = [line for line in r.stderr.splitlines() if not line.startswith("[resize]")]
+    assert noise == [], r.stderr
+
+
 def test_a_kohya_file_of_another_trainer_resizes_in_its_own_names(model, shapes, tmp_path):
     """sd-scripts' FLUX names (Black Forest Labs' layout), one module with an alpha and one without."""
     from stages.tools.lora_tools import resize
