@@ -70,6 +70,9 @@ class Stage:
     """Why an artifact without a manifest is incomplete, and what continues it (None: nothing to say)."""
     damaged_rows: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
     """The damaged rows of an up-to-date artifact, as reasons it is stale."""
+    lacks: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
+    """What an artifact whose fingerprint matches lacks of what cfg asks (export-lora: a format's file), as
+    reasons it is stale."""
     describe_change: Callable[..., str] = _plain_change
     """(cfg, manifest, key, old, new) -> a changed fingerprint part as a user reads it."""
     other_settings: Callable[[Any], str | None] = lambda cfg: None
@@ -119,7 +122,7 @@ ALL: tuple[Stage, ...] = (
              reads=("encode-captions", "cache-latents"), writes=f"{caches.LORA}/", produces="the LoRA",
              artifact_dir=caches.lora_final_dir, planner="stages.core.memory.train", units=each_expert),
     # reads one small adapter and needs no GPU
-    _declare("export-lora", "stages.export_lora", reads=("train",), writes=f"{caches.EXPORT}/",
+    _declare("export-lora", "stages.export_lora", ("lacks",), reads=("train",), writes=f"{caches.EXPORT}/",
              produces="the export", artifact_dir=caches.export_dir, takes_force=True, one_process=True,
              units=each_expert),
     # reads the checkpoints as well as the export; its fingerprint holds the export's
