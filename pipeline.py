@@ -87,6 +87,23 @@ def _verbose(ctx: click.Context, param: click.Parameter, value: bool) -> None:
         os.environ["LORAPIPE_VERBOSE"] = "1"  # read by each stage when it quiets library logs; children inherit it
 
 
+verbose_option = click.option("--verbose", is_flag=True, expose_value=False, callback=_verbose,
+                              help="Show the libraries' own warnings and loading bars (also LORAPIPE_DEBUG=1).")
+
+
+def _quiet(f: Callable[..., None]) -> Callable[..., None]:
+    """A command that loads the libraries outside a stage (the `lora` tools): their known notices are
+    quieted first, as each stage does (stages.core.runtime.quiet_libraries), unless --verbose."""
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        from stages.core.runtime import quiet_libraries
+        from stages.families import library_notices
+
+        quiet_libraries(notices=library_notices())
+        f(*args, **kwargs)
+    return wrapper
+
+
 def run_options(f: Callable[..., None]) -> Callable[..., None]:
     """RUN / --config / --artifacts / --model / --set / --verbose, handed to the command as `spec`."""
     @functools.wraps(f)
@@ -96,8 +113,7 @@ def run_options(f: Callable[..., None]) -> Callable[..., None]:
             raise click.UsageError(f"run named twice: '{run_name}' and --run '{run}'")
         f(spec=invoke(RunSpec(run_name or run, config, artifacts, model, sets, once).from_path()), **kwargs)
 
-    wrapper = click.option("--verbose", is_flag=True, expose_value=False, callback=_verbose,
-                           help="Show the libraries' own warnings and loading bars (also LORAPIPE_DEBUG=1).")(wrapper)
+    wrapper = verbose_option(wrapper)
     wrapper = click.option("--once", multiple=True, hidden=True)(wrapper)  # a parent's command flags (RunSpec.flags)
     wrapper = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
                            help="Set a config key, e.g. --set train.steps=200 (repeatable): for this command, or with "
@@ -638,7 +654,7 @@ def _weights(ctx: click.Context, param: click.Parameter, value: str | None) -> l
 
 
 def lora_file_options(f: Callable[..., None]) -> Callable[..., None]:
-    """-o, --rank, --energy, --format, --family, --model: the options merge and resize share."""
+    """-o, --rank, --energy, --format, --family, --model, --verbose: the options merge and resize share."""
     for option in reversed((
             click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
                          help="The .safetensors file to write (replaced only once written and checked)."),
@@ -650,7 +666,7 @@ def lora_file_options(f: Callable[..., None]) -> Callable[..., None]:
             click.option("--family", type=click.Choice(sorted(FAMILIES)),
                          help="The model family, for files whose header does not name it."),
             click.option("--model", help="The base model (folder, hub id or file): check the output against its "
-                                         "layers [default: the family's released config].")), ):
+                                         "layers [default: the family's released config]."), verbose_option), ):
         f = option(f)
     return f
 
@@ -668,6 +684,7 @@ def _print_lora(report: dict[str, Any]) -> None:
 @click.option("--weights", callback=_weights, metavar="W1,W2,...", help="One weight per file [default: 1 each].")
 @lora_file_options
 @_guarded
+@_quiet
 def lora_merge_cmd(files: tuple[str, ...], weights: list[float] | None, out: str, rank: int | None,
                    energy: float | None, fmt: str | None, family: str | None, model: str | None) -> None:
     """Sum the weighted deltas of LoRA files per module and factor the sum to --rank (SVD)."""
@@ -681,6 +698,7 @@ def lora_merge_cmd(files: tuple[str, ...], weights: list[float] | None, out: str
 @click.argument("file", type=click.Path(dir_okay=False))
 @lora_file_options
 @_guarded
+@_quiet
 def lora_resize_cmd(file: str, out: str, rank: int | None, energy: float | None, fmt: str | None,
                     family: str | None, model: str | None) -> None:
     """Factor a LoRA file again at a lower rank (--rank R, or --energy E per module)."""
@@ -704,7 +722,9 @@ def lora_resize_cmd(file: str, out: str, rank: int | None, energy: float | None,
               help="Per module, the smallest rank keeping this fraction of the squared singular values (full SVD).")
 @click.option("--format", "fmt", type=click.Choice(["diffusers", "comfyui", "kohya"]), default="diffusers",
               show_default=True, help="Output format.")
+@verbose_option
 @_guarded
+@_quiet
 def lora_extract_cmd(base: str, tuned: str, family: str, min_change: float, out: str, rank: int | None,
                      energy: float | None, fmt: str) -> None:
     """A LoRA of the difference between two models' denoiser linear weights (SVD per changed layer),
@@ -723,6 +743,7 @@ def lora_extract_cmd(base: str, tuned: str, family: str, min_change: float, out:
 @click.option("-o", "--out", type=click.Path(file_okay=False),
               help="Folder to write [default: artifacts/<run>/posthoc-ema/sigma-<sigma-rel>/].")
 @_guarded
+@_quiet
 def lora_posthoc_ema_cmd(spec: RunSpec, sigma_rel: float, out: str | None) -> None:
     """A power-function EMA of the run's saved checkpoints (lora/checkpoint-*), written as an export
     (diffusers and ComfyUI files, checked as `export-lora --verify` does). See docs/exporting.md."""

@@ -340,7 +340,7 @@ def _up_to_date(cfg: Any, manifest: dict[str, Any], items: list[dataset.Item], l
     stage opens no image (planning the buckets reads every image's header), as `run` skips it."""
     parts = {**layout, "images": sorted({it.latent_key for it in items})}
     if not manifest.get("complete", True) or manifest.get("fingerprint") != fingerprint(parts) \
-            or damaged_rows(cfg, manifest) or refused_skips(cfg, manifest):
+            or damaged_rows(cfg, manifest) or lacks(cfg, manifest):
         return None  # a skipped image refused by data.on_bad_image = "error" is planned again, and named
     skipped = [s["item"] for s in manifest.get("skipped", [])]
     cached = f"every image but the {len(skipped)} skipped ({dataset.listing(skipped)})" if skipped else "every image"
@@ -608,7 +608,7 @@ def _tidy(out: Path, by_bucket: dict[Bucket, list[str]]) -> None:
     sweep_leftovers(out)
 
 
-def refused_skips(cfg: Any, manifest: dict[str, Any]) -> list[str]:
+def lacks(cfg: Any, manifest: dict[str, Any]) -> list[str]:
     """The images the cache skipped as unreadable (a run with data.on_bad_image = "skip") while `cfg` has
     data.on_bad_image = "error": that setting refuses them, so the cache does not count as up to date and
     its rerun names them as errors."""

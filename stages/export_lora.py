@@ -9,8 +9,11 @@ a DoRA adapter's for its ComfyUI file.
 Everything it needs (family, pipeline class, LoRA config) is read from lora/final/manifest.json;
 if that is missing it refuses and names the command that makes it. `--checkpoint N` exports
 lora/checkpoint-N to export/checkpoint-N/, beside the final export, which it leaves as it is. An
-export that is up to date is not rewritten unless forced. `--ema` exports the EMA of the adapter
-weights (train.ema_decay > 0) in the same files instead. A two-expert family's adapter lora/<expert>/
+export of the same adapter that holds every format asked for is up to date: skipped, and it says so,
+unless forced. A file of another format the folder holds (an earlier `--format kohya`) is kept while
+it is of the same adapter; once the adapter changed, the export removes it and names the command that
+writes it again. `--ema` exports the EMA of the adapter weights (train.ema_decay > 0) in the same
+files instead. A two-expert family's adapter lora/<expert>/
 exports to export/<expert>/ (its ComfyUI file named for the expert); train.expert = "both" exports each.
 """
 
@@ -54,9 +57,42 @@ def fingerprint_parts(cfg: Any, checkpoint: int | None = None) -> dict[str, Any]
 
 
 def _file_parts(cfg: Any) -> dict[str, Any]:
-    """What decides the files besides the adapter: the formats written, EMA or not, and the contents' version."""
-    return {"format": cfg.export.format, "ema": cfg.export.ema, "comfyui": cfg.export.comfyui,
-            "layout": EXPORT_LAYOUT}
+    """What decides the files' contents besides the adapter: EMA or not, and the contents' version. Which
+    formats are written is not part of it (`lacks`): each file is the same adapter in its reader's terms."""
+    return {"ema": cfg.export.ema, "layout": EXPORT_LAYOUT}
+
+
+def asked_formats(cfg: Any) -> set[str]:
+    """The formats besides the diffusers file that the config asks for: "comfyui" (export.comfyui) and
+    "kohya" (export.format = "kohya"). LoKr and LoHa always get their ComfyUI file."""
+    return {f for f, asked in (("comfyui", cfg.export.comfyui), ("kohya", cfg.export.format == "kohya")) if asked}
+
+
+def file_format(name: str) -> str:
+    """The format of an export file, by its name."""
+    from stages.core.caches import COMFYUI_SUFFIX
+    from stages.core.kohya import KOHYA_FILE, LYCORIS_FILE
+
+    if name.endswith(COMFYUI_SUFFIX):
+        return "comfyui"
+    return "kohya" if name in (KOHYA_FILE, LYCORIS_FILE) else "diffusers"
+
+
+def held_files(out: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """format -> file name of the manifest's files that are there."""
+    return {file_format(name): name for name in manifest.get("files", []) if (out / name).is_file()}
+
+
+def lacks(cfg: Any, manifest: dict[str, Any], out: Path | None = None) -> list[str]:
+    """What an export whose fingerprint matches lacks of what `cfg` asks (its files gone, a format not
+    written), as reasons it is stale; `out`: its folder (default: the final export's)."""
+    out = export_dir(cfg, None) if out is None else out
+    where = out.relative_to(cfg.run_dir).as_posix() if out.is_relative_to(cfg.run_dir) else str(out)
+    held = held_files(out, manifest)
+    gone = [name for name in manifest.get("files", []) if not (out / name).is_file()]
+    return ([f"{where}/{name} is gone" for name in gone]
+            + [f"no {fmt} file in {where} (export.{'comfyui' if fmt == 'comfyui' else 'format'} asks for one)"
+               for fmt in sorted(asked_formats(cfg) - set(held))])
 
 
 def adapter_weights(cfg: Any, folder: Path) -> str:
@@ -110,23 +146,70 @@ def run(cfg: Any, checkpoint: int | None = None, force: bool = False) -> dict[st
 
 def export_one(cfg: Any, ctx: Any, folder: Path, manifest: dict[str, Any], checkpoint: int | None,
                force: bool) -> dict[str, Any]:
-    """One adapter's export (the run's, or one expert's) into its folder, unless it is up to date."""
+    """One adapter's export (the run's, or one expert's) into its folder, unless it is up to date. The
+    folder's files of formats not asked for are kept when they are of this adapter, else removed by name."""
     out, parts = export_dir(cfg, checkpoint), fingerprint_parts(cfg, checkpoint)
-    current = read_manifest(out)
-    if not force and current is not None and current.get("fingerprint") == fingerprint(parts):
-        checks = verify(cfg, folder, manifest, [out / f for f in current["files"]]) if cfg.export.verify else {}
-        ctx.log.emit("up_to_date", fingerprint=current["fingerprint"], notes=notes(checks),
-                     **({"expert": cfg.train.expert} if cfg.train.expert else {}))
-        return current
+    current = read_manifest(out) or {}
+    same = current.get("fingerprint") == fingerprint(parts)
+    if not force and same and not lacks(cfg, current, out):
+        return up_to_date(cfg, ctx, folder, manifest, current, out, checkpoint)
+    held = held_files(out, current)
     with atomic_dir(out) as tmp:
         fields = write_export(cfg, folder, manifest, parts, tmp, complete=checkpoint is not None,
                               checkpoint=checkpoint)
+        written = {file_format(name): name for name in fields["files"]}
+        kept = [name for fmt, name in held.items() if same and fmt not in written]
+        for name in kept:  # just before the swap, as the checkpoint exports below
+            os.replace(out / name, tmp / name)
+        fields["files"] += kept
+        fields["checks"].update({name: c for name, c in current.get("checks", {}).items() if name in kept})
         result = write_manifest(tmp, NAME, **fields, seconds=ctx.elapsed())
         if checkpoint is None:
             keep_checkpoint_exports(out, tmp)
+    removed = {fmt: name for fmt, name in held.items() if name not in result["files"]}
+    say_removed(cfg, ctx, out, checkpoint, removed, written)
     ctx.log.emit("done", seconds=ctx.elapsed(), files=[str(out / f) for f in result["files"]],
                  notes=notes(result.get("checks", {})))
     return result
+
+
+def say_removed(cfg: Any, ctx: Any, out: Path, checkpoint: int | None, removed: dict[str, str],
+                written: dict[str, str]) -> None:
+    """A line per file of the replaced export that is gone: the command that writes its format again, or
+    the file of that format that replaces it (the run's folder was renamed: a ComfyUI file's name changed)."""
+    where = out.relative_to(cfg.run_dir).as_posix()
+    for fmt, name in removed.items():
+        if fmt in written:
+            ctx.log.emit("info", message=f"{where}/{name} replaced by {where}/{written[fmt]}")
+            continue
+        again = command(cfg, NAME, *again_flags(cfg, checkpoint), *(("--format", "kohya") if fmt == "kohya" else ()),
+                        *(("--set", "export.comfyui=true") if fmt == "comfyui" else ()))
+        ctx.log.emit("warning", message=f"removed {where}/{name}, the {fmt} file of the adapter this export "
+                                        f"replaces; `{again}` writes this adapter's")
+
+
+def again_flags(cfg: Any, checkpoint: int | None) -> tuple[str, ...]:
+    """The command flags that export the same adapter again: --checkpoint N, --ema."""
+    return (*(("--checkpoint", str(checkpoint)) if checkpoint is not None else ()),
+            *(("--ema",) if cfg.export.ema else ()))
+
+
+def up_to_date(cfg: Any, ctx: Any, folder: Path, manifest: dict[str, Any], current: dict[str, Any], out: Path,
+               checkpoint: int | None) -> dict[str, Any]:
+    """The up-to-date export, skipped and said so (with --verify, its asked-for files checked first)."""
+    held = held_files(out, current)
+    asked = [name for fmt, name in held.items() if fmt == "diffusers" or fmt in asked_formats(cfg) or
+             fmt == "comfyui" and current.get("adapter") in LYCORIS_ONLY]
+    checks = verify(cfg, folder, manifest, [out / name for name in asked]) if cfg.export.verify else {}
+    where, source = out.relative_to(cfg.run_dir).as_posix(), folder.relative_to(cfg.run_dir).as_posix()
+    step = f" (step {current['step']})" if current.get("step") is not None else ""
+    others = sorted(set(held.values()) - set(asked))
+    skipped = (f"{where}/ holds {source}{step} in every format asked for, with these settings"
+               + (f" (and {', '.join(others)}, of the same adapter)" if others else "")
+               + f"; skipped, `{command(cfg, NAME, *again_flags(cfg, checkpoint), '--force')}` writes it again")
+    ctx.log.emit("up_to_date", fingerprint=current["fingerprint"], notes=[skipped] + notes(checks),
+                 **({"expert": cfg.train.expert} if cfg.train.expert else {}))
+    return current
 
 
 def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[str, Any], tmp: Path,

@@ -71,9 +71,9 @@ class Stage:
     """Why an artifact without a manifest is incomplete, and what continues it (None: nothing to say)."""
     damaged_rows: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
     """The damaged rows of an up-to-date artifact, as reasons it is stale."""
-    refused_skips: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
-    """Inputs an artifact of matching fingerprint skipped which cfg's settings refuse (cache-latents: images
-    skipped under data.on_bad_image = "skip" while the run says "error"), as reasons it is stale."""
+    lacks: Callable[[Any, dict[str, Any]], list[str]] = lambda cfg, manifest: []
+    """What an artifact whose fingerprint matches lacks of what cfg asks, as reasons it is stale: export-lora a
+    format's file; cache-latents the images skipped under data.on_bad_image = "skip" while cfg says "error"."""
     describe_change: Callable[..., str] = _plain_change
     """(cfg, manifest, key, old, new) -> a changed fingerprint part as a user reads it."""
     other_settings: Callable[[Any], str | None] = lambda cfg: None
@@ -116,14 +116,14 @@ ALL: tuple[Stage, ...] = (
     _declare("encode-captions", "stages.encode_captions", ("check", "damaged_rows", "describe_change"),
              reads=(), writes=caches.CAPTIONS, produces="captions", artifact_dir=caches.captions_dir,
              planner="stages.core.memory.captions", takes_force=True),
-    _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "refused_skips", "describe_change"),
+    _declare("cache-latents", "stages.cache_latents", ("check", "damaged_rows", "lacks", "describe_change"),
              reads=(), writes=caches.LATENTS, produces="latents", artifact_dir=caches.latents_dir,
              planner="stages.core.memory.latents", takes_force=True),
     _declare("train", "stages.train", ("partial_state", "describe_change", "other_settings", "request_stop"),
              reads=("encode-captions", "cache-latents"), writes=f"{caches.LORA}/", produces="the LoRA",
              artifact_dir=caches.lora_final_dir, planner="stages.core.memory.train", units=each_expert),
     # reads one small adapter and needs no GPU
-    _declare("export-lora", "stages.export_lora", reads=("train",), writes=f"{caches.EXPORT}/",
+    _declare("export-lora", "stages.export_lora", ("lacks",), reads=("train",), writes=f"{caches.EXPORT}/",
              produces="the export", artifact_dir=caches.export_dir, takes_force=True, one_process=True,
              units=each_expert),
     # reads the checkpoints as well as the export; its fingerprint holds the export's

@@ -67,9 +67,23 @@ def made_stale(old: Any, new: Any) -> list[str]:
             before = {"": before.get(new.train.expert)}
         elif len(after) > 1 and len(before) == 1:  # one expert -> "both": the other's is new
             before = {old.train.expert: before[""]}
-        if _built(stage, old) and (any(u in stale for u in stage.reads) or before != after):
+        if _built(stage, old) and (any(u in stale for u in stage.reads) or before != after
+                                   or _asks_more(stage, old, new)):
             stale.append(stage.name)
     return stale
+
+
+def _asks_more(stage: Any, old: Any, new: Any) -> bool:
+    """Whether `new` asks a built artifact for what it lacks and `old` did not ask (export-lora: a format)."""
+    from stages.core.artifacts import read_manifest
+
+    olds = {unit.train.expert: unit for unit in stage.units(old)}
+    for unit in stage.units(new):
+        manifest = read_manifest(stage.artifact_dir(unit))
+        was = olds.get(unit.train.expert)
+        if manifest is not None and set(stage.lacks(unit, manifest)) - set(stage.lacks(was, manifest) if was else []):
+            return True
+    return False
 
 
 def describe(old: Any, new: Any) -> list[str]:

@@ -16,6 +16,7 @@ from stages.core.config import command
 
 CAPTIONS, LATENTS, LORA, EXPORT, SAMPLES = "captions.zarr", "latents.zarr", "lora", "export", "samples"
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # export-lora's diffusers file, which sample loads
+COMFYUI_SUFFIX = "_comfyui.safetensors"  # the end of export-lora's ComfyUI file names (stages.core.comfyui_file)
 
 
 def captions_dir(cfg: Any) -> Path:

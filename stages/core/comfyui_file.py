@@ -17,10 +17,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
+from stages.core.caches import COMFYUI_SUFFIX
 from stages.core.comfyui import ComfyError, ComfyLayout, Native, swap_halves, write_name
 from stages.core.kohya import folded_factors, lycoris_scale, lora_scale, lycoris_delta, split_lycoris
-
-COMFYUI_SUFFIX = "_comfyui.safetensors"
 
 
 def comfyui_file_name(run: str, checkpoint: int | None = None, tag: str = "") -> str:

@@ -205,7 +205,7 @@ def _freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
         changed = manifest.get("fingerprint") != fingerprint(parts) and stage.other_settings(cfg)
         return False, [changed or manifest.get("incomplete_reason", "incomplete")], None
     if manifest.get("fingerprint") == fingerprint(parts):
-        damaged = stage.damaged_rows(cfg, manifest) + stage.refused_skips(cfg, manifest)
+        damaged = stage.damaged_rows(cfg, manifest) + stage.lacks(cfg, manifest)
         return not damaged, damaged, None
     if forced_only(manifest, parts):
         message = manifest["memory_forced"]["message"]

@@ -174,9 +174,9 @@ def _delta(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def compare_deltas(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor], file: Path,
-                   rtol: float = 1e-4) -> None:
-    """The file must hold every module of the trained adapter with the same delta; extra modules
-    are allowed only when their delta is zero (untrained members of a fused kohya layer)."""
+                   rtol: float = 1e-4, against: str = "the trained adapter") -> None:
+    """The file must hold every module of `reference` (`against` names it) with the same delta; extra
+    modules are allowed only when their delta is zero (untrained members of a fused kohya layer)."""
     dropped = sorted(set(reference) - set(other))
     if dropped:
         raise VerifyError(f"{file.name}: {len(dropped)} trained module(s) are lost when the pipeline loads it: "
@@ -188,7 +188,7 @@ def compare_deltas(reference: Mapping[str, torch.Tensor], other: Mapping[str, to
         ref = reference[module]
         err = (other[module] - ref).abs().max().item()
         if err > rtol * max(ref.abs().max().item(), 1e-12):
-            raise VerifyError(f"{file.name}: module '{module}' differs from the trained adapter by {err:.3g} "
+            raise VerifyError(f"{file.name}: module '{module}' differs from {against} by {err:.3g} "
                               f"(max |delta| {ref.abs().max().item():.3g})")
 
 

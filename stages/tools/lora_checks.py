@@ -131,10 +131,17 @@ def _check_read_back(path: Path, intended: LoraFile) -> None:
     _compare(path, FactorDeltas(intended.modules), FactorDeltas(back.modules))
 
 
-def _compare(path: Path, want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], rtol: float = 1e-4) -> None:
+def _compare(path: Path, want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor], rtol: float = 1e-4,
+             reader: str = "the tools' own reader") -> None:
+    """VerifyError when `got` (the file as `reader` reads it) is not the deltas the tool computed: the file
+    is then not moved into place, which the message says, with the ways around it."""
     from stages.core.verify import compare_deltas
 
-    compare_deltas(want, got, path, rtol)
+    try:
+        compare_deltas(want, got, path, rtol, against="the delta the tool computed for it")
+    except VerifyError as e:
+        raise VerifyError(f"{e} as {reader} reads the file; nothing was written to '{path.name}'. Give every module "
+                          f"one rank (--rank R), or write another format (--format comfyui)") from None
 
 
 def _check_diffusers(path: Path, intended: LoraFile, den: Denoiser) -> dict[str, Any]:
@@ -146,7 +153,8 @@ def _check_diffusers(path: Path, intended: LoraFile, den: Denoiser) -> dict[str,
     family = get_family(den.family)
     model = den.skeleton()
     weights = load_into(model, getattr(diffusers, family.pipeline_class), path, family.lora_prefix, "check")
-    _compare(path, FactorDeltas(intended.modules), delta_weights(model, "check", weights))
+    _compare(path, FactorDeltas(intended.modules), delta_weights(model, "check", weights),
+             reader=f"{family.pipeline_class}'s LoRA loader")
     return {"modules": len(intended.modules),
             "note": f"{family.pipeline_class} loads all {len(intended.modules)} modules ({den.where()})"}
 

@@ -179,7 +179,9 @@ def peft_adapter(modules: dict[str, Factors]) -> tuple[dict[str, torch.Tensor], 
 
     ranks = {m: f.rank for m, f in modules.items()}
     rank = Counter(ranks.values()).most_common(1)[0][0]
-    pattern = {re.escape(m): r for m, r in ranks.items() if r != rank}
+    # anchored at the path's start: peft matches a pattern against the end of each dotted path, so a bare
+    # `proj_out` would also give its rank to `single_transformer_blocks.0.proj_out` (diffusers anchors its own)
+    pattern = {f"^{re.escape(m)}": r for m, r in ranks.items() if r != rank}
     state: dict[str, torch.Tensor] = {}
     for m, f in modules.items():
         state[f"{m}.lora_A.weight"] = f.down.contiguous()

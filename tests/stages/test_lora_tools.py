@@ -156,6 +156,64 @@ def test_energy_keeps_the_fewest_values_and_the_output_loads_in_the_pipeline(pai
     assert torch.allclose(got, deltas_of(tmp_path / "e.safetensors")[MODULES[0]], atol=1e-5)
 
 
+def namesakes_file(shapes, folder: Path) -> tuple[Path, dict[str, int], dict[str, torch.Tensor]]:
+    """A diffusers file of rank-4 factors whose deltas have rank 4 on the top-level `proj_out` and rank 2 on
+    `single_transformer_blocks.0.proj_out` (whose path ends the same) and on one more module, so that an
+    --energy near 1 keeps those ranks: 2 the common one, `proj_out` the odd one out. Returns its deltas too."""
+    from stages.core.lora import config_dict, lora_config
+
+    ranks = {"proj_out": 4, "single_transformer_blocks.0.proj_out": 2, "transformer_blocks.0.attn.to_q": 2}
+    g, state = torch.Generator().manual_seed(6), {}
+    for m, r in ranks.items():
+        out, inp = shapes[m]
+        state[f"{m}.lora_A.weight"] = torch.randn(4, inp, generator=g)
+        state[f"{m}.lora_B.weight"] = torch.randn(out, 4, generator=g) * 0.1
+        state[f"{m}.lora_B.weight"][:, r:] = 0.0
+    deltas = {m: state[f"{m}.lora_B.weight"].double() @ state[f"{m}.lora_A.weight"].double() for m in ranks}
+    return write_export_file(folder, state, config_dict(lora_config(4, 4.0, 0.0, sorted(ranks)))), ranks, deltas
+
+
+def test_energy_ranks_of_modules_whose_paths_end_alike_load_each_with_its_own(model, shapes, tmp_path):
+    """The rank pattern of a file with several ranks names each module by its whole path: the pipeline's
+    loader gives `single_transformer_blocks.0.proj_out` its own rank, not the top-level `proj_out`'s."""
+    from stages.core.verify import VerifyError
+    from stages.tools.lora_checks import check_output, denoiser
+    from stages.tools.lora_files import read_lora
+    from stages.tools.lora_tools import resize
+
+    file, ranks, deltas = namesakes_file(shapes, tmp_path / "in")
+    out = tmp_path / "e.safetensors"
+    report = resize(str(file), None, 0.999999, str(out), model=str(model))
+    assert "FluxPipeline loads all 3 modules" in report["note"]
+    back = read_lora(out)
+    assert {m: f.rank for m, f in back.modules.items()} == ranks
+    for m, d in deltas.items():
+        assert torch.allclose(back.modules[m].delta(), d, atol=1e-5 * float(d.abs().max())), m
+    back.modules["proj_out"].up.mul_(2.0)  # a file that does not hold what it was meant to: refused, and why
+    with pytest.raises(VerifyError, match=r"'proj_out' differs from the delta the tool computed for it .* as the "
+                                          r"tools' own reader reads the file; nothing was written .*--rank R"):
+        check_output(out, "diffusers", back, denoiser(FAMILY, str(model)))
+
+
+def test_cli_resize_prints_no_library_notices(shapes, tmp_path):
+    """`lora resize` imports what the stages import (bitsandbytes, the pipelines' image processors) and is
+    as quiet as they are without --verbose: only its own report."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    file, _, _ = namesakes_file(shapes, tmp_path / "in")
+    env = {k: v for k, v in os.environ.items() if k not in ("LORAPIPE_DEBUG", "LORAPIPE_VERBOSE")}
+    r = subprocess.run([sys.executable, "pipeline.py", "lora", "resize", str(file), "--energy", "0.999999", "-o",
+                        str(tmp_path / "e.safetensors")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {tmp_path / 'e.safetensors'} (diffusers, flux): 3 modules at ranks 2-4"), r.stdout
+    noise = [line for line in r.stderr.splitlines() if not line.startswith("[resize]")]
+    assert noise == [], r.stderr
+
+
 def test_a_kohya_file_of_another_trainer_resizes_in_its_own_names(model, shapes, tmp_path):
     """sd-scripts' FLUX names (Black Forest Labs' layout), one module with an alpha and one without."""
     from stages.tools.lora_tools import resize

@@ -114,6 +114,45 @@ def test_a_changed_model_is_named_by_its_path_not_its_hash(built_run, tmp_path):
     assert f"model: the files of '{edited}' are not the ones it was built from" in changed and "local:" not in changed
 
 
+@once
+def test_an_up_to_date_export_says_so_and_keeps_the_files_of_its_adapter(built_run):
+    """A plain export after a `--format kohya` one (and with --verify, or of a checkpoint) is up to date: it
+    says so, rewrites nothing and keeps the kohya file, which `status` and `config` count. Once the adapter is another,
+    the export removes the old kohya file by name, with the command that writes this adapter's."""
+    cfg = copy_run(built_run, "exported")
+    export = cfg.run_dir / "export"
+    kohya = export / "lora_kohya.safetensors"
+    for args in ([], ["--checkpoint", "8"], ["--checkpoint", "8"]):
+        result = invoke("export-lora", *by_name(cfg), *args)
+        assert result.exit_code == 0, result.output
+    where = "export/checkpoint-8/ holds lora/checkpoint-8 (step 8)"
+    assert f"export-lora up to date: {where} in every format asked for, with these settings; skipped" in result.output
+    assert suggested(result.output) == [f"lorapipe export-lora exported --artifacts {cfg.artifacts} --checkpoint 8 --force"]
+
+    asks = ("config", *by_name(cfg), "--set", "export.format=kohya", "--dry-run")
+    assert "makes stale: export-lora" in invoke(*asks).output  # config's diff names it as status will
+    assert invoke("export-lora", *by_name(cfg), "--format", "kohya").exit_code == 0 and kohya.is_file()
+    assert "makes no stage stale" in invoke(*asks).output
+    made = (kohya.stat().st_mtime_ns, json.loads((export / "manifest.json").read_text()))
+    for args in ([], ["--verify"]):
+        again = invoke("export-lora", *by_name(cfg), *args)
+        assert again.exit_code == 0, again.output
+        assert ("export-lora up to date: export/ holds lora/final (step 8) in every format asked for, with these "
+                "settings (and lora_kohya.safetensors, of the same adapter); skipped") in again.output, again.output
+        assert (kohya.stat().st_mtime_ns, json.loads((export / "manifest.json").read_text())) == made
+    assert re.search(r"export-lora\s+up to date", invoke("status", *by_name(cfg)).output)
+    assert paste(suggested(again.output)[0]).exit_code == 0 and kohya.is_file()  # --force: the same adapter's, kept
+
+    manifest = json.loads((export / "manifest.json").read_text())  # as an export of an earlier training left it
+    manifest["fingerprint"], manifest["fingerprint_parts"]["lora_step"] = "0" * 16, 4
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    replaced = invoke("export-lora", *by_name(cfg))
+    assert replaced.exit_code == 0 and not kohya.exists(), replaced.output
+    assert "warning: removed export/lora_kohya.safetensors, the kohya file of the adapter this export replaces" \
+        in replaced.output, replaced.output
+    assert paste(suggested(replaced.output)[0]).exit_code == 0 and kohya.is_file()
+
+
 # ---- 2. command flags and by-name overrides apply to their command only ------------------------------------
 
 
