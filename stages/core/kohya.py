@@ -98,7 +98,9 @@ def _fuse(members: dict[int, tuple[torch.Tensor, torch.Tensor, str]], count: int
     A member without an adapter gets zero rows and a zero block of the same rank (its delta is zero)."""
     ranks = {a.shape[0] for a, _, _ in members.values()}
     if len(ranks) != 1:
-        raise KohyaError(f"'{name}' fuses modules with ranks {sorted(ranks)}; kohya needs one rank per fused layer")
+        raise KohyaError(f"'{name}' fuses modules with ranks {sorted(ranks)}; a kohya file needs one rank per fused "
+                         f"layer: give them one rank (train.rank_pattern; `lora resize --rank R`) or write the "
+                         f"diffusers or ComfyUI file")
     (rank,) = ranks
     a0 = next(iter(members.values()))[0]
     downs, ups = [], []
