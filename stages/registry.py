@@ -192,15 +192,16 @@ def _state(stage: Stage, cfg: Any, expert: str, changing: dict[str, set[str]],
            blocking: dict[str, set[str]]) -> State:
     """The State of one artifact of `stage`; adds it to `changing` when stale, to `blocking` when blocked."""
     from stages.core.errors import UserError
-    from stages.core.stage import staleness
+    from stages.core.stage import freshness
 
     def above(marks: dict[str, set[str]]) -> list[str]:
         return [u for u in stage.upstream if marks.get(u) and (not expert or expert in marks[u] or "" in marks[u])]
 
     try:
-        ok, reasons, blocked = *staleness(stage, cfg), False
+        ok, reasons, _, same = freshness(stage, cfg)
+        blocked = False
     except (UserError, OSError) as e:  # a user's error in the inputs must not hide the other stages
-        ok, reasons, blocked = False, [f"cannot check its inputs: {e}"], True
+        ok, reasons, same, blocked = False, [f"cannot check its inputs: {e}"], False, True
     waits, rerun = above(blocking), above(changing)
     if waits:  # the stage above names the error (most often this one's too: one dataset)
         reasons = [f"waits on {' and '.join(waits)}, which {'is' if len(waits) == 1 else 'are'} blocked",
@@ -210,6 +211,6 @@ def _state(stage: Stage, cfg: Any, expert: str, changing: dict[str, set[str]],
         ok, reasons = False, [f"because {' and '.join(BY_NAME[u].produces for u in rerun)} will change", *reasons]
     if blocked:
         blocking.setdefault(stage.name, set()).add(expert)
-    elif not ok:
+    elif not ok and not (same and not rerun):  # a rerun that only repairs or completes it changes nothing below
         changing.setdefault(stage.name, set()).add(expert)
     return State(expert, ok, () if ok else tuple(reasons), blocked)

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 from stages.core.artifacts import (disk_full, fingerprint, lock_holder_pid, manifest_damage, manifest_path, read_manifest,
                                    repair_advice, stage_lock)
@@ -167,11 +167,11 @@ def changed_items(before: dict[str, str], now: dict[str, str], what: str) -> str
 def staleness(stage: Any, cfg: Any) -> tuple[bool, list[str]]:
     """(up_to_date, reasons) for one stage (a stages.registry.Stage), from its manifest and its current
     fingerprint parts."""
-    ok, reasons, _ = freshness(stage, cfg)
-    return ok, reasons
+    found = freshness(stage, cfg)
+    return found.ok, found.reasons
 
 
-def freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
+def freshness(stage: Any, cfg: Any) -> Freshness:
     """`staleness`, and the manifest's message when the artifact is stale only because the free memory
     forced its settings (no other plan fitted) and no row is damaged: a later stage may use it with
     that warning, while `staleness` still counts it stale, so `run` retries it. A stage with several
@@ -179,42 +179,53 @@ def freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
     units = stage.units(cfg)
     if len(units) == 1:
         return _freshness(stage, units[0])
-    found = [(unit.train.expert, *_freshness(stage, unit)) for unit in units]
-    reasons = [f"expert {expert}: {reason}" for expert, ok, why, _ in found if not ok for reason in why]
-    forced = [f for _, ok, _, f in found if not ok]
-    return all(ok for _, ok, _, _ in found), reasons, "; ".join(forced) if forced and all(forced) else None
+    found = [(unit.train.expert, _freshness(stage, unit)) for unit in units]
+    reasons = [f"expert {expert}: {reason}" for expert, f in found if not f.ok for reason in f.reasons]
+    forced = [f.forced for _, f in found if not f.ok]
+    return Freshness(all(f.ok for _, f in found), reasons, "; ".join(forced) if forced and all(forced) else None,
+                     same=all(f.same for _, f in found))
 
 
-def _freshness(stage: Any, cfg: Any) -> tuple[bool, list[str], str | None]:
+class Freshness(NamedTuple):
+    ok: bool
+    reasons: list[str]
+    forced: str | None
+    """The manifest's message when only the free memory forced its settings (`freshness`)."""
+    same: bool = False
+    """The artifact's fingerprint is the config's: a rerun only repairs or completes it (damaged rows, a format's
+    file), so what later stages read keeps its fingerprint and they stay up to date."""
+
+
+def _freshness(stage: Any, cfg: Any) -> Freshness:
     folder = stage.artifact_dir(cfg)
     damage = manifest_damage(folder)
     if damage is not None:  # read_manifest would warn: the reason says it all
         where = manifest_path(folder).relative_to(cfg.run_dir) if folder.is_relative_to(cfg.run_dir) else manifest_path(folder)
-        return False, [f"damaged: {where} cannot be read ({damage}); {repair_advice(folder)}"], None
+        return Freshness(False, [f"damaged: {where} cannot be read ({damage}); {repair_advice(folder)}"], None)
     manifest = read_manifest(folder)
     partial = stage.partial_state(cfg) if manifest is None else None
     if partial:
-        return False, [partial], None
+        return Freshness(False, [partial], None)
     if manifest is None and folder.exists():
-        return False, [f"incomplete: '{folder}' has no manifest (its last run was interrupted or failed); "
-                       f"rerun it to finish (caches continue where they stopped; train continues with --resume)"], None
+        return Freshness(False, [f"incomplete: '{folder}' has no manifest (its last run was interrupted or failed); "
+                       f"rerun it to finish (caches continue where they stopped; train continues with --resume)"], None)
     if manifest is None:
-        return False, ["never built (no manifest)"], None
+        return Freshness(False, ["never built (no manifest)"], None)
     parts = stage.fingerprint_parts(cfg)
     if not manifest.get("complete", True):
         changed = manifest.get("fingerprint") != fingerprint(parts) and stage.other_settings(cfg)
-        return False, [changed or manifest.get("incomplete_reason", "incomplete")], None
+        return Freshness(False, [changed or manifest.get("incomplete_reason", "incomplete")], None)
     if manifest.get("fingerprint") == fingerprint(parts):
         damaged = stage.damaged_rows(cfg, manifest) + stage.lacks(cfg, manifest)
-        return not damaged, damaged, None
+        return Freshness(not damaged, damaged, None, same=True)
     if forced_only(manifest, parts):
         message = manifest["memory_forced"]["message"]
-        return False, [message], None if stage.damaged_rows(cfg, manifest) else message
+        return Freshness(False, [message], None if stage.damaged_rows(cfg, manifest) else message)
     old = manifest.get("fingerprint_parts", {})
     reasons = [model_change(cfg.model, old.get(k), parts.get(k)) if k == "model" else  # a hash, said as the path
                stage.describe_change(cfg, manifest, k, old.get(k), parts.get(k)) for k in sorted(set(old) | set(parts))
                if old.get(k) != parts.get(k)]
-    return False, reasons or ["fingerprint changed"], None
+    return Freshness(False, reasons or ["fingerprint changed"], None)
 
 
 def forced_only(manifest: dict[str, Any], parts: dict[str, Any]) -> bool:

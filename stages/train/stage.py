@@ -171,7 +171,7 @@ def check_upstream(cfg: Any, log: Any = None) -> None:
 
     stale = []
     for stage in registry.reads_of(NAME):
-        ok, reasons, forced = freshness(stage, cfg)
+        ok, reasons, forced, _ = freshness(stage, cfg)
         if forced and log is not None:
             log.emit("warning", message=f"training on {stage.artifact_dir(cfg).name} as it is: {forced} "
                                         f"(`{command(cfg, stage.name)}`)")

@@ -131,6 +131,10 @@ def test_an_up_to_date_export_says_so_and_keeps_the_files_of_its_adapter(built_r
 
     asks = ("config", *by_name(cfg), "--set", "export.format=kohya", "--dry-run")
     assert "makes stale: export-lora" in invoke(*asks).output  # config's diff names it as status will
+    # an export that lacks only a format keeps its fingerprint: what reads it (sample) is not made stale by it
+    lines = {line.split()[0]: line for line in invoke("status", *by_name(cfg), "--set", "export.format=kohya")
+             .output.splitlines() if line.strip()}
+    assert "no kohya file in export" in lines["export-lora"] and "export will change" not in lines["sample"], lines
     assert invoke("export-lora", *by_name(cfg), "--format", "kohya").exit_code == 0 and kohya.is_file()
     assert "makes no stage stale" in invoke(*asks).output
     made = (kohya.stat().st_mtime_ns, json.loads((export / "manifest.json").read_text()))
