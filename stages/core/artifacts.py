@@ -201,23 +201,23 @@ def repair_advice(artifact_dir: Path) -> str:
     """What rewrites the manifest of an artifact of a run folder, by the kind of artifact: a cache keeps
     its rows, an adapter is written again from the newest complete checkpoint, an export or the samples
     are made again. Names the command where the folder lies in a run's folder as lorapipe lays it out."""
+    from stages.core.caches import CAPTIONS, EXPORT, LATENTS, LORA, SAMPLES
     from stages.core.runspec import command_for
 
     folder, kind = artifact_dir, artifact_dir.name
-    top = next((p for p in (folder, *folder.parents) if p.name in ("captions.zarr", "latents.zarr", "lora", "export",
-                                                                    "samples")), None)
+    top = next((p for p in (folder, *folder.parents) if p.name in (CAPTIONS, LATENTS, LORA, EXPORT, SAMPLES)), None)
     if top is None:
         return "rerunning its stage rewrites it"
     run_dir = top.parent
-    if top.name.endswith(".zarr"):
-        stage = "encode-captions" if top.name == "captions.zarr" else "cache-latents"
+    if top.name in (CAPTIONS, LATENTS):
+        stage = "encode-captions" if top.name == CAPTIONS else "cache-latents"
         return f"`{command_for(run_dir, stage)}` rewrites it and keeps the cached rows (only missing ones are encoded)"
-    if top.name == "lora" and kind.startswith("checkpoint-"):
+    if top.name == LORA and kind.startswith("checkpoint-"):
         return "the checkpoint counts as incomplete: --resume continues from the newest complete one"
-    if top.name == "lora":
+    if top.name == LORA:
         return (f"`{command_for(run_dir, 'train', '--resume')}` writes the adapter again from the newest complete "
                 f"checkpoint (`{command_for(run_dir, 'train', '--restart')}` trains it again where there is none)")
-    stage = "export-lora" if top.name == "export" else "sample"
+    stage = "export-lora" if top.name == EXPORT else "sample"
     return f"`{command_for(run_dir, stage)}` makes {'the export' if stage == 'export-lora' else 'the samples'} again"
 
 
