@@ -23,7 +23,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSETS = Path("artifacts/demo-assets")
+ASSETS = ROOT / "artifacts" / "demo-assets"  # where the demo configs (configs/demo*.toml) read model and data
+
+
+def _shown(path: Path) -> Path:
+    """A path as the demo prints it: relative to the working folder where it lies inside it."""
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def demo_config(family: str) -> Path:
@@ -44,24 +49,24 @@ def build_assets(family: str) -> None:
     variant = demo_model_variant(family)
     model = ASSETS / variant
     if not (model / "model_index.json").exists():
-        print(f"demo: building tiny {variant} pipeline in {model}", flush=True)
+        print(f"demo: building tiny {variant} pipeline in {_shown(model)}", flush=True)
         build_tiny_pipeline(variant, model, seed=0)
     if demo_data_kind(family) == "edit":  # edit families: control -> target pairs (the shape turns blue)
         sizes = demo_edit_sizes(family)
         data = ASSETS / ("data-edit" + "".join(f"-{w}x{h}" for w, h in sizes or ()))
         if not data.exists():
-            print(f"demo: drawing the edit pairs in {data}", flush=True)
+            print(f"demo: drawing the edit pairs in {_shown(data)}", flush=True)
             make_edit_dataset(data, n=12, seed=0, **({"sizes": sizes} if sizes else {}))
         return
     if demo_data_kind(family) == "clips":  # video families: moving-shape clips and two stills
         data = ASSETS / "data-clips"
         if not data.exists():
-            print(f"demo: drawing the moving-shapes clips in {data}", flush=True)
+            print(f"demo: drawing the moving-shapes clips in {_shown(data)}", flush=True)
             make_clip_dataset(data, n=8, seed=0)
         return
     data = ASSETS / "data"
     if not data.exists():
-        print(f"demo: drawing the shapes dataset in {data}", flush=True)
+        print(f"demo: drawing the shapes dataset in {_shown(data)}", flush=True)
         make_demo_dataset(data, n=12, seed=0)
 
 

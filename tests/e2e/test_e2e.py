@@ -106,3 +106,16 @@ def test_each_family_stage_builds_only_its_models_and_status_after_a_run(built_r
     changed = CliRunner().invoke(cli, [*args, "--set", "train.learning_rate=0.01"])
     assert status.exit_code == 0 and changed.exit_code == 0, status.output + changed.output
     _assert_status(status.output, changed.output)
+
+
+def test_the_demo_builds_its_assets_where_its_configs_read_them(tmp_path, monkeypatch):
+    """`lorapipe demo` from any folder: the model and data it builds are the paths each demo config names
+    (relative to the config's folder), not folders under the working directory."""
+    from stages.core.config import load_config
+    from stages.demo import ASSETS, demo_config
+
+    monkeypatch.chdir(tmp_path)
+    for family in FAMILIES:
+        cfg = load_config(demo_config(family))
+        assert Path(cfg.model).resolve().parent == ASSETS.resolve(), (family, cfg.model)
+        assert all(Path(d.path).resolve().parent == ASSETS.resolve() for d in cfg.dataset_configs()), family
