@@ -59,17 +59,23 @@ def _built(stage: Any, cfg: Any) -> bool:
 def made_stale(old: Any, new: Any) -> list[str]:
     """The stages with artifacts that going from settings `old` to `new` makes stale: what they read of the
     settings changed (for each adapter `new` trains: switching train.expert from "both" to "low" keeps low's),
-    or a stage they read from is made stale."""
+    or a stage they read from changes. One that only lacks what `new` asks (an export's format) is stale, while
+    what it holds, and so the stages that read it, stays."""
     stale: list[str] = []
+    changing: set[str] = set()  # the stages whose artifacts' contents change
     for stage in registry.ALL:
         before, after = _parts(stage, old), _parts(stage, new)
         if len(before) > 1 and len(after) == 1:  # "both" -> one expert: that expert's adapter as it was
             before = {"": before.get(new.train.expert)}
         elif len(after) > 1 and len(before) == 1:  # one expert -> "both": the other's is new
             before = {old.train.expert: before[""]}
-        if _built(stage, old) and (any(u in stale for u in stage.reads) or before != after
-                                   or _asks_more(stage, old, new)):
+        if not _built(stage, old):
+            continue
+        changes = any(u in changing for u in stage.reads) or before != after
+        if changes or _asks_more(stage, old, new):
             stale.append(stage.name)
+        if changes:
+            changing.add(stage.name)
     return stale
 
 

@@ -251,6 +251,10 @@ def test_run_renders_samples_after_train(run_copy):
     direct = CliRunner().invoke(pipeline.cli, ["sample", *args[3:]])
     assert direct.exit_code == 0 and "sample: up to date, skipped" in direct.output, direct.output
     assert grid.stat().st_mtime_ns == before and "--force" in re.findall(r"`(lorapipe sample [^`]+)`", direct.output)[0]
+    # asking the export for one more format makes it stale, not the samples: the LoRA they render is the same
+    asks = CliRunner().invoke(pipeline.cli, ["config", run_copy.run, "--artifacts", str(run_copy.artifacts),
+                                             "--set", "export.format=kohya", "--dry-run"])
+    assert asks.exit_code == 0 and "makes stale: export-lora\n" in asks.output + "\n", asks.output
 
 
 # ---- report ----------------------------------------------------------------------------------------
