@@ -98,6 +98,24 @@ def test_bad_clips_are_named_with_what_to_do(clips, tmp_path):
         video.probe(tmp_path / "nothing")
 
 
+def test_a_clip_folder_with_a_missing_frame_is_named(clips, tmp_path):
+    root = tmp_path / "gap"
+    shutil.copytree(clips / "wave", root)
+    assert video.probe(root).frames == 10
+    (root / "004.png").unlink()
+    with pytest.raises(video.BadClip, match="missing frame 004.png") as e:
+        video.probe(root)
+    assert str(root) in str(e.value) and "data.on_bad_image" in str(e.value) and "\n" not in str(e.value)
+    (root / "003.png").rename(root / "004.png")  # renumbered by hand: 000-002, then 004-009: still a gap
+    with pytest.raises(video.BadClip, match="missing frame 003.png"):
+        video.probe(root)
+    named = tmp_path / "named"
+    named.mkdir()
+    for name in ("first.png", "second.png", "third.png"):  # not numbered: read in name order, no gap to find
+        _frames(1)[0].save(named / name)
+    assert video.probe(named).frames == 3
+
+
 def test_bucket_names_carry_frames():
     assert str(Bucket(832, 480, 33)) == "832x480x33f" and str(Bucket(512, 512)) == "512x512"
     assert Bucket.parse("832x480x33f") == (832, 480, 33) and Bucket.parse("64x64") == Bucket(64, 64, 1)
