@@ -179,3 +179,22 @@ def test_an_image_family_refuses_clips(clips, assets, tmp_path):
     cfg = make_cfg("chroma", assets, clips, tmp_path)
     with pytest.raises(DatasetError, match="chroma trains on images, not clips"):
         cache_latents.run(cfg)
+
+
+def test_decode_of_a_clip_plays_at_its_rate_and_refuses_unwritable_out(cached, tmp_path):
+    from PIL import Image
+
+    from stages import inspect as inspect_stage
+    from stages.core.errors import UserError
+
+    cfg, _ = cached
+    path, info = inspect_stage.decode(cfg, "walk.mp4", 1, tmp_path / "walk.gif")
+    assert info["frames"] == 5 and info["fps"] == 24.0, "data.fps = 0: the clip's own 24 fps"
+    assert 0 <= info["start_frame"] <= 12 - 5
+    with Image.open(path) as im:
+        assert im.n_frames == 5 and abs(im.info["duration"] - 1000 / 24) <= 2, "GIF keeps centiseconds"
+    path, info = inspect_stage.decode(cfg, "still.png", 0, tmp_path / "still.mp4")  # a still as a 1-frame clip
+    assert video.probe(path).frames == 1 and "fps" not in info
+    with pytest.raises(UserError, match=r"--out .*walk.txt.*\.png.*\.mp4"):
+        inspect_stage.decode(cfg, "walk.mp4", 0, tmp_path / "walk.txt")
+    assert not (tmp_path / "walk.txt").exists()
