@@ -86,6 +86,9 @@ def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new:
     """A change of the images, by file (status names files, not content ids)."""
     from stages.core.stage import changed_items, describe_change as plain
 
+    if key in dataset.CLIP_KEYS:  # a clip key at its default is left out of the fingerprint: name the default
+        old, new = (dataset.CLIP_KEYS[key] if v is None else v for v in (old, new))
+        return f"data.{key}: {old:g} -> {new:g}"
     if key != "images":
         return plain(key, old, new)
     return changed_items(manifest.get("items", {}), {it.key: it.latent_key for it in scan_items(cfg)}, "image")

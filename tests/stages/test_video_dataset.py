@@ -198,3 +198,17 @@ def test_decode_of_a_clip_plays_at_its_rate_and_refuses_unwritable_out(cached, t
     with pytest.raises(UserError, match=r"--out .*walk.txt.*\.png.*\.mp4"):
         inspect_stage.decode(cfg, "walk.mp4", 0, tmp_path / "walk.txt")
     assert not (tmp_path / "walk.txt").exists()
+
+
+def test_status_names_a_changed_clip_key_with_its_default(cached):
+    import dataclasses
+
+    from stages import registry
+    from stages.core.stage import staleness
+
+    cfg, _ = cached
+    stage = registry.get("cache-latents")
+    assert staleness(stage, cfg) == (True, [])
+    for key, value, said in (("fps", 12.0, "data.fps: 0 -> 12"), ("frames", 9, "data.frames: 5 -> 9")):
+        ok, reasons = staleness(stage, dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **{key: value})))
+        assert not ok and reasons == [said], reasons
