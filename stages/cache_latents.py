@@ -149,8 +149,8 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             log.emit("warning", item=it.key, message=f"image '{it.key}' has the same bytes as "
                      f"'{found[it.latent_key][0].key}': cached once, both items train on it with their own captions")
             continue
-        if it.latent_key in known and (not it.is_clip or it.latent_key in clips):  # its size is recorded,
-            found[it.latent_key] = (it, known[it.latent_key])  # its mask was checked
+        if it.latent_key in known and not it.is_clip:  # its size is recorded, its mask was checked
+            found[it.latent_key] = (it, known[it.latent_key])  # (a known clip's length is checked again below)
             continue
         try:
             size = _probe(cfg, it, clips)
@@ -186,8 +186,9 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
 
 def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[int, int]:
     """(width, height) of an image from its header; of a clip from its container, whose frame count and
-    rate go to `clips`. A clip too short for its dataset's data.frames at data.fps, or one for a family that
-    trains on images, is a BadClip naming it."""
+    rate go to `clips` (a clip already there, from the cache's manifest, is not probed again). A clip too short
+    for its dataset's data.frames at data.fps, or one for a family that trains on images, is a BadClip naming
+    it: a cached clip too, when data.frames or data.fps changed since."""
     from stages.families import get_family
 
     if not item.is_clip:
@@ -197,7 +198,7 @@ def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[in
         raise video.BadClip(f"clip '{item.image_path}': {cfg.family} trains on images, not clips; train a video "
                             f"family (wan2.2-5b), or {video.BAD_CLIP_HINT}")
     d = cfg.dataset_configs()[item.dataset]
-    info = video.probe(item.image_path)
+    info = clips.get(item.latent_key) or video.probe(item.image_path)  # a cached clip's probe is in its manifest
     problem = video.too_short(item.image_path, info, d.frames, d.fps)
     if problem:
         raise video.BadClip(problem)

@@ -129,8 +129,8 @@ def too_short(path: Path, info: ClipInfo, frames: int, fps: float) -> str | None
     if info.frames >= need:
         return None
     rate = f" at data.fps = {fps:g} (the clip runs at {info.fps:g} fps)" if fps > 0 else ""
-    return (f"clip '{path}' has {info.frames} frames but data.frames = {frames}{rate} needs {need}: lower data.frames "
-            f"or data.fps, or {BAD_CLIP_HINT}")
+    return (f"clip '{path}' has {info.frames} frames but data.frames = {frames}{rate} needs {need}: lower data.frames"
+            f"{' or data.fps' if fps > 0 else ''}, or {BAD_CLIP_HINT}")
 
 
 def start_frames(seed: int, clip_id: str, info: ClipInfo, frames: int, fps: float, n: int) -> list[int]:

@@ -200,15 +200,39 @@ def test_decode_of_a_clip_plays_at_its_rate_and_refuses_unwritable_out(cached, t
     assert not (tmp_path / "walk.txt").exists()
 
 
-def test_status_names_a_changed_clip_key_with_its_default(cached):
+def test_status_names_a_changed_clip_key_with_its_default(cached, tmp_path):
     import dataclasses
 
-    from stages import registry
+    from stages import cache_latents, registry
     from stages.core.stage import staleness
 
     cfg, _ = cached
+    cfg = dataclasses.replace(cfg, artifacts=str(tmp_path))  # a run of its own: other tests rerun the fixture's
+    cache_latents.run(cfg)
     stage = registry.get("cache-latents")
     assert staleness(stage, cfg) == (True, [])
     for key, value, said in (("fps", 12.0, "data.fps: 0 -> 12"), ("frames", 9, "data.frames: 5 -> 9")):
         ok, reasons = staleness(stage, dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **{key: value})))
         assert not ok and reasons == [said], reasons
+
+
+def test_a_cached_clip_too_short_for_new_frames_is_named_and_the_cache_kept(cached, tmp_path):
+    import dataclasses
+
+    from stages import cache_latents
+    from stages.core.artifacts import read_manifest
+
+    cfg, _ = cached
+    shutil.copytree(cfg.run_dir, tmp_path / cfg.run)
+    cfg = dataclasses.replace(cfg, artifacts=str(tmp_path))
+    before = (cfg.run_dir / "latents.zarr" / "manifest.json").read_bytes()
+    longer = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, frames=13))  # walk has 12, wave 10
+    with pytest.raises(DatasetError) as e:
+        cache_latents.run(longer)
+    assert "walk.mp4' has 12 frames but data.frames = 13 needs 13: lower data.frames, or" in str(e.value)
+    assert "wave' has 10 frames" in str(e.value)
+    assert (cfg.run_dir / "latents.zarr" / "manifest.json").read_bytes() == before, "the 5-frame cache is kept"
+    manifest = cache_latents.run(dataclasses.replace(longer, data=dataclasses.replace(longer.data, on_bad_image="skip")))
+    assert sorted(s["item"] for s in manifest["skipped"]) == ["walk.mp4", "wave"]
+    assert not any(b.endswith("x13f") for b in manifest["buckets"]), "no clip is cached past its last frame"
+    assert read_manifest(cfg.run_dir / "latents.zarr")["items"].keys() == {"still.png"}
