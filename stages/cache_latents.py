@@ -167,7 +167,7 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             continue
         found[it.latent_key] = (it, size)
     if bad:
-        raise dataset.collected(bad, "images")
+        raise dataset.collected(bad, _what([it for it in items if it.key in {e.item for e in bad}]))
     fill = cfg.train.batch_size if cfg.data.bucket_merge else 0
     datasets = cfg.dataset_configs()
     frames_of = {i: datasets[it.dataset].frames if it.is_clip else 1 for i, (it, _) in found.items()}
@@ -182,6 +182,12 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
                 log.emit("warning", item=key, message=note)
     plan = {i: (it, size, assigned[i]) for i, (it, size) in found.items()}
     return plan, skipped, dict(duplicates)
+
+
+def _what(items: list[dataset.Item]) -> str:
+    """What a count of `items` counts: images, clips, or both."""
+    kinds = {it.is_clip for it in items}
+    return "clips" if kinds == {True} else "images and clips" if len(kinds) == 2 else "images"
 
 
 def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[int, int]:
@@ -518,7 +524,8 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     from stages.core.gpu_busy import GpuBusy
 
     with GpuBusy(rt.device) as busy:  # the GPU's utilization over the encode loop (None off CUDA)
-        pace = encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
+        unit = _what([it for it, _, _ in plan.values()])  # the progress bar counts "images", "clips" or both
+        pace = encode_units(ctx, NAME, unit, todo, encode_image, size=lambda unit: 1,
                             needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
                             done_before=len(plan) - len(todo), total=len(plan), prepare=read_image,
                             shard_of=lambda unit: (unit[0], rows[unit[0]][unit[1]] // per_shard[unit[0]]), flush=flush)
