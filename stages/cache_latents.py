@@ -155,6 +155,9 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
         try:
             size = _probe(cfg, it, clips)
             _check_mask_size(it, size)
+            slow = _slow_motion(cfg, it, clips.get(it.latent_key))
+            if slow:
+                log.emit("warning", item=it.key, message=slow)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
             err = dataset.BadImage(str(e)) if isinstance(e, video.BadClip) else e if isinstance(e, dataset.BadImage) \
                 else dataset.BadImage(f"image '{it.image_path}' cannot be read ({e})")
@@ -182,6 +185,17 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
                 log.emit("warning", item=key, message=note)
     plan = {i: (it, size, assigned[i]) for i, (it, size) in found.items()}
     return plan, skipped, dict(duplicates)
+
+
+def _slow_motion(cfg: Any, item: dataset.Item, info: ClipInfo | None) -> str | None:
+    """Why a clip slower than its data.fps trains as slow motion (its frames repeat), or None."""
+    fps = cfg.dataset_configs()[item.dataset].fps
+    if info is None or not fps or fps <= info.fps * 1.01:
+        return None
+    rate = f"is read as {info.fps:g} fps (a folder of frames)" if item.image_path.is_dir() else f"runs at {info.fps:g} fps"
+    return (f"clip '{item.image_path}' {rate}, below data.fps = {fps:g}: its frames repeat (each about "
+            f"{fps / info.fps:.2g} times), so it trains as slow motion; set data.fps = {info.fps:g} or lower, or 0 "
+            f"for its own frames one after another")
 
 
 def _what(items: list[dataset.Item]) -> str:

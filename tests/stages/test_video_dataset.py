@@ -236,3 +236,25 @@ def test_a_cached_clip_too_short_for_new_frames_is_named_and_the_cache_kept(cach
     assert sorted(s["item"] for s in manifest["skipped"]) == ["walk.mp4", "wave"]
     assert not any(b.endswith("x13f") for b in manifest["buckets"]), "no clip is cached past its last frame"
     assert read_manifest(cfg.run_dir / "latents.zarr")["items"].keys() == {"still.png"}
+
+
+def test_a_clip_slower_than_data_fps_is_warned_as_slow_motion(cached, tmp_path):
+    import dataclasses
+
+    from stages import cache_latents
+
+    cfg, _ = cached
+    cfg = dataclasses.replace(cfg, artifacts=str(tmp_path))
+
+    def warnings_of(fps: float) -> dict[str, str]:
+        run = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, fps=fps))
+        cache_latents.run(run)
+        events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines()]
+        start = max(k for k, e in enumerate(events) if e["event"] == "start")
+        return {e["item"]: e["message"] for e in events[start:] if e["event"] == "warning"}
+
+    assert warnings_of(24) == {}, "clips at 24 fps sampled at 24: nothing repeats"
+    slow = warnings_of(48)
+    assert sorted(slow) == ["walk.mp4", "wave"]
+    assert "walk.mp4' runs at 24 fps, below data.fps = 48: its frames repeat" in slow["walk.mp4"]
+    assert "set data.fps = 24 or lower" in slow["walk.mp4"] and "a folder of frames" in slow["wave"]
