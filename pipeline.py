@@ -561,7 +561,8 @@ def describe_decoded(info: dict[str, Any]) -> str:
     return (f"{info['size'][0]}×{info['size'][1]} px (W×H), bucket {info['bucket'].replace('x', '×')}, "
             f"original {width}×{height}, crop at x={left} y={top}{', flipped' if info['flip'] else ''}, "
             f"latent {'×'.join(map(str, info['latent_shape']))}, {'posterior sample' if info['sampled'] else 'posterior mean'}"
-            + (f", {info['frames']} frames" if info.get("frames", 1) > 1 else ""))
+            + (f", {info['frames']} frames from frame {info.get('start_frame') or 0} of the clip, at {info['fps']:g} fps"
+               if info.get("frames", 1) > 1 else ""))
 
 
 @cli.command("report", epilog=examples("report my-lora", "report my-lora --out loss.png --json"))

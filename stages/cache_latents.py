@@ -86,6 +86,9 @@ def describe_change(cfg: Any, manifest: dict[str, Any], key: str, old: Any, new:
     """A change of the images, by file (status names files, not content ids)."""
     from stages.core.stage import changed_items, describe_change as plain
 
+    if key in dataset.CLIP_KEYS:  # a clip key at its default is left out of the fingerprint: name the default
+        old, new = (dataset.CLIP_KEYS[key] if v is None else v for v in (old, new))
+        return f"data.{key}: {old:g} -> {new:g}"
     if key != "images":
         return plain(key, old, new)
     return changed_items(manifest.get("items", {}), {it.key: it.latent_key for it in scan_items(cfg)}, "image")
@@ -146,12 +149,15 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             log.emit("warning", item=it.key, message=f"image '{it.key}' has the same bytes as "
                      f"'{found[it.latent_key][0].key}': cached once, both items train on it with their own captions")
             continue
-        if it.latent_key in known and (not it.is_clip or it.latent_key in clips):  # its size is recorded,
-            found[it.latent_key] = (it, known[it.latent_key])  # its mask was checked
+        if it.latent_key in known and not it.is_clip:  # its size is recorded, its mask was checked
+            found[it.latent_key] = (it, known[it.latent_key])  # (a known clip's length is checked again below)
             continue
         try:
             size = _probe(cfg, it, clips)
             _check_mask_size(it, size)
+            slow = _slow_motion(cfg, it, clips.get(it.latent_key))
+            if slow:
+                log.emit("warning", item=it.key, message=slow)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
             err = dataset.BadImage(str(e)) if isinstance(e, video.BadClip) else e if isinstance(e, dataset.BadImage) \
                 else dataset.BadImage(f"image '{it.image_path}' cannot be read ({e})")
@@ -164,7 +170,7 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             continue
         found[it.latent_key] = (it, size)
     if bad:
-        raise dataset.collected(bad, "images")
+        raise dataset.collected(bad, _what([it for it in items if it.key in {e.item for e in bad}]))
     fill = cfg.train.batch_size if cfg.data.bucket_merge else 0
     datasets = cfg.dataset_configs()
     frames_of = {i: datasets[it.dataset].frames if it.is_clip else 1 for i, (it, _) in found.items()}
@@ -181,10 +187,28 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
     return plan, skipped, dict(duplicates)
 
 
+def _slow_motion(cfg: Any, item: dataset.Item, info: ClipInfo | None) -> str | None:
+    """Why a clip slower than its data.fps trains as slow motion (its frames repeat), or None."""
+    fps = cfg.dataset_configs()[item.dataset].fps
+    if info is None or not fps or fps <= info.fps * 1.01:
+        return None
+    rate = f"is read as {info.fps:g} fps (a folder of frames)" if item.image_path.is_dir() else f"runs at {info.fps:g} fps"
+    return (f"clip '{item.image_path}' {rate}, below data.fps = {fps:g}: its frames repeat (each about "
+            f"{fps / info.fps:.2g} times), so it trains as slow motion; set data.fps = {info.fps:g} or lower, or 0 "
+            f"for its own frames one after another")
+
+
+def _what(items: list[dataset.Item]) -> str:
+    """What a count of `items` counts: images, clips, or both."""
+    kinds = {it.is_clip for it in items}
+    return "clips" if kinds == {True} else "images and clips" if len(kinds) == 2 else "images"
+
+
 def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[int, int]:
     """(width, height) of an image from its header; of a clip from its container, whose frame count and
-    rate go to `clips`. A clip too short for its dataset's data.frames at data.fps, or one for a family that
-    trains on images, is a BadClip naming it."""
+    rate go to `clips` (a clip already there, from the cache's manifest, is not probed again). A clip too short
+    for its dataset's data.frames at data.fps, or one for a family that trains on images, is a BadClip naming
+    it: a cached clip too, when data.frames or data.fps changed since."""
     from stages.families import get_family
 
     if not item.is_clip:
@@ -194,7 +218,7 @@ def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[in
         raise video.BadClip(f"clip '{item.image_path}': {cfg.family} trains on images, not clips; train a video "
                             f"family (wan2.2-5b), or {video.BAD_CLIP_HINT}")
     d = cfg.dataset_configs()[item.dataset]
-    info = video.probe(item.image_path)
+    info = clips.get(item.latent_key) or video.probe(item.image_path)  # a cached clip's probe is in its manifest
     problem = video.too_short(item.image_path, info, d.frames, d.fps)
     if problem:
         raise video.BadClip(problem)
@@ -514,7 +538,8 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
     from stages.core.gpu_busy import GpuBusy
 
     with GpuBusy(rt.device) as busy:  # the GPU's utilization over the encode loop (None off CUDA)
-        pace = encode_units(ctx, NAME, "images", todo, encode_image, size=lambda unit: 1,
+        unit = _what([it for it, _, _ in plan.values()])  # the progress bar counts "images", "clips" or both
+        pace = encode_units(ctx, NAME, unit, todo, encode_image, size=lambda unit: 1,
                             needs_store=lambda unit: stores[unit[0]] is None, reopen=reopen,
                             done_before=len(plan) - len(todo), total=len(plan), prepare=read_image,
                             shard_of=lambda unit: (unit[0], rows[unit[0]][unit[1]] // per_shard[unit[0]]), flush=flush)

@@ -347,7 +347,8 @@ def cached_variant(run_dir: Path, item: str, variant: int, control: int | None =
             "logvar": store.read(f"{field}logvar", (row, variant)), "control": control,
             "crop_top_left": store.read("crop_top_left", (row, variant)).tolist(),
             "flip": bool(store.read("flip", (row, variant))), "original_size": store.read("original_size", row).tolist(),
-            "family": manifest["family"]}
+            "family": manifest["family"], "clip": where.get("clip"),
+            "start_frame": int(store.read("start_frame", (row, variant))) if "start_frame" in store.fields else None}
 
 
 def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, seed: int = 0,
@@ -363,6 +364,7 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
     from stages.families import library_notices
     from stages.families import get_family
 
+    check_decode_out(out)
     quiet_libraries(notices=library_notices())  # loads the VAE as a stage does: no library notices
     info = cached_variant(cfg.run_dir, item, variant, control)
     z = torch.from_numpy(info["mean"].astype(np.float32))[None]
@@ -383,14 +385,26 @@ def decode(cfg: Any, item: str, variant: int, out: Path, sample: bool = False, s
     frames = pixels[0].transpose(0, 1) if clip else (pixels.squeeze(2) if video else pixels)  # (F, 3, H, W)
     images = [Image.fromarray(((f.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy())
               for f in frames]
+    # A clip plays at the rate it trains at: data.fps, else (0) the clip's own rate.
+    fps = cfg.data.fps if cfg.data.fps > 0 else (info["clip"][1] if info.get("clip") else 8.0)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _save_frames(images, out)
-    meta = {k: info[k] for k in ("image_id", "bucket", "control", "crop_top_left", "flip", "original_size")}
+    _save_frames(images, out, fps)
+    meta = {k: info[k] for k in ("image_id", "bucket", "control", "crop_top_left", "flip", "original_size", "start_frame")}
     return out, {**meta, "variant": variant, "latent_shape": list(info["mean"].shape), "sampled": sample,
-                 "size": list(images[0].size), "frames": len(images)}
+                 "size": list(images[0].size), "frames": len(images), **({"fps": fps} if len(images) > 1 else {})}
 
 
-def _save_frames(images: list[Any], out: Path) -> None:
+def check_decode_out(out: Path) -> None:
+    """Refuse an --out that no writer takes, before the VAE loads."""
+    from PIL import Image
+
+    suffix = out.suffix.lower()
+    if suffix != ".mp4" and suffix not in Image.registered_extensions():
+        raise UserError(f"--out '{out}': cannot write a '{suffix or 'suffixless'}' file; name a .png (a clip's frames "
+                        f"side by side), .webp or .gif (animated) or .mp4")
+
+
+def _save_frames(images: list[Any], out: Path, fps: float = 8.0) -> None:
     """One decoded image as PNG (or whatever `out` names); a clip's frames as an animation when `out` ends in
     .webp or .gif, an mp4 when .mp4 (PyAV), else side by side in one image."""
     from PIL import Image
@@ -399,9 +413,9 @@ def _save_frames(images: list[Any], out: Path) -> None:
 
     suffix = out.suffix.lower()
     if len(images) > 1 and suffix in (".webp", ".gif"):
-        return video.write_animation(out, images, 8.0)
-    if len(images) > 1 and suffix == ".mp4":
-        if not video.write_mp4(out, images, 8.0):
+        return video.write_animation(out, images, fps)
+    if suffix == ".mp4":  # a still as a 1-frame clip
+        if not video.write_mp4(out, images, fps):
             raise UserError(f"this PyAV build has no H.264 or MPEG-4 encoder to write '{out}': use --out with .webp or .png")
         return None
     w, h = images[0].size

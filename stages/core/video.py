@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,21 @@ def frame_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in FRAME_EXTS and p.is_file())
 
 
+def missing_frame(frames: list[Path]) -> str | None:
+    """The first absent frame's name in a folder of frames numbered one after another (`0000.png`,
+    `frame_7.png`...: a common prefix, then a number), or None when none is absent or the names are not
+    numbered that way."""
+    numbered = [re.fullmatch(r"(.*?)(\d+)", p.stem) for p in frames]
+    if len(frames) < 2 or not all(numbered) or len({m.group(1) for m in numbered}) > 1:
+        return None
+    numbers = sorted(int(m.group(2)) for m in numbered)
+    for a, b in zip(numbers, numbers[1:]):
+        if b > a + 1:
+            m, width = numbered[0], len(numbered[0].group(2))
+            return f"{m.group(1)}{a + 1:0{width}d}{frames[0].suffix}"
+    return None
+
+
 def probe(path: Path) -> ClipInfo:
     """A clip's size, frame count and rate from its headers (a video stream's declared count, else its
     duration x rate; a folder: its first frame's size and its frame count). Raises BadClip."""
@@ -56,6 +72,11 @@ def probe(path: Path) -> ClipInfo:
         frames = frame_files(path)
         if not frames:
             raise BadClip(f"clip folder '{path}' holds no frames ({', '.join(FRAME_EXTS)}): add its frames or remove it")
+        gap = missing_frame(frames)
+        if gap:
+            raise BadClip(f"clip folder '{path}' is missing frame {gap} (its frames are numbered and one is absent, "
+                          f"so the clip would jump there): add the frame or renumber the frames after it, "
+                          f"{BAD_CLIP_HINT.replace('replace or remove the clip', 'or remove the folder')}")
         return ClipInfo(*image_size(frames[0]), len(frames), FOLDER_FPS)
     with _open(path) as container:
         stream = container.streams.video[0]
@@ -108,8 +129,8 @@ def too_short(path: Path, info: ClipInfo, frames: int, fps: float) -> str | None
     if info.frames >= need:
         return None
     rate = f" at data.fps = {fps:g} (the clip runs at {info.fps:g} fps)" if fps > 0 else ""
-    return (f"clip '{path}' has {info.frames} frames but data.frames = {frames}{rate} needs {need}: lower data.frames "
-            f"or data.fps, or {BAD_CLIP_HINT}")
+    return (f"clip '{path}' has {info.frames} frames but data.frames = {frames}{rate} needs {need}: lower data.frames"
+            f"{' or data.fps' if fps > 0 else ''}, or {BAD_CLIP_HINT}")
 
 
 def start_frames(seed: int, clip_id: str, info: ClipInfo, frames: int, fps: float, n: int) -> list[int]:

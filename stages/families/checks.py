@@ -55,8 +55,8 @@ def flow_only_defaults(cfg: Any, why: str) -> list[str]:
 
 
 def clip_frames(cfg: Any, per_latent: int, vae: str) -> list[str]:
-    """Each dataset's data.frames must be k x per_latent + 1: a causal video VAE encodes the first frame alone,
-    then per_latent frames into each latent frame."""
+    """Each dataset's data.frames, and sample.frames where set, must be k x per_latent + 1: a causal video VAE
+    encodes the first frame alone, then per_latent frames into each latent frame."""
     errors = []
     for i, data in enumerate(cfg.dataset_configs()):
         if data.frames % per_latent != 1:
@@ -64,4 +64,9 @@ def clip_frames(cfg: Any, per_latent: int, vae: str) -> list[str]:
             low = (data.frames - 1) // per_latent * per_latent + 1
             errors.append(f"{key} = {data.frames}: {vae} takes {per_latent}k + 1 frames (the first alone, then "
                           f"{per_latent} per latent frame); set it to {low} or {low + per_latent}")
+    frames = cfg.sample.frames  # 0: data.frames; else what the pipeline would round down without a word
+    if frames and frames % per_latent != 1:
+        low = (frames - 1) // per_latent * per_latent + 1
+        errors.append(f"sample.frames = {frames}: {vae} renders {per_latent}k + 1 frames; set it to {low} or "
+                      f"{low + per_latent}, or 0 for data.frames")
     return errors

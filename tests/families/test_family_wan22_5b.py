@@ -149,6 +149,9 @@ def test_config_checks_frames_and_shift(tmp_path):
         load_config(None, {"family": "wan2.2-5b", "model": str(tmp_path), "data.frames": 32,
                            "train.dynamic_shift": True})
     assert "data.frames = 32" in str(e.value) and "33" in str(e.value) and "train.dynamic_shift" in str(e.value)
+    with pytest.raises(ConfigError, match=r"sample.frames = 6: .*set it to 5 or 9, or 0 for data.frames"):
+        load_config(None, {"family": "wan2.2-5b", "model": str(tmp_path), "sample.frames": 6})
+    assert load_config(None, {"family": "wan2.2-5b", "model": str(tmp_path), "sample.frames": 9}).sample.frames == 9
 
 
 def test_comfyui_names(wan):

@@ -98,6 +98,24 @@ def test_bad_clips_are_named_with_what_to_do(clips, tmp_path):
         video.probe(tmp_path / "nothing")
 
 
+def test_a_clip_folder_with_a_missing_frame_is_named(clips, tmp_path):
+    root = tmp_path / "gap"
+    shutil.copytree(clips / "wave", root)
+    assert video.probe(root).frames == 10
+    (root / "004.png").unlink()
+    with pytest.raises(video.BadClip, match="missing frame 004.png") as e:
+        video.probe(root)
+    assert str(root) in str(e.value) and "data.on_bad_image" in str(e.value) and "\n" not in str(e.value)
+    (root / "003.png").rename(root / "004.png")  # renumbered by hand: 000-002, then 004-009: still a gap
+    with pytest.raises(video.BadClip, match="missing frame 003.png"):
+        video.probe(root)
+    named = tmp_path / "named"
+    named.mkdir()
+    for name in ("first.png", "second.png", "third.png"):  # not numbered: read in name order, no gap to find
+        _frames(1)[0].save(named / name)
+    assert video.probe(named).frames == 3
+
+
 def test_bucket_names_carry_frames():
     assert str(Bucket(832, 480, 33)) == "832x480x33f" and str(Bucket(512, 512)) == "512x512"
     assert Bucket.parse("832x480x33f") == (832, 480, 33) and Bucket.parse("64x64") == Bucket(64, 64, 1)
@@ -161,3 +179,82 @@ def test_an_image_family_refuses_clips(clips, assets, tmp_path):
     cfg = make_cfg("chroma", assets, clips, tmp_path)
     with pytest.raises(DatasetError, match="chroma trains on images, not clips"):
         cache_latents.run(cfg)
+
+
+def test_decode_of_a_clip_plays_at_its_rate_and_refuses_unwritable_out(cached, tmp_path):
+    from PIL import Image
+
+    from stages import inspect as inspect_stage
+    from stages.core.errors import UserError
+
+    cfg, _ = cached
+    path, info = inspect_stage.decode(cfg, "walk.mp4", 1, tmp_path / "walk.gif")
+    assert info["frames"] == 5 and info["fps"] == 24.0, "data.fps = 0: the clip's own 24 fps"
+    assert 0 <= info["start_frame"] <= 12 - 5
+    with Image.open(path) as im:
+        assert im.n_frames == 5 and abs(im.info["duration"] - 1000 / 24) <= 2, "GIF keeps centiseconds"
+    path, info = inspect_stage.decode(cfg, "still.png", 0, tmp_path / "still.mp4")  # a still as a 1-frame clip
+    assert video.probe(path).frames == 1 and "fps" not in info
+    with pytest.raises(UserError, match=r"--out .*walk.txt.*\.png.*\.mp4"):
+        inspect_stage.decode(cfg, "walk.mp4", 0, tmp_path / "walk.txt")
+    assert not (tmp_path / "walk.txt").exists()
+
+
+def test_status_names_a_changed_clip_key_with_its_default(cached, tmp_path):
+    import dataclasses
+
+    from stages import cache_latents, registry
+    from stages.core.stage import staleness
+
+    cfg, _ = cached
+    cfg = dataclasses.replace(cfg, artifacts=str(tmp_path))  # a run of its own: other tests rerun the fixture's
+    cache_latents.run(cfg)
+    stage = registry.get("cache-latents")
+    assert staleness(stage, cfg) == (True, [])
+    for key, value, said in (("fps", 12.0, "data.fps: 0 -> 12"), ("frames", 9, "data.frames: 5 -> 9")):
+        ok, reasons = staleness(stage, dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **{key: value})))
+        assert not ok and reasons == [said], reasons
+
+
+def test_a_cached_clip_too_short_for_new_frames_is_named_and_the_cache_kept(cached, tmp_path):
+    import dataclasses
+
+    from stages import cache_latents
+    from stages.core.artifacts import read_manifest
+
+    cfg, _ = cached
+    shutil.copytree(cfg.run_dir, tmp_path / cfg.run)
+    cfg = dataclasses.replace(cfg, artifacts=str(tmp_path))
+    before = (cfg.run_dir / "latents.zarr" / "manifest.json").read_bytes()
+    longer = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, frames=13))  # walk has 12, wave 10
+    with pytest.raises(DatasetError) as e:
+        cache_latents.run(longer)
+    assert "walk.mp4' has 12 frames but data.frames = 13 needs 13: lower data.frames, or" in str(e.value)
+    assert "wave' has 10 frames" in str(e.value) and str(e.value).startswith("2 clips need fixing")
+    assert (cfg.run_dir / "latents.zarr" / "manifest.json").read_bytes() == before, "the 5-frame cache is kept"
+    manifest = cache_latents.run(dataclasses.replace(longer, data=dataclasses.replace(longer.data, on_bad_image="skip")))
+    assert sorted(s["item"] for s in manifest["skipped"]) == ["walk.mp4", "wave"]
+    assert not any(b.endswith("x13f") for b in manifest["buckets"]), "no clip is cached past its last frame"
+    assert read_manifest(cfg.run_dir / "latents.zarr")["items"].keys() == {"still.png"}
+
+
+def test_a_clip_slower_than_data_fps_is_warned_as_slow_motion(cached, tmp_path):
+    import dataclasses
+
+    from stages import cache_latents
+
+    cfg, _ = cached
+    cfg = dataclasses.replace(cfg, artifacts=str(tmp_path))
+
+    def warnings_of(fps: float) -> dict[str, str]:
+        run = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, fps=fps))
+        cache_latents.run(run)
+        events = [json.loads(line) for line in (run.run_dir / "events.jsonl").read_text().splitlines()]
+        start = max(k for k, e in enumerate(events) if e["event"] == "start")
+        return {e["item"]: e["message"] for e in events[start:] if e["event"] == "warning"}
+
+    assert warnings_of(24) == {}, "clips at 24 fps sampled at 24: nothing repeats"
+    slow = warnings_of(48)
+    assert sorted(slow) == ["walk.mp4", "wave"]
+    assert "walk.mp4' runs at 24 fps, below data.fps = 48: its frames repeat" in slow["walk.mp4"]
+    assert "set data.fps = 24 or lower" in slow["walk.mp4"] and "a folder of frames" in slow["wave"]
