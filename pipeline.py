@@ -290,16 +290,7 @@ def export_cmd(spec: RunSpec, fmt: str | None, verify: bool | None, checkpoint: 
 @_guarded
 def sample_cmd(spec: RunSpec, force: bool) -> None:
     """Render [sample] prompts with the base model and the LoRA (several seeds) -> samples/grid.png."""
-    from stages.core.config import command
-    from stages.core.events import EventLog
-    from stages.core.stage import staleness
-
-    cfg = _settled(spec)
-    if not force and staleness(registry.get("sample"), cfg)[0]:
-        EventLog(cfg.run_dir, cfg.run, "sample").emit("up_to_date")
-        click.echo(f"sample: up to date, skipped; `{command(cfg, 'sample', '--force')}` renders again")
-        return
-    _run_stage("sample", cfg)
+    _run_stage("sample", _settled(spec), force)
 
 
 def stage_command(name: str, args: list[str], gpus: int) -> list[str]:

@@ -410,7 +410,7 @@ def _render(cfg: Any, plan: Any, log: Any, columns: list[Column], prompts: list[
             "loaded_as": {**loaded_as, "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}}
 
 
-def run(cfg: Any) -> dict[str, Any]:
+def run(cfg: Any, force: bool = False) -> dict[str, Any]:
     from stages.core.runtime import install_model_trace, peak_vram_gb
     from stages.families import library_notices
     from stages.core.stage import running_stage
@@ -423,6 +423,12 @@ def run(cfg: Any) -> dict[str, Any]:
         (edits, prompts, targets), parts = planned, fingerprint_parts(cfg, planned)
         size = (cfg.sample.width or cfg.data.resolution, cfg.sample.height or cfg.data.resolution)
         out = artifact_dir(cfg)
+        existing = None if force else read_manifest(out)
+        if existing is not None and existing.get("fingerprint") == fingerprint(parts):
+            ctx.log.emit("up_to_date", fingerprint=existing["fingerprint"],
+                         notes=[f"the samples are rendered with these settings; `{command(cfg, NAME, '--force')}` "
+                                f"renders them again"])
+            return {**existing, "up_to_date": True}
         with atomic_dir(out) as tmp, tempfile.TemporaryDirectory(dir=cfg.run_dir) as scratch:
             columns = adapters(cfg, Path(scratch))
             done = render_planned(cfg, ctx.log, columns, prompts, size, edits, targets)
