@@ -529,9 +529,9 @@ def inspect_cmd(spec: RunSpec, as_json: bool, rows: int, item: str | None, varia
         if as_json:
             click.echo(inspect_stage.to_json(report))
         else:
-            from rich.console import Console
+            from stages.core.events import table_console
 
-            inspect_stage.render(report, Console(width=None if sys.stdout.isatty() else 160))
+            inspect_stage.render(report, table_console())
         return
     cfg = inspect_stage.run_config(run_dir, cfg)
     if cfg is None:

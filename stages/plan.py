@@ -16,9 +16,9 @@ for a GPU of that size on any machine.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
+from stages.core.events import table_console
 from stages.core.runspec import command_for
 from stages.registry import PLANNED as PLANNED_STAGES, each_expert  # sample's plan: the whole pipeline, to render
 SCHEMA_VERSION = 1
@@ -74,7 +74,6 @@ def _settings_text(settings: dict[str, Any]) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from stages.core import memory
@@ -88,7 +87,7 @@ def print_table(result: dict[str, Any]) -> None:
     for p in result["stages"]:
         table.add_row(p["stage"], _settings_text(p["settings"]), f"{p['predicted_peak_gb']:.2f}",
                       f"{p['predicted_total_gb']:.2f}", "yes" if p["fits"] else "[red]no[/red]")
-    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: no column cut at 80
+    console = table_console()
     console.print(table)
     for p in result["stages"]:
         if p["note"]:
@@ -105,7 +104,6 @@ def print_table(result: dict[str, Any]) -> None:
 
 def print_cpu_table(result: dict[str, Any]) -> None:
     """The stages' settings where they run on the CPU: no GPU budget, nothing to plan."""
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"run '{result['run']}' ({result['family']}) runs on the CPU: no GPU budget, each stage "
@@ -116,7 +114,7 @@ def print_cpu_table(result: dict[str, Any]) -> None:
         shown = {k: ("fp32" if k.endswith("precision") and v == "auto" else v) for k, v in p["settings"].items()
                  if v is not None}
         table.add_row(p["stage"], _settings_text(shown))
-    console = Console(width=None if sys.stdout.isatty() else 160)  # piped: no column cut at 80
+    console = table_console()
     console.print(table)
     console.print(f"For a GPU's plans give its memory: `{command_for(None, 'plan', '--vram', '12')}`.")
 

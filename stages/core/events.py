@@ -303,6 +303,16 @@ def stderr_console() -> Any:
     return _CONSOLE
 
 
+def table_console() -> Any:
+    """A rich console on stdout for the tables commands print (`plan`, `inspect`): the terminal's width, or 160
+    columns where the output is piped, so that a table's columns are not cut at rich's default 80."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "events.jsonl"
     if not path.exists():
