@@ -87,7 +87,7 @@ def _signature(st: os.stat_result) -> list[int]:
 
 
 def _file_id(path: Path) -> str:
-    if path.is_dir():  # a clip as a folder of frames: its frames' names and bytes, in name order
+    if path.is_dir():  # a clip as a folder of frames: its frames' names and bytes, in frame order
         from stages.core.video import frame_files
 
         digest = hashlib.sha256()

@@ -1,6 +1,6 @@
 """Video clips as training items: probing, frame sampling and decoding. No torch needed.
 
-A clip is a video file (VIDEO_EXTS, decoded with PyAV) or a folder of frames (images, in name order)
+A clip is a video file (VIDEO_EXTS, decoded with PyAV) or a folder of frames (images, in number order)
 with a caption beside it (`walk.mp4` + `walk.txt`, or `walk/` + `walk.txt`). A clip trains on
 `data.frames` frames taken `data.fps` apart (0: the clip's own frames, one after another), from a start
 frame each cached variant draws (variant 0 starts at the first frame). A clip shorter than that span is
@@ -44,8 +44,16 @@ def is_clip(path: Path) -> bool:
 
 
 def frame_files(folder: Path) -> list[Path]:
-    """The frames of a folder clip, sorted by name."""
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in FRAME_EXTS and p.is_file())
+    """The frames of a folder clip in natural order: the numbers in their names compared as numbers, so
+    unpadded `1.png, 2.png, 10.png` keep that order (by name, 10 would come before 2)."""
+    return sorted((p for p in folder.iterdir() if p.suffix.lower() in FRAME_EXTS and p.is_file()), key=natural_key)
+
+
+def natural_key(path: Path) -> tuple[list[Any], str]:
+    """Sort key of a name with its digit runs as numbers (`frame_2` before `frame_10`); the whole name breaks
+    ties (`01.png`, `1.png`). re.split with a group alternates text and digits, so like compares with like."""
+    parts = re.split(r"(\d+)", path.name)
+    return [int(t) if i % 2 else t for i, t in enumerate(parts)], path.name
 
 
 def missing_frame(frames: list[Path]) -> str | None:

@@ -4,7 +4,8 @@
 
 - a folder of mp4 clips, folders of frames and stills scans into one item each (the frames of a clip folder
   are not items), also through metadata.jsonl; a clip folder's id changes with any frame;
-- frame sampling: the span at data.fps, seeded start offsets per variant, decoded frames in order;
+- frame sampling: the span at data.fps, seeded start offsets per variant, decoded frames in order; a folder's
+  frames in number order (`2.png` before `10.png`);
 - too-short, empty and corrupt clips get one line naming the file and what to do; "skip" skips them;
 - cache-latents buckets clips by (width, height, frames) apart from the stills, stores the Wan VAE's
   5-D posterior per variant with its start frame, and a new clip is the only one encoded on a rerun.
@@ -114,6 +115,20 @@ def test_a_clip_folder_with_a_missing_frame_is_named(clips, tmp_path):
     for name in ("first.png", "second.png", "third.png"):  # not numbered: read in name order, no gap to find
         _frames(1)[0].save(named / name)
     assert video.probe(named).frames == 3
+
+
+def test_unpadded_frame_numbers_play_in_number_order(tmp_path):
+    """1.png ... 12.png read as 1, 2, ..., 10, 11, 12 (by name: 1, 10, 11, 12, 2, ...); a gap is still named."""
+    root = tmp_path / "unpadded"
+    root.mkdir()
+    for k, im in enumerate(_frames(12), start=1):
+        im.save(root / f"{k}.png")
+    assert [p.stem for p in video.frame_files(root)] == [str(k) for k in range(1, 13)]
+    brightness = [float(np.asarray(f).mean()) for f in video.read_frames(root, list(range(12)))]
+    assert brightness == sorted(brightness), "frame k + 1 is brighter than frame k"
+    (root / "7.png").unlink()
+    with pytest.raises(video.BadClip, match="missing frame 7.png"):
+        video.probe(root)
 
 
 def test_bucket_names_carry_frames():
