@@ -465,14 +465,13 @@ def _wrap(draw: Any, text: str, font: Any, width: int) -> list[str]:
 
 
 CLIP_GRID, CLIP_VIDEO = "grid.webp", "grid.mp4"
-CLIP_FPS = 8.0  # the tiny demo's few frames stay visible; a real run's clips play at data.fps where it is set
 
 
 def draw_outputs(cfg: Any, labels: list[str], rows: list[tuple[str, int]], cells: list[list[Any]],
                  out: Path) -> tuple[tuple[int, int], list[str]]:
     """The grid's files in `out` -> (grid.png's size, their names). Images: grid.png. Clips (cells of frame
     lists): grid.png of each clip's middle frame, the whole grid animated as grid.webp (Pillow), and as
-    grid.mp4 where PyAV has an H.264 or MPEG-4 encoder."""
+    grid.mp4 where PyAV has an H.264 or MPEG-4 encoder, both at `clip_fps`."""
     from stages.core import video
 
     if not isinstance(cells[0][0], list):
@@ -480,9 +479,18 @@ def draw_outputs(cfg: Any, labels: list[str], rows: list[tuple[str, int]], cells
     n = len(cells[0][0])
     size = draw_grid(labels, rows, [[clip[n // 2] for clip in column] for column in cells], out / GRID)
     frames = [compose_grid(labels, rows, [[clip[k] for clip in column] for column in cells]) for k in range(n)]
-    fps = cfg.dataset_configs()[0].fps or CLIP_FPS
+    fps = clip_fps(cfg)
     video.write_animation(out / CLIP_GRID, frames, fps)
     return size, [GRID, CLIP_GRID] + ([CLIP_VIDEO] if video.write_mp4(out / CLIP_VIDEO, frames, fps) else [])
+
+
+def clip_fps(cfg: Any) -> float:
+    """The rate the sample clips play at: data.fps, the rate the LoRA trained at; at 0 (each clip's own frames)
+    the rate the family's model generates at (`frame_rate`: Wan 2.2 TI2V-5B and LTX-2 24, T2V-A14B 16), at
+    which the base model's clips play at real speed."""
+    from stages.families import get_family
+
+    return cfg.dataset_configs()[0].fps or get_family(cfg.family).frame_rate
 
 
 def draw_grid(labels: list[str], rows: list[tuple[str, int]], cells: list[list[Any]], out: Path) -> tuple[int, int]:

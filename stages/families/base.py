@@ -162,6 +162,9 @@ class FamilyTraits:
     trains_video: bool = False
     """The family trains on clips (data.frames frames each) and on images; False: a clip in its dataset is a
     bad input, named. Its latents are (C, frames', h, w) and its loss takes x0 (B, C, frames', h, w)."""
+    frame_rate: float = 0.0
+    """Frames per second of the clips the model generates (video families): what sample's grid of clips plays
+    at where data.fps = 0, so that it plays at real speed."""
     frames_per_latent: int = 1
     """Frames each latent frame after the first holds (the causal VAE's temporal downsampling; Wan: 4), so
     data.frames must be k x this + 1; the planners count (frames - 1) / this + 1 latent frames."""

@@ -161,7 +161,8 @@ def grid_cell(grid: Image.Image, column: int, row: int, scale: int) -> np.ndarra
 
 def test_sample_grid_base_checkpoints_and_lora(run_copy):
     """Columns base | checkpoints | LoRA (edit families: control | base | ...); the base column is
-    exactly what the family's pipeline renders for the same prompt, seed (and control images)."""
+    exactly what the family's pipeline renders for the same prompt, seed (and control images). A video
+    family's animated grid plays at the rate its model generates (the demos' data.fps = 0: the clips' own)."""
     import contextlib
 
     import diffusers
@@ -199,6 +200,15 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     assert np.array_equal(grid_cell(grid, base_col, 1, scale), np.asarray(direct.convert("RGB")))  # the base column is the base model (Qwen-Image 2.1 returns RGBA)
     base, lora = grid_cell(grid, base_col, 0, scale), grid_cell(grid, cols - 1, 0, scale)
     assert np.abs(base.astype(int) - lora.astype(int)).max() > 0  # the LoRA changes the image
+    if family.trains_video:  # Wan 2.2's sample_fps (TI2V-5B 24, T2V-A14B 16), LTX2Pipeline's frame_rate
+        from stages.core import video
+
+        rate = {"wan2.2-5b": 24, "wan2.2-14b": 16, "ltx2": 24}[cfg.family]
+        with Image.open(cfg.run_dir / "samples" / sample.CLIP_GRID) as animated:
+            animated.load()  # WebP reads a frame's duration with the frame
+            assert animated.n_frames == sample.sample_frames(cfg) and animated.info["duration"] == round(1000 / rate)
+        if sample.CLIP_VIDEO in manifest["files"]:
+            assert video.probe(cfg.run_dir / "samples" / sample.CLIP_VIDEO).fps == rate
 
     events = [e for e in read_events(cfg.run_dir) if e["stage"] == "sample"]
     assert [e["event"] for e in events if e["event"] in ("sample", "done")] == ["sample", "done"]

@@ -105,6 +105,7 @@ class LTX2(ChannelNormalized, FamilyTraits):
     comfyui_layout = COMFYUI_LAYOUT
     vae_downsample = 32
     trains_video = True
+    frame_rate = FRAME_RATE
     frames_per_latent = FRAMES_PER_LATENT
     vae_frames_in_flight = 257  # the encoder takes the whole clip at once (no framewise cache): every frame, to 257
     pixels_per_token = 32  # the VAE's 32 px a latent cell, patch 1

@@ -53,6 +53,7 @@ class Wan22_14B(WanBase):
     expand_timesteps = False  # the release's model_index.json: one timestep per sample
     denoiser_components = ("transformer", "transformer_2")  # train loads one at a time; the pipeline (sample) both
     experts = EXPERTS
+    frame_rate = 16.0  # Wan 2.2's wan/configs/shared_config.py: sample_fps = 16 (WanPipeline's example exports at 16)
     pixels_per_token = 16  # the Wan 2.1 VAE's 8 px a latent cell, then the transformer's 2x2 patches
     vae_downsample = 8
 

@@ -12,6 +12,7 @@ class Wan22_5B(WanBase):
     name = "wan2.2-5b"
     title = "Wan 2.2 TI2V-5B"
     expand_timesteps = True
+    frame_rate = 24.0  # Wan 2.2's wan/configs/wan_ti2v_5B.py: sample_fps = 24
     pixels_per_token = 32  # the VAE's 16 px a latent cell, then the transformer's 2x2 patches
     outside_rows_per_token = 8.0  # timestep_proj (6 rows), temb and time_embedder's hidden, fp32, per latent token
     # fitted to the H200 row at 640 px and 33 frames (nf4, every block checkpointed): its eager step worked in 1.86 GB
