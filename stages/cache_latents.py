@@ -198,10 +198,10 @@ def _slow_motion(cfg: Any, item: dataset.Item, info: ClipInfo | None) -> str | N
             f"for its own frames one after another")
 
 
-def _what(items: list[dataset.Item]) -> str:
-    """What a count of `items` counts: images, clips, or both."""
+def _what(items: list[dataset.Item], both: str = "images and clips") -> str:
+    """What a count of `items` counts: images, clips, or `both` (a pace reads better as "items/s")."""
     kinds = {it.is_clip for it in items}
-    return "clips" if kinds == {True} else "images and clips" if len(kinds) == 2 else "images"
+    return "clips" if kinds == {True} else both if len(kinds) == 2 else "images"
 
 
 def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[int, int]:
@@ -337,7 +337,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
                           clips, planned)
         _tidy(out, by_bucket)  # after the manifest: the one it replaced may still have used those buckets
         ctx.log.emit("done", seconds=ctx.elapsed(), encoded=n_encoded, total=len(plan), skipped=len(skipped),
-                     **_pace(encoded["pace"]))
+                     unit=_what([it for it, _, _ in plan.values()], "items"), **_pace(encoded["pace"]))
         return manifest
 
 

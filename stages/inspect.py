@@ -209,6 +209,7 @@ def latents_section(run_dir: Path, limit: int) -> dict[str, Any]:
         weights = np.array([m.size for m in means], dtype=np.float64)
         stats = {k: np.average(np.array([p[k] for p in pooled]), axis=0, weights=weights).round(4).tolist() for k in pooled[0]}
     return {"present": True, "complete": True, "family": manifest["family"], "images": len(index),
+            "clips": sum("clip" in entry for entry in index.values()),  # of `images`: the contents that are clips
             "items": len(manifest["items"]), "variants": manifest["variants"],
             "variants_of": manifest.get("variants_of", {}), "buckets": buckets,
             "normalization": manifest["normalization"], "channel_stats": stats,
@@ -514,9 +515,11 @@ def _render_latents(lat: dict[str, Any], console: Any) -> None:
         console.print(f"latents.zarr: [yellow]missing or incomplete[/yellow] ({lat.get('hint')})")
         return
     fewer = Counter(lat.get("variants_of", {}).values())
-    each = f"{lat['variants']} variants each" + "".join(f" ({n} images cache {k}: their dataset's cache_variants)"
+    clips, stills = lat["clips"], lat["images"] - lat["clips"]
+    contents = ", ".join(f"{n} {noun}{'s' * (n != 1)}" for n, noun in ((clips, "clip"), (stills, "image")) if n) or "0 images"
+    each = f"{lat['variants']} variants each" + "".join(f" ({n} of them cache {k}: their dataset's cache_variants)"
                                                         for k, n in sorted(fewer.items()))
-    console.print(f"latents.zarr: {lat['images']} images, {lat['items']} items, {each}, "
+    console.print(f"latents.zarr: {contents}, {lat['items']} items, {each}, "
                   f"{len(lat['skipped'])} skipped, {len(lat['duplicates'])} duplicated, {_mb(lat['bytes_on_disk'])}; "
                   f"normalization {lat['normalization']}")
     with_controls = any(b.get("controls") for b in lat["buckets"].values())

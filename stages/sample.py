@@ -283,6 +283,13 @@ def render_column(pipe: Any, cfg: Any, prompts: list[str], size: tuple[int, int]
     return images
 
 
+def rendered_unit(cfg: Any) -> str:
+    """What sample renders, as its progress and summary count them: "clips" for a video family, else "images"."""
+    from stages.families import get_family
+
+    return "clips" if get_family(cfg.family).trains_video else "images"
+
+
 def sample_frames(cfg: Any) -> int:
     """Frames of each sample clip (video families): sample.frames, else the first dataset's data.frames."""
     return cfg.sample.frames or cfg.dataset_configs()[0].frames
@@ -332,7 +339,7 @@ def render_columns(pipe: Any, cfg: Any, columns: list[Column], prompts: list[str
 
     labels, cells = ["base"], []
     record = decoded_latents(pipe.vae) if controls is not None else contextlib.nullcontext([])
-    with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), "images") as bar, \
+    with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), rendered_unit(cfg)) as bar, \
             record as decoded:
         cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
         for i, (label, files) in enumerate(columns):
@@ -445,6 +452,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
                                       peak_vram_gb=peak_vram_gb(rt), **scores)
         rendered = [label for label in labels if label != "control"]  # an edit grid's first column is the input
         ctx.log.emit("done", seconds=ctx.elapsed(), images=len(rows) * len(rendered), files=[str(out / f) for f in files],
+                     unit=rendered_unit(cfg),
                      **{k: v for k, v in scores.items() if k == "edit_closer_percent"})
         return manifest
 

@@ -63,7 +63,7 @@ EVENT_SCHEMA: dict[str, dict[str, Any]] = {
     "done": {"required": {"seconds": "number"}, "extra": True,
              "optional": {"encoded": "integer", "total": "integer", "skipped": "integer", "step": "integer",
                           "loss_first": ["number", "null"], "loss_last": ["number", "null"], "files": "array",
-                          "images": "integer", "notes": "array"}},
+                          "images": "integer", "unit": "string", "notes": "array"}},
     "up_to_date": {"required": {}, "optional": {"fingerprint": "string", "notes": "array", "expert": "string"}},
     "error": {"required": {"message": "string"},
               "optional": {"item": ["string", "null"], "type": "string", "rank": "integer"}},
@@ -226,10 +226,10 @@ def _is_user_error(name: str | None) -> bool:
 
 
 def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[str]:
-    parts = []
+    parts, unit = [], done.get("unit", "images")  # what `images` and the encode pace count: images, clips or items
     if "total" in done:
         gpu = f", GPU busy {done['gpu_busy']:.0%}" if isinstance(done.get("gpu_busy"), float) else ""
-        pace = (f" ({done['images_per_second']:.3g} images/s, encoder busy {done['encoder_busy']:.0%}{gpu})"
+        pace = (f" ({done['images_per_second']:.3g} {unit}/s, encoder busy {done['encoder_busy']:.0%}{gpu})"
                 if isinstance(done.get("images_per_second"), float) and isinstance(done.get("encoder_busy"), float) else "")
         parts.append(f"{done.get('encoded', 0)} of {done['total']} encoded this run{pace}")
     if done.get("skipped"):
@@ -240,7 +240,7 @@ def _summary_parts(done: dict[str, Any], warnings: int, run_dir: Path) -> list[s
         whose = f"{done['expert']} expert: " if "expert" in done else ""
         parts.append(f"{whose}step {done['step']}{loss}")
     if "images" in done:
-        parts.append(_count(done["images"], "image"))
+        parts.append(_count(done["images"], unit.removesuffix("s")))
     if isinstance(done.get("edit_closer_percent"), (int, float)):
         parts.append(f"LoRA output {done['edit_closer_percent']:+.1f}% closer to the edit targets than the base's")
     if gpu := _gpu_part(done):

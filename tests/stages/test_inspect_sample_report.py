@@ -23,7 +23,7 @@ from stages.core.artifacts import RowStore, atomic_write_json, read_json, read_m
 from stages.core.config import SampleConfig
 from stages.core.schema import Bucket
 from stages.core.dataset import scan
-from stages.core.events import read_events, validate_event
+from stages.core.events import read_events, terminal_line, validate_event
 from stages.core.caches import export_dir, lora_dir
 from stages.families import get_family
 
@@ -162,7 +162,8 @@ def grid_cell(grid: Image.Image, column: int, row: int, scale: int) -> np.ndarra
 def test_sample_grid_base_checkpoints_and_lora(run_copy):
     """Columns base | checkpoints | LoRA (edit families: control | base | ...); the base column is
     exactly what the family's pipeline renders for the same prompt, seed (and control images). A video
-    family's animated grid plays at the rate its model generates (the demos' data.fps = 0: the clips' own)."""
+    family's animated grid plays at the rate its model generates (the demos' data.fps = 0: the clips' own),
+    and the summary counts clips."""
     import contextlib
 
     import diffusers
@@ -213,6 +214,8 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     events = [e for e in read_events(cfg.run_dir) if e["stage"] == "sample"]
     assert [e["event"] for e in events if e["event"] in ("sample", "done")] == ["sample", "done"]
     assert all(validate_event(e) == [] for e in events)
+    done = next(e for e in events if e["event"] == "done")  # its summary line counts clips for a video family
+    assert f": {done['images']} {'clip' if family.trains_video else 'image'}s;" in terminal_line(done, 0, cfg.run_dir)[0]
     assert staleness(registry.get("sample"), cfg)[0]
     ok, reasons = staleness(registry.get("sample"), dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, seeds=[7])))
     assert not ok and "seeds" in reasons[0]

@@ -166,6 +166,32 @@ def test_cache_latents_buckets_clips_by_frames(cached):
     assert RowStore.open(cfg.run_dir / "latents.zarr" / still["bucket"]).read_row(still["row"])["mean"].shape[2] == 1
 
 
+def test_cache_latents_summary_counts_clips_not_images(cached, clips, assets, tmp_path):
+    """The done line's pace names what it encoded: clips, or items for clips and stills together; inspect counts
+    clips as clips."""
+    from rich.console import Console
+
+    from conftest import make_cfg
+    from stages import cache_latents
+    from stages import inspect as inspect_stage
+    from stages.core.events import read_events, terminal_line
+
+    def summary(cfg) -> str:
+        done = next(e for e in read_events(cfg.run_dir) if e["stage"] == "cache-latents" and e["event"] == "done")
+        return terminal_line(done, 0, cfg.run_dir)[0]
+
+    mixed, _ = cached
+    assert " items/s" in summary(mixed) and "images" not in summary(mixed)
+    root = tmp_path / "only-clips"
+    shutil.copytree(clips, root, ignore=shutil.ignore_patterns("still.*"))
+    cfg = make_cfg("wan2.2-5b", assets, root, tmp_path / "runs", **{"data.frames": 5, "data.resolution": 48})
+    cache_latents.run(cfg)
+    assert " clips/s" in summary(cfg) and "images" not in summary(cfg)
+    console = Console(record=True, width=200)
+    inspect_stage._render_latents(inspect_stage.latents_section(cfg.run_dir, 0), console)
+    assert "latents.zarr: 2 clips, 2 items," in console.export_text()
+
+
 def test_a_new_clip_alone_is_encoded_and_short_ones_follow_on_bad_image(cached, clips, tmp_path):
     import dataclasses
 
