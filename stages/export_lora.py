@@ -14,7 +14,7 @@ unless forced. A file of another format the folder holds (an earlier `--format k
 it is of the same adapter; once the adapter changed, the export removes it and names the command that
 writes it again. `--ema` exports the EMA of the adapter weights (train.ema_decay > 0) in the same
 files instead. A two-expert family's adapter lora/<expert>/
-exports to export/<expert>/ (its ComfyUI file named for the expert); train.expert = "both" exports each.
+exports to export/<expert>/ (its ComfyUI and kohya files named for the expert); train.expert = "both" exports each.
 """
 
 from __future__ import annotations
@@ -71,11 +71,11 @@ def asked_formats(cfg: Any) -> set[str]:
 def file_format(name: str) -> str:
     """The format of an export file, by its name."""
     from stages.core.caches import COMFYUI_SUFFIX
-    from stages.core.kohya import KOHYA_FILE, LYCORIS_FILE
+    from stages.core.kohya import is_kohya_file
 
     if name.endswith(COMFYUI_SUFFIX):
         return "comfyui"
-    return "kohya" if name in (KOHYA_FILE, LYCORIS_FILE) else "diffusers"
+    return "kohya" if is_kohya_file(name) else "diffusers"
 
 
 def held_files(out: Path, manifest: dict[str, Any]) -> dict[str, str]:
@@ -237,7 +237,7 @@ def write_export(cfg: Any, folder: Path, manifest: dict[str, Any], parts: dict[s
         from stages.core.kohya import write_kohya, write_lycoris
 
         writer = write_lycoris if kind in LYCORIS_ONLY else write_kohya
-        files.append(writer(state, lora_cfg, manifest, tmp, family.kohya_layout, src))
+        files.append(writer(state, lora_cfg, manifest, tmp, family.kohya_layout, src, family.file_tag(cfg.train)))
     checks = verify(cfg, folder, manifest, files) if cfg.export.verify else {}
     if cfg.export.format == "kohya" and not cfg.export.verify:  # say whether the kohya file also suits ComfyUI
         from stages.core.comfyui_file import TrainedDeltas

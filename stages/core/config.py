@@ -304,7 +304,8 @@ class ValidationConfig:
 @dataclass
 class ExportConfig:
     format: Literal["diffusers", "kohya"] = "diffusers"
-    """kohya also writes lora_kohya.safetensors (LoKr/LoHa: lora_lycoris.safetensors) for sd-scripts-style tools."""
+    """kohya also writes lora_kohya.safetensors (LoKr/LoHa: lora_lycoris.safetensors; a Wan 2.2 A14B expert's is named
+    for it: lora_high_noise_kohya.safetensors) for sd-scripts-style tools."""
     comfyui: bool = True
     """Also write <run>_comfyui.safetensors, the file to load in ComfyUI (LoKr/LoHa: always written)."""
     verify: bool = False

@@ -33,6 +33,19 @@ KOHYA_FILE = "lora_kohya.safetensors"
 PREFIX = "lora_unet_"
 
 
+def kohya_file_name(tag: str = "", lycoris: bool = False) -> str:
+    """`lora_kohya.safetensors` (LoKr, LoHa: `lora_lycoris.safetensors`); a family's `file_tag` goes before the
+    format, as in the ComfyUI file's name (`lora_high_noise_kohya.safetensors`), so that the two Wan 2.2 A14B
+    experts' files stay apart once copied into one folder."""
+    name = LYCORIS_FILE if lycoris else KOHYA_FILE
+    return name.replace("lora_", f"lora_{tag}_", 1) if tag else name
+
+
+def is_kohya_file(name: str) -> bool:
+    """Whether an export file is the kohya or LyCORIS copy, by its name (with or without a family's tag)."""
+    return name.startswith("lora_") and name.endswith(("_kohya.safetensors", "_lycoris.safetensors"))
+
+
 class KohyaError(UserError, ValueError):
     """The adapter cannot be written in kohya format; the message says why and what to change."""
 
@@ -180,14 +193,14 @@ def _fused_widths(layout: Layout, src: Any, denoiser: str) -> dict[str, int]:
 
 
 def write_kohya(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], manifest: dict[str, Any], out_dir: Path,
-                layout: Layout, src: Any) -> Path:
-    """Write export/lora_kohya.safetensors beside the diffusers file; returns its path. `layout` is the
-    family's (`family.kohya_layout`), `src` the ModelSource of the base model (model + revision of the
-    config), whose denoiser config.json sizes untrained members of fused layers."""
+                layout: Layout, src: Any, tag: str = "") -> Path:
+    """Write export/lora_kohya.safetensors beside the diffusers file (`tag`: the family's file tag, in its name);
+    returns its path. `layout` is the family's (`family.kohya_layout`), `src` the ModelSource of the base model
+    (model + revision of the config), whose denoiser config.json sizes untrained members of fused layers."""
     from safetensors.torch import save_file
 
     tensors, sources = kohya_state(state, lora_cfg, layout, _fused_widths(layout, src, manifest["lora_prefix"]))
-    path = out_dir / KOHYA_FILE
+    path = out_dir / kohya_file_name(tag)
     save_file(tensors, str(path), metadata=kohya_metadata(lora_cfg, manifest, len(sources)))
     return path
 
@@ -300,8 +313,8 @@ def lycoris_state(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], layo
 
 
 def write_lycoris(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], manifest: dict[str, Any], out_dir: Path,
-                  layout: Layout, src: Any) -> Path:
-    """Write export/lora_lycoris.safetensors (LoKr/LoHa in LyCORIS keys, kohya module names)."""
+                  layout: Layout, src: Any, tag: str = "") -> Path:
+    """Write export/lora_lycoris.safetensors (LoKr/LoHa in LyCORIS keys, kohya module names; `tag` as write_kohya's)."""
     from safetensors.torch import save_file
 
     kind = str(lora_cfg.get("peft_type", "")).lower()
@@ -310,6 +323,6 @@ def write_lycoris(state: dict[str, torch.Tensor], lora_cfg: dict[str, Any], mani
                 "ss_network_dim": str(lora_cfg.get("r")), "ss_network_alpha": str(lora_cfg.get("r")),
                 "lorapipe_trained_alpha": str(lora_cfg.get("alpha")), "lorapipe_family": str(manifest.get("family")),
                 "lorapipe_pipeline_class": manifest["pipeline_class"], "lorapipe_modules": str(len(sources))}
-    path = out_dir / LYCORIS_FILE
+    path = out_dir / kohya_file_name(tag, lycoris=True)
     save_file(tensors, str(path), metadata=metadata)
     return path

@@ -199,7 +199,7 @@ def verify_export(cfg: Any, manifest: dict[str, Any], files: list[Path], state: 
     ComfyUI's key map. VerifyError on any file that would not apply the trained delta in its reader;
     returns a summary per file, with a one-line note where one is due."""
     from stages.core.comfyui_file import COMFYUI_SUFFIX, TrainedDeltas, base_reader
-    from stages.core.kohya import KOHYA_FILE
+    from stages.core.kohya import is_kohya_file
     from stages.core.lora import adapter_type
     from stages.core.model_source import model_source
 
@@ -214,7 +214,7 @@ def verify_export(cfg: Any, manifest: dict[str, Any], files: list[Path], state: 
         if file.name.endswith(COMFYUI_SUFFIX):
             summary[file.name] = comfy.require(file)
             continue
-        if file.name.endswith(".safetensors") and (file.name == KOHYA_FILE or trained.kind in ("lokr", "loha")):
+        if file.name.endswith(".safetensors") and (is_kohya_file(file.name) or trained.kind in ("lokr", "loha")):
             summary[file.name] = comfy.describe(file)
         if trained.kind in ("lokr", "loha"):
             continue

@@ -200,8 +200,8 @@ class FamilyTraits:
         return {}
 
     def file_tag(self, tcfg: "TrainConfig") -> str:
-        """Tag of the ComfyUI file's name where the model's denoisers load as separate models ("high_noise";
-        default "": the run's name alone)."""
+        """Tag in the ComfyUI and kohya files' names where the model's denoisers load as separate models
+        ("high_noise": `<run>_high_noise_comfyui.safetensors`, `lora_high_noise_kohya.safetensors`; default "")."""
         return ""
 
     # ---- controls: edit families (min >= 1) and those with optional references (min 0)

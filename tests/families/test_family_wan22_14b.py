@@ -16,7 +16,9 @@
 - train.expert = "both": one run trains high's adapter then low's (lora/high/, lora/low/), each on its own sigmas,
   stops and resumes in the low phase, skips a finished expert, equals single-expert runs (high -> "both" trains
   low alone; "low" finds it up to date); its export writes each expert's files, which load in WanPipeline with
-  every key and the trained delta on the right expert, and `sample` puts each LoRA on its own expert.
+  every key and the trained delta on the right expert, and `sample` puts each LoRA on its own expert; its kohya
+  files are named for their expert (`lora_high_noise_kohya.safetensors`), which the export's up-to-date check and
+  removal of a replaced adapter's files find.
 """
 
 from __future__ import annotations
@@ -355,6 +357,43 @@ def test_both_run_exports_each_expert_and_samples_each_lora_on_its_own(built_run
     for unit in units:  # the final column is the active one: each expert carries its own LoRA
         got = _denoiser_output(unit, family, getattr(pipe, components[unit.train.expert]))
         torch.testing.assert_close(got, want[unit.train.expert], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("built_run", [NAME], indirect=True)
+def test_each_experts_kohya_file_is_named_for_it(built_run):
+    """--format kohya on a both-run: each expert's kohya file is named for it, as its ComfyUI file is, so the two
+    never share a name. The export's up-to-date check finds them; an export without kohya keeps them while the
+    adapter is the same, and one of a new adapter removes that expert's by name."""
+    import dataclasses
+
+    from stages import export_lora, registry, train
+    from stages.core.artifacts import read_manifest
+    from stages.core.events import read_events
+    from stages.core.stage import staleness
+
+    cfg = run_beside(built_run, "both-kohya", **{"train.expert": "both", "train.steps": 2, "runtime.checkpoint_every": 0,
+                                                "export.format": "kohya"})
+    train.run(cfg)
+    export_lora.run(cfg)
+    units = registry.each_expert(cfg)
+    kohya = {unit.train.expert: [f for f in read_manifest(export_dir(unit))["files"] if export_lora.file_format(f) == "kohya"]
+             for unit in units}
+    assert kohya == {"high": ["lora_high_noise_kohya.safetensors"], "low": ["lora_low_noise_kohya.safetensors"]}
+    assert all((export_dir(unit) / kohya[unit.train.expert][0]).is_file() for unit in units)
+    assert staleness(registry.get("export-lora"), cfg) == (True, [])
+    written = {unit.train.expert: (export_dir(unit) / "manifest.json").stat().st_mtime_ns for unit in units}
+    export_lora.run(cfg)
+    assert {u.train.expert: (export_dir(u) / "manifest.json").stat().st_mtime_ns for u in units} == written, "up to date"
+
+    low = _same_run(cfg, "low")
+    low.train.learning_rate *= 2
+    train.run(low, restart=True)  # a new low adapter; high's is the same
+    diffusers_only = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, format="diffusers"))
+    export_lora.run(diffusers_only)
+    assert (export_dir(units[0]) / kohya["high"][0]).is_file(), "kept: of the same adapter"
+    assert not (export_dir(units[1]) / kohya["low"][0]).exists(), "removed: of the adapter the export replaced"
+    warnings = [e["message"] for e in read_events(cfg.run_dir) if e["event"] == "warning"]
+    assert any(m.startswith("removed export/low/lora_low_noise_kohya.safetensors, the kohya file") for m in warnings), warnings
 
 
 def _same_run(cfg, expert: str):

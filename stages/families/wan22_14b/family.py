@@ -12,7 +12,8 @@ run of that expert alone would (stages/core/caches.py `expert_configs`), one 14B
 Export: the diffusers file has the `transformer.` keys WanPipeline writes for either expert;
 `load_lora_weights(..., load_into_transformer_2=True)` puts it on the low-noise one (WanLoraLoaderMixin),
 which `sample` does through `lora_load_kwargs`. ComfyUI loads each expert as its own model, so the ComfyUI file
-is named for its expert (`<run>_high_noise_comfyui.safetensors`, `..._low_noise_...`)."""
+is named for its expert (`<run>_high_noise_comfyui.safetensors`, `..._low_noise_...`), and so is the kohya copy
+(`lora_high_noise_kohya.safetensors`, `lora_low_noise_kohya.safetensors`)."""
 
 from __future__ import annotations
 
