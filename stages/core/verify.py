@@ -59,9 +59,9 @@ def peft_form(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
     return own
 
 
-def unreadable_layers(pipeline_cls: Any, file: Path) -> list[str]:
-    """The file's modules that the pipeline's converter fails on, each tried alone (none when the file
-    itself cannot be read)."""
+def unreadable_layers(pipeline_cls: Any, file: Path) -> tuple[list[str], int]:
+    """The file's modules that the pipeline's converter fails on, each tried alone, and how many modules the
+    file holds (none, 0 when the file itself cannot be read)."""
     from safetensors.torch import load_file
 
     from stages.core.comfyui import group_keys
@@ -69,7 +69,7 @@ def unreadable_layers(pipeline_cls: Any, file: Path) -> list[str]:
     try:
         tensors = load_file(str(file))
     except (OSError, ValueError):
-        return []
+        return [], 0
     groups, _ = group_keys(tensors)
     bad = []
     for stem, keys in sorted(groups.items()):
@@ -77,7 +77,12 @@ def unreadable_layers(pipeline_cls: Any, file: Path) -> list[str]:
             pipeline_cls.lora_state_dict({k: tensors[k] for k in keys.values()})
         except Exception:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
             bad.append(stem)
-    return bad
+    return bad, len(groups)
+
+
+def _first(names: list[str], n: int = 3) -> str:
+    """The first `n` names, and how many more (a message names a few of a model's hundreds of layers)."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def _param_name(key: str, adapter: str) -> str:
@@ -107,11 +112,10 @@ def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str
     try:
         state, alphas, metadata = pipeline_state_dict(pipeline_cls, file)
     except Exception as e:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
-        bad = unreadable_layers(pipeline_cls, file)
-        trained = sorted({m for layer in bad for m in (origin or {}).get(layer, [])})
-        named = (f"the layers it cannot read: {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}"
-                 + (f" (train.target_modules matched {', '.join(trained[:6])})" if trained else "")) if bad \
-            else _what_failed(e)
+        bad, total = unreadable_layers(pipeline_cls, file)
+        trained = list(dict.fromkeys(m for layer in bad for m in (origin or {}).get(layer, [])))  # in `bad`'s order
+        named = (f"{len(bad)} of its {total} layers fail when read alone: {_first(bad)}"
+                 + (f" (trained as {_first(trained)})" if trained else "")) if bad else _what_failed(e)
         raise VerifyError(f"{file.name}: {pipeline_cls.__name__}.lora_state_dict cannot read it; {named}. Drop "
                           f"those layers from train.target_modules for a kohya file diffusers reads, or use the "
                           f"*_comfyui.safetensors file in ComfyUI (README, 'Using your LoRA')") from e
