@@ -4,7 +4,7 @@
 # Here first: `bash ../shared/device/wheels.sh`; carry `.whl` (and `.carry-peers` for the peers suites).
 # Results come back in $OUT/results/<suite>/<row key>.json, and a failed row's log in $OUT/logs/: copy the
 # results into bench/results/<suite>/ (a newer file of a row replaces the older), then `python bench/bench.py report --write /tmp/RESULTS.md`.
-# `python bench/run.py --list` shows every suite's rows and commands.
+# `python bench/run.py --list <suite> [--only GLOB] [--missing]` shows the rows and commands such a call would run.
 set -eu
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD

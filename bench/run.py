@@ -202,11 +202,14 @@ def selected(suite: str, rows: list[Row], only: list[str], missing: bool, result
     return [r for r in rows if not (missing and done(suite, r.key, results))]
 
 
-def listing(names: list[str]) -> str:
+def listing(names: list[str], only: list[str] = [], missing: bool = False, results: Path = RECORD) -> str:
+    """The rows and commands that a run of `names` with the same --only and --missing would start."""
     lines = []
     for name in names:
+        rows = selected(name, SUITES[name], only, missing, results)
+        if not rows:
+            continue
         lines.append(f"{name}:")
-        rows = SUITES[name]
         for _, group in groupby(rows, key=call_of):
             group = list(group)
             cmd, env = command(group, Path("$OUT/row.json"), 540)
@@ -219,7 +222,7 @@ def listing(names: list[str]) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("suites", nargs="*", help=f"of: {', '.join(SUITES)}")
-    ap.add_argument("--list", action="store_true", help="print the suites' rows and commands; run nothing")
+    ap.add_argument("--list", action="store_true", help="print the rows and commands the call would run (after --only and --missing); run nothing")
     ap.add_argument("--only", action="append", default=[], help="row keys matching this glob only (repeatable)")
     ap.add_argument("--missing", action="store_true", help="only rows with no measurement in bench/results")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no call after this many seconds")
@@ -232,11 +235,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         raise SystemExit(f"unknown suite(s) {unknown}; known: {', '.join(SUITES)}")
-    if args.list or not args.suites:
-        print(listing(args.suites or list(SUITES)))
-        return
     out = os.environ.get("OUT")
     results = Path(args.results) if args.results else Path(out) / "results" if out else RECORD
+    if args.list or not args.suites:
+        print(listing(args.suites or list(SUITES), args.only, args.missing, results) or "no row matches")
+        return
     logs = Path("/tmp/lorapipe-run/logs")
     logs.mkdir(parents=True, exist_ok=True)
     failed_logs = Path(out) / "logs" if out else None

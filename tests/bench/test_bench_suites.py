@@ -171,3 +171,18 @@ def test_a_varied_captions_row_draws_captions_of_distinct_lengths_and_keys_apart
                                                              for c, r in zip(calls, rows))
     rounded = [c for c in calls if "runtime.caption_tokens_multiple=64" in c]
     assert len(rounded) == 2 and all("varied" in c for c in rounded)
+
+
+def test_list_shows_the_rows_and_commands_that_only_and_missing_select(tmp_path: Path) -> None:
+    """`run.py --list` with --only (and --missing) prints what the same call would start, so a device call can be
+    checked before it is spent."""
+    only = ["chroma.train.fp8-1024-b1", "chroma.encode.*"]
+    shown = run.listing(["chroma", "flux"], only, False, tmp_path)
+    assert shown.splitlines()[0] == "chroma:" and "flux:" not in shown
+    assert "--only chroma/train/fp8-1024-b1" in shown and "--only chroma/encode/nf4" in shown
+    assert "chroma/train/bf16-1024-b1" not in shown
+    (tmp_path / "chroma").mkdir()
+    (tmp_path / "chroma" / "chroma.encode.nf4.json").write_text(json.dumps({"items": [{"id": "chroma/encode/nf4", "status": "ok"}]}))
+    missing = run.listing(["chroma"], only, True, tmp_path)
+    assert "chroma/encode/nf4" not in missing and "--only chroma/train/fp8-1024-b1" in missing
+    assert run.listing(["chroma"], ["no-such-row"], False, tmp_path) == ""
