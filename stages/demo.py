@@ -107,8 +107,16 @@ def run_demo(family: str = "flux", steps: int | None = None) -> None:
     _pipeline("run", "--only", "sample", "--config", config, *extra)  # skipped when up to date
     cfg = load_config(config, {"train.steps": steps} if steps else None)
     _pipeline("report", cfg.run, "--artifacts", cfg.artifacts)
-    print(f"demo: sample grid (base | checkpoints | LoRA) -> {cfg.run_dir / 'samples' / 'grid.png'}")
+    print(f"demo: sample grid (base | checkpoints | LoRA) -> {shown_grid(cfg.run_dir / 'samples')}")
     closing_edit_line(cfg.run_dir / "samples")
+
+
+def shown_grid(samples: Path) -> Path:
+    """The grid to look at: a video family's animated grid.webp (its grid.png holds each clip's middle frame only),
+    else grid.png."""
+    from stages.sample import CLIP_GRID, GRID
+
+    return samples / CLIP_GRID if (samples / CLIP_GRID).exists() else samples / GRID
 
 
 def closing_edit_line(samples: Path) -> None:

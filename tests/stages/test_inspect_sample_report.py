@@ -210,6 +210,9 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
             assert animated.n_frames == sample.sample_frames(cfg) and animated.info["duration"] == round(1000 / rate)
         if sample.CLIP_VIDEO in manifest["files"]:
             assert video.probe(cfg.run_dir / "samples" / sample.CLIP_VIDEO).fps == rate
+    from stages.demo import shown_grid  # the demo's last line names the grid to open: the animated one for clips
+
+    assert shown_grid(cfg.run_dir / "samples").name == (sample.CLIP_GRID if family.trains_video else sample.GRID)
 
     events = [e for e in read_events(cfg.run_dir) if e["stage"] == "sample"]
     assert [e["event"] for e in events if e["event"] in ("sample", "done")] == ["sample", "done"]
