@@ -171,9 +171,17 @@ def test_a_stage_that_cannot_fit_a_given_cap_refuses_before_loading(flux_dev, mo
     monkeypatch.setattr(memory.planning, "_RAN", {})
     capped = dataclasses.replace(flux_dev, gpu=dataclasses.replace(flux_dev.gpu, vram_budget_gb=4.0))
     log = _Log()
-    with pytest.raises(ResourceError, match=r"train: even the smallest train plan needs .* --vram 5 or more.*nothing was loaded"):
+    with pytest.raises(ResourceError, match=r"train: even the smallest train plan needs .* --vram 5 or more.*nothing was loaded") as refused:
         memory.plan_stage(capped, get_family("flux"), "train", log)
     assert [f["fits"] for e, f in log.events if e == "plan"] == [False]  # the plan is still recorded
+    # it names only what can still go lower, with its value: batch 1 is the smallest, and auto already tried nf4
+    assert "or more, or lower data.resolution (now 1024)" in str(refused.value)
+    assert "batch_size" not in str(refused.value) and "base_precision" not in str(refused.value)
+    batch4 = dataclasses.replace(capped, train=dataclasses.replace(capped.train, batch_size=4, base_precision="bf16"))
+    with pytest.raises(ResourceError) as refused:
+        memory.plan_stage(batch4, get_family("flux"), "train", _Log())
+    assert ("set train.base_precision = 'nf4', or lower train.batch_size (now 4) or data.resolution (now 1024)"
+            in str(refused.value))
 
     _gpu(monkeypatch, free_gb=4.0)  # "auto" on a card with 4 GB free: a warning, and the stage tries
     auto = dataclasses.replace(flux_dev, gpu=dataclasses.replace(flux_dev.gpu, vram_budget_gb="auto"))
@@ -219,7 +227,7 @@ def test_out_of_memory_advice_names_what_the_planner_would_change(flux_dev, monk
     # where the planner has nothing smaller that fits, the error names what lowers memory past its plans
     monkeypatch.setattr(memory.planning, "oom_advice", lambda *a: None)
     fallback = str(memory.translate_oom(torch.cuda.OutOfMemoryError("out of memory"), cfg, "encode-captions"))
-    assert "the planner has no smaller plan that fits below that: lower captions.max_sequence_length" in fallback
+    assert "the planner has no smaller plan that fits below that: lower captions.max_sequence_length (now 512)" in fallback
     assert "text_encoder_precision = 'nf4'" not in fallback
 
 
@@ -358,3 +366,18 @@ def test_the_video_vaes_measured_encodes_are_predicted_from_above():
                 ratios[f"{family.name}@{side}/{mode}"] = predicted / entry[f"peak_gb_{mode}"]
     assert len(ratios) == 18, sorted(ratios)
     assert all(1.0 <= x <= 1.5 for x in ratios.values()), {k: round(v, 2) for k, v in ratios.items()}
+
+
+def test_what_lowers_a_stages_memory_names_only_the_settings_that_can_still_go_lower():
+    """A video family's clips lower every stage's memory by their frames as well as their size; a setting at its
+    smallest useful value is not named."""
+    from stages.core.config import load_config
+    from stages.core.memory.stage_plan import data_sides
+
+    wan = get_family("wan2.2-5b")
+    cfg = load_config(str(ROOT / "configs" / "wan2.2-5b.toml"), {"data.frames": 33, "data.resolution": 640})
+    assert data_sides(cfg, wan) == "lower data.resolution (now 640) or data.frames (now 33)"
+    cfg = load_config(str(ROOT / "configs" / "wan2.2-5b.toml"), {"data.frames": 5, "data.resolution": 256})
+    assert data_sides(cfg, wan) == ""
+    flux = load_config(str(ROOT / "configs" / "flux-dev.toml"), {"data.resolution": 512})
+    assert data_sides(flux, get_family("flux")) == "lower data.resolution (now 512)"  # an image family has no frames

@@ -8,7 +8,7 @@ from typing import Any
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import meta_component, planned_frames, weight_bytes
-from stages.core.memory.stage_plan import Planner, StagePlan, fitting
+from stages.core.memory.stage_plan import Planner, StagePlan, data_sides, fitting
 
 
 def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
@@ -33,7 +33,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         work += images * resolution * resolution * 3 * frames * (4 + size) if frames > 1 else 0
         candidates.append(({"vae_precision": precision, "sliced": sliced, "tiled": tiled},
                            (weight_bytes(vae, precision) + work) / cal.GB))
-    return fitting(budget, candidates, "cache-latents", "lower data.resolution")
+    return fitting(budget, candidates, "cache-latents", data_sides(cfg, family))
 
 
 def tile_pixels(vae: Any) -> int | None:
@@ -75,4 +75,4 @@ PLANNER = Planner(
     configured=lambda cfg: {"vae_precision": cfg.latents.vae_precision, "sliced": False, "tiled": False},
     apply=lambda cfg, s: dataclasses.replace(cfg, latents=dataclasses.replace(cfg.latents, vae_precision=s["vae_precision"])),
     to_change="latents.vae_precision = 'bf16' or data.resolution", under_train_peak=True, forced_only=_forced_only,
-    keys={"vae_precision": "latents.vae_precision"}, last_resort="data.resolution")
+    keys={"vae_precision": "latents.vae_precision"}, last_resort=data_sides)

@@ -243,8 +243,10 @@ def translate_oom(error: BaseException, cfg: Any, stage: str) -> ResourceError |
             advice = None
         planner = PLANNERS[stage]
         ran_with = ", ".join(f"{k}={v}" for k, v in ran.settings.items() if k not in ("blocks", "layers"))
-        advice = advice or (f"the planner has no smaller plan that fits below that: lower "
-                            f"{planner.last_resort or planner.to_change}")
+        smaller = planner.last_resort(cfg, family) if family is not None else ""
+        advice = advice or (f"the planner has no smaller plan that fits below that: {smaller}" if smaller else
+                            "the planner has no smaller plan that fits below that, and no setting that lowers it "
+                            "can go lower: give it a larger --vram")
         return ResourceError(f"{stage} ran out of GPU memory (budget {budget_text}, peak reached {peak:.2f} GB reserved, "
                              f"planned {ran_with}): {advice}{'; ' + planner.oom_also if planner.oom_also else ''}; {kept}")
     to_change = PLANNERS[stage].to_change if stage in PLANNERS else "the batch size"

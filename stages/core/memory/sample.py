@@ -70,4 +70,5 @@ PLANNER = Planner(
     apply=lambda cfg, s: dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, precision=s["precision"],
                                                                              cpu_offload=s["cpu_offload"])),
     to_change="sample.width and sample.height, or set sample.precision = 'nf4' and sample.cpu_offload = true",
-    keys={"precision": "sample.precision", "cpu_offload": "sample.cpu_offload"}, last_resort="sample.width and sample.height")
+    keys={"precision": "sample.precision", "cpu_offload": "sample.cpu_offload"},
+    last_resort=lambda cfg, family: "lower sample.width and sample.height")

@@ -55,12 +55,31 @@ class Planner:
     the others (swapped or checkpointed blocks, an offload share) only a budget sets."""
     oom_also: str = ""
     """A cause of running out of memory the plan does not size, said after the advice ("" for none)."""
-    last_resort: str = ""
-    """What lowers the stage's memory below its smallest plan, for the out-of-memory advice ("": `to_change`)."""
+    last_resort: Callable[[Any, Any], str] = lambda cfg, family: ""
+    """(cfg, family) -> what lowers the stage's memory below its smallest plan, naming only the settings that can
+    still change, with their values (`changeable`), for the out-of-memory advice ("": none is left)."""
+
+
+def changeable(*settings: tuple[str, Any, bool]) -> str:
+    """"lower train.batch_size (now 4) or data.resolution (now 1024)": each (key, value, whether a lower value is
+    allowed and lowers the memory), the ones that can still change; "" when none can."""
+    named = [f"{key} (now {value})" for key, value, lowers in settings if lowers]
+    return f"lower {' or '.join(named)}" if named else ""
+
+
+def data_sides(cfg: Any, family: Any) -> str:
+    """The data settings that lower every stage's memory where they can go lower: data.resolution, and a video
+    family's data.frames (`changeable`)."""
+    data = cfg.dataset_configs()
+    side, frames = max(d.resolution for d in data), max(d.frames for d in data)
+    step = max(1, family.frames_per_latent)
+    return changeable(("data.resolution", side, side > 256),
+                      ("data.frames", frames, family.trains_video and frames > step + 1))
 
 
 def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:
-    """The first candidate (settings, peak GB) that fits, else the smallest one, marked as not fitting."""
+    """The first candidate (settings, peak GB) that fits, else the smallest one, marked as not fitting, with a note
+    of the --vram that fits it, and `need` (what else lowers the memory; "" for nothing)."""
     tried = [{**s, "predicted_peak_gb": p} for s, p in candidates]
     for settings, peak in candidates:
         if budget.gb is None or peak * cal.FRAGMENTATION <= budget.gb:
@@ -70,7 +89,7 @@ def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stag
     need_gb = budget.total_gb(peak) if cap else peak * cal.FRAGMENTATION
     context = f" with the {budget.context_gb:.1f} GB CUDA context" if cap and budget.context_gb else ""
     note = (f"even the smallest {stage} plan needs {need_gb:.1f} GB{context}, more than the {budget.vram_gb:.1f} GB "
-            f"budget: give it --vram {math.ceil(budget.total_gb(peak))} or more, or {need}")
+            f"budget: give it --vram {math.ceil(budget.total_gb(peak))} or more{', or ' + need if need else ''}")
     return StagePlan(stage, budget, settings, peak, False, note, tried)
 
 

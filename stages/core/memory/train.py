@@ -13,7 +13,7 @@ from stages.core.memory.budget import Budget
 from stages.core.memory.adapter import adapter_memory
 from stages.core.memory.sizes import (_width, fp8_nf4_weight_bytes, meta_component, planned_frames, sample_tokens,
                                        weight_bytes)
-from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
+from stages.core.memory.stage_plan import Planner, StagePlan, changeable, data_sides, fitting, planned_controls
 from stages.core.memory.train_options import graphs_mode, train_options, with_fp8_nf4, with_graph_room
 
 
@@ -147,7 +147,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         if swapped and layout != "last":
             settings["swap_layout"] = layout
         candidates.append((settings, peak / cal.GB))
-    plan = fitting(budget, candidates, "train", "lower data.resolution or train.batch_size")
+    plan = fitting(budget, candidates, "train", _smaller(cfg, family))
     grads_gb = adapter.grads_bytes / cal.GB  # the adapter's fp32 gradients: a step allocates them anew
     for tried in plan.tried:
         tried["activations_gb"] = round(activations(tried["checkpointed_blocks"], tried["swapped_blocks"]) / cal.GB, 6)
@@ -210,6 +210,16 @@ def _apply(cfg: Any, s: dict[str, Any]) -> Any:
                                runtime=dataclasses.replace(cfg.runtime, gradient_checkpointing=s["gradient_checkpointing"]))
 
 
+def _smaller(cfg: Any, family: Any) -> str:
+    """What lowers train's memory below every plan it tried: an nf4 base where another is set, then the batch
+    size, resolution and frames that can still go lower, with their values ("" when none can)."""
+    nf4 = "" if cfg.train.base_precision in ("auto", "nf4") else "set train.base_precision = 'nf4'"
+    sides = data_sides(cfg, family)
+    batch = changeable(("train.batch_size", cfg.train.batch_size, cfg.train.batch_size > 1))
+    lower = " or ".join(x.removeprefix("lower ") for x in (batch, sides) if x)
+    return ", or ".join(x for x in (nf4, f"lower {lower}" if lower else "") if x)
+
+
 PLANNER = Planner(
     "train", plan,
     # "auto" without a budget: every block checkpointed (None: all of them)
@@ -221,4 +231,4 @@ PLANNER = Planner(
                "capturing a graph takes memory of its own)"),
     keys={"base_precision": "train.base_precision", "gradient_checkpointing": "runtime.gradient_checkpointing"},
     oom_also="if it ran out while capturing CUDA graphs, runtime.cuda_graphs = 'off' leaves their memory free",
-    last_resort="train.batch_size or data.resolution")
+    last_resort=_smaller)
