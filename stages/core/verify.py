@@ -59,9 +59,13 @@ def peft_form(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
     return own
 
 
-def unreadable_layers(pipeline_cls: Any, file: Path) -> tuple[list[str], int]:
-    """The file's modules that the pipeline's converter fails on, each tried alone, and how many modules the
-    file holds (none, 0 when the file itself cannot be read)."""
+def unreadable_layers(pipeline_cls: Any, file: Path) -> tuple[list[str], int, bool]:
+    """The file's modules that the pipeline's converter fails on, how many modules the file holds (0 when the
+    file itself cannot be read), and whether they were found alone. Each module is tried alone first. Where every
+    one fails alone (a converter that reads whole blocks, as Wan's), each kind of module (its name with the block
+    numbers left out) is left out of the file in turn: the kinds without which the rest reads are the ones named."""
+    import re
+
     from safetensors.torch import load_file
 
     from stages.core.comfyui import group_keys
@@ -69,15 +73,26 @@ def unreadable_layers(pipeline_cls: Any, file: Path) -> tuple[list[str], int]:
     try:
         tensors = load_file(str(file))
     except (OSError, ValueError):
-        return [], 0
+        return [], 0, True
     groups, _ = group_keys(tensors)
-    bad = []
-    for stem, keys in sorted(groups.items()):
+
+    def reads(stems: list[str]) -> bool:
         try:
-            pipeline_cls.lora_state_dict({k: tensors[k] for k in keys.values()})
+            pipeline_cls.lora_state_dict({k: tensors[k] for stem in stems for k in groups[stem].values()})
         except Exception:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
-            bad.append(stem)
-    return bad, len(groups)
+            return False
+        return True
+
+    stems = sorted(groups)
+    bad = [stem for stem in stems if not reads([stem])]
+    if len(bad) < len(stems) or len(stems) < 2:
+        return bad, len(stems), True
+    kinds: dict[str, list[str]] = {}
+    for stem in stems:
+        kinds.setdefault(re.sub(r"_\d+(?=_|$)", "_N", stem), []).append(stem)
+    culprits = [stem for kind in kinds.values() if len(kind) < len(stems)
+                and reads([x for x in stems if x not in kind]) for stem in kind]
+    return (culprits, len(stems), False) if culprits else (bad, len(stems), True)
 
 
 def _first(names: list[str], n: int = 3) -> str:
@@ -112,9 +127,11 @@ def load_into(model: torch.nn.Module, pipeline_cls: Any, file: Path, prefix: str
     try:
         state, alphas, metadata = pipeline_state_dict(pipeline_cls, file)
     except Exception as e:  # noqa: BLE001 - the converters raise ValueError, AssertionError, KeyError
-        bad, total = unreadable_layers(pipeline_cls, file)
+        bad, total, alone = unreadable_layers(pipeline_cls, file)
         trained = list(dict.fromkeys(m for layer in bad for m in (origin or {}).get(layer, [])))  # in `bad`'s order
-        named = (f"{len(bad)} of its {total} layers fail when read alone: {_first(bad)}"
+        found = (f"{len(bad)} of its {total} layers fail when read alone" if alone else
+                 f"it reads without {len(bad)} of its {total} layers")
+        named = (f"{found}: {_first(bad)}"
                  + (f" (trained as {_first(trained)})" if trained else "")) if bad else _what_failed(e)
         raise VerifyError(f"{file.name}: {pipeline_cls.__name__}.lora_state_dict cannot read it; {named}. Drop "
                           f"those layers from train.target_modules for a kohya file diffusers reads, or use the "
