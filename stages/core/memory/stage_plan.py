@@ -67,14 +67,18 @@ def changeable(*settings: tuple[str, Any, bool]) -> str:
     return f"lower {' or '.join(named)}" if named else ""
 
 
-def data_sides(cfg: Any, family: Any) -> str:
-    """The data settings that lower every stage's memory where they can go lower: data.resolution, and a video
-    family's data.frames (`changeable`)."""
+def data_settings(cfg: Any, family: Any) -> list[tuple[str, Any, bool]]:
+    """The data settings that lower every stage's memory, as `changeable` takes them: data.resolution, and a video
+    family's data.frames."""
     data = cfg.dataset_configs()
     side, frames = max(d.resolution for d in data), max(d.frames for d in data)
     step = max(1, family.frames_per_latent)
-    return changeable(("data.resolution", side, side > 256),
-                      ("data.frames", frames, family.trains_video and frames > step + 1))
+    return [("data.resolution", side, side > 256), ("data.frames", frames, family.trains_video and frames > step + 1)]
+
+
+def data_sides(cfg: Any, family: Any) -> str:
+    """`changeable` of the data settings alone (`data_settings`)."""
+    return changeable(*data_settings(cfg, family))
 
 
 def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stage: str, need: str) -> StagePlan:
