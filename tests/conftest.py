@@ -284,9 +284,15 @@ def losses_and_lora(trainer, steps: int = 6):
     import torch
 
     losses = torch.tensor([trainer.step()[0] for _ in range(steps)], dtype=torch.float64)
-    weights = torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(trainer.model.state_dict().items())
-                         if "lora" in k])
-    return losses, weights
+    return losses, lora_vector(trainer)
+
+
+def lora_vector(trainer):
+    """A set-up Trainer's LoRA weights as one float64 CPU vector, in key order."""
+    import torch
+
+    return torch.cat([v.detach().double().flatten().cpu() for k, v in sorted(trainer.model.state_dict().items())
+                      if "lora" in k])
 
 
 def run_beside(built, name: str, **overrides):

@@ -47,7 +47,7 @@ WARMUP_ITERS = 1  # one forward+backward on a side stream before capture (lazy i
 # capture (its own pool) nor the cap can take them back, so a capture can need up to twice the step's
 # activations (the likely reason Z-Image's capture at a 4 GB cap ran out of memory). The eager step
 # before the capture (CAPTURE_AT) ran the same shapes on the compute stream, and the capture empties
-# the cache first. Measured since (2026-12-02, memory-*-room-h200.json): the captures under swap took
+# the cache first. Measured (bench results memory-*-room-h200.json): the captures under swap took
 # 1.18-1.43x the eager step's activations.
 SWAP_WARMUP_ITERS = 0
 
