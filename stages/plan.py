@@ -58,10 +58,14 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
     if record:
         memory.record_plans(cfg.run_dir, stages, "planned")
     fitting = [p for p in stages if p.fits]
+    # each stage counts its own CUDA context (memory.stage_context_gb): the run's are the largest context and the
+    # smallest allocator share among them
+    allocators = [p.budget.gb for p in stages if p.budget.gb is not None]
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.vram_gb,
-            "budget_source": budget.source, "allocator_gb": budget.gb, "context_gb": budget.context_gb,
+            "budget_source": budget.source, "allocator_gb": min(allocators) if allocators else None,
+            "context_gb": max(p.budget.context_gb for p in stages),
             "fits": len(fitting) == len(stages), "peak_gb": round(max(p.predicted_peak_gb for p in stages), 3),
-            "total_gb": round(max(budget.total_gb(p.predicted_peak_gb) for p in stages), 3),
+            "total_gb": round(max(p.budget.total_gb(p.predicted_peak_gb) for p in stages), 3),
             "stages": [p.to_dict() for p in stages]}
 
 
@@ -92,12 +96,13 @@ def print_table(result: dict[str, Any]) -> None:
     for p in result["stages"]:
         if p["note"]:
             console.print(f"{p['stage']}: {p['note']}", style=None if p["fits"] else "red")
+    contexts = ", ".join(f"{p['stage']} {p['context_gb']:.2f}" for p in result["stages"])
     console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory/); "
-                  f"'with context' is the reserved peak (x {memory.FRAGMENTATION:g}) plus the {result['context_gb']:.2f} GB "
-                  "CUDA context, as nvidia-smi counts the process.")
+                  f"'with context' is the reserved peak (x {memory.FRAGMENTATION:g}) plus the stage's CUDA context "
+                  f"({contexts} GB), as nvidia-smi counts the process.")
     if result["budget_source"] == "cap":
-        console.print(f"A --vram number counts the whole process: plans fit {result['allocator_gb']:.2f} GB of torch's "
-                      f"allocator and {result['context_gb']:.2f} GB of CUDA context.")
+        console.print("A --vram number counts the whole process: each stage's plan fits torch's allocator into the "
+                      "number less that stage's CUDA context.")
     if result["budget_source"] == "cap":
         console.print(allocator_line())
 

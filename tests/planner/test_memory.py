@@ -302,8 +302,11 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
     for s in printed["stages"]:
         assert set(s) == {"stage", "budget_gb", "budget_source", "allocator_gb", "context_gb", "settings",
                           "predicted_peak_gb", "predicted_total_gb", "fits", "note"}
-        assert s["predicted_total_gb"] == pytest.approx(s["predicted_peak_gb"] * memory.FRAGMENTATION + memory.CUDA_CONTEXT_GB,
+        # each stage counts its own context: the cache stages load fewer kernels than train
+        assert s["context_gb"] == memory.stage_context_gb(s["stage"]) and s["allocator_gb"] == max(0.5 - s["context_gb"], 0)
+        assert s["predicted_total_gb"] == pytest.approx(s["predicted_peak_gb"] * memory.FRAGMENTATION + s["context_gb"],
                                                         abs=2e-3)
+    assert {s["context_gb"] for s in printed["stages"]} == {0.70, memory.CUDA_CONTEXT_GB}
     assert printed["peak_gb"] == max(s["predicted_peak_gb"] for s in printed["stages"])
     assert printed["total_gb"] == max(s["predicted_total_gb"] for s in printed["stages"])
     with pytest.raises(ResourceError, match="--vram"):
@@ -1001,11 +1004,14 @@ def test_the_plan_table_says_what_allocator_a_capped_stage_runs(monkeypatch, cap
         monkeypatch.delenv(name, raising=False)
     assert "torch's allocator with expandable_segments:True" in allocator_line()
     for source in ("cap", "auto"):
+        stage = {"settings": {}, "predicted_peak_gb": 1.0, "predicted_total_gb": 2.0, "fits": True, "note": ""}
         print_table({"run": "r", "family": "flux", "budget_gb": 8.0, "budget_source": source, "allocator_gb": 7.1,
-                     "context_gb": 0.9, "stages": []})
+                     "context_gb": 0.9, "stages": [{**stage, "stage": "encode-captions", "context_gb": 0.7},
+                                                   {**stage, "stage": "train", "context_gb": 0.9}]})
         out = " ".join(capsys.readouterr().out.split())
         assert ("expandable_segments:True" in out) == (source == "cap")
-        assert ("plans fit 7.10 GB of torch's allocator and 0.90 GB of CUDA context" in out) == (source == "cap")
+        assert "stage's CUDA context (encode-captions 0.70, train 0.90 GB)" in out
+        assert ("each stage's plan fits torch's allocator into the number less that stage's CUDA context" in out) == (source == "cap")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:256")
     assert allocator_line() == "Under this cap the stages keep your allocator setting (PYTORCH_ALLOC_CONF=max_split_size_mb:256)."
 

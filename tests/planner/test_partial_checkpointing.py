@@ -31,7 +31,7 @@ def _budget_for(cfg, k: int) -> float:
 
 
 def _simulate_budget(monkeypatch, gb: float) -> None:
-    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(gb, "cap"))
+    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True, stage=None: memory.Budget(gb, "cap"))
 
 
 def _step(cfg, checkpointed: list) -> tuple[object, float, list[torch.Tensor]]:

@@ -83,7 +83,7 @@ def test_the_stage_loads_as_planned(cfg, monkeypatch):
     peaks = {(t["precision"], t["cpu_offload"]): t["predicted_peak_gb"] for t in _plan(cfg, 1e6).tried}
     budget = peaks[("nf4", False)] * memory.FRAGMENTATION * 1.001
     assert budget < peaks[("bf16", False)] * memory.FRAGMENTATION
-    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(budget, "cap"))
+    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True, stage=None: memory.Budget(budget, "cap"))
     log = EventLog(cfg.run_dir, cfg.run, "sample")
     with pytest.raises(ConfigError, match=r"sample.precision = 'nf4' needs a CUDA GPU"):
         sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
@@ -106,7 +106,7 @@ def test_out_of_memory_goes_on_with_the_next_smaller_plan(cfg, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(faults, "hit", oom_once)
-    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(1e6, "cap"))
+    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True, stage=None: memory.Budget(1e6, "cap"))
     log = EventLog(cfg.run_dir, cfg.run, "sample")
     done = sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
     events = read_events(cfg.run_dir)
@@ -122,7 +122,7 @@ def test_out_of_memory_goes_on_with_the_next_smaller_plan(cfg, monkeypatch):
     hits.clear()
     monkeypatch.setattr(faults, "hit", lambda point: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory")))
     smallest = min(peaks) * memory.FRAGMENTATION * 1.0001
-    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True: memory.Budget(smallest, "cap"))
+    monkeypatch.setattr(memory.budget, "resolve_budget", lambda setting, device, enforce=True, stage=None: memory.Budget(smallest, "cap"))
     with pytest.raises(torch.cuda.OutOfMemoryError):
         sample.render_planned(cfg, log, [], ["a red square"], (64, 64), None, None)
 

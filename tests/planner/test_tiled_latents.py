@@ -41,7 +41,7 @@ def gpu(monkeypatch):
     """Plan as on a GPU with `gpu["free"]` GB free; returns the dict (change it between stages)."""
     state = {"free": 1000.0}
 
-    def budget(setting, device, enforce=True):
+    def budget(setting, device, enforce=True, stage=None):
         value = memory.parse_budget(setting)
         if value == "auto":
             return memory.Budget(state["free"] - memory.AUTO_MARGIN_GB, "auto")

@@ -26,7 +26,7 @@ from stages.core.memory.calibration import (
 from stages.core.memory.budget import (
     ALLOC_CONF_VARS, CAP_ALLOC_CONF, Budget, allocator_cap_gb, allocator_for_cap, allocator_setting, allocator_summary,
     cap_budget, context_note, host_available_bytes, measure_context, parse_budget, planned_context_gb, process_total_gb,
-    resolve_budget, retries_note)
+    resolve_budget, retries_note, stage_context_gb)
 from stages.core.memory.sizes import fp8_nf4_weight_bytes, meta_component, module_components, weight_bytes
 from stages.core.memory.stage_plan import Planner, StagePlan
 from stages.core.memory import captions, latents, sample, train, train_options
@@ -55,6 +55,6 @@ __all__ = [
     "graph_room", "host_available_bytes", "host_shortfall", "latents", "load_device",
     "measure_context", "meta_component", "module_components", "offload_placement", "oom_advice", "own_settings",
     "parse_budget", "plan_captions", "plan_for", "plan_latents", "plan_sample", "plan_stage", "plan_train",
-    "RECORDED_PLANS", "plan_key", "planned_caption_precision", "recorded_plan", "planned_context_gb", "planned_vae", "plans_for_gpu", "process_total_gb",
+    "RECORDED_PLANS", "plan_key", "planned_caption_precision", "recorded_plan", "planned_context_gb", "stage_context_gb", "planned_vae", "plans_for_gpu", "process_total_gb",
     "record_plans", "resolve_budget", "retries_note", "sample", "sizes", "text_encoder_runtime", "train",
     "train_options", "translate_oom", "unplanned", "weight_bytes", "with_plan"]

@@ -2,13 +2,14 @@
 
 `gpu.vram_budget_gb`: "auto" is the free memory when the stage starts (`torch.cuda.mem_get_info`) less
 AUTO_MARGIN_GB; a number is the whole process as nvidia-smi shows it (so a big card can act as a small one):
-plans fit under it less calibration.CUDA_CONTEXT_GB (the CUDA context, which torch's allocator does not count),
+plans fit under it less their stage's CUDA context (`stage_context_gb`, which torch's allocator does not count),
 and the allocator is capped with `torch.cuda.set_per_process_memory_fraction` at it less the larger of that
 and the context this process measured. On CPU there is no budget and nothing changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,8 @@ class Budget:
     source: str
     """"auto" (the free memory), "cap" (a number of GB), "cpu"."""
     context_gb: float = 0.0
-    """The process's GPU memory outside the allocator that plans count (calibration.CUDA_CONTEXT_GB on a GPU,
-    0 in a budget made directly, as tests do): a cap's `gb` is the figure given less it."""
+    """The process's GPU memory outside the allocator that plans count (`stage_context_gb` on a GPU, 0 in a
+    budget made directly, as tests do): a cap's `gb` is the figure given less it."""
     measured_context_gb: float | None = None
     """The context this process measured when the stage started (`measure_context`); None where not measured."""
     given_gb: float | None = None
@@ -52,11 +53,29 @@ def cap_budget(vram_gb: float, context_gb: float) -> Budget:
     return Budget(max(vram_gb - context_gb, 0.0), "cap", context_gb, given_gb=vram_gb)
 
 
-def planned_context_gb() -> float:
-    """The context a stage's plan counts: calibration.CUDA_CONTEXT_GB where this process has a CUDA GPU (the
-    stage and the fingerprints it checks plan alike: a constant, never a measurement), else 0 (a GPU simulated
-    on CPU, as tests do with tiny models under sub-GB budgets)."""
-    return cal.CUDA_CONTEXT_GB if torch.cuda.is_available() else 0.0
+def stage_context_gb(stage: str | None) -> float:
+    """The CUDA context `stage`'s plans count: calibration.STAGE_CONTEXT_GB for the cache stages, else
+    calibration.CUDA_CONTEXT_GB (the denoiser stages, and a budget made for no stage in particular)."""
+    return cal.STAGE_CONTEXT_GB.get(stage or "", cal.CUDA_CONTEXT_GB)
+
+
+def planned_context_gb(stage: str | None = None) -> float:
+    """The context `stage`'s plan counts: `stage_context_gb` where this process has a CUDA GPU (the stage and the
+    fingerprints it checks plan alike: a constant, never a measurement), else 0 (a GPU simulated on CPU, as
+    tests do with tiny models under sub-GB budgets)."""
+    return stage_context_gb(stage) if torch.cuda.is_available() else 0.0
+
+
+def for_stage(budget: Budget, stage: str) -> Budget:
+    """`budget` as `stage` plans it: one that counts a CUDA context counts that stage's (`stage_context_gb`); a
+    cap's allocator share is the number given less it. A budget that counts none (CPU, tests) is as it was."""
+    if not budget.context_gb or budget.gb is None:
+        return budget
+    context = stage_context_gb(stage)
+    if budget.source != "cap":
+        return dataclasses.replace(budget, context_gb=context)
+    given = budget.vram_gb
+    return dataclasses.replace(budget, gb=max(given - context, 0.0), context_gb=context, given_gb=given)
 
 
 def parse_budget(value: Any) -> float | str:
@@ -130,10 +149,10 @@ def retries_note(retries: int, steps: int, budget: Budget) -> str | None:
             f"(gpu.vram_budget_gb) lets the plan keep more memory to spare")
 
 
-def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> Budget:
-    """The stage's budget on `device` (CUDA starts here), with the context measured before anything is
+def resolve_budget(setting: Any, device: torch.device, enforce: bool = True, stage: str | None = None) -> Budget:
+    """`stage`'s budget on `device` (CUDA starts here), with the context measured before anything is
     allocated; a number is also enforced as the allocator's cap: the number less the larger of the measured
-    context and the planned one (the context grows as cuBLAS and kernels load)."""
+    context and the stage's planned one (the context grows as cuBLAS and kernels load)."""
     if device.type != "cuda":
         return Budget(None, "cpu")
     value = parse_budget(setting)
@@ -142,8 +161,8 @@ def resolve_budget(setting: Any, device: torch.device, enforce: bool = True) -> 
     if measured is not None:
         _START_CONTEXT_GB[:] = [measured]
     if value == "auto":
-        return Budget(round(max(free / cal.GB - cal.AUTO_MARGIN_GB, 0.0), 3), "auto", cal.CUDA_CONTEXT_GB, measured)
-    budget = cap_budget(float(value), cal.CUDA_CONTEXT_GB)
+        return Budget(round(max(free / cal.GB - cal.AUTO_MARGIN_GB, 0.0), 3), "auto", stage_context_gb(stage), measured)
+    budget = cap_budget(float(value), stage_context_gb(stage))
     budget.measured_context_gb = measured
     if enforce:
         if allocator_cap_gb(budget) <= 0:
@@ -169,7 +188,7 @@ def context_note(budget: Budget) -> str | None:
     if budget.source != "cap" or measured is None or measured <= budget.context_gb + 0.05:
         return None
     return (f"this process's CUDA context takes {measured:.2f} GB of the GPU, more than the {budget.context_gb:.2f} GB "
-            f"the memory plan counts (calibration.CUDA_CONTEXT_GB): the allocator is capped at "
+            f"the memory plan counts for this stage (stages/core/memory/calibration.py): the allocator is capped at "
             f"{allocator_cap_gb(budget):.2f} GB, below the {budget.gb:.2f} GB the plan fits; give --vram "
             f"{budget.vram_gb + measured - budget.context_gb:.2f} (gpu.vram_budget_gb) for the plan's own room")
 

@@ -9,12 +9,14 @@ GB = 2**30
 # "auto" budget: left free for the CUDA context's growth and other processes' jitter.
 AUTO_MARGIN_GB = 0.75
 # A process's GPU memory outside torch's caching allocator (the CUDA context, cuBLAS/cuDNN handles, loaded kernels),
-# which nvidia-smi counts and set_per_process_memory_fraction does not: NVML's per-process figure at each stage's
-# peak on the H200 (torch 2.11 cu130) was 0.66-0.67 GB in encode-captions and cache-latents and 0.80-0.81 GB in
-# train (bench/results/budget-grid/memory.flux-1024-6gb-*.json, bench/results/optimizers/). A numeric --vram is
-# the whole process: plans fit under it less this (the top of that range, rounded up), so a fingerprint never
-# depends on a measurement.
-CUDA_CONTEXT_GB = 0.82
+# which nvidia-smi counts and set_per_process_memory_fraction does not. NVML's per-process figure at each stage's
+# peak on the H200 (torch 2.11 cu130) was 0.61-0.67 GB in encode-captions and cache-latents (text encoders, VAEs)
+# and 0.73-0.84 GB in train, whose compiled kernels and CUDA graphs load more (bench/results/budget-grid/,
+# bench/results/<family>/memory.*.json, bench/results/qwen-image-edit-2511/). A numeric --vram is the whole
+# process: a stage's plan fits under it less its stage's figure (the top of its range, rounded up), so a
+# fingerprint never depends on a measurement. CUDA_CONTEXT_GB is the denoiser stages' (train, sample).
+CUDA_CONTEXT_GB = 0.85
+STAGE_CONTEXT_GB = {"encode-captions": 0.70, "cache-latents": 0.70}
 # Reserved over allocated memory: FLUX nf4 train 9.00/8.10 = 1.11, fp32 VAE 3.90/3.36 = 1.16 (bench/results/memory-flux-h200.json).
 FRAGMENTATION = 1.12
 # An nf4 weight: 4-bit codes plus one 8-bit absmax per 64 weights (double quantization).

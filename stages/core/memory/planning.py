@@ -31,9 +31,9 @@ def plan_for(cfg: Any, family: Any, src: Any, budget: Budget, stage: str) -> Sta
     """The stage's plan. Under "auto" a stage declared `under_train_peak` plans for the train stage's
     predicted peak when it is below the free memory, so it never sets the run's memory: the one rule that
     looks across stages."""
-    planner = PLANNERS[stage]
+    planner, budget = PLANNERS[stage], budgets.for_stage(budget, stage)
     if budget.source == "auto" and planner.under_train_peak:
-        peak = PLANNERS["train"].plan(cfg, family, src, budget)
+        peak = PLANNERS["train"].plan(cfg, family, src, budgets.for_stage(budget, "train"))
         if peak.fits and peak.predicted_peak_gb * cal.FRAGMENTATION < budget.gb:
             plan = planner.plan(cfg, family, src, Budget(round(peak.predicted_peak_gb * cal.FRAGMENTATION, 3), "auto"))
             if plan.fits and not planner.forced_only(cfg, plan):
@@ -104,7 +104,7 @@ def own_settings(cfg: Any, family: Any, stage: str) -> dict[str, Any] | None:
         return recorded["settings"]  # `status` and the up-to-date checks: no model built on the meta device
     value = parse_budget(cfg.gpu.vram_budget_gb)
     budget = (Budget(math.inf, "auto") if value == "auto"
-              else budgets.cap_budget(float(value), budgets.planned_context_gb()))
+              else budgets.cap_budget(float(value), budgets.planned_context_gb(stage)))
     return PLANNERS[stage].plan(cfg, family, model_source(cfg), budget).settings
 
 
@@ -195,7 +195,7 @@ def plan_stage(cfg: Any, family: Any, stage: str, log: Any, below_gb: float | No
     from stages.core.model_source import model_source
     from stages.core.runtime import pick_device
 
-    budget = budgets.resolve_budget(cfg.gpu.vram_budget_gb, pick_device(cfg.device))
+    budget = budgets.resolve_budget(cfg.gpu.vram_budget_gb, pick_device(cfg.device), stage=stage)
     if below_gb is not None and budget.gb is not None:
         budget = dataclasses.replace(budget, gb=min(budget.gb, below_gb), given_gb=None)
     src = model_source(cfg)
