@@ -189,8 +189,8 @@ SUITES: dict[str, list[Row]] = {
     "qwen-image-2.1": short_family("qwen-image-2.1"),
     "flux-kontext": short_family("flux-kontext"),
     "qwen-image-edit": short_family("qwen-image-edit"),
-    "qwen-image-edit-2511": short_family("qwen-image-edit-2511"),
-    "chroma": short_family("chroma"),
+    "qwen-image-edit-2511": [*short_family("qwen-image-edit-2511"), *memory_grid("qwen-image-edit-2511", 1024, ("16",))],
+    "chroma": [*short_family("chroma"), *memory_grid("chroma", 1024, ("16",))],
     "ernie-image": [*short_family("ernie-image", ALL), *memory_grid("ernie-image", 1024, ("16",))],
     # HiDream-I1: every base at 1024 px (the size it renders at), the nf4 512 px run its export check reads, 16 GB
     "hidream-i1": [*stages("hidream-i1", "encode/nf4", "latents/512", "latents/1024"), train("hidream-i1", "nf4", 512, 1),
