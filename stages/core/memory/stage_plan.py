@@ -91,7 +91,7 @@ def fitting(budget: Budget, candidates: list[tuple[dict[str, Any], float]], stag
     settings, peak = min(candidates, key=lambda c: c[1])
     cap = budget.source == "cap"  # a cap counts the process's context too; "auto" measured the free memory beside it
     need_gb = budget.total_gb(peak) if cap else peak * cal.FRAGMENTATION
-    context = f" with the {budget.context_gb:.1f} GB CUDA context" if cap and budget.context_gb else ""
+    context = f" with the {budget.context_gb:.2f} GB CUDA context" if cap and budget.context_gb else ""
     note = (f"even the smallest {stage} plan needs {need_gb:.1f} GB{context}, more than the {budget.vram_gb:.1f} GB "
             f"budget: give it --vram {math.ceil(budget.total_gb(peak))} or more{', or ' + need if need else ''}")
     return StagePlan(stage, budget, settings, peak, False, note, tried)
