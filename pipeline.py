@@ -337,7 +337,7 @@ def _run_stages(spec: RunSpec, cfg: Any, only: tuple[str, ...], force: bool, gpu
     from stages.core.proc import call_child
     from stages.core.stage import staleness
 
-    for name in only or registry.REQUIRED + (registry.OPTIONAL if cfg.sample.after_train else ()):
+    for name in only or registry.run_stages(cfg):
         stage = registry.get(name)
         ok, reasons = staleness(stage, cfg)
         if ok and not force:
@@ -595,11 +595,16 @@ def report_cmd(spec: RunSpec, out: str | None, smooth: float, as_json: bool) -> 
 @_guarded
 def plan_cmd(spec: RunSpec, vram: str | None, as_json: bool) -> None:
     """Show each GPU stage's memory plan (precision, batch, tiling, offload, block swap) without loading weights.
-    Exits 2 when a stage cannot fit the budget (the JSON's `fits` says which), 0 when all fit."""
+    Exits 2 when a stage that `lorapipe run` runs cannot fit the budget (the JSON's `fits`; each stage's `fits`
+    and `in_run` say which), 0 when they all fit. sample runs in `run` only with sample.after_train = true."""
     from stages import plan
 
     result = plan.run(_settled(spec, write=False), vram, as_json, record=True)
-    unfit = [s["stage"] for s in result["stages"] if not s["fits"]]
+    unfit = [s["stage"] for s in result["stages"] if not s["fits"] and s["in_run"]]
+    apart = [s["stage"] for s in result["stages"] if not s["fits"] and not s["in_run"]]
+    if apart:
+        click.echo(f"plan: {', '.join(apart)} cannot fit {result['budget_gb']:.2f} GB; a plain `lorapipe run` leaves it "
+                   f"out (sample.after_train = false), and `lorapipe sample` would need the --vram its note names", err=True)
     if unfit:
         click.echo(f"plan: {', '.join(unfit)} cannot fit {result['budget_gb']:.2f} GB (notes above)", err=True)
         raise SystemExit(2)

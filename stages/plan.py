@@ -20,8 +20,8 @@ from typing import Any
 
 from stages.core.events import table_console
 from stages.core.runspec import command_for
-from stages.registry import PLANNED as PLANNED_STAGES, each_expert  # sample's plan: the whole pipeline, to render
-SCHEMA_VERSION = 1
+from stages.registry import PLANNED as PLANNED_STAGES, each_expert, run_stages  # sample's plan: the whole pipeline, to render
+SCHEMA_VERSION = 2  # 2: each stage's `in_run`; `fits` counts the stages a plain `run` runs
 
 
 def _budget(value: Any, device: str) -> Any:
@@ -57,7 +57,8 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
                                              f"holding one expert with this plan", p.note]))
     if record:
         memory.record_plans(cfg.run_dir, stages, "planned")
-    fitting = [p for p in stages if p.fits]
+    in_run = set(run_stages(cfg))
+    fitting = [p for p in stages if p.fits or p.stage not in in_run]
     # each stage counts its own CUDA context (memory.stage_context_gb): the run's are the largest context and the
     # smallest allocator share among them
     allocators = [p.budget.gb for p in stages if p.budget.gb is not None]
@@ -66,7 +67,7 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
             "context_gb": max(p.budget.context_gb for p in stages),
             "fits": len(fitting) == len(stages), "peak_gb": round(max(p.predicted_peak_gb for p in stages), 3),
             "total_gb": round(max(p.budget.total_gb(p.predicted_peak_gb) for p in stages), 3),
-            "stages": [p.to_dict() for p in stages]}
+            "stages": [{**p.to_dict(), "in_run": p.stage in in_run} for p in stages]}
 
 
 def _settings_text(settings: dict[str, Any]) -> str:
@@ -90,12 +91,13 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_column(column)
     for p in result["stages"]:
         table.add_row(p["stage"], _settings_text(p["settings"]), f"{p['predicted_peak_gb']:.2f}",
-                      f"{p['predicted_total_gb']:.2f}", "yes" if p["fits"] else "[red]no[/red]")
+                      f"{p['predicted_total_gb']:.2f}",
+                      "yes" if p["fits"] else "[red]no[/red]" if p["in_run"] else "no (not in this run)")
     console = table_console()
     console.print(table)
     for p in result["stages"]:
         if p["note"]:
-            console.print(f"{p['stage']}: {p['note']}", style=None if p["fits"] else "red")
+            console.print(f"{p['stage']}: {p['note']}", style=None if p["fits"] or not p["in_run"] else "red")
     contexts = ", ".join(f"{p['stage']} {p['context_gb']:.2f}" for p in result["stages"])
     console.print("Peaks are predictions from meta-device sizes and estimated activations (stages/core/memory/); "
                   f"'with context' is the reserved peak (x {memory.FRAGMENTATION:g}) plus the stage's CUDA context "

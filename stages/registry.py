@@ -138,6 +138,12 @@ OPTIONAL = tuple(s.name for s in ALL if s.optional)
 PLANNED = tuple(s.name for s in ALL if s.planned)
 
 
+def run_stages(cfg: Any) -> tuple[str, ...]:
+    """The stages a plain `lorapipe run` of `cfg` runs, in order: the required ones, and sample where
+    sample.after_train asks for it."""
+    return REQUIRED + (OPTIONAL if cfg.sample.after_train else ())
+
+
 def get(name: str) -> Stage:
     return BY_NAME[name]
 

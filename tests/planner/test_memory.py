@@ -301,7 +301,8 @@ def test_plan_json_schema(assets, demo_data, tmp_path, capsys):
     assert [s["stage"] for s in printed["stages"]] == list(plan.PLANNED_STAGES)
     for s in printed["stages"]:
         assert set(s) == {"stage", "budget_gb", "budget_source", "allocator_gb", "context_gb", "settings",
-                          "predicted_peak_gb", "predicted_total_gb", "fits", "note"}
+                          "predicted_peak_gb", "predicted_total_gb", "fits", "note", "in_run"}
+        assert s["in_run"] == (s["stage"] != "sample")  # the demo config leaves sample.after_train off
         # each stage counts its own context: the cache stages load fewer kernels than train
         assert s["context_gb"] == memory.stage_context_gb(s["stage"]) and s["allocator_gb"] == max(0.5 - s["context_gb"], 0)
         assert s["predicted_total_gb"] == pytest.approx(s["predicted_peak_gb"] * memory.FRAGMENTATION + s["context_gb"],
@@ -346,11 +347,12 @@ def test_plan_json_holds_what_plan_predicted_and_what_each_stage_ran_with(assets
     capsys.readouterr()
     written = json.loads((cfg.run_dir / memory.PLAN_FILE).read_text())["stages"]
     assert sorted(written) == sorted(plan.PLANNED_STAGES)
-    assert [written[s["stage"]]["planned"] for s in predicted["stages"]] == predicted["stages"]
+    plans = [{k: v for k, v in s.items() if k != "in_run"} for s in predicted["stages"]]  # in_run: of the config, not the plan
+    assert [written[s["stage"]]["planned"] for s in plans] == plans
     ran_cfg, ran = memory.plan_stage(cfg, get_family("flux"), "train", EventLog(cfg.run_dir, cfg.run, "train"))
     written = json.loads((cfg.run_dir / memory.PLAN_FILE).read_text())["stages"]
     assert written["train"]["ran"] == json.loads(json.dumps(ran.to_dict()))
-    assert written["train"]["planned"] == predicted["stages"][list(plan.PLANNED_STAGES).index("train")]
+    assert written["train"]["planned"] == plans[list(plan.PLANNED_STAGES).index("train")]
     assert "ran" not in written["encode-captions"]
 
 
@@ -1096,6 +1098,19 @@ def test_plan_exits_2_when_a_stage_cannot_fit(assets, demo_data, tmp_path):
     unfit = CliRunner().invoke(pipeline.cli, [*args, "--vram", "0.001"])
     assert unfit.exit_code == 2, unfit.output
     assert not json.loads(unfit.stdout)["fits"] and "cannot fit 0.00 GB" in unfit.stderr
+
+    # a budget between train's total and sample's: sample, which a plain `run` leaves out, does not decide the exit
+    total = {s["stage"]: s["predicted_total_gb"] for s in json.loads(fits.stdout)["stages"]}
+    assert total["sample"] > max(v for k, v in total.items() if k != "sample"), total
+    between = f"{(total['sample'] + max(v for k, v in total.items() if k != 'sample')) / 2:.4f}"
+    apart = CliRunner().invoke(pipeline.cli, [*args, "--vram", between])
+    assert apart.exit_code == 0, apart.output
+    stages = {s["stage"]: s for s in json.loads(apart.stdout)["stages"]}
+    assert json.loads(apart.stdout)["fits"] and not stages["sample"]["fits"] and not stages["sample"]["in_run"]
+    assert "sample cannot fit" in apart.stderr and "a plain `lorapipe run` leaves it out" in apart.stderr
+    asked = CliRunner().invoke(pipeline.cli, [*args, "--vram", between, "--set", "sample.after_train=true"])
+    assert asked.exit_code == 2 and json.loads(asked.stdout)["stages"][-1]["in_run"], asked.output
+    assert "plan: sample cannot fit" in asked.stderr
 
 
 @pytest.mark.parametrize("vram", ["auto", 0.5])
