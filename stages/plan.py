@@ -21,7 +21,7 @@ from typing import Any
 from stages.core.events import table_console
 from stages.core.runspec import command_for
 from stages.registry import PLANNED as PLANNED_STAGES, each_expert, run_stages  # sample's plan: the whole pipeline, to render
-SCHEMA_VERSION = 2  # 2: each stage's `in_run`; `fits` counts the stages a plain `run` runs
+SCHEMA_VERSION = 2  # the JSON's layout: each stage has `in_run`; `fits`, `peak_gb` and `total_gb` are of the stages a plain `run` runs
 
 
 def _budget(value: Any, device: str) -> Any:
@@ -58,15 +58,15 @@ def plans(cfg: Any, budget_gb: Any, record: bool = False) -> dict[str, Any]:
     if record:
         memory.record_plans(cfg.run_dir, stages, "planned")
     in_run = set(run_stages(cfg))
-    fitting = [p for p in stages if p.fits or p.stage not in in_run]
+    ran = [p for p in stages if p.stage in in_run]  # the run's figures: of the stages a plain `run` runs
     # each stage counts its own CUDA context (memory.stage_context_gb): the run's are the largest context and the
     # smallest allocator share among them
-    allocators = [p.budget.gb for p in stages if p.budget.gb is not None]
+    allocators = [p.budget.gb for p in ran if p.budget.gb is not None]
     return {"schema": SCHEMA_VERSION, "run": cfg.run, "family": cfg.family, "budget_gb": budget.vram_gb,
             "budget_source": budget.source, "allocator_gb": min(allocators) if allocators else None,
-            "context_gb": max(p.budget.context_gb for p in stages),
-            "fits": len(fitting) == len(stages), "peak_gb": round(max(p.predicted_peak_gb for p in stages), 3),
-            "total_gb": round(max(p.budget.total_gb(p.predicted_peak_gb) for p in stages), 3),
+            "context_gb": max(p.budget.context_gb for p in ran),
+            "fits": all(p.fits for p in ran), "peak_gb": round(max(p.predicted_peak_gb for p in ran), 3),
+            "total_gb": round(max(p.budget.total_gb(p.predicted_peak_gb) for p in ran), 3),
             "stages": [{**p.to_dict(), "in_run": p.stage in in_run} for p in stages]}
 
 
