@@ -11,7 +11,7 @@ from stages.core.lazy import lazy_module
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import meta_component, module_components, text_dims, weight_bytes
-from stages.core.memory.stage_plan import Planner, StagePlan, changeable, fitting, halvings
+from stages.core.memory.stage_plan import Planner, StagePlan, changeable, either, fitting, halvings, nf4_instead
 
 torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
@@ -36,17 +36,16 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     need = [_smaller(cfg, family)]
     if OFFLOAD_PRECISION.get(configured) and family.text_offload_components and not has_accelerate():
         need.append("install accelerate so the text encoder's layers can stay in CPU memory (layer offload)")
-    return fitting(budget, candidates, "encode-captions", ", or ".join(x for x in need if x))
+    return fitting(budget, candidates, "encode-captions", either(*need))
 
 
 def _smaller(cfg: Any, family: Any) -> str:
     """What lowers encode-captions' memory below every plan it tried (each batch size down to 1 was): an nf4
     text encoder where another precision is set, then a shorter captions.max_sequence_length ("" when neither)."""
-    nf4 = "" if cfg.captions.text_encoder_precision in ("auto", "nf4") else "set captions.text_encoder_precision = 'nf4'"
     tokens = cfg.captions.max_sequence_length
     shorter = changeable(("captions.max_sequence_length", tokens, tokens > 77))
-    return ", or ".join(x for x in (nf4, shorter and f"{shorter} (the encoders' attention grows with its square; "
-                                            "longer captions are cut)") if x)
+    return either(nf4_instead("captions.text_encoder_precision", cfg.captions.text_encoder_precision),
+                  shorter and f"{shorter} (the encoders' attention grows with its square; longer captions are cut)")
 
 
 def encode_work(model: torch.nn.Module, batch: int, tokens: int, keeps_hidden_states: bool) -> float:

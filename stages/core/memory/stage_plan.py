@@ -67,6 +67,16 @@ def changeable(*settings: tuple[str, Any, bool]) -> str:
     return f"lower {' or '.join(named)}" if named else ""
 
 
+def nf4_instead(key: str, value: str) -> str:
+    """"set KEY = 'nf4'" where a precision other than nf4 is set ("auto" tries nf4 already), else ""."""
+    return "" if value in ("auto", "nf4") else f"set {key} = 'nf4'"
+
+
+def either(*ways: str) -> str:
+    """The ways that lower a stage's memory as one "a, or b" phrase, the empty ones left out ("" when none is)."""
+    return ", or ".join(w for w in ways if w)
+
+
 def data_settings(cfg: Any, family: Any) -> list[tuple[str, Any, bool]]:
     """The data settings that lower every stage's memory, as `changeable` takes them: data.resolution, and a video
     family's data.frames."""

@@ -13,7 +13,8 @@ from stages.core.memory.budget import Budget
 from stages.core.memory.adapter import adapter_memory
 from stages.core.memory.sizes import (_width, fp8_nf4_weight_bytes, meta_component, planned_frames, sample_tokens,
                                        weight_bytes)
-from stages.core.memory.stage_plan import Planner, StagePlan, changeable, data_settings, fitting, planned_controls
+from stages.core.memory.stage_plan import (Planner, StagePlan, changeable, data_settings, either, fitting, nf4_instead,
+                                           planned_controls)
 from stages.core.memory.train_options import graphs_mode, train_options, with_fp8_nf4, with_graph_room
 
 
@@ -213,9 +214,8 @@ def _apply(cfg: Any, s: dict[str, Any]) -> Any:
 def _smaller(cfg: Any, family: Any) -> str:
     """What lowers train's memory below every plan it tried: an nf4 base where another is set, then the batch
     size, resolution and frames that can still go lower, with their values ("" when none can)."""
-    nf4 = "" if cfg.train.base_precision in ("auto", "nf4") else "set train.base_precision = 'nf4'"
     lower = changeable(("train.batch_size", cfg.train.batch_size, cfg.train.batch_size > 1), *data_settings(cfg, family))
-    return ", or ".join(x for x in (nf4, lower) if x)
+    return either(nf4_instead("train.base_precision", cfg.train.base_precision), lower)
 
 
 PLANNER = Planner(
