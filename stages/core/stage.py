@@ -210,7 +210,7 @@ def _freshness(stage: Any, cfg: Any) -> Freshness:
         return Freshness(False, [f"incomplete: '{folder}' has no manifest (its last run was interrupted or failed); "
                        f"rerun it to finish (caches continue where they stopped; train continues with --resume)"], None)
     if manifest is None:
-        return Freshness(False, ["never built (no manifest)"], None)
+        return Freshness(False, ["never built: no manifest yet"], None)
     parts = stage.fingerprint_parts(cfg)
     if not manifest.get("complete", True):
         changed = manifest.get("fingerprint") != fingerprint(parts) and stage.other_settings(cfg)

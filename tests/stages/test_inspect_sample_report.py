@@ -70,7 +70,7 @@ def test_inspect_reports_every_artifact(built_run):
 
     assert {k for k, s in rep["stages"].items() if s["up_to_date"]} == {"encode-captions", "cache-latents", "train",
                                                                          "export-lora"}
-    assert rep["stages"]["sample"]["reasons"] == ["never built (no manifest)"]
+    assert rep["stages"]["sample"]["reasons"] == ["never built: no manifest yet"]
     expert = built_run.train.expert  # a two-expert family's report holds each expert's adapter and export
     lora, export = (rep[k][expert] if expert else rep[k] for k in ("lora", "export"))
     final = lora["final"]
