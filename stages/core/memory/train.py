@@ -15,7 +15,7 @@ from stages.core.memory.sizes import (_width, fp8_nf4_weight_bytes, meta_compone
                                        weight_bytes)
 from stages.core.memory.stage_plan import (Planner, StagePlan, changeable, data_settings, either, fitting, nf4_instead,
                                            planned_controls)
-from stages.core.memory.train_options import graphs_mode, train_options, with_fp8_nf4, with_graph_room
+from stages.core.memory.train_options import graphs_mode, other_shapes_gb, train_options, with_fp8_nf4, with_graph_room
 
 
 def fp8_host_short(host_gb: float) -> str:
@@ -150,15 +150,26 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
         candidates.append((settings, peak / cal.GB))
     plan = fitting(budget, candidates, "train", _smaller(cfg, family))
     grads_gb = adapter.grads_bytes / cal.GB  # the adapter's fp32 gradients: a step allocates them anew
+    acts_gb = lambda s: activations(s["checkpointed_blocks"], s["swapped_blocks"]) / cal.GB  # noqa: E731
     for tried in plan.tried:
-        tried["activations_gb"] = round(activations(tried["checkpointed_blocks"], tried["swapped_blocks"]) / cal.GB, 6)
+        tried["activations_gb"] = round(acts_gb(tried), 6)
         tried["lora_grads_gb"] = round(grads_gb, 6)
     partial = cfg.runtime.gradient_checkpointing == "auto"  # the checkpointed blocks chosen within the budget
     fewer_fp8 = plan.settings.get("fp8_blocks") is not None and fp8_fixed == "auto"
+    mode = graphs_mode(cfg, budget)
     if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n) or fewer_fp8) \
-            and (mode := graphs_mode(cfg, budget)):
-        plan = with_graph_room(plan, candidates, lambda s: activations(s["checkpointed_blocks"], s["swapped_blocks"]) / cal.GB, grads_gb,
-                                budget, mode, fewer_fp8)
+            and mode:
+        plan = with_graph_room(plan, candidates, acts_gb, grads_gb, budget, mode, fewer_fp8)
+    for tried in plan.tried:  # the eager steps of other caption lengths beside a CUDA graph's memory
+        tried["other_shapes_gb"] = round(other_shapes_gb(family, tried, tried["predicted_peak_gb"], tried["activations_gb"],
+                                                         grads_gb, budget, mode), 6)
+    extra = other_shapes_gb(family, plan.settings, plan.predicted_peak_gb, acts_gb(plan.settings), grads_gb, budget, mode) \
+        if plan.fits else 0.0
+    if extra:
+        said = f"{plan.note.rstrip('.')}." if plan.note else ""
+        plan.note = (f"{said} With captions of several lengths up to {budget.total_gb(plan.predicted_peak_gb + extra):.1f} "
+                     f"GB in all, within the cap: a length without a CUDA graph of its own runs eager beside the graph's "
+                     f"memory (runtime.caption_tokens_multiple makes fewer lengths).").strip()
     if plan.fits and plan.settings.get("fp8_blocks") is not None:
         whole_fp8 = [peak for settings, peak in candidates
                      if settings["base_precision"] == "fp8" and "fp8_blocks" not in settings]

@@ -37,6 +37,26 @@ def graph_room(settings_peak_gb: float, acts_gb: float, grads_gb: float, budget:
     return free / (acts_gb + grads_gb + cal.GRAPH_ACTIVATIONS_EXTRA_GB) if acts_gb > 0 else math.inf
 
 
+def other_shapes_gb(family: Any, settings: dict[str, Any], peak_gb: float, acts_gb: float, grads_gb: float,
+                    budget: Budget, mode: str | None) -> float:
+    """What a capped train holds beyond its predicted peak where CUDA graphs capture and its batches come in
+    several caption lengths (family.captions_cut_to_longest; the plan does not know the captions): a length
+    without a graph of its own runs eager beside the graph's memory, one step's activations more, bounded by the
+    cap (train checks the room before such a step). Qwen-Image at 1024 px with 512-token captions held 7.18 GB
+    at `--vram 8` (55 blocks swapped) where its peak was predicted at 5.77, and 15.65 at 16 GB (nf4 whole) against
+    14.72 (bench/results/budget-grid/). The plan's note gives the total with it. 0 without a cap, without
+    graphs, where a capture would find no room, or for a family whose captions have one length."""
+    from stages.core import fastpath
+
+    if not family.captions_cut_to_longest or mode is None or budget.source != "cap" or budget.gb is None:
+        return 0.0
+    swapped = bool(settings["swapped_blocks"])
+    want = (fastpath.CAPTURE_ROOM if swapped else fastpath.UNSWAPPED_CAPTURE_ROOM) * cal.GRAPH_ROOM_MARGIN
+    if mode == "auto" and graph_room(peak_gb, acts_gb, grads_gb, budget, swapped) < want:
+        return 0.0
+    return max(0.0, min(acts_gb + grads_gb + cal.GRAPH_ACTIVATIONS_EXTRA_GB, budget.gb / cal.FRAGMENTATION - peak_gb))
+
+
 def graphs_mode(cfg: Any, budget: Budget) -> str | None:
     """runtime.cuda_graphs' mode ("auto" or "on") where train may capture CUDA graphs under this budget,
     else None (CPU, LoRA dropout, or "off")."""
