@@ -273,9 +273,23 @@ def _cell(r: dict[str, Any]) -> list[str]:
     peak = peaks.get("total", peaks.get("reserved"))  # a budget counts the context too where the row measured it
     budget = plan.get("budget_gb")
     within = "" if budget is None or peak is None else (" ok" if peak <= budget else f" OVER by {peak - budget:.2f}")
-    sps = r.get("samples_per_second")
+    sps = steady_samples_per_second(r)
     return [settings + ("" if r["status"] == "ok" else f" ({r['status']})"), f"{plan.get('predicted_peak_gb', 0):.2f}",
             f"{peak:.2f}{within}" if peak is not None else "", f"{sps:.3f}" if sps else "", f"{r.get('seconds') or 0:.1f}"]
+
+
+def steady_samples_per_second(r: dict[str, Any]) -> float | None:
+    """A train row's speed from its steady steps: its batch over the median gap between the steps after its
+    warm-up (runtime.warmup_steps_excluded), so that a one-time wait does not set it (Qwen-Image's first step of
+    a second caption length took 41 s where the others took 0.7, and made 0.11 samples/s of 5 timed steps);
+    the stage's own samples/s where the row kept no step times."""
+    sets = extra_sets(command_sets(r.get("cmd") or ""))
+    warmup = int(sets.get("runtime.warmup_steps_excluded", 0))
+    times = [s["ts"] for s in r.get("steps") or [] if s.get("step", 0) >= warmup]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    if r.get("stage") != "train" or len(gaps) < 3:
+        return r.get("samples_per_second")
+    return int(sets.get("train.batch_size", 1)) / gaps[len(gaps) // 2]
 
 
 def _train_settings(r: dict[str, Any]) -> dict[str, Any]:
@@ -284,15 +298,15 @@ def _train_settings(r: dict[str, Any]) -> dict[str, Any]:
 
 def _auto_train(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The measured "auto" train row among `rows`: what "x auto" is over."""
-    return next((r for r in rows if r["budget"] == "auto" and r["stage"] == "train" and r.get("samples_per_second")), None)
+    return next((r for r in rows if r["budget"] == "auto" and r["stage"] == "train" and steady_samples_per_second(r)), None)
 
 
 def _unswapped(r: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """For a measured swap row: the measured train row of the same precision with no block swapped."""
     mine = _train_settings(r)
-    if r["stage"] != "train" or not mine.get("swapped_blocks") or not r.get("samples_per_second"):
+    if r["stage"] != "train" or not mine.get("swapped_blocks") or not steady_samples_per_second(r):
         return None
-    return next((o for o in rows if o["stage"] == "train" and o.get("samples_per_second")
+    return next((o for o in rows if o["stage"] == "train" and steady_samples_per_second(o)
                  and _train_settings(o).get("base_precision") == mine.get("base_precision")
                  and not _train_settings(o).get("swapped_blocks")), None)
 
@@ -356,15 +370,16 @@ def targets(files: list[Path], names: dict[str, str]) -> list[str]:
         later = [f"{stage} failed " + ("in a later call" if stage in at else "in the call") + f" at {f['measured_utc'][11:16]} UTC"
                  for stage, f in failed.items() if stage not in at or f["measured_utc"] > at[stage]["measured_utc"]]
         target = f"| {names.get(fam, fam)} {RESOLUTION} px b1: every stage ≤ {gb} GB, train ≥ {TARGET_SPEED}x unconstrained | "
-        if len(at) < len(STAGES) or ref is None or not at["train"].get("samples_per_second"):
+        if len(at) < len(STAGES) or ref is None or not steady_samples_per_second(at["train"]):
             if later:
                 out.append(target + "; ".join(later) + ", no passing row | no |")
             continue
         peaks = [(at[stage].get("peak_vram_gb") or {}).get("reserved") for _, stage, _ in STAGES]
-        speed = at["train"]["samples_per_second"] / ref["samples_per_second"]
+        mine, theirs = steady_samples_per_second(at["train"]), steady_samples_per_second(ref)
+        speed = mine / theirs
         ok = all(p is not None and p <= gb for p in peaks) and speed >= TARGET_SPEED and not later
         out.append(target + f"encode / latents / train {' / '.join(f'{p:.2f}' for p in peaks)} GB reserved; train {speed:.2f}x "
-                   f"({at['train']['samples_per_second']:.3f} / {ref['samples_per_second']:.3f} samples/s, auto's base "
+                   f"({mine:.3f} / {theirs:.3f} samples/s over the steady steps, auto's base "
                    f"{_train_settings(ref).get('base_precision')}; {_graphs(at['train'])}measured "
                    f"{at['train']['measured_utc'][:16]} UTC){''.join('; ' + x for x in later)} | {'yes' if ok else 'no'} |")
     return out
@@ -388,11 +403,11 @@ def report(files: list[Path]) -> str:
         for r in mine:
             cells = _cell(r)
             ratio = swap = ""
-            if r["stage"] == "train" and ref and r.get("samples_per_second"):
-                ratio = f"{r['samples_per_second'] / ref['samples_per_second']:.2f}"
+            if r["stage"] == "train" and ref and steady_samples_per_second(r):
+                ratio = f"{steady_samples_per_second(r) / steady_samples_per_second(ref):.2f}"
             whole = _unswapped(r, mine) or _unswapped(r, defaults)
             if whole is not None:  # block swap's own cost: the same precision without swapping, same px
-                swap = f"{r['samples_per_second'] / whole['samples_per_second']:.2f}"
+                swap = f"{steady_samples_per_second(r) / steady_samples_per_second(whole):.2f}"
             lines.append(f"| {r['budget']} | {r['stage']} | " + " | ".join(cells[:4] + [ratio, swap, cells[4]]) + " |")
         lines.append("")
     return "\n".join(lines)

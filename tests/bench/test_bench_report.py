@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench import report
 from bench.bench import plan
 
@@ -582,3 +584,31 @@ def test_the_performance_docs_train_tables_are_the_latest_results() -> None:
     # not vacuous: a hand-edited figure is put back
     edited = text.replace("| 0.451 |", "| 0.450 |", 1)  # FLUX.1's fp8-1024-b1 step
     assert edited != text and report.sync_performance_doc(edited, report.result_files()).count("| 0.450 |") == 0
+
+
+def test_memory_report_times_train_from_its_steady_steps(tmp_path: Path) -> None:
+    """A train row's samples/s in the memory report is its batch over the median gap between the steps after its
+    warm-up, not the stage's figure over its few timed steps, which one long step sets: Qwen-Image's first step of
+    a second caption length took 41 s where the others took 0.7 (0.11 samples/s over 5 steps)."""
+    from bench.memory import report as memory_report, steady_samples_per_second
+
+    def row(budget: str, gaps: list[float], sps: float) -> dict:
+        times = [100.0]
+        for g in gaps:
+            times.append(times[-1] + g)
+        return {"family": "qwen-image", "resolution": 1024, "budget": budget, "stage": "train", "status": "ok",
+                "cmd": "pipeline.py train --set runtime.warmup_steps_excluded=3 --set train.batch_size=2",
+                "plan": {"settings": {"base_precision": "nf4", "swapped_blocks": 55 if budget == "8" else 0},
+                         "predicted_peak_gb": 5.0, "budget_gb": 8.0},
+                "peak_vram_gb": {"allocated": 4.0, "reserved": 5.0}, "samples_per_second": sps, "seconds": 10.0,
+                "steps": [{"step": k + 1, "ts": t} for k, t in enumerate(times)]}
+
+    capped = row("8", [5.0, 9.0, 0.7, 0.7, 41.0, 0.7, 1.0], 0.113)  # steps 1-3 warm up; 41 s: a new caption length
+    assert steady_samples_per_second(capped) == pytest.approx(2 / 0.7)
+    free = row("auto", [3.0, 0.5, 0.5, 0.5, 0.5, 0.5, 2.0], 1.5)
+    results = tmp_path / "memory-qwen.json"
+    results.write_text(json.dumps({"meta": {"date_utc": "2026-12-05 15:00:00"}, "items": [free, capped]}))
+    rows = table(memory_report([results]), "budget GB")
+    assert rows["8"]["samples/s"] == f"{2 / 0.7:.3f}" and rows["8"]["x auto"] == f"{0.5 / 0.7:.2f}"
+    no_steps = {k: v for k, v in capped.items() if k != "steps"}  # a row that kept no step times: the stage's figure
+    assert steady_samples_per_second(no_steps) == 0.113
