@@ -324,7 +324,8 @@ def _stamped(files: list[Path]) -> list[list[dict[str, Any]]]:
         metas[call] = meta
         calls.setdefault(call, []).extend(d["items"])
     order = sorted(calls, key=lambda c: metas[c].get("date_utc", ""))
-    return [[{**r, "measured_utc": metas[c].get("date_utc", ""), "variant": _variant(metas[c].get("command", ""))}
+    # an item kept from an older call of its row (bench/run.py write) says when it was measured
+    return [[{**r, "measured_utc": r.get("measured_utc") or metas[c].get("date_utc", ""), "variant": _variant(metas[c].get("command", ""))}
              for r in calls[c]] for c in order]
 
 

@@ -99,15 +99,33 @@ def measured(result: dict[str, Any]) -> bool:
     return any(str(r.get("status", "")).startswith(("ok", "same plan")) for r in items)
 
 
+def complete(result: dict[str, Any]) -> bool:
+    """A measurement with no part the budget left unstarted (a memory row's stage "skipped"): `--missing`
+    runs a row again until it is complete."""
+    return measured(result) and not any(r.get("status") == "skipped" for r in result.get("items") or [])
+
+
+def _part(item: dict[str, Any]) -> str:
+    """What an item of a row measures: a memory row's stage, a bench item's id."""
+    return str(item.get("stage") or item.get("id"))
+
+
 def write(folder: Path, key: str, result: dict[str, Any]) -> Path | None:
-    """Writes a row's result: a measurement replaces the row's file; a failure goes beside a measurement
-    (<key>.failed.json), never over it; an item the budget left unstarted writes nothing."""
+    """Writes a row's result: a measurement replaces the row's file, keeping the older file's measurement of
+    each part the new one's budget left unstarted (and saying when that was measured); a failure goes beside a
+    measurement (<key>.failed.json), never over it; an item the budget left unstarted writes nothing."""
     items = result.get("items") or []
     if items and all(r.get("status") == "skipped" for r in items):
         return None
     path = folder / f"{key}.json"
-    if not measured(result) and path.exists() and measured(json.loads(path.read_text())):
+    older = json.loads(path.read_text()) if path.exists() else None
+    if not measured(result) and older is not None and measured(older):
         path = folder / f"{key}.failed.json"
+    elif older is not None and any(r.get("status") == "skipped" for r in items):
+        kept = {_part(r): r for r in older.get("items") or [] if r.get("status") != "skipped"}
+        when = (older.get("meta") or {}).get("date_utc")
+        result = {**result, "items": [{**kept[_part(r)], "measured_utc": when} if r.get("status") == "skipped"
+                                      and _part(r) in kept else r for r in items]}
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1, default=str))
@@ -118,10 +136,10 @@ def write(folder: Path, key: str, result: dict[str, Any]) -> Path | None:
 
 
 def done(suite: str, key: str, results: Path) -> bool:
-    """The row's latest result is a measurement, in the committed record or this machine's results."""
+    """The row's latest result is a complete measurement, in the committed record or this machine's results."""
     for folder in (RECORD / suite, results / suite):
         path = folder / f"{key}.json"
-        if path.exists() and measured(json.loads(path.read_text())):
+        if path.exists() and complete(json.loads(path.read_text())):
             return True
     return False
 

@@ -187,3 +187,28 @@ def test_list_shows_the_rows_and_commands_that_only_and_missing_select(tmp_path:
     missing = run.listing(["chroma"], only, True, tmp_path)
     assert "chroma/encode/nf4" not in missing and "--only chroma/train/fp8-1024-b1" in missing
     assert run.listing(["chroma"], ["no-such-row"], False, tmp_path) == ""
+
+
+def test_a_row_with_a_stage_the_budget_left_unstarted_is_run_again_and_keeps_what_was_measured(tmp_path: Path,
+                                                                                                monkeypatch) -> None:
+    """A memory row whose call ran out of budget before a stage ("skipped": Qwen-Image's uncapped train) is not
+    done: `--missing` runs it again. The rerun's file keeps each stage that the older call measured and the new
+    one left unstarted, saying when it was measured; a stage the rerun measured replaces the older one."""
+    monkeypatch.setattr(run, "RECORD", tmp_path / "record")
+    folder, key = tmp_path / "budget-grid", "memory.qwen-image-1024-auto"
+
+    def item(stage: str, status: str, gb: float | None = None) -> dict:
+        return {"family": "qwen-image", "stage": stage, "status": status, "peak_vram_gb": gb and {"total": gb}}
+
+    run.write(folder, key, {"meta": {"date_utc": "2026-12-05 15:00:00"},
+                            "items": [item("encode-captions", "ok", 16.9), item("cache-latents", "ok", 5.7),
+                                      item("train", "skipped")]})
+    assert not run.done("budget-grid", key, tmp_path)
+    run.write(folder, key, {"meta": {"date_utc": "2026-12-06 09:00:00"},
+                            "items": [item("encode-captions", "skipped"), item("cache-latents", "ok", 5.8),
+                                      item("train", "ok", 42.0)]})
+    items = {i["stage"]: i for i in json.loads((folder / f"{key}.json").read_text())["items"]}
+    assert items["encode-captions"]["peak_vram_gb"] == {"total": 16.9}
+    assert items["encode-captions"]["measured_utc"] == "2026-12-05 15:00:00"
+    assert items["cache-latents"]["peak_vram_gb"] == {"total": 5.8} and "measured_utc" not in items["cache-latents"]
+    assert items["train"]["status"] == "ok" and run.done("budget-grid", key, tmp_path)
