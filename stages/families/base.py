@@ -153,6 +153,11 @@ class FamilyTraits:
     """Tokens a text encoder reads beyond captions.max_sequence_length (a chat template's system prefix that
     the pipeline drops afterwards), which encode-captions' planner counts; 0 where every encoder reads at most
     max(captions.max_sequence_length, 77) tokens (FLUX.1's T5 padded to the length, its CLIP to 77)."""
+    text_padded_to_longest: bool = False
+    """The text encoders read a batch's captions padded to its longest (the pipeline tokenizes with padding=True
+    or none), not to captions.max_sequence_length: an encode's memory follows the captions' real length, while
+    encode-captions' planner, which does not read them, plans for the longest the setting allows (Qwen-Image,
+    its edit models, Qwen-Image 2.1, ERNIE-Image)."""
     captions_cut_to_longest: bool = False
     """A training batch's caption rows are cut to its longest caption and the rest masked, so each caption length
     is a batch shape, which runtime.caption_tokens_multiple rounds up; False where the text has one length (FLUX.1's

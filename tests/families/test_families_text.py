@@ -70,6 +70,33 @@ def test_text_encoding_matches_pipeline(fam, max_len):
         assert len(rows[1]) == max_len
 
 
+def test_the_encoders_read_a_batch_at_its_longest_caption_where_the_family_says_so(fam):
+    """family.text_padded_to_longest (which the memory planner's tests read) says what the encoder does: the text
+    model reads a batch of short captions at a shorter length than a batch with a long one (Qwen-Image pads to the
+    longest), or both at captions.max_sequence_length (Z-Image pads to it)."""
+    family, folder, _ = fam
+    encoder = _encoder(family, folder, 64)
+    models = [m for m in vars(encoder).values() if isinstance(m, torch.nn.Module)]
+    assert models, "the encoder holds its text model"
+    lengths: list[int] = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("inputs_embeds") if ids is None else ids
+        lengths.append(ids.shape[1])
+
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in models]
+    try:
+        encoder.encode(CAPTIONS[:1])
+        short = lengths[-1]
+        encoder.encode(CAPTIONS)
+        both = lengths[-1]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert (short < both) == family.text_padded_to_longest, (family.name, short, both)
+
+
 def test_token_counts_report_untruncated_length(fam):
     family, folder, pipe = fam
     encoder = _encoder(family, folder, 12)

@@ -297,10 +297,9 @@ def _several_lengths(row: dict) -> bool:
 
 
 def _reads_own_length(family: str) -> bool:
-    """Whether the family's text encoders read each batch's captions at their own length (a chat template's
-    prefix beyond captions.max_sequence_length), not padded to it as FLUX.1's T5 is: their plan is for the
-    longest caption the length allows."""
-    return get_family(family).text_tokens_beyond_max > 0
+    """Whether the family's text encoders read a batch's captions at their own length (family.text_padded_to_longest):
+    their plan is for the longest caption captions.max_sequence_length allows."""
+    return get_family(family).text_padded_to_longest
 
 
 def _measured_rows(files: list[Path], stages: tuple[str, ...]) -> list[tuple[str, dict]]:

@@ -49,6 +49,7 @@ class QwenImageBase(ChannelNormalized, FamilyTraits):
     fp8_faster_from_tokens = 4173  # 1024 px b1, 77-token captions: fp8 0.91x bf16's step (512 px b1: 1.11x)
     pipeline_class = "QwenImagePipeline"
     captions_cut_to_longest = True
+    text_padded_to_longest = True
     lora_prefix = "transformer"
     denoiser_class = "QwenImageTransformer2DModel"
     vae_class = "AutoencoderKLQwenImage"

@@ -89,6 +89,7 @@ class ErnieImage(PatchBatchNormalized, FamilyTraits):
     title = "ERNIE-Image"
     pipeline_class = "ErnieImagePipeline"
     captions_cut_to_longest = True
+    text_padded_to_longest = True
     lora_prefix = "transformer"
     denoiser_class = "ErnieImageTransformer2DModel"
     vae_class = "AutoencoderKLFlux2"

@@ -123,6 +123,7 @@ class QwenImage21(ChannelNormalized, FamilyTraits):
     text_component_classes = ("Qwen3VLForConditionalGeneration", "Qwen3VLModel", "Qwen3VLTextModel",
                               "Qwen3VLVisionModel")
     text_components = ("processor", "text_encoder")
+    text_padded_to_longest = True
     text_offload_components = ("text_encoder",)  # loaded by text_encoders.load_text_model: the planner may offload its layers
     # 1024 px b1, 77-token captions: fp8 2.633 samples/s at 8.98 GB against bf16 2.136 at 15.47 in the same run (0.81x its
     # step; bench/results/bench-qwen-image-2.1-I8.json)
