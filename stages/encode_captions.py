@@ -162,7 +162,7 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
             store = _open_store(out, layout)
             todo_ids = rows_to_encode(store, sorted(texts), grow=ctx.dist.is_main)
         ctx.log.emit("preparing", done=len(texts) - len(todo_ids), total=len(texts), encoded=0)
-        encoded = _encode(ctx, cfg, rt, texts, todo_ids, store, layout, row_controls(items), existing)
+        encoded = _encode(ctx, cfg, rt, texts, todo_ids, store, layout, row_controls(items), existing, plan)
         if not ctx.dist.is_main:
             return {"stage": NAME, "rank": ctx.dist.rank, "encoded_this_run": len(todo_ids)}
         manifest = _write(ctx, cfg, items, texts, index, encoded, len(todo_ids), planned)
@@ -171,12 +171,15 @@ def run(cfg: Any, force: bool = False) -> dict[str, Any]:
 
 
 def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[str], store: RowStore | None,
-            layout: dict[str, Any], controls: dict[str, tuple], earlier_manifest: dict[str, Any] | None) -> dict[str, Any]:
+            layout: dict[str, Any], controls: dict[str, tuple], earlier_manifest: dict[str, Any] | None,
+            plan: Any = None) -> dict[str, Any]:
     """Encode the rows in `todo_ids` (ranks deal out whole batches) with the encoders loaded on `rt`
     (memory.text_encoder_runtime); -> store, truncated, runtime. `earlier_manifest`: the cache's manifest
     before this run (None: none, or --force), whose truncated captions stay listed.
     A family whose text encoder sees the control images (`text_sees_controls`) gets them too: its
-    rows are keyed by (caption, controls)."""
+    rows are keyed by (caption, controls). Where the family's encoders read a batch at its longest caption,
+    the batch size is the largest the memory `plan` allows for the longest caption to encode
+    (memory.captions.batch_for_captions)."""
     import torch
 
     from stages.core.runtime import reset_peak
@@ -188,19 +191,25 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
     # A batch stays inside one shard of the store, so that each shard has one writer (RowStore).
     rows = store.row_of() if store is not None else {cid: k for k, cid in enumerate(sorted(texts))}
     per_shard = store.rows_per_shard if store is not None else new_rows_per_shard()
-    batches = shard_batches(todo_ids, cfg.captions.batch_size, lambda cid: rows[cid] // per_shard)
     reset_peak(rt)
     # with the same settings, captions truncated by earlier runs stay listed
     earlier = _earlier_truncations(earlier_manifest) if store is not None else {}
     state = {"store": store, "encoder": None,
              "truncated": {cid: n for cid, n in earlier.items() if cid in texts}}
 
-    def encode_batch(batch: list[str]) -> None:
+    def load() -> Any:
         if state["encoder"] is None:
             ctx.log.emit("loading", component="text encoders")
             state["encoder"] = family.load_text_encoder(model_source(cfg), cfg.captions, rt)
             ctx.log.emit("loaded", component="text encoders", seconds=ctx.elapsed())
             state["template_tokens"] = template_tokens(family, state["encoder"], cfg.captions.max_sequence_length)
+        return state["encoder"]
+
+    size = _batch_size(ctx, cfg, family, plan, load, [texts[c] for c in todo_ids])
+    batches = shard_batches(todo_ids, size, lambda cid: rows[cid] // per_shard)
+
+    def encode_batch(batch: list[str]) -> None:
+        load()
         batch_texts = [texts[c] for c in batch]
         with torch.no_grad():
             if family.text_sees_controls:
@@ -235,6 +244,24 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
     truncated = {c: n for part in distributed.all_gather(state["truncated"], dist) for c, n in part.items()}
     state.pop("encoder")
     return {"store": state["store"], "truncated": truncated, "rt": rt, "template_tokens": state.get("template_tokens")}
+
+
+def _batch_size(ctx: Any, cfg: Any, family: Any, plan: Any, load: Any, todo: list[str]) -> int:
+    """captions.batch_size as planned, or larger where the family's encoders read a batch at its longest caption
+    and the captions to encode are shorter than the plan assumed (their tokens counted with the loaded encoder's
+    tokenizer), said in an info line."""
+    from stages.core import memory
+
+    planned = cfg.captions.batch_size
+    if plan is None or not todo or not family.text_padded_to_longest or family.text_sees_controls:
+        return planned
+    longest = max(load().token_counts(todo))
+    size = memory.captions.batch_for_captions(cfg, family, model_source(cfg), plan, longest)
+    if size != planned:
+        ctx.log.emit("info", message=f"encoding in batches of {size}: the longest caption to encode has {longest} tokens, "
+                                     f"and the plan's batch of {planned} is for {cfg.captions.max_sequence_length} "
+                                     f"(captions.max_sequence_length)")
+    return size
 
 
 def shard_batches(ids: list[str], size: int, shard_of: Any) -> list[list[str]]:

@@ -327,3 +327,43 @@ def test_z_image_tokenizer_without_chat_template_is_a_model_error(assets, tmp_pa
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
     with pytest.raises(ModelError, match="has no chat template"):
         get_family("z-image").load_text_encoder(ModelSource(str(folder)), CaptionsConfig(max_sequence_length=32), CPU)
+
+
+def test_encode_captions_batches_by_the_longest_caption_to_encode(fam, assets, demo_data, tmp_path):
+    """Under a cap, encode-captions plans for the longest caption captions.max_sequence_length allows; where the
+    family's encoders read a batch at its longest caption (Qwen-Image) and the captions to encode are shorter, it
+    encodes in the larger batch that fits them, and says so. Z-Image pads to the length: its batch stays."""
+    from conftest import make_cfg
+    from stages import encode_captions
+    from stages.core.memory import Budget, StagePlan, calibration as cal, captions as plan_captions
+    from stages.core.memory.sizes import meta_component, module_components
+
+    family, folder, _ = fam
+    cfg = make_cfg(family.name, assets, demo_data, tmp_path, **{"model": str(folder), "captions.max_sequence_length": 64,
+                                                                 "captions.batch_size": 4})
+    src = ModelSource(str(folder))
+    models = {c: meta_component(src, c) for c in module_components(src, family.text_components)}
+    weights = plan_captions._weights(family, models, "bf16")
+    longest = max(_encoder(family, folder, 64).token_counts(CAPTIONS))
+
+    def peak(batch: int, tokens: int) -> float:
+        work = max(plan_captions.encode_work(m, batch, tokens, family.text_keeps_hidden_states) for m in models.values())
+        return (weights + work) / cal.GB * cal.FRAGMENTATION
+
+    planned_tokens, real = 64 + family.text_tokens_beyond_max, max(longest + family.text_tokens_beyond_max, 77)
+    assert peak(4, real) < peak(4, planned_tokens)
+    budget = Budget((peak(4, real) + peak(4, planned_tokens)) / 2, "cap")
+    tried = [{"text_encoder_precision": "bf16", "batch_size": b, "predicted_peak_gb": peak(b, planned_tokens)} for b in (4, 2, 1)]
+    plan = StagePlan("encode-captions", budget, {"text_encoder_precision": "bf16", "batch_size": 2}, peak(2, planned_tokens),
+                     True, tried=tried)
+    said = []
+    log = type("Log", (), {"emit": lambda self, event, **f: said.append(f.get("message", ""))})()
+    ctx = type("Ctx", (), {"log": log})()
+    planned = dataclasses.replace(cfg, captions=dataclasses.replace(cfg.captions, batch_size=2))
+    size = encode_captions._batch_size(ctx, planned, family, plan, lambda: _encoder(family, folder, 64), list(CAPTIONS))
+    if family.text_padded_to_longest:
+        assert size == 4 and any(f"longest caption to encode has {longest} tokens" in m for m in said)
+    else:
+        assert size == 2 and not said
+    cpu = dataclasses.replace(plan, budget=Budget(None, "cpu"))
+    assert encode_captions._batch_size(ctx, planned, family, cpu, lambda: _encoder(family, folder, 64), list(CAPTIONS)) == 2

@@ -445,3 +445,38 @@ def test_a_capped_plan_says_what_captions_of_several_lengths_add_beside_its_cuda
     assert said, plan.note
     assert budget.total_gb(plan.predicted_peak_gb) < _measured_total(row) <= float(said.group(1)) <= 8.0
     assert plans["flux"][0].fits and "several lengths" not in plans["flux"][0].note
+
+
+def test_encode_batches_grow_to_what_the_captions_real_length_fits(tmp_path):
+    """Qwen-Image's encoder reads a batch at its longest caption, and the plan is for the longest the preset's
+    512 tokens allow: at --vram 8 it planned nf4 in batches of 2. With the bench's short captions the same
+    encoder in batches of 4 held 7.33 GB (the 16 GB row), within 8: planned for the captions' real length the
+    batch is the preset's 4; for captions of the whole 512 tokens it stays 2. Z-Image pads every caption to the
+    length, so its batch (1 at 4 GB) never changes."""
+    from bench.bench import Runner, run_args
+    from bench.plan_cost import config_only_model
+
+    runner = Runner(run_args(work=str(tmp_path), tiny=True))
+
+    def encode_row(fam: str, vram: int) -> dict:
+        found = next((RESULTS / "budget-grid").glob(f"memory.{fam}-1024-{vram}gb-*max_sequence_length_512*batch_size_1.json"))
+        return next(r for r in json.loads(found.read_text())["items"] if r["stage"] == "encode-captions")
+
+    plans = {}
+    for fam, vram in (("qwen-image", 8), ("z-image", 4)):
+        row = encode_row(fam, vram)
+        cfg = runner.config(fam, config_only_model(fam, tmp_path / "config-only" / fam), 1024, _row_sets(row["cmd"]))
+        budget = memory.cap_budget(float(vram), memory.stage_context_gb("encode-captions"))
+        plan = memory.PLANNERS["encode-captions"].plan(cfg, get_family(fam), model_source(cfg), budget)
+        assert plan.settings == row["plan"]["settings"], (fam, plan.settings)
+        plans[fam] = (cfg, plan)
+    cfg, plan = plans["qwen-image"]
+    grow = lambda longest: memory.captions.batch_for_captions(cfg, get_family("qwen-image"), model_source(cfg), plan, longest)  # noqa: E731
+    assert plan.settings["batch_size"] == 2 and cfg.captions.batch_size == 4  # the preset's
+    assert grow(40) == 4 and grow(512) == 2 and grow(2000) == 2
+    measured = encode_row("qwen-image", 16)
+    assert measured["plan"]["settings"] == {"text_encoder_precision": "nf4", "batch_size": 4}
+    assert _measured_total(measured) <= 8.0
+    cfg, plan = plans["z-image"]  # at 4 GB: nf4 in batches of 1 of the preset's 8
+    assert plan.settings["batch_size"] == 1 < cfg.captions.batch_size
+    assert memory.captions.batch_for_captions(cfg, get_family("z-image"), model_source(cfg), plan, 10) == 1

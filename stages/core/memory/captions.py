@@ -28,8 +28,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             for batch in halvings(cfg.captions.batch_size)}
     candidates = []
     for precision in precisions:
-        weights = sum(weight_bytes(m, "bf16" if precision == "nf4" and c in family.text_whole_components else precision)
-                      for c, m in models.items())
+        weights = _weights(family, models, precision)
         for batch, w in work.items():
             candidates.append(({"text_encoder_precision": precision, "batch_size": batch}, (weights + w) / cal.GB))
     candidates += _offload_candidates(cfg, family, models, work, budget)
@@ -37,6 +36,36 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if OFFLOAD_PRECISION.get(configured) and family.text_offload_components and not has_accelerate():
         need.append("install accelerate so the text encoder's layers can stay in CPU memory (layer offload)")
     return fitting(budget, candidates, "encode-captions", either(*need))
+
+
+def _weights(family: Any, models: dict[str, Any], precision: str) -> float:
+    """The text encoders' bytes in `precision` (the components a family keeps in bf16 at their bf16 size)."""
+    return sum(weight_bytes(m, "bf16" if precision == "nf4" and c in family.text_whole_components else precision)
+               for c, m in models.items())
+
+
+def batch_for_captions(cfg: Any, family: Any, src: Any, plan: StagePlan, longest: int) -> int:
+    """The batch size to encode with once the captions are known: where the family's encoders read a batch at its
+    longest caption (family.text_padded_to_longest) and the longest caption to encode has `longest` tokens, the
+    largest batch the plan tried that its precision fits under its budget at that length (the plan is for the
+    longest caption captions.max_sequence_length allows); else, and never below it, the plan's own batch."""
+    planned = plan.settings.get("batch_size", cfg.captions.batch_size)
+    if (not family.text_padded_to_longest or family.text_sees_controls or not plan.fits or plan.budget.gb is None
+            or plan.budget.source == "cpu" or "offload_gb" in plan.settings):
+        return planned
+    limit = cfg.captions.max_sequence_length
+    tokens = max(min(longest, limit) + family.text_tokens_beyond_max, 77)
+    if tokens >= max(limit + family.text_tokens_beyond_max, 77):
+        return planned
+    models = {c: meta_component(src, c) for c in module_components(src, family.text_components)}
+    weights = _weights(family, models, plan.settings["text_encoder_precision"])
+    for batch in sorted({t["batch_size"] for t in plan.tried if "offload_gb" not in t}, reverse=True):
+        if batch <= planned:
+            break
+        work = max(encode_work(m, batch, tokens, family.text_keeps_hidden_states) for m in models.values())
+        if (weights + work) / cal.GB * cal.FRAGMENTATION <= plan.budget.gb:
+            return batch
+    return planned
 
 
 def _smaller(cfg: Any, family: Any) -> str:
