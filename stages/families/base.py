@@ -215,7 +215,11 @@ class FamilyTraits:
     none or all the same count)."""
     text_sees_controls: bool = False
     """The text encoder reads the controls: caption rows are keyed by both, and its encode takes
-    `controls=`, one list of PIL images per text."""
+    `controls=`, one list of PIL images per text, one caption at a time (as the pipeline), whatever
+    captions.batch_size is."""
+    text_tokens_per_control: int = 0
+    """Tokens a control adds to what the text encoder reads, where it reads the controls (their vision tokens),
+    which encode-captions' planner counts."""
 
     def control_images(self, control: "Image.Image", size: tuple[int, int], variants: list["Variant"],
                        bucket: tuple[int, int]) -> list["Image.Image"]:

@@ -294,3 +294,32 @@ def test_qwen_edit_changed_control_reencodes_its_caption_row(assets, edit_data, 
     (data / "shape_004_control.png").write_bytes((data / "shape_001_control.png").read_bytes())
     assert encode_captions.run(cfg)["encoded_this_run"] == 1
 
+
+
+@QWEN_EDIT
+def test_qwen_edit_encode_plan_counts_each_controls_vision_tokens(built_run, tmp_path):
+    """The text encoder reads each control's vision tokens with the caption, one caption at a time: each control,
+    whatever its aspect, adds at most family.text_tokens_per_control tokens to what it reads (196 vision tokens for a
+    square one, and its label),
+    which encode-captions' plan counts for the family's most controls, and the batch size does not change the plan's
+    working memory."""
+    from PIL import Image
+
+    from stages.core import memory
+    from stages.core.memory import captions as plan_captions
+
+    family = get_family(built_run.family)
+    encoder = family.load_text_encoder(ModelSource(built_run.model), built_run.captions, make_runtime("cpu", "fp32"))
+    counts = []
+    for sizes in ([(1024, 512)], [(1024, 512), (512, 512)], [(1024, 512), (512, 512), (300, 900)]):
+        images = [Image.new("RGB", s, (40 * i, 90, 160)) for i, s in enumerate(sizes)]
+        with torch.no_grad():
+            encoder.encode(["a red circle"], controls=[images])
+        counts.append(encoder.token_counts(["a red circle"])[0])
+    added = [b - a for a, b in zip(counts, counts[1:])]
+    assert all(family.text_tokens_per_control * 0.9 <= n <= family.text_tokens_per_control for n in added), (added, counts)
+    assert 196 < added[0] < 196 + 16, (added, counts)  # the square control: 28 x 28 patches of 14 px merged 2 x 2, and its label
+    tokens = plan_captions.encode_tokens(built_run, family)
+    assert tokens >= built_run.captions.max_sequence_length + 3 * family.text_tokens_per_control
+    plan = memory.PLANNERS["encode-captions"].plan(built_run, family, ModelSource(built_run.model), memory.Budget(1e6, "cap"))
+    assert len({round(t["predicted_peak_gb"], 9) for t in plan.tried if t["text_encoder_precision"] == "bf16"}) == 1

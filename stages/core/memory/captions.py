@@ -11,7 +11,8 @@ from stages.core.lazy import lazy_module
 from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.sizes import meta_component, module_components, text_dims, weight_bytes
-from stages.core.memory.stage_plan import Planner, StagePlan, changeable, either, fitting, halvings, nf4_instead
+from stages.core.memory.stage_plan import (Planner, StagePlan, changeable, either, fitting, halvings, nf4_instead,
+                                          planned_controls)
 
 torch = lazy_module("torch")  # imported at first use: `status` and a no-op `run` need no torch
 
@@ -23,8 +24,10 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     models = {c: meta_component(src, c) for c in module_components(src, family.text_components)}
     configured = cfg.captions.text_encoder_precision
     precisions = [first_precision(cfg), "nf4"] if configured == "auto" else [configured]
-    tokens = max(cfg.captions.max_sequence_length + family.text_tokens_beyond_max, 77)
-    work = {batch: max(encode_work(m, batch, tokens, family.text_keeps_hidden_states) for m in models.values())
+    tokens = encode_tokens(cfg, family)
+    # an encoder that reads the controls takes one caption at a time, whatever the batch size
+    work = {batch: max(encode_work(m, 1 if family.text_sees_controls else batch, tokens, family.text_keeps_hidden_states)
+                       for m in models.values())
             for batch in halvings(cfg.captions.batch_size)}
     candidates = []
     for precision in precisions:
@@ -36,6 +39,13 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if OFFLOAD_PRECISION.get(configured) and family.text_offload_components and not has_accelerate():
         need.append("install accelerate so the text encoder's layers can stay in CPU memory (layer offload)")
     return fitting(budget, candidates, "encode-captions", either(*need))
+
+
+def encode_tokens(cfg: Any, family: Any) -> int:
+    """The tokens an encode plans for: captions.max_sequence_length, what the family's template adds beyond it,
+    and the vision tokens of an item's controls where the encoder reads them."""
+    controls = planned_controls(cfg, family) if family.text_sees_controls else 0
+    return max(cfg.captions.max_sequence_length + family.text_tokens_beyond_max, 77) + controls * family.text_tokens_per_control
 
 
 def _weights(family: Any, models: dict[str, Any], precision: str) -> float:

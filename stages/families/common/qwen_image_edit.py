@@ -117,6 +117,10 @@ class QwenImageEdit(QwenImageBase):
     text_components = ("tokenizer", "text_encoder", "processor")
     control_range = (1, 3)  # Qwen-Image-Edit-2509 is trained on 1 to 3 input images
     text_sees_controls = True
+    # a control at the pipeline's CONDITION_IMAGE_SIZE (384 x 384 px), resized by the Qwen2-VL processor to
+    # multiples of 28 px, one vision token per 28 x 28 px (196 for a square control, about that for others),
+    # and its "Picture k: " label's tokens
+    text_tokens_per_control = 210
 
     # ---- encode-captions
     def load_text_encoder(self, src: Any, cfg: Any, rt: Any) -> QwenImageEditTextEncoder:
