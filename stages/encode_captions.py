@@ -249,15 +249,17 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
 def _batch_size(ctx: Any, cfg: Any, family: Any, plan: Any, load: Any, todo: list[str]) -> int:
     """captions.batch_size as planned, or larger where the family's encoders read a batch at its longest caption
     and the captions to encode are shorter than the plan assumed (their tokens counted with the loaded encoder's
-    tokenizer), said in an info line."""
+    tokenizer): said in an info line, and the plan it encodes with logged after the first."""
     from stages.core import memory
 
     planned = cfg.captions.batch_size
     if plan is None or not todo or not family.text_padded_to_longest or family.text_sees_controls:
         return planned
     longest = max(load().token_counts(todo))
-    size = memory.captions.batch_for_captions(cfg, family, model_source(cfg), plan, longest)
+    grown = memory.captions.batch_for_captions(cfg, family, model_source(cfg), plan, longest)
+    size = grown.settings.get("batch_size", planned)
     if size != planned:
+        ctx.log.emit("plan", **grown.to_dict())
         ctx.log.emit("info", message=f"encoding in batches of {size}: the longest caption to encode has {longest} tokens, "
                                      f"and the plan's batch of {planned} is for {cfg.captions.max_sequence_length} "
                                      f"(captions.max_sequence_length)")

@@ -356,14 +356,16 @@ def test_encode_captions_batches_by_the_longest_caption_to_encode(fam, assets, d
     tried = [{"text_encoder_precision": "bf16", "batch_size": b, "predicted_peak_gb": peak(b, planned_tokens)} for b in (4, 2, 1)]
     plan = StagePlan("encode-captions", budget, {"text_encoder_precision": "bf16", "batch_size": 2}, peak(2, planned_tokens),
                      True, tried=tried)
-    said = []
-    log = type("Log", (), {"emit": lambda self, event, **f: said.append(f.get("message", ""))})()
+    said, plans = [], []
+    log = type("Log", (), {"emit": lambda self, event, **f: (plans if event == "plan" else said).append(f)})()
     ctx = type("Ctx", (), {"log": log})()
     planned = dataclasses.replace(cfg, captions=dataclasses.replace(cfg.captions, batch_size=2))
     size = encode_captions._batch_size(ctx, planned, family, plan, lambda: _encoder(family, folder, 64), list(CAPTIONS))
     if family.text_padded_to_longest:
-        assert size == 4 and any(f"longest caption to encode has {longest} tokens" in m for m in said)
+        assert size == 4 and any(f"longest caption to encode has {longest} tokens" in f["message"] for f in said)
+        assert [p["settings"]["batch_size"] for p in plans] == [4]  # the plan it encodes with, logged (bench rows read it)
+        assert plans[0]["predicted_peak_gb"] < budget.gb
     else:
-        assert size == 2 and not said
+        assert size == 2 and not said and not plans
     cpu = dataclasses.replace(plan, budget=Budget(None, "cpu"))
     assert encode_captions._batch_size(ctx, planned, family, cpu, lambda: _encoder(family, folder, 64), list(CAPTIONS)) == 2

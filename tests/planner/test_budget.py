@@ -471,12 +471,15 @@ def test_encode_batches_grow_to_what_the_captions_real_length_fits(tmp_path):
         assert plan.settings == row["plan"]["settings"], (fam, plan.settings)
         plans[fam] = (cfg, plan)
     cfg, plan = plans["qwen-image"]
-    grow = lambda longest: memory.captions.batch_for_captions(cfg, get_family("qwen-image"), model_source(cfg), plan, longest)  # noqa: E731
+    grow = lambda longest: memory.captions.batch_for_captions(  # noqa: E731
+        cfg, get_family("qwen-image"), model_source(cfg), plan, longest).settings["batch_size"]
     assert plan.settings["batch_size"] == 2 and cfg.captions.batch_size == 4  # the preset's
     assert grow(40) == 4 and grow(512) == 2 and grow(2000) == 2
+    grown = memory.captions.batch_for_captions(cfg, get_family("qwen-image"), model_source(cfg), plan, 40)
+    assert grown.budget.total_gb(grown.predicted_peak_gb) <= 8.0 and "at most 40 tokens" in grown.note
     measured = encode_row("qwen-image", 16)
     assert measured["plan"]["settings"] == {"text_encoder_precision": "nf4", "batch_size": 4}
     assert _measured_total(measured) <= 8.0
     cfg, plan = plans["z-image"]  # at 4 GB: nf4 in batches of 1 of the preset's 8
     assert plan.settings["batch_size"] == 1 < cfg.captions.batch_size
-    assert memory.captions.batch_for_captions(cfg, get_family("z-image"), model_source(cfg), plan, 10) == 1
+    assert memory.captions.batch_for_captions(cfg, get_family("z-image"), model_source(cfg), plan, 10) is plan

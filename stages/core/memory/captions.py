@@ -54,28 +54,30 @@ def _weights(family: Any, models: dict[str, Any], precision: str) -> float:
                for c, m in models.items())
 
 
-def batch_for_captions(cfg: Any, family: Any, src: Any, plan: StagePlan, longest: int) -> int:
-    """The batch size to encode with once the captions are known: where the family's encoders read a batch at its
+def batch_for_captions(cfg: Any, family: Any, src: Any, plan: StagePlan, longest: int) -> StagePlan:
+    """The plan to encode with once the captions are known: where the family's encoders read a batch at its
     longest caption (family.text_padded_to_longest) and the longest caption to encode has `longest` tokens, the
-    largest batch the plan tried that its precision fits under its budget at that length (the plan is for the
-    longest caption captions.max_sequence_length allows); else, and never below it, the plan's own batch."""
+    largest batch the plan tried that its precision fits under its budget at that length, with its predicted peak
+    there (the plan is for the longest caption captions.max_sequence_length allows); else `plan` itself."""
     planned = plan.settings.get("batch_size", cfg.captions.batch_size)
     if (not family.text_padded_to_longest or family.text_sees_controls or not plan.fits or plan.budget.gb is None
             or plan.budget.source == "cpu" or "offload_gb" in plan.settings):
-        return planned
+        return plan
     limit = cfg.captions.max_sequence_length
     tokens = max(min(longest, limit) + family.text_tokens_beyond_max, 77)
     if tokens >= max(limit + family.text_tokens_beyond_max, 77):
-        return planned
+        return plan
     models = {c: meta_component(src, c) for c in module_components(src, family.text_components)}
     weights = _weights(family, models, plan.settings["text_encoder_precision"])
     for batch in sorted({t["batch_size"] for t in plan.tried if "offload_gb" not in t}, reverse=True):
         if batch <= planned:
             break
-        work = max(encode_work(m, batch, tokens, family.text_keeps_hidden_states) for m in models.values())
-        if (weights + work) / cal.GB * cal.FRAGMENTATION <= plan.budget.gb:
-            return batch
-    return planned
+        peak = (weights + max(encode_work(m, batch, tokens, family.text_keeps_hidden_states) for m in models.values())) / cal.GB
+        if peak * cal.FRAGMENTATION <= plan.budget.gb:
+            return dataclasses.replace(plan, settings={**plan.settings, "batch_size": batch}, predicted_peak_gb=peak,
+                                       note=f"batches of {batch} for captions of at most {longest} tokens (the plan for "
+                                            f"{limit}, captions.max_sequence_length, had {planned})")
+    return plan
 
 
 def _smaller(cfg: Any, family: Any) -> str:
