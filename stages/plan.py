@@ -105,7 +105,6 @@ def print_table(result: dict[str, Any]) -> None:
     if result["budget_source"] == "cap":
         console.print("A --vram number counts the whole process: each stage's plan fits torch's allocator into the "
                       "number less that stage's CUDA context.")
-    if result["budget_source"] == "cap":
         console.print(allocator_line())
 
 
