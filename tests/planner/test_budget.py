@@ -260,8 +260,8 @@ def _ratios(rows: list[tuple[str, dict]], tmp_path: Path, counts_context: bool,
             caption_tokens: int | None = None) -> dict[str, float]:
     """Predicted total / measured total per row: each row's plan recomputed by today's planner from the full-size
     configs (the settings it ran with among the candidates), its reserved peak plus the planned context, and in
-    a train row whose captions came in several lengths what those hold beside its CUDA graph (`other_shapes_gb`,
-    which the plan's note adds). A row of a budget that
+    a train row whose captions came in several lengths what those hold beside its CUDA graph
+    (`train_options.other_shapes_gb`, which the plan's note adds). A row of a budget that
     counts the context is planned under it (an offload share depends on it); older rows, whose number capped the
     allocator alone, ran no offload and are planned without a limit. `caption_tokens`: encode-captions planned
     for captions of that many tokens where the family's encoders read each caption at its own length."""
@@ -284,7 +284,11 @@ def _ratios(rows: list[tuple[str, dict]], tmp_path: Path, counts_context: bool,
         same = [t for t in plan.tried if ("offload_gb" in t) == ("offload_gb" in ran) and all(
             t.get(k) == v for k, v in ran.items() if k not in ("blocks", "host_gb", "graph_room", "gpu_weights_gb", "offload_gb", "gpu_layers"))]
         assert same, (name, ran, plan.tried)
-        peak = same[0]["predicted_peak_gb"] + (same[0].get("other_shapes_gb", 0.0) if _several_lengths(r) else 0.0)
+        peak = same[0]["predicted_peak_gb"]
+        if r["stage"] == "train" and _several_lengths(r):
+            t = same[0]
+            peak += memory.train_options.other_shapes_gb(get_family(fam), t, peak, t["activations_gb"], t["lora_grads_gb"],
+                                                         budget, memory.train_options.graphs_mode(cfg, budget))
         out[name] = (peak * memory.FRAGMENTATION + context) / _measured_total(r, counts_context)
     return out
 

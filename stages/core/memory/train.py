@@ -160,9 +160,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     if plan.fits and (plan.settings["swapped_blocks"] or (partial and plan.settings["checkpointed_blocks"] < n) or fewer_fp8) \
             and mode:
         plan = with_graph_room(plan, candidates, acts_gb, grads_gb, budget, mode, fewer_fp8)
-    for tried in plan.tried:  # the eager steps of other caption lengths beside a CUDA graph's memory
-        tried["other_shapes_gb"] = round(other_shapes_gb(family, tried, tried["predicted_peak_gb"], tried["activations_gb"],
-                                                         grads_gb, budget, mode), 6)
+    # the eager steps of other caption lengths beside a CUDA graph's memory
     extra = other_shapes_gb(family, plan.settings, plan.predicted_peak_gb, acts_gb(plan.settings), grads_gb, budget, mode) \
         if plan.fits else 0.0
     if extra:
