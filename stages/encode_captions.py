@@ -205,7 +205,8 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
             state["template_tokens"] = template_tokens(family, state["encoder"], cfg.captions.max_sequence_length)
         return state["encoder"]
 
-    size = _batch_size(ctx, cfg, family, plan, load, [texts[c] for c in todo_ids])
+    counted = _token_counts(family, plan, load, {c: texts[c] for c in todo_ids})  # {} where the batch stays as planned
+    size = _batch_size(ctx, cfg, family, plan, max(counted.values(), default=0))
     batches = shard_batches(todo_ids, size, lambda cid: rows[cid] // per_shard)
 
     def encode_batch(batch: list[str]) -> None:
@@ -227,7 +228,7 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
         for i, cid in enumerate(batch):
             state["store"].journal_row(row_of[cid], {k: v[i] for k, v in encoded.items()})
             faults.hit(NAME)
-        for cid, n in zip(batch, state["encoder"].token_counts(batch_texts)):
+        for cid, n in zip(batch, [counted[c] for c in batch] if counted else state["encoder"].token_counts(batch_texts)):
             if n > cfg.captions.max_sequence_length:
                 state["truncated"][cid] = n
 
@@ -246,16 +247,23 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
     return {"store": state["store"], "truncated": truncated, "rt": rt, "template_tokens": state.get("template_tokens")}
 
 
-def _batch_size(ctx: Any, cfg: Any, family: Any, plan: Any, load: Any, todo: list[str]) -> int:
-    """captions.batch_size as planned, or larger where the family's encoders read a batch at its longest caption
-    and the captions to encode are shorter than the plan assumed (their tokens counted with the loaded encoder's
-    tokenizer): said in an info line, and the plan it encodes with logged after the first."""
+def _token_counts(family: Any, plan: Any, load: Any, todo: dict[str, str]) -> dict[str, int]:
+    """Each caption to encode's tokens (id -> count, counted with the loaded encoder's tokenizer) where the family's
+    encoders read a batch at its longest caption, so the batch size can follow them (`_batch_size`); else {}."""
+    if plan is None or not todo or not family.text_padded_to_longest or family.text_sees_controls:
+        return {}
+    return dict(zip(todo, load().token_counts(list(todo.values()))))
+
+
+def _batch_size(ctx: Any, cfg: Any, family: Any, plan: Any, longest: int) -> int:
+    """captions.batch_size as planned, or larger where the longest caption to encode (`longest` tokens; 0: not
+    counted) is shorter than the plan assumed (memory.captions.batch_for_captions): said in an info line, and the
+    plan it encodes with logged after the first."""
     from stages.core import memory
 
     planned = cfg.captions.batch_size
-    if plan is None or not todo or not family.text_padded_to_longest or family.text_sees_controls:
+    if not longest:
         return planned
-    longest = max(load().token_counts(todo))
     grown = memory.captions.batch_for_captions(cfg, family, model_source(cfg), plan, longest)
     size = grown.settings.get("batch_size", planned)
     if size != planned:

@@ -360,7 +360,10 @@ def test_encode_captions_batches_by_the_longest_caption_to_encode(fam, assets, d
     log = type("Log", (), {"emit": lambda self, event, **f: (plans if event == "plan" else said).append(f)})()
     ctx = type("Ctx", (), {"log": log})()
     planned = dataclasses.replace(cfg, captions=dataclasses.replace(cfg.captions, batch_size=2))
-    size = encode_captions._batch_size(ctx, planned, family, plan, lambda: _encoder(family, folder, 64), list(CAPTIONS))
+    encoder = lambda: _encoder(family, folder, 64)  # noqa: E731
+    counted = encode_captions._token_counts(family, plan, encoder, dict(enumerate(CAPTIONS)))
+    assert bool(counted) == family.text_padded_to_longest and (not counted or max(counted.values()) == longest)
+    size = encode_captions._batch_size(ctx, planned, family, plan, max(counted.values(), default=0))
     if family.text_padded_to_longest:
         assert size == 4 and any(f"longest caption to encode has {longest} tokens" in f["message"] for f in said)
         assert [p["settings"]["batch_size"] for p in plans] == [4]  # the plan it encodes with, logged (bench rows read it)
@@ -368,4 +371,4 @@ def test_encode_captions_batches_by_the_longest_caption_to_encode(fam, assets, d
     else:
         assert size == 2 and not said and not plans
     cpu = dataclasses.replace(plan, budget=Budget(None, "cpu"))
-    assert encode_captions._batch_size(ctx, planned, family, cpu, lambda: _encoder(family, folder, 64), list(CAPTIONS)) == 2
+    assert encode_captions._batch_size(ctx, planned, family, cpu, longest) == 2
