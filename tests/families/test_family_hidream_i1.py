@@ -7,6 +7,8 @@
 - one training loss equals what the pipeline's own denoising step implies (timestep = sigma x 1000, the
   negated output, no packing) for a square and a non-square (padded) latent, in eval and training mode;
 - training mode's routed experts pass gradients (eval mode's `moe_infer` runs under no_grad);
+- the MoE path a compiled or graphed step runs equals the routed one without shapes that depend on the routing,
+  and the trained denoiser's patch layout is diffusers', made once per shape;
 - the timestep shift is the scheduler's; latent normalization; the blocks block swap and checkpointing see;
   ComfyUI's names; the config checks; sampling renders the asked size.
 """
@@ -144,6 +146,83 @@ def test_routed_experts_pass_gradients_in_training_mode(hidream):
         torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(trained[1], expected[1], rtol=1e-5, atol=1e-6)
     assert (inferred[1] - expected[1]).abs().max() > 1e-3, "eval mode's routed experts pass no gradient"
+
+
+def _trained_moe(folder):
+    model = get_family("hidream-i1").load_denoiser(ModelSource(str(folder)), "fp32", CPU, TrainConfig())
+    return model.train(), model.single_stream_blocks[0].block.ff_i
+
+
+def test_the_dense_moe_is_the_routed_one_without_routing_dependent_shapes(hidream):
+    """`DenseRoutedMoE.dense` (every routed expert on every token, weighted by the router) gives the routed path's
+    output and gradients, input's and router's; under fake tensors (shapes without data) it runs, where the routed
+    path stops at its boolean-mask `nonzero`, the op whose size the host must read back, which a CUDA graph
+    cannot capture."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+    from stages.families.hidream_i1.denoiser import DenseRoutedMoE
+
+    _, moe = _trained_moe(hidream[1])
+    assert isinstance(moe, DenseRoutedMoE)
+    moe.gate.weight.requires_grad_(True)  # frozen in training; its gradient shows the router's path
+    x = torch.randn(2, 24, moe.gate.gating_dim, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    r = torch.randn(2, 24, moe.gate.gating_dim, generator=torch.Generator().manual_seed(6))
+
+    def run(fn):
+        x.grad, moe.gate.weight.grad = None, None
+        y = fn(x)
+        (y * r).sum().backward()
+        return y.detach(), x.grad.clone(), moe.gate.weight.grad.clone()
+
+    routed, dense = run(moe), run(moe.dense)  # eager: the module's forward is the routed path
+    top2 = torch.topk(moe.gate.weight @ x.detach().reshape(-1, x.shape[-1]).T, 2, dim=0).indices
+    assert len(top2.flatten().unique()) > 2, "the tokens must pick different experts"
+    torch.testing.assert_close(dense[0], routed[0], rtol=0, atol=0)
+    for got, want in zip(dense[1:], routed[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor(x.detach())
+        assert moe.dense(fake).shape == x.shape
+        with pytest.raises(DynamicOutputShapeException, match="nonzero"):
+            super(DenseRoutedMoE, moe).forward(fake)
+
+
+def test_a_compiled_moe_traces_the_dense_path(hidream):
+    """Compiled (dynamo tracing the block), the MoE's training forward is `dense`: its graph holds the top-k and
+    the scattered weights, and its output is the eager routed one."""
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _, moe = _trained_moe(hidream[1])
+    x = torch.randn(2, 24, moe.gate.gating_dim, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eager = moe(x)
+        compiled = torch.compile(moe, backend=record, fullgraph=True)(x)
+    code = "\n".join(gm.code for gm in graphs)
+    assert len(graphs) == 1 and "topk" in code and "scatter" in code and "stack" in code
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hw", [(8, 8), (8, 6)])  # 8 x 6: padded to max_seq
+def test_the_trained_denoisers_patches_are_diffusers_with_the_layout_made_once(hidream, hw):
+    """The patches and the mask, image sizes and ids beside them equal diffusers' `patchify`; the second batch of
+    a shape reuses the layout (diffusers makes its sizes by a host-to-device copy, which a CUDA graph cannot
+    capture), with that batch's own patches."""
+    model, _ = _trained_moe(hidream[1])
+    g = torch.Generator().manual_seed(8)
+    first, second = (torch.randn(2, 16, *hw, generator=g) for _ in range(2))
+    ours = [model.patchify(first), model.patchify(second)]
+    for got, x in zip(ours, (first, second)):
+        want = diffusers.HiDreamImageTransformer2DModel.patchify(model, x)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        for a, b in zip(got[1:], want[1:]):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert all(a is b for a, b in zip(ours[0][1:], ours[1][1:]))
+    assert not torch.equal(ours[0][0], ours[1][0])
 
 
 def test_checkpointed_blocks_train_as_without_checkpointing(hidream):

@@ -105,10 +105,13 @@ class HiDreamI1(KLVAELatents, FamilyTraits):
     text_tokens_beyond_max = 0  # each encoder reads at most captions.max_sequence_length tokens (CLIP: 218)
     text_whole_components = ("text_encoder", "text_encoder_2")  # the CLIPs stay bf16 under nf4
     repeated_blocks = ("HiDreamBlock",)  # diffusers' class names none (denoiser.HiDreamTrainable)
-    # Estimates from the layer widths, to be fitted on the H200: FLUX.1's 17 units of a block with attention and
-    # an MLP, plus the MoE's routed copies (2 experts x 4 tensors of 2.7x the width) and its shared expert
-    block_saved_units = {"HiDreamBlock": 40.0}
-    block_work_units = 48.0
+    # Estimates from the layer widths: FLUX.1's 17 units of a block with attention and an MLP, the MoE's routed
+    # copies (2 experts x 4 tensors of 2.7x the width) and its shared expert: 40 and 48 (the --vram 16 row, eager,
+    # held 0.94x its plan); a compiled or graphed step runs every routed expert on every token
+    # (denoiser.DenseRoutedMoE): 2 more experts' 4 tensors, and the stacked outputs and their weighted copy, 4 + 4,
+    # less the routed path's repeated input and output, 2 + 2: 26 more units
+    block_saved_units = {"HiDreamBlock": 66.0}
+    block_work_units = 74.0
     kohya_layout = KOHYA_LAYOUT
     comfyui_layout = COMFYUI_LAYOUT
 
@@ -138,7 +141,7 @@ class HiDreamI1(KLVAELatents, FamilyTraits):
     def load_denoiser(self, src: Any, precision: str, rt: Any, tcfg: Any) -> torch.nn.Module:
         from stages.families.hidream_i1.denoiser import HiDreamTrainable
 
-        return load_denoiser_weights(HiDreamTrainable, src, "transformer", precision, rt, tcfg.nf4_double_quant)
+        return load_denoiser_weights(HiDreamTrainable, src, "transformer", precision, rt, tcfg.nf4_double_quant).dense_moe()
 
     def loss(self, denoiser: torch.nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
              cond: dict[str, torch.Tensor], meta: BatchMeta, tcfg: Any) -> torch.Tensor:
