@@ -225,6 +225,35 @@ def test_the_trained_denoisers_patches_are_diffusers_with_the_layout_made_once(h
     assert not torch.equal(ours[0][0], ours[1][0])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a CUDA graph capture)")
+def test_a_cuda_graph_captures_the_training_forward(hidream):
+    """The trained denoiser's training-mode forward captures into a CUDA graph (a device sync or host-to-device
+    copy would stop the capture: the routed MoE's masks, diffusers' patchify), after one eager forward of the
+    shape as the trainer runs before capturing; the replay gives the eager (routed) output."""
+    family, folder, _ = hidream
+    model, _ = _trained_moe(folder)
+    model = model.cuda()
+    cond = {k: v.cuda() for k, v in _encode(family, folder, 16).items()}
+    g = torch.Generator().manual_seed(9)
+    latents = torch.randn(2, 16, 8, 6, generator=g).cuda()
+    args = dict(hidden_states=latents, timesteps=torch.tensor([300.0, 700.0], device="cuda"),
+                encoder_hidden_states_t5=cond["t5"], encoder_hidden_states_llama3=cond["llama"].transpose(0, 1),
+                pooled_embeds=cond["pooled"], return_dict=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        eager = model(**args)[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(**args)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = model(**args)[0]
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_checkpointed_blocks_train_as_without_checkpointing(hidream):
     """Gradient checkpointing of the HiDreamBlocks (as the trainer turns it on) recomputes the same routing:
     equal loss and LoRA gradients in training mode, on a non-square (padded) batch."""
