@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
-from stages.core import dataset, distributed, video
+from stages.core import aspect_buckets, dataset, distributed, image_io, video
 from stages.core import faults
 from stages.core.artifacts import (DamagedManifest, fingerprint, invalidate_manifest, read_manifest, remove_dir,
                                    sweep_leftovers, write_manifest)
@@ -25,7 +25,7 @@ from stages.core import caches
 from stages.core.caches import latents_dir, load_latents  # noqa: F401 - load_latents: still importable from here
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
 from stages.core.config import command
-from stages.core.errors import ConfigError
+from stages.core.errors import ConfigError, listing
 from stages.core.model_source import ModelSource, model_source
 from stages.core.rowstore import RowStore, new_rows_per_shard
 from stages.core.schema import Bucket
@@ -99,16 +99,16 @@ def buckets_for(cfg: Any, family: Any, src: ModelSource, resolution: int | None 
     if cfg.data.bucket_step and cfg.data.bucket_step % multiple:
         raise ConfigError(f"data.bucket_step = {cfg.data.bucket_step} is not a multiple of {multiple}, which this "
                           f"model's latents need: set it to a multiple of {multiple} (or 0 for {multiple})")
-    return [Bucket(*b) for b in dataset.make_buckets(resolution or cfg.data.resolution,
+    return [Bucket(*b) for b in aspect_buckets.make_buckets(resolution or cfg.data.resolution,
                                                      cfg.data.bucket_step or multiple, cfg.data.max_aspect)]
 
 
-def _pixels(image: Any, variants: list[dataset.Variant], bucket: tuple[int, int]) -> Any:
-    return _to_pixels([dataset.render_variant(image, v, bucket) for v in variants])
+def _pixels(image: Any, variants: list[aspect_buckets.Variant], bucket: tuple[int, int]) -> Any:
+    return _to_pixels([image_io.render_variant(image, v, bucket) for v in variants])
 
 
-def _clip_pixels(item: dataset.Item, info: ClipInfo, variants: list[dataset.Variant], bucket: Bucket, data: Any,
-                 cfg: Any) -> tuple[list[dataset.Variant], Any]:
+def _clip_pixels(item: dataset.Item, info: ClipInfo, variants: list[aspect_buckets.Variant], bucket: Bucket, data: Any,
+                 cfg: Any) -> tuple[list[aspect_buckets.Variant], Any]:
     """A clip's variants with their start frames, and their pixels (N, 3, F, H, W) in [-1, 1]: every
     variant's frames decoded in one pass, each cut like the variant's crop."""
     import torch
@@ -118,7 +118,7 @@ def _clip_pixels(item: dataset.Item, info: ClipInfo, variants: list[dataset.Vari
     indices = [video.frame_indices(info, v.start, data.frames, data.fps) for v in variants]
     wanted = sorted({i for ix in indices for i in ix})
     decoded = dict(zip(wanted, video.read_frames(item.image_path, wanted, cfg.data.background)))
-    clips = [_to_pixels([dataset.render_variant(decoded[i], v, bucket) for i in ix]) for v, ix in zip(variants, indices)]
+    clips = [_to_pixels([image_io.render_variant(decoded[i], v, bucket) for i in ix]) for v, ix in zip(variants, indices)]
     return variants, torch.stack([c.transpose(0, 1) for c in clips])  # (F, 3, H, W) -> (3, F, H, W) each
 
 
@@ -159,14 +159,14 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
             if slow:
                 log.emit("warning", item=it.key, message=slow)
         except Exception as e:  # noqa: BLE001 - PIL raises many types for broken files
-            err = dataset.BadImage(str(e)) if isinstance(e, video.BadClip) else e if isinstance(e, dataset.BadImage) \
-                else dataset.BadImage(f"image '{it.image_path}' cannot be read ({e})")
+            err = image_io.BadImage(str(e)) if isinstance(e, video.BadClip) else e if isinstance(e, image_io.BadImage) \
+                else image_io.BadImage(f"image '{it.image_path}' cannot be read ({e})")
             if cfg.data.on_bad_image == "error":
                 err.item = it.key
                 bad.append(err)
                 continue
-            skipped.append((it.key, dataset.as_skipped(str(err))))
-            log.emit("skipped", item=it.key, reason=dataset.as_skipped(str(err)))
+            skipped.append((it.key, image_io.as_skipped(str(err))))
+            log.emit("skipped", item=it.key, reason=image_io.as_skipped(str(err)))
             continue
         found[it.latent_key] = (it, size)
     if bad:
@@ -177,7 +177,7 @@ def plan_images(cfg: Any, items: list[dataset.Item], buckets: dict[int, list[Buc
     assigned: dict[str, Bucket] = {}
     for resolution, group in sorted(buckets.items()):  # each resolution's images fill its own buckets,
         for frames in sorted(set(frames_of.values())):  # and each clip length its own
-            part, notes = dataset.bucket_plan({i: (it.key, size) for i, (it, size) in found.items()
+            part, notes = aspect_buckets.bucket_plan({i: (it.key, size) for i, (it, size) in found.items()
                                                if datasets[it.dataset].resolution == resolution
                                                and frames_of[i] == frames}, group, fill, cfg.data.max_aspect)
             assigned.update({i: Bucket(*b[:2], frames) for i, b in part.items()})
@@ -212,7 +212,7 @@ def _probe(cfg: Any, item: dataset.Item, clips: dict[str, ClipInfo]) -> tuple[in
     from stages.families import get_family
 
     if not item.is_clip:
-        return dataset.image_size(item.image_path)
+        return image_io.image_size(item.image_path)
     family = get_family(cfg.family)
     if not family.trains_video:
         raise video.BadClip(f"clip '{item.image_path}': {cfg.family} trains on images, not clips; train a video "
@@ -231,19 +231,19 @@ def _check_mask_size(item: dataset.Item, size: tuple[int, int]) -> None:
     checks the decoded mask again, in case the file changed since)."""
     if item.mask_path is None:
         return
-    w, h = dataset.image_size(item.mask_path)
+    w, h = image_io.image_size(item.mask_path)
     if (w, h) != size:
-        raise dataset.BadImage(f"loss mask '{item.mask_path}' is {w}x{h} but its image '{item.image_path}' is "
+        raise image_io.BadImage(f"loss mask '{item.mask_path}' is {w}x{h} but its image '{item.image_path}' is "
                                f"{size[0]}x{size[1]}: save the mask at the image's size")
 
 
-def _masks(mask: Any, variants: list[dataset.Variant], bucket: Bucket, latent_hw: tuple[int, int]) -> Any:
+def _masks(mask: Any, variants: list[aspect_buckets.Variant], bucket: Bucket, latent_hw: tuple[int, int]) -> Any:
     """(variants, h, w) loss weights at latent resolution, cut like each variant; ones without a mask."""
     import numpy as np
 
     if mask is None:
         return np.ones((len(variants), *latent_hw), dtype=np.float32)
-    return np.stack([dataset.mask_at_latents(mask, v, bucket, latent_hw) for v in variants])
+    return np.stack([image_io.mask_at_latents(mask, v, bucket, latent_hw) for v in variants])
 
 
 def _open_store(path: Path, bucket: Bucket, layout_fp: str) -> RowStore | None:
@@ -367,7 +367,7 @@ def _up_to_date(cfg: Any, manifest: dict[str, Any], items: list[dataset.Item], l
             or damaged_rows(cfg, manifest) or lacks(cfg, manifest):
         return None  # a skipped image refused by data.on_bad_image = "error" is planned again, and named
     skipped = [s["item"] for s in manifest.get("skipped", [])]
-    cached = f"every image but the {len(skipped)} skipped ({dataset.listing(skipped)})" if skipped else "every image"
+    cached = f"every image but the {len(skipped)} skipped ({listing(skipped)})" if skipped else "every image"
     log.emit("up_to_date", fingerprint=manifest["fingerprint"],
              notes=[f"{cached} is cached with these settings; `{command(cfg, NAME, '--force')}` encodes them again"])
     return {**manifest, "encoded_this_run": 0, "up_to_date": True}
@@ -379,7 +379,7 @@ def _raise_failed(gathered: list[list[tuple[int, str, str]]]) -> None:
     failed = sorted(f for part in gathered for f in part)
     errors = []
     for _, key, reason in failed:
-        errors.append(dataset.BadImage(reason))
+        errors.append(image_io.BadImage(reason))
         errors[-1].item = key
     if errors:
         raise dataset.collected(errors, "images")
@@ -453,35 +453,35 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
         bucket, image_id = unit
         item, size, _ = plan[image_id]
         d = datasets[item.dataset]
-        variants = dataset.plan_variants(dataset.pixels_id(item), size, bucket, d.cache_variants, cfg.seed, d.random_flip,
+        variants = aspect_buckets.plan_variants(dataset.pixels_id(item), size, bucket, d.cache_variants, cfg.seed, d.random_flip,
                                          d.crop, d.crop_zoom)
         try:
             if item.is_clip:
                 variants, pixels = _clip_pixels(item, clips[image_id], variants, bucket, d, cfg)
                 return None, None, [], variants, pinned(pixels, rt.device)
-            image = dataset.load_image(item.image_path, cfg.data.background)
-            mask = None if item.mask_path is None else dataset.load_mask(item.mask_path, size)
-            controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
+            image = image_io.load_image(item.image_path, cfg.data.background)
+            mask = None if item.mask_path is None else image_io.load_mask(item.mask_path, size)
+            controls = [image_io.load_image(c, cfg.data.background) for c in item.controls]
         except video.BadClip as e:
-            return dataset.BadImage(str(e))
-        except dataset.BadImage as e:
+            return image_io.BadImage(str(e))
+        except image_io.BadImage as e:
             return e
         return image, mask, controls, variants, pinned(_pixels(image, variants, bucket), rt.device)
 
-    def skip_image(unit: tuple[Bucket, str], bad: dataset.BadImage) -> None:
+    def skip_image(unit: tuple[Bucket, str], bad: image_io.BadImage) -> None:
         item = plan[unit[1]][0]
         if cfg.data.on_bad_image == "error":  # reported with every other one once the rest are encoded
             load_failed.append((position[unit], item.key, str(bad)))
             return
-        load_skipped.append((position[unit], item.key, dataset.as_skipped(str(bad))))
-        ctx.log.emit("skipped", item=item.key, reason=dataset.as_skipped(str(bad)))
+        load_skipped.append((position[unit], item.key, image_io.as_skipped(str(bad))))
+        ctx.log.emit("skipped", item=item.key, reason=image_io.as_skipped(str(bad)))
 
     def encode_image(unit: tuple[Bucket, str], read: Any) -> Callable[[], None]:
         """Queue the VAE's work for one image; -> its finish (encode_units calls it once the next image's
         work is queued): the row copied to the host and journaled, or a bad image reported, in order."""
         bucket, image_id = unit
         item, size, _ = plan[image_id]
-        if isinstance(read, dataset.BadImage):
+        if isinstance(read, image_io.BadImage):
             return lambda: skip_image(unit, read)
         _, mask, controls, variants, pixels = read
         with torch.no_grad():
@@ -549,7 +549,7 @@ def _encode(ctx: Any, cfg: Any, plan: dict, by_bucket: dict[Bucket, list[str]], 
 
 
 def _control_posteriors(family: Any, vae: Any, controls: list[Any], size: tuple[int, int],
-                        variants: list[dataset.Variant], bucket: Bucket, device: Any) -> dict[str, Any]:
+                        variants: list[aspect_buckets.Variant], bucket: Bucket, device: Any) -> dict[str, Any]:
     """Each control image's posterior, `control_<k>_mean`/`_logvar` (n_variants, C, h, w), as the
     family's pipeline would see it beside each variant of the target (its `control_images`)."""
     from stages.core.host_copies import pinned
@@ -607,7 +607,7 @@ def _write(ctx: Any, cfg: Any, items: list[dataset.Item], plan: dict, by_bucket:
         **({"memory_forced": forced} if forced else {}), **planned,
         skipped=[{"item": k, "reason": r} for k, r in skipped], duplicates=duplicates,
         warnings=[{"item": it.key, "message": note} for it, size, bucket in plan.values()
-                  for note in dataset.size_notes(it.key, size, bucket, cfg.data.max_aspect)],
+                  for note in aspect_buckets.size_notes(it.key, size, bucket, cfg.data.max_aspect)],
         encoded_this_run=n_encoded, seconds=ctx.elapsed(), peak_vram_gb=peak_vram_gb(encoded["rt"]),
         world_size=ctx.dist.world_size, **_pace(encoded["pace"]))
 
@@ -640,7 +640,7 @@ def lacks(cfg: Any, manifest: dict[str, Any]) -> list[str]:
     skipped = [s["item"] for s in manifest.get("skipped", [])]
     if cfg.data.on_bad_image != "error" or not skipped:
         return []
-    return [f"{dataset.listing(skipped)} {'was' if len(skipped) == 1 else 'were'} skipped as unreadable under "
+    return [f"{listing(skipped)} {'was' if len(skipped) == 1 else 'were'} skipped as unreadable under "
             f"data.on_bad_image = \"skip\", and the run's setting is \"error\": replace or remove "
             f"{'it' if len(skipped) == 1 else 'them'}, or keep skipping with "
             f"`{command(cfg, 'config', '--set', 'data.on_bad_image=skip')}`"]

@@ -57,9 +57,9 @@ def column_errors(pipe: Any, family: Any, labels: list[str], decoded: list[Any],
                   controls: list[Any], size: tuple[int, int], background: str, seeds: int) -> dict[str, float]:
     """{column label: mean latent MSE to the targets} for the rendered columns (`decoded` in render
     order: column, row, seed), plus CONTROL: the unedited control's own error."""
-    from stages.core import dataset
+    from stages.core import image_io
 
-    wanted = [image_latent(pipe, family, dataset.load_image(t, background), size) for t in targets]
+    wanted = [image_latent(pipe, family, image_io.load_image(t, background), size) for t in targets]
     if len(decoded) != len(labels) * len(wanted) * seeds:
         raise RuntimeError(f"edit error: {len(decoded)} decoded latents for {len(labels)} columns x "
                            f"{len(wanted)} rows x {seeds} seeds (the pipeline decoded other than once per image)")

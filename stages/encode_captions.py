@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stages.core import dataset, distributed, validation
+from stages.core import dataset, distributed, image_io, validation
 from stages.core import faults
 from stages.core.artifacts import fingerprint, read_manifest, remove_dir, sweep_leftovers, write_manifest
 from stages.core.cache_build import damage_report, encode_units, keys_by_id, rows_to_encode
@@ -214,7 +214,7 @@ def _encode(ctx: Any, cfg: Any, rt: Any, texts: dict[str, str], todo_ids: list[s
         batch_texts = [texts[c] for c in batch]
         with torch.no_grad():
             if family.text_sees_controls:
-                images = [[dataset.load_image(p, cfg.data.background) for p in controls[c]] for c in batch]
+                images = [[image_io.load_image(p, cfg.data.background) for p in controls[c]] for c in batch]
                 encoded = state["encoder"].encode(batch_texts, controls=images)
             else:
                 encoded = state["encoder"].encode(batch_texts)

@@ -1,4 +1,5 @@
-"""Dataset scan, content ids, aspect buckets and the seeded crop/flip plan. No torch needed.
+"""Dataset scan, content ids, caption texts and edit controls. No torch needed (aspect buckets and the seeded
+crop/flip plan: stages/core/aspect_buckets.py; reading images and masks: stages/core/image_io.py).
 
 An item is one (image, caption) pair. Its ids are content hashes: `image_id` of the image bytes,
 `caption_id` of the caption text. Caches are keyed by these ids, never by position, so a shuffled
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import random
 import stat
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from stages.core import image_index
-from stages.core.video import SKIP_ADVICE
-from stages.core.errors import DatasetError
+from stages.core.errors import DatasetError, listing
 from stages.core.folder_tree import FolderTree, stat_of
+from stages.core.image_io import BAD_IMAGE_HINT, BadImage
 from stages.core.image_index import INDEX_DIR, UNREADABLE_ID_PREFIX, ImageIndex, content_id  # noqa: F401 - UNREADABLE_ID_PREFIX: read here
 from stages.core.video import VIDEO_EXTS
 
@@ -50,10 +50,6 @@ OUTSIDE_HINT = "move the file into the dataset folder, or set data.follow_symlin
 
 VARIANT_SEP = "\x1e"  # joins the captions of a metadata.jsonl `text` list until scan() splits them
 Warn = Callable[[str, "str | None"], None]  # (message, item key or None when it names several files)
-
-
-class BadImage(DatasetError):
-    pass
 
 
 MOST_REPORTED = 20  # bad inputs named in one error; the rest are counted
@@ -737,252 +733,3 @@ def for_family(items: list[Item], family: Any, warn: Warn | None = None) -> list
             it, image_id=image_id, latent_id=image_id + it.latent_id[len(it.image_id):] if it.latent_id else "",
             caption_id=_salted(it.caption_id, salt), caption_salt=salt)
     return [rekey(it) for it in items]
-
-
-# ---- buckets ---------------------------------------------------------------------------------
-
-
-def make_buckets(resolution: int, multiple: int, max_aspect: float) -> list[tuple[int, int]]:
-    """(width, height) pairs, sides multiples of `multiple`, area <= resolution**2, aspect <= max_aspect."""
-    area = resolution * resolution
-    buckets = set()
-    w = multiple
-    while w <= resolution * math.sqrt(max_aspect) + multiple:
-        h = (area // w) // multiple * multiple
-        if h >= multiple and max(w / h, h / w) <= max_aspect + 1e-6:
-            buckets.add((w, h))
-        w += multiple
-    # keep only buckets that use most of the area (drop tiny ones produced by rounding down)
-    return sorted(b for b in buckets if b[0] * b[1] >= 0.8 * area)
-
-
-def _log_aspect(size: tuple[int, int]) -> float:
-    return math.log(size[0] / size[1])
-
-
-def assign_bucket(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
-    """Bucket whose aspect ratio is nearest (in log space) to the image's (width, height)."""
-    ar = _log_aspect(size)
-    return min(buckets, key=lambda b: (abs(_log_aspect(b) - ar), -b[0] * b[1]))
-
-
-def merge_buckets(sizes: dict[str, tuple[int, int]], buckets: list[tuple[int, int]],
-                  fill: int) -> dict[str, tuple[int, int]]:
-    """image id -> bucket such that every used bucket can fill a batch of `fill` (data.bucket_merge).
-
-    Images first go to their nearest bucket. While no bucket holds `fill` images, the emptiest
-    occupied bucket is folded into the occupied bucket nearest its aspect. Then every image of a
-    bucket holding fewer than `fill` moves to the bucket nearest its own aspect among those holding at
-    least `fill`. Pure and ordered: the same sizes give the same plan. With fewer than `fill` images
-    in all nothing can fill a batch, and images stay in their nearest bucket."""
-    assigned = {i: assign_bucket(s, buckets) for i, s in sorted(sizes.items())}
-    if fill <= 1 or len(assigned) < fill:
-        return assigned
-    counts = Counter(assigned.values())
-    while max(counts.values()) < fill:
-        emptiest = min(counts, key=lambda b: (counts[b], b))
-        n = counts.pop(emptiest)
-        target = assign_bucket(emptiest, sorted(counts))
-        counts[target] += n
-        assigned = {i: target if b == emptiest else b for i, b in assigned.items()}
-    full = sorted(b for b, c in counts.items() if c >= fill)
-    return {i: b if counts[b] >= fill else assign_bucket(sizes[i], full) for i, b in assigned.items()}
-
-
-def bucket_plan(images: dict[str, tuple[str, tuple[int, int]]], buckets: list[tuple[int, int]], fill: int,
-                max_aspect: float) -> tuple[dict[str, tuple[int, int]], list[tuple[str | None, str]]]:
-    """image id -> bucket for images {id: (key, size)}, merged so buckets fill batches of `fill`
-    when fill > 1 (0: nearest bucket only); and the (item key, warning) pairs: size notes and, after
-    a merge, which images moved and how much of each the crop keeps."""
-    assigned = merge_buckets({i: size for i, (_, size) in images.items()}, buckets, fill)
-    notes: list[tuple[str | None, str]] = [
-        (key, note) for i, (key, size) in sorted(images.items(), key=lambda kv: kv[1][0])
-        for note in size_notes(key, size, assigned[i], max_aspect)]
-    moved = [f"'{key}' {size[0]}x{size[1]} to {bucket_name(assigned[i])} (keeps {kept_fraction(size, assigned[i]):.0%})"
-             for i, (key, size) in sorted(images.items(), key=lambda kv: kv[1][0])
-             if assigned[i] != assign_bucket(size, buckets)]
-    if moved:
-        notes.append((None, f"data.bucket_merge moved {len(moved)} images into buckets holding at least {fill}, "
-                            f"cropping more of them: {listing(moved)}"))
-    return assigned, notes
-
-
-def kept_fraction(size: tuple[int, int], bucket: tuple[int, int]) -> float:
-    """Share of an image that a crop to `bucket` keeps (the image is first resized to cover it)."""
-    (w, h), (bw, bh) = size, bucket[:2]
-    scale = max(bw / w, bh / h)
-    return bw * bh / (w * scale * h * scale)
-
-
-def listing(names: list[str], most: int = 8) -> str:
-    """'a, b, c' or 'a, ..., h and 4 more': a warning names files without growing without bound."""
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def bucket_name(bucket: tuple[int, int]) -> str:
-    return f"{bucket[0]}x{bucket[1]}"
-
-
-UPSCALE_WARNING = 1.5  # covering a bucket often needs a few % of upscaling; 1.5x and more visibly blurs
-
-
-def size_notes(key: str, size: tuple[int, int], bucket: tuple[int, int], max_aspect: float) -> list[str]:
-    """Warnings for an image that trains but loses something: too small for its bucket (upscaled,
-    blurred) or with an aspect beyond max_aspect (a bucket crop cuts much of it away)."""
-    (w, h), (bw, bh) = size, bucket[:2]
-    notes = []
-    aspect = max(w / h, h / w)
-    if aspect > max_aspect + 1e-6:
-        kept = kept_fraction(size, bucket)
-        notes.append(f"image '{key}' is {w}x{h}, aspect {aspect:.1f}:1 beyond data.max_aspect = {max_aspect}: "
-                     f"cropped to bucket {bw}x{bh}, keeping {kept:.0%} of it (crop it yourself or raise data.max_aspect)")
-    if max(bw / w, bh / h) > UPSCALE_WARNING:
-        notes.append(f"image '{key}' is {w}x{h}, smaller than its bucket {bw}x{bh}: upscaled "
-                     f"{max(bw / w, bh / h):.1f}x, which blurs it (use a larger image or a lower data.resolution)")
-    return notes
-
-
-@dataclass(frozen=True)
-class Variant:
-    """How one cached variant is cut from the source image (all in pixels)."""
-
-    resized: tuple[int, int]  # (width, height) the image is resized to before cropping
-    crop_left: int
-    crop_top: int
-    flip: bool
-    start: int = 0  # a clip's first source frame (stages.core.video.start_frames); 0 for an image
-
-
-def plan_variants(image_id: str, size: tuple[int, int], bucket: tuple[int, int], n: int, seed: int,
-                  random_flip: bool, crop: str, zoom: float = 0.0) -> list[Variant]:
-    """The seeded crop/flip plan: resize to cover the bucket (variant k > 0 zoomed in by up to
-    `zoom`, so an image whose aspect already fits its bucket still gets distinct crops), then crop;
-    odd variants are flipped. Seeded by (seed, image id, variant): independent of scan order and
-    of how many processes share the work.
-    """
-    w, h = size
-    bw, bh = bucket[:2]
-    cover = max(bw / w, bh / h)
-    out = []
-    for k in range(n):
-        rng = random.Random(f"{seed}:{image_id}:{k}")
-        scale = cover * (1.0 + zoom * rng.random()) if k > 0 else cover
-        rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
-        if crop == "center":
-            left, top = (rw - bw) // 2, (rh - bh) // 2
-        else:
-            left, top = rng.randint(0, rw - bw), rng.randint(0, rh - bh)
-        out.append(Variant((rw, rh), left, top, random_flip and k % 2 == 1))
-    return out
-
-
-# ---- images ----------------------------------------------------------------------------------
-
-
-BAD_IMAGE_HINT = f"replace or remove the file{SKIP_ADVICE}"
-
-
-def as_skipped(reason: str) -> str:
-    """A bad image's (or clip's) message as a skip reports it: without the advice to set
-    data.on_bad_image = "skip", which is already set."""
-    return reason.replace(SKIP_ADVICE, "")
-
-
-@contextlib.contextmanager
-def _open_image(path: Path) -> Iterator[Any]:
-    """PIL's Image.open, with every way a file can fail to be an image raised as a BadImage that
-    names the file, the reason and what to do."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        f = open(path, "rb")
-    except OSError as e:  # permission denied, removed since the scan, ...
-        raise BadImage(f"image '{path}' cannot be read ({e.strerror or e}): fix its permissions, {BAD_IMAGE_HINT}") from None
-    with f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise BadImage(f"image '{path}' is an empty (zero-byte) file: {BAD_IMAGE_HINT}")
-        try:
-            with Image.open(f) as im:
-                yield im
-        except UnidentifiedImageError:
-            kind = _signature(f)
-            what = f"starts like a {kind} but is corrupt" if kind else "is not an image (or in a format PIL cannot read)"
-            raise BadImage(f"'{path}' {what}: {BAD_IMAGE_HINT}") from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise BadImage(f"image '{path}' is truncated or corrupt ({e}): {BAD_IMAGE_HINT}") from None
-
-
-_SIGNATURES = {b"\xff\xd8\xff": "JPEG", b"\x89PNG": "PNG", b"GIF8": "GIF", b"BM": "BMP", b"II*\x00": "TIFF",
-               b"MM\x00*": "TIFF", b"RIFF": "WebP"}
-
-
-def _signature(f: Any) -> str | None:
-    """The image format an open file's first bytes claim, if any (tells 'corrupt' from 'not an image')."""
-    f.seek(0)
-    head = f.read(8)
-    return next((kind for magic, kind in _SIGNATURES.items() if head.startswith(magic)), None)
-
-
-def load_image(path: Path, background: str = "white"):
-    """Open an image as 8-bit RGB: EXIF orientation applied, alpha composited on `background`,
-    16-bit, palette, grayscale and CMYK converted. Raises BadImage naming the file and the reason."""
-    from PIL import Image, ImageOps
-
-    with _open_image(path) as im:
-        im.load()
-        im = ImageOps.exif_transpose(im)
-    if im.mode in ("I;16", "I;16B", "I;16L", "I"):
-        import numpy as np
-
-        arr = np.asarray(im, dtype=np.float64)
-        # I;16 is 16-bit by definition; mode I (32-bit ints) is judged by its values
-        peak = 65535.0 if im.mode.startswith("I;16") or arr.max() > 255 else 255.0
-        im = Image.fromarray((arr / peak * 255.0).round().clip(0, 255).astype("uint8"), "L")
-    if im.mode == "P" or "transparency" in im.info:  # palette, or a tRNS colour key on L/RGB
-        im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "PA"):
-        im = im.convert("RGBA")
-        bg = Image.new("RGBA", im.size, background)
-        im = Image.alpha_composite(bg, im)
-    return im.convert("RGB")
-
-
-def image_size(path: Path) -> tuple[int, int]:
-    """(width, height) after EXIF orientation, read from the header only."""
-    with _open_image(path) as im:
-        w, h = im.size
-        orientation = im.getexif().get(0x0112, 1)
-    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
-
-
-def load_mask(path: Path, image_size: tuple[int, int]):
-    """A loss mask as an 8-bit grey PIL image (EXIF orientation applied) of the image's size.
-    Raises BadImage naming the mask, like a broken image."""
-    from PIL import ImageOps
-
-    with _open_image(path) as im:
-        im.load()
-        im = ImageOps.exif_transpose(im)
-    if im.size != tuple(image_size):
-        raise BadImage(f"loss mask '{path}' is {im.size[0]}x{im.size[1]} but its image is "
-                       f"{image_size[0]}x{image_size[1]}: save the mask at the image's size")
-    return im.convert("L") if im.mode != "L" else im
-
-
-def mask_at_latents(mask, v: Variant, bucket: tuple[int, int], latent_hw: tuple[int, int]):
-    """The mask cut as variant `v` cuts its image, averaged over each latent cell -> float32 (h, w)
-    in [0, 1] (255 -> 1.0 exactly, so an all-white mask is all ones)."""
-    import numpy as np
-
-    (h, w), (bw, bh) = latent_hw, bucket[:2]
-    arr = np.asarray(render_variant(mask, v, bucket), dtype=np.float32) / 255.0
-    return arr.reshape(h, bh // h, w, bw // w).mean(axis=(1, 3), dtype=np.float32)
-
-
-def render_variant(image, v: Variant, bucket: tuple[int, int]):
-    """Apply a Variant to an RGB PIL image -> PIL image of the bucket's size."""
-    from PIL import Image
-
-    im = image.resize(v.resized, Image.Resampling.LANCZOS)
-    im = im.crop((v.crop_left, v.crop_top, v.crop_left + bucket[0], v.crop_top + bucket[1]))
-    return im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if v.flip else im

@@ -41,3 +41,8 @@ class ResourceError(UserError):
 
 class TrainingDiverged(UserError, FloatingPointError):
     """The training loss stopped being a finite number; names the step and what to change."""
+
+
+def listing(names: list[str], most: int = 8) -> str:
+    """'a, b, c' or 'a, ..., h and 4 more': a warning names files without growing without bound."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")

@@ -153,7 +153,7 @@ def model_change(model: str, old: Any, new: Any) -> str:
 def changed_items(before: dict[str, str], now: dict[str, str], what: str) -> str:
     """What changed among a stage's inputs, by file (item key -> content id, as built and as now):
     'image of cat.png changed; 1 new image (dog.png); 1 removed (owl.png)'."""
-    from stages.core.dataset import listing
+    from stages.core.errors import listing
 
     changed = sorted(k for k in now if k in before and before[k] != now[k])
     new = sorted(k for k in now if k not in before)

@@ -21,7 +21,7 @@ from stages.core.errors import DatasetError
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".mkv", ".m4v")
 FRAME_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FOLDER_FPS = 24.0  # a folder of frames has no rate of its own: read as 24 fps (what data.fps resamples from)
-SKIP_ADVICE = ', or set data.on_bad_image = "skip" to skip such files'  # cut from a skip's message (dataset.as_skipped)
+SKIP_ADVICE = ', or set data.on_bad_image = "skip" to skip such files'  # cut from a skip's message (image_io.as_skipped)
 BAD_CLIP_HINT = f"replace or remove the clip{SKIP_ADVICE}"
 
 
@@ -75,7 +75,7 @@ def probe(path: Path) -> ClipInfo:
     """A clip's size, frame count and rate from its headers (a video stream's declared count, else its
     duration x rate; a folder: its first frame's size and its frame count). Raises BadClip."""
     if path.is_dir():
-        from stages.core.dataset import image_size
+        from stages.core.image_io import image_size
 
         frames = frame_files(path)
         if not frames:
@@ -157,7 +157,7 @@ def read_frames(path: Path, wanted: list[int], background: str = "white") -> lis
     """The clip's frames at the source indices `wanted` (any order, repeats allowed) as RGB PIL images.
     Raises BadClip naming the clip when it ends early or cannot be decoded."""
     if path.is_dir():
-        from stages.core.dataset import load_image
+        from stages.core.image_io import load_image
 
         files = frame_files(path)
         if max(wanted) >= len(files):

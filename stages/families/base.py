@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from stages.core.comfyui import ComfyLayout
     from stages.core.config import CaptionsConfig, TrainConfig
-    from stages.core.dataset import Variant
+    from stages.core.aspect_buckets import Variant
     from stages.core.kohya import Layout
     from stages.core.model_source import ModelSource
     from stages.core.runtime import Runtime

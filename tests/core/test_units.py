@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from stages.core import dataset, flow
+from stages.core import aspect_buckets, dataset, flow
 from stages.core.artifacts import RowStore
 from stages.core.config import ConfigError, load_config, parse_override
 
@@ -119,23 +119,23 @@ def test_posterior_sample_equals_diffusers_distribution():
 
 
 def test_buckets_respect_multiple_area_and_aspect():
-    buckets = dataset.make_buckets(1024, 16, 3.0)
+    buckets = aspect_buckets.make_buckets(1024, 16, 3.0)
     assert (1024, 1024) in buckets
     for w, h in buckets:
         assert w % 16 == 0 and h % 16 == 0
         assert 0.8 * 1024**2 <= w * h <= 1024**2
         assert max(w / h, h / w) <= 3.0
-    assert dataset.assign_bucket((3000, 2000), buckets)[0] > dataset.assign_bucket((3000, 2000), buckets)[1]
-    assert dataset.assign_bucket((500, 500), buckets) == (1024, 1024)
+    assert aspect_buckets.assign_bucket((3000, 2000), buckets)[0] > aspect_buckets.assign_bucket((3000, 2000), buckets)[1]
+    assert aspect_buckets.assign_bucket((500, 500), buckets) == (1024, 1024)
 
 
 def test_variant_plan_is_seeded_and_covers_the_bucket():
-    a = dataset.plan_variants("abc", (300, 200), (96, 64), 4, seed=0, random_flip=True, crop="random", zoom=0.2)
-    assert a == dataset.plan_variants("abc", (300, 200), (96, 64), 4, seed=0, random_flip=True, crop="random", zoom=0.2)
-    assert a != dataset.plan_variants("abc", (300, 200), (96, 64), 4, seed=1, random_flip=True, crop="random", zoom=0.2)
+    a = aspect_buckets.plan_variants("abc", (300, 200), (96, 64), 4, seed=0, random_flip=True, crop="random", zoom=0.2)
+    assert a == aspect_buckets.plan_variants("abc", (300, 200), (96, 64), 4, seed=0, random_flip=True, crop="random", zoom=0.2)
+    assert a != aspect_buckets.plan_variants("abc", (300, 200), (96, 64), 4, seed=1, random_flip=True, crop="random", zoom=0.2)
     assert [v.flip for v in a] == [False, True, False, True]
     assert a[0].resized == (96, 64) and len({(v.resized, v.crop_left, v.crop_top) for v in a}) == 4
-    no_zoom = dataset.plan_variants("abc", (300, 200), (96, 64), 4, seed=0, random_flip=False, crop="random")
+    no_zoom = aspect_buckets.plan_variants("abc", (300, 200), (96, 64), 4, seed=0, random_flip=False, crop="random")
     assert len(set(no_zoom)) == 1, "same aspect as the bucket and no zoom: nothing to vary"
     for v in a:
         assert v.resized[0] >= 96 and v.resized[1] >= 64

@@ -16,7 +16,7 @@ import torch
 
 from conftest import make_cfg, tiny_model
 from stages import cache_latents, edit_error, encode_captions, export_lora, sample, train
-from stages.core import dataset
+from stages.core import image_io
 from stages.core.config import SampleConfig
 from stages.demo import demo_edit_sizes
 from stages.families import demo_model_variant, get_family
@@ -51,9 +51,9 @@ def test_edit_error_is_zero_for_the_targets_own_latents(built_run):
     size, background = (64, 64), cfg.data.background
     targets = [it.image_path for it in items]
     norm = family.latent_normalization(pipe.vae)
-    own = [family.denormalize_latents(edit_error.image_latent(pipe, family, dataset.load_image(t), size), norm)
+    own = [family.denormalize_latents(edit_error.image_latent(pipe, family, image_io.load_image(t), size), norm)
            for t in targets]
-    controls = [[dataset.load_image(it.controls[0])] for it in items]
+    controls = [[image_io.load_image(it.controls[0])] for it in items]
     noise = [torch.randn(z.shape, generator=torch.Generator().manual_seed(i)) for i, z in enumerate(own)]
     errors = edit_error.column_errors(pipe, family, ["base", "LoRA"], [*noise, *own], targets, controls, size,
                                       background, seeds=1)
@@ -91,7 +91,7 @@ def test_after_the_demo_training_the_lora_applies_the_edit(demo_family, assets, 
     Sample reads each control image once (the grid and the edit errors share them)."""
     from collections import Counter
 
-    from stages.core import dataset
+    from stages.core import image_io
 
     name, model, data = demo_family
     cfg = make_cfg(name, assets, data, tmp_path, model=str(model))  # the demo's config and model
@@ -99,8 +99,8 @@ def test_after_the_demo_training_the_lora_applies_the_edit(demo_family, assets, 
         stage.run(cfg)
     export_lora.run(cfg)
     cfg = dataclasses.replace(cfg, sample=SampleConfig(seeds=[0], steps=8))
-    reads, load_image = Counter(), dataset.load_image
-    monkeypatch.setattr(dataset, "load_image", lambda path, *a, **k: reads.update([str(path)]) or load_image(path, *a, **k))
+    reads, load_image = Counter(), image_io.load_image
+    monkeypatch.setattr(image_io, "load_image", lambda path, *a, **k: reads.update([str(path)]) or load_image(path, *a, **k))
     manifest = sample.run(cfg)
     controls = [str(p) for _, row in sample.edit_rows(cfg) for p in row]
     assert controls and {p: reads[p] for p in controls} == {p: 1 for p in controls}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stages import cache_latents, train
-from stages.core import dataset, lora, video
+from stages.core import aspect_buckets, image_io, lora, video
 from stages.core.events import EventLog, read_events
 from stages.core.model_source import ModelSource, stored_dtypes
 from stages.core.runtime import make_runtime
@@ -34,13 +34,13 @@ def _on_the_fly(cfg, family, vae, item, bucket: object, k: int):
     """Encode variant k of an item with the VAE now, exactly as cache-latents planned it."""
     b = Bucket.parse(str(bucket))  # a Bucket or its "WxH" (clips: "WxHxFf") name
     info = video.probe(item.image_path) if item.is_clip else None
-    size = (info.width, info.height) if info else dataset.image_size(item.image_path)
-    variants = dataset.plan_variants(item.image_id, size, b, cfg.data.cache_variants, cfg.seed,
+    size = (info.width, info.height) if info else image_io.image_size(item.image_path)
+    variants = aspect_buckets.plan_variants(item.image_id, size, b, cfg.data.cache_variants, cfg.seed,
                                      cfg.data.random_flip, cfg.data.crop, cfg.data.crop_zoom)
     if info:  # a clip: its frames from this variant's start
         pixels = cache_latents._clip_pixels(item, info, variants, b, cfg.data, cfg)[1][k:k + 1]
     else:
-        pixels = cache_latents._pixels(dataset.load_image(item.image_path, cfg.data.background), [variants[k]], b)
+        pixels = cache_latents._pixels(image_io.load_image(item.image_path, cfg.data.background), [variants[k]], b)
     with torch.no_grad():
         return family.encode_posterior(vae, pixels)
 
@@ -186,7 +186,7 @@ def test_ids_not_positions(built_run, vae_of):
         for i, key in enumerate(batch.keys):
             seen.add(key)
             sees = family.text_sees_controls  # edit families whose text reads the controls
-            expected = encoder.encode([items[key].caption], **({"controls": [[dataset.load_image(p) for p in
+            expected = encoder.encode([items[key].caption], **({"controls": [[image_io.load_image(p) for p in
                                                                              items[key].controls]]} if sees else {}))
             for name, value in expected.items():
                 torch.testing.assert_close(batch.cond[name][i:i + 1].float(), value.float(), rtol=1e-4, atol=1e-5,

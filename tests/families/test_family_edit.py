@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stages import cache_latents, encode_captions
-from stages.core import dataset
+from stages.core import aspect_buckets, dataset, image_io
 from stages.core.errors import DatasetError
 from stages.core.events import EventLog
 from stages.core.model_source import ModelSource
@@ -128,10 +128,10 @@ def test_kontext_caption_row_is_the_pipelines_encode_prompt(built_run):
 
 def _control_on_the_fly(cfg, family, vae, item, bucket, k):
     """Variant k of the item's control, encoded now as cache-latents planned it."""
-    size = dataset.image_size(item.image_path)
-    variants = dataset.plan_variants(item.image_id, size, tuple(bucket), cfg.data.cache_variants, cfg.seed,
+    size = image_io.image_size(item.image_path)
+    variants = aspect_buckets.plan_variants(item.image_id, size, tuple(bucket), cfg.data.cache_variants, cfg.seed,
                                      cfg.data.random_flip, cfg.data.crop, cfg.data.crop_zoom)
-    controls = [dataset.load_image(c, cfg.data.background) for c in item.controls]
+    controls = [image_io.load_image(c, cfg.data.background) for c in item.controls]
     pixels = [cache_latents._to_pixels(family.control_images(c, size, [variants[k]], tuple(bucket))) for c in controls]
     with torch.no_grad():
         return pixels, [family.encode_posterior(vae, p) for p in pixels]
@@ -212,7 +212,7 @@ def test_bad_control_image_is_named(assets, edit_data, tmp_path):
     data = shutil.copytree(edit_data, tmp_path / "data")
     (data / "shape_002_control.png").write_bytes(b"\x89PNG not really")
     cfg = make_cfg("flux-kontext", assets, data, tmp_path / "runs")
-    with pytest.raises(dataset.BadImage, match=r"shape_002_control.png' starts like a PNG but is corrupt"):
+    with pytest.raises(image_io.BadImage, match=r"shape_002_control.png' starts like a PNG but is corrupt"):
         cache_latents.run(cfg)
 
 
@@ -231,7 +231,7 @@ def test_qwen_edit_caption_row_is_the_pipelines_encode_prompt_with_its_controls(
     pipe = pipeline_class(get_family(built_run.family)).from_pretrained(built_run.model)
     condition = []
     for path in item.controls:
-        image = dataset.load_image(path)
+        image = image_io.load_image(path)
         w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, image.width / image.height)
         condition.append(pipe.image_processor.resize(image, h, w))
     embeds, mask = pipe.encode_prompt(prompt=item.caption, image=condition, device=torch.device("cpu"))
@@ -252,7 +252,7 @@ def test_qwen_edit_control_latents_and_loss_match_the_pipeline(built_run, monkey
     trainer, pair, item, batch = _one(cfg, index=2, variant=0, model=True)
     family, pipe = trainer.family, pipeline_class(trainer.family).from_pretrained(cfg.model)
     bw, bh = pair.bucket[:2]
-    image = dataset.load_image(item.controls[0])
+    image = image_io.load_image(item.controls[0])
     vw, vh = calculate_dimensions(bw * bh, image.width / image.height)  # the pipeline's rule at this area
     vae_image = pipe.image_processor.preprocess(image, vh, vw).unsqueeze(2)
     _, image_latents = pipe.prepare_latents([vae_image], 1, 16, bh, bw, torch.float32, torch.device("cpu"), None)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stages import cache_latents, encode_captions, export_lora, sample, train
-from stages.core import dataset, lora
+from stages.core import aspect_buckets, dataset, image_io, lora
 from stages.core.config import SampleConfig
 from stages.core.errors import DatasetError
 from stages.core.events import EventLog
@@ -75,7 +75,7 @@ def _batch(cfg, key, variant, model=False):
 
 def _pipeline_reference(pipe, path, area):
     """The pipeline's step 4 for one reference, with the bucket's area for its 1024 x 1024."""
-    img = dataset.load_image(path)
+    img = image_io.load_image(path)
     img = pipe.image_processor._resize_to_target_area(img, area)
     m = pipe.vae_scale_factor * 2
     w, h = img.width // m * m, img.height // m * m
@@ -154,8 +154,8 @@ def test_cached_references_are_the_pipelines_prepare_image_latents(ref_run, key)
         family = trainer.family
         bw, bh = pair.bucket[:2]
         pixels = _pipeline_reference(pipe, item.controls[0], bw * bh)
-        size = dataset.image_size(item.image_path)
-        flip = dataset.plan_variants(dataset.pixels_id(item), size, (bw, bh), cfg.data.cache_variants, cfg.seed,
+        size = image_io.image_size(item.image_path)
+        flip = aspect_buckets.plan_variants(dataset.pixels_id(item), size, (bw, bh), cfg.data.cache_variants, cfg.seed,
                                      cfg.data.random_flip, cfg.data.crop, cfg.data.crop_zoom)[k].flip
         flips.append(flip)
         with torch.no_grad():
@@ -229,10 +229,10 @@ def test_changed_reference_reencodes_exactly_its_item(assets, ref_data, tmp_path
     trainer, pair, item, batch = _batch(cfg, "shape_002.png", 0)
     family = trainer.family
     vae = family.load_vae(ModelSource(cfg.model), make_runtime("cpu", "fp32"))
-    size = dataset.image_size(item.image_path)
-    variants = dataset.plan_variants(dataset.pixels_id(item), size, tuple(pair.bucket), 1, cfg.seed, cfg.data.random_flip,
+    size = image_io.image_size(item.image_path)
+    variants = aspect_buckets.plan_variants(dataset.pixels_id(item), size, tuple(pair.bucket), 1, cfg.seed, cfg.data.random_flip,
                                      cfg.data.crop, cfg.data.crop_zoom)
-    images = family.control_images(dataset.load_image(data / "shape_000_control.png"), size, variants, tuple(pair.bucket))
+    images = family.control_images(image_io.load_image(data / "shape_000_control.png"), size, variants, tuple(pair.bucket))
     with torch.no_grad():
         mean, _ = family.encode_posterior(vae, cache_latents._to_pixels(images))
     torch.testing.assert_close(batch.controls[0][0], mean, rtol=1e-4, atol=3e-4)
@@ -253,7 +253,7 @@ def test_sample_grid_passes_the_references(ref_run, tmp_path):
     family, pipe = get_family(cfg.family), _pipe(cfg)
     prompt, controls = rows[0]
     kwargs = dict(prompt=prompt, height=64, width=64, num_inference_steps=2, output_type="pil")
-    refs = family.sample_image_kwargs([dataset.load_image(c) for c in controls], (64, 64))
+    refs = family.sample_image_kwargs([image_io.load_image(c) for c in controls], (64, 64))
     with torch.no_grad():
         direct = pipe(generator=torch.Generator("cpu").manual_seed(0), **kwargs, **refs).images[0]
         text_only = pipe(generator=torch.Generator("cpu").manual_seed(0), **kwargs).images[0]

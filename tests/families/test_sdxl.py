@@ -16,7 +16,7 @@ import torch
 
 from conftest import demo_config_path, tiny_model
 from stages import export_lora, train
-from stages.core import dataset, lora
+from stages.core import aspect_buckets, dataset, image_io, lora
 from stages.core.config import ConfigError, load_config
 from stages.core.model_source import ModelError, ModelSource
 from stages.core.runtime import make_runtime
@@ -170,7 +170,7 @@ def test_pixel_multiple_lets_every_unet_level_divide(model, tmp_path):
     assert family.pixel_multiple(ModelSource(str(real))) == 32
 
     unet, tcfg = _unet(family, model)
-    buckets = dataset.make_buckets(64, family.pixel_multiple(ModelSource(str(model))), 3.0)
+    buckets = aspect_buckets.make_buckets(64, family.pixel_multiple(ModelSource(str(model))), 3.0)
     for bw, bh in buckets[::3] + buckets[-1:]:  # the square, both extremes and between (18 in all)
         h, w = bh // 2, bw // 2  # the tiny VAE halves
         with torch.no_grad():
@@ -229,8 +229,8 @@ def test_add_time_ids_follow_each_variants_crop(built_run):
             family.loss(unet, x0, torch.randn_like(x0), t, batch.cond, batch.meta, cfg.train)
         for row, key, v in zip(seen.pop().tolist(), batch.keys, variants):
             it = items[key]
-            w, h = dataset.image_size(it.image_path)
-            plan = dataset.plan_variants(it.image_id, (w, h), (bw, bh), n_var, cfg.seed, cfg.data.random_flip,
+            w, h = image_io.image_size(it.image_path)
+            plan = aspect_buckets.plan_variants(it.image_id, (w, h), (bw, bh), n_var, cfg.seed, cfg.data.random_flip,
                                          cfg.data.crop, cfg.data.crop_zoom)[v]
             # a flipped variant's crop starts where the mirrored box does in the mirrored image
             left = plan.resized[0] - plan.crop_left - bw if plan.flip else plan.crop_left

@@ -41,7 +41,7 @@ def near(got: tuple, want: tuple, tol: int = 12) -> bool:
 
 
 def test_readable_images_become_rgb(corpus):
-    from stages.core.dataset import image_size, load_image
+    from stages.core.image_io import image_size, load_image
 
     cmyk = load_image(corpus / "cmyk.jpg")
     assert near(pixel(cmyk, 5, 5), RED) and near(pixel(cmyk, 60, 60), BLUE)
@@ -62,7 +62,7 @@ def test_readable_images_become_rgb(corpus):
     ("truncated.jpg", "is truncated or corrupt"), ("corrupt.jpg", "starts like a JPEG but is corrupt"),
     ("zero_byte.png", "is an empty (zero-byte) file"), ("not_an_image.png", "is not an image")])
 def test_unreadable_images_are_named(corpus, name, reason):
-    from stages.core.dataset import BadImage, image_size, load_image
+    from stages.core.image_io import BadImage, image_size, load_image
 
     with pytest.raises(BadImage) as e:
         image_size(corpus / name)
@@ -71,7 +71,7 @@ def test_unreadable_images_are_named(corpus, name, reason):
 
 
 def test_size_notes_for_tiny_and_extreme_images():
-    from stages.core.dataset import size_notes
+    from stages.core.aspect_buckets import size_notes
 
     tiny, = size_notes("tiny.png", (8, 8), (64, 64), 3.0)
     assert "tiny.png" in tiny and "smaller than its bucket 64x64" in tiny and "upscaled 8.0x" in tiny
@@ -134,7 +134,8 @@ def rows_written(cfg) -> int:
 
 def test_bad_images_follow_the_policy_and_lose_nothing(assets, tmp_path):
     from stages import cache_latents, encode_captions, registry, train
-    from stages.core.dataset import BadImage, scan
+    from stages.core.dataset import scan
+    from stages.core.image_io import BadImage
     from stages.core.stage import staleness
     from stages.core.train_data import join_items
 

@@ -95,7 +95,8 @@ def test_unreadable_caption_is_named(tmp_path, deny):
 
 def test_unreadable_image_follows_on_bad_image(assets, tmp_path, deny):
     from stages import cache_latents
-    from stages.core.dataset import BadImage, scan
+    from stages.core.dataset import scan
+    from stages.core.image_io import BadImage
 
     data = tmp_path / "data"
     write_good_images(data, 2)
@@ -168,7 +169,7 @@ BUCKETS = [(48, 80), (64, 64), (80, 48)]  # make_buckets(64, 16, 3.0), the demo'
 
 
 def test_bucket_merge_moves_images_to_the_nearest_full_bucket():
-    from stages.core.dataset import assign_bucket, bucket_plan, kept_fraction, merge_buckets
+    from stages.core.aspect_buckets import assign_bucket, bucket_plan, kept_fraction, merge_buckets
 
     sizes = {f"sq{i}": (64, 64 + i) for i in range(5)} | {"wide": (96, 64), "wider": (128, 48), "tall": (64, 96)}
     assert merge_buckets(sizes, BUCKETS, 0) == {i: assign_bucket(s, BUCKETS) for i, s in sizes.items()}
@@ -191,7 +192,7 @@ def test_bucket_merge_moves_images_to_the_nearest_full_bucket():
 
 
 def test_merged_buckets_fill_every_batch():
-    from stages.core.dataset import bucket_name, merge_buckets
+    from stages.core.aspect_buckets import bucket_name, merge_buckets
     from stages.core.train_data import BucketSampler
 
     sizes = {f"sq{i}": (64, 64) for i in range(6)} | {"w1": (96, 64), "t1": (64, 96)}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from stages import cache_latents, encode_captions, train
-from stages.core import dataset, faults
+from stages.core import faults, image_io
 from stages.core.artifacts import ArtifactError
 from stages.inspect import captions_section
 from stages.train.trainer import build_data
@@ -33,7 +33,7 @@ def _pipeline_row(pipe, prompt: str, controls) -> torch.Tensor:
 
     condition = []
     for path in controls:
-        image = dataset.load_image(path)
+        image = image_io.load_image(path)
         w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, image.width / image.height)
         condition.append(pipe.image_processor.resize(image, h, w))
     embeds, mask = pipe.encode_prompt(prompt=prompt, image=condition, device=torch.device("cpu"))

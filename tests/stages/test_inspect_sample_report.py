@@ -169,7 +169,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     import diffusers
     import torch
 
-    from stages.core import dataset
+    from stages.core import image_io
     from stages import registry
     from stages.core.stage import staleness
     from stages.families import get_family
@@ -189,7 +189,7 @@ def test_sample_grid_base_checkpoints_and_lora(run_copy):
     family = get_family(cfg.family)
     pipe = getattr(diffusers, read_manifest(export_dir(cfg))["pipeline_class"]).from_pretrained(cfg.model)
     pipe.set_progress_bar_config(disable=True)
-    extra = family.sample_image_kwargs([dataset.load_image(c) for c in edits[0][1]], (SIZE, SIZE)) if edits else {}
+    extra = family.sample_image_kwargs([image_io.load_image(c) for c in edits[0][1]], (SIZE, SIZE)) if edits else {}
     context = family.sample_context((SIZE, SIZE)) if hasattr(family, "sample_context") else contextlib.nullcontext()
     extra |= family.sample_kwargs(pipe, [prompts[0]], cfg.sample.guidance_scale, 2) or {}  # Ideogram 4's guidance schedule
     with context:

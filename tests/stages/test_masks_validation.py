@@ -148,7 +148,7 @@ def _cached_masks(cfg) -> dict[str, tuple[np.ndarray, dict]]:
 
 def test_masks_end_to_end(assets, demo_data, tmp_path):
     from stages import cache_latents
-    from stages.core import dataset
+    from stages.core import aspect_buckets, dataset, image_io
 
     plain = _dataset(demo_data, tmp_path / "plain")
     losses, adapter = _train(_cfg(assets, plain, tmp_path / "a", "plain"))
@@ -171,14 +171,14 @@ def test_masks_end_to_end(assets, demo_data, tmp_path):
     assert cache_latents.run(cfg)["encoded_this_run"] == 1
     masks, row = _cached_masks(cfg)[key]
     item = next(it for it in dataset.scan_data(cfg.data) if it.key == key)
-    size = dataset.image_size(item.image_path)
+    size = image_io.image_size(item.image_path)
     bucket = tuple(int(x) for x in cache_latents.load_latents(cfg)[1]["index"][item.image_id]["bucket"].split("x"))
-    variants = dataset.plan_variants(dataset.pixels_id(item), size, bucket, cfg.data.cache_variants, cfg.seed,
+    variants = aspect_buckets.plan_variants(dataset.pixels_id(item), size, bucket, cfg.data.cache_variants, cfg.seed,
                                      cfg.data.random_flip, cfg.data.crop, cfg.data.crop_zoom)
     assert [int(v.flip) for v in variants] == row["flip"].tolist()  # the same plan as the latents' crops
-    source = dataset.load_mask(item.mask_path, size)
+    source = image_io.load_mask(item.mask_path, size)
     for k, v in enumerate(variants):
-        want = dataset.mask_at_latents(source, v, bucket, masks.shape[-2:])
+        want = image_io.mask_at_latents(source, v, bucket, masks.shape[-2:])
         np.testing.assert_allclose(masks[k], want, atol=1e-3)  # float16 storage
         left, right = masks[k][:, : masks.shape[-1] // 4].mean(), masks[k][:, -masks.shape[-1] // 4:].mean()
         assert (left < right) if v.flip else (left > right), f"variant {k} (flip={v.flip}) is cut the wrong way"
@@ -208,7 +208,7 @@ def test_masks_end_to_end(assets, demo_data, tmp_path):
 
 def test_masks_folder_and_bad_masks(assets, demo_data, tmp_path):
     from stages import cache_latents
-    from stages.core import dataset
+    from stages.core import aspect_buckets, dataset, image_io
     from stages.core.errors import DatasetError
 
     data = _dataset(demo_data, tmp_path / "data")
@@ -228,7 +228,7 @@ def test_masks_folder_and_bad_masks(assets, demo_data, tmp_path):
     # a mask of the wrong size: named, before the VAE loads
     w, h = Image.open(images[0]).size
     Image.new("L", (w + 8, h), 255).save(images[0].with_name(images[0].stem + "_mask.png"))
-    with pytest.raises(dataset.BadImage, match=r"loss mask '.*_mask.png' is \d+x\d+ but its image .* is "
+    with pytest.raises(image_io.BadImage, match=r"loss mask '.*_mask.png' is \d+x\d+ but its image .* is "
                                                r"\d+x\d+: save the mask at the image's size"):
         cache_latents.run(cfg)
     assert not (cfg.run_dir / "latents.zarr" / "manifest.json").exists()
@@ -236,7 +236,7 @@ def test_masks_folder_and_bad_masks(assets, demo_data, tmp_path):
     # a corrupt mask: the same message and policy as a corrupt image
     mask = images[0].with_name(images[0].stem + "_mask.png")
     mask.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
-    with pytest.raises(dataset.BadImage, match=f"'{mask}' .*corrupt.*data.on_bad_image = \"skip\""):
+    with pytest.raises(image_io.BadImage, match=f"'{mask}' .*corrupt.*data.on_bad_image = \"skip\""):
         cache_latents.run(cfg)
     skip = _cfg(assets, data, tmp_path / "a", "bad-masks")
     skip.data.on_bad_image = "skip"
@@ -266,7 +266,7 @@ def test_validation_settings_are_config_errors(tmp_path):
 
 
 def test_split_is_by_content_id(demo_data, tmp_path):
-    from stages.core import dataset, validation
+    from stages.core import aspect_buckets, dataset, image_io, validation
     from stages.core.config import load_config
 
     from conftest import demo_config_path

@@ -98,7 +98,7 @@ def test_every_bad_image_is_named_at_once_and_the_good_rows_are_kept(assets, tmp
     import shutil
 
     from stages import cache_latents
-    from stages.core.dataset import BadImage
+    from stages.core.image_io import BadImage
     from stages.core.rowstore import RowStore
 
     data, corpus = tmp_path / "data", tmp_path / "corpus"

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from stages.core import dataset, flow
+from stages.core import aspect_buckets, dataset, flow
 from stages.core.errors import DatasetError, ModelError
 from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype, load_denoiser_weights
@@ -118,7 +118,7 @@ class Flux2DiT(PatchBatchNormalized, FamilyTraits):
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         return dist.mean, dist.logvar  # logvar already clamped to [-30, 20] by DiagonalGaussianDistribution
 
-    def control_images(self, control: Any, size: tuple[int, int], variants: list[dataset.Variant],
+    def control_images(self, control: Any, size: tuple[int, int], variants: list[aspect_buckets.Variant],
                        bucket: tuple[int, int]) -> list[Any]:
         """A reference as the pipelines prepare it, at the bucket's area: scaled to that area at its
         own aspect, sides floored to the pipelines' multiple and center-cropped to them (their own

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from stages.core import dataset, flow
+from stages.core import aspect_buckets, flow
 from stages.core.lazy import lazy_module, no_grad
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
@@ -127,7 +127,7 @@ class QwenImageEdit(QwenImageBase):
         return QwenImageEditTextEncoder(src, cfg, rt)
 
     # ---- cache-latents
-    def control_images(self, control: Any, size: tuple[int, int], variants: list[dataset.Variant],
+    def control_images(self, control: Any, size: tuple[int, int], variants: list[aspect_buckets.Variant],
                        bucket: tuple[int, int]) -> list[Any]:
         """The control at its own aspect over the bucket's area (the pipeline's VAE size rule), flipped
         with flipped variants; never cropped."""

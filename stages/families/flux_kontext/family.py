@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.core import dataset, flow
+from stages.core import aspect_buckets, flow, image_io
 from stages.core.lazy import lazy_module
 from stages.core.lora import base_dtype
 from stages.families.base import BatchMeta
@@ -40,13 +40,13 @@ class FluxKontext(Flux1):
     text_sees_controls = False
 
     # ---- cache-latents
-    def control_images(self, control: Any, size: tuple[int, int], variants: list[dataset.Variant],
+    def control_images(self, control: Any, size: tuple[int, int], variants: list[aspect_buckets.Variant],
                        bucket: tuple[int, int]) -> list[Any]:
         """The control resized to the target's (width, height), then each variant's crop and flip."""
         from PIL import Image
 
         im = control if control.size == tuple(size) else control.resize(tuple(size), Image.Resampling.LANCZOS)
-        return [dataset.render_variant(im, v, bucket) for v in variants]
+        return [image_io.render_variant(im, v, bucket) for v in variants]
 
     # ---- sample
     def sample_image_kwargs(self, controls: list[Any], size: tuple[int, int]) -> dict[str, Any]:
