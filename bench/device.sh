@@ -5,6 +5,8 @@
 # Results come back in $OUT/results/<suite>/<row key>.json, and a failed row's log in $OUT/logs/: copy the
 # results into bench/results/<suite>/ (a newer file of a row replaces the older), then `python bench/bench.py report --write /tmp/RESULTS.md`.
 # `python bench/run.py --list <suite> [--only GLOB] [--missing]` shows the rows and commands such a call would run.
+# On a machine of several GPUs the bench and memory calls of different families run side by side, one family to
+# a GPU (bench/run.py --gpus; the default is every GPU): name several families' suites in one call.
 set -eu
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD

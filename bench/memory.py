@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -153,9 +154,10 @@ def _base_run(fam: str, res: int) -> str:
 
 
 class SmiPeak:
-    """The most GPU memory nvidia-smi showed used (memory.used of GPU 0) while the block ran, less what it
-    showed before: a stage process's whole footprint, CUDA context included, where it runs alone on the GPU
-    (the benchmark's calls run one at a time). Sampled every `every_s`; a caching allocator keeps what it
+    """The most GPU memory nvidia-smi showed used (memory.used of this process's GPU: the first of
+    CUDA_VISIBLE_DEVICES, else GPU 0) while the block ran, less what it showed before: a stage process's whole
+    footprint, CUDA context included, where it runs alone on its GPU (a call's stages run one at a time; calls
+    side by side, `bench/run.py --gpus`, each have a GPU of their own). Sampled every `every_s`; a caching allocator keeps what it
     reserved until the process exits, so the peak stays up long enough to be read. `peak_gb` is None
     without nvidia-smi (CPU) or where nothing was read."""
 
@@ -172,7 +174,8 @@ class SmiPeak:
         import subprocess
 
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", gpu],
                                  capture_output=True, text=True, timeout=10)
             return float(out.stdout.split()[0]) / 1024 if out.returncode == 0 and out.stdout.strip() else None  # MiB
         except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):

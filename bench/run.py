@@ -11,6 +11,12 @@ newer run of a row overwrites its file; a row the budget left unstarted writes n
 never overwrites a measurement (it goes to <key>.failed.json beside it). `--missing` runs only the rows
 that bench/results/<suite>/ holds no measurement of, which is how a suite longer than one device call
 goes on in the next.
+
+On a machine of several GPUs (`--gpus`, default every GPU it has), the bench and memory calls of different
+families run side by side, one family to a GPU (CUDA_VISIBLE_DEVICES) with a work folder of its own, each GPU
+taking the next family when its last is done; each call measures one process on its own GPU, and the calls
+share the host's cores and memory. A peers or script call runs the whole selection one call at a time (a peer
+is timed beside the product, and a script may take every GPU).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from itertools import groupby
 from pathlib import Path
@@ -34,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 from bench.suites import SUITES, Bench, Memory, Peers, Row, Script, bench_key, memory_key  # noqa: E402
 
 RECORD = ROOT / "bench" / "results"
-SHM_MODELS = Path("/dev/shm/lorapipe-bench")  # bench.py's models; one family kept there between calls
+SHM_MODELS = Path("/dev/shm/lorapipe-bench")  # bench.py's models; the families of the running calls kept there
+WORK = {Bench: "/tmp/lorapipe-bench", Memory: "/tmp/lorapipe-memory"}  # bench.py's and memory.py's --work defaults
 
 
 def call_of(row: Row) -> tuple:
@@ -46,17 +54,21 @@ def call_of(row: Row) -> tuple:
     return (type(row).__name__, row.key)
 
 
-def command(rows: list[Row], out: Path, budget_s: float) -> tuple[list[str], dict[str, str]]:
-    """The command line (and environment) of one call over `rows`, writing its result JSON to `out`."""
+def command(rows: list[Row], out: Path, budget_s: float, gpu: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line (and environment) of one call over `rows`, writing its result JSON to `out`; with `gpu`,
+    on that GPU alone and, for a bench or memory call, in a work folder of that GPU's."""
     first, py = rows[0], sys.executable
+    env = {} if gpu is None else {"CUDA_VISIBLE_DEVICES": str(gpu)}
+    work = [] if gpu is None or type(first) not in WORK else ["--work", f"{WORK[type(first)]}-gpu{gpu}"]
     if isinstance(first, Bench):
         only = [a for r in rows for a in ("--only", f"{r.family}/{r.item}")]
         return [py, "bench/bench.py", "run", "--families", first.family, "--keep", "--budget-s", f"{budget_s:.0f}",
-                "--out", str(out), *only], {}
+                "--out", str(out), *work, *only], env
     if isinstance(first, Memory):
         sets = [a for s in first.sets for a in ("--set", s)] + (["--captions", first.captions] if first.captions != "equal" else [])
         return [py, "bench/memory.py", "run", "--families", first.family, "--res", str(first.px), "--budgets",
-                ",".join(r.budget for r in rows), "--keep", "--budget-s", f"{budget_s:.0f}", "--out", str(out), *sets], {}
+                ",".join(r.budget for r in rows), "--keep", "--budget-s", f"{budget_s:.0f}", "--out", str(out), *work,
+                *sets], env
     if isinstance(first, Peers):  # peers.sh writes $OUT/peers-<which>-<px>-b<batch>-<tag>.json
         env = {"OUT": str(out.parent), "PEERS_PRODUCT": first.product, "PEERS_TAG": "row",
                "PEERS_BUDGET_S": f"{budget_s:.0f}"}
@@ -144,11 +156,16 @@ def done(suite: str, key: str, results: Path) -> bool:
     return False
 
 
-def keep_only(family: str) -> None:
-    """/dev/shm keeps the one family a call works on (FLUX.2 dev's 64 GB transformer needs the room)."""
+def keep_only(families: set[str]) -> None:
+    """/dev/shm keeps the families the running calls work on, no other (FLUX.2 dev's 64 GB transformer needs
+    the room)."""
     for d in SHM_MODELS.glob("*"):
-        if d.name != family:
+        if d.name not in families:
             shutil.rmtree(d, ignore_errors=True)
+
+
+IN_USE: set[str] = set()  # the families of the calls running now (side by side on a machine of several GPUs)
+IN_USE_LOCK = threading.Lock()
 
 
 def gpu_count() -> int:
@@ -158,9 +175,11 @@ def gpu_count() -> int:
         return 0
 
 
-def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float, failed_logs: Path | None) -> None:
-    """Runs one call of `rows` and writes their results; its log stays in `logs`, and is copied to `failed_logs`
-    (the files that come back from the GPU machine, which are few) where a row failed or wrote nothing."""
+def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float, failed_logs: Path | None,
+             gpu: int | None = None) -> None:
+    """Runs one call of `rows` (on GPU `gpu` alone, where given) and writes their results; its log stays in
+    `logs`, and is copied to `failed_logs` (the files that come back from the GPU machine, which are few) where a
+    row failed or wrote nothing."""
     need = rows[0].gpus if isinstance(rows[0], Script) else 1
     if need > 1 and gpu_count() < need:
         print(f"[run] {suite}/{rows[0].key}: needs {need} GPUs (the nvidia-h200-x{need} machine); not run", flush=True)
@@ -171,11 +190,13 @@ def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float
     out.unlink(missing_ok=True)
     if isinstance(rows[0], Peers):  # rows of one shape share peers.sh's file name: never read an earlier row's
         peers_file(rows[0], stage).unlink(missing_ok=True)
-    cmd, env = command(rows, out, left - 10)
+    cmd, env = command(rows, out, left - 10, gpu)
     if isinstance(rows[0], (Bench, Memory)):
-        keep_only(rows[0].family)
+        with IN_USE_LOCK:
+            keep_only(IN_USE | {rows[0].family})
     log = logs / f"{suite}.{rows[0].key}.log"
-    print(f"[run] {suite}: {' '.join(cmd[1:] if cmd[0] == sys.executable else cmd)}", flush=True)
+    on = "" if gpu is None else f" (GPU {gpu})"
+    print(f"[run] {suite}{on}: {' '.join(cmd[1:] if cmd[0] == sys.executable else cmd)}", flush=True)
     t = time.time()
     with log.open("w") as fh:
         # its own process group: a call cut off at the budget takes its stage children with it, so no
@@ -202,6 +223,8 @@ def run_call(suite: str, rows: list[Row], results: Path, logs: Path, left: float
     else:
         data = json.loads(out.read_text())
     for key, result in split(rows, data).items():
+        if gpu is not None and isinstance(result.get("meta"), dict):  # beside other families' calls, on this GPU
+            result["meta"]["side_by_side_on_gpu"] = gpu
         path = write(results / suite, key, result)
         print(f"[run] {suite}/{key}: {'written ' + path.name if path else 'not started (budget)'}", flush=True)
         if path is not None and not measured(result):
@@ -245,6 +268,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--missing", action="store_true", help="only rows with no measurement in bench/results")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no call after this many seconds")
     ap.add_argument("--results", default="", help="default $OUT/results where $OUT is set, else bench/results")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs to run the families' bench and memory calls side by side on, one family to a GPU "
+                         "(default: every GPU the machine has; 1: one call at a time)")
     return ap
 
 
@@ -262,14 +288,70 @@ def main(argv: list[str] | None = None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     failed_logs = Path(out) / "logs" if out else None
     deadline = time.time() + args.budget_s
-    for suite in args.suites:
-        rows = selected(suite, SUITES[suite], args.only, args.missing, results)
-        for _, group in groupby(rows, key=call_of):
-            left = deadline - time.time()
-            if left < 60:
-                print(f"[run] {suite}: budget spent; not started: {', '.join(r.key for r in group)}", flush=True)
-                continue
-            run_call(suite, list(group), results, logs, left, failed_logs)
+    calls = [(suite, list(group)) for suite in args.suites
+             for _, group in groupby(selected(suite, SUITES[suite], args.only, args.missing, results), key=call_of)]
+    gpus = gpu_count() if args.gpus is None else args.gpus
+    queues = lanes(calls, gpus)
+    if len(queues) > 1:
+        print(f"[run] families side by side, one to a GPU of {gpus}: {', '.join(q[0][1][0].family for q in queues)}",
+              flush=True)
+    side_by_side(queues, gpus, lambda queue, gpu: run_calls(queue, results, logs, deadline, failed_logs, gpu))
+
+
+def side_by_side(queues: list[list[tuple[str, list[Row]]]], gpus: int, run: Any) -> None:
+    """`run(queue, gpu)` for every queue: one queue alone on the whole machine (gpu None); several on GPUs
+    0..gpus-1, each GPU taking the next queue when its last is done. /dev/shm keeps the families running."""
+    if len(queues) == 1:
+        run(queues[0], None)
+        return
+    pending, taking = list(queues), threading.Lock()
+
+    def take() -> list[tuple[str, list[Row]]] | None:  # the next queue, its family marked running at once
+        with taking:
+            if not pending:
+                return None
+            queue = pending.pop(0)
+        with IN_USE_LOCK:
+            IN_USE.add(queue[0][1][0].family)
+        return queue
+
+    def worker(gpu: int, queue: list[tuple[str, list[Row]]] | None) -> None:
+        while queue is not None:
+            try:
+                run(queue, gpu)
+            finally:
+                with IN_USE_LOCK:
+                    IN_USE.discard(queue[0][1][0].family)
+            queue = take()
+
+    # every GPU's first queue is taken before any runs: no call's keep_only removes a family about to start
+    threads = [threading.Thread(target=worker, args=(g, take())) for g in range(min(gpus, len(queues)))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def lanes(calls: list[tuple[str, list[Row]]], gpus: int) -> list[list[tuple[str, list[Row]]]]:
+    """The calls as queues that may run side by side, each on a GPU of its own: one queue per family (its calls
+    in order: they share its built pipeline) where the machine has several GPUs and every call is a bench or
+    memory call of one family; else one queue of every call, in order."""
+    if gpus < 2 or not calls or not all(isinstance(rows[0], (Bench, Memory)) for _, rows in calls):
+        return [calls]
+    by_family: dict[str, list[tuple[str, list[Row]]]] = {}
+    for suite, rows in calls:
+        by_family.setdefault(rows[0].family, []).append((suite, rows))
+    return list(by_family.values()) if len(by_family) > 1 else [calls]
+
+
+def run_calls(calls: list[tuple[str, list[Row]]], results: Path, logs: Path, deadline: float,
+              failed_logs: Path | None, gpu: int | None) -> None:
+    for suite, group in calls:
+        left = deadline - time.time()
+        if left < 60:
+            print(f"[run] {suite}: budget spent; not started: {', '.join(r.key for r in group)}", flush=True)
+            continue
+        run_call(suite, group, results, logs, left, failed_logs, gpu)
 
 
 if __name__ == "__main__":

@@ -212,3 +212,65 @@ def test_a_row_with_a_stage_the_budget_left_unstarted_is_run_again_and_keeps_wha
     assert items["encode-captions"]["measured_utc"] == "2026-12-05 15:00:00"
     assert items["cache-latents"]["peak_vram_gb"] == {"total": 5.8} and "measured_utc" not in items["cache-latents"]
     assert items["train"]["status"] == "ok" and run.done("budget-grid", key, tmp_path)
+
+
+def _calls(*rows) -> list:
+    from itertools import groupby
+
+    return [("s", list(group)) for _, group in groupby(rows, key=run.call_of)]
+
+
+def test_on_several_gpus_each_familys_calls_queue_on_a_gpu_of_their_own() -> None:
+    """bench/run.py on a machine of several GPUs: bench and memory calls queue per family, in their order (they
+    share the family's built pipeline), each call pinned to its GPU with a work folder of that GPU's; one GPU, a
+    single family or a peers call (timed beside the product) keeps one queue of every call, on the whole
+    machine."""
+    ernie = [suites.Bench("ernie-image", "train/nf4-1024-b4"), suites.Bench("ernie-image", "train/fp8-1024-b4")]
+    ernie_memory = suites.Memory("ernie-image", 1024, "16")
+    ideogram = suites.Bench("ideogram4", "train/fp8-1024-b1")
+    calls = _calls(*ernie, ideogram, ernie_memory)
+    queues = run.lanes(calls, 2)
+    assert [[(s, [r.key for r in rows]) for s, rows in q] for q in queues] == [
+        [("s", [r.key for r in ernie]), ("s", [ernie_memory.key])], [("s", [ideogram.key])]]
+    assert run.lanes(calls, 1) == [calls]
+    assert run.lanes(_calls(*ernie), 4) == [_calls(*ernie)]
+    with_peers = calls + _calls(suites.Peers("ideogram", 1024, 1, 15, "nf4"))
+    assert run.lanes(with_peers, 4) == [with_peers]
+
+    cmd, env = run.command(ernie, Path("/o/row.json"), 500, gpu=3)
+    assert env == {"CUDA_VISIBLE_DEVICES": "3"} and cmd[cmd.index("--work") + 1] == "/tmp/lorapipe-bench-gpu3"
+    cmd, env = run.command([ernie_memory], Path("/o/row.json"), 500, gpu=1)
+    assert env == {"CUDA_VISIBLE_DEVICES": "1"} and cmd[cmd.index("--work") + 1] == "/tmp/lorapipe-memory-gpu1"
+    cmd, env = run.command(ernie, Path("/o/row.json"), 500)
+    assert env == {} and "--work" not in cmd
+
+
+def test_queues_run_side_by_side_each_gpu_taking_the_next_and_shm_keeps_the_running_families(tmp_path: Path,
+                                                                                              monkeypatch) -> None:
+    """Three families on two GPUs: the first two run at once (each waits for the other at a barrier), the third
+    on the GPU that frees first; /dev/shm keeps the folders of the families running (both first ones, taken
+    before either starts) and no other."""
+    import threading
+
+    monkeypatch.setattr(run, "SHM_MODELS", tmp_path / "shm")
+    for fam in ("ernie-image", "ideogram4", "hidream-i1", "flux"):
+        (tmp_path / "shm" / fam).mkdir(parents=True)
+    queues = run.lanes(_calls(suites.Bench("ernie-image", "encode/nf4"), suites.Bench("ideogram4", "encode/nf4"),
+                              suites.Bench("hidream-i1", "encode/nf4")), 2)
+    both, ran, lock = threading.Barrier(2, timeout=30), [], threading.Lock()
+
+    def one(queue, gpu) -> None:
+        family = queue[0][1][0].family
+        with run.IN_USE_LOCK:
+            run.keep_only(run.IN_USE | {family})
+            kept = sorted(p.name for p in (tmp_path / "shm").iterdir())
+        if family != "hidream-i1":
+            both.wait()  # raises BrokenBarrierError unless the other family runs at the same time
+        with lock:
+            ran.append((family, gpu, kept))
+
+    run.side_by_side(queues, 2, one)
+    assert [(f, g) for f, g, _ in ran[:2]] in ([("ernie-image", 0), ("ideogram4", 1)], [("ideogram4", 1), ("ernie-image", 0)])
+    assert ran[2][0] == "hidream-i1" and ran[2][1] in (0, 1)
+    assert all(set(kept) >= {"ernie-image", "ideogram4"} and "flux" not in kept for _, _, kept in ran[:2])
+    assert "flux" not in ran[2][2] and len(ran[2][2]) <= 2 and not run.IN_USE  # at most the two running
