@@ -210,13 +210,15 @@ def each_expert(cfg: Any) -> list[Any]:
     return units(cfg)
 
 
-def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
+def load_pipeline(cfg: Any, log: Any, swapped_blocks: int = 0) -> tuple[Any, Any, dict[str, Any]]:
     """The pipeline as cfg.sample says (`render_planned` plans those settings first): (pipeline, runtime,
-    what was loaded: precision and cpu_offload)."""
+    what was loaded: precision, cpu_offload and the plan's swapped_blocks). A plan that swaps blocks of the
+    denoiser loads it for swapping (stages/core/pipeline_swap.py); `render_columns` installs the swap."""
     import time
 
     import torch
 
+    from stages.core import pipeline_swap
     from stages.core.runtime import make_runtime
     from stages.families import get_family, pipeline_class
 
@@ -227,32 +229,39 @@ def load_pipeline(cfg: Any, log: Any) -> tuple[Any, Any, dict[str, Any]]:
         raise ConfigError("sample.precision = 'nf4' needs a CUDA GPU (bitsandbytes 4-bit); use 'auto' or 'fp32' on CPU")
     log.emit("loading", component="pipeline", **{"class": family.pipeline_class})
     t = time.time()
-    kwargs: dict[str, Any] = {"quantization_config": nf4_config(family, src)} if cfg.sample.precision == "nf4" else {}
+    swapped = family.denoiser_components[0] if swapped_blocks else None  # loaded apart, for swapping
+    kwargs: dict[str, Any] = ({"quantization_config": nf4_config(family, src, leave_out=swapped)}
+                              if cfg.sample.precision == "nf4" else {})
     offload = cfg.sample.cpu_offload and rt.is_cuda
     straight = rt.is_cuda and not offload and not src.is_single_file  # a single-file denoiser is read on the host first
-    if straight:  # each component read to the GPU shard by shard, never whole in host memory (memory.plan_sample)
-        kwargs["device_map"] = "cuda"
-    pipe = src.load_pipeline(pipeline_class(family), torch_dtype=rt.dtype, **kwargs)
-    if offload:
-        pipe.enable_model_cpu_offload()
-    elif not straight:  # a device-mapped pipeline refuses .to()
-        pipe.to(rt.device)
+    if swapped:
+        pipe = pipeline_swap.load(cfg, family, src, rt, swapped_blocks, pipeline_class(family), **kwargs)
+    else:
+        if straight:  # each component read to the GPU shard by shard, never whole in host memory (memory.plan_sample)
+            kwargs["device_map"] = "cuda"
+        pipe = src.load_pipeline(pipeline_class(family), torch_dtype=rt.dtype, **kwargs)
+        if offload:
+            pipe.enable_model_cpu_offload()
+        elif not straight:  # a device-mapped pipeline refuses .to()
+            pipe.to(rt.device)
     pipe.set_progress_bar_config(disable=True)
     log.emit("loaded", component="pipeline", seconds=round(time.time() - t, 3))
     dense = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(rt.dtype, str(rt.dtype))
-    return pipe, rt, {"precision": "nf4" if cfg.sample.precision == "nf4" else dense, "cpu_offload": bool(offload)}
+    return pipe, rt, {"precision": "nf4" if cfg.sample.precision == "nf4" else dense, "cpu_offload": bool(offload),
+                      **({"swapped_blocks": swapped_blocks} if swapped_blocks else {})}
 
 
-def nf4_config(family: Any, src: Any) -> Any:
+def nf4_config(family: Any, src: Any, leave_out: str | None = None) -> Any:
     """The denoiser and the text encoders in bitsandbytes nf4 with bf16 compute (as train and encode-captions
-    load them), the VAE as it is: diffusers' and transformers' own 4-bit loaders, shard by shard."""
+    load them), the VAE as it is: diffusers' and transformers' own 4-bit loaders, shard by shard. `leave_out`:
+    a component loaded apart (a denoiser loaded for swapping, quantized block by block)."""
     import torch
     from diffusers.quantizers import PipelineQuantizationConfig
 
     from stages.core.memory import module_components
 
     components = family.text_components + family.denoiser_components + family.sample_components
-    names = module_components(src, components)  # no tokenizer or scheduler
+    names = [n for n in module_components(src, components) if n != leave_out]  # no tokenizer or scheduler
     return PipelineQuantizationConfig(quant_backend="bitsandbytes_4bit", components_to_quantize=names, quant_kwargs={
         "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": torch.bfloat16})
 
@@ -327,9 +336,12 @@ def load_controls(cfg: Any, rows: Rows) -> list[list[Any]] | None:
 
 
 def render_columns(pipe: Any, cfg: Any, columns: list[Column], prompts: list[str],
-                   size: tuple[int, int], controls: list[list[Any]] | None) -> tuple[list[str], list[list[Any]], list[Any]]:
+                   size: tuple[int, int], controls: list[list[Any]] | None,
+                   after_adapters: Any = None) -> tuple[list[str], list[list[Any]], list[Any]]:
     """The base column, then one per column of `adapters` (its files loaded under one adapter name), each made
-    the only active adapter in turn.
+    the only active adapter in turn. With `after_adapters` (a pipeline whose denoiser swaps blocks:
+    `pipeline_swap.install`), every column's files load first, then it runs, and the base column renders with the
+    adapters disabled.
     Edit families (`controls`: `load_controls`): a first column shows each row's (first) control
     image, the edit's input; the latents the pipeline decoded, in render order, come back for
     `edit_error` (text-to-image: [])."""
@@ -341,10 +353,22 @@ def render_columns(pipe: Any, cfg: Any, columns: list[Column], prompts: list[str
     record = decoded_latents(pipe.vae) if controls is not None else contextlib.nullcontext([])
     with Progress("sample", (len(columns) + 1) * len(prompts) * len(cfg.sample.seeds), rendered_unit(cfg)) as bar, \
             record as decoded:
-        cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
-        for i, (label, files) in enumerate(columns):
+        def load(i: int, files: list[tuple[Path, dict[str, Any]]]) -> None:
             for file, load_kwargs in files:  # one name for the column: each expert's file sits on its own expert
                 pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=f"col{i}", **load_kwargs)
+
+        if after_adapters is not None:
+            for i, (_, files) in enumerate(columns):
+                load(i, files)
+            after_adapters()
+            if columns:
+                pipe.disable_lora()
+        cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
+        for i, (label, files) in enumerate(columns):
+            if after_adapters is None:
+                load(i, files)
+            else:
+                pipe.enable_lora()
             pipe.set_adapters([f"col{i}"], [cfg.sample.lora_scale])
             cells.append(render_column(pipe, cfg, prompts, size, bar, controls))
             labels.append(label)
@@ -405,14 +429,21 @@ def render_planned(cfg: Any, log: Any, columns: list[Column], prompts: list[str]
 def _render(cfg: Any, plan: Any, log: Any, columns: list[Column], prompts: list[str], size: tuple[int, int],
             controls: list[list[Any]] | None, targets: list[Path] | None) -> dict[str, Any]:
     """One attempt of `render_planned` with `cfg` as planned: the pipeline lives in this frame only."""
+    from stages.core import pipeline_swap
     from stages.core.runtime import reset_peak
     from stages.families import get_family
 
-    pipe, rt, loaded_as = load_pipeline(cfg, log)
-    if note := guidance_note(pipe, get_family(cfg.family), cfg.sample.guidance_scale):
+    family, swapped = get_family(cfg.family), plan.settings.get("swapped_blocks", 0)
+    pipe, rt, loaded_as = load_pipeline(cfg, log, swapped)
+    if note := guidance_note(pipe, family, cfg.sample.guidance_scale):
         log.emit("warning", message=note)
     reset_peak(rt)
-    labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, controls)
+    swaps: list[Any] = []
+    install = (lambda: swaps.append(pipeline_swap.install(pipe, family, swapped, rt.device, loaded_as["cpu_offload"]))
+               ) if swapped else None
+    labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, controls, install)
+    if swaps:  # how many block copies the swap made (the manifest's loaded_as)
+        loaded_as["block_copies"] = swaps[0].copies
     return {"labels": labels, "cells": cells, "rt": rt, "scores": edit_errors(pipe, cfg, labels, decoded, targets, controls, size),
             "loaded_as": {**loaded_as, "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}}
 

@@ -1,6 +1,7 @@
 """The sample stage's memory plan (stages/core/memory/sample.py): the whole pipeline, which is what
 the sample stage loads, in bf16 on the GPU, else bf16 under model CPU offload, else the denoiser and
-text encoders in nf4, else nf4 offloaded; the first that fits the budget. Before it, sample loaded
+text encoders in nf4, else nf4 offloaded, else that with the denoiser's last blocks swapped; the first that
+fits the budget. Before it, sample loaded
 the pipeline in bf16 whatever the GPU: FLUX.2 dev's is 112.6 GB, Qwen-Image's 57 GB.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/planner/test_sample_memory.py
@@ -9,6 +10,8 @@ The `cuda` test renders the tiny FLUX pipeline in nf4 (the bench's CUDA tests ru
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +185,74 @@ def test_work_runs_at_the_blocks_width_over_the_tokens_each_model_sees(tmp_path,
     assert widths == {"transformer": 4096, "connectors": 3840, "text_encoder": 3840}
     plan = memory.plan_for(cfg, get_family("ltx2"), src, memory.cap_budget(24.0, memory.CUDA_CONTEXT_GB), "sample")
     assert plan.fits and _choice(plan) == ("nf4", True) and plan.predicted_peak_gb < 16
+
+
+def test_below_nf4_offloaded_the_plan_swaps_the_fewest_denoiser_blocks_that_fit(cfg, demo_data, tmp_path, monkeypatch):
+    """FLUX.1 dev's preset on the full-size configs (meta device): where even nf4 offloaded does not fit (8 GB),
+    the plan keeps that and swaps the denoiser's last blocks (its T5 offloaded, as the denoiser's resident part
+    is while T5 runs), the fewest that fit; more for a smaller budget, down to what T5 needs alone; never 1 or 2
+    (its two slots would hold them). The tiny model's 2 blocks get no swap plan."""
+    from bench.plan_cost import config_only_model
+    from stages.core.config import load_config
+
+    monkeypatch.setattr(memory.budget, "host_available_bytes", lambda: None)
+    dev = load_config(Path(__file__).resolve().parents[2] / "configs" / "flux-dev.toml", {
+        "model": str(config_only_model("flux", tmp_path / "model")), "data.path": str(demo_data),
+        "artifacts": str(tmp_path / "artifacts")})
+    tried = _plan(dev, 1e6).tried
+    swaps = [t for t in tried if "swapped_blocks" in t]
+    assert [(t["precision"], t["cpu_offload"]) for t in tried] == [*ORDER, *[("nf4", True)] * len(swaps)]
+    ks, peaks = [t["swapped_blocks"] for t in swaps], [t["predicted_peak_gb"] for t in swaps]
+    assert ks == sorted(ks) and ks[0] > 2 and ks[-1] == 57  # FLUX.1's 19 + 38 blocks
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < tried[3]["predicted_peak_gb"] / 1.3
+    for budget in (peaks[len(peaks) // 2] * memory.FRAGMENTATION * 1.001, peaks[-1] * memory.FRAGMENTATION * 1.001):
+        plan = _plan(dev, budget)
+        first = next(k for k, p in zip(ks, peaks) if p * memory.FRAGMENTATION <= budget)
+        assert plan.fits and plan.settings == {"precision": "nf4", "cpu_offload": True, "swapped_blocks": first}
+    assert not any("swapped_blocks" in t for t in _plan(cfg, 1e6).tried)
+
+
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+def test_a_plan_that_swaps_denoiser_blocks_renders_the_same_grid(built_run, tmp_path):
+    """A sample plan that swaps the denoiser's blocks (here 1 of 2, on this CPU in fp32) loads the denoiser as
+    train loads a base it swaps, loads every column's adapter before the swap packs the blocks, renders the base
+    column with the adapters disabled: the same images, base and LoRA columns, as the whole denoiser."""
+    import dataclasses
+
+    import numpy as np
+
+    cfg = dataclasses.replace(built_run, sample=dataclasses.replace(built_run.sample, steps=2, seeds=[0]))
+    columns = sample.adapters(cfg, tmp_path)
+    log = EventLog(cfg.run_dir, cfg.run, "sample")
+    whole = {"precision": "fp32", "cpu_offload": False}
+    runs = [sample._render(cfg, memory.StagePlan("sample", memory.Budget(None, "cpu"), settings, 0.0, True), log,
+                           columns, ["a red square"], (64, 64), None, None)
+            for settings in (whole, {**whole, "swapped_blocks": 1})]
+    assert "swapped_blocks" not in runs[0]["loaded_as"] and runs[1]["loaded_as"]["swapped_blocks"] == 1
+    assert runs[1]["loaded_as"]["block_copies"] == 1  # one block swapped: its slot keeps it after the first copy
+    cells = [[np.asarray(image) for column in run["cells"] for image in column] for run in runs]
+    assert len(cells[0]) == len(cells[1]) == 2 and not np.array_equal(cells[0][0], cells[0][1])  # the LoRA shows
+    assert all(np.array_equal(a, b) for a, b in zip(*cells))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (nf4, block swap's side stream, offload hooks)")
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+def test_cuda_an_nf4_offloaded_plan_that_swaps_blocks_renders_as_without(built_run, tmp_path):
+    """On the GPU: nf4 offloaded with 1 of the tiny FLUX's 2 blocks swapped (the denoiser quantized block by block,
+    the text encoders and VAE brought to the GPU one at a time beside it) renders the grid nf4 offloaded renders,
+    up to the GPU's nondeterminism, and copies the swapped block."""
+    import dataclasses
+
+    import numpy as np
+
+    cfg = dataclasses.replace(built_run, device="cuda", sample=dataclasses.replace(built_run.sample, steps=2, seeds=[0],
+                                                                                    precision="nf4", cpu_offload=True))
+    columns = sample.adapters(cfg, tmp_path)
+    log = EventLog(cfg.run_dir, cfg.run, "sample")
+    offloaded = {"precision": "nf4", "cpu_offload": True}
+    runs = [sample._render(cfg, memory.StagePlan("sample", memory.Budget(None, "cuda"), settings, 0.0, True), log,
+                           columns, ["a red square"], (64, 64), None, None)
+            for settings in (offloaded, {**offloaded, "swapped_blocks": 1})]
+    assert runs[1]["loaded_as"]["block_copies"] > 0
+    cells = [[np.asarray(image, dtype=np.float32) for column in run["cells"] for image in column] for run in runs]
+    assert all(np.abs(a - b).mean() < 2.0 for a, b in zip(*cells)), [np.abs(a - b).mean() for a, b in zip(*cells)]

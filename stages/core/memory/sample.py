@@ -1,4 +1,4 @@
-"""sample's plan: the whole pipeline's precision and CPU offload within a budget."""
+"""sample's plan: the whole pipeline's precision and CPU offload, and block swap of its denoiser, within a budget."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     (FLUX.2 dev: 112.6 GB), as is bf16 whole from a single-file checkpoint (read on the host first).
     Activations are ESTIMATES, not measured: the denoiser's inference work at the sample size (the
     text encoders' rule: calibration.BLOCK_WORK_UNITS per token and width, calibration.CFG_BATCH rows) and the VAE's decode of one
-    image (cache-latents' encode rule), the larger of the two, since they never run together."""
+    image (cache-latents' encode rule), the larger of the two, since they never run together. Below nf4 offloaded,
+    the denoiser swaps blocks (`swap_candidates`): the plan's `swapped_blocks`, which no config key sets."""
     s = cfg.sample
     models = {c: meta_component(src, c) for c in module_components(src, family.text_components + family.vae_components
                                                                      + family.denoiser_components + family.sample_components)}
@@ -59,9 +60,43 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             peak = (max(sizes[c] + work[c] for c in models) if offload
                     else sum(sizes.values()) + max(work.values()))
             candidates.append(({"precision": precision, "cpu_offload": offload}, peak / cal.GB))
+    if not src.is_single_file:  # a single-file denoiser is read whole on the host first
+        candidates += swap_candidates(family, models, work, precisions, offloads)
     plan = fitting(budget, candidates, "sample", "lower sample.width and sample.height")
     plan.note = "; ".join([*notes, plan.note] if plan.note else notes)
     return plan
+
+
+def swap_candidates(family: Any, models: dict[str, Any], work: dict[str, float], precisions: list[str],
+                    offloads: list[bool]) -> list[tuple[dict[str, Any], float]]:
+    """After nf4 offloaded: the same with the last k of the denoiser's repeated blocks in host memory, copied to
+    the GPU as each runs (train's block swap: two GPU slots of the largest, which stay), k in eighths of the
+    blocks up to all, fewest first; the rest of the denoiser is offloaded while another component runs, as each
+    of those is. For a family of one denoiser, where nf4 and offload are allowed."""
+    from stages.core import blockswap
+    from stages.core.blockswap import SLOTS
+
+    if "nf4" not in precisions or True not in offloads or family.sample_components or len(family.denoiser_components) != 1:
+        return []
+    name = family.denoiser_components[0]
+    model = models[name]
+    if family.repeated_blocks:  # a diffusers class that names none (HiDream-I1)
+        model._repeated_blocks = list(family.repeated_blocks)
+    blocks = blockswap.repeated_blocks(model)
+    if len(blocks) <= SLOTS:  # the two slots would hold every swapped block: nothing saved
+        return []
+    quantized = set(models) - set(family.vae_components)
+    sizes = {c: weight_bytes(m, "nf4" if c in quantized else "bf16") for c, m in models.items()}
+    codes = [weight_bytes(b, "nf4", codes_only=True) for b in blocks]
+    n, step = len(blocks), max(1, len(blocks) // 8)
+    others = max((sizes[c] + work[c] for c in models if c != name), default=0.0)
+    out = []
+    for k in sorted({*range(step, n, step), n} - set(range(SLOTS + 1))):
+        host = [codes[i] for i in blockswap.swapped_positions(n, k, "last")]
+        slots = min(2, k) * max(host) + cal.SWAP_EXTRA_GB * cal.GB
+        out.append(({"precision": "nf4", "cpu_offload": True, "swapped_blocks": k},
+                    (slots + max(sizes[name] - sum(host) + work[name], others)) / cal.GB))
+    return out
 
 
 PLANNER = Planner(
