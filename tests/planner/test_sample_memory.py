@@ -212,25 +212,31 @@ def test_below_nf4_offloaded_the_plan_swaps_the_fewest_denoiser_blocks_that_fit(
     assert not any("swapped_blocks" in t for t in _plan(cfg, 1e6).tried)
 
 
+def _grids_without_and_with_swap(built, tmp_path, device: str, **settings):
+    """`sample._render` of the built run (2 steps, seed 0) under `settings`, then the same swapping 1 of the tiny
+    model's 2 blocks: (each run's result, each run's images as float arrays, base then LoRA column)."""
+    import dataclasses
+
+    import numpy as np
+
+    cfg = dataclasses.replace(built, device=device, sample=dataclasses.replace(built.sample, steps=2, seeds=[0], **settings))
+    columns, log = sample.adapters(cfg, tmp_path), EventLog(cfg.run_dir, cfg.run, "sample")
+    runs = [sample._render(cfg, memory.StagePlan("sample", memory.Budget(None, device), plan, 0.0, True), log, columns,
+                           ["a red square"], (64, 64), None, None)
+            for plan in (settings, {**settings, "swapped_blocks": 1})]
+    return runs, [[np.asarray(image, dtype=np.float32) for column in run["cells"] for image in column] for run in runs]
+
+
 @pytest.mark.parametrize("built_run", ["flux"], indirect=True)
 def test_a_plan_that_swaps_denoiser_blocks_renders_the_same_grid(built_run, tmp_path):
     """A sample plan that swaps the denoiser's blocks (here 1 of 2, on this CPU in fp32) loads the denoiser as
     train loads a base it swaps, loads every column's adapter before the swap packs the blocks, renders the base
     column with the adapters disabled: the same images, base and LoRA columns, as the whole denoiser."""
-    import dataclasses
-
     import numpy as np
 
-    cfg = dataclasses.replace(built_run, sample=dataclasses.replace(built_run.sample, steps=2, seeds=[0]))
-    columns = sample.adapters(cfg, tmp_path)
-    log = EventLog(cfg.run_dir, cfg.run, "sample")
-    whole = {"precision": "fp32", "cpu_offload": False}
-    runs = [sample._render(cfg, memory.StagePlan("sample", memory.Budget(None, "cpu"), settings, 0.0, True), log,
-                           columns, ["a red square"], (64, 64), None, None)
-            for settings in (whole, {**whole, "swapped_blocks": 1})]
+    runs, cells = _grids_without_and_with_swap(built_run, tmp_path, "cpu", precision="fp32", cpu_offload=False)
     assert "swapped_blocks" not in runs[0]["loaded_as"] and runs[1]["loaded_as"]["swapped_blocks"] == 1
     assert runs[1]["loaded_as"]["block_copies"] == 1  # one block swapped: its slot keeps it after the first copy
-    cells = [[np.asarray(image) for column in run["cells"] for image in column] for run in runs]
     assert len(cells[0]) == len(cells[1]) == 2 and not np.array_equal(cells[0][0], cells[0][1])  # the LoRA shows
     assert all(np.array_equal(a, b) for a, b in zip(*cells))
 
@@ -241,18 +247,8 @@ def test_cuda_an_nf4_offloaded_plan_that_swaps_blocks_renders_as_without(built_r
     """On the GPU: nf4 offloaded with 1 of the tiny FLUX's 2 blocks swapped (the denoiser quantized block by block,
     the text encoders and VAE brought to the GPU one at a time beside it) renders the grid nf4 offloaded renders,
     up to the GPU's nondeterminism, and copies the swapped block."""
-    import dataclasses
-
     import numpy as np
 
-    cfg = dataclasses.replace(built_run, device="cuda", sample=dataclasses.replace(built_run.sample, steps=2, seeds=[0],
-                                                                                    precision="nf4", cpu_offload=True))
-    columns = sample.adapters(cfg, tmp_path)
-    log = EventLog(cfg.run_dir, cfg.run, "sample")
-    offloaded = {"precision": "nf4", "cpu_offload": True}
-    runs = [sample._render(cfg, memory.StagePlan("sample", memory.Budget(None, "cuda"), settings, 0.0, True), log,
-                           columns, ["a red square"], (64, 64), None, None)
-            for settings in (offloaded, {**offloaded, "swapped_blocks": 1})]
+    runs, cells = _grids_without_and_with_swap(built_run, tmp_path, "cuda", precision="nf4", cpu_offload=True)
     assert runs[1]["loaded_as"]["block_copies"] > 0
-    cells = [[np.asarray(image, dtype=np.float32) for column in run["cells"] for image in column] for run in runs]
     assert all(np.abs(a - b).mean() < 2.0 for a, b in zip(*cells)), [np.abs(a - b).mean() for a, b in zip(*cells)]
