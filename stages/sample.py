@@ -86,7 +86,7 @@ def prompts_of(cfg: Any, rows: Rows) -> list[str]:
         return [prompt for prompt, _ in rows]
     if cfg.sample.prompts:
         return list(cfg.sample.prompts)
-    from stages.core import dataset, image_io
+    from stages.core import dataset
 
     return sorted({it.caption for it in dataset.scan_run(cfg, ids=False)})[:3]  # captions only: no image read
 
@@ -108,7 +108,7 @@ def fingerprint_parts(cfg: Any, planned: tuple[Rows, list[str], list[Path] | Non
 
 
 def dataset_id(path: Path) -> str:
-    from stages.core import dataset, image_io
+    from stages.core import dataset
 
     return dataset.content_id(path.read_bytes())
 
@@ -330,7 +330,7 @@ def guidance_note(pipe: Any, family: Any, scale: float) -> str | None:
 
 def load_controls(cfg: Any, rows: Rows) -> list[list[Any]] | None:
     """Each edit row's control images, read once per sample run for the grid and `edit_errors`."""
-    from stages.core import dataset, image_io
+    from stages.core import image_io
 
     return None if rows is None else [[image_io.load_image(p, cfg.data.background) for p in c] for _, c in rows]
 

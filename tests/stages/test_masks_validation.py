@@ -208,7 +208,7 @@ def test_masks_end_to_end(assets, demo_data, tmp_path):
 
 def test_masks_folder_and_bad_masks(assets, demo_data, tmp_path):
     from stages import cache_latents
-    from stages.core import aspect_buckets, dataset, image_io
+    from stages.core import dataset, image_io
     from stages.core.errors import DatasetError
 
     data = _dataset(demo_data, tmp_path / "data")
@@ -266,7 +266,7 @@ def test_validation_settings_are_config_errors(tmp_path):
 
 
 def test_split_is_by_content_id(demo_data, tmp_path):
-    from stages.core import aspect_buckets, dataset, image_io, validation
+    from stages.core import dataset, validation
     from stages.core.config import load_config
 
     from conftest import demo_config_path
