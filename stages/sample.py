@@ -235,7 +235,7 @@ def load_pipeline(cfg: Any, log: Any, swapped_blocks: int = 0) -> tuple[Any, Any
     offload = cfg.sample.cpu_offload and rt.is_cuda
     straight = rt.is_cuda and not offload and not src.is_single_file  # a single-file denoiser is read on the host first
     if swapped:
-        pipe = pipeline_swap.load(cfg, family, src, rt, swapped_blocks, pipeline_class(family), **kwargs)
+        pipe = pipeline_swap.load(cfg, family, src, rt, pipeline_class(family), **kwargs)
     else:
         if straight:  # each component read to the GPU shard by shard, never whole in host memory (memory.plan_sample)
             kwargs["device_map"] = "cuda"

@@ -1,9 +1,9 @@
 """A diffusers pipeline whose denoiser swaps blocks, for the sample stage under a budget its nf4 pipeline does not
 fit even offloaded (stages/core/memory/sample.py `swap_candidates`).
 
-    pipe = load(cfg, family, src, rt, 42, FluxPipeline, quantization_config=...)  # denoiser loaded as train does
+    pipe = load(cfg, family, src, rt, FluxPipeline, quantization_config=...)  # denoiser loaded as train does
     ... pipe.load_lora_weights(...) for every adapter ...
-    swap = install(pipe, family, 42, rt.device, offload=True)                          # then render
+    swap = install(pipe, family, 42, rt.device, offload=True)                 # then render
 
 - The denoiser loads as train loads a base it swaps (stages/core/lora.py `load_denoiser_weights`): an nf4 base
   quantized block by block, here every block left in host memory; the pipeline's other components load as the
@@ -25,21 +25,18 @@ from typing import Any
 import torch
 
 
-def load(cfg: Any, family: Any, src: Any, rt: Any, swapped_blocks: int, cls: Any, **pipeline_kwargs: Any) -> Any:
-    """The pipeline (`cls`, the family's) with its denoiser loaded for swapping `swapped_blocks` blocks: every repeated block
-    in host memory (nf4: quantized one at a time on the GPU first), not yet swapped (`install` does that, and
-    brings the blocks it leaves resident to the GPU once the other components have left it)."""
-    from stages.core import blockswap
-    from stages.core.memory.sizes import meta_component
+def load(cfg: Any, family: Any, src: Any, rt: Any, cls: Any, **pipeline_kwargs: Any) -> Any:
+    """The pipeline (`cls`, the family's) with its denoiser loaded for swapping: every repeated block in host
+    memory (nf4: quantized one at a time on the GPU first), not yet swapped (`install` does that, and brings the
+    blocks it leaves resident to the GPU once the other components have left it)."""
+    import sys
+
     from stages.core.runtime import HostLoad
 
     name = family.denoiser_components[0]
-    meta = meta_component(src, name)
-    if family.repeated_blocks:  # a diffusers class that names none (HiDream-I1)
-        meta._repeated_blocks = list(family.repeated_blocks)
-    every = max(swapped_blocks, len(blockswap.repeated_blocks(meta)))
     precision = "nf4" if cfg.sample.precision == "nf4" else "fp32" if rt.dtype == torch.float32 else "bf16"
-    host = HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=every)
+    # every block to host memory (blockswap.swapped_positions takes at most all of them)
+    host = HostLoad(torch.device("cpu"), rt.dtype, target=rt.device, swapped_blocks=sys.maxsize)
     denoiser = family.load_denoiser(src, precision, host, cfg.train).eval()
     return src.load_pipeline(cls, torch_dtype=rt.dtype, **{name: denoiser}, **pipeline_kwargs)
 

@@ -10,7 +10,7 @@ from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.latents import vae_elements_per_pixel
 from stages.core.memory.sizes import (meta_component, module_components, planned_frames, sample_tokens, weight_bytes,
-                                       work_width)
+                                       with_named_blocks, work_width)
 from stages.core.memory.stage_plan import Planner, StagePlan, fitting, planned_controls
 
 
@@ -79,10 +79,7 @@ def swap_candidates(family: Any, models: dict[str, Any], work: dict[str, float],
     if "nf4" not in precisions or True not in offloads or family.sample_components or len(family.denoiser_components) != 1:
         return []
     name = family.denoiser_components[0]
-    model = models[name]
-    if family.repeated_blocks:  # a diffusers class that names none (HiDream-I1)
-        model._repeated_blocks = list(family.repeated_blocks)
-    blocks = blockswap.repeated_blocks(model)
+    blocks = blockswap.repeated_blocks(with_named_blocks(models[name], family))
     if len(blocks) <= SLOTS:  # the two slots would hold every swapped block: nothing saved
         return []
     quantized = set(models) - set(family.vae_components)
@@ -93,7 +90,7 @@ def swap_candidates(family: Any, models: dict[str, Any], work: dict[str, float],
     out = []
     for k in sorted({*range(step, n, step), n} - set(range(SLOTS + 1))):
         host = [codes[i] for i in blockswap.swapped_positions(n, k, "last")]
-        slots = min(2, k) * max(host) + cal.SWAP_EXTRA_GB * cal.GB
+        slots = SLOTS * max(host) + cal.SWAP_EXTRA_GB * cal.GB
         out.append(({"precision": "nf4", "cpu_offload": True, "swapped_blocks": k},
                     (slots + max(sizes[name] - sum(host) + work[name], others)) / cal.GB))
     return out

@@ -19,6 +19,14 @@ _META_CACHE: dict[tuple[str, str, str], torch.nn.Module] = {}
 _META_CACHE_SIZE = 8
 
 
+def with_named_blocks(model: torch.nn.Module, family: Any) -> torch.nn.Module:
+    """`model` with its repeated block classes named where its diffusers class names none (family.repeated_blocks:
+    HiDream-I1), so blockswap finds its blocks."""
+    if family.repeated_blocks:
+        model._repeated_blocks = list(family.repeated_blocks)
+    return model
+
+
 def meta_component(src: Any, subfolder: str) -> torch.nn.Module:
     """The component's module built from its config on the meta device (no weights, no memory),
     once per process for each class and config (`_META_CACHE`). Shared: callers only read sizes

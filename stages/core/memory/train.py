@@ -12,7 +12,7 @@ from stages.core.memory import calibration as cal
 from stages.core.memory.budget import Budget
 from stages.core.memory.adapter import adapter_memory
 from stages.core.memory.sizes import (_width, fp8_nf4_weight_bytes, meta_component, planned_frames, sample_tokens,
-                                       weight_bytes)
+                                       weight_bytes, with_named_blocks)
 from stages.core.memory.stage_plan import (Planner, StagePlan, changeable, data_settings, either, fitting, nf4_instead,
                                            planned_controls)
 from stages.core.memory.train_options import graphs_mode, other_shapes_gb, train_options, with_fp8_nf4, with_graph_room
@@ -64,9 +64,7 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     from stages.core import blockswap  # imports torch: the plan builds the denoiser on the meta device
 
     tcfg = cfg.train
-    model = meta_component(src, family.denoiser_components[0])
-    if family.repeated_blocks:  # a diffusers class that names none (HiDream-I1)
-        model._repeated_blocks = list(family.repeated_blocks)
+    model = with_named_blocks(meta_component(src, family.denoiser_components[0]), family)
     blocks = blockswap.repeated_blocks(model)
     targets = tcfg.target_modules or list(family.default_lora_targets)
     adapter = adapter_memory(model, tcfg, cfg.runtime, targets, blocks)
