@@ -429,7 +429,7 @@ def render_planned(cfg: Any, log: Any, columns: list[Column], prompts: list[str]
 def _render(cfg: Any, plan: Any, log: Any, columns: list[Column], prompts: list[str], size: tuple[int, int],
             controls: list[list[Any]] | None, targets: list[Path] | None) -> dict[str, Any]:
     """One attempt of `render_planned` with `cfg` as planned: the pipeline lives in this frame only."""
-    from stages.core import pipeline_swap
+    from stages.core import blockswap, pipeline_swap
     from stages.core.runtime import reset_peak
     from stages.families import get_family
 
@@ -438,12 +438,10 @@ def _render(cfg: Any, plan: Any, log: Any, columns: list[Column], prompts: list[
     if note := guidance_note(pipe, family, cfg.sample.guidance_scale):
         log.emit("warning", message=note)
     reset_peak(rt)
-    swaps: list[Any] = []
-    install = (lambda: swaps.append(pipeline_swap.install(pipe, family, swapped, rt.device, loaded_as["cpu_offload"]))
-               ) if swapped else None
+    install = (lambda: pipeline_swap.install(pipe, family, swapped, rt.device, loaded_as["cpu_offload"])) if swapped else None
     labels, cells, decoded = render_columns(pipe, cfg, columns, prompts, size, controls, install)
-    if swaps:  # how many block copies the swap made (the manifest's loaded_as)
-        loaded_as["block_copies"] = swaps[0].copies
+    if swapped:  # how many block copies the swap made (the manifest's loaded_as)
+        loaded_as["block_copies"] = blockswap.installed_swap(getattr(pipe, family.denoiser_components[0])).copies
     return {"labels": labels, "cells": cells, "rt": rt, "scores": edit_errors(pipe, cfg, labels, decoded, targets, controls, size),
             "loaded_as": {**loaded_as, "predicted_peak_gb": round(plan.predicted_peak_gb, 3)}}
 

@@ -311,11 +311,15 @@ class SwappedModuleList(torch.nn.ModuleList):
         return iter([SwappedCall(swap, b) if id(b) in swap.order else b for b in self._modules.values()])
 
 
+def installed_swap(model: torch.nn.Module) -> BlockSwap | None:
+    """The swap `install_block_swap` installed in `model`, if any."""
+    return next((m._block_swap for m in model.modules() if isinstance(m, SwappedModuleList)), None)
+
+
 def forget_slots(model: torch.nn.Module) -> None:
     """`BlockSwap.forget` for the swap installed in `model`, if any."""
-    for m in model.modules():
-        if isinstance(m, SwappedModuleList):
-            m._block_swap.forget()
+    if (swap := installed_swap(model)) is not None:
+        swap.forget()
 
 
 def install_block_swap(model: torch.nn.Module, n_blocks: int, device: torch.device,
