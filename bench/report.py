@@ -55,7 +55,7 @@ def load(files: list[Path]) -> tuple[dict[str, Any], dict[str, dict[str, Any]], 
             if row["status"] == "failed" and row.get("rc") == -9:  # killed at the --budget-s deadline
                 row = {**row, "status": "cut off (budget)"}
             if row["status"] == "ok" or rid not in items or items[rid]["status"] != "ok":
-                items[rid] = row
+                items[rid] = {**row, "gpu": data["meta"].get("gpu")}
     planned = _planned()
     if planned:  # an item dropped from the plan since is shown only where it ran
         items = {k: v for k, v in items.items() if v["status"] == "ok" or k in planned}
@@ -105,12 +105,14 @@ def train_rows(items: dict[str, dict[str, Any]], flops_cache: dict | None) -> li
         r = {"id": rid, "family": fam, "name": name, "status": row["status"], "precision": sets["train.base_precision"],
              "res": row["res"], "batch": sets["train.batch_size"], "cmd": row.get("cmd", ""),
              "compile": sets.get("runtime.compile_transformer", "auto"), "ckpt": sets.get("runtime.gradient_checkpointing", True),
-             "graphs": row.get("env", {}).get("LORAPIPE_CUDA_GRAPHS", "auto"), "reason": row.get("reason", "")}
+             "graphs": row.get("env", {}).get("LORAPIPE_CUDA_GRAPHS", "auto"), "reason": row.get("reason", ""),
+             "gpu": row.get("gpu")}
         if row["status"] == "ok":
             st = step_time(row)
             rt = s.get("runtime", {})
             r.update(step_s=st, sps=s.get("samples_per_second"), peak=s.get("peak_vram_gb", {}), compiled=s.get("compiled"),
                      graphs_used=rt.get("cuda_graphs", {}).get("graphs", 0), wall=row.get("wall_s"),
+                     swapped=(rt.get("block_swap") or {}).get("swapped_blocks"), blocks=rt.get("blocks"),
                      loss=(s.get("loss_first"), s.get("loss_last")), load_s=(s.get("loaded_s") or [None])[0])
             f = _flops(fam, r["res"], r["batch"], flops_cache) if flops_cache is not None else None
             if f and st:
@@ -642,14 +644,28 @@ def ran_eager(r: dict[str, Any]) -> bool:
     return _predates_nf4_compile(r) or not r.get("graphs_used")
 
 
+def swapped_note(r: dict[str, Any]) -> str:
+    """", 46 of 60 blocks swapped" where the row's plan swapped blocks to host memory (its peak is then the
+    resident blocks' and two slots', not the whole base's), else ""."""
+    return f", {r['swapped']} of {r.get('blocks')} blocks swapped" if r.get("swapped") else ""
+
+
+def gpu_note(r: dict[str, Any]) -> str:
+    """" (H100)" where the row ran on a GPU other than the H200 the tables are for, else ""."""
+    gpu = r.get("gpu") or ""
+    return "" if not gpu or "H200" in gpu else f" ({'H100' if 'H100' in gpu else gpu})"
+
+
 DOCS_TRAIN_HEAD = "| base | px | batch | step s | samples/s | train peak GB (allocated) | run |"
 
 
 def docs_train_table(rows: list[dict[str, Any]], items: dict[str, dict[str, Any]], fam: str) -> list[str]:
-    """docs/performance.md's table of a family (`headline_rows`, † on rows measured eager) and its cache stages' line."""
+    """docs/performance.md's table of a family (`headline_rows`, † on rows measured eager, the blocks a row's plan
+    swapped beside its peak, the GPU beside a run not measured on the H200) and its cache stages' line."""
     lines = [DOCS_TRAIN_HEAD, "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['res']} | {r['batch']} | {r['step_s']:.3f}{' †' if ran_eager(r) else ''} | "
-              f"{_f(r['sps'], 2)} | {_f(r['peak'].get('allocated'), 2)} | `{r['name']}` |" for r in headline_rows(rows, fam)]
+              f"{_f(r['sps'], 2)} | {_f(r['peak'].get('allocated'), 2)}{swapped_note(r)} | `{r['name']}`{gpu_note(r)} |"
+              for r in headline_rows(rows, fam)]
     stages = cache_peaks(items, fam)
     return lines + (["", "Cache stages, peak GB allocated: " + ", ".join(f"{k} {v:.2f}" for k, v in stages) + "."]
                     if stages else [])

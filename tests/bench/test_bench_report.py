@@ -584,6 +584,10 @@ def test_the_performance_docs_train_tables_are_the_latest_results() -> None:
     # not vacuous: a hand-edited figure is put back
     edited = text.replace("| 0.451 |", "| 0.450 |", 1)  # FLUX.1's fp8-1024-b1 step
     assert edited != text and report.sync_performance_doc(edited, report.result_files()).count("| 0.450 |") == 0
+    # a row whose plan swapped blocks says so beside its peak (Qwen-Image-Edit-2511's bf16 at batch 4 on an 80 GB
+    # card held 26 GB, less than its batch 1's 42 GB, because 46 blocks stayed in host memory)
+    swapped = [line for line in text.splitlines() if "blocks swapped |" in line]
+    assert any(line.startswith("| bf16 | 1024 | 4 |") and "46 of 60 blocks swapped" in line for line in swapped), swapped
 
 
 def test_memory_report_times_train_from_its_steady_steps(tmp_path: Path) -> None:
