@@ -301,8 +301,8 @@ def test_qwen_edit_encode_plan_counts_each_controls_vision_tokens(built_run, tmp
     """The text encoder reads each control's vision tokens with the caption, one caption at a time: each control,
     whatever its aspect, adds at most family.text_tokens_per_control tokens to what it reads (196 vision tokens for a
     square one, and its label),
-    which encode-captions' plan counts for the family's most controls, and the batch size does not change the plan's
-    working memory."""
+    which encode-captions' plan counts for the most controls an item of the run's data has (the demo's edit pairs:
+    one), and the batch size does not change the plan's working memory."""
     from PIL import Image
 
     from stages.core import memory
@@ -320,6 +320,7 @@ def test_qwen_edit_encode_plan_counts_each_controls_vision_tokens(built_run, tmp
     assert all(family.text_tokens_per_control * 0.9 <= n <= family.text_tokens_per_control for n in added), (added, counts)
     assert 196 < added[0] < 196 + 16, (added, counts)  # the square control: 28 x 28 patches of 14 px merged 2 x 2, and its label
     tokens = plan_captions.encode_tokens(built_run, family)
-    assert tokens >= built_run.captions.max_sequence_length + 3 * family.text_tokens_per_control
+    assert memory.stage_plan.planned_controls(built_run, family) == 1
+    assert tokens >= built_run.captions.max_sequence_length + family.text_tokens_per_control
     plan = memory.PLANNERS["encode-captions"].plan(built_run, family, ModelSource(built_run.model), memory.Budget(1e6, "cap"))
     assert len({round(t["predicted_peak_gb"], 9) for t in plan.tried if t["text_encoder_precision"] == "bf16"}) == 1

@@ -113,8 +113,10 @@ def test_reference_ids_are_the_pipelines_prepare_image_ids():
 
 def test_memory_plan_counts_the_runs_references(assets, ref_data, demo_data, tmp_path, monkeypatch):
     """Optional references: the planned sequence has as many as the run's items carry (none for a
-    text-to-image run, so its plan is as before); an edit family plans its most. The count comes
-    from file names: no image is read or hashed (a spy on the id hashing sees no call)."""
+    text-to-image run, so its plan is as before); so does an edit family that takes 1 to 3 inputs (Qwen-Image-Edit:
+    an item of two inputs plans two, not its most; planning three had Qwen-Image-Edit-2511's train at 16 GB
+    predict 1.5x what one input held). The count comes from file names: no image is read or hashed (a spy on the
+    id hashing sees no call)."""
     from stages.core import image_index, memory
 
     klein = get_family("flux2-klein")
@@ -124,7 +126,7 @@ def test_memory_plan_counts_the_runs_references(assets, ref_data, demo_data, tmp
     assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, ref_data, tmp_path), klein) == 1
     assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, demo_data, tmp_path), klein) == 0
     assert hashed == []
-    assert memory.stage_plan.planned_controls(None, get_family("qwen-image-edit")) == 3
+    assert memory.stage_plan.planned_controls(None, get_family("flux-kontext")) == 1
     assert memory.stage_plan.planned_controls(None, get_family("flux")) == 0
     meta = tmp_path / "meta"  # metadata.jsonl's control_image lists count the same way
     meta.mkdir()
@@ -133,6 +135,9 @@ def test_memory_plan_counts_the_runs_references(assets, ref_data, demo_data, tmp
     (meta / "metadata.jsonl").write_text('{"file_name": "t1.png", "text": "a", "control_image": "c1.png"}\n'
                                          '{"file_name": "t2.png", "text": "b", "control_image": ["c1.png", "c2.png"]}\n')
     assert memory.stage_plan.planned_controls(make_cfg("flux2-klein", assets, meta, tmp_path / "m"), klein) == 2
+    edit = get_family("qwen-image-edit")
+    assert memory.stage_plan.planned_controls(make_cfg("qwen-image-edit", assets, meta, tmp_path / "e"), edit) == 2
+    assert memory.stage_plan.planned_controls(make_cfg("qwen-image-edit", assets, ref_data, tmp_path / "r"), edit) == 1
     assert max(len(it.controls) for it in dataset.scan(meta)) == 2 and len(hashed) > 0  # scan hashes; the count did not
 
 

@@ -115,11 +115,12 @@ def halvings(n: int) -> list[int]:
 
 
 def planned_controls(cfg: Any, family: Any) -> int:
-    """Control images per item the sequence carries: the family's most, or, where they are optional
-    (FLUX.2 references), the most an item of this run's data has."""
+    """Control images per item the sequence carries: the most an item of this run's data has, within the
+    family's range (FLUX.2's optional references, Qwen-Image-Edit's 1 to 3 inputs); a family that takes a fixed
+    number (FLUX.1 Kontext's one, none for text-to-image) plans that number without reading the data."""
     low, high = family.control_range
-    if low or not high:
+    if low == high:
         return high
     from stages.core import dataset
 
-    return dataset.most_controls(cfg)  # file names only: no image is read or hashed here
+    return max(low, min(high, dataset.most_controls(cfg)))  # file names only: no image is read or hashed here
