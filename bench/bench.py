@@ -117,7 +117,8 @@ def plan(fam: str) -> list[Item]:
 
 def _short_plan(fam: str) -> list[Item]:
     """A newer or edit family: stage peaks and samples/s at 512 and 1024 px, batch 1 and 4, in the
-    base precisions its full.py lists (BASE_PRECISIONS, default nf4 and bf16), then an fp8 row where those lack fp8.
+    base precisions its full.py lists (BASE_PRECISIONS, default nf4 and bf16), then fp8 rows at 1024 px (batch 1
+    and 4) where those lack fp8.
     Train items take the family's TRAIN_SECONDS (a compiled 512 px b1 item: load, regional compile,
     8 steps) plus what 1024 px and batch 4 add on the H200 (FLUX.1 rows in bench/results: +10-25 s).
     A family whose references are optional (control_range (0, n), FLUX.2) adds a one-reference run."""
@@ -141,7 +142,8 @@ def _short_plan(fam: str) -> list[Item]:
         run = f"bench-{fam}-512-ref1"
         items += [Item(f"{fam}/latents/512-ref1", "latents", 512, est_s=25, run=run, controls=1),
                   _train(fam, precisions[0], 512, 1, train_s + 5, "-ref1", run=run, controls=1)]
-    return items + ([] if "fp8" in precisions else [train("fp8", 1024, 1)])  # fp8 base (Hopper/Ada), beside bf16-1024-b1
+    # an fp8 base (Hopper/Ada) beside bf16's 1024 px rows
+    return items + ([] if "fp8" in precisions else [train("fp8", 1024, 1), train("fp8", 1024, 4)])
 
 
 def staged_family(fam: str) -> bool:

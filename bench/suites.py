@@ -118,10 +118,10 @@ def measured_family(family: str, encode: tuple[str, ...], export: str = "nf4-512
 
 
 def short_family(family: str, precisions: tuple[str, ...] = ("nf4", "bf16"), refs: bool = False) -> list[Row]:
-    """A newer or edit family: caches, its precisions at every shape, fp8 at 1024 px b1 (where fp8 is not among
-    them), export and load check."""
+    """A newer or edit family: caches, its precisions at every shape, fp8 at 1024 px batch 1 and 4 (where fp8 is
+    not among them), export and load check."""
     latents = ("latents/512", "latents/1024") + (("latents/512-ref1",) if refs else ())
-    fp8 = [] if "fp8" in precisions else [train(family, "fp8", 1024, 1)]
+    fp8 = [] if "fp8" in precisions else [train(family, "fp8", 1024, 1), train(family, "fp8", 1024, 4)]
     return [*stages(family, "encode/nf4", *latents), *grid(family, precisions), *fp8,
             *stages(family, "export/nf4-512-b1", "verify/nf4-512-b1")]
 

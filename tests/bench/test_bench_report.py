@@ -171,21 +171,22 @@ def test_fp8_target_compares_step_and_peak_with_bf16_at_the_same_shape(tmp_path:
 def test_short_plan_of_the_newer_and_edit_families() -> None:
     """The newer and edit families: the stage peaks and the 512 px b1 nf4 train, its export and load
     check first, then bf16 and batch 4, then 1024 px; FLUX.2 dev, staged, nf4 first, then its first bf16 row; optional references
-    (FLUX.2) add a one-reference run with its own dataset; every family ends with fp8-1024-b1."""
+    (FLUX.2) add a one-reference run with its own dataset; every family ends with fp8 at 1024 px, batch 1 and 4."""
     klein = [i.id.split("/", 1)[1] for i in plan("flux2-klein")]
     assert klein[:13] == ["encode/nf4", "latents/512", "train/nf4-512-b1", "export/nf4-512-b1", "verify/nf4-512-b1",
                           "train/bf16-512-b1", "train/nf4-512-b4", "train/bf16-512-b4", "latents/1024",
                           "train/nf4-1024-b1", "train/bf16-1024-b1", "train/nf4-1024-b4", "train/bf16-1024-b4"]
     refs = {i.id: i for i in plan("flux2-klein") if "ref1" in i.id}
     assert {i.controls for i in refs.values()} == {1} and {i.run for i in refs.values()} == {"bench-flux2-klein-512-ref1"}
-    assert klein[-1] == "train/fp8-1024-b1" and len(klein) == len(set(klein))
+    assert klein[-2:] == ["train/fp8-1024-b1", "train/fp8-1024-b4"] and len(klein) == len(set(klein))
     dev = [i.id.split("/", 1)[1] for i in plan("flux2")]  # staged: its components' items together
     assert dev[4:10] == ["train/nf4-512-b1", "export/nf4-512-b1", "verify/nf4-512-b1", "train/nf4-1024-b1",
                          "train/nf4-512-b4", "train/bf16-512-b1"] and "train/nf4-512-b1-ref1" in dev  # bf16 fits an H200
     for fam in ("flux-kontext", "qwen-image-edit", "krea2", "qwen-image-2.1"):
         items = plan(fam)
         assert not [i for i in items if "ref1" in i.id or i.controls is not None], fam  # the family's own count
-        assert items[2].id == f"{fam}/train/nf4-512-b1" and items[-1].id == f"{fam}/train/fp8-1024-b1"
+        assert items[2].id == f"{fam}/train/nf4-512-b1" and [i.id for i in items[-2:]] == \
+            [f"{fam}/train/fp8-1024-b1", f"{fam}/train/fp8-1024-b4"]
         assert all(30 <= i.est_s <= 130 for i in items if i.kind == "train"), fam
 
 

@@ -44,7 +44,7 @@ def test_every_table_row_of_the_performance_doc_has_a_suite_row() -> None:
         fam = re.search(r"bash bench/device\.sh ([\w.-]+)`", section)
         if not fam or fam.group(1) not in suites.SUITES:
             continue
-        runs = re.findall(r"\| `([\w-]+-\d+-b\d[\w-]*)` \|", section)
+        runs = re.findall(r"\| `([\w-]+-\d+-b\d[\w-]*)`(?: \([\w ]+\))? \|", section)  # a run may name its GPU
         assert runs, section[:80]
         for name in runs:
             assert f"{fam.group(1)}.train.{name}" in keys, (fam.group(1), name)
