@@ -3,6 +3,7 @@
     python bench/run.py --list [SUITE ...]                  # the rows and the command each runs (CPU)
     python bench/run.py flux --budget-s 540                 # on the GPU machine (bash bench/device.sh flux)
     python bench/run.py memory --only 'memory.flux-*' --missing
+    python bench/run.py --take <files_at>                   # here: the call's results into bench/results
 
 Rows run in their suite's order, those of one call together (a family's bench items share one build;
 a family's memory budgets at one px one call, so equal plans are measured once). Results go to
@@ -260,6 +261,57 @@ def listing(names: list[str], only: list[str] = [], missing: bool = False, resul
     return "\n".join(lines)
 
 
+PACKED = "results.tgz"
+
+
+def pack(folder: Path) -> Path:
+    """`folder`'s results/ and logs/ as folder/results.tgz (then removed): a device call brings back at most 8
+    files, and a family's call writes more."""
+    import tarfile
+
+    out = folder / PACKED
+    with tarfile.open(out, "w:gz") as tar:
+        for name in ("results", "logs"):
+            if (folder / name).is_dir():
+                tar.add(folder / name, arcname=name)
+    for name in ("results", "logs"):
+        shutil.rmtree(folder / name, ignore_errors=True)
+    return out
+
+
+def take(source: Path, results: Path) -> list[Path]:
+    """Copy the result files a device call brought back (`source`: its folder, holding results/<suite>/*.json or
+    a results.tgz, or the .tgz itself) into `results`/<suite>/, replacing a row's older file. -> the paths written.
+    The archive is read member by member: only regular files under results/<suite>/ named *.json are taken."""
+    import tarfile
+
+    written: list[Path] = []
+
+    def put(suite: str, name: str, data: bytes) -> None:
+        if not (suite and name.endswith(".json") and "/" not in suite + name and not suite.startswith(".")):
+            return
+        json.loads(data)  # a damaged file is refused here, not copied
+        dest = results / suite / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(".json.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(dest)
+        written.append(dest)
+
+    archive = source if source.is_file() else source / PACKED
+    if archive.is_file():
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar.getmembers():
+                parts = member.name.split("/")
+                if member.isfile() and len(parts) == 3 and parts[0] == "results":
+                    put(parts[1], parts[2], tar.extractfile(member).read())
+    for f in sorted((source / "results").glob("*/*.json")) if source.is_dir() else []:
+        put(f.parent.name, f.name, f.read_bytes())
+    if not written:
+        raise SystemExit(f"{source}: no results/<suite>/<row>.json in it, nor in a {PACKED}")
+    return written
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("suites", nargs="*", help=f"of: {', '.join(SUITES)}")
@@ -268,6 +320,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--missing", action="store_true", help="only rows with no measurement in bench/results")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no call after this many seconds")
     ap.add_argument("--results", default="", help="default $OUT/results where $OUT is set, else bench/results")
+    ap.add_argument("--take", default="", metavar="PATH",
+                    help="copy the results a device call brought back (its files_at folder, or the results.tgz in it) "
+                         "into --results (default bench/results), a newer file of a row replacing the older; run nothing")
+    ap.add_argument("--pack", default="", metavar="DIR",
+                    help="pack DIR's results/ and logs/ into DIR/results.tgz, one file (a device call returns at most "
+                         "8); run nothing")
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs to run the families' bench and memory calls side by side on, one family to a GPU "
                          "(default: every GPU the machine has; 1: one call at a time)")
@@ -276,6 +334,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.pack:
+        print(f"[run] packed {pack(Path(args.pack))}")
+        return
+    if args.take:
+        for path in take(Path(args.take), Path(args.results) if args.results else RECORD):
+            print(f"[run] took {path}")
+        return
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         raise SystemExit(f"unknown suite(s) {unknown}; known: {', '.join(SUITES)}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+
+import pytest
 from pathlib import Path
 
 from bench import run, suites
@@ -274,3 +276,41 @@ def test_queues_run_side_by_side_each_gpu_taking_the_next_and_shm_keeps_the_runn
     assert ran[2][0] == "hidream-i1" and ran[2][1] in (0, 1)
     assert all(set(kept) >= {"ernie-image", "ideogram4"} and "flux" not in kept for _, _, kept in ran[:2])
     assert "flux" not in ran[2][2] and len(ran[2][2]) <= 2 and not run.IN_USE  # at most the two running
+
+
+def test_a_device_calls_results_come_back_packed_in_one_file_and_are_taken_here(tmp_path: Path) -> None:
+    """A device call returns at most 8 files, and one family's call writes more: device.sh packs $OUT's results/
+    and logs/ into results.tgz, and `run.py --take <files_at>` copies each row's file into bench/results/<suite>/,
+    a newer file replacing the older. A damaged row is refused before anything is copied over it."""
+    out = tmp_path / "out"
+    rows = {f"ideogram4.train.{p}-1024-b{b}.json": {"meta": {"p": p, "b": b}, "items": []}
+            for p in ("nf4", "fp8", "bf16") for b in (1, 4)}
+    for name, data in rows.items():
+        (out / "results" / "ideogram4").mkdir(parents=True, exist_ok=True)
+        (out / "results" / "ideogram4" / name).write_text(json.dumps(data))
+    (out / "results" / "chroma").mkdir()
+    (out / "results" / "chroma" / "memory.chroma-1024-16gb.json").write_text("{}")
+    (out / "logs").mkdir()
+    (out / "logs" / "x.log").write_text("log")
+    assert run.main(["--pack", str(out)]) is None
+    assert [p.name for p in out.iterdir()] == ["results.tgz"]  # one file comes back, not 8
+
+    record = tmp_path / "bench-results"
+    (record / "ideogram4").mkdir(parents=True)
+    (record / "ideogram4" / "ideogram4.train.nf4-1024-b1.json").write_text('{"older": true}')
+    taken = run.take(out, record)
+    assert len(taken) == 7 and not list(record.rglob("*.log"))
+    assert json.loads((record / "ideogram4" / "ideogram4.train.nf4-1024-b1.json").read_text()) == \
+        rows["ideogram4.train.nf4-1024-b1.json"]
+    assert (record / "chroma" / "memory.chroma-1024-16gb.json").exists()
+
+    import tarfile
+
+    bad = tmp_path / "bad.tgz"
+    (tmp_path / "r" / "results" / "flux").mkdir(parents=True)
+    (tmp_path / "r" / "results" / "flux" / "flux.train.nf4-512-b1.json").write_text('{"cut')
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.add(tmp_path / "r" / "results", arcname="results")
+    with pytest.raises(json.JSONDecodeError):
+        run.take(bad, record)
+    assert not (record / "flux").exists()
