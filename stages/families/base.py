@@ -119,8 +119,8 @@ class FamilyTraits:
     """train.base_precision = "auto" tries these whole, fastest first (None: the planner's
     `stages.core.memory.AUTO_BASE_PRECISIONS`: bf16, fp8, nf4)."""
     fp8_faster_from_tokens: int | None = None
-    """The smallest step (batch x (image + text tokens)) measured faster in fp8 than bf16 on the H200;
-    from there "auto" tries fp8 before bf16 (None: no fp8 rows, bf16 stays first)."""
+    """The smallest step (batch x (image + text tokens)) measured faster in fp8 than bf16 (on the H200, or an H100
+    where the family's line says so); from there "auto" tries fp8 before bf16 (None: no fp8 rows, bf16 stays first)."""
     outside_block_gb: tuple[float, float] = (0.0, 0.0)
     """(GB, GB per 512x512 sample) of train activations outside the repeated blocks, which the
     per-block model does not see (SDXL's ResNets)."""

@@ -617,3 +617,28 @@ def test_memory_report_times_train_from_its_steady_steps(tmp_path: Path) -> None
     assert rows["8"]["samples/s"] == f"{2 / 0.7:.3f}" and rows["8"]["x auto"] == f"{0.5 / 0.7:.2f}"
     no_steps = {k: v for k, v in capped.items() if k != "steps"}  # a row that kept no step times: the stage's figure
     assert steady_samples_per_second(no_steps) == 0.113
+
+
+def test_auto_puts_fp8_first_for_the_families_whose_fp8_step_was_measured_faster() -> None:
+    """Every family with fp8 and bf16 train rows at 1024 px batch 1 in bench/results: where fp8 stepped faster,
+    train.base_precision = "auto" tries fp8 first at that step (family.fp8_faster_from_tokens at most its tokens);
+    where it stepped slower, not (None, or above them)."""
+    from stages.core.memory.sizes import sample_tokens
+    from stages.families import FAMILIES, get_family
+
+    bench = [f for f in report.result_files() if report._kind(json.loads(f.read_text())) == "bench"]
+    _, items, _ = report.load(bench)
+    steps = {(r["family"], r["name"]): r["step_s"] for r in report.train_rows(items, None)
+             if r["status"] == "ok" and r.get("step_s")}
+    checked = []
+    for name in FAMILIES:
+        fp8, bf16 = steps.get((name, "fp8-1024-b1")), steps.get((name, "bf16-1024-b1"))
+        if fp8 is None or bf16 is None:
+            continue
+        family = get_family(name)
+        tokens = sample_tokens(family, 1024, 1024) + 77
+        faster_from = family.fp8_faster_from_tokens
+        first = faster_from is not None and faster_from <= tokens
+        assert first == (fp8 < bf16), (name, fp8, bf16, faster_from, tokens)
+        checked.append(name)
+    assert {"flux", "qwen-image", "ernie-image", "ideogram4", "hidream-i1"} <= set(checked), checked

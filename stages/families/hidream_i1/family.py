@@ -112,6 +112,7 @@ class HiDreamI1(KLVAELatents, FamilyTraits):
     # less the routed path's repeated input and output, 2 + 2: 26 more units
     block_saved_units = {"HiDreamBlock": 66.0}
     block_work_units = 74.0
+    fp8_faster_from_tokens = 4173  # 1024 px, 77-token captions, compiled, on an H100: fp8 0.86x bf16's step (batch 4: 0.83x)
     kohya_layout = KOHYA_LAYOUT
     comfyui_layout = COMFYUI_LAYOUT
 

@@ -136,7 +136,7 @@ class Ideogram4(PatchBatchNormalized, FamilyTraits):
     sample_components = ("unconditional_transformer",)  # the pipeline's CFG branch: sampled with, never trained
     kohya_layout = KOHYA_LAYOUT  # sd-scripts has no Ideogram 4 layout: the diffusers paths
     comfyui_layout = COMFYUI_LAYOUT
-    # fp8_faster_from_tokens: not measured yet (bf16 stays first under "auto")
+    fp8_faster_from_tokens = 4173  # 1024 px, 77-token captions, on an H100: fp8 0.87x bf16's step (batch 4: 0.88x)
 
     def __init__(self) -> None:
         self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
