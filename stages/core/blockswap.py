@@ -253,6 +253,24 @@ class BlockSwap:
         self._ahead = None
         self._in_slot = [None] * len(self.slots)
 
+    def release_slots(self) -> None:
+        """Give the slots' device memory back while another model has the GPU (sample's offloaded pipeline: a
+        text encoder or the VAE runs between the denoiser's calls). The views stay, over storage of size 0, and
+        every copy still in flight finishes first; `restore_slots` before the next call."""
+        if self.stream is not None:
+            self.stream.synchronize()  # no copy may write a slot's memory once the allocator hands it out again
+        self.forget()
+        for slot in self.slots:
+            slot.untyped_storage().resize_(0)
+
+    def restore_slots(self) -> None:
+        """The slots' device memory again after `release_slots` (what they held is gone: each block is copied
+        anew at its first fetch)."""
+        for slot in self.slots:
+            storage = slot.untyped_storage()
+            if storage.nbytes() < slot.numel():  # uint8: one byte an element
+                storage.resize_(slot.numel())
+
     def fresh_copies(self, block: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Copies of the block's weights of its own (not a slot's), for a call whose autograd graph
         keeps them until backward: a swapped block run with gradients but without checkpointing."""

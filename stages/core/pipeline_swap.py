@@ -13,7 +13,8 @@ fit even offloaded (stages/core/memory/sample.py `swap_candidates`).
   GPU slots of the largest block stay there; swapped blocks are copied into them as they run
   (stages/core/blockswap.py, without gradients).
 - With `offload`, one component is on the GPU at a time, the denoiser's resident part (all but its swapped
-  blocks) counted as one: before a component runs, the others go to host memory. diffusers' own model offload
+  blocks) and its two slots counted as one: before a component runs, the others go to host memory, and the
+  slots' memory is given back until the denoiser runs again. diffusers' own model offload
   would move the whole denoiser, swapped blocks and all, so accelerate hooks of this module do it instead; the
   VAE's `decode` calls its hook as diffusers' offload relies on.
 """
@@ -63,7 +64,8 @@ def install(pipe: Any, family: Any, swapped_blocks: int, device: torch.device, o
 
 def one_at_a_time(denoiser: torch.nn.Module, swap: Any, others: list[torch.nn.Module], device: torch.device) -> None:
     """Before any of `others` or the denoiser runs, the rest go to host memory and it comes to `device` (the
-    denoiser: all but its swapped blocks, which the swap copies itself)."""
+    denoiser: all but its swapped blocks, which the swap copies itself, and its two slots, whose memory another
+    component has while it runs: `BlockSwap.release_slots`)."""
     from accelerate.hooks import ModelHook, add_hook_to_module
     from accelerate.utils import send_to_device
 
@@ -77,6 +79,8 @@ def one_at_a_time(denoiser: torch.nn.Module, swap: Any, others: list[torch.nn.Mo
         for other in others:
             if other is not module:
                 other.to("cpu")
+        if swap is not None:
+            swap.restore_slots() if module is denoiser else swap.release_slots()
         blockswap.move_unswapped(denoiser, swap, device if module is denoiser else torch.device("cpu"))
         if module is not denoiser:
             module.to(device)

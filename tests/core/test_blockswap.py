@@ -163,6 +163,29 @@ def test_swapped_blocks_run_from_two_slots_and_match_without_gradients() -> None
     assert torch.equal(out, ref) and swap.copies == 5 and swap.prefetch_hits == 4
 
 
+def test_released_slots_hold_no_memory_and_once_restored_the_blocks_run_as_before() -> None:
+    """sample's offloaded pipeline gives the slots' memory to the text encoder or VAE that runs between the
+    denoiser's calls: released, each slot's storage holds 0 bytes (its views stay); restored, every block is
+    copied anew (what the slots held is gone) and the output is the same."""
+    model = _tiny_flux()
+    with torch.no_grad():
+        ref = model(**_inputs(), return_dict=False)[0]
+    swap = blockswap.install_block_swap(model, 5, torch.device("cpu"))
+    with torch.no_grad():
+        model(**_inputs(), return_dict=False)
+    size = [s.numel() for s in swap.slots]
+    swap.release_slots()
+    assert [s.untyped_storage().nbytes() for s in swap.slots] == [0, 0]
+    swap.restore_slots()
+    assert [s.untyped_storage().nbytes() for s in swap.slots] == size
+    for slot in swap.slots:
+        slot.fill_(0xFF)  # what a reused allocation might hold: nothing of it may reach a block
+    copies = swap.copies
+    with torch.no_grad():
+        out = model(**_inputs(), return_dict=False)[0]
+    assert torch.equal(out, ref) and swap.copies == copies + 5
+
+
 def test_swap_takes_the_last_blocks_and_keeps_names_and_lora_trainable() -> None:
     model = _tiny_flux()
     names_before = [n for n, _ in model.named_parameters()]

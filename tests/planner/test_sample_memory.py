@@ -241,6 +241,32 @@ def test_a_plan_that_swaps_denoiser_blocks_renders_the_same_grid(built_run, tmp_
     assert all(np.array_equal(a, b) for a, b in zip(*cells))
 
 
+@pytest.mark.parametrize("built_run", ["flux"], indirect=True)
+def test_an_offloaded_swap_gives_its_slots_memory_to_each_other_component_and_renders_the_same_grid(built_run, tmp_path):
+    """Offloaded, the swapped denoiser's slot gives its memory back while the text encoders and the VAE run (the
+    plan counts the slots beside the denoiser's resident part only): the block is copied again each time the
+    denoiser comes back (once a column: after the text encoders, never between its steps), the images are the
+    unswapped ones, and the slot holds no memory once the VAE has decoded."""
+    import numpy as np
+
+    from stages.core import blockswap, pipeline_swap
+
+    released = []
+    release, install = blockswap.BlockSwap.release_slots, pipeline_swap.install
+    with pytest.MonkeyPatch.context() as mp:
+        # a spy: the slot's bytes after each release
+        mp.setattr(blockswap.BlockSwap, "release_slots",
+                   lambda self: (release(self), released.append(sum(s.untyped_storage().nbytes() for s in self.slots))))
+        # this CPU offloads nothing (diffusers' offload needs an accelerator): the swap's one-at-a-time hooks run
+        # here as on a GPU, each moving its component to the same device
+        mp.setattr(pipeline_swap, "install", lambda pipe, family, k, device, offload: install(pipe, family, k, device, True))
+        runs, cells = _grids_without_and_with_swap(built_run, tmp_path, "cpu", precision="fp32", cpu_offload=False)
+    assert runs[1]["loaded_as"]["swapped_blocks"] == 1
+    assert runs[1]["loaded_as"]["block_copies"] == 2  # base and LoRA column: each after its prompt's encode
+    assert released and set(released) == {0}
+    assert all(np.array_equal(a, b) for a, b in zip(*cells))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (nf4, block swap's side stream, offload hooks)")
 @pytest.mark.parametrize("built_run", ["flux"], indirect=True)
 def test_cuda_an_nf4_offloaded_plan_that_swaps_blocks_renders_as_without(built_run, tmp_path):

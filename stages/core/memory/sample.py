@@ -70,9 +70,10 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
 def swap_candidates(family: Any, models: dict[str, Any], work: dict[str, float], precisions: list[str],
                     offloads: list[bool]) -> list[tuple[dict[str, Any], float]]:
     """After nf4 offloaded: the same with the last k of the denoiser's repeated blocks in host memory, copied to
-    the GPU as each runs (train's block swap: two GPU slots of the largest, which stay), k in eighths of the
-    blocks up to all, fewest first; the rest of the denoiser is offloaded while another component runs, as each
-    of those is. For a family of one denoiser, where nf4 and offload are allowed."""
+    the GPU as each runs (train's block swap: two GPU slots of the largest), k in eighths of the blocks up to all,
+    fewest first; the rest of the denoiser and its slots' memory are given up while another component runs, as
+    each of those is offloaded (stages/core/pipeline_swap.py). For a family of one denoiser, where nf4 and
+    offload are allowed."""
     from stages.core import blockswap
     from stages.core.blockswap import SLOTS
 
@@ -92,7 +93,7 @@ def swap_candidates(family: Any, models: dict[str, Any], work: dict[str, float],
         host = [codes[i] for i in blockswap.swapped_positions(n, k, "last")]
         slots = SLOTS * max(host) + cal.SWAP_EXTRA_GB * cal.GB
         out.append(({"precision": "nf4", "cpu_offload": True, "swapped_blocks": k},
-                    (slots + max(sizes[name] - sum(host) + work[name], others)) / cal.GB))
+                    max(slots + sizes[name] - sum(host) + work[name], others) / cal.GB))
     return out
 
 
