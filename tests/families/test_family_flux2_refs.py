@@ -138,6 +138,8 @@ def test_memory_plan_counts_the_runs_references(assets, ref_data, demo_data, tmp
     edit = get_family("qwen-image-edit")
     assert memory.stage_plan.planned_controls(make_cfg("qwen-image-edit", assets, meta, tmp_path / "e"), edit) == 2
     assert memory.stage_plan.planned_controls(make_cfg("qwen-image-edit", assets, ref_data, tmp_path / "r"), edit) == 1
+    # no data folder yet (`lorapipe plan` before the images are in place): the most it takes, an upper bound
+    assert memory.stage_plan.planned_controls(make_cfg("qwen-image-edit", assets, tmp_path / "none", tmp_path / "n"), edit) == 3
     assert max(len(it.controls) for it in dataset.scan(meta)) == 2 and len(hashed) > 0  # scan hashes; the count did not
 
 

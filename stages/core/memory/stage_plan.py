@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from stages.core.memory import calibration as cal
@@ -117,10 +118,14 @@ def halvings(n: int) -> list[int]:
 def planned_controls(cfg: Any, family: Any) -> int:
     """Control images per item the sequence carries: the most an item of this run's data has, within the
     family's range (FLUX.2's optional references, Qwen-Image-Edit's 1 to 3 inputs); a family that takes a fixed
-    number (FLUX.1 Kontext's one, none for text-to-image) plans that number without reading the data."""
+    number (FLUX.1 Kontext's one, none for text-to-image) plans that number without reading the data, and one
+    that needs controls plans its most where the data's folder does not exist yet (`lorapipe plan` before the
+    images are in place)."""
     low, high = family.control_range
     if low == high:
         return high
     from stages.core import dataset
 
+    if low and not all(Path(data.path).is_dir() for data in cfg.dataset_configs()):
+        return high
     return max(low, min(high, dataset.most_controls(cfg)))  # file names only: no image is read or hashed here
