@@ -378,7 +378,17 @@ def test_memory_plan_shows_the_full_size_train_plans_with_their_graph_room(tmp_p
         assert "more blocks swapped than the budget needs" in r[5]
 
 
-def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path: Path, monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def config_only(tmp_path_factory):
+    """family -> its tiny pipeline folder with the full-size configs and no weights (bench.plan_cost), built
+    once for this file's planner tests."""
+    from bench.plan_cost import config_only_model
+
+    root = tmp_path_factory.mktemp("config-only")
+    return lambda family: config_only_model(family, root / family)
+
+
+def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path: Path, config_only, monkeypatch) -> None:
     """The planner's room for CUDA graphs under swap (memory.graph_room, which decides how many blocks a
     plan swaps to leave it) against the room the trainer measured at the capture on the H200, in every
     result file's train row that recorded it (runtime.cuda_graphs.room; full-size configs on the meta
@@ -388,7 +398,6 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
 
     from bench.bench import run_args
     from bench.memory import MemoryRunner, _variant, parser
-    from bench.plan_cost import config_only_model
     from stages.core import fastpath, memory
     from stages.core.model_source import model_source
     from stages.families import get_family
@@ -404,7 +413,7 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
     for r in rows:
         free, budget_gb, need = map(float, figures.search(r["runtime"]["cuda_graphs"]["room"][0]).groups())
         assert budget_gb == float(r["budget"])
-        model = config_only_model(r["family"], tmp_path / "config-only" / r["family"])
+        model = config_only(r["family"])
         cfg = runner.row_config(r["family"], model, r["budget"], r["resolution"])
         budget = memory.Budget(float(r["budget"]), "cap")
         plan = memory.plan_for(cfg, get_family(cfg.family), model_source(cfg), budget, "train")
@@ -415,7 +424,7 @@ def test_the_planners_graph_room_predicts_the_room_measured_on_the_h200(tmp_path
     assert all(0.9 <= x <= 1.0 for x in ratios), ratios
 
 
-def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_h200(tmp_path: Path) -> None:
+def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_h200(tmp_path: Path, config_only) -> None:
     """The planner's train peak (full-size configs on the meta device, each row's own settings) against
     the peak every checkpointed bf16 and fp8 train row of bench/results allocated on the H200: 0.93-1.05x
     (0.94-1.04x: over 1 only in eager rows, which allocate less), so "auto" sizes an fp8 base as
@@ -425,7 +434,6 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
     recomputed block (family.block_work_units: at the default its rows were 0.86-0.996x), and the
     budgets it picks hold; the reserve on top is memory.FRAGMENTATION's."""
     from bench.bench import Runner, run_args
-    from bench.plan_cost import config_only_model
     from stages.core import memory
     from stages.core.model_source import model_source
     from stages.families import get_family
@@ -439,7 +447,7 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
                     or fam not in ("flux", "qwen-image", "z-image", "sdxl", "flux2", "flux2-klein") \
                     or sets.get("train.base_precision") not in ("bf16", "fp8") or sets.get("runtime.gradient_checkpointing") is False:
                 continue
-            model = config_only_model(fam, tmp_path / "config-only" / fam)
+            model = config_only(fam)
             cfg = runner.config(fam, model, r["res"], sets)
             plan = memory.plan_train(cfg, get_family(fam), model_source(cfg), memory.Budget(1000.0, "cap"))
             ratios[f"{f.name}:{r['id']}"] = plan.predicted_peak_gb / r["summary"]["peak_vram_gb"]["allocated"]
@@ -447,14 +455,13 @@ def test_the_planners_train_peak_predicts_the_bf16_and_fp8_rows_measured_on_the_
     assert all(0.93 <= x <= 1.05 for x in ratios.values()), {k: round(v, 3) for k, v in ratios.items()}
 
 
-def test_the_planners_train_peak_predicts_every_suites_unswapped_train_row(tmp_path: Path) -> None:
+def test_the_planners_train_peak_predicts_every_suites_unswapped_train_row(tmp_path: Path, config_only) -> None:
     """The suites' train rows (bench/results/<family>/<family>.train.*.json: nf4, fp8 and bf16, 512 and 1024 px,
     batch 1 and 4, the newer and edit families among them, some on an H100) against the planner's peak for the
     row's settings: 0.93-1.07x what each allocated, so a cap sized by the plan (with memory.FRAGMENTATION on top)
     holds at every precision and batch measured. A row whose plan swapped blocks is left out (its peak is the
     swap's, planned under the GPU's budget, not this uncapped one)."""
     from bench.bench import Runner, run_args
-    from bench.plan_cost import config_only_model
     from stages.core import fp8, memory
     from stages.core.model_source import model_source
     from stages.families import FAMILIES, get_family
@@ -471,7 +478,7 @@ def test_the_planners_train_peak_predicts_every_suites_unswapped_train_row(tmp_p
                 s = r.get("summary") or {}
                 if r["kind"] != "train" or r["status"] != "ok" or (s.get("runtime") or {}).get("block_swap"):
                     continue
-                model = config_only_model(fam, tmp_path / "config-only" / fam)
+                model = config_only(fam)
                 cfg = runner.config(fam, model, r["res"], r.get("sets") or {})
                 plan = memory.plan_train(cfg, get_family(fam), model_source(cfg), memory.Budget(1000.0, "cap"))
                 ratios[f.name] = plan.predicted_peak_gb / s["peak_vram_gb"]["allocated"]
@@ -489,7 +496,7 @@ def _cmd_sets(cmd: str) -> dict[str, Any]:
             if k.split(".")[0] in ("train", "captions", "gpu") or k in ("data.resolution", "data.cache_variants")}
 
 
-def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h200(tmp_path: Path) -> None:
+def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h200(tmp_path: Path, config_only) -> None:
     """Rows with some or no blocks checkpointed: the planner's peak at each row's own checkpointed count
     against what it allocated on the H200, 0.99-1.06x. FLUX.1's single-stream blocks keep 13 units
     un-checkpointed (family.block_saved_units; the 17 of every other block had the partial rows at
@@ -498,7 +505,6 @@ def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h2
     (memory-flux-partialckpt-h200.json), and FLUX.1 Kontext's fp8 row within the diffusers script's
     peak (47 checkpointed; peers-kontext-1024-b1-run3.json); Z-Image's and SDXL's rows with none."""
     from bench.bench import Runner, run_args
-    from bench.plan_cost import config_only_model
     from stages.core import memory
     from stages.core.model_source import model_source
     from stages.families import get_family
@@ -524,7 +530,7 @@ def test_the_planners_un_checkpointed_blocks_predict_the_rows_measured_on_the_h2
         sets = {k: v for k, v in sets.items() if k not in ("gpu.vram_budget_gb", "data.resolution")}
         if checkpointed:
             sets["runtime.gradient_checkpointing"] = "auto"  # every count is tried: read the row's own
-        cfg = runner.config(fam, config_only_model(fam, tmp_path / "config-only" / fam), res, sets)
+        cfg = runner.config(fam, config_only(fam), res, sets)
         plan = memory.plan_train(cfg, get_family(fam), model_source(cfg), memory.Budget(1000.0, "cap"))
         same = [t for t in plan.tried if t["checkpointed_blocks"] == checkpointed and not t["swapped_blocks"]
                 and t["base_precision"] == cfg.train.base_precision]
