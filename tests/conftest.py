@@ -50,10 +50,11 @@ once = pytest.mark.parametrize("built_run", [ONE_FAMILY], indirect=True)
 # on a 2-core machine, --durations), then its own half's parts (the others' would cost builds), then
 # xdist's order (most tests first). Where each test runs is all that changes; with one worker, or --dist
 # other than loadfile, nothing does.
-SLOW_FILES = ("test_family.py", "test_inspect_sample_report.py", "test_bench_runner.py",  # 94, 64, 56 s
-              "test_edit_demo.py", "test_e2e.py", "test_distributed.py",  # ~50 s each
-              "test_bench_report.py", "test_bench_staged.py", "test_kohya_verify.py", "test_resume.py",  # 20-26 s
-              "test_run_state.py")
+SLOW_FILES = ("test_family.py", "test_resume.py", "test_bench_runner.py",  # 112, 65, 48 s
+              "test_inspect_sample_report.py", "test_edit_demo.py",  # 47, 45 s
+              "test_e2e.py", "test_distributed.py", "test_crash.py",  # 29, 28, 23 s
+              "test_kohya_verify.py", "test_bench_report.py", "test_budget.py", "test_trainer_paths.py",  # 18-21 s
+              "test_bench_staged.py", "test_run_state.py")
 
 
 def _family_of(nodeid: str) -> str | None:
