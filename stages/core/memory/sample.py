@@ -48,9 +48,9 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
     precisions = ["bf16", "nf4"] if s.precision == "auto" else [s.precision]
     offloads = [True] if s.cpu_offload else [False, True]
     host, notes, candidates = budgets.host_available_bytes(), [], []
-    for precision in precisions:
-        sizes = {c: weight_bytes(m, precision if (precision != "nf4" or c in quantized) else "bf16")
-                 for c, m in models.items()}
+    sizes_of = {p: {c: weight_bytes(m, p if (p != "nf4" or c in quantized) else "bf16") for c, m in models.items()}
+                for p in precisions}  # each component's weights per precision: nf4 leaves the VAE as it is
+    for precision, sizes in sizes_of.items():
         for offload in offloads:
             on_host = precision != "nf4" and (offload or src.is_single_file)
             if on_host and host is not None and sum(sizes.values()) > host and len(precisions) * len(offloads) > 1:
@@ -60,31 +60,29 @@ def plan(cfg: Any, family: Any, src: Any, budget: Budget) -> StagePlan:
             peak = (max(sizes[c] + work[c] for c in models) if offload
                     else sum(sizes.values()) + max(work.values()))
             candidates.append(({"precision": precision, "cpu_offload": offload}, peak / cal.GB))
-    if not src.is_single_file:  # a single-file denoiser is read whole on the host first
-        candidates += swap_candidates(family, models, work, precisions, offloads)
+    if not src.is_single_file and "nf4" in sizes_of:  # a single-file denoiser is read whole on the host first
+        candidates += swap_candidates(family, models, work, sizes_of["nf4"], offloads)
     plan = fitting(budget, candidates, "sample", "lower sample.width and sample.height")
     plan.note = "; ".join([*notes, plan.note] if plan.note else notes)
     return plan
 
 
-def swap_candidates(family: Any, models: dict[str, Any], work: dict[str, float], precisions: list[str],
+def swap_candidates(family: Any, models: dict[str, Any], work: dict[str, float], sizes: dict[str, int],
                     offloads: list[bool]) -> list[tuple[dict[str, Any], float]]:
     """After nf4 offloaded: the same with the last k of the denoiser's repeated blocks in host memory, copied to
     the GPU as each runs (train's block swap: two GPU slots of the largest), k in eighths of the blocks up to all,
     fewest first; the rest of the denoiser and its slots' memory are given up while another component runs, as
     each of those is offloaded (stages/core/pipeline_swap.py). For a family of one denoiser, where nf4 and
-    offload are allowed."""
+    offload are allowed. `sizes`: each component's weights in the nf4 pipeline."""
     from stages.core import blockswap
     from stages.core.blockswap import SLOTS
 
-    if "nf4" not in precisions or True not in offloads or family.sample_components or len(family.denoiser_components) != 1:
+    if True not in offloads or family.sample_components or len(family.denoiser_components) != 1:
         return []
     name = family.denoiser_components[0]
     blocks = blockswap.repeated_blocks(with_named_blocks(models[name], family))
     if len(blocks) <= SLOTS:  # the two slots would hold every swapped block: nothing saved
         return []
-    quantized = set(models) - set(family.vae_components)
-    sizes = {c: weight_bytes(m, "nf4" if c in quantized else "bf16") for c, m in models.items()}
     codes = [weight_bytes(b, "nf4", codes_only=True) for b in blocks]
     n, step = len(blocks), max(1, len(blocks) // 8)
     others = max((sizes[c] + work[c] for c in models if c != name), default=0.0)
