@@ -288,7 +288,7 @@ def take(source: Path, results: Path) -> list[Path]:
     written: list[Path] = []
 
     def put(suite: str, name: str, data: bytes) -> None:
-        if not (suite and name.endswith(".json") and "/" not in suite + name and not suite.startswith(".")):
+        if not (suite and name.endswith(".json") and not suite.startswith(".")):  # one folder down, by the callers
             return
         json.loads(data)  # a damaged file is refused here, not copied
         dest = results / suite / name
